@@ -1,0 +1,219 @@
+"""Model configuration: the static description of a Llama-family network.
+
+`ModelConfig.from_hf` reads a Hugging Face `config.json` dictionary (Llama, Mistral and
+Qwen2 causal LMs) and refuses anything this engine would compute differently from
+transformers, naming the field, its value and what would fix it.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters.
+
+    Attributes:
+      theta: base of the inverse frequencies (`rope_theta`).
+      rope_type: "default", "linear" or "llama3".
+      factor: scaling factor for "linear" and "llama3".
+      low_freq_factor, high_freq_factor, original_max_position_embeddings: "llama3" only.
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Static configuration of a decoder-only Llama-family model (hashable, jit-static).
+
+    Attributes:
+      architecture: "llama", "mistral" or "qwen2".
+      vocab_size: V, rows of the embedding table.
+      hidden_size: D, the residual width.
+      intermediate_size: F, the MLP width.
+      num_layers: number of decoder layers.
+      num_heads: N, query heads.
+      num_kv_heads: K, key/value heads (N % K == 0; N // K = G query heads per KV head).
+      head_dim: H, width of one head (explicit in Mistral/Qwen3-style configs).
+      rms_norm_eps: epsilon of every RMSNorm.
+      rope: rotary embedding parameters.
+      max_position_embeddings: the longest context the checkpoint supports.
+      tie_word_embeddings: the LM head reuses the embedding table.
+      qkv_bias: q/k/v projections carry a bias (Qwen2, or Llama with attention_bias).
+      o_bias: the output projection carries a bias (Llama with attention_bias).
+      sliding_window: Mistral/Qwen2 sliding-window size, or None. Attention is full
+        attention as long as the context stays within it, so the usable context is capped.
+      bos_token_id, eos_token_ids: special tokens from the config (may be empty).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest context computed exactly: the position limit, capped by a sliding window."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token at 2 bytes per element (K and V, every layer)."""
+        return kv_bytes_per_token(self, dtype_bytes=2)
+
+    def check_max_model_len(self, max_model_len: int) -> int:
+        """Validates a requested context length and returns it.
+
+        Raises:
+          ValueError: when it exceeds the position limit or the sliding window.
+        """
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len} must be at least 1")
+        if self.sliding_window is not None and max_model_len > self.sliding_window:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds sliding_window={self.sliding_window}: "
+                "sliding-window attention is not supported, so contexts are limited to the "
+                f"window; pass max_model_len<={self.sliding_window}"
+            )
+        if max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={self.max_position_embeddings}; pass a smaller max_model_len"
+            )
+        return max_model_len
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from a Hugging Face `config.json` dictionary.
+
+        Args:
+          hf: the parsed config.json (transformers 4.x `rope_theta`/`rope_scaling` or
+            5.x `rope_parameters` style).
+
+        Raises:
+          ValueError: naming the field and value of anything unsupported.
+        """
+        archs = hf.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"architectures={archs!r} is not supported; jaxpaged runs "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+        if hf.get("mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        if hf.get("pretraining_tp", 1) != 1:
+            raise ValueError(f"pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or attention_bias,
+            o_bias=arch != "qwen2" and attention_bias,
+            sliding_window=_sliding_window_from_hf(arch, hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> "ModelConfig":
+        """Reads `config.json` from a model directory (HF or converted)."""
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return cls.from_hf(json.load(f))
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of K and V cached per token over all layers: 2 x layers x kv_heads x head_dim x bytes."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    params = dict(hf.get("rope_parameters") or {})
+    params.update(hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling.rope_type={rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    factor = float(params["factor"])
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=factor)
+    return RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=factor,
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _sliding_window_from_hf(arch: str, hf: dict[str, Any]) -> int | None:
+    window = hf.get("sliding_window")
+    if window is None:
+        return None
+    if arch == "qwen2":
+        # Qwen2 applies the window only when use_sliding_window is set (and then per layer).
+        layer_types = hf.get("layer_types") or []
+        if not hf.get("use_sliding_window", False) and "sliding_attention" not in layer_types:
+            return None
+    return int(window)

@@ -1,0 +1,184 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) in Flax NNX over a block-paged KV pool.
+
+Dimension letters: T tokens in the step, D hidden, N query heads, K kv heads, H head_dim,
+F MLP width, V vocabulary, NB pool blocks, BS block size.
+
+Each layer projects q/k/v, rotates q/k, writes this step's K/V into its pool slots, then
+attends over everything the pool holds for each sequence (write-then-attend). The pool comes
+in and goes out as a value: under `jit` with the pool donated the update is in place.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxpaged.config import ModelConfig
+from jaxpaged.model.metadata import AttentionMetadata
+from jaxpaged.model.rope import apply_rope, inverse_frequencies
+from pallas_kernels import reference
+
+INIT_STDDEV = 0.02
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    """The paged KV cache: per layer, K and V of shape `[NB, BS, K, H]`; block 0 is the null block."""
+
+    k: tuple[Float[Array, "NB BS K H"], ...]
+    v: tuple[Float[Array, "NB BS K H"], ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]
+
+
+def init_kv_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVPool:
+    """Allocates a zeroed pool of `num_blocks` blocks (block 0 included) for every layer."""
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return KVPool(
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+    )
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
+    return nnx.Param(INIT_STDDEV * jax.random.normal(rngs.params(), shape, dtype))
+
+
+class RMSNorm(nnx.Module):
+    """`x / rms(x) * scale`, normalised in float32 and cast back before the scale (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention reading and writing one layer of the paged pool."""
+
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs):
+        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = _param(rngs, (d, n, h), dtype)  # DNH
+        self.k_proj = _param(rngs, (d, k, h), dtype)  # DKH
+        self.v_proj = _param(rngs, (d, k, h), dtype)  # DKH
+        self.o_proj = _param(rngs, (n, h, d), dtype)  # NHD
+        if config.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((n, h), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((k, h), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((k, h), dtype))
+        if config.o_bias:
+            self.o_bias = nnx.Param(jnp.zeros((d,), dtype))
+        self.qkv_bias = config.qkv_bias
+        self.has_o_bias = config.o_bias
+        self.rope = config.rope
+        self.head_dim = h
+
+    def __call__(
+        self,
+        x: Float[Array, "T D"],
+        k_pool: Float[Array, "NB BS K H"],
+        v_pool: Float[Array, "NB BS K H"],
+        meta: AttentionMetadata,
+    ) -> tuple[Float[Array, "T D"], Float[Array, "NB BS K H"], Float[Array, "NB BS K H"]]:
+        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
+        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
+        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
+        if self.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        inv_freq = jnp.asarray(inverse_frequencies(self.rope, self.head_dim))  # a trace-time constant
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+        k_pool, v_pool = reference.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
+        attn = reference.ragged_paged_attention(
+            q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables, meta.num_seqs
+        )
+        out = jnp.einsum("TNH,NHD->TD", attn, self.o_proj[...])
+        if self.has_o_bias:
+            out = out + self.o_bias[...]
+        return out, k_pool, v_pool
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _param(rngs, (d, f), dtype)  # DF
+        self.up_proj = _param(rngs, (d, f), dtype)  # DF
+        self.down_proj = _param(rngs, (f, d), dtype)  # FD
+
+    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
+        up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
+        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn = Attention(config, dtype, rngs=rngs)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs=rngs)
+
+    def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata):
+        attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_norm(x))
+        return x, k_pool, v_pool
+
+
+class Llama(nnx.Module):
+    """The whole decoder. Parameter layouts are einsum-ready (see the comment on each).
+
+    Args:
+      config: the model's static configuration.
+      dtype: parameter and activation dtype (float32 or bfloat16).
+      rngs: random initialisation (used as-is for `load_format="dummy"`; replaced on load).
+    """
+
+    def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # VD
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), dtype)  # DV
+
+    def __call__(
+        self, token_ids: Int[Array, " T"], kv_pool: KVPool, meta: AttentionMetadata
+    ) -> tuple[Float[Array, "T D"], KVPool]:
+        """Runs every layer over this step's tokens.
+
+        Returns:
+          The final-normed hidden state of every token, and the updated pool.
+        """
+        x = self.embed[...][token_ids]
+        new_k, new_v = [], []
+        for layer, k_pool, v_pool in zip(self.layers, kv_pool.k, kv_pool.v):
+            x, k_pool, v_pool = layer(x, k_pool, v_pool, meta)
+            new_k.append(k_pool)
+            new_v.append(v_pool)
+        return self.final_norm(x), KVPool(k=tuple(new_k), v=tuple(new_v))
+
+    def compute_logits(self, hidden: Float[Array, "T D"]) -> Float[Array, "T V"]:
+        """Float32 logits for the given hidden states (LM head, or the tied embedding)."""
+        if self.config.tie_word_embeddings:
+            logits = jnp.einsum("TD,VD->TV", hidden, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("TD,DV->TV", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+        return logits.astype(jnp.float32)

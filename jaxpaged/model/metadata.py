@@ -1,0 +1,29 @@
+"""Per-step attention metadata: where this step's tokens sit and which pages each sequence owns."""
+
+import dataclasses
+
+import jax
+from jaxtyping import Array, Int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Device-side description of one ragged step (all fields padded to a shape bucket).
+
+    Attributes:
+      positions: `[T]` absolute position of each token (0 for padding).
+      slot_mapping: `[T]` pool slot `block_id * block_size + offset` each token's K/V is
+        written to; padding tokens write into the null block 0.
+      cu_q_lens: `[S + 1]` cumulative query lengths; entries past `num_seqs` repeat the total.
+      kv_lens: `[S]` context length per sequence including this step's tokens (0 for padding).
+      block_tables: `[S, P]` pages of each sequence; unused entries are 0.
+      num_seqs: `[]` sequences actually present.
+    """
+
+    positions: Int[Array, " T"]
+    slot_mapping: Int[Array, " T"]
+    cu_q_lens: Int[Array, " S1"]
+    kv_lens: Int[Array, " S"]
+    block_tables: Int[Array, "S P"]
+    num_seqs: Int[Array, ""]

@@ -1,0 +1,1 @@
+"""Paged-attention kernels for NVIDIA GPUs, each beside a pure-jnp reference (`reference`)."""

@@ -1,0 +1,70 @@
+"""Tiny random-initialised Hugging Face models, built and saved inside the tests (no downloads)."""
+
+import os
+
+import torch
+import transformers
+
+BASE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+# name -> (config class, model class, overrides of BASE)
+VARIANTS = {
+    "llama_mha": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama_gqa4": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
+    "llama_gqa8": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=1, head_dim=8)),
+    "llama3_rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=128),
+        ),
+    ),
+    "llama_linear_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen2_bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_key_value_heads=2, head_dim=32, sliding_window=None)),
+}
+
+
+def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A float32 random model of the named variant, in eval mode."""
+    config_cls, model_cls, overrides = VARIANTS[name]
+    torch.manual_seed(seed)
+    config = config_cls(**{**BASE, **overrides})
+    model = model_cls(config).eval()
+    # HF's default init (std 0.02, unit norms, zero biases) gives near-uniform logits whose
+    # argmax is decided by rounding. Wider weights make greedy decoding a real test, and
+    # non-trivial norms and biases make every parameter matter.
+    with torch.no_grad():
+        for name_, param in model.named_parameters():
+            if name_.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif param.dim() == 1:
+                param.normal_(0, 0.5)
+            else:
+                param.normal_(0, 0.15)
+    return model
+
+
+def save_hf_model(name: str, out_dir: str, seed: int = 0, max_shard_size: str | None = None) -> transformers.PreTrainedModel:
+    """Builds the named variant and saves it (safetensors) to `out_dir`; returns the model."""
+    model = build_hf_model(name, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    assert os.path.exists(os.path.join(out_dir, "config.json"))
+    return model

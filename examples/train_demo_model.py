@@ -303,7 +303,22 @@ def train(model, train_stream, val_stream, args) -> dict:
     budget_s = args.time_budget_min * 60.0
     use_bf16 = not args.no_bf16_autocast
     model.train()
-    t0 = time.time()
+    t0 = time.time()  # the budget includes compilation
+    # torch.compile is ~20-25% faster per step on CPU; it costs ~30 s up front and
+    # shares parameters with `model`, which is what evaluation and saving use.
+    fwd = model
+    if not args.no_compile:
+        try:
+            fwd = torch.compile(model)
+            x = batches.next()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+                fwd(input_ids=x, labels=x).loss.backward()  # compile now (gradients discarded)
+            opt.zero_grad(set_to_none=True)
+            log("torch.compile ok")
+        except Exception as e:  # no C++ compiler, unsupported platform, ...
+            log(f"torch.compile unavailable ({type(e).__name__}: {e}); training eagerly")
+            fwd = model
+            opt.zero_grad(set_to_none=True)
     step, window, history = 0, [], []
     val_loss = float("nan")
     tokens_per_step = args.batch_size * args.seq_len
@@ -319,7 +334,7 @@ def train(model, train_stream, val_stream, args) -> dict:
             g["lr"] = lr
         x = batches.next()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-            loss = model(input_ids=x, labels=x).loss
+            loss = fwd(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
@@ -512,6 +527,7 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--no-compile", action="store_true", help="do not use torch.compile")
     p.add_argument("--no-bf16-autocast", action="store_true", help="train in float32 (slower on CPUs with bf16 support)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=250)

@@ -1,0 +1,137 @@
+"""The explicit map from Hugging Face tensor names to jaxpaged parameters.
+
+Every expected HF tensor is spelled out per layer from the `ModelConfig` (no regex guessing),
+with its target path in `nnx.state(Llama).to_pure_dict()`, its HF shape and the transform to
+our einsum-ready layout. Dimension letters: D hidden, N query heads, K kv heads, H head_dim,
+F MLP width, V vocabulary.
+
+HF stores a linear layer as `weight[out, in]` (`y = x @ W.T`); we store `[in, ...out]` with the
+head axes split out: q `[N*H, D] -> [D, N, H]`, o `[D, N*H] -> [N, H, D]`, mlp `[F, D] -> [D, F]`.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from jaxpaged.config import ModelConfig
+
+Path = tuple[str | int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySpec:
+    """One expected HF tensor and how it becomes one of our parameters.
+
+    Attributes:
+      hf_name: the tensor name in the safetensors files.
+      target: the path in our nested params dict, e.g. `("layers", 3, "attn", "q_proj")`.
+      hf_shape: the shape HF stores.
+      shape: our shape after the transform.
+      transpose: whether the transform transposes (a 2-D HF weight) before reshaping to `shape`.
+    """
+
+    hf_name: str
+    target: Path
+    hf_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    transpose: bool
+
+    def transform(self, x: np.ndarray) -> np.ndarray:
+        """Checks the HF shape, then returns a C-contiguous array in our layout.
+
+        Raises:
+          ValueError: naming the key, the expected and the actual shape.
+        """
+        check_shape(self.hf_name, self.hf_shape, x.shape)
+        y = x.T if self.transpose else x
+        return np.ascontiguousarray(y.reshape(self.shape))
+
+    @property
+    def description(self) -> str:
+        """The transform in words, e.g. `[256, 64] -T-> [64, 4, 64]`."""
+        arrow = "-T->" if self.transpose else "->"
+        return f"{list(self.hf_shape)} {arrow} {list(self.shape)}"
+
+
+def check_shape(name: str, expected: tuple[int, ...], actual: tuple[int, ...]) -> None:
+    """Raises ValueError naming the tensor `name` when `actual != expected`."""
+    if tuple(actual) != tuple(expected):
+        raise ValueError(
+            f"tensor {name!r} has shape {list(actual)}, expected {list(expected)} from config.json; "
+            "the checkpoint does not match its config"
+        )
+
+
+def hf_key_specs(config: ModelConfig) -> list[KeySpec]:
+    """Every tensor a checkpoint of this config must hold, in a stable order.
+
+    Args:
+      config: the model configuration (from the checkpoint's config.json).
+
+    Returns:
+      One `KeySpec` per parameter of `Llama(config)`; their targets are exactly the leaves
+      of its state pure dict.
+    """
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
+    specs = [KeySpec("model.embed_tokens.weight", ("embed",), (v, d), (v, d), False)]
+    for i in range(config.num_layers):
+        hf = f"model.layers.{i}."
+        at = ("layers", i, "attn")
+        specs += [
+            KeySpec(hf + "input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,), (d,), False),
+            KeySpec(hf + "self_attn.q_proj.weight", at + ("q_proj",), (n * h, d), (d, n, h), True),
+            KeySpec(hf + "self_attn.k_proj.weight", at + ("k_proj",), (k * h, d), (d, k, h), True),
+            KeySpec(hf + "self_attn.v_proj.weight", at + ("v_proj",), (k * h, d), (d, k, h), True),
+            KeySpec(hf + "self_attn.o_proj.weight", at + ("o_proj",), (d, n * h), (n, h, d), True),
+        ]
+        if config.qkv_bias:
+            specs += [
+                KeySpec(hf + "self_attn.q_proj.bias", at + ("q_bias",), (n * h,), (n, h), False),
+                KeySpec(hf + "self_attn.k_proj.bias", at + ("k_bias",), (k * h,), (k, h), False),
+                KeySpec(hf + "self_attn.v_proj.bias", at + ("v_bias",), (k * h,), (k, h), False),
+            ]
+        if config.o_bias:
+            specs.append(KeySpec(hf + "self_attn.o_proj.bias", at + ("o_bias",), (d,), (d,), False))
+        specs += [
+            KeySpec(
+                hf + "post_attention_layernorm.weight", ("layers", i, "post_attention_norm", "scale"), (d,), (d,), False
+            ),
+            KeySpec(hf + "mlp.gate_proj.weight", ("layers", i, "mlp", "gate_proj"), (f, d), (d, f), True),
+            KeySpec(hf + "mlp.up_proj.weight", ("layers", i, "mlp", "up_proj"), (f, d), (d, f), True),
+            KeySpec(hf + "mlp.down_proj.weight", ("layers", i, "mlp", "down_proj"), (d, f), (f, d), True),
+        ]
+    specs.append(KeySpec("model.norm.weight", ("final_norm", "scale"), (d,), (d,), False))
+    if not config.tie_word_embeddings:
+        specs.append(KeySpec("lm_head.weight", ("lm_head",), (v, d), (d, v), True))
+    return specs
+
+
+def optional_hf_keys(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
+    """Tensors a checkpoint may hold that are not parameters; they are checked and dropped.
+
+    Returns:
+      name -> required shape (None: any shape). A tied checkpoint may still store
+      `lm_head.weight` (a copy of the embedding, `[V, D]`); older transformers saved the
+      rotary `inv_freq` buffer of each layer.
+    """
+    optional: dict[str, tuple[int, ...] | None] = {
+        f"model.layers.{i}.self_attn.rotary_emb.inv_freq": None for i in range(config.num_layers)
+    }
+    if config.tie_word_embeddings:
+        optional["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return optional
+
+
+def param_shapes(config: ModelConfig) -> dict[Path, tuple[int, ...]]:
+    """Our parameter path -> our shape, for every parameter of `Llama(config)`."""
+    return {spec.target: spec.shape for spec in hf_key_specs(config)}
+
+
+def format_names(names, limit: int = 20) -> str:
+    """Sorted, comma-separated names, truncated after `limit` with a count of the rest."""
+    names = sorted(names)
+    shown = ", ".join(names[:limit])
+    if len(names) > limit:
+        shown += f", ... ({len(names) - limit} more)"
+    return shown

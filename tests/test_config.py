@@ -1,0 +1,110 @@
+"""ModelConfig.from_hf reads every supported option and names whatever it refuses."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxpaged.config import ModelConfig, kv_bytes_per_token
+from jaxpaged.model.rope import inverse_frequencies
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
+
+def test_llama_31_8b_config():
+    config = ModelConfig.from_hf(LLAMA_31_8B)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (32, 8, 128)
+    assert config.rope.rope_type == "llama3" and config.rope.theta == 500000.0
+    assert config.eos_token_ids == (128001, 128008, 128009)
+    assert kv_bytes_per_token(config, 2) == 131072
+    assert config.kv_bytes_per_token * 4096 == 512 * 2**20
+
+
+def test_qwen2_has_qkv_bias_and_mistral_head_dim():
+    qwen = ModelConfig.from_hf({**LLAMA_31_8B, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": None})
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.architecture == "qwen2"
+    mistral = ModelConfig.from_hf(
+        {**LLAMA_31_8B, "architectures": ["MistralForCausalLM"], "head_dim": 96, "rope_scaling": None, "sliding_window": None}
+    )
+    assert mistral.head_dim == 96 and mistral.sliding_window is None
+
+
+def test_llama_attention_bias():
+    config = ModelConfig.from_hf({**LLAMA_31_8B, "attention_bias": True})
+    assert config.qkv_bias and config.o_bias
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"num_key_value_heads": 5}, "num_key_value_heads"),
+    ],
+)
+def test_unsupported_fields_are_named(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf({**LLAMA_31_8B, **change})
+
+
+def test_sliding_window_caps_the_context():
+    """Within the window sliding-window attention is full attention; beyond it we refuse."""
+    config = ModelConfig.from_hf(
+        {**LLAMA_31_8B, "architectures": ["MistralForCausalLM"], "rope_scaling": None, "sliding_window": 4096}
+    )
+    assert config.max_context_len == 4096
+    assert config.check_max_model_len(4096) == 4096
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        config.check_max_model_len(8192)
+    qwen = ModelConfig.from_hf(
+        {**LLAMA_31_8B, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": False}
+    )
+    assert qwen.sliding_window is None
+
+
+def test_context_beyond_position_limit_is_refused():
+    with pytest.raises(ValueError, match="max_position_embeddings=131072"):
+        ModelConfig.from_hf(LLAMA_31_8B).check_max_model_len(200000)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        {**LLAMA_31_8B["rope_scaling"], "rope_theta": 500000.0},
+    ],
+)
+def test_inverse_frequencies_match_transformers(rope_parameters):
+    hf_config = transformers.LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072, rope_parameters=rope_parameters
+    )
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)
+    ours_config = ModelConfig.from_hf({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    ours = inverse_frequencies(ours_config.rope, 128)
+    np.testing.assert_allclose(ours, rotary.inv_freq.to(torch.float32).numpy(), rtol=1e-6)

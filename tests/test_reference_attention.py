@@ -1,0 +1,117 @@
+"""The jnp reference attention equals plain dense causal attention, whatever the pool holds elsewhere.
+
+Every block not owned by a sequence (the null block included) is filled with NaN: a stray read
+anywhere poisons the output.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference
+
+BLOCK_SIZE = 16
+
+
+def dense_attention(q, k, v, q_positions):
+    """float64 causal attention of queries at `q_positions` over keys 0..len(k)-1."""
+    t, n, h = q.shape
+    kh = k.shape[1]
+    g = n // kh
+    k = np.repeat(k, g, axis=1)
+    v = np.repeat(v, g, axis=1)
+    scores = np.einsum("tnh,lnh->ntl", q, k) * h**-0.5
+    mask = np.arange(len(k))[None, :] <= np.asarray(q_positions)[:, None]
+    scores = np.where(mask[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("ntl,lnh->tnh", probs, v)
+
+
+def build_batch(rng, kv_lens, q_lens, num_kv_heads, group, head_dim, dtype):
+    """Random contexts written into a NaN-filled pool with shuffled blocks.
+
+    Returns the pool, block tables, per-sequence (q, k, v) in float64 and the padded q."""
+    pages = [-(-n // BLOCK_SIZE) for n in kv_lens]
+    num_blocks = sum(pages) + 1 + 3  # null block, plus a few blocks nobody owns
+    ids = rng.permutation(np.arange(1, num_blocks))
+    width = max(pages)
+    tables = np.zeros((len(kv_lens), width), np.int32)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_pool = jnp.full(shape, jnp.nan, dtype)
+    v_pool = jnp.full(shape, jnp.nan, dtype)
+    seqs, start = [], 0
+    for s, (n, p) in enumerate(zip(kv_lens, pages)):
+        tables[s, :p] = ids[start : start + p]
+        start += p
+        k = rng.standard_normal((n, num_kv_heads, head_dim))
+        v = rng.standard_normal((n, num_kv_heads, head_dim))
+        q = rng.standard_normal((q_lens[s], num_kv_heads * group, head_dim))
+        pos = np.arange(n)
+        slots = tables[s][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        k_pool, v_pool = reference.write_kv(
+            k_pool, v_pool, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(slots, jnp.int32)
+        )
+        # Compare against exactly what the pool holds (rounded to dtype).
+        seqs.append(tuple(np.asarray(jnp.asarray(x, dtype), np.float64) for x in (q, k, v)))
+    return k_pool, v_pool, tables, seqs
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_ragged_matches_dense(dtype, tol, group):
+    rng = np.random.default_rng(group)
+    # decode token, fresh prompt, prefix-cached prompt, chunk ending mid-block, block edges
+    kv_lens = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300, 40, 37]
+    q_lens = [1, BLOCK_SIZE - 1, 3, BLOCK_SIZE + 1, 1, 40, 21]
+    k_pool, v_pool, tables, seqs = build_batch(rng, kv_lens, q_lens, 2, group, 64, dtype)
+    pad_tokens, pad_seqs = 5, 2
+    q = np.concatenate([s[0] for s in seqs] + [rng.standard_normal((pad_tokens,) + seqs[0][0].shape[1:])])
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu = np.concatenate([cu, [cu[-1]] * pad_seqs]).astype(np.int32)
+    tables = np.concatenate([tables, np.zeros((pad_seqs, tables.shape[1]), np.int32)])
+    lens = np.array(kv_lens + [0] * pad_seqs, np.int32)
+    out = reference.ragged_paged_attention(
+        jnp.asarray(q, dtype), k_pool, v_pool, jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(tables),
+        jnp.int32(len(kv_lens)),
+    )
+    out = np.asarray(out, np.float64)
+    for s, (sq, sk, sv) in enumerate(seqs):
+        rows = out[cu[s] : cu[s + 1]]
+        expected = dense_attention(sq, sk, sv, np.arange(kv_lens[s] - q_lens[s], kv_lens[s]))
+        assert np.isfinite(rows).all(), f"sequence {s}: NaN leaked from an unused page"
+        err = np.linalg.norm(rows - expected) / np.linalg.norm(expected)
+        assert err < tol, f"sequence {s}: relative error {err:.2e}"
+    assert (out[cu[len(kv_lens)] :] == 0).all(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_decode_matches_dense(dtype, tol):
+    rng = np.random.default_rng(7)
+    kv_lens = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]
+    k_pool, v_pool, tables, seqs = build_batch(rng, kv_lens, [1] * len(kv_lens), 2, 4, 128, dtype)
+    q = np.concatenate([s[0] for s in seqs])
+    out = reference.paged_decode_attention(
+        jnp.asarray(q, dtype), k_pool, v_pool, jnp.asarray(tables), jnp.asarray(kv_lens, dtype=jnp.int32)
+    )
+    out = np.asarray(out, np.float64)
+    for b, (sq, sk, sv) in enumerate(seqs):
+        expected = dense_attention(sq, sk, sv, [kv_lens[b] - 1])[0]
+        err = np.linalg.norm(out[b] - expected) / np.linalg.norm(expected)
+        assert err < tol, f"sequence {b}: relative error {err:.2e}"
+
+
+def test_write_kv_writes_exactly_the_slots():
+    rng = np.random.default_rng(3)
+    shape = (6, BLOCK_SIZE, 2, 64)
+    k_pool = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v_pool = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    slots = np.array([5 * BLOCK_SIZE + 3, 2 * BLOCK_SIZE, 1 * BLOCK_SIZE + 15], np.int32)
+    k_new = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    v_new = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    k_out, v_out = reference.write_kv(k_pool, v_pool, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots))
+    k_expected = np.asarray(k_pool).reshape(-1, 2, 64).copy()
+    v_expected = np.asarray(v_pool).reshape(-1, 2, 64).copy()
+    k_expected[slots], v_expected[slots] = k_new, v_new
+    np.testing.assert_array_equal(np.asarray(k_out).reshape(-1, 2, 64), k_expected)
+    np.testing.assert_array_equal(np.asarray(v_out).reshape(-1, 2, 64), v_expected)

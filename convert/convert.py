@@ -15,6 +15,7 @@ out_dir/
 """
 
 import glob
+import importlib.metadata
 import json
 import os
 import shutil
@@ -22,7 +23,6 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-import jaxpaged
 from jaxpaged.weights import (
     FORMAT_FILE,
     FORMAT_VERSION,
@@ -78,9 +78,9 @@ def convert_checkpoint(
     hf_dir, out_dir = os.fspath(hf_dir), os.fspath(out_dir)
     if is_converted_dir(hf_dir):
         raise ValueError(f"--hf-dir {hf_dir!r} is already a jaxpaged-converted directory; pass the HF directory")
+    config, raw = read_hf_config(hf_dir)
     if os.path.exists(out_dir) and os.path.samefile(hf_dir, out_dir):
         raise ValueError(f"--out {out_dir!r} is the HF directory itself; pass a different output directory")
-    config, raw = read_hf_config(hf_dir)
     target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
     _prepare_out_dir(out_dir, overwrite)
 
@@ -101,7 +101,7 @@ def convert_checkpoint(
         "source": os.path.abspath(hf_dir),
         "architecture": config.architecture,
         "num_params": num_params,
-        "jaxpaged_version": getattr(jaxpaged, "__version__", None),
+        "jaxpaged_version": _version(),
     }
     with open(os.path.join(out_dir, FORMAT_FILE), "w") as f:
         json.dump(marker, f, indent=2)
@@ -147,3 +147,10 @@ def _save_params(path: str, params: Params) -> int:
 def _leaves(tree: dict):
     for value in tree.values():
         yield from _leaves(value) if isinstance(value, dict) else (value,)
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("jaxpaged")
+    except importlib.metadata.PackageNotFoundError:
+        return None

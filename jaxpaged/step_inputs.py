@@ -99,7 +99,7 @@ def pack_step(
         cu_q_lens=cu_q_lens,
         kv_lens=kv_lens,
         block_tables=block_tables,
-        num_seqs=np.int32(len(seqs)),
+        num_seqs=np.array(len(seqs), np.int32),
         last_token_index=last_token_index,
     )
 

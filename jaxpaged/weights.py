@@ -12,6 +12,7 @@ Peak host memory is about one copy of the model in the target dtype plus one ten
 
 import json
 import os
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import jax
@@ -68,7 +69,7 @@ def resolve_dtype(dtype: Any, checkpoint_dtype: str | None = None) -> np.dtype:
 
 
 def dtype_name(dtype: np.dtype) -> str:
-    """"float32", "bfloat16" or "float16" for a resolved dtype."""
+    """The name ("float32", "bfloat16" or "float16") of a resolved dtype."""
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
@@ -92,15 +93,15 @@ def read_hf_config(model_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str,
     return ModelConfig.from_hf(raw), raw
 
 
-def check_names(expected: set, present: set, where: str, optional: set = frozenset()) -> None:
+def check_names(expected: AbstractSet, present: AbstractSet, where: str, optional: AbstractSet = frozenset()) -> None:
     """Raises ValueError listing every missing and every unexpected name (sorted, truncated)."""
     missing = expected - present
     unexpected = present - expected - optional
     problems = []
     if missing:
-        problems.append(f"missing keys: {format_names(map(str, missing))}")
+        problems.append(f"missing keys: {format_names(map(_dotted, missing))}")
     if unexpected:
-        problems.append(f"unexpected keys: {format_names(map(str, unexpected))}")
+        problems.append(f"unexpected keys: {format_names(map(_dotted, unexpected))}")
     if problems:
         raise ValueError(f"{where} does not match config.json: " + "; ".join(problems))
 
@@ -180,7 +181,7 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Model
     abstract = nnx.eval_shape(lambda: Llama(config, param_dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     _to_device(params)
-    state.replace_by_pure_dict(params)
+    nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     leftover = [leaf for leaf in jax.tree.leaves(nnx.state(model)) if not isinstance(leaf, jax.Array)]
     if leftover:
@@ -202,18 +203,26 @@ def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: An
     params_dir = os.path.abspath(os.path.join(model_dir, PARAMS_DIR))
     if not os.path.isdir(params_dir):
         raise FileNotFoundError(f"converted checkpoint {os.fspath(model_dir)!r} has no {PARAMS_DIR}/ directory")
-    with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(params_dir)
-    flat = _flatten(restored)
-    del restored
     expected = param_shapes(config)
-    check_names(set(expected), set(flat), f"converted checkpoint {params_dir!r}")
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        # Names and shapes from the metadata first; then read as numpy, cast while reading.
+        meta = checkpointer.metadata(params_dir)
+        meta = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+        stored = {path: tuple(m.shape) for path, m in _flatten(meta).items()}
+        check_names(set(expected), set(stored), f"converted checkpoint {params_dir!r}")
+        for path, shape in stored.items():
+            check_shape(_dotted(path), expected[path], shape)
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=target), meta)
+        restored = checkpointer.restore(params_dir, restore_args=args)
     params: Params = {}
-    for path in list(flat):  # cast leaf by leaf, dropping each stored array as we go
-        array = np.asarray(flat.pop(path))
-        check_shape("/".join(map(str, path)), expected[path], array.shape)
-        _insert(params, path, array.astype(target, copy=False))
+    for path, array in _flatten(restored).items():
+        _insert(params, path, np.asarray(array))
     return params
+
+
+def _dotted(key: str | Path) -> str:
+    """An HF name as is; a params path as `layers.0.attn.q_proj`."""
+    return key if isinstance(key, str) else ".".join(map(str, key))
 
 
 def _insert(tree: dict, path: Path, value: Any) -> None:

@@ -1,0 +1,53 @@
+"""`jaxpaged-convert`: Hugging Face safetensors -> jaxpaged (Orbax) checkpoint.
+
+jaxpaged-convert --hf-dir ./Llama-3.1-8B --out ./llama-8b-jax --dtype bfloat16
+"""
+
+import argparse
+import sys
+
+PROG = "jaxpaged-convert"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `jaxpaged-convert`."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Convert a Hugging Face Llama/Mistral/Qwen2 safetensors checkpoint to jaxpaged's "
+        "Orbax format (params/, config and tokenizer files, jaxpaged_format.json).",
+    )
+    parser.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--out", required=True, help="output directory (created if missing)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32", "float16", "auto"),
+        help="parameter dtype on disk; 'auto' keeps the checkpoint's (default: bfloat16)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the converter; returns 0, or exits with status 2 and one error line on bad input.
+
+    Args:
+      argv: arguments without the program name (default: `sys.argv[1:]`).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from convert.convert import convert_checkpoint  # after parsing: --help stays fast
+
+    try:
+        out = convert_checkpoint(
+            args.hf_dir, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=not args.no_progress
+        )
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        parser.exit(2, f"{PROG}: error: {e}\n")
+    print(f"{PROG}: wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Paged KV-cache block allocation with prefix caching (host only, no JAX here).
+
+The pool has `num_blocks` blocks of `block_size` token slots; block 0 is the reserved null
+block (padding writes land there) and is never handed out. Every other block is in exactly one
+of three states:
+  - free: ref count 0, no hash (`free_block_ids`, handed out first);
+  - cached: ref count 0 but its hash is registered, so a later prompt can reuse its K/V
+    (`evictable`, least recently freed first; evicted only when no free block is left);
+  - in use: ref count = the number of sequences whose block table holds it.
+
+Prefix caching (vLLM's automatic prefix caching): a FULL block's identity is
+sha256(parent block's hash, the block's token ids, cache_salt), so equal hashes mean equal
+K/V. When a block becomes full (its tokens are scheduled) its hash is registered; a new
+sequence reuses the longest run of registered blocks matching its leading full blocks, but
+never the block holding its last token, which must be computed to produce logits. Partially
+filled blocks are never shared.
+
+Registration happens when a step is scheduled, before that step writes the block, exactly as
+in vLLM: a sequence admitted in the same step may reuse it, which is correct because a step
+writes all its K/V before any attention reads them (write-then-attend, DESIGN §3). So once
+`Scheduler.schedule()` returns, its step must run as planned.
+
+Parallel sampling (`n > 1`): with prefix caching on, siblings share their prompt's full
+blocks through the cache. `fork(parent, child)` shares them explicitly (ref counted, also with
+prefix caching off): the child gets the parent's computed full prompt blocks and recomputes
+its partial tail block itself, so no block is ever written by two sequences.
+"""
+
+import collections
+import hashlib
+from array import array
+
+from jaxpaged.sequence import Sequence
+
+NULL_BLOCK = 0
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int], cache_salt: str | None) -> bytes:
+    """The prefix-cache identity of a full block (sha256, unambiguous encoding).
+
+    Args:
+      parent_hash: hash of the previous block of the sequence, None for its first block.
+      token_ids: the block's tokens.
+      cache_salt: the sequence's salt, None for none.
+    """
+    h = hashlib.sha256(b"R" if parent_hash is None else b"C" + parent_hash)
+    if cache_salt is None:
+        h.update(b"\x00")
+    else:
+        salt = cache_salt.encode()
+        h.update(b"\x01" + len(salt).to_bytes(8, "little") + salt)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    """Hands out pool blocks to sequences; ref counts, a free list and the prefix cache.
+
+    Attributes:
+      ref_counts: `[num_blocks]` number of sequences holding each block.
+      free_block_ids: ref-0 blocks without a hash, in hand-out order.
+      evictable: ref-0 blocks with a registered hash, least recently freed first.
+      cached_block_hash_to_block: registered hash -> block id.
+      block_hash: `[num_blocks]` each block's registered hash, or None.
+      prefix_cache_queries: tokens looked up in the prefix cache (vLLM's metric).
+      prefix_cache_hits: of those, tokens served from the cache.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        """Args:
+        num_blocks: pool blocks including the null block 0 (so at least 2).
+        block_size: token slots per block.
+        enable_prefix_caching: reuse full blocks across sequences by content hash.
+        """
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.free_block_ids: collections.deque[int] = collections.deque(range(1, num_blocks))
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.cached_block_hash_to_block: dict[bytes, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already registered
+
+    # -- accounting -------------------------------------------------------------------------
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Blocks that can be handed out (the null block excluded)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (free plus cached-but-evictable)."""
+        return len(self.free_block_ids) + len(self.evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (vLLM's `kv_cache_usage`)."""
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache lookup ----------------------------------------------------------------
+
+    def _block_hash_of(self, seq: Sequence, i: int) -> bytes:
+        """Hash of `seq`'s full block `i`, computing (and keeping) the chain up to it."""
+        bs = self.block_size
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if j else None
+            seq.block_hashes.append(hash_block(parent, seq.token_ids_slice(j * bs, (j + 1) * bs), seq.cache_salt))
+        return seq.block_hashes[i]
+
+    def get_computed_blocks(self, seq: Sequence, parent: Sequence | None = None) -> tuple[list[int], int]:
+        """Blocks `seq` can reuse at admission and how many tokens they hold; no side effects.
+
+        Args:
+          seq: a sequence holding no blocks.
+          parent: fork from this sibling (same prompt) instead of looking up the prefix cache.
+
+        Returns:
+          (block ids, number of tokens they cover); at most `seq.num_tokens - 1` tokens, so
+          the last token is always computed.
+        """
+        bs = self.block_size
+        limit = seq.num_tokens - 1
+        if parent is not None:
+            limit = min(limit, parent.num_computed_tokens, parent.num_prompt_tokens, seq.num_prompt_tokens)
+            k = min(limit // bs, len(parent.block_table))
+            while k and parent.prompt_token_ids[: k * bs] != seq.prompt_token_ids[: k * bs]:
+                k -= 1
+            return parent.block_table[:k], k * bs
+        if not self.enable_prefix_caching:
+            return [], 0
+        blocks = []
+        for i in range(limit // bs):
+            block = self.cached_block_hash_to_block.get(self._block_hash_of(seq, i))
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * bs
+
+    # -- verbs ------------------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, parent: Sequence | None = None) -> bool:
+        """Whether `allocate(seq, parent)` then `may_append(seq, num_new_tokens)` would fit.
+
+        Args:
+          seq: a sequence holding no blocks.
+          num_new_tokens: tokens to compute after the reused ones; None means all the rest.
+          parent: as in `get_computed_blocks`.
+        """
+        blocks, cached = self.get_computed_blocks(seq, parent)
+        if num_new_tokens is None:
+            num_new_tokens = seq.num_tokens - cached
+        new = self._blocks_for(cached + num_new_tokens) - len(blocks)
+        revived = sum(1 for b in blocks if self.ref_counts[b] == 0)  # leave the evictable pool
+        return new + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, parent: Sequence | None = None) -> None:
+        """Gives `seq` its reusable leading blocks (prefix-cache hits, or a fork of `parent`).
+
+        Sets `seq.block_table`, `seq.num_cached_tokens` and `seq.num_computed_tokens` (= the
+        cached tokens); follow with `may_append` for the tokens to compute.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"{seq} already holds blocks")
+        blocks, cached = self.get_computed_blocks(seq, parent)
+        if self.enable_prefix_caching and parent is None:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += cached
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+        seq.block_table = list(blocks)
+        seq.num_cached_tokens = seq.num_computed_tokens = cached
+        self._num_registered[seq.seq_id] = len(blocks)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Shares `parent`'s computed full prompt blocks with `child` (n > 1 sampling).
+
+        The child's partial tail block is not shared: the child recomputes it into its own
+        block (`may_append`), so shared blocks are only ever read.
+        """
+        self.allocate(child, parent)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether `may_append(seq, num_new_tokens)` would find enough free blocks."""
+        return self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def may_append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Extends `seq.block_table` to hold `num_computed_tokens + num_new_tokens` tokens.
+
+        Blocks that become full with these tokens are registered in the prefix cache.
+
+        Raises:
+          RuntimeError: when the pool is out of blocks (check `can_append` first).
+        """
+        need = self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: {seq} needs {need}, {self.num_free_blocks} free")
+        for _ in range(need):
+            seq.block_table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            full = -(-min(seq.num_computed_tokens + num_new_tokens, seq.num_tokens) // self.block_size)
+            self._register(seq, full)
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Releases `seq`'s blocks; those left unreferenced stay cached if they have a hash.
+
+        Blocks are released last-first, so a sequence's tail is evicted before its prefix.
+        Sets `seq.block_table = []` (a new list) and `seq.num_computed_tokens = 0`.
+        """
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is not None:
+                    self.evictable[block] = None
+                else:
+                    self.free_block_ids.append(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self._num_registered.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every registered hash; cached blocks become free (vLLM's `reset_prefix_cache`)."""
+        self.free_block_ids.extend(self.evictable)
+        self.evictable.clear()
+        self.cached_block_hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _take_free_block(self) -> int:
+        if self.free_block_ids:
+            block = self.free_block_ids.popleft()
+        else:  # evict the least recently freed cached block
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached_block_hash_to_block[self.block_hash[block]]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def _register(self, seq: Sequence, num_full_blocks: int) -> None:
+        start = self._num_registered.get(seq.seq_id, 0)
+        for i in range(start, num_full_blocks):
+            h = self._block_hash_of(seq, i)
+            block = seq.block_table[i]
+            # Equal content already cached elsewhere (e.g. the last-token block that a
+            # fully cached prompt recomputes): keep that one; this block stays unhashed.
+            if h not in self.cached_block_hash_to_block and self.block_hash[block] is None:
+                self.cached_block_hash_to_block[h] = block
+                self.block_hash[block] = h
+        self._num_registered[seq.seq_id] = max(start, num_full_blocks)

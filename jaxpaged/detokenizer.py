@@ -1,0 +1,84 @@
+"""Incremental detokenization and stop-string matching (host side, no JAX).
+
+Decoding one token at a time is wrong for byte-level BPE: a multi-byte character may be split
+across tokens, and a tokenizer may merge spaces differently in context. Like vLLM, each new
+token is decoded together with a few tokens before it, and text is released only once it no
+longer ends in an incomplete character (U+FFFD).
+"""
+
+from collections.abc import Sequence
+
+# Tokens of context decoded before the new ones (enough for any merge to settle).
+CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of generated token ids into text, one delta at a time.
+
+    Args:
+      tokenizer: a Hugging Face tokenizer.
+      prompt_token_ids: the prompt (context for the first generated tokens; not in the output).
+      skip_special_tokens: drop special tokens from the text.
+      stop: stop strings; the first one found ends the text there.
+      include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop if s]
+        self.include_stop = include_stop_str_in_output
+        self.text = ""
+        self.stop_reason: str | None = None
+        self._emitted = 0  # characters of `text` already handed out by `take_delta`
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> bool:
+        """Appends one generated token; returns True when a stop string was matched."""
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR):
+            return False  # an incomplete character: wait for the next token
+        new_text = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += new_text
+        return self._match_stop(start)
+
+    def _match_stop(self, search_from: int) -> bool:
+        best = None
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return False
+        at, s = best
+        self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
+        self.stop_reason = s
+        return True
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not handed out yet. While running, the last characters that could begin a stop
+        string are held back, so a streamed stop string never has to be taken back."""
+        end = len(self.text)
+        if not finished and self.stop and not self.include_stop:
+            end = max(self._emitted, end - max(len(s) for s in self.stop) + 1)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,249 @@
+"""`LLMEngine`: continuous batching over the paged KV pool.
+
+How a request flows:
+  1. `add_request` tokenizes the prompt, validates its `SamplingParams`, resolves its seed
+     and queues `n` `Sequence`s with the `Scheduler` (which rejects what can never fit).
+  2. `step()` asks the scheduler for this step's batch: one decode token per running
+     sequence, then prefill chunks, under `max_num_seqs` and `max_num_batched_tokens`;
+     blocks come from the `BlockManager` (prefix-cached blocks are reused; when the pool is
+     full the newest sequence is preempted and later recomputed).
+  3. The `ModelRunner` packs the batch into one padded buffer, transfers it once and runs
+     the compiled step (model + sampler) with the cache donated.
+  4. The sampled tokens come back; `Scheduler.postprocess` appends them and applies token
+     stop rules; each completion's detokenizer turns tokens into text and matches stop
+     strings; finished sequences give their blocks and penalty-table slots back.
+  5. `step()` returns a `RequestOutput` for every request that changed.
+"""
+
+import logging
+import time
+
+import jax
+import numpy as np
+from transformers import AutoTokenizer
+
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.engine_setup import build_model, eos_token_ids, plan_cache
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.request_state import RequestState
+from jaxpaged.runner import ModelRunner, SequenceRow, sampling_row
+from jaxpaged.sampler import MAX_LOGPROBS
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("jaxpaged")
+
+
+class LLMEngine:
+    """The engine behind `LLM` and the server (vLLM's name and verbs).
+
+    Args:
+      args: the engine configuration.
+    """
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        self.model_config, model, self.max_model_len = build_model(args)
+        self.mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.tensor_parallel_size]), ("tp",))
+        self.plan = plan_cache(args, model, self.mesh, self.max_model_len)
+        logger.info(self.plan.summary())
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=self.plan.num_blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
+            ),  # fmt: skip
+            eos_token_id=sorted(eos_token_ids(args, self.model_config, self.tokenizer)),
+        )
+        self.runner = ModelRunner(
+            model, mesh=self.mesh, num_blocks=self.plan.num_blocks, block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len, kv_dtype=model.embed[...].dtype,
+        )  # fmt: skip
+        self.compile_seconds = self.runner.warm_up()
+        self.requests: dict[str, RequestState] = {}
+        self._rng = np.random.default_rng(args.seed)
+        self._free_slots = list(range(args.max_num_seqs - 1, -1, -1))
+        self._slot_of: dict[int, int] = {}
+        self._rows: dict[int, np.ndarray] = {}
+        self._changed: set[str] = set()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, cache_salt: str | None = None, stream: bool = False) -> None:  # fmt: skip
+        """Queues a request.
+
+        Args:
+          request_id: unique among unfinished requests.
+          prompt: text, `{"prompt": text}`, `{"prompt_token_ids": [...]}`, or a token-id list.
+          params: sampling parameters (default `SamplingParams()`).
+          arrival_time: `time.time()` of arrival (default now).
+          cache_salt: isolates this request's prefix-cache entries.
+          stream: outputs carry only what is new since the previous one (delta mode).
+
+        Raises:
+          ValueError: duplicate id, a bad prompt, or a request that can never fit.
+        """
+        params = params if params is not None else SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
+        text, token_ids = self._tokenize(prompt)
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+        if params.max_tokens is None:
+            params = _replace(params, max_tokens=max(self.max_model_len - len(token_ids), 1))
+        if params.seed is None:
+            params = _replace(params, seed=int(self._rng.integers(0, 2**31 - 1)))
+        arrival = time.time() if arrival_time is None else arrival_time
+        seqs = [
+            Sequence(request_id, token_ids, params, index=i, arrival_time=arrival, cache_salt=cache_salt)
+            for i in range(params.n)
+        ]
+        for i, seq in enumerate(seqs):
+            try:
+                self.scheduler.add(seq)
+            except ValueError:
+                self.scheduler.abort(request_id) if i else None
+                raise
+        self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, self.tokenizer, stream)
+        self.num_prompt_tokens += len(token_ids)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Aborts unfinished requests; their blocks return to the pool at once."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for seq in self.scheduler.abort(ids):
+            self._release(seq)
+        self._changed.update(i for i in ids if i in self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(not r.finished for r in self.requests.values())
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the outputs of requests that changed."""
+        out = self.scheduler.schedule()
+        for seq in out.preempted:
+            self._release(seq)
+        if not out.is_empty:
+            self._run(out)
+        outputs = []
+        for request_id in sorted(self._changed, key=lambda r: self.requests[r].completions[0].seq.seq_id):
+            state = self.requests[request_id]
+            outputs.append(state.make_output())
+            if state.finished:
+                del self.requests[request_id]
+        self._changed.clear()
+        return outputs
+
+    def _run(self, out: SchedulerOutput) -> None:
+        rows, resets = [], []
+        for seq, _ in out.scheduled:
+            slot = self._slot_of.get(seq.seq_id)
+            sp = seq.sampling_params
+            if slot is None:
+                slot = self._slot_of[seq.seq_id] = self._free_slots.pop()
+                if seq.num_computed_tokens and _has_penalties(sp):
+                    computed = seq.token_ids_slice(0, seq.num_computed_tokens)
+                    self.runner.seed_penalty_slot(slot, computed, seq.num_prompt_tokens)
+                else:
+                    resets.append(slot)
+            row = self._rows.get(seq.seq_id)
+            if row is None:
+                row = self._rows[seq.seq_id] = sampling_row(sp, seq.index)
+            rows.append(SequenceRow(row, slot, seq.num_prompt_tokens, sp.logprobs is not None and sp.logprobs > 0))
+        result = self.runner.execute(out.step_inputs, rows, resets)
+        n = out.num_seqs
+        tokens = np.asarray(result.token_ids)[:n].tolist()
+        logprobs = np.asarray(result.logprobs)[:n]
+        want_top = any(r.want_logprobs for r in rows)
+        top_ids = np.asarray(result.top_ids)[:n] if want_top else None
+        top_lps = np.asarray(result.top_logprobs)[:n] if want_top else None
+        ranks = np.asarray(result.ranks)[:n] if want_top else None
+        self.scheduler.postprocess(out, tokens)
+        for i, ((seq, _), samples) in enumerate(zip(out.scheduled, out.samples)):
+            if not samples or seq.status is SequenceStatus.FINISHED_ABORTED:
+                continue
+            state = self.requests[seq.request_id]
+            completion = state.completions[seq.index]
+            token = tokens[i]
+            self.num_generation_tokens += 1
+            state.record_logprobs(
+                completion, token, float(logprobs[i]), int(ranks[i]) if want_top else 0,
+                top_ids[i] if want_top else (), top_lps[i] if want_top else (),
+            )  # fmt: skip
+            if completion.detokenizer.add_token(token):
+                stop = completion.detokenizer.stop_reason
+                if seq.is_finished:  # finished on length too: the stop string wins, as in vLLM
+                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+                else:
+                    self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED, stop)
+            if seq.is_finished:
+                self._release(seq)
+            self._changed.add(seq.request_id)
+
+    def _release(self, seq: Sequence) -> None:
+        """Gives back a sequence's penalty-table slot (finished, aborted or preempted)."""
+        slot = self._slot_of.pop(seq.seq_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+        if seq.is_finished:
+            self._rows.pop(seq.seq_id, None)
+
+    # -- stats ------------------------------------------------------------------------------
+
+    def get_stats(self) -> dict[str, float | int]:
+        """Cache and scheduler gauges and counters (vLLM's names)."""
+        bm = self.scheduler.block_manager
+        return {
+            "gpu_cache_usage_perc": bm.usage,
+            "num_total_blocks": bm.num_total_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_tokens": len(bm.cached_block_hash_to_block) * bm.block_size,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+        }
+
+
+def _has_penalties(sp: SamplingParams) -> bool:
+    return sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, **changes)

@@ -1,0 +1,88 @@
+"""Engine start-up: the model (loaded or dummy), the context limit, stop tokens and the KV plan."""
+
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpaged.config import ModelConfig, kv_bytes_per_token
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.memory import KVCachePlan, plan_kv_cache
+from jaxpaged.model import Llama
+from jaxpaged.weights import load_model, read_hf_config, resolve_dtype
+
+logger = logging.getLogger("jaxpaged")
+
+# Without a device memory figure (CPU), the pool gets at most this much.
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def build_model(args: EngineArgs) -> tuple[ModelConfig, Llama, int]:
+    """Loads (or, with load_format="dummy", randomly initialises) the model.
+
+    Returns:
+      `(config, model, max_model_len)` with max_model_len validated against the model.
+    """
+    config, raw = read_hf_config(args.model)
+    max_model_len = config.check_max_model_len(args.max_model_len or config.max_context_len)
+    if args.load_format == "dummy":
+        dtype = resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype"))
+        model = nnx.jit(lambda: Llama(config, jnp.dtype(dtype), rngs=nnx.Rngs(args.seed)))()
+    else:
+        config, model = load_model(args.model, args.dtype)
+    logger.info("model %s: %s, %d layers, dtype %s", args.model, config.architecture, config.num_layers,
+                model.embed[...].dtype)  # fmt: skip
+    return config, model, max_model_len
+
+
+def eos_token_ids(args: EngineArgs, config: ModelConfig, tokenizer) -> set[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer (vLLM stops at any)."""
+    ids = set(config.eos_token_ids)
+    path = os.path.join(args.model, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def plan_cache(args: EngineArgs, model: Llama, mesh: jax.sharding.Mesh, max_model_len: int) -> KVCachePlan:
+    """Sizes the KV pool from the device's memory (or the explicit budget)."""
+    dtype_bytes = model.embed[...].dtype.itemsize
+    common = dict(dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len)
+    if args.kv_cache_memory_bytes is not None:
+        return plan_kv_cache(model.config, kv_cache_memory_bytes=args.kv_cache_memory_bytes, **common)
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        # CPU: no device memory figure. Enough for max_num_seqs full-length requests, capped.
+        per_token = kv_bytes_per_token(model.config, dtype_bytes)
+        want = (args.max_num_seqs * max_model_len + 2 * args.block_size) * per_token
+        budget = max(min(want, CPU_KV_CACHE_BYTES), (max_model_len + 2 * args.block_size) * per_token)
+        return plan_kv_cache(model.config, kv_cache_memory_bytes=budget, **common)
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    activations = _peak_activation_bytes(args, model, mesh, max_model_len)
+    return plan_kv_cache(
+        model.config, device_memory_bytes=stats["bytes_limit"], gpu_memory_utilization=args.gpu_memory_utilization,
+        weight_bytes=weights, activation_bytes=activations, **common,
+    )  # fmt: skip
+
+
+def _peak_activation_bytes(args: EngineArgs, model: Llama, mesh, max_model_len: int) -> int:
+    """Temporaries of the largest step bucket, from XLA's memory analysis (pool kept tiny)."""
+    from jaxpaged.runner import ModelRunner  # the runner needs the plan; this probe does not
+
+    pages = -(-max_model_len // args.block_size)
+    probe = ModelRunner(
+        model, mesh=mesh, num_blocks=pages + 1, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+        kv_dtype=model.embed[...].dtype,
+    )  # fmt: skip
+    analysis = probe.compile_bucket(max(probe.layouts)).memory_analysis()
+    temp = int(getattr(analysis, "temp_size_in_bytes", 0))
+    logger.info("peak activation memory of the largest step: %.2f GiB", temp / 2**30)
+    return temp

@@ -1,0 +1,127 @@
+"""`LLM`: offline batch generation with vLLM's interface."""
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from jaxpaged.engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """Generates text for batches of prompts with continuous batching over a paged KV cache.
+
+    Args:
+      model: a Hugging Face or converted model directory.
+      tokenizer: tokenizer directory (default: `model`).
+      dtype: "auto", "float32", "bfloat16" or "float16".
+      max_model_len: longest prompt + output (default: the model's limit).
+      gpu_memory_utilization: fraction of device memory the engine may use.
+      kv_cache_memory_bytes: exact KV-cache budget (overrides gpu_memory_utilization).
+      block_size: tokens per KV-cache block.
+      max_num_seqs: most sequences running at once.
+      max_num_batched_tokens: most tokens per engine step.
+      enable_prefix_caching: reuse the KV cache of equal prompt prefixes.
+      seed: engine seed (requests without a seed draw theirs from it).
+      load_format: "auto" or "dummy" (random weights with the model's real shapes).
+      tensor_parallel_size: devices to shard over.
+      compilation_cache_dir: persistent JAX compilation cache directory.
+
+    Example:
+      >>> llm = LLM("path/to/model")
+      >>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+      >>> outs[0].outputs[0].text
+    """
+
+    def __init__(self, model: str, tokenizer: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.9, kv_cache_memory_bytes: int | None = None, block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 seed: int = 0, load_format: str = "auto", tensor_parallel_size: int = 1,
+                 compilation_cache_dir: str | None = None):  # fmt: skip
+        args = EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, seed=seed, load_format=load_format,
+            tensor_parallel_size=tensor_parallel_size, compilation_cache_dir=compilation_cache_dir,
+        )  # fmt: skip
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> dict[str, float | int]:
+        """KV-cache and scheduler statistics (see `LLMEngine.get_stats`)."""
+        return self.llm_engine.get_stats()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:  # fmt: skip
+        """Generates completions for every prompt; returns their final outputs in input order.
+
+        Args:
+          prompts: a string, a `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dict, or a list of them.
+          sampling_params: one for all prompts, or one per prompt (default `SamplingParams()`).
+          use_tqdm: show a progress bar.
+
+        Raises:
+          ValueError: a bad prompt or parameter (nothing is left queued then).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one per prompt")
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                request_id = str(next(self._ids))
+                self.llm_engine.add_request(request_id, prompt, sp)
+                ids.append(request_id)
+        except ValueError:
+            self.llm_engine.abort_request(ids)
+            self.llm_engine.step() if ids else None  # deliver the aborts so nothing lingers
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:  # fmt: skip
+        """Applies the tokenizer's chat template to one conversation (a list of
+        `{"role", "content"}` messages) or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {"prompt_token_ids": _token_ids(tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True))}
+            for conv in conversations
+        ]  # fmt: skip
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(finished) < len(ids) and self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update()
+        return [finished[i] for i in ids]
+
+
+def _token_ids(encoded) -> list[int]:
+    """`apply_chat_template(tokenize=True)` gives a list, or a BatchEncoding in newer transformers."""
+    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    return list(encoded)

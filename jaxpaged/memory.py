@@ -1,0 +1,108 @@
+"""KV-cache memory planning: how many blocks fit, and how many requests they serve (no JAX here).
+
+    pool bytes = device memory x gpu_memory_utilization - weights - peak activations
+                 (or exactly kv_cache_memory_bytes when given)
+    bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes
+"""
+
+import dataclasses
+
+from jaxpaged.config import ModelConfig, kv_bytes_per_token
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+    """The sized pool.
+
+    Attributes:
+      num_blocks: blocks allocated, including the reserved null block 0.
+      block_size: tokens per block.
+      bytes_per_token: KV bytes of one token over all layers.
+      pool_bytes: bytes of the whole pool.
+      max_model_len: the context the concurrency figure is computed for.
+    """
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    pool_bytes: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots usable by requests (the null block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of `max_model_len` tokens the pool holds at once."""
+        blocks_per_request = -(-self.max_model_len // self.block_size)
+        return (self.num_blocks - 1) / blocks_per_request
+
+    def summary(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
+            f"({self.pool_bytes / GiB:.2f} GiB); max concurrency at max_model_len={self.max_model_len}: "
+            f"{self.max_concurrency:.2f}"
+        )
+
+
+def plan_kv_cache(
+    config: ModelConfig,
+    *,
+    dtype_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    kv_cache_memory_bytes: int | None = None,
+    device_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    weight_bytes: int = 0,
+    activation_bytes: int = 0,
+) -> KVCachePlan:
+    """Sizes the KV pool.
+
+    Args:
+      config: the model.
+      dtype_bytes: bytes per cached element (2 for bfloat16).
+      block_size: tokens per block.
+      max_model_len: the longest request; at least one must fit.
+      kv_cache_memory_bytes: an exact pool budget (overrides the device-memory arithmetic).
+      device_memory_bytes: memory of one device (needed without kv_cache_memory_bytes).
+      gpu_memory_utilization: fraction of device memory the engine may use.
+      weight_bytes, activation_bytes: what weights and the largest step's temporaries take.
+
+    Raises:
+      ValueError: when not even one `max_model_len` request fits, with the numbers and knobs.
+    """
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+    per_token = kv_bytes_per_token(config, dtype_bytes)
+    per_block = per_token * block_size
+    if kv_cache_memory_bytes is not None:
+        budget = kv_cache_memory_bytes
+        source = f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
+    else:
+        if device_memory_bytes is None:
+            raise ValueError("device_memory_bytes is required when kv_cache_memory_bytes is not given")
+        budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - activation_bytes
+        source = (
+            f"{device_memory_bytes / GiB:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization} - "
+            f"weights {weight_bytes / GiB:.2f} GiB - activations {activation_bytes / GiB:.2f} GiB"
+        )
+    num_blocks = max(budget, 0) // per_block  # the null block comes out of the budget too
+    needed = -(-max_model_len // block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache budget ({source} = {max(budget, 0) / GiB:.3f} GiB) holds {max(num_blocks - 1, 0)} blocks "
+            f"of {block_size} tokens, but one request of max_model_len={max_model_len} needs {needed - 1}; "
+            "raise gpu_memory_utilization or kv_cache_memory_bytes, or lower max_model_len"
+        )
+    return KVCachePlan(
+        num_blocks=int(num_blocks),
+        block_size=block_size,
+        bytes_per_token=per_token,
+        pool_bytes=int(num_blocks * per_block),
+        max_model_len=max_model_len,
+    )

@@ -1,0 +1,107 @@
+"""Host-side bookkeeping of one request: its sequences, detokenizers, logprobs and outputs."""
+
+import dataclasses
+
+from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sequence import Sequence
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sequence's text side: detokenizer, logprobs, and what has been reported so far."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    text: str = ""  # everything handed out so far
+    reported_tokens: int = 0  # token ids handed out so far (for deltas)
+
+
+class RequestState:
+    """A request as the engine tracks it between `add_request` and its final output.
+
+    Args:
+      request_id: the caller's id.
+      prompt: the prompt text, if it came as text.
+      prompt_token_ids: the tokenized prompt.
+      params: its sampling parameters.
+      seqs: its `n` sequences.
+      tokenizer: for detokenization.
+      stream: report deltas (new text and tokens only) instead of cumulative outputs.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 seqs: list[Sequence], tokenizer, stream: bool):  # fmt: skip
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.stream = stream
+        self.tokenizer = tokenizer
+        self.completions = [
+            Completion(
+                seq=seq,
+                detokenizer=IncrementalDetokenizer(
+                    tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                ),  # fmt: skip
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            for seq in seqs
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.completions)
+
+    def record_logprobs(self, completion: Completion, token_id: int, logprob: float, rank: int,
+                        top_ids, top_logprobs) -> None:  # fmt: skip
+        """Keeps the sampled token's logprob and the top `params.logprobs` alternatives."""
+        completion.cumulative_logprob += logprob
+        if completion.logprobs is None:
+            return
+        entry = {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]))}
+        for r, (tid, lp) in enumerate(zip(top_ids[: self.params.logprobs], top_logprobs), start=1):
+            entry.setdefault(int(tid), Logprob(float(lp), r, self.tokenizer.decode([int(tid)])))
+        completion.logprobs.append(entry)
+
+    def make_output(self) -> RequestOutput:
+        """The request's output now: deltas since the last call when streaming, else cumulative."""
+        outs = []
+        for c in self.completions:
+            seq = c.seq
+            delta = c.detokenizer.take_delta(seq.is_finished)
+            c.text += delta
+            new_tokens = seq.output_token_ids[c.reported_tokens :]
+            new_logprobs = c.logprobs[c.reported_tokens :] if c.logprobs is not None else None
+            c.reported_tokens = len(seq.output_token_ids)
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=delta if self.stream else c.text,
+                    token_ids=new_tokens if self.stream else list(seq.output_token_ids),
+                    cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                    logprobs=new_logprobs if self.stream else c.logprobs,
+                    finish_reason=seq.status.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        first = self.completions[0].seq
+        first_token_times = [c.seq.first_token_time for c in self.completions if c.seq.first_token_time]
+        finish_times = [c.seq.finish_time for c in self.completions if c.seq.finish_time]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outs,
+            finished=self.finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=first.arrival_time,
+                first_token_time=min(first_token_times, default=None),
+                finished_time=max(finish_times) if self.finished and finish_times else None,
+            ),
+        )

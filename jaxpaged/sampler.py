@@ -1,0 +1,181 @@
+"""Token sampling on device: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
+
+Dimension letters: S sequences (padded), V vocabulary, R slots of the penalty tables,
+T tokens in the step, L = MAX_LOGPROBS.
+
+Every sequence carries its own seed; its key for a token is `fold_in(fold_in(key(seed),
+index), position)`, so a seeded request yields the same tokens whatever shares its batch.
+Penalties read per-slot tables kept on device between steps (see `update_penalty_tables`):
+`prompt_mask[R, V]` marks tokens seen in the prompt, `output_counts[R, V]` counts generated
+tokens. The expensive paths (sorting for top-k/top-p, top-L logprobs) run under `lax.cond`,
+so one compiled step serves every mix of requests.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+MAX_LOGPROBS = 20
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-sequence sampling parameters, padded to S rows.
+
+    Attributes:
+      temperature: `[S]` 0 means greedy.
+      top_k: `[S]` 0 means off.
+      top_p: `[S]` 1 means off.
+      min_p: `[S]` 0 means off.
+      presence_penalty, frequency_penalty: `[S]` applied to generated tokens (0 = off).
+      repetition_penalty: `[S]` applied to prompt and generated tokens (1 = off).
+      seed: `[S]` per-request seed.
+      index: `[S]` completion index within its request (n > 1 samples differ).
+      position: `[S]` absolute position of the token being sampled.
+      slot: `[S]` row of the penalty tables owned by the sequence.
+    """
+
+    temperature: Float[Array, " S"]
+    top_k: Int[Array, " S"]
+    top_p: Float[Array, " S"]
+    min_p: Float[Array, " S"]
+    presence_penalty: Float[Array, " S"]
+    frequency_penalty: Float[Array, " S"]
+    repetition_penalty: Float[Array, " S"]
+    seed: Int[Array, " S"]
+    index: Int[Array, " S"]
+    position: Int[Array, " S"]
+    slot: Int[Array, " S"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    """Sampled tokens and their log-probabilities (from the raw logits, as vLLM reports them).
+
+    Attributes:
+      token_ids: `[S]` sampled token per sequence.
+      logprobs: `[S]` log-probability of the sampled token.
+      ranks: `[S]` its rank among all tokens, 1 = likeliest (0 when nobody asked for logprobs).
+      top_ids, top_logprobs: `[S, L]` the L likeliest tokens (zeros when nobody asked).
+    """
+
+    token_ids: Int[Array, " S"]
+    logprobs: Float[Array, " S"]
+    ranks: Int[Array, " S"]
+    top_ids: Int[Array, "S L"]
+    top_logprobs: Float[Array, "S L"]
+
+
+def update_penalty_tables(
+    prompt_mask: Bool[Array, "R V"],
+    output_counts: Int[Array, "R V"],
+    token_ids: Int[Array, " T"],
+    token_slot: Int[Array, " T"],
+    token_is_output: Bool[Array, " T"],
+    reset_slots: Int[Array, " S"],
+) -> tuple[Bool[Array, "R V"], Int[Array, "R V"]]:
+    """Records this step's input tokens in the penalty tables.
+
+    Rows in `reset_slots` (sequences starting from scratch: new, or recomputed after
+    preemption) are cleared first. Padding uses the out-of-range row R, which is dropped.
+    A token sampled at step N is an input at step N + 1, so it is counted before sampling there.
+    """
+    rows = prompt_mask.shape[0]
+    prompt_mask = prompt_mask.at[reset_slots].set(False, mode="drop")
+    output_counts = output_counts.at[reset_slots].set(0, mode="drop")
+    prompt_rows = jnp.where(token_is_output, rows, token_slot)
+    output_rows = jnp.where(token_is_output, token_slot, rows)
+    prompt_mask = prompt_mask.at[prompt_rows, token_ids].set(True, mode="drop")
+    output_counts = output_counts.at[output_rows, token_ids].add(1, mode="drop")
+    return prompt_mask, output_counts
+
+
+def _apply_penalties(logits, params: SamplingTensors, prompt_mask, output_counts):
+    slots = jnp.minimum(params.slot, prompt_mask.shape[0] - 1)
+    counts = output_counts[slots].astype(jnp.float32)  # [S, V]
+    seen = prompt_mask[slots] | (counts > 0)
+    rep = params.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - params.frequency_penalty[:, None] * counts
+    return logits - params.presence_penalty[:, None] * (counts > 0)
+
+
+def _top_k_top_p(logits, top_k, top_p):
+    """Masks tokens outside each row's top-k and top-p nucleus (ties at the edge are kept)."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    # top-p applies to the top-k distribution, renormalised (as vLLM does).
+    in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # The nucleus: the smallest prefix whose mass reaches top_p (its last token included).
+    in_nucleus = (mass_before < top_p[:, None]) & in_top_k
+    pth = jnp.min(jnp.where(in_nucleus, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where((logits < kth) | (logits < pth), -jnp.inf, logits)
+
+
+def _keys(params: SamplingTensors):
+    def one(seed, index, position):
+        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), index)
+        return jax.random.fold_in(key, position)
+
+    return jax.vmap(one)(params.seed, params.index, params.position)
+
+
+def sample(
+    logits: Float[Array, "S V"],
+    params: SamplingTensors,
+    prompt_mask: Bool[Array, "R V"],
+    output_counts: Int[Array, "R V"],
+    want_logprobs: Bool[Array, ""],
+) -> SampleResult:
+    """Samples one token per row of float32 logits.
+
+    Args:
+      logits: raw model logits.
+      params: per-row sampling parameters.
+      prompt_mask, output_counts: the penalty tables (already holding this step's inputs).
+      want_logprobs: whether any row asked for top logprobs (skips the top-L search if not).
+    """
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    penalised = jnp.any(
+        (params.presence_penalty != 0) | (params.frequency_penalty != 0) | (params.repetition_penalty != 1)
+    )
+    logits = jax.lax.cond(
+        penalised, lambda x: _apply_penalties(x, params, prompt_mask, output_counts), lambda x: x, logits
+    )
+    greedy_ids = jnp.argmax(logits, axis=-1)
+    scaled = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    filtered = jax.lax.cond(
+        jnp.any((params.top_k > 0) | (params.top_p < 1)),
+        lambda x: _top_k_top_p(x, params.top_k, params.top_p),
+        lambda x: x,
+        scaled,
+    )
+    max_logit = jnp.max(filtered, axis=-1, keepdims=True)
+    # min_p: keep tokens whose probability is at least min_p times the top token's.
+    min_logit = jnp.where(params.min_p > 0, jnp.log(jnp.maximum(params.min_p, 1e-30)), -jnp.inf)
+    filtered = jnp.where(filtered < max_logit + min_logit[:, None], -jnp.inf, filtered)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(_keys(params))
+    sampled_ids = jnp.argmax(filtered + gumbel, axis=-1)
+    token_ids = jnp.where(params.temperature > 0, sampled_ids, greedy_ids).astype(jnp.int32)
+    chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    rows = logits.shape[0]
+
+    def top(x):
+        values, ids = jax.lax.top_k(x, MAX_LOGPROBS)
+        ranks = 1 + jnp.sum(x > chosen[:, None], axis=-1)
+        return values, ids.astype(jnp.int32), ranks.astype(jnp.int32)
+
+    def nothing(x):
+        zeros = jnp.zeros((rows, MAX_LOGPROBS), jnp.int32)
+        return zeros.astype(x.dtype), zeros, jnp.zeros((rows,), jnp.int32)
+
+    top_logprobs, top_ids, ranks = jax.lax.cond(want_logprobs, top, nothing, raw_logprobs)
+    return SampleResult(token_ids=token_ids, logprobs=chosen, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)

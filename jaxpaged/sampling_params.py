@@ -1,0 +1,151 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and validation (host only).
+
+`SamplingParams` is what a vLLM user passes to `LLM.generate` or sends to the OpenAI server:
+the sampler on the device reads the numeric fields, the scheduler the token-id stop rules and
+lengths, and the detokenizer the string stop rules and special-token handling.
+"""
+
+import dataclasses
+import typing
+
+# Temperatures below this are greedy, as in vLLM (`_SAMPLING_EPS`).
+SAMPLING_EPS = 1e-5
+
+
+def _bad(field: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# The class validates its own inputs (ints are fine for float fields, wrong types raise
+# ValueError naming the field), so the test-time jaxtyping/beartype hook must not pre-empt it.
+@typing.no_type_check
+@dataclasses.dataclass
+class SamplingParams:
+    """How to sample one request's output; vLLM's names and defaults.
+
+    Attributes:
+      n: number of output sequences to generate from the prompt (parallel sampling).
+      presence_penalty: in [-2, 2]; > 0 favours new tokens, < 0 repetition.
+      frequency_penalty: in [-2, 2]; scales with each token's count in the output so far.
+      repetition_penalty: > 0; > 1 discourages tokens seen in the prompt or output.
+      temperature: >= 0; below 1e-5 sampling is greedy (see `greedy`).
+      top_p: in (0, 1]; nucleus sampling, 1 is off.
+      top_k: 0 or -1 is off (normalised to 0), otherwise >= 1.
+      min_p: in [0, 1]; drop tokens below min_p times the top token's probability; 0 is off.
+      seed: per-request seed; a seeded request samples the same tokens whatever its batch.
+      stop: strings that end generation (checked by the detokenizer); a str becomes a list.
+      stop_token_ids: token ids that end generation (checked by the scheduler).
+      ignore_eos: keep generating past the model's EOS token.
+      max_tokens: most tokens to generate (>= 1); None means up to `max_model_len`.
+      min_tokens: EOS and `stop_token_ids` cannot end generation before this many tokens.
+      logprobs: number of top log-probabilities to return per sampled token (plus the
+        sampled token's own), or None for none.
+      include_stop_str_in_output: keep the matched stop string in the text.
+      skip_special_tokens: drop special tokens from the text.
+      spaces_between_special_tokens: put spaces between special tokens in the text.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self):
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self._verify_args()
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.greedy:
+            # Greedy ignores the filters; normalise them so the sampler sees "off".
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @staticmethod
+    def _normalise_stop(stop) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            return [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise _bad("stop", stop, "a str, a list of str or None")
+        if any(s == "" for s in stop):
+            raise _bad("stop", stop, "non-empty strings")
+        return list(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in ids):
+            raise _bad("stop_token_ids", ids, "a list of int or None")
+        if any(t < 0 for t in ids):
+            raise _bad("stop_token_ids", ids, "non-negative token ids")
+        return list(ids)
+
+    def _verify_args(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            if not _is_number(getattr(self, name)):
+                raise _bad(name, getattr(self, name), "a number")
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise _bad(name, getattr(self, name), "an int")
+        for name in ("seed", "max_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise _bad(name, value, "an int or None")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "a bool")
+        if self.n < 1:
+            raise _bad("n", self.n, "at least 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise _bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise _bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise _bad("repetition_penalty", self.repetition_penalty, "greater than 0")
+        if not self.temperature >= 0.0:
+            raise _bad("temperature", self.temperature, "non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "in (0, 1]")
+        if self.top_k < -1:
+            raise _bad("top_k", self.top_k, "0 or -1 (off) or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise _bad("max_tokens", self.max_tokens, "at least 1")
+        if self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "at least 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise _bad("logprobs", self.logprobs, "non-negative")
+        if self.temperature < SAMPLING_EPS and self.n > 1:
+            raise _bad("n", self.n, "1 when using greedy sampling (temperature 0)")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is greedy (argmax): temperature below 1e-5, as in vLLM."""
+        return self.temperature < SAMPLING_EPS

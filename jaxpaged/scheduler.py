@@ -1,0 +1,342 @@
+"""Continuous-batching scheduler with chunked prefill and preemption (host only, no JAX here).
+
+Each engine step:
+  1. `schedule()` picks what runs: first one decode token for each running sequence in decode,
+     then prefill chunks of running sequences that are still prefilling (including ones resumed
+     after preemption), then waiting sequences in FCFS order; all under `max_num_seqs` running
+     sequences and `max_num_batched_tokens` tokens per step. Blocks come from the
+     `BlockManager`; when a running sequence cannot get one, the most recently admitted running
+     sequence not yet scheduled this step is preempted by recompute: its blocks are freed (they
+     stay in the prefix cache while nobody needs them), `num_computed_tokens` drops to 0, and it
+     goes back to the FRONT of the waiting queue; on resume it recomputes prompt + outputs so
+     far and samples its next token. No waiting sequence is admitted in a step that preempted.
+  2. The runner computes the step (`SchedulerOutput.step_inputs` -> `pack_step`).
+  3. `postprocess(output, sampled_token_ids)` advances `num_computed_tokens`, appends the
+     sampled token of every sequence whose step reached its last token (a prefill chunk short
+     of the end of the prompt samples nothing), checks token-id stop rules and frees finished
+     sequences. String stops are the detokenizer's: the engine calls `finish_sequence`.
+Call `schedule` and `postprocess` alternately, once each per step.
+"""
+
+import dataclasses
+import itertools
+import time
+from collections import deque
+
+from jaxpaged.block_manager import BlockManager
+from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.step_inputs import ScheduledSequence
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Scheduling limits (vLLM's names).
+
+    Attributes:
+      max_num_seqs: most sequences running at once (and so per step).
+      max_num_batched_tokens: most tokens computed per step (prefill chunks plus decodes);
+        the engine picks the default.
+      max_model_len: longest sequence, prompt plus output.
+      block_size: token slots per KV block.
+      num_blocks: KV blocks in the pool, including the reserved null block 0.
+      enable_prefix_caching: reuse cached full blocks of equal prefixes.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int
+    block_size: int = 16
+    num_blocks: int
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {self.num_blocks}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}); raise it or lower max_num_seqs"
+            )
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What one step computes, in batch order.
+
+    Attributes:
+      scheduled: (sequence, number of tokens it computes this step).
+      step_inputs: the matching `ScheduledSequence`s for `pack_step`.
+      samples: whether each sequence's last scheduled token yields a sampled token.
+      preempted: sequences preempted while scheduling this step.
+      num_batched_tokens: tokens computed this step.
+      num_decode_seqs: leading entries that are single decode tokens; the rest are prefills.
+    """
+
+    scheduled: list[tuple[Sequence, int]]
+    step_inputs: list[ScheduledSequence]
+    samples: list[bool]
+    preempted: list[Sequence]
+    num_batched_tokens: int
+    num_decode_seqs: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_batched_tokens - self.num_decode_seqs
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting queue, the running list and the pool's blocks.
+
+    Attributes:
+      waiting: FCFS queue of sequences holding no blocks.
+      running: admitted sequences, in admission order (the last is preempted first).
+      block_manager: the pool's `BlockManager`.
+      num_preemptions: preemptions so far.
+    """
+
+    def __init__(self, config: SchedulerConfig, eos_token_id: int | list[int] | None = None):
+        """Args:
+        config: the limits.
+        eos_token_id: the model's EOS id(s); generation stops there unless `ignore_eos`.
+        """
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        self.eos_token_ids = frozenset(ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._admissions = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence.
+
+        Raises:
+          ValueError: for an empty prompt, or a request that could never fit `max_model_len`
+            or the whole KV pool.
+        """
+        cfg, p, mt = self.config, seq.num_prompt_tokens, seq.sampling_params.max_tokens
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"only new sequences can be added, got {seq}")
+        if p == 0:
+            raise ValueError(f"request {seq.request_id!r}: the prompt is empty; give at least one token")
+        if mt is None and p >= cfg.max_model_len:
+            raise ValueError(
+                f"request {seq.request_id!r}: the prompt ({p} tokens) leaves no room to generate under "
+                f"max_model_len ({cfg.max_model_len}); shorten the prompt or raise max_model_len"
+            )
+        if mt is not None and p + mt > cfg.max_model_len:
+            raise ValueError(
+                f"request {seq.request_id!r}: prompt ({p} tokens) + max_tokens ({mt}) = {p + mt} exceeds "
+                f"max_model_len ({cfg.max_model_len}); shorten the prompt, lower max_tokens or raise max_model_len"
+            )
+        # The last sampled token is never fed back, so at most total - 1 tokens need K/V.
+        longest = (cfg.max_model_len if mt is None else p + mt) - 1
+        need = -(-longest // cfg.block_size)
+        have = self.block_manager.num_total_blocks
+        if need > have:
+            raise ValueError(
+                f"request {seq.request_id!r} needs {need} KV blocks of {cfg.block_size} tokens "
+                f"({longest} tokens) but the whole pool has {have} (num_blocks={cfg.num_blocks} "
+                f"including the null block); raise gpu_memory_utilization or kv_cache_memory_bytes, "
+                f"or lower max_tokens / max_model_len"
+            )
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str | list[str]) -> list[Sequence]:
+        """Aborts every unfinished sequence of the request(s), wherever it is; frees its blocks.
+
+        Returns:
+          the sequences aborted (empty for unknown or finished requests).
+        """
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        victims = [s for s in itertools.chain(self.running, self.waiting) if s.request_id in ids]
+        for seq in victims:
+            self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
+        return victims
+
+    def finish_sequence(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        """Finishes `seq` (e.g. on a stop string), freeing its blocks; no-op if already finished."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status, seq.stop_reason, seq.finish_time = status, stop_reason, time.time()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's sequences and token counts and gives them blocks (see module doc)."""
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        chosen: set[int] = set()
+        preempted: list[Sequence] = []
+
+        def make_room(seq: Sequence, n: int, admit: bool = False) -> bool:
+            """Preempts from the tail until `seq` can take `n` tokens; False if `seq` itself went."""
+            while not bm.can_append(seq, n):
+                victim = next(s for s in reversed(self.running) if s.seq_id not in chosen)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    return False
+            return True
+
+        def take(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            bm.may_append(seq, n)
+            scheduled.append((seq, n))
+            chosen.add(seq.seq_id)
+            budget -= n
+
+        # 1. Decodes, then 2. prefill chunks of running sequences, both in admission order.
+        for decode in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or seq.seq_id in chosen:
+                    continue  # preempted above, or already scheduled
+                if (seq.num_uncomputed == 1) != decode:
+                    continue
+                n = min(seq.num_uncomputed, budget)
+                if not decode:  # shrink the chunk to the free blocks rather than preempt
+                    room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - seq.num_computed_tokens
+                    n = max(1, min(n, room))
+                if make_room(seq, n):
+                    take(seq, n)
+            if decode:
+                num_decode_seqs = len(scheduled)
+
+        # 3. Waiting sequences, FCFS; the queue's head blocks the rest.
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            parent = self._fork_parent(seq)
+            _, cached = bm.get_computed_blocks(seq, parent)
+            n = min(seq.num_tokens - cached, budget)
+            if not bm.can_allocate(seq, n, parent):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, parent)
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_order = next(self._admissions)
+            self.running.append(seq)
+            take(seq, n)
+
+        inputs, samples = [], []
+        for seq, n in scheduled:
+            c = seq.num_computed_tokens
+            inputs.append(ScheduledSequence(seq.token_ids_slice(c, c + n), c, seq.block_table))
+            samples.append(c + n == seq.num_tokens)
+        return SchedulerOutput(
+            scheduled=scheduled,
+            step_inputs=inputs,
+            samples=samples,
+            preempted=preempted,
+            num_batched_tokens=cfg.max_num_batched_tokens - budget,
+            num_decode_seqs=num_decode_seqs,
+        )
+
+    def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int] | dict[int, int]) -> list[Sequence]:
+        """Takes a computed step's sampled tokens back.
+
+        Args:
+          output: what `schedule()` returned for the step.
+          sampled_token_ids: either one token per scheduled entry, in batch order (entries
+            whose `samples` is False are ignored), or a dict seq_id -> token for the sampling
+            entries. Python ints (use `.tolist()` on arrays).
+
+        Returns:
+          the sequences that finished on a token-id rule (EOS, stop_token_ids, max_tokens,
+          max_model_len); their blocks are already freed.
+        """
+        now = time.time()
+        finished = []
+        for i, ((seq, n), samples) in enumerate(zip(output.scheduled, output.samples)):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or finished since it was scheduled
+            seq.num_computed_tokens += n
+            if not samples:
+                continue
+            token = sampled_token_ids[seq.seq_id] if isinstance(sampled_token_ids, dict) else sampled_token_ids[i]
+            seq.output_token_ids.append(int(token))
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            stop = self._check_stop(seq)
+            if stop is not None:
+                self.finish_sequence(seq, *stop)
+                finished.append(seq)
+        return finished
+
+    # -- stats ------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def stats(self) -> dict[str, int | float]:
+        """Gauges and counters under vLLM's metric names (without the `vllm:` prefix)."""
+        bm = self.block_manager
+        return {
+            "num_requests_running": self.num_running,
+            "num_requests_waiting": self.num_waiting,
+            "kv_cache_usage_perc": bm.usage,
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+        }
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _fork_parent(self, seq: Sequence) -> Sequence | None:
+        """With prefix caching off, the running sibling whose computed prompt blocks `seq` can share."""
+        if self.config.enable_prefix_caching:
+            return None  # siblings already share through the prefix cache
+        siblings = [s for s in self.running if s.request_id == seq.request_id]
+        return max(siblings, key=lambda s: s.num_computed_tokens, default=None)
+
+    def _check_stop(self, seq: Sequence) -> tuple[SequenceStatus, int | None] | None:
+        sp, token = seq.sampling_params, seq.last_token_id
+        if seq.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, None
+            if token in sp.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token
+        if seq.num_tokens >= self.config.max_model_len or (
+            sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens
+        ):
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None

@@ -211,7 +211,7 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
         if self.enable_prefix_caching:
-            full = -(-min(seq.num_computed_tokens + num_new_tokens, seq.num_tokens) // self.block_size)
+            full = min(seq.num_computed_tokens + num_new_tokens, seq.num_tokens) // self.block_size
             self._register(seq, full)
 
     def deallocate(self, seq: Sequence) -> None:
@@ -245,7 +245,7 @@ class BlockManager:
             block = self.free_block_ids.popleft()
         else:  # evict the least recently freed cached block
             block, _ = self.evictable.popitem(last=False)
-            del self.cached_block_hash_to_block[self.block_hash[block]]
+            pass
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block

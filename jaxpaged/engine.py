@@ -27,7 +27,7 @@ from jaxpaged.engine_setup import build_model, eos_token_ids, plan_cache
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.request_state import RequestState
 from jaxpaged.runner import ModelRunner, SequenceRow, sampling_row
-from jaxpaged.sampler import MAX_LOGPROBS
+from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxpaged.sequence import Sequence, SequenceStatus
@@ -98,6 +98,11 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
+        if params.min_tokens and len(self._banned_ids(params)) > MAX_BANNED:
+            raise ValueError(
+                f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported; "
+                f"got {len(params.stop_token_ids)} stop_token_ids"
+            )
         text, token_ids = self._tokenize(prompt)
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
@@ -180,7 +185,8 @@ class LLMEngine:
             row = self._rows.get(seq.seq_id)
             if row is None:
                 row = self._rows[seq.seq_id] = sampling_row(sp, seq.index)
-            rows.append(SequenceRow(row, slot, seq.num_prompt_tokens, sp.logprobs is not None and sp.logprobs > 0))
+            banned = self._banned_ids(sp) if seq.num_output_tokens < sp.min_tokens else ()
+            rows.append(SequenceRow(row, slot, seq.num_prompt_tokens, bool(sp.logprobs), banned))
         result = self.runner.execute(out.step_inputs, rows, resets)
         n = out.num_seqs
         tokens = np.asarray(result.token_ids)[:n].tolist()
@@ -210,6 +216,11 @@ class LLMEngine:
             if seq.is_finished:
                 self._release(seq)
             self._changed.add(seq.request_id)
+
+    def _banned_ids(self, sp: SamplingParams) -> tuple[int, ...]:
+        """Before min_tokens, EOS (unless ignored) and the stop token ids cannot be sampled."""
+        eos = () if sp.ignore_eos else tuple(self.scheduler.eos_token_ids)
+        return tuple(sorted(set(eos) | set(sp.stop_token_ids)))
 
     def _release(self, seq: Sequence) -> None:
         """Gives back a sequence's penalty-table slot (finished, aborted or preempted)."""

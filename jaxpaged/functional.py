@@ -7,7 +7,7 @@ of others), writes their K/V into the paged pool, and samples one token per sequ
 last scheduled token. It closes over nothing: call it inside your own `jax.jit` (with
 `graphdef` static and `cache` donated) or `lax.scan`, with your own parameters.
 
-Dimension letters: T tokens (padded), S sequences (padded), P block-table width,
+Dimension letters: T tokens (padded), S sequences (padded), P block-table width, B banned ids,
 R penalty-table rows, V vocabulary, L logprobs per token.
 
 Example (see examples/step_function.py for a full loop)::
@@ -19,6 +19,7 @@ Example (see examples/step_function.py for a full loop)::
 """
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from jaxpaged.model import AttentionMetadata, KVPool, init_kv_pool
 from jaxpaged.sampler import SampleResult, SamplingTensors, sample, update_penalty_tables
 
 
+@typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DeviceCache:
@@ -46,6 +48,7 @@ class DeviceCache:
     output_counts: Int[Array, "R V"]
 
 
+@typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInput:
@@ -60,6 +63,8 @@ class StepInput:
       token_is_output: `[T]` whether each token was generated (else prompt).
       reset_slots: `[S]` rows to clear before this step (sequences starting over), R = none.
       want_logprobs: `[]` whether any sequence asked for top logprobs.
+      banned_ids: `[S, B]` token ids each sequence may not sample yet (EOS and stop tokens
+        before `min_tokens`); padding is V.
     """
 
     token_ids: Int[Array, " T"]
@@ -70,6 +75,7 @@ class StepInput:
     token_is_output: Bool[Array, " T"]
     reset_slots: Int[Array, " S"]
     want_logprobs: Bool[Array, ""]
+    banned_ids: Int[Array, "S B"]
 
 
 def init_cache(config: ModelConfig, *, num_blocks: int, block_size: int, dtype, max_num_seqs: int) -> DeviceCache:
@@ -100,5 +106,5 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache, inp: Ste
     )
     hidden, kv = model(inp.token_ids, cache.kv, inp.metadata)
     logits = model.compute_logits(hidden[inp.logits_indices])
-    result = sample(logits, inp.sampling, prompt_mask, output_counts, inp.want_logprobs)
+    result = sample(logits, inp.sampling, prompt_mask, output_counts, inp.want_logprobs, inp.banned_ids)
     return DeviceCache(kv=kv, prompt_mask=prompt_mask, output_counts=output_counts), result

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpaged.functional import DeviceCache, StepInput, init_cache, step
 from jaxpaged.model import AttentionMetadata, Llama
-from jaxpaged.sampler import SampleResult, SamplingTensors, update_penalty_tables
+from jaxpaged.sampler import MAX_BANNED, SampleResult, SamplingTensors, update_penalty_tables
 from jaxpaged.step_inputs import ScheduledSequence
 
 logger = logging.getLogger("jaxpaged")
@@ -59,6 +59,7 @@ class Layout:
             ("token_ids", (t,)), ("positions", (t,)), ("slot_mapping", (t,)), ("token_slot", (t,)),
             ("token_is_output", (t,)), ("cu_q_lens", (s + 1,)), ("kv_lens", (s,)), ("logits_indices", (s,)),
             ("reset_slots", (s,)), ("sampling", (len(SAMPLING_FIELDS), s)), ("block_tables", (s, p)),
+            ("banned_ids", (s, MAX_BANNED)),
             ("num_seqs", ()), ("want_logprobs", ()),
         ]  # fmt: skip
 
@@ -95,6 +96,7 @@ def unpack(layout: Layout, flat: jax.Array) -> StepInput:
         token_is_output=v["token_is_output"] != 0,
         reset_slots=v["reset_slots"],
         want_logprobs=v["want_logprobs"] != 0,
+        banned_ids=v["banned_ids"],
     )
 
 
@@ -119,12 +121,14 @@ class SequenceRow:
       slot: its penalty-table row.
       prompt_len: tokens of its prompt (later positions are generated tokens).
       want_logprobs: whether it asked for top logprobs.
+      banned_ids: token ids it may not sample this step (EOS / stop tokens before min_tokens).
     """
 
     sampling: np.ndarray
     slot: int
     prompt_len: int
     want_logprobs: bool
+    banned_ids: tuple[int, ...] = ()
 
 
 def sampling_row(params, index: int) -> np.ndarray:
@@ -217,6 +221,7 @@ class ModelRunner:
         v["reset_slots"][:] = padding_slot
         v["reset_slots"][: len(resets)] = resets
         v["cu_q_lens"][:] = num_tokens
+        v["banned_ids"][:] = self.config.vocab_size  # out of range: dropped
         sampling = v["sampling"]
         bs, start = self.block_size, 0
         for i, (seq, row) in enumerate(zip(inputs, rows)):
@@ -236,6 +241,8 @@ class ModelRunner:
             v["kv_lens"][i] = kv_len
             v["logits_indices"][i] = end - 1
             sampling[:, i] = row.sampling
+            if row.banned_ids:
+                v["banned_ids"][i, : len(row.banned_ids)] = row.banned_ids
             start = end
         positions = np.asarray(v["kv_lens"][: len(inputs)])  # the sampled token's position
         sampling[[n for n, _ in SAMPLING_FIELDS].index("position"), : len(inputs)] = positions

@@ -12,14 +12,18 @@ so one compiled step serves every mix of requests.
 """
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 MAX_LOGPROBS = 20
+# Token ids a sequence may not sample yet (EOS and stop_token_ids before min_tokens), per row.
+MAX_BANNED = 16
 
 
+@typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingTensors:
@@ -51,6 +55,7 @@ class SamplingTensors:
     slot: Int[Array, " S"]
 
 
+@typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleResult:
@@ -134,6 +139,7 @@ def sample(
     prompt_mask: Bool[Array, "R V"],
     output_counts: Int[Array, "R V"],
     want_logprobs: Bool[Array, ""],
+    banned_ids: Int[Array, "S B"],
 ) -> SampleResult:
     """Samples one token per row of float32 logits.
 
@@ -142,8 +148,11 @@ def sample(
       params: per-row sampling parameters.
       prompt_mask, output_counts: the penalty tables (already holding this step's inputs).
       want_logprobs: whether any row asked for top logprobs (skips the top-L search if not).
+      banned_ids: token ids each row may not sample now (padding: V, out of range).
     """
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
     penalised = jnp.any(
         (params.presence_penalty != 0) | (params.frequency_penalty != 0) | (params.repetition_penalty != 1)
     )

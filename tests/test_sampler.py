@@ -33,9 +33,12 @@ def empty_tables():
     return jnp.zeros((ROWS, V), bool), jnp.zeros((ROWS, V), jnp.int32)
 
 
-def run(logits, params, tables=None, want_logprobs=False):
+def run(logits, params, tables=None, want_logprobs=False, banned=None):
     prompt_mask, counts = tables or empty_tables()
-    return jax.jit(sample)(jnp.asarray(logits, jnp.float32), params, prompt_mask, counts, jnp.bool_(want_logprobs))
+    banned = np.full((len(logits), 2), V, np.int32) if banned is None else np.asarray(banned, np.int32)
+    return jax.jit(sample)(
+        jnp.asarray(logits, jnp.float32), params, prompt_mask, counts, jnp.bool_(want_logprobs), jnp.asarray(banned)
+    )
 
 
 def random_logits(s, seed=0):
@@ -134,3 +137,11 @@ def test_logprobs_are_the_raw_log_softmax(temperature):
     np.testing.assert_array_equal(out.top_ids[:, 0], logits.argmax(-1))
     np.testing.assert_array_equal(out.ranks, 1 + (logprobs > chosen[:, None]).sum(-1))
     np.testing.assert_allclose(out.top_logprobs, -np.sort(-logprobs, axis=-1)[:, :MAX_LOGPROBS], rtol=1e-5)
+
+
+def test_banned_ids_are_never_sampled():
+    logits = random_logits(2, seed=11)
+    best = logits.argmax(-1)
+    banned = [[best[0], V], [V, V]]
+    out = run(logits, tensors(2, temperature=[0, 0]), banned=banned)
+    assert int(out.token_ids[0]) != best[0] and int(out.token_ids[1]) == best[1]

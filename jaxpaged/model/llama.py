@@ -9,6 +9,7 @@ in and goes out as a value: under `jit` with the pool donated the update is in p
 """
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from pallas_kernels import reference
 INIT_STDDEV = 0.02
 
 
+@typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:

@@ -1,11 +1,13 @@
 """Per-step attention metadata: where this step's tokens sit and which pages each sequence owns."""
 
 import dataclasses
+import typing
 
 import jax
 from jaxtyping import Array, Int
 
 
+@typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:

@@ -73,9 +73,18 @@ class IncrementalDetokenizer:
         self.stop_reason = s
         return True
 
+    def _flush(self) -> None:
+        """At the end, releases text still waiting for a character to complete (it never will)."""
+        if self.stop_reason is None and self.read_offset < len(self.tokens):
+            prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+            self.text += self._decode(self.tokens[self.prefix_offset :])[len(prefix) :]
+            self.prefix_offset = self.read_offset = len(self.tokens)
+
     def take_delta(self, finished: bool) -> str:
         """Text not handed out yet. While running, the last characters that could begin a stop
         string are held back, so a streamed stop string never has to be taken back."""
+        if finished:
+            self._flush()
         end = len(self.text)
         if not finished and self.stop and not self.include_stop:
             end = max(self._emitted, end - max(len(s) for s in self.stop) + 1)

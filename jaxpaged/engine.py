@@ -17,6 +17,7 @@ How a request flows:
 
 import logging
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -78,7 +79,7 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None, *,
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, cache_salt: str | None = None, stream: bool = False) -> None:  # fmt: skip
         """Queues a request.
 

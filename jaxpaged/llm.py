@@ -2,6 +2,7 @@
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -60,13 +61,14 @@ class LLM:
         """KV-cache and scheduler statistics (see `LLMEngine.get_stats`)."""
         return self.llm_engine.get_stats()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
+    def generate(self, prompts: Any,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:  # fmt: skip
         """Generates completions for every prompt; returns their final outputs in input order.
 
         Args:
-          prompts: a string, a `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dict, or a list of them.
+          prompts: a string, a `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dict, or a list of
+            them (anything else is a ValueError naming it).
           sampling_params: one for all prompts, or one per prompt (default `SamplingParams()`).
           use_tqdm: show a progress bar.
 

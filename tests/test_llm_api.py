@@ -1,0 +1,194 @@
+"""The vLLM-style API: LLM.generate / chat, sampling features, streaming, aborts, errors, donation."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+import pytest
+from engine_fixtures import hf_greedy, make_model_dir
+
+from jaxpaged.engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.llm import LLM
+from jaxpaged.runner import ModelRunner
+from jaxpaged.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("api_model"))
+    return path, make_model_dir(path)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64)
+
+
+def greedy(max_tokens=12, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_generate_returns_outputs_in_order_with_vllm_fields(llm, model_dir):
+    prompts = ["hello there", "the quick brown fox jumps", {"prompt_token_ids": [1, 9, 8, 7]}]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["hello there", "the quick brown fox jumps", None]
+    for out in outs:
+        c = out.outputs[0]
+        assert out.finished and c.finish_reason == "length" and c.index == 0 and len(c.token_ids) == 12
+        assert c.token_ids == hf_greedy(model_dir[1], out.prompt_token_ids, 12)
+        assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+        assert out.metrics.arrival_time <= out.metrics.first_token_time <= out.metrics.finished_time
+
+
+def test_one_sampling_params_per_prompt(llm):
+    outs = llm.generate(["a", "b"], [greedy(3), greedy(5)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    with pytest.raises(ValueError, match="2 prompts"):
+        llm.generate(["a", "b"], [greedy(3)] * 3, use_tqdm=False)
+
+
+def test_seeded_request_is_independent_of_its_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    [alone] = llm.generate(["the quick brown fox"], params, use_tqdm=False)
+    others = [SamplingParams(temperature=0.8, max_tokens=int(m), ignore_eos=True) for m in np.arange(32) % 7 + 1]
+    batch = llm.generate([f"prompt {i}" for i in range(32)] + ["the quick brown fox"], others + [params], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_parallel_sampling_shares_the_prompt(llm):
+    [out] = llm.generate(["the lazy dog"], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "n samples should differ"
+
+
+def test_logprobs(llm):
+    [out] = llm.generate(["hello"], greedy(5, logprobs=3), use_tqdm=False)
+    c = out.outputs[0]
+    assert len(c.logprobs) == 5
+    for token, entry in zip(c.token_ids, c.logprobs):
+        assert token in entry and entry[token].rank == 1 and len(entry) >= 3
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)), rel=1e-5)
+
+
+def test_stop_strings_and_stop_token_ids(llm):
+    [base] = llm.generate(["once upon"], greedy(20), use_tqdm=False)
+    text, ids = base.outputs[0].text, base.outputs[0].token_ids
+    stop = text[5:8]
+    [out] = llm.generate(["once upon"], greedy(20, stop=[stop]), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop and c.text == text[: text.index(stop)]
+    [kept] = llm.generate(["once upon"], greedy(20, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)
+    assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
+    [by_id] = llm.generate(["once upon"], greedy(20, stop_token_ids=[ids[3]]), use_tqdm=False)
+    assert by_id.outputs[0].token_ids == ids[: ids.index(ids[3]) + 1]
+    assert by_id.outputs[0].stop_reason == ids[3] and by_id.outputs[0].finish_reason == "stop"
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(llm):
+    [base] = llm.generate(["once upon"], greedy(10), use_tqdm=False)
+    first = base.outputs[0].token_ids[0]
+    [out] = llm.generate(["once upon"], greedy(10, stop_token_ids=[first], min_tokens=4), use_tqdm=False)
+    assert first not in out.outputs[0].token_ids[:4]
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    [out] = llm.chat(messages, greedy(4), use_tqdm=False)
+    expected = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert out.prompt_token_ids == list(expected)
+
+
+def test_streaming_deltas_add_up_and_abort_frees_blocks(model_dir):
+    engine = LLMEngine(EngineArgs(model=model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=8,
+                                  max_num_batched_tokens=64))  # fmt: skip
+    engine.add_request("s", "hello there", greedy(10), stream=True)
+    engine.add_request("a", "abort me", greedy(50), stream=True)
+    text, tokens = "", []
+    for _ in range(3):
+        for out in engine.step():
+            if out.request_id == "s":
+                text += out.outputs[0].text
+                tokens += out.outputs[0].token_ids
+    engine.abort_request("a")
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    for out in outs:
+        if out.request_id == "s":
+            text += out.outputs[0].text
+            tokens += out.outputs[0].token_ids
+    assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].text
+            tokens += out.outputs[0].token_ids
+    assert len(tokens) == 10 and text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ("x" * 10, dict(max_tokens=200), "max_model_len"),
+        ("hi", dict(logprobs=21), "logprobs"),
+        ({"prompt_token_ids": [1, 99999]}, dict(max_tokens=2), "vocabulary"),
+        ({"prompt_token_ids": []}, dict(max_tokens=2), "empty"),
+        (3.5, dict(max_tokens=2), "prompt must be"),
+    ],
+)
+def test_bad_requests_raise_and_the_engine_keeps_running(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompt], SamplingParams(**params), use_tqdm=False)
+    [out] = llm.generate(["still fine"], greedy(2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_bad_sampling_params_name_the_field():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_step_donates_the_cache_and_never_recompiles(llm, caplog):
+    runner = llm.llm_engine.runner
+    old_k = runner.cache.kv.k[0]
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            llm.generate(["donate", "the pool please"], greedy(6), use_tqdm=False)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert old_k.is_deleted(), "the pool passed to a step must be donated"
+    compiles = [r.getMessage() for r in caplog.records if "compil" in r.getMessage().lower()]
+    assert not compiles, f"compiled after warm-up: {compiles[:3]}"
+
+
+def test_step_temporaries_do_not_grow_with_the_pool(llm):
+    """The pool is updated in place: a 20x larger pool adds nothing to the step's temporaries."""
+    engine = llm.llm_engine
+    model = nnx.merge(engine.runner.graphdef, engine.runner.params)
+    temps = []
+    for num_blocks in (20, 400):
+        runner = ModelRunner(model, mesh=engine.mesh, num_blocks=num_blocks, block_size=16, max_num_seqs=4,
+                             max_num_batched_tokens=16, max_model_len=128, kv_dtype=jnp.float32)  # fmt: skip
+        temps.append(runner.compile_bucket(16).memory_analysis().temp_size_in_bytes)
+    block_bytes = 2 * model.config.num_layers * 16 * model.config.num_kv_heads * model.config.head_dim * 4
+    assert temps[1] - temps[0] < block_bytes, f"temporaries {temps} grow with the pool"
+
+
+def test_dummy_weights_from_a_config_only_directory(tmp_path, model_dir):
+    import shutil
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{model_dir[0]}/{name}", tmp_path / name)
+    llm = LLM(str(tmp_path), load_format="dummy", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    [out] = llm.generate(["hi"], greedy(3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3

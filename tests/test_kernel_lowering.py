@@ -1,0 +1,98 @@
+"""Every Pallas kernel lowers for CUDA (Pallas -> Triton IR) with real model shapes, on a CPU.
+
+This catches primitives the Triton lowering does not support, non-power-of-two tiles and bad
+shapes without a GPU; only a GPU run (`benchmarks/kernels_gpu.py`) catches wrong results on the
+GPU and speed. The target GPU is described with an abstract device: jax 0.11 requires it (it
+reads the compute capability from `device_kind`); jax 0.10.2 accepts it and otherwise assumes
+sm_90. `interpret=False` is forced, since the CPU default would be the interpreter.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import paged_decode_attention, ragged_paged_attention, write_kv
+
+pytestmark = [
+    pytest.mark.lowering,
+    # jax 0.11 warns at every Triton lowering; DESIGN.md section 4 knows and keeps the kernels small.
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+BLOCK_SIZE = 16
+NUM_BLOCKS = 8192  # 131,072 tokens: a realistic per-layer pool on an 80 GB GPU
+MAX_PAGES = 8192 // BLOCK_SIZE  # block tables sized for max_model_len 8K
+
+# name -> (query heads N, kv heads K, head_dim H)
+MODELS = {
+    "llama-3.1-8b": (32, 8, 128),
+    "llama-3.1-70b": (64, 8, 128),
+    "llama-3.2-1b": (32, 8, 64),
+    "head-dim-256": (16, 4, 256),
+}
+
+
+def lower_for_cuda(fn, *abstract_args) -> str:
+    """StableHLO text of `jax.jit(fn)` lowered for CUDA on whatever machine runs the test."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def sds(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def pools(kv_heads, head_dim):
+    return sds((NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim)), sds((NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("batch", [1, 8, 64, 256])
+def test_decode_lowers_to_triton(model, batch):
+    n, k, h = MODELS[model]
+    fn = functools.partial(paged_decode_attention, interpret=False)
+    text = lower_for_cuda(
+        fn, sds((batch, n, h)), *pools(k, h), sds((batch, MAX_PAGES), jnp.int32), sds((batch,), jnp.int32)
+    )
+    assert TRITON_CALL in text
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize(
+    "num_tokens,num_seqs",
+    [(256, 256), (2048, 64), (8192, 1), (8192, 256)],
+    ids=["decode-256", "mixed-2048", "prefill-8192", "mixed-8192"],
+)
+def test_ragged_lowers_to_triton(model, num_tokens, num_seqs):
+    n, k, h = MODELS[model]
+    fn = functools.partial(ragged_paged_attention, interpret=False)
+    text = lower_for_cuda(
+        fn,
+        sds((num_tokens, n, h)),
+        *pools(k, h),
+        sds((num_seqs + 1,), jnp.int32),
+        sds((num_seqs,), jnp.int32),
+        sds((num_seqs, MAX_PAGES), jnp.int32),
+        sds((), jnp.int32),
+    )
+    assert TRITON_CALL in text
+
+
+def test_write_kv_lowers_for_cuda_as_an_in_place_scatter():
+    """write_kv is an XLA scatter (no Triton call); donated, its outputs alias the pools."""
+    _, k, h = MODELS["llama-3.1-8b"]
+    fn = jax.jit(write_kv, donate_argnums=(0, 1))
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = fn.trace(*pools(k, h), sds((2048, k, h)), sds((2048, k, h)), sds((2048,), jnp.int32)).lower(
+            lowering_platforms=("cuda",)
+        )
+    text = lowered.as_text()
+    assert "scatter" in text and TRITON_CALL not in text
+    assert text.count("tf.aliasing_output") == 2, "both pools must be donated into the outputs"

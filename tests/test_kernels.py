@@ -1,0 +1,251 @@
+"""The Pallas kernels (interpret mode on CPU) equal their jnp references.
+
+Pools start as NaN and only the slots a sequence owns are written, so the null block, pages
+nobody owns, the tail of each sequence's last page and every unused block-table entry are NaN:
+a stray read anywhere poisons the output. Block tables are shuffled. Shapes stay small because
+the Pallas interpreter runs every program one after another on the CPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_decode_attention, ragged_paged_attention, reference, write_kv
+from pallas_kernels import decode_attention
+
+BS = 16  # block size
+KV_HEADS = 2
+TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+
+
+def make_pools(rng, kv_lens, width, head_dim, dtype):
+    """NaN pools holding random K/V for each sequence on shuffled pages; returns pools, tables."""
+    pages = [-(-n // BS) for n in kv_lens]
+    num_blocks = sum(pages) + 1 + 3  # the null block and a few blocks nobody owns
+    ids = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((len(kv_lens), width), np.int32)
+    shape = (num_blocks, BS, KV_HEADS, head_dim)
+    k_pool = np.full(shape, np.nan, np.float32)
+    v_pool = np.full(shape, np.nan, np.float32)
+    start = 0
+    for s, (n, p) in enumerate(zip(kv_lens, pages)):
+        tables[s, :p] = ids[start : start + p]
+        start += p
+        pos = np.arange(n)
+        blocks, offsets = tables[s][pos // BS], pos % BS
+        k_pool[blocks, offsets] = rng.standard_normal((n, KV_HEADS, head_dim))
+        v_pool[blocks, offsets] = rng.standard_normal((n, KV_HEADS, head_dim))
+    return jnp.asarray(k_pool, dtype), jnp.asarray(v_pool, dtype), jnp.asarray(tables)
+
+
+def rel_error(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_decode_attention
+
+# Both sides of block boundaries, a long context, and a padding row (length 0).
+DECODE_LENS = [1, BS - 1, BS, BS + 1, 300, 0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_matches_reference(dtype, head_dim, group):
+    rng = np.random.default_rng(group * 1000 + head_dim)
+    k_pool, v_pool, tables = make_pools(rng, DECODE_LENS, 20, head_dim, dtype)
+    q = jnp.asarray(rng.standard_normal((len(DECODE_LENS), KV_HEADS * group, head_dim)), dtype)
+    lens = jnp.asarray(DECODE_LENS, jnp.int32)
+    out = jax.jit(functools.partial(paged_decode_attention, interpret=True))(q, k_pool, v_pool, tables, lens)
+    ref = reference.paged_decode_attention(q, k_pool, v_pool, tables, lens)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all(), "NaN leaked from an unused page"
+    assert rel_error(out[:-1], ref[:-1]) < TOLERANCE[dtype]
+    assert (out[-1] == 0).all(), "a padding row (seq_len 0) must be zero"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_decode_split_k(dtype):
+    """A wide block table (max_model_len >> the actual lengths) gives several splits; the split
+    boundaries follow each sequence's actual length, so short rows leave splits empty."""
+    lens_list = [1, BS + 1, 300, 700, 0]
+    width = 64  # 1,024 tokens per sequence at most
+    assert decode_attention.num_splits(len(lens_list), KV_HEADS, width, BS, 128) == 4
+    rng = np.random.default_rng(11)
+    k_pool, v_pool, tables = make_pools(rng, lens_list, width, 128, dtype)
+    q = jnp.asarray(rng.standard_normal((len(lens_list), KV_HEADS * 4, 128)), dtype)
+    lens = jnp.asarray(lens_list, jnp.int32)
+    out = paged_decode_attention(q, k_pool, v_pool, tables, lens, interpret=True)
+    ref = reference.paged_decode_attention(q, k_pool, v_pool, tables, lens)
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all()
+    assert rel_error(out[:-1], ref[:-1]) < TOLERANCE[dtype]
+    assert (out[-1] == 0).all()
+
+
+def test_decode_scale_and_default_interpret():
+    """`scale` is honoured; `interpret=None` interprets on a CPU backend."""
+    rng = np.random.default_rng(5)
+    k_pool, v_pool, tables = make_pools(rng, [40, 7], 4, 64, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, KV_HEADS * 2, 64)), jnp.float32)
+    lens = jnp.asarray([40, 7], jnp.int32)
+    out = paged_decode_attention(q, k_pool, v_pool, tables, lens, scale=0.3)
+    ref = reference.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale=0.3)
+    assert rel_error(out, ref) < TOLERANCE[jnp.float32]
+
+
+def test_num_splits_fills_the_gpu_for_small_batches():
+    # Llama-3.1-8B decode (8 kv heads, head_dim 128), 8K-token tables.
+    assert decode_attention.num_splits(1, 8, 512, 16, 128) == 32
+    assert decode_attention.num_splits(8, 8, 512, 16, 128) == 8
+    assert decode_attention.num_splits(64, 8, 512, 16, 128) == 1
+    assert decode_attention.num_splits(1, 8, 4, 16, 128) == 1  # a one-tile table cannot split
+
+
+# ---------------------------------------------------------------------------------------------
+# ragged_paged_attention
+
+# (kv_len, q_len): decode tokens (one on a block edge, one after a long context), fresh prompts
+# on both sides of a block, a long fresh prompt, prefix-cached prompts, chunks ending mid-block.
+RAGGED = [
+    (1, 1),
+    (BS + 1, 1),
+    (300, 1),
+    (BS - 1, BS - 1),
+    (BS, BS),
+    (BS + 1, BS + 1),
+    (120, 120),
+    (BS + 1, 3),
+    (37, 21),
+    (150, 64),
+]
+PAD_TOKENS, PAD_SEQS = 5, 2
+
+
+def ragged_inputs(rng, seqs, group, head_dim, dtype):
+    kv_lens, q_lens = zip(*seqs)
+    k_pool, v_pool, tables = make_pools(rng, kv_lens, 24, head_dim, dtype)
+    num_tokens = sum(q_lens) + PAD_TOKENS
+    q = jnp.asarray(rng.standard_normal((num_tokens, KV_HEADS * group, head_dim)), dtype)
+    cu = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * PAD_SEQS]).astype(np.int32)
+    lens = np.array(list(kv_lens) + [0] * PAD_SEQS, np.int32)
+    tables = jnp.concatenate([tables, jnp.zeros((PAD_SEQS, tables.shape[1]), jnp.int32)])
+    return q, k_pool, v_pool, jnp.asarray(cu), jnp.asarray(lens), tables, jnp.int32(len(seqs))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_ragged_matches_reference(dtype, head_dim, group):
+    rng = np.random.default_rng(group * 1000 + head_dim + 1)
+    args = ragged_inputs(rng, RAGGED, group, head_dim, dtype)
+    out = jax.jit(functools.partial(ragged_paged_attention, interpret=True))(*args)
+    ref = np.asarray(reference.ragged_paged_attention(*args), np.float64)
+    assert out.dtype == args[0].dtype and out.shape == args[0].shape
+    out = np.asarray(out, np.float64)
+    real = sum(q for _, q in RAGGED)
+    assert np.isfinite(out).all(), "NaN leaked from an unused page"
+    assert rel_error(out[:real], ref[:real]) < TOLERANCE[dtype]
+    cu = np.asarray(args[3])
+    for s in range(len(RAGGED)):  # every sequence on its own, so a small one cannot hide
+        rows = slice(cu[s], cu[s + 1])
+        assert rel_error(out[rows], ref[rows]) < TOLERANCE[dtype], f"sequence {s} {RAGGED[s]}"
+    assert (out[real:] == 0).all(), "padding rows must be zero"
+
+
+def test_ragged_all_decode_and_scale():
+    """A pure-decode batch (one token per sequence), custom scale, interpret=None on CPU."""
+    rng = np.random.default_rng(9)
+    seqs = [(n, 1) for n in (1, BS - 1, BS, BS + 1, 200)]
+    args = ragged_inputs(rng, seqs, 4, 64, jnp.float32)
+    out = ragged_paged_attention(*args, scale=0.2)
+    ref = reference.ragged_paged_attention(*args, scale=0.2)
+    assert rel_error(out[: len(seqs)], ref[: len(seqs)]) < TOLERANCE[jnp.float32]
+    assert (np.asarray(out[len(seqs) :]) == 0).all()
+
+
+def test_ragged_no_sequences():
+    """num_seqs = 0 (an all-padding step): everything is zero, nothing is read."""
+    rng = np.random.default_rng(4)
+    q, k_pool, v_pool, cu, lens, tables, _ = ragged_inputs(rng, RAGGED[:3], 1, 64, jnp.float32)
+    out = ragged_paged_attention(q, k_pool, v_pool, cu, lens, tables, jnp.int32(0), interpret=True)
+    assert (np.asarray(out) == 0).all()
+
+
+def test_float32_queries_over_bfloat16_pools():
+    """Queries are cast to the pool dtype for the dots; the output keeps the query dtype."""
+    rng = np.random.default_rng(8)
+    seqs = [(BS + 1, 1), (40, 40), (37, 21)]
+    q, *rest = ragged_inputs(rng, seqs, 4, 64, jnp.bfloat16)
+    q = q.astype(jnp.float32)
+    out = ragged_paged_attention(q, *rest, interpret=True)
+    ref = reference.ragged_paged_attention(q, *rest)
+    assert out.dtype == jnp.float32
+    assert rel_error(out, ref) < TOLERANCE[jnp.bfloat16]
+    k_pool, v_pool, cu, lens, tables = rest[0], rest[1], rest[2], rest[3], rest[4]
+    dq = q[np.asarray(cu[1:4]) - 1]  # each sequence's last token, as a decode batch
+    out = paged_decode_attention(dq, k_pool, v_pool, tables[:3], lens[:3], interpret=True)
+    assert out.dtype == jnp.float32
+    assert rel_error(out, reference.paged_decode_attention(dq, k_pool, v_pool, tables[:3], lens[:3])) < 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+def test_unsupported_head_dim_is_a_clear_error(kernel):
+    shape = (4, BS, KV_HEADS, 96)
+    pool = jnp.ones(shape, jnp.float32)
+    q = jnp.ones((3, KV_HEADS, 96), jnp.float32)
+    table = jnp.zeros((3, 2), jnp.int32)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        if kernel == "decode":
+            paged_decode_attention(q, pool, pool, table, jnp.ones(3, jnp.int32))
+        else:
+            cu = jnp.arange(4, dtype=jnp.int32)
+            ragged_paged_attention(q, pool, pool, cu, jnp.ones(3, jnp.int32), table, jnp.int32(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# write_kv
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_write_kv_writes_exactly_the_slots(dtype):
+    rng = np.random.default_rng(3)
+    shape = (6, BS, KV_HEADS, 64)
+    k_pool = jnp.asarray(rng.standard_normal(shape), dtype)
+    v_pool = jnp.asarray(rng.standard_normal(shape), dtype)
+    # Real tokens, then two padding tokens aimed at the null block.
+    slots = np.array([5 * BS + 3, 2 * BS, 1 * BS + 15, 3 * BS + 1, 0, 0], np.int32)
+    k_new = rng.standard_normal((len(slots), KV_HEADS, 64)).astype(np.float32)
+    v_new = rng.standard_normal((len(slots), KV_HEADS, 64)).astype(np.float32)
+    k_out, v_out = jax.jit(write_kv)(k_pool, v_pool, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots))
+    assert k_out.dtype == dtype and k_out.shape == shape
+    for pool, new, out in ((k_pool, k_new, k_out), (v_pool, v_new, v_out)):
+        expected = np.asarray(pool, np.float32).reshape(-1, KV_HEADS, 64).copy()
+        expected[slots[:4]] = np.asarray(jnp.asarray(new[:4], dtype), np.float32)
+        got = np.asarray(out, np.float32).reshape(-1, KV_HEADS, 64)
+        # Block 0 (the null block) takes the padding writes: its contents are unspecified.
+        np.testing.assert_array_equal(got[BS:], expected[BS:])
+
+
+def test_write_kv_updates_donated_pools_in_place():
+    shape = (256, BS, KV_HEADS, 64)  # 2 MiB per pool
+    pool_bytes = int(np.prod(shape)) * 4
+    k_pool = jnp.ones(shape, jnp.float32)
+    v_pool = jnp.ones(shape, jnp.float32)
+    new = jnp.ones((8, KV_HEADS, 64), jnp.float32)
+    slots = jnp.arange(8, dtype=jnp.int32) * 5
+    step = jax.jit(write_kv, donate_argnums=(0, 1))
+    compiled = step.lower(k_pool, v_pool, new, new, slots).compile()
+    stats = compiled.memory_analysis()
+    assert stats.temp_size_in_bytes < pool_bytes // 16, stats
+    assert stats.alias_size_in_bytes >= 2 * pool_bytes, stats
+    k_ptr = k_pool.unsafe_buffer_pointer()
+    k_out, _ = step(k_pool, v_pool, new, new, slots)
+    assert k_pool.is_deleted()
+    assert k_out.unsafe_buffer_pointer() == k_ptr, "the K pool was copied instead of updated"

@@ -27,11 +27,12 @@ from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_setup import build_model, eos_token_ids, plan_cache
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.request_state import RequestState
-from jaxpaged.runner import ModelRunner, SequenceRow, sampling_row
-from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
+from jaxpaged.runner import ModelRunner
+from jaxpaged.sampler import MAX_LOGPROBS
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.step_packer import MAX_BANNED, SequenceRow, sampling_row
 
 logger = logging.getLogger("jaxpaged")
 
@@ -45,6 +46,9 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs):
         self.args = args
+        if args.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         self.model_config, model, self.max_model_len = build_model(args)
         self.mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.tensor_parallel_size]), ("tp",))
@@ -187,7 +191,7 @@ class LLMEngine:
             if row is None:
                 row = self._rows[seq.seq_id] = sampling_row(sp, seq.index)
             banned = self._banned_ids(sp) if seq.num_output_tokens < sp.min_tokens else ()
-            rows.append(SequenceRow(row, slot, seq.num_prompt_tokens, bool(sp.logprobs), banned))
+            rows.append(SequenceRow(seq.seq_id, row, slot, seq.num_prompt_tokens, bool(sp.logprobs), banned))
         result = self.runner.execute(out.step_inputs, rows, resets)
         n = out.num_seqs
         tokens = np.asarray(result.token_ids)[:n].tolist()
@@ -227,6 +231,7 @@ class LLMEngine:
         """Gives back a sequence's penalty-table slot (finished, aborted or preempted)."""
         slot = self._slot_of.pop(seq.seq_id, None)
         if slot is not None:
+            self.runner.packer.release(slot)
             self._free_slots.append(slot)
         if seq.is_finished:
             self._rows.pop(seq.seq_id, None)

@@ -24,6 +24,8 @@ class EngineArgs:
       load_format: "auto" (read weights) or "dummy" (random weights, real shapes).
       tensor_parallel_size: devices to shard over (only 1 is supported so far).
       compilation_cache_dir: a persistent JAX compilation cache directory, or None.
+      attention_backend: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference"
+        or "pallas" (interpret mode on CPU).
     """
 
     model: str
@@ -40,6 +42,7 @@ class EngineArgs:
     load_format: str = "auto"
     tensor_parallel_size: int = 1
     compilation_cache_dir: str | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         if not os.path.isdir(self.model):
@@ -47,6 +50,8 @@ class EngineArgs:
                 f"model={self.model!r} is not a directory; pass a Hugging Face or jaxpaged-convert "
                 "model directory (nothing is downloaded)"
             )
+        if self.attention_backend not in ("auto", "reference", "pallas"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be 'auto', 'reference' or 'pallas'")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} is not supported; use 'auto' or 'dummy'")
         if self.tensor_parallel_size != 1:

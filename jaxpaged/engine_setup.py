@@ -30,9 +30,11 @@ def build_model(args: EngineArgs) -> tuple[ModelConfig, Llama, int]:
     max_model_len = config.check_max_model_len(args.max_model_len or config.max_context_len)
     if args.load_format == "dummy":
         dtype = resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype"))
-        model = nnx.jit(lambda: Llama(config, jnp.dtype(dtype), rngs=nnx.Rngs(args.seed)))()
+        model = nnx.jit(
+            lambda: Llama(config, jnp.dtype(dtype), rngs=nnx.Rngs(args.seed), attention=args.attention_backend)
+        )()
     else:
-        config, model = load_model(args.model, args.dtype)
+        config, model = load_model(args.model, args.dtype, attention=args.attention_backend)
     logger.info("model %s: %s, %d layers, dtype %s", args.model, config.architecture, config.num_layers,
                 model.embed[...].dtype)  # fmt: skip
     return config, model, max_model_len
@@ -66,8 +68,16 @@ def plan_cache(args: EngineArgs, model: Llama, mesh: jax.sharding.Mesh, max_mode
         return plan_kv_cache(model.config, kv_cache_memory_bytes=budget, **common)
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     activations = _peak_activation_bytes(args, model, mesh, max_model_len)
+    # The allocator's limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (see jaxpaged/__init__.py).
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    total = stats["bytes_limit"] / fraction
+    utilization = args.gpu_memory_utilization
+    if utilization > fraction:
+        logger.warning("gpu_memory_utilization=%s exceeds the JAX allocator's limit (XLA_PYTHON_CLIENT_MEM_FRACTION=%s); "
+                       "planning with %s", utilization, fraction, fraction)  # fmt: skip
+        utilization = fraction
     return plan_kv_cache(
-        model.config, device_memory_bytes=stats["bytes_limit"], gpu_memory_utilization=args.gpu_memory_utilization,
+        model.config, device_memory_bytes=int(total), gpu_memory_utilization=utilization,
         weight_bytes=weights, activation_bytes=activations, **common,
     )  # fmt: skip
 

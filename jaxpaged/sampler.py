@@ -19,8 +19,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 MAX_LOGPROBS = 20
-# Token ids a sequence may not sample yet (EOS and stop_token_ids before min_tokens), per row.
-MAX_BANNED = 16
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)

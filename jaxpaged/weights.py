@@ -166,19 +166,20 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
     return config, read_hf_params(model_dir, config, target)
 
 
-def load_model(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[ModelConfig, Llama]:
+def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str = "auto") -> tuple[ModelConfig, Llama]:
     """Loads a checkpoint into an NNX `Llama` without random-initialising it first.
 
     Args:
       model_dir: an HF directory or a converted directory (see `load_params`).
       dtype: as in `load_params`; also the model's dtype.
+      attention: attention backend, "auto", "reference" or "pallas".
 
     Returns:
       `(config, model)` whose parameters are `jax.Array`s on the default device.
     """
     config, params = load_params(model_dir, dtype)
     param_dtype = params["embed"].dtype
-    abstract = nnx.eval_shape(lambda: Llama(config, param_dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Llama(config, param_dtype, rngs=nnx.Rngs(0), attention=attention))
     graphdef, state = nnx.split(abstract)
     _to_device(params)
     nnx.replace_by_pure_dict(state, params)

@@ -19,9 +19,21 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.config import ModelConfig
 from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
+import pallas_kernels
 from pallas_kernels import reference
 
 INIT_STDDEV = 0.02
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+
+def resolve_attention_backend(name: str) -> str:
+    """"auto" is the Pallas kernels on a GPU and the jnp reference elsewhere; "pallas" on a
+    CPU runs the kernels in interpret mode (slow; for tests)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return name
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
@@ -71,7 +83,7 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention reading and writing one layer of the paged pool."""
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str = "reference"):
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.q_proj = _param(rngs, (d, n, h), dtype)  # DNH
         self.k_proj = _param(rngs, (d, k, h), dtype)  # DKH
@@ -87,6 +99,7 @@ class Attention(nnx.Module):
         self.has_o_bias = config.o_bias
         self.rope = config.rope
         self.head_dim = h
+        self.attention = attention  # "reference" or "pallas" (resolved)
 
     def __call__(
         self,
@@ -103,8 +116,9 @@ class Attention(nnx.Module):
         inv_freq = jnp.asarray(inverse_frequencies(self.rope, self.head_dim))  # a trace-time constant
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        k_pool, v_pool = reference.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
-        attn = reference.ragged_paged_attention(
+        k_pool, v_pool = pallas_kernels.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
+        ops = pallas_kernels if self.attention == "pallas" else reference
+        attn = ops.ragged_paged_attention(
             q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables, meta.num_seqs
         )
         out = jnp.einsum("TNH,NHD->TD", attn, self.o_proj[...])
@@ -131,9 +145,9 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention, then MLP."""
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, dtype, rngs=rngs)
+        self.attn = Attention(config, dtype, rngs=rngs, attention=attention)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, rngs=rngs)
 
@@ -151,12 +165,16 @@ class Llama(nnx.Module):
       config: the model's static configuration.
       dtype: parameter and activation dtype (float32 or bfloat16).
       rngs: random initialisation (used as-is for `load_format="dummy"`; replaced on load).
+      attention: "auto", "reference" or "pallas" (see `resolve_attention_backend`).
     """
 
-    def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, attention: str = "auto"):
         self.config = config
+        backend = resolve_attention_backend(attention)
         self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # VD
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs=rngs) for _ in range(config.num_layers)])
+        self.layers = nnx.List(
+            [DecoderLayer(config, dtype, rngs=rngs, attention=backend) for _ in range(config.num_layers)]
+        )
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), dtype)  # DV

@@ -1,0 +1,213 @@
+"""Host-side packing of one engine step into a single int32 buffer (numpy only, no JAX here).
+
+1. Buckets: the step's token count is padded to a power of two between 16 and
+   `max_num_batched_tokens` (T); its sequence count to min(T, max_num_seqs) (S); block
+   tables to the pages of `max_model_len` (P).
+2. Each bucket owns one preallocated buffer; every input of the step (token ids, attention
+   metadata, sampling parameters with floats bit-cast to int32) is written into fixed views
+   of it, so a step is one host->device transfer. `runner.unpack` is the device side.
+3. Block tables live in a persistent `[max_num_seqs, P]` matrix indexed by the sequence's
+   slot, extended as blocks are appended; a step copies the rows it needs in one gather.
+   Everything else is computed with vectorised numpy over the batch.
+"""
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from jaxpaged.step_inputs import ScheduledSequence
+
+MIN_TOKEN_BUCKET = 16
+# Token ids a sequence may not sample yet (EOS and stop_token_ids before min_tokens), per row.
+MAX_BANNED = 16
+# Rows of `SamplingTensors`, in buffer order; float rows are bit-cast.
+SAMPLING_FIELDS = (
+    ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("min_p", np.float32),
+    ("presence_penalty", np.float32), ("frequency_penalty", np.float32), ("repetition_penalty", np.float32),
+    ("seed", np.int32), ("index", np.int32), ("position", np.int32), ("slot", np.int32),
+)  # fmt: skip
+_POSITION_ROW = [name for name, _ in SAMPLING_FIELDS].index("position")
+_SLOT_ROW = [name for name, _ in SAMPLING_FIELDS].index("slot")
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Powers of two from 16 up to the first one >= max_num_batched_tokens."""
+    sizes = [MIN_TOKEN_BUCKET]
+    while sizes[-1] < max_num_batched_tokens:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each field sits in a bucket's flat int32 buffer (hashable: a jit static argument)."""
+
+    num_tokens: int  # T
+    num_seqs: int  # S
+    pages: int  # P
+
+    @property
+    def fields(self) -> list[tuple[str, tuple[int, ...]]]:
+        t, s, p = self.num_tokens, self.num_seqs, self.pages
+        return [
+            ("token_ids", (t,)), ("positions", (t,)), ("slot_mapping", (t,)), ("token_slot", (t,)),
+            ("token_is_output", (t,)), ("cu_q_lens", (s + 1,)), ("kv_lens", (s,)), ("logits_indices", (s,)),
+            ("reset_slots", (s,)), ("sampling", (len(SAMPLING_FIELDS), s)), ("block_tables", (s, p)),
+            ("banned_ids", (s, MAX_BANNED)), ("num_seqs", ()), ("want_logprobs", ()),
+        ]  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        return sum(int(np.prod(shape)) for _, shape in self.fields)
+
+    def views(self, flat):
+        """Splits a flat buffer (numpy or jax) into named, shaped views."""
+        out, start = {}, 0
+        for name, shape in self.fields:
+            n = int(np.prod(shape))
+            out[name] = flat[start : start + n].reshape(shape)
+            start += n
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceRow:
+    """What packing needs of a scheduled sequence besides its `ScheduledSequence`.
+
+    Attributes:
+      seq_id: the sequence (a slot's block-table row is rebuilt when its owner changes).
+      sampling: int32 `[len(SAMPLING_FIELDS)]` sampling row (see `sampling_row`).
+      slot: its row in the block-table matrix and the penalty tables (< max_num_seqs).
+      prompt_len: tokens of its prompt (later positions are generated tokens).
+      want_logprobs: whether it asked for top logprobs.
+      banned_ids: token ids it may not sample this step.
+    """
+
+    seq_id: int
+    sampling: np.ndarray
+    slot: int
+    prompt_len: int
+    want_logprobs: bool = False
+    banned_ids: tuple[int, ...] = ()
+
+
+def sampling_row(params, index: int) -> np.ndarray:
+    """The int32 sampling row of a `SamplingParams` (its seed resolved) for completion `index`."""
+    values = {
+        "temperature": 0.0 if params.greedy else params.temperature,
+        "top_k": max(params.top_k, 0),
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "seed": params.seed or 0,
+        "index": index,
+        "position": 0,
+        "slot": 0,
+    }
+    return np.array([np.array(values[n], d).view(np.int32) for n, d in SAMPLING_FIELDS], np.int32)
+
+
+class StepPacker:
+    """Packs scheduled sequences into per-bucket buffers.
+
+    Args:
+      block_size: tokens per KV block.
+      max_model_len: longest sequence (sets P).
+      max_num_seqs: slots (rows of the block-table matrix and the penalty tables).
+      max_num_batched_tokens: the largest token bucket.
+      vocab_size: V (padding value of `banned_ids`).
+    """
+
+    def __init__(self, *, block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 vocab_size: int):  # fmt: skip
+        self.block_size = block_size
+        self.pages = -(-max_model_len // block_size)
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = vocab_size
+        self.layouts = {t: Layout(t, min(t, max_num_seqs), self.pages) for t in token_buckets(max_num_batched_tokens)}
+        self.buffers = {t: np.zeros(layout.size, np.int32) for t, layout in self.layouts.items()}
+        self._views = {t: layout.views(self.buffers[t]) for t, layout in self.layouts.items()}
+        self.tables = np.zeros((max_num_seqs, self.pages), np.int32)  # null block 0 where unused
+        self._known = np.zeros(max_num_seqs, np.int64)  # entries written per slot
+        self._owner = np.full(max_num_seqs, -1, np.int64)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int:
+        for t, layout in self.layouts.items():
+            if num_tokens <= t and num_seqs <= layout.num_seqs:
+                return t
+        raise ValueError(f"{num_tokens} tokens / {num_seqs} sequences exceed every step bucket")
+
+    def release(self, slot: int) -> None:
+        """Forgets a slot's block-table row (its sequence finished or was preempted)."""
+        self._owner[slot] = -1
+
+    def _sync_tables(self, inputs: list[ScheduledSequence], rows: list[SequenceRow]) -> None:
+        for seq, row in zip(inputs, rows):
+            slot, table = row.slot, seq.block_table
+            if self._owner[slot] != row.seq_id:
+                self.tables[slot] = 0
+                self._known[slot] = 0
+                self._owner[slot] = row.seq_id
+            known = self._known[slot]
+            if len(table) != known:
+                if len(table) < known or len(table) > self.pages:
+                    raise ValueError(f"block table of sequence {row.seq_id} went from {known} to {len(table)} entries")
+                self.tables[slot, known : len(table)] = table[known:]
+                self._known[slot] = len(table)
+
+    def pack(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int]) -> tuple[int, np.ndarray]:
+        """Writes one step into its bucket's buffer.
+
+        Args:
+          inputs: the scheduled sequences, in batch order.
+          rows: their sampling rows and slots, same order.
+          resets: penalty-table slots to clear before the step.
+
+        Returns:
+          `(bucket, buffer)`; the buffer is reused by the next step of the same bucket.
+        """
+        n = len(inputs)
+        lens = np.fromiter((len(s.token_ids) for s in inputs), np.int64, n)
+        total = int(lens.sum())
+        t = self.bucket_for(total, n)
+        v = self._views[t]
+        self.buffers[t].fill(0)
+        self._sync_tables(inputs, rows)
+
+        computed = np.fromiter((s.num_computed for s in inputs), np.int64, n)
+        slots = np.fromiter((r.slot for r in rows), np.int64, n)
+        prompt_lens = np.fromiter((r.prompt_len for r in rows), np.int64, n)
+        starts = np.cumsum(lens) - lens
+        seq_of_token = np.repeat(np.arange(n), lens)
+        positions = computed[seq_of_token] + np.arange(total) - starts[seq_of_token]
+        tables = self.tables[slots]
+        bs = self.block_size
+
+        v["token_ids"][:total] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in inputs), np.int32, total)
+        v["positions"][:total] = positions
+        v["slot_mapping"][:total] = tables[seq_of_token, positions // bs] * bs + positions % bs
+        v["token_slot"][:] = self.max_num_seqs  # out of range: dropped on device
+        v["token_slot"][:total] = slots[seq_of_token]
+        v["token_is_output"][:total] = positions >= prompt_lens[seq_of_token]
+        v["cu_q_lens"][:n] = starts
+        v["cu_q_lens"][n:] = total
+        v["kv_lens"][:n] = computed + lens
+        v["logits_indices"][:n] = starts + lens - 1
+        v["reset_slots"][:] = self.max_num_seqs
+        v["reset_slots"][: len(resets)] = resets
+        v["block_tables"][:n] = tables
+        sampling = v["sampling"]
+        if n:
+            sampling[:, :n] = np.stack([r.sampling for r in rows], axis=1)
+        sampling[_POSITION_ROW, :n] = computed + lens  # position of the token being sampled
+        sampling[_SLOT_ROW, :n] = slots
+        v["banned_ids"][:] = self.vocab_size  # out of range: dropped on device
+        for i, row in enumerate(rows):
+            if row.banned_ids:
+                v["banned_ids"][i, : len(row.banned_ids)] = row.banned_ids
+        v["num_seqs"][...] = n
+        v["want_logprobs"][...] = any(r.want_logprobs for r in rows)
+        return t, self.buffers[t]

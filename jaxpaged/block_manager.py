@@ -245,7 +245,7 @@ class BlockManager:
             block = self.free_block_ids.popleft()
         else:  # evict the least recently freed cached block
             block, _ = self.evictable.popitem(last=False)
-            pass
+            del self.cached_block_hash_to_block[self.block_hash[block]]
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block

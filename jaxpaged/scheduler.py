@@ -3,8 +3,9 @@
 Each engine step:
   1. `schedule()` picks what runs: first one decode token for each running sequence in decode,
      then prefill chunks of running sequences that are still prefilling (including ones resumed
-     after preemption), then waiting sequences in FCFS order; all under `max_num_seqs` running
-     sequences and `max_num_batched_tokens` tokens per step. Blocks come from the
+     after preemption; a chunk shrinks to the free blocks before anything is preempted), then
+     waiting sequences in FCFS order; all under `max_num_seqs` running sequences and
+     `max_num_batched_tokens` tokens per step. Blocks come from the
      `BlockManager`; when a running sequence cannot get one, the most recently admitted running
      sequence not yet scheduled this step is preempted by recompute: its blocks are freed (they
      stay in the prefix cache while nobody needs them), `num_computed_tokens` drops to 0, and it
@@ -191,26 +192,9 @@ class Scheduler:
         cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
-        chosen: set[int] = set()
+        chosen: set[int] = set()  # seq_ids in `scheduled`
         preempted: list[Sequence] = []
-
-        def make_room(seq: Sequence, n: int, admit: bool = False) -> bool:
-            """Preempts from the tail until `seq` can take `n` tokens; False if `seq` itself went."""
-            while not bm.can_append(seq, n):
-                victim = next(s for s in reversed(self.running) if s.seq_id not in chosen)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    return False
-            return True
-
-        def take(seq: Sequence, n: int) -> None:
-            nonlocal budget
-            bm.may_append(seq, n)
-            scheduled.append((seq, n))
-            chosen.add(seq.seq_id)
-            budget -= n
-
+        num_decode_seqs = 0
         # 1. Decodes, then 2. prefill chunks of running sequences, both in admission order.
         for decode in (True, False):
             for seq in list(self.running):
@@ -224,8 +208,11 @@ class Scheduler:
                 if not decode:  # shrink the chunk to the free blocks rather than preempt
                     room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - seq.num_computed_tokens
                     n = max(1, min(n, room))
-                if make_room(seq, n):
-                    take(seq, n)
+                if self._make_room(seq, n, chosen, preempted):
+                    bm.may_append(seq, n)
+                    scheduled.append((seq, n))
+                    chosen.add(seq.seq_id)
+                    budget -= n
             if decode:
                 num_decode_seqs = len(scheduled)
 
@@ -239,10 +226,12 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.allocate(seq, parent)
+            bm.may_append(seq, n)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_order = next(self._admissions)
             self.running.append(seq)
-            take(seq, n)
+            scheduled.append((seq, n))
+            budget -= n
 
         inputs, samples = [], []
         for seq, n in scheduled:
@@ -312,6 +301,17 @@ class Scheduler:
         }
 
     # -- internals --------------------------------------------------------------------------
+
+    def _make_room(self, seq: Sequence, n: int, chosen: set[int], preempted: list[Sequence]) -> bool:
+        """Preempts from the tail (never a sequence in `chosen`) until `seq` can take `n` more
+        tokens; False if `seq` itself had to go."""
+        while not self.block_manager.can_append(seq, n):
+            victim = next(s for s in reversed(self.running) if s.seq_id not in chosen)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

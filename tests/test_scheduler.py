@@ -1,0 +1,338 @@
+"""Scheduler: batching order, chunked prefill, preemption, stops, aborts, and random-workload invariants."""
+
+import itertools
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxpaged.block_manager import NULL_BLOCK
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.sequence import Sequence, SequenceStatus
+
+EOS = 1
+_ids = itertools.count()
+
+
+def make_sched(eos=EOS, **kw):
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_blocks=64)
+    cfg.update(kw)
+    return Scheduler(SchedulerConfig(**cfg), eos_token_id=eos)
+
+
+def make_seq(prompt, request_id=None, index=0, **params):
+    params.setdefault("max_tokens", 8)
+    return Sequence(request_id or f"r{next(_ids)}", list(prompt), SamplingParams(**params), index=index)
+
+
+def step(sched, token=7):
+    """One engine step with a fake sampler that always returns `token`."""
+    out = sched.schedule()
+    finished = sched.postprocess(out, [token] * out.num_seqs)
+    return out, finished
+
+
+def batch(out):
+    return [(seq.request_id, n) for seq, n in out.scheduled]
+
+
+def test_chunked_prefill_respects_budget_fcfs():
+    sched = make_sched(max_num_batched_tokens=8)
+    a, b = make_seq(range(10, 20), "a"), make_seq([5, 6, 7], "b")
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched)
+    assert batch(out) == [("a", 8)] and out.samples == [False] and a.num_output_tokens == 0
+    assert out.step_inputs[0].token_ids == list(range(10, 18)) and out.step_inputs[0].num_computed == 0
+    out, _ = step(sched)
+    assert batch(out) == [("a", 2), ("b", 3)] and out.samples == [True, True]
+    assert out.step_inputs[0].token_ids == [18, 19] and out.step_inputs[0].num_computed == 8
+    assert out.num_batched_tokens == 5 and out.num_decode_seqs == 0
+    out, _ = step(sched)
+    assert batch(out) == [("a", 1), ("b", 1)] and out.num_decode_seqs == 2
+    assert out.step_inputs[0].token_ids == [7] and out.step_inputs[0].num_computed == 10
+    assert len(out.step_inputs[0].block_table) * 4 >= 11
+
+
+def test_decodes_go_first():
+    sched = make_sched()
+    sched.add(make_seq([3] * 6, "a"))
+    step(sched)
+    sched.add(make_seq([4] * 5, "b"))
+    out, _ = step(sched)
+    assert batch(out) == [("a", 1), ("b", 5)] and out.num_decode_seqs == 1 and out.num_prefill_tokens == 5
+
+
+def test_max_num_seqs_and_fcfs_admission():
+    sched = make_sched(max_num_seqs=2)
+    for name in "abc":
+        sched.add(make_seq([2, 3, 4], name, max_tokens=2))
+    out, _ = step(sched)
+    assert batch(out) == [("a", 3), ("b", 3)] and [s.request_id for s in sched.waiting] == ["c"]
+    out, finished = step(sched)
+    assert {s.request_id for s in finished} == {"a", "b"}
+    out, _ = step(sched)
+    assert batch(out) == [("c", 3)]
+
+
+def test_waiting_head_blocks_the_queue():
+    # FCFS: a big head that does not fit is not overtaken by a small one behind it.
+    sched = make_sched(num_blocks=9, max_model_len=32, max_num_seqs=4)
+    sched.add(make_seq(range(20, 40), "big0", max_tokens=4))  # 5 blocks
+    step(sched)
+    sched.add(make_seq(range(40, 60), "big1", max_tokens=4))  # needs 5, 3 free
+    sched.add(make_seq([9], "small"))
+    out, _ = step(sched)
+    assert batch(out) == [("big0", 1)] and [s.request_id for s in sched.waiting] == ["big1", "small"]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_recomputes_the_latest_admitted_and_requeues_it_first(caching):
+    sched = make_sched(num_blocks=7, max_num_batched_tokens=32, enable_prefix_caching=caching)  # 6 usable
+    a, b = make_seq([2] * 8, "a", max_tokens=12), make_seq([3] * 8, "b", max_tokens=12)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # both prefilled: 2 blocks each
+    sched.add(make_seq([4] * 8, "c"))  # cannot be admitted: 2 free blocks, both needed next step
+    for _ in range(4):  # positions 8..11 share each sequence's third block
+        out, _ = step(sched)
+        assert not out.preempted and batch(out) == [("a", 1), ("b", 1)]
+    out, _ = step(sched)  # a needs a fourth block: none free -> preempt b
+    assert out.preempted == [b] and batch(out) == [("a", 1)]
+    assert sched.num_preemptions == b.num_preemptions == 1
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert [s.request_id for s in sched.waiting] == ["b", "c"]
+    outputs_before = list(b.output_token_ids)
+    while a.status is SequenceStatus.RUNNING:
+        out, _ = step(sched, token=8)
+    out, _ = step(sched, token=9)
+    assert batch(out)[0][0] == "b"
+    # On resume b recomputes prompt + outputs so far (minus prefix-cache hits), then samples.
+    _, n = out.scheduled[0]
+    assert b.num_cached_tokens + n == 8 + len(outputs_before) and out.samples[0]
+    # b's blocks were freed tail first; a's growth evicted all but b's first one.
+    assert b.num_cached_tokens == (4 if caching else 0)
+    assert b.output_token_ids == outputs_before + [9]
+
+
+def test_stop_conditions():
+    sched = make_sched(max_num_seqs=5)
+    seqs = {
+        "eos": make_seq([5, 6], max_tokens=8),
+        "ignore": make_seq([5, 6], max_tokens=3, ignore_eos=True),
+        "stop_id": make_seq([5, 6], max_tokens=8, stop_token_ids=[7]),
+        "min": make_seq([5, 6], max_tokens=8, min_tokens=2),
+        "none": make_seq([5, 6], max_tokens=None),
+    }
+    for s in seqs.values():
+        sched.add(s)
+    out = sched.schedule()
+    tokens = {"eos": EOS, "ignore": EOS, "stop_id": 7, "min": EOS, "none": 3}
+    finished = sched.postprocess(out, {s.seq_id: tokens[k] for k, s in seqs.items()})
+    assert set(finished) == {seqs["eos"], seqs["stop_id"]}
+    assert seqs["eos"].status is SequenceStatus.FINISHED_STOPPED and seqs["eos"].stop_reason is None
+    assert seqs["stop_id"].stop_reason == 7 and seqs["stop_id"].status.finish_reason == "stop"
+    assert seqs["eos"].block_table == [] and seqs["eos"].finish_time is not None
+    while sched.running:
+        step(sched, token=EOS)
+    assert seqs["min"].num_output_tokens == 2 and seqs["min"].status is SequenceStatus.FINISHED_STOPPED
+    assert seqs["ignore"].num_output_tokens == 3 and seqs["ignore"].status is SequenceStatus.FINISHED_LENGTH
+    assert seqs["none"].num_output_tokens == 2  # its second token was EOS
+
+
+def test_max_tokens_none_stops_at_max_model_len():
+    sched = make_sched(max_model_len=12, eos=None)
+    s = make_seq(range(5), max_tokens=None)
+    sched.add(s)
+    while sched.has_unfinished():
+        step(sched)
+    assert s.num_tokens == 12 and s.status is SequenceStatus.FINISHED_LENGTH
+
+
+def test_rejections_name_the_numbers_and_the_knob():
+    sched = make_sched(max_model_len=32, num_blocks=5)  # 4 blocks of 4 = 16 tokens
+    with pytest.raises(ValueError, match=r"prompt \(30 tokens\) \+ max_tokens \(8\) = 38 exceeds max_model_len \(32\)"):
+        sched.add(make_seq(range(30)))
+    with pytest.raises(ValueError, match=r"needs 6 KV blocks.*has 4 \(num_blocks=5.*gpu_memory_utilization or kv_cache_memory_bytes"):
+        sched.add(make_seq(range(16)))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add(make_seq([]))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(make_seq(range(32), max_tokens=None))
+    sched.add(make_seq(range(9), max_tokens=8))  # 16 tokens of K/V: fits exactly
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4, max_model_len=8, num_blocks=4)
+
+
+def test_abort_and_finish_free_blocks_wherever_the_sequence_is():
+    sched = make_sched(max_num_seqs=1)
+    run, wait = make_seq([2] * 9, "run"), make_seq([3] * 9, "wait")
+    sched.add(run)
+    sched.add(wait)
+    out = sched.schedule()
+    assert sched.abort("wait") == [wait] and wait.status is SequenceStatus.FINISHED_ABORTED
+    assert sched.abort("run") == [run] and sched.block_manager.num_free_blocks == 63
+    assert sched.postprocess(out, [5]) == [] and run.output_token_ids == []  # aborted meanwhile
+    assert sched.abort("run") == [] and not sched.has_unfinished()
+    s = make_seq([4] * 3)
+    sched.add(s)
+    step(sched)
+    sched.finish_sequence(s, SequenceStatus.FINISHED_STOPPED, stop_reason="###")
+    assert s.stop_reason == "###" and not sched.running and sched.block_manager.usage == 0
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_parallel_samples_share_prompt_blocks(caching):
+    sched = make_sched(max_num_batched_tokens=8, enable_prefix_caching=caching)
+    parent, child = (make_seq(range(10, 20), "req", index=i, temperature=1.0) for i in range(2))
+    sched.add(parent)
+    sched.add(child)
+    step(sched)  # parent's first chunk only
+    out, _ = step(sched)  # parent finishes its prompt; the child joins, forking/hitting 2 blocks
+    assert batch(out) == [("req", 2), ("req", 2)]
+    assert child.num_cached_tokens == 8 and child.block_table[:2] == parent.block_table[:2]
+    assert child.block_table[2] != parent.block_table[2]
+    assert [sched.block_manager.ref_counts[b] for b in parent.block_table] == [2, 2, 1]
+
+
+def test_stats():
+    sched = make_sched()
+    sched.add(make_seq(range(9)))
+    sched.add(make_seq(range(9)))
+    step(sched)
+    stats = sched.stats()
+    assert stats["num_requests_running"] == 2 and stats["num_requests_waiting"] == 0
+    assert stats["prefix_cache_queries"] == 18 and stats["prefix_cache_hits"] == 8
+    assert 0 < stats["kv_cache_usage_perc"] < 1 and stats["num_preemptions"] == 0
+
+
+# ---- property-based: random add / step / abort workloads ----------------------------------
+
+BASES = [[random.Random(f).randrange(2, 50) for _ in range(40)] for f in range(3)]
+
+
+def check_invariants(sched, live):
+    bm = sched.block_manager
+    owners: dict[int, list[tuple[Sequence, int]]] = {}
+    for seq in sched.waiting:
+        assert seq.block_table == [] and seq.status is SequenceStatus.WAITING
+    for seq in sched.running:
+        assert seq.status is SequenceStatus.RUNNING
+        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+        for i, b in enumerate(seq.block_table):
+            assert b != NULL_BLOCK
+            owners.setdefault(b, []).append((seq, i))
+    for seq in live:
+        if seq.is_finished:
+            assert seq.block_table == []
+    assert bm.ref_counts[NULL_BLOCK] == 0
+    for b in range(1, bm.num_blocks):
+        held = owners.get(b, [])
+        assert bm.ref_counts[b] == len(held)
+        if len(held) > 1:  # legitimately shared: the same full block of equal prefixes
+            (s0, i0), bs = held[0], bm.block_size
+            assert len({s for s, _ in held}) == len(held)  # never twice in one table
+            for s, i in held:
+                assert i == i0 and s.num_tokens >= (i + 1) * bs
+                assert s.token_ids_slice(0, (i + 1) * bs) == s0.token_ids_slice(0, (i + 1) * bs)
+    free, cached = set(bm.free_block_ids), set(bm.evictable)
+    assert not free & cached and NULL_BLOCK not in free | cached
+    assert free | cached == {b for b in range(1, bm.num_blocks) if bm.ref_counts[b] == 0}
+    assert bm.num_free_blocks + len(owners) == bm.num_total_blocks
+
+
+def run_step(sched, pool, rng):
+    """schedule + fake device (write-then-attend on a model pool) + postprocess."""
+    cfg, bm = sched.config, sched.block_manager
+    out = sched.schedule()
+    if sched.has_unfinished():
+        assert not out.is_empty, "unfinished requests but nothing scheduled"
+    assert out.num_batched_tokens == sum(n for _, n in out.scheduled) <= cfg.max_num_batched_tokens
+    assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
+    assert len({s.seq_id for s, _ in out.scheduled}) == len(out.scheduled)
+
+    def slot(inp, p):
+        return inp.block_table[p // cfg.block_size] * cfg.block_size + p % cfg.block_size
+
+    # What the K/V at position p depends on: the salt and every token up to p.
+    tokens = [seq.all_token_ids for seq, _ in out.scheduled]
+    keys = [[(seq.cache_salt, tuple(toks[: p + 1])) for p in range(len(toks))] for (seq, _), toks in zip(out.scheduled, tokens)]
+    for (seq, n), inp, key, toks in zip(out.scheduled, out.step_inputs, keys, tokens):
+        assert seq.status is SequenceStatus.RUNNING and seq not in out.preempted
+        assert 1 <= n <= seq.num_uncomputed and inp.num_computed == seq.num_computed_tokens
+        assert inp.token_ids == toks[inp.num_computed : inp.num_computed + n]
+        for p in range(inp.num_computed, inp.num_computed + n):
+            pool[slot(inp, p)] = key[p]
+    for (seq, n), inp, key in zip(out.scheduled, out.step_inputs, keys):  # attention reads all
+        for p in range(inp.num_computed + n):
+            assert pool.get(slot(inp, p)) == key[p], f"stale K/V for {seq} at {p}"
+    sampled = [EOS if rng.random() < 0.03 else rng.randrange(2, 8) for _ in out.scheduled]
+    return sched.postprocess(out, sampled)
+
+
+config_st = st.fixed_dictionaries(
+    {
+        "block_size": st.sampled_from([1, 2, 4, 8]),
+        "pool_tokens": st.integers(40, 100),  # most requests fit alone, a few together
+        "max_num_seqs": st.sampled_from([1, 2, 3, 4, 6]),
+        "extra_budget": st.integers(0, 40),
+        "enable_prefix_caching": st.booleans(),
+    }
+)
+add_st = st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 30), st.integers(1, 16), st.integers(0, 3), st.integers(1, 3))
+op_st = st.one_of(
+    add_st,
+    add_st,
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=config_st, ops=st.lists(op_st, min_size=10, max_size=40), seed=st.integers(0, 2**32 - 1))
+def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
+    extra, pool_tokens = config.pop("extra_budget"), config.pop("pool_tokens")
+    num_blocks = 1 + pool_tokens // config["block_size"]
+    budget = config["max_num_seqs"] + extra
+    cfg = SchedulerConfig(max_model_len=48, max_num_batched_tokens=budget, num_blocks=num_blocks, **config)
+    sched, rng, pool = Scheduler(cfg, eos_token_id=EOS), random.Random(seed), {}
+    live, request_ids = [], []
+    for op in ops:
+        if op[0] == "add":
+            _, family, plen, max_tokens, variant, n = op
+            prompt = BASES[family][:plen] + ([50 + variant] if variant else [])
+            salt = "s" if variant == 3 else None
+            params = SamplingParams(n=n, max_tokens=max_tokens, stop_token_ids=[2] if variant == 2 else None)
+            rid = f"r{len(request_ids)}"
+            seqs = [Sequence(rid, prompt, params, index=i, cache_salt=salt) for i in range(n)]
+            try:
+                for s in seqs:
+                    sched.add(s)
+            except ValueError:
+                blocks = -(-(len(prompt) + max_tokens - 1) // cfg.block_size)
+                assert len(prompt) + max_tokens > cfg.max_model_len or blocks > cfg.num_blocks - 1
+                assert not any(s in sched.waiting for s in seqs)
+                continue
+            live += seqs
+            request_ids.append(rid)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                run_step(sched, pool, rng)
+        else:  # most ids are unknown or finished: aborting them is a no-op
+            aborted = sched.abort(f"r{op[1]}")
+            assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in aborted)
+        check_invariants(sched, live)
+    for _ in range(3000):
+        if not sched.has_unfinished():
+            break
+        run_step(sched, pool, rng)
+        check_invariants(sched, live)
+    assert not sched.has_unfinished() and all(s.is_finished for s in live)
+    for s in live:
+        if s.status is not SequenceStatus.FINISHED_ABORTED:
+            assert 1 <= s.num_output_tokens <= s.sampling_params.max_tokens
+    bm = sched.block_manager
+    assert not any(bm.ref_counts) and bm.num_free_blocks == bm.num_total_blocks and bm.usage == 0

@@ -7,8 +7,11 @@ Offline use follows vLLM::
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=64))
 
 `jaxpaged.functional.step` is the engine's pure step function, for use inside your own JAX code.
+Names are imported lazily, so the host-only modules (scheduler, block manager, ...) load
+without JAX.
 """
 
+import importlib
 import os
 
 # JAX would otherwise grab 75% of GPU memory at start-up and cap itself there; the engine sizes
@@ -18,11 +21,19 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from jaxpaged.config import ModelConfig  # noqa: E402
-from jaxpaged.engine import LLMEngine  # noqa: E402
-from jaxpaged.engine_args import EngineArgs  # noqa: E402
-from jaxpaged.llm import LLM  # noqa: E402
-from jaxpaged.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from jaxpaged.sampling_params import SamplingParams  # noqa: E402
+_EXPORTS = {
+    "LLM": "jaxpaged.llm",
+    "LLMEngine": "jaxpaged.engine",
+    "EngineArgs": "jaxpaged.engine_args",
+    "ModelConfig": "jaxpaged.config",
+    "SamplingParams": "jaxpaged.sampling_params",
+    "RequestOutput": "jaxpaged.outputs",
+    "CompletionOutput": "jaxpaged.outputs",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxpaged' has no attribute {name!r}")

@@ -29,6 +29,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    parser.add_argument("--num-scheduler-steps", type=int, default=4, help="decode steps fused per device program")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,7 +40,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=args.load_format,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, num_scheduler_steps=args.num_scheduler_steps,
     )  # fmt: skip
 
 

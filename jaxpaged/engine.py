@@ -66,6 +66,7 @@ class LLMEngine:
             model, mesh=self.mesh, num_blocks=self.plan.num_blocks, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_dtype=model.embed[...].dtype,
+            num_decode_steps=args.num_scheduler_steps,
         )  # fmt: skip
         self.compile_seconds = self.runner.warm_up()
         self.requests: dict[str, RequestState] = {}
@@ -192,35 +193,68 @@ class LLMEngine:
                 row = self._rows[seq.seq_id] = sampling_row(sp, seq.index)
             banned = self._banned_ids(sp) if seq.num_output_tokens < sp.min_tokens else ()
             rows.append(SequenceRow(seq.seq_id, row, slot, seq.num_prompt_tokens, bool(sp.logprobs), banned))
-        result = self.runner.execute(out.step_inputs, rows, resets)
+        steps = self._fused_steps(out)
+        result = self.runner.execute(out.step_inputs, rows, resets, steps)
         n = out.num_seqs
-        tokens = np.asarray(result.token_ids)[:n].tolist()
-        logprobs = np.asarray(result.logprobs)[:n]
         want_top = any(r.want_logprobs for r in rows)
-        top_ids = np.asarray(result.top_ids)[:n] if want_top else None
-        top_lps = np.asarray(result.top_logprobs)[:n] if want_top else None
-        ranks = np.asarray(result.ranks)[:n] if want_top else None
-        self.scheduler.postprocess(out, tokens)
-        for i, ((seq, _), samples) in enumerate(zip(out.scheduled, out.samples)):
-            if not samples or seq.status is SequenceStatus.FINISHED_ABORTED:
-                continue
-            state = self.requests[seq.request_id]
-            completion = state.completions[seq.index]
-            token = tokens[i]
-            self.num_generation_tokens += 1
-            state.record_logprobs(
-                completion, token, float(logprobs[i]), int(ranks[i]) if want_top else 0,
-                top_ids[i] if want_top else (), top_lps[i] if want_top else (),
-            )  # fmt: skip
-            if completion.detokenizer.add_token(token):
-                stop = completion.detokenizer.stop_reason
-                if seq.is_finished:  # finished on length too: the stop string wins, as in vLLM
-                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-                else:
-                    self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED, stop)
-            if seq.is_finished:
-                self._release(seq)
-            self._changed.add(seq.request_id)
+        names = ("token_ids", "logprobs") + (("ranks", "top_ids", "top_logprobs") if want_top else ())
+        fetched = {}  # name -> [steps, n, ...]
+        for name in names:
+            value = np.asarray(getattr(result, name))
+            fetched[name] = (value if steps > 1 else value[None])[:, :n]
+        for j in range(steps):
+            before = [seq.num_output_tokens for seq, _ in out.scheduled]
+            self.scheduler.postprocess(out, fetched["token_ids"][j].tolist())
+            for i, (seq, _) in enumerate(out.scheduled):
+                if seq.num_output_tokens > before[i]:
+                    self._record(seq, {name: values[j, i] for name, values in fetched.items()})
+
+    def _fused_steps(self, out: SchedulerOutput) -> int:
+        """How many decode steps to fuse into this step's program (1 = no fusing).
+
+        Fused when every scheduled sequence is decoding, nobody waits to be prefilled, no
+        sequence is still under min_tokens, all have budget for the extra tokens (so nothing is
+        written past max_tokens or max_model_len), and the pool has blocks for them.
+        """
+        k = self.args.num_scheduler_steps
+        if k <= 1 or out.num_decode_seqs != out.num_seqs or self.scheduler.num_waiting or not self.runner.fusable(out.num_seqs):
+            return 1
+        bs, need = self.args.block_size, 0
+        for seq, _ in out.scheduled:
+            sp = seq.sampling_params
+            if seq.num_output_tokens < sp.min_tokens or seq.num_output_tokens + k > sp.max_tokens:
+                return 1
+            if seq.num_tokens + k > self.max_model_len:
+                return 1
+            need += max(0, -(-(seq.num_computed_tokens + k) // bs) - len(seq.block_table))
+        bm = self.scheduler.block_manager
+        if need > bm.num_free_blocks:
+            return 1
+        for seq, _ in out.scheduled:
+            bm.may_append(seq, k)
+        return k
+
+    def _record(self, seq: Sequence, sample: dict[str, Any]) -> None:
+        """Logprobs, detokenization and stop strings for the token just appended to `seq`
+        (`sample` holds this token's entries of the fetched step results)."""
+        state = self.requests[seq.request_id]
+        completion = state.completions[seq.index]
+        token = seq.output_token_ids[-1]
+        self.num_generation_tokens += 1
+        if "top_ids" in sample:
+            state.record_logprobs(completion, token, float(sample["logprobs"]), int(sample["ranks"]),
+                                  sample["top_ids"], sample["top_logprobs"])  # fmt: skip
+        else:
+            state.record_logprobs(completion, token, float(sample["logprobs"]), 0, (), ())
+        if completion.detokenizer.add_token(token):
+            stop = completion.detokenizer.stop_reason
+            if seq.is_finished:  # finished on length too: the stop string wins, as in vLLM
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            else:
+                self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED, stop)
+        if seq.is_finished:
+            self._release(seq)
+        self._changed.add(seq.request_id)
 
     def _banned_ids(self, sp: SamplingParams) -> tuple[int, ...]:
         """Before min_tokens, EOS (unless ignored) and the stop token ids cannot be sampled."""

@@ -26,6 +26,9 @@ class EngineArgs:
       compilation_cache_dir: a persistent JAX compilation cache directory, or None.
       attention_backend: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference"
         or "pallas" (interpret mode on CPU).
+      num_scheduler_steps: decode steps fused into one device program when every running
+        sequence is decoding and nothing waits (the host then syncs once per that many
+        tokens); 1 runs one step per program.
     """
 
     model: str
@@ -43,6 +46,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     compilation_cache_dir: str | None = None
     attention_backend: str = "auto"
+    num_scheduler_steps: int = 4
 
     def __post_init__(self):
         if not os.path.isdir(self.model):
@@ -62,6 +66,8 @@ class EngineArgs:
             raise ValueError(f"block_size={self.block_size} must be a power of two")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
         if self.max_num_batched_tokens is None:

@@ -33,6 +33,7 @@ class LLM:
       tensor_parallel_size: devices to shard over.
       compilation_cache_dir: persistent JAX compilation cache directory.
       attention_backend: "auto" (Pallas kernels on GPU), "reference" or "pallas".
+      num_scheduler_steps: decode steps fused per device program when all sequences decode.
 
     Example:
       >>> llm = LLM("path/to/model")
@@ -44,14 +45,15 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, kv_cache_memory_bytes: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, load_format: str = "auto", tensor_parallel_size: int = 1,
-                 compilation_cache_dir: str | None = None, attention_backend: str = "auto"):  # fmt: skip
+                 compilation_cache_dir: str | None = None, attention_backend: str = "auto",
+                 num_scheduler_steps: int = 4):  # fmt: skip
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, seed=seed, load_format=load_format,
             tensor_parallel_size=tensor_parallel_size, compilation_cache_dir=compilation_cache_dir,
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, num_scheduler_steps=num_scheduler_steps,
         )  # fmt: skip
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()

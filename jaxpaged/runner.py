@@ -6,6 +6,7 @@ the pure `functional.step` with the cache (KV pool + penalty tables) donated and
 Every bucket is compiled by `warm_up`, so nothing compiles while serving.
 """
 
+import dataclasses
 import logging
 import time
 
@@ -51,6 +52,47 @@ def _packed_step(layout: Layout, graphdef, params, cache: DeviceCache, flat: jax
     return step(graphdef, params, cache, unpack(layout, flat))
 
 
+def _packed_decode_steps(layout: Layout, num_steps: int, graphdef, params, cache: DeviceCache, flat: jax.Array):
+    """`num_steps` decode steps in one program: each feeds back the tokens the previous sampled.
+
+    Only for decode-only batches (token i belongs to sequence i) whose sequences all have
+    blocks and budget for `num_steps` more tokens. Results are stacked `[num_steps, S, ...]`.
+    """
+    inp = unpack(layout, flat)
+    meta = inp.metadata
+    num_seqs, num_tokens = layout.num_seqs, layout.num_tokens
+    bs = cache.kv.block_size
+    live_token = jnp.arange(num_tokens) < meta.num_seqs
+    live_seq = jnp.arange(num_seqs) < meta.num_seqs
+    no_reset = jnp.full_like(inp.reset_slots, cache.prompt_mask.shape[0])  # out of range: nothing reset
+
+    def body(carry, _):
+        cache, inp = carry
+        cache, result = step(graphdef, params, cache, inp)
+        m = inp.metadata
+        positions = jnp.where(live_token, m.positions + 1, 0)
+        seq_of_token = jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)
+        blocks = m.block_tables[seq_of_token, positions // bs]
+        next_tokens = jnp.zeros(num_tokens, jnp.int32).at[:num_seqs].set(result.token_ids)
+        next_inp = dataclasses.replace(
+            inp,
+            token_ids=jnp.where(live_token, next_tokens, 0),
+            metadata=dataclasses.replace(
+                m,
+                positions=positions,
+                slot_mapping=jnp.where(live_token, blocks * bs + positions % bs, 0),
+                kv_lens=jnp.where(live_seq, m.kv_lens + 1, 0),
+            ),
+            sampling=dataclasses.replace(inp.sampling, position=inp.sampling.position + 1),
+            token_is_output=live_token,
+            reset_slots=no_reset,
+        )
+        return (cache, next_inp), result
+
+    (cache, _), results = jax.lax.scan(body, (cache, inp), None, length=num_steps)
+    return cache, results
+
+
 def _seed_penalty_rows(cache: DeviceCache, token_ids, token_slot, token_is_output, reset_slots) -> DeviceCache:
     prompt_mask, output_counts = update_penalty_tables(
         cache.prompt_mask, cache.output_counts, token_ids, token_slot, token_is_output, reset_slots
@@ -68,11 +110,14 @@ class ModelRunner:
       block_size: tokens per block.
       max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
       kv_dtype: dtype of the KV pool.
+      num_decode_steps: decode steps fused into one program when a batch is all decodes
+        (vLLM's num_scheduler_steps); 1 disables fusing.
     """
 
     def __init__(self, model: Llama, *, mesh: Mesh, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, kv_dtype):  # fmt: skip
+                 max_num_batched_tokens: int, max_model_len: int, kv_dtype, num_decode_steps: int = 1):  # fmt: skip
         self.config = model.config
+        self.num_decode_steps = num_decode_steps
         self.mesh = mesh
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -93,25 +138,44 @@ class ModelRunner:
             output_counts=jax.device_put(cache.output_counts, replicated),
         )
         self._step = jax.jit(_packed_step, static_argnums=(0, 1), donate_argnums=(3,))
+        self._decode_steps = jax.jit(_packed_decode_steps, static_argnums=(0, 1, 2), donate_argnums=(4,))
         self._seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,))
-        self.compiled: dict[int, object] = {}
+        self.compiled: dict[tuple[int, int], object] = {}  # (token bucket, steps) -> executable
 
-    def compile_bucket(self, t: int):
-        """Compiles (and keeps) the step for token bucket `t`."""
+    def programs(self) -> list[tuple[int, int]]:
+        """Every (token bucket, steps) program: single steps for all buckets, fused decode steps
+        for the buckets a decode-only batch can use (one token per sequence)."""
+        singles = [(t, 1) for t in self.layouts]
+        decode_buckets = sorted({self.packer.bucket_for(n, n) for n in range(1, self.max_num_seqs + 1)})
+        fused = [(t, self.num_decode_steps) for t in decode_buckets]
+        return singles + (fused if self.num_decode_steps > 1 else [])
+
+    def compile_bucket(self, t: int, steps: int = 1):
+        """Compiles (and keeps) the program for token bucket `t` running `steps` steps."""
         layout = self.layouts[t]
         flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        self.compiled[t] = self._step.lower(layout, self.graphdef, self.params, self.cache, flat).compile()
-        return self.compiled[t]
+        if steps == 1:
+            lowered = self._step.lower(layout, self.graphdef, self.params, self.cache, flat)
+        else:
+            lowered = self._decode_steps.lower(layout, steps, self.graphdef, self.params, self.cache, flat)
+        self.compiled[t, steps] = lowered.compile()
+        return self.compiled[t, steps]
 
     def warm_up(self) -> float:
-        """Compiles every bucket; returns the seconds it took."""
+        """Compiles every program; returns the seconds it took."""
         start = time.perf_counter()
-        for t in self.layouts:
-            self.compile_bucket(t)
+        for t, steps in self.programs():
+            self.compile_bucket(t, steps)
         self.seed_penalty_slot(0, [], 0)  # compiles the seeding step too
         seconds = time.perf_counter() - start
-        logger.info("compiled %d step buckets %s in %.1f s", len(self.layouts), sorted(self.layouts), seconds)
+        logger.info("compiled %d step programs (token buckets %s, fused decode steps %d) in %.1f s",
+                    len(self.compiled), sorted(self.layouts), self.num_decode_steps, seconds)  # fmt: skip
         return seconds
+
+    def fusable(self, num_seqs: int) -> bool:
+        """Whether a decode-only batch of `num_seqs` sequences has a fused-steps program."""
+        t = self.packer.bucket_for(num_seqs, num_seqs)
+        return self.num_decode_steps > 1 and (t, self.num_decode_steps) in self.compiled
 
     def seed_penalty_slot(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         """Resets penalty row `slot` and records tokens a sequence got from the prefix cache
@@ -124,11 +188,13 @@ class ModelRunner:
         is_output = np.arange(size) >= prompt_len
         self.cache = self._seed(self.cache, ids, slots, is_output, np.array([slot], np.int32))
 
-    def execute(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int]) -> SampleResult:
-        """Packs, transfers and runs one step; returns its (not yet fetched) device result."""
+    def execute(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int],
+                steps: int = 1) -> SampleResult:  # fmt: skip
+        """Packs, transfers and runs one step (or `steps` fused decode steps); returns the (not
+        yet fetched) device result, stacked `[steps, ...]` when steps > 1."""
         t, flat = self.packer.pack(inputs, rows, resets)
-        compiled = self.compiled.get(t)
+        compiled = self.compiled.get((t, steps))
         if compiled is None:
-            raise RuntimeError(f"step bucket {t} was not compiled: call warm_up() first")
+            raise RuntimeError(f"no compiled program for token bucket {t} x {steps} steps: call warm_up() first")
         self.cache, result = compiled(self.params, self.cache, jax.device_put(flat))
         return result

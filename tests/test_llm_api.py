@@ -192,3 +192,21 @@ def test_dummy_weights_from_a_config_only_directory(tmp_path, model_dir):
     llm = LLM(str(tmp_path), load_format="dummy", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
     [out] = llm.generate(["hi"], greedy(3), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_fused_decode_steps_change_nothing(model_dir):
+    """Sampled, penalised and stopped requests give the same tokens with 1 or 4 fused decode steps."""
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.3, seed=4, max_tokens=9),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[7, 8, 9]),
+    ]
+    results = []
+    for steps in (1, 4):
+        llm = LLM(model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
+                  num_scheduler_steps=steps)  # fmt: skip
+        outs = llm.generate(["one", "two three", "four five six"], params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outs])
+        bm = llm.llm_engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_total_blocks
+    assert results[0] == results[1]

@@ -1,0 +1,174 @@
+"""`jaxpaged plan`: what a model needs on a GPU (weights, KV cache, concurrency), without a GPU.
+
+    weights per GPU      = every parameter of our layout (convert.hf_keys.param_shapes), with
+                           heads, MLP width and vocabulary split over the tensor-parallel GPUs
+    KV bytes per token   = 2 x layers x KV heads per GPU x head_dim x KV dtype bytes
+    KV pool per GPU      = GPU memory x gpu_memory_utilization - weights per GPU
+    max concurrency      = pool blocks / blocks of one request of `context` tokens
+
+The pool arithmetic is the engine's own (`jaxpaged.memory.plan_kv_cache`); the engine also
+subtracts the largest compiled step's activations, which only a compile can measure, so leave
+headroom in `gpu_memory_utilization`.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+from convert.hf_keys import param_shapes
+from jaxpaged.config import ModelConfig, kv_bytes_per_token
+from jaxpaged.memory import GiB, kv_heads_per_device, plan_kv_cache
+from jaxpaged.presets import PRESETS, get_preset
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """"80GiB", "80G" (binary), "80GB" (decimal), "1.5TiB" or a plain byte count -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 80GiB, 80GB or 85899345920")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def load_model_config(model: str) -> tuple[str, dict]:
+    """`(description, config.json dict)` of a preset name or a directory holding config.json."""
+    preset = get_preset(model)
+    if preset is not None:
+        return f"{model.lower()} (preset)", preset
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json")
+    with open(path) as f:
+        return model, json.load(f)
+
+
+def _split(name: str, config: ModelConfig, tp: int, kv_heads: int) -> tuple[int, int] | None:
+    """(axis, per-GPU size) of a parameter split over `tp` GPUs; None when replicated."""
+    vocab, ffn = -(-config.vocab_size // tp), -(-config.intermediate_size // tp)
+    heads = config.num_heads // tp
+    return {
+        "embed": (0, vocab), "lm_head": (1, vocab),
+        "q_proj": (1, heads), "q_bias": (0, heads), "o_proj": (0, heads),
+        "k_proj": (1, kv_heads), "v_proj": (1, kv_heads), "k_bias": (0, kv_heads), "v_bias": (0, kv_heads),
+        "gate_proj": (1, ffn), "up_proj": (1, ffn), "down_proj": (0, ffn),
+    }.get(name)  # fmt: skip
+
+
+def count_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
+    """`(total, per GPU)` parameter counts of `Llama(config)`, split as tensor parallelism would."""
+    tp = tensor_parallel_size
+    if config.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={config.num_heads}")
+    kv_heads = kv_heads_per_device(config.num_kv_heads, tp)
+    total = per_gpu = 0
+    for path, shape in param_shapes(config).items():
+        total += math.prod(shape)
+        split = _split(str(path[-1]), config, tp, kv_heads)
+        if split is not None:
+            axis, size = split
+            shape = shape[:axis] + (size,) + shape[axis + 1 :]
+        per_gpu += math.prod(shape)
+    return total, per_gpu
+
+
+def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_memory_utilization: float = 0.9,
+              tensor_parallel_size: int = 1, dtype: str = "auto", kv_cache_dtype: str = "auto",
+              block_size: int = 16) -> dict:  # fmt: skip
+    """The plan as a JSON-ready dict (bytes are per GPU unless the key says `_all_gpus`).
+
+    Raises:
+      ValueError: an unknown model, dtype, memory size, or a context over the model's limit.
+    """
+    name, raw = load_model_config(model)
+    config = ModelConfig.from_hf(raw)
+    context = config.check_max_model_len(context or config.max_context_len)
+    if dtype == "auto":
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").removeprefix("torch.")
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    for flag, value in (("--dtype", dtype), ("--kv-cache-dtype", kv_dtype)):
+        if value not in DTYPE_BYTES:
+            raise ValueError(f"{flag} {value!r} is not supported; use auto or one of {sorted(DTYPE_BYTES)}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"--block-size {block_size} must be a power of two")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
+    tp = tensor_parallel_size
+    total_params, gpu_params = count_parameters(config, tp)
+    weights = gpu_params * DTYPE_BYTES[dtype]
+    device_config = dataclasses.replace(
+        config, num_heads=config.num_heads // tp, num_kv_heads=kv_heads_per_device(config.num_kv_heads, tp)
+    )
+    per_token = kv_bytes_per_token(device_config, DTYPE_BYTES[kv_dtype])
+    report = {
+        "model": name, "architecture": raw["architectures"][0], "num_parameters": total_params,
+        "dtype": dtype, "kv_cache_dtype": kv_dtype, "tensor_parallel_size": tp, "gpu_memory_bytes": gpu_memory,
+        "gpu_memory_utilization": gpu_memory_utilization, "context": context, "block_size": block_size,
+        "weight_bytes_per_gpu": weights,
+        "kv_bytes_per_token": per_token,
+        "kv_bytes_per_token_all_gpus": kv_bytes_per_token(config, DTYPE_BYTES[kv_dtype]),
+        "kv_bytes_per_request": per_token * context,
+        "kv_heads_per_gpu": device_config.num_kv_heads,
+    }  # fmt: skip
+    try:
+        plan = plan_kv_cache(
+            device_config, dtype_bytes=DTYPE_BYTES[kv_dtype], block_size=block_size, max_model_len=context,
+            device_memory_bytes=gpu_memory, gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weights,
+        )  # fmt: skip
+    except ValueError as err:
+        report.update(fits=False, kv_pool_bytes_per_gpu=0, kv_cache_blocks=0, pool_tokens=0, max_concurrency=0.0,
+                      note=str(err))  # fmt: skip
+        return report
+    report.update(
+        fits=True, kv_pool_bytes_per_gpu=plan.pool_bytes, kv_cache_blocks=plan.num_blocks - 1,
+        pool_tokens=plan.num_tokens, max_concurrency=round(plan.max_concurrency, 2),
+        note="activation memory is not counted (the engine measures it at start-up); leave headroom",
+    )  # fmt: skip
+    return report
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n:,} B ({n / scale:.2f} {unit})"
+    return f"{n:,} B"
+
+
+def format_plan(r: dict) -> str:
+    """The plan as an aligned, human-readable table."""
+    tp = r["tensor_parallel_size"]
+    rows = [
+        ("model", f"{r['model']} [{r['architecture']}]"),
+        ("parameters", f"{r['num_parameters']:,}"),
+        ("dtype / KV cache dtype", f"{r['dtype']} / {r['kv_cache_dtype']}"),
+        ("tensor parallel", f"{tp} GPU(s), {r['kv_heads_per_gpu']} KV head(s) per GPU"),
+        ("GPU memory x utilization", f"{_size(r['gpu_memory_bytes'])} x {r['gpu_memory_utilization']}"),
+        ("weights per GPU", _size(r["weight_bytes_per_gpu"])),
+        ("KV bytes per token per GPU", _size(r["kv_bytes_per_token"])
+         + (f"  (all GPUs: {r['kv_bytes_per_token_all_gpus']:,} B)" if tp > 1 else "")),
+        (f"KV per request ({r['context']:,} tokens)", _size(r["kv_bytes_per_request"])),
+        ("KV pool per GPU", _size(r["kv_pool_bytes_per_gpu"])),
+        ("pool tokens", f"{r['pool_tokens']:,} ({r['kv_cache_blocks']:,} blocks of {r['block_size']})"),
+        (f"max concurrency at {r['context']:,}", f"{r['max_concurrency']:.2f} requests"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append(("" if r["fits"] else "DOES NOT FIT: ") + r["note"])
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """`jaxpaged plan` with parsed arguments; prints the table or (with --json) JSON."""
+    report = make_plan(
+        args.model, gpu_memory=parse_bytes(args.gpu_memory), context=args.context,
+        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+    )  # fmt: skip
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    return 0

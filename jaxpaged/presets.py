@@ -1,0 +1,117 @@
+"""Public `config.json` files of popular checkpoints, for planning without a download.
+
+`jaxpaged plan --model llama-3.1-8b` reads these; names are case-insensitive. They are the
+configs as published on the Hugging Face Hub (base models), so `ModelConfig.from_hf` sees
+exactly what it would see in a downloaded directory.
+"""
+
+import copy
+
+_LLAMA31_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+_LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": _LLAMA31_ROPE,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+_LLAMA_31_70B = {
+    **_LLAMA_31_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+}
+
+_MISTRAL_7B_V03 = {
+    "architectures": ["MistralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32768,
+}
+
+_QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "initializer_range": 0.02,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 131072,
+    "max_window_layers": 28,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1",
+    "use_cache": True,
+    "use_mrope": False,
+    "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": _LLAMA_31_8B,
+    "llama-3.1-70b": _LLAMA_31_70B,
+    "mistral-7b-v0.3": _MISTRAL_7B_V03,
+    "qwen2.5-7b": _QWEN25_7B,
+}
+
+
+def get_preset(name: str) -> dict | None:
+    """A copy of the preset's config.json dict (`name` case-insensitive, an optional `org/`
+    prefix ignored, e.g. "meta-llama/Llama-3.1-8B"), or None for an unknown name."""
+    key = name.strip().lower().rsplit("/", 1)[-1].removeprefix("meta-")
+    config = PRESETS.get(key)
+    return copy.deepcopy(config) if config is not None else None

@@ -1,0 +1,97 @@
+"""Prometheus metrics of the server, with vLLM's names, in a registry of their own.
+
+Gauges and engine counters are read from `AsyncEngine.stats` at each scrape (the engine's
+own cumulative counts, exposed as counters: prometheus_client adds `_total`, as vLLM's do).
+Latency histograms are observed on the engine thread as outputs leave it:
+
+    vllm:time_to_first_token_seconds   arrival -> first generated token
+    vllm:inter_token_latency_seconds   between a request's consecutive outputs, per token
+    vllm:e2e_request_latency_seconds   arrival -> finished (aborted requests excluded)
+"""
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.server.async_engine import AsyncEngine
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+
+# (metric name, kind, stats key, help)
+_FROM_STATS = (
+    ("vllm:num_requests_running", "gauge", "num_running", "Sequences in the running batch."),
+    ("vllm:num_requests_waiting", "gauge", "num_waiting", "Sequences waiting to be scheduled."),
+    ("vllm:kv_cache_usage_perc", "gauge", "gpu_cache_usage_perc", "KV-cache usage; 1 means 100 percent."),
+    ("vllm:prefix_cache_queries", "counter", "prefix_cache_queries", "Prefix-cache lookups, in tokens."),
+    ("vllm:prefix_cache_hits", "counter", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
+    ("vllm:num_preemptions", "counter", "num_preemptions", "Preemptions by the scheduler."),
+    ("vllm:prompt_tokens", "counter", "prompt_tokens", "Prompt tokens received."),
+    ("vllm:generation_tokens", "counter", "generation_tokens", "Tokens generated."),
+)
+
+
+class _EngineStatsCollector:
+    """Reads the engine's latest stats snapshot at every scrape."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        stats = self.engine.stats
+        for name, kind, key, doc in _FROM_STATS:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield family
+
+
+class ServerMetrics:
+    """The server's metrics; registers itself as an output observer of `engine`.
+
+    Args:
+      engine: the async engine whose outputs and stats are measured.
+      model_name: the `model_name` label (the served model name).
+    """
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(engine, model_name))
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry).labels(
+                model_name
+            )
+
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to first token, seconds.")
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Inter-token latency, seconds.")
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)  # fmt: skip
+        self._model_name = model_name
+        self._last_token_time: dict[str, float] = {}  # engine thread only
+        engine.output_observers.append(self.observe)
+
+    def observe(self, output: RequestOutput, now: float) -> None:
+        """Records one (delta) output; runs on the engine thread."""
+        new_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        arrival = output.metrics.arrival_time if output.metrics else now
+        last = self._last_token_time.get(output.request_id)
+        if new_tokens:
+            if last is None:
+                first = output.metrics.first_token_time if output.metrics else None
+                self.time_to_first_token.observe(max((first or now) - arrival, 0.0))
+            else:
+                for _ in range(new_tokens):  # fused decode steps deliver several tokens at once
+                    self.inter_token_latency.observe(max(now - last, 0.0) / new_tokens)
+            self._last_token_time[output.request_id] = now
+        if output.finished:
+            self._last_token_time.pop(output.request_id, None)
+            reasons = {c.finish_reason for c in output.outputs}
+            reason = "abort" if "abort" in reasons else "stop" if "stop" in reasons else "length"
+            self._success.labels(self._model_name, reason).inc()
+            if reason != "abort":
+                self.e2e_request_latency.observe(max(now - arrival, 0.0))
+
+    def render(self) -> tuple[bytes, str]:
+        """`(body, content type)` of the Prometheus text exposition."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -107,11 +107,12 @@ class LLM:
         `{"role", "content"}` messages) or a list of them, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [
-            {"prompt_token_ids": _token_ids(tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True))}
-            for conv in conversations
-        ]  # fmt: skip
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template, tokenize=False)  # fmt: skip
+            # The template writes the special tokens itself (BOS included).
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -124,10 +125,3 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update()
         return [finished[i] for i in ids]
-
-
-def _token_ids(encoded) -> list[int]:
-    """`apply_chat_template(tokenize=True)` gives a list, or a BatchEncoding in newer transformers."""
-    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    return list(encoded)

@@ -59,6 +59,7 @@ def _packed_decode_steps(layout: Layout, num_steps: int, graphdef, params, cache
     blocks and budget for `num_steps` more tokens. Results are stacked `[num_steps, S, ...]`.
     """
     inp = unpack(layout, flat)
+    inp = dataclasses.replace(inp, metadata=dataclasses.replace(inp.metadata, decode_only=True))
     meta = inp.metadata
     num_seqs, num_tokens = layout.num_seqs, layout.num_tokens
     bs = cache.kv.block_size

@@ -118,9 +118,14 @@ class Attention(nnx.Module):
         k = apply_rope(k, meta.positions, inv_freq)
         k_pool, v_pool = pallas_kernels.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         ops = pallas_kernels if self.attention == "pallas" else reference
-        attn = ops.ragged_paged_attention(
-            q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables, meta.num_seqs
-        )
+        if meta.decode_only:  # token i is sequence i's only query: decode attention, then pad to T
+            num_seqs = meta.kv_lens.shape[0]
+            attn = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens)
+            attn = jnp.pad(attn, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
+        else:
+            attn = ops.ragged_paged_attention(
+                q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables, meta.num_seqs
+            )
         out = jnp.einsum("TNH,NHD->TD", attn, self.o_proj[...])
         if self.has_o_bias:
             out = out + self.o_bias[...]

@@ -21,6 +21,8 @@ class AttentionMetadata:
       kv_lens: `[S]` context length per sequence including this step's tokens (0 for padding).
       block_tables: `[S, P]` pages of each sequence; unused entries are 0.
       num_seqs: `[]` sequences actually present.
+      decode_only: static; every sequence has exactly one token and token i belongs to
+        sequence i, so attention can use the decode kernel (split-K over the context).
     """
 
     positions: Int[Array, " T"]
@@ -29,3 +31,4 @@ class AttentionMetadata:
     kv_lens: Int[Array, " S"]
     block_tables: Int[Array, "S P"]
     num_seqs: Int[Array, ""]
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))

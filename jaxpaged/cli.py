@@ -3,6 +3,8 @@
     jaxpaged generate "In the beginning"                       # the embedded demo model
     jaxpaged generate --model DIR --max-tokens 64 --temperature 0 "prompt" "another prompt"
     jaxpaged generate --input prompts.jsonl --output out.jsonl  # {"prompt": ...} or {"messages": [...]} per line
+    jaxpaged serve [MODEL] --port 8000 [--api-key KEY]         # OpenAI-compatible server
+    jaxpaged plan --model llama-3.1-8b --gpu-memory 80GiB --context 8192 [--tensor-parallel-size 2] [--json]
 """
 
 import argparse
@@ -60,6 +62,15 @@ def _read_jsonl(path: str) -> list[dict]:
     return items
 
 
+def _size_engine_to_job(args: argparse.Namespace, prompt_lens: list[int]) -> None:
+    """Offline generation knows its whole workload: unless given, size the batch limits to it
+    (fewer step shapes to compile than a server's defaults)."""
+    if args.max_num_seqs is None:
+        args.max_num_seqs = min(256, len(prompt_lens))
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = min(2048, max(sum(prompt_lens), args.max_num_seqs))
+
+
 def _generate(args: argparse.Namespace) -> int:
     # Imported here so `jaxpaged --help` answers without loading JAX.
     from jaxpaged.llm import LLM
@@ -71,9 +82,10 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.sampling_seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    llm = LLM(**engine_kwargs(args))
+    from transformers import AutoTokenizer
+
     items = _read_jsonl(args.input) if args.input else [{"prompt": p} for p in args.prompts]
-    tokenizer = llm.get_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(args.model or DEMO_MODEL_DIR)
     prompts = []
     for item in items:
         if "messages" in item:
@@ -82,7 +94,9 @@ def _generate(args: argparse.Namespace) -> int:
         elif "prompt_token_ids" in item:
             prompts.append({"prompt_token_ids": item["prompt_token_ids"]})
         else:
-            prompts.append(item["prompt"])
+            prompts.append({"prompt": item["prompt"], "prompt_token_ids": tokenizer.encode(item["prompt"])})
+    _size_engine_to_job(args, [len(p["prompt_token_ids"]) for p in prompts])
+    llm = LLM(**engine_kwargs(args))
     outputs = llm.generate(prompts, params, use_tqdm=bool(args.input))
     if args.output:
         with open(args.output, "w") as f:
@@ -100,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpaged", description="PagedAttention LLM inference in JAX.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument("--log-level", default=None, help="logging level (default: INFO for serve, else WARNING)")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="offline batch generation")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT")
@@ -114,15 +128,48 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_flags(gen)
-    gen.set_defaults(run=_generate)
+    gen.set_defaults(run=_generate, max_num_seqs=None, max_num_batched_tokens=None)  # sized to the job
+
+    from jaxpaged.server.cli import add_serve_flags  # no server dependencies needed for the flags
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_flags(serve)
+    add_engine_flags(serve)
+    serve.set_defaults(run=_serve)
+
+    plan = commands.add_parser("plan", help="weights, KV cache and concurrency of a model on a GPU (no GPU needed)")
+    plan.add_argument("--model", required=True, help="a preset (llama-3.1-8b, llama-3.1-70b, mistral-7b-v0.3, "
+                      "qwen2.5-7b) or a directory with config.json")  # fmt: skip
+    plan.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 141GB (default: 80GiB)")
+    plan.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's limit)")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    plan.add_argument("--tensor-parallel-size", type=int, default=1)
+    plan.add_argument("--dtype", default="auto", help="weight dtype: auto (the config's), bfloat16, float16, float32")
+    plan.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    plan.add_argument("--block-size", type=int, default=16)
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.set_defaults(run=_plan)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from jaxpaged.server.cli import serve
+
+    return serve(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from jaxpaged.plan import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxpaged` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:

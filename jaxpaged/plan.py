@@ -44,7 +44,8 @@ def load_model_config(model: str) -> tuple[str, dict]:
         return f"{model.lower()} (preset)", preset
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json")
+        presets = ", ".join(PRESETS)
+        raise ValueError(f"--model {model!r} is neither a preset ({presets}) nor a directory with config.json")
     with open(path) as f:
         return model, json.load(f)
 
@@ -88,7 +89,10 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
     """
     name, raw = load_model_config(model)
     config = ModelConfig.from_hf(raw)
-    context = config.check_max_model_len(context or config.max_context_len)
+    try:
+        context = config.check_max_model_len(context or config.max_context_len)
+    except ValueError as err:
+        raise ValueError(f"--context: {err}") from None
     if dtype == "auto":
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").removeprefix("torch.")
     kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
@@ -122,8 +126,13 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
             device_memory_bytes=gpu_memory, gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weights,
         )  # fmt: skip
     except ValueError as err:
+        note = str(err)
+        options = dict(gpu_memory=gpu_memory, context=context, gpu_memory_utilization=gpu_memory_utilization,
+                       dtype=dtype, kv_cache_dtype=kv_dtype, block_size=block_size)  # fmt: skip
+        fitting = [n for n in (2, 4, 8, 16, 32, 64) if n > tp and _fits(model, n, options)][:1]
+        note += "".join(f"; --tensor-parallel-size {n} fits" for n in fitting)
         report.update(fits=False, kv_pool_bytes_per_gpu=0, kv_cache_blocks=0, pool_tokens=0, max_concurrency=0.0,
-                      note=str(err))  # fmt: skip
+                      note=note)  # fmt: skip
         return report
     report.update(
         fits=True, kv_pool_bytes_per_gpu=plan.pool_bytes, kv_cache_blocks=plan.num_blocks - 1,
@@ -131,6 +140,13 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
         note="activation memory is not counted (the engine measures it at start-up); leave headroom",
     )  # fmt: skip
     return report
+
+
+def _fits(model: str, tensor_parallel_size: int, options: dict) -> bool:
+    try:
+        return make_plan(model, tensor_parallel_size=tensor_parallel_size, **options)["fits"]
+    except ValueError:  # e.g. the heads do not split over that many GPUs
+        return False
 
 
 def _size(n: int) -> str:

@@ -102,7 +102,7 @@ def sampling_row(params, index: int) -> np.ndarray:
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
         "repetition_penalty": params.repetition_penalty,
-        "seed": params.seed or 0,
+        "seed": np.uint32((params.seed or 0) & 0xFFFFFFFF).view(np.int32),  # the device reads it as uint32
         "index": index,
         "position": 0,
         "slot": 0,

@@ -51,6 +51,7 @@ class RequestStream:
 
     @property
     def finished(self) -> bool:
+        """All requests finished, were aborted, or the engine died."""
         return not self._unfinished
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -112,6 +113,7 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncEngine":
+        """Builds (and compiles) the engine, then starts its thread."""
         return cls(LLMEngine(args))
 
     # -- event-loop side ---------------------------------------------------------------------
@@ -163,6 +165,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
+        """False once the engine thread has stopped (see `dead`)."""
         return self.dead is None
 
     def shutdown(self, timeout: float = 30.0) -> None:

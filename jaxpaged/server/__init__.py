@@ -1,0 +1,28 @@
+"""The OpenAI-compatible server (`jaxpaged serve`).
+
+- `async_engine.AsyncEngine`: the `LLMEngine` on its own thread, for asyncio callers.
+- `protocol`: OpenAI request models, their `SamplingParams`, OpenAI's error shape.
+- `serving`: the completions and chat-completions handlers (JSON and SSE).
+- `app.build_app`: the FastAPI app (routes, API key, body limit, error handlers).
+- `metrics.ServerMetrics`: Prometheus metrics with vLLM's names.
+- `cli.serve`: start-up for the `jaxpaged serve` command.
+
+Names are imported lazily: the CLI reads `cli`'s flags without loading JAX, and
+`AsyncEngine` works without the `server` extra installed.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "AsyncEngine": "jaxpaged.server.async_engine",
+    "EngineDeadError": "jaxpaged.server.async_engine",
+    "RequestStream": "jaxpaged.server.async_engine",
+    "build_app": "jaxpaged.server.app",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxpaged.server' has no attribute {name!r}")

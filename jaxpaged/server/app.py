@@ -1,0 +1,195 @@
+"""The FastAPI app: OpenAI routes, vLLM's extra routes, auth, body limits and error shapes.
+
+    POST /v1/completions, /v1/chat/completions   (serving.py; JSON or SSE)
+    GET  /v1/models, /health, /metrics, /version
+    POST /tokenize, /detokenize                  (vLLM's shapes)
+
+Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: validation errors
+and bad values are 400, an unknown model 404 (`model_not_found`), a missing or wrong API key
+401, an oversized body 413, a stopped engine 503. Request logs carry ids and token counts,
+never prompt text.
+"""
+
+import hmac
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError
+from jaxpaged.server.metrics import ServerMetrics
+from jaxpaged.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    api_error_from,
+    error_body,
+)
+from jaxpaged.server.serving import ServingContext, chat_prompt, create_chat_completion, create_completion
+
+logger = logging.getLogger("jaxpaged.server")
+
+MAX_BODY_BYTES = 4 * 2**20
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
+    """The OpenAI-compatible app over a running `AsyncEngine`.
+
+    Args:
+      async_engine: the engine (its thread keeps running after the app stops; shut it down).
+      served_model_name: the `model` name clients use (others get 404).
+      api_key: when set, every route but `/health` needs `Authorization: Bearer <api_key>`.
+      max_body_bytes: larger request bodies get 413.
+    """
+    app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None)
+    ctx = ServingContext(async_engine, served_model_name)
+    metrics = ServerMetrics(async_engine, served_model_name)
+    created = int(time.time())
+    app.state.ctx, app.state.metrics = ctx, metrics
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(ctx, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(ctx, body, raw)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "jaxpaged",
+                "root": async_engine.engine.args.model, "parent": None,
+                "max_model_len": async_engine.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return JSONResponse(error_body(str(async_engine.dead), "server_error"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return {"version": version("jaxpaged")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            request = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            tokens = chat_prompt(ctx, request)["prompt_token_ids"]
+        else:
+            tokens = async_engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": async_engine.max_model_len, "tokens": tokens, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        vocab = async_engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": async_engine.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def reply(status: int, body: dict) -> JSONResponse:
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, err: APIError):
+        return reply(err.status, err.body())
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, err: RequestValidationError):
+        messages, param = [], None
+        for e in err.errors():
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            if e.get("type") == "json_invalid":
+                messages.append(f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
+                continue
+            param = param or (loc[0] if loc else None)
+            messages.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+        return reply(400, error_body("; ".join(messages) or "invalid request", param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, err: HTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return reply(err.status_code, error_body(str(err.detail), kind))
+
+    @app.exception_handler(ValueError)
+    async def value_error(_, err: ValueError):
+        return reply(400, api_error_from(err).body())
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_, err: EngineDeadError):
+        return reply(503, error_body(str(err), "server_error"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, err: Exception):
+        logger.error("internal error: %s: %s", type(err).__name__, err)
+        return reply(500, error_body("internal server error", "server_error"))
+
+
+class _Guard:
+    """ASGI middleware: the API key check and the body-size cap, before any route runs."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected and scope["path"] != "/health":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                message = "invalid or missing API key; send 'Authorization: Bearer <key>'"
+                return await _send_json(send, 401, error_body(message, "authentication_error", code="invalid_api_key"))
+        limit = self.max_body_bytes
+        too_large = f"the request body exceeds the limit of {limit} bytes"
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            return await _send_json(send, 413, error_body(too_large))
+        received = 0
+
+        async def capped_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise HTTPException(413, too_large)  # answered by the app's handler
+            return message
+
+        await self.app(scope, capped_receive, send)
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    payload = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,296 @@
+"""`/v1/completions` and `/v1/chat/completions`: prompts in, OpenAI responses or SSE chunks out.
+
+Each handler checks the model name, turns the body into `SamplingParams`, tokenizes on the
+event loop (with the server's own tokenizer), checks lengths against `max_model_len`, and adds
+all of its requests to the engine at once; only then does a response start, so every bad
+request is a 400 with OpenAI's error shape. A client that goes away aborts its requests.
+"""
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from jaxpaged.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+
+logger = logging.getLogger("jaxpaged.server")
+
+
+@dataclasses.dataclass
+class ServingContext:
+    """What the handlers share: the engine and the name the model is served under."""
+
+    engine: AsyncEngine
+    model_name: str
+
+    def check_model(self, model: str | None) -> None:
+        """404 `model_not_found` unless `model` is None or the served name."""
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, what: str) -> None:
+        """400 `context_length_exceeded` when prompt + max_tokens cannot fit `max_model_len`."""
+        limit = self.engine.max_model_len
+        if max_tokens is None and num_prompt >= limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens, and the {what} has {num_prompt} "
+                           "tokens, which leaves no room for the completion. Please shorten the "
+                           f"{what}.", param=what, code="context_length_exceeded")  # fmt: skip
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in the "
+                           f"completion). Please reduce the length of the {what} or completion.", param=what,
+                           code="context_length_exceeded")  # fmt: skip
+
+
+def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
+    """`LLMEngine.add_request` prompts for the `prompt` field's four forms."""
+    items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+    if not items:
+        raise APIError("prompt must not be empty", param="prompt")
+    prompts = []
+    for item in items:
+        if not item:
+            raise APIError("prompt must not be empty", param="prompt")
+        if isinstance(item, str):
+            prompts.append({"prompt": item, "prompt_token_ids": ctx.engine.tokenizer.encode(item)})
+        else:
+            prompts.append({"prompt_token_ids": list(item)})
+    return prompts
+
+
+def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
+    """Renders the conversation with the tokenizer's chat template and tokenizes it."""
+    conversation = [m.to_template() for m in body.messages]
+    tokenizer = ctx.engine.tokenizer
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt,
+                                             tokenize=False)  # fmt: skip
+    except Exception as err:  # no template, or the template rejects the conversation
+        raise APIError(f"cannot apply the model's chat template: {err}", param="messages") from None
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: Request) -> Response:
+    """`POST /v1/completions`: one engine request per prompt, choices indexed prompt-major."""
+    ctx.check_model(body.model)
+    params = body.sampling_params(ctx.engine.model_config.vocab_size)
+    prompts = completion_prompts(ctx, body.prompt)
+    for p in prompts:
+        ctx.check_length(len(p["prompt_token_ids"]), params.max_tokens, "prompt")
+    return await _run(ctx, raw, body, params, prompts, _Kind(chat=False, num_logprobs=body.logprobs))
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
+    """`POST /v1/chat/completions`: the conversation through the chat template, one request."""
+    ctx.check_model(body.model)
+    params = body.sampling_params(ctx.engine.model_config.vocab_size)
+    prompt = chat_prompt(ctx, body)
+    ctx.check_length(len(prompt["prompt_token_ids"]), params.max_tokens, "messages")
+    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return await _run(ctx, raw, body, params, [prompt], _Kind(chat=True, num_logprobs=num_logprobs))
+
+
+@dataclasses.dataclass
+class _Kind:
+    """Formats choices and chunks of one of the two endpoints."""
+
+    chat: bool
+    num_logprobs: int | None
+
+    @property
+    def prefix(self) -> str:
+        return "chatcmpl" if self.chat else "cmpl"
+
+    def object(self, chunk: bool) -> str:
+        return ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+
+    def choice(self, index: int, text: str, token_ids: list, logprobs: list | None, c: CompletionOutput,
+               chunk: bool, offset: int = 0) -> dict:  # fmt: skip
+        lps = None
+        if self.num_logprobs is not None and logprobs is not None:
+            lps = _chat_logprobs(token_ids, logprobs, self.num_logprobs) if self.chat else \
+                _completion_logprobs(token_ids, logprobs, self.num_logprobs, offset)  # fmt: skip
+        if not self.chat:
+            body = {"index": index, "text": text}
+        elif chunk:
+            body = {"index": index, "delta": {"content": text}}
+        else:
+            body = {"index": index, "message": {"role": "assistant", "content": text}}
+        return {**body, "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+class _Usage:
+    def __init__(self):
+        self.prompt: dict[str, int] = {}
+        self.cached: dict[str, int] = {}
+        self.completion = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.prompt[out.request_id] = len(out.prompt_token_ids)
+        self.cached[out.request_id] = out.num_cached_tokens
+        self.completion += sum(len(c.token_ids) for c in out.outputs)
+
+    def to_dict(self) -> dict:
+        prompt = sum(self.prompt.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}  # fmt: skip
+
+
+async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: _Kind) -> Response:
+    request_id = f"{kind.prefix}-{uuid.uuid4().hex}"
+    ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+    stream = await ctx.engine.add_requests(ids, prompts, params, cache_salt=body.cache_salt)
+    logger.info("%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s", request_id, len(prompts),
+                sum(len(p["prompt_token_ids"]) for p in prompts), params.n, params.max_tokens, body.stream)  # fmt: skip
+    head = {"id": request_id, "object": kind.object(body.stream), "created": int(time.time()), "model": ctx.model_name}
+    index_of = {rid: i * params.n for i, rid in enumerate(ids)}
+    if body.stream:
+        events = _events(stream, kind, head, index_of, params.n * len(prompts), body.include_usage)
+        return EventStreamResponse(events, on_close=stream.abort)
+    result = await run_until_disconnect(raw, _collect(stream, kind, head, index_of))
+    if result is None:
+        logger.info("%s: client disconnected; aborted", request_id)
+        return Response(status_code=499)
+    return JSONResponse(result)
+
+
+async def _collect(stream: RequestStream, kind: _Kind, head: dict, index_of: dict) -> dict:
+    usage, acc = _Usage(), {}
+    try:
+        async for out in stream:
+            usage.add(out)
+            for c in out.outputs:
+                a = acc.setdefault(index_of[out.request_id] + c.index, {"text": "", "ids": [], "lps": [], "c": c})
+                a["text"] += c.text
+                a["ids"] += c.token_ids
+                a["lps"] += c.logprobs or []
+                a["c"] = c
+    finally:
+        stream.abort()
+    choices = [kind.choice(i, a["text"], a["ids"], a["lps"], a["c"], chunk=False) for i, a in sorted(acc.items())]
+    logger.info("%s: finished, %d completion tokens", head["id"], usage.completion)
+    return {**head, "choices": choices, "usage": usage.to_dict()}
+
+
+async def _events(stream: RequestStream, kind: _Kind, head: dict, index_of: dict, num_choices: int,
+                  include_usage: bool):  # fmt: skip
+    usage, done, offsets = _Usage(), set(), {}
+    extra = {"usage": None} if include_usage else {}
+    try:
+        if kind.chat:
+            for i in range(num_choices):
+                delta = {"role": "assistant", "content": ""}
+                role = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                yield _sse({**head, "choices": [role], **extra})
+        async for out in stream:
+            usage.add(out)
+            for c in out.outputs:
+                i = index_of[out.request_id] + c.index
+                if i in done or not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                if c.finish_reason:
+                    done.add(i)
+                choice = kind.choice(i, c.text, c.token_ids, c.logprobs, c, chunk=True, offset=offsets.get(i, 0))
+                offsets[i] = offsets.get(i, 0) + len(c.text)
+                yield _sse({**head, "choices": [choice], **extra})
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": usage.to_dict()})
+        logger.info("%s: finished, %d completion tokens", head["id"], usage.completion)
+        yield "data: [DONE]\n\n"
+    except EngineDeadError as err:
+        yield _sse(error_body(str(err), "server_error"))
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.abort()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop, and call `on_close`, as soon as the client goes away.
+
+    Starlette only watches for a disconnect under ASGI < 2.4; this watches always, so a
+    request is aborted even before its first token.
+    """
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-send
+                        pass
+                    finally:
+                        group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+async def run_until_disconnect(raw: Request, coro):
+    """Awaits `coro`, unless the client disconnects first: then cancels it and returns None."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+def _top(entry: dict[int, Logprob], num: int) -> list[Logprob]:
+    return sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num] if num else []
+
+
+def _finite(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -inf
+
+
+def _completion_logprobs(token_ids: list[int], logprobs: list, num: int, offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, logprobs):
+        text = entry[token_id].decoded_token or ""
+        tokens.append(text)
+        token_lps.append(_finite(entry[token_id].logprob))
+        tops.append({(lp.decoded_token or ""): _finite(lp.logprob) for lp in _top(entry, num)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(token_ids: list[int], logprobs: list, num: int) -> dict:
+    def item(lp: Logprob) -> dict:
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": _finite(lp.logprob), "bytes": list(token.encode())}
+
+    content = []
+    for token_id, entry in zip(token_ids, logprobs):
+        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for lp in _top(entry, num)]})
+    return {"content": content}

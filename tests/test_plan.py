@@ -1,0 +1,108 @@
+"""`jaxpaged plan`: exact parameter counts, KV bytes per token and per request, TP splits, presets."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny_models import build_hf_model
+
+from jaxpaged.cli import main
+from jaxpaged.config import ModelConfig
+from jaxpaged.memory import kv_heads_per_device, plan_kv_cache
+from jaxpaged.plan import count_parameters, make_plan, parse_bytes
+from jaxpaged.presets import PRESETS, get_preset
+
+MiB, GiB = 2**20, 2**30
+
+
+def plan_json(capsys, *argv) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_llama_31_8b_table_and_json(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80GiB", "--context", "4096"]) == 0
+    table = capsys.readouterr().out
+    assert "131,072 B (128.00 KiB)" in table and "536,870,912 B (512.00 MiB)" in table
+    assert "8,030,261,248" in table and "max concurrency at 4,096" in table
+    r = plan_json(capsys, "--model", "LLAMA-3.1-8B", "--context", "4096")
+    assert r["kv_bytes_per_token"] == 131_072 and r["kv_bytes_per_request"] == 512 * MiB
+    assert r["num_parameters"] == 8_030_261_248 and r["weight_bytes_per_gpu"] == 2 * 8_030_261_248
+    assert r["fits"] and r["pool_tokens"] == r["kv_cache_blocks"] * 16
+    budget = int(80 * GiB * 0.9) - r["weight_bytes_per_gpu"]
+    assert r["kv_cache_blocks"] == budget // (131_072 * 16) - 1  # the engine's null block included
+    assert r["max_concurrency"] == pytest.approx(r["kv_cache_blocks"] / 256, abs=0.01)
+
+
+def test_llama_31_70b_needs_tensor_parallelism(capsys):
+    r = plan_json(capsys, "--model", "llama-3.1-70b", "--context", "8192")
+    assert r["kv_bytes_per_token"] == 327_680 and r["num_parameters"] == 70_553_706_496
+    assert not r["fits"] and "--tensor-parallel-size 2 fits" in r["note"]
+    tp4 = plan_json(capsys, "--model", "llama-3.1-70b", "--context", "8192", "--tensor-parallel-size", "4")
+    assert tp4["fits"] and tp4["kv_bytes_per_token"] == 327_680 // 4 and tp4["kv_bytes_per_token_all_gpus"] == 327_680
+    assert main(["plan", "--model", "llama-3.1-70b"]) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_tensor_parallel_halves_per_gpu_kv_and_weights(capsys):
+    one = plan_json(capsys, "--model", "llama-3.1-8b", "--context", "4096")
+    two = plan_json(capsys, "--model", "llama-3.1-8b", "--context", "4096", "--tensor-parallel-size", "2")
+    assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2 == 65_536
+    assert two["kv_bytes_per_request"] == 256 * MiB
+    norms = 2 * (2 * 32 + 1) * 4096  # RMSNorm scales are replicated, everything else splits
+    assert two["weight_bytes_per_gpu"] == (one["weight_bytes_per_gpu"] - norms) // 2 + norms
+    assert two["max_concurrency"] > 2 * one["max_concurrency"]
+    # More GPUs than KV heads: one KV head each (replicated), so per-GPU KV stops shrinking.
+    sixteen = plan_json(capsys, "--model", "llama-3.1-8b", "--context", "4096", "--tensor-parallel-size", "16")
+    assert sixteen["kv_heads_per_gpu"] == 1 and sixteen["kv_bytes_per_token"] == 131_072 // 8
+
+
+def test_presets_are_the_public_configs():
+    assert set(PRESETS) == {"llama-3.1-8b", "llama-3.1-70b", "mistral-7b-v0.3", "qwen2.5-7b"}
+    assert get_preset("meta-llama/Llama-3.1-8B") == PRESETS["llama-3.1-8b"] and get_preset("gpt-2") is None
+    assert count_parameters(ModelConfig.from_hf(get_preset("Mistral-7B-v0.3")))[0] == 7_248_023_552
+    qwen = ModelConfig.from_hf(get_preset("Qwen2.5-7B"))
+    assert qwen.qkv_bias and qwen.sliding_window is None and count_parameters(qwen)[0] == 7_615_616_512
+    r = make_plan("qwen2.5-7b", gpu_memory=24 * GiB, context=32768)
+    assert r["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2 and r["kv_bytes_per_request"] == 1792 * MiB
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa4", "qwen2_bias", "llama_tied"])
+def test_parameter_count_is_exact_and_directories_work(tmp_path, capsys, variant):
+    hf = build_hf_model(variant)
+    hf.config.architectures = [type(hf).__name__]
+    hf.config.to_json_file(tmp_path / "config.json")
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert count_parameters(config)[0] == sum(p.numel() for p in hf.parameters())
+    r = plan_json(capsys, "--model", str(tmp_path), "--gpu-memory", "1GiB", "--context", "64", "--dtype", "float32")
+    expected = plan_kv_cache(config, dtype_bytes=4, block_size=16, max_model_len=64, device_memory_bytes=GiB,
+                             weight_bytes=r["weight_bytes_per_gpu"])  # fmt: skip
+    assert r["kv_cache_blocks"] == expected.num_blocks - 1 and r["kv_bytes_per_token"] == expected.bytes_per_token
+
+
+def test_bad_arguments_name_the_flag(capsys):
+    assert main(["plan", "--model", "no-such-model"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-3.1-8b", "--context", "200000"]) == 2
+    assert "--context" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen2.5-7b", "--tensor-parallel-size", "3"]) == 2
+    assert "num_attention_heads=28" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu-memory", "lots"]) == 2
+    assert "memory size" in capsys.readouterr().err
+
+
+def test_parse_bytes_and_kv_head_split():
+    assert parse_bytes("80GiB") == parse_bytes("80G") == 80 * GiB and parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("1.5 TiB") == 3 * 2**39 and parse_bytes("4096") == 4096
+    assert [kv_heads_per_device(8, tp) for tp in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    with pytest.raises(ValueError, match="one must divide the other"):
+        kv_heads_per_device(4, 3)
+
+
+def test_plan_needs_no_jax():
+    code = ("import sys; from jaxpaged.cli import main; main(['plan', '--model', 'llama-3.1-8b', '--json']); "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'torch')], 'JAX was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["kv_bytes_per_token"] == 131_072

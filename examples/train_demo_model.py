@@ -171,6 +171,7 @@ def train_tokenizer(verses: list[str], vocab_size: int):
         add_eos_token=False,
         clean_up_tokenization_spaces=False,
         model_max_length=1024,
+        model_input_names=["input_ids", "attention_mask"],  # no token_type_ids for a decoder
     )
     hf_tok.chat_template = CHAT_TEMPLATE
     return hf_tok
@@ -361,7 +362,7 @@ def train(model, train_stream, val_stream, args) -> dict:
     log(f"done: {step} steps in {elapsed / 60:.1f} min, train loss {final_train:.4f}, val loss {val_loss:.4f}")
     return {
         "steps": step,
-        "epochs": batches.epoch,
+        "epochs": step * tokens_per_step / len(train_stream),
         "minutes": elapsed / 60,
         "tokens_seen": step * tokens_per_step,
         "train_loss": final_train,
@@ -378,7 +379,8 @@ README_TEMPLATE = """\
 A tiny Llama-architecture causal language model bundled with jaxpaged so that
 examples and tests can run a real Hugging Face checkpoint anywhere. It writes
 King-James-Bible-flavoured English; it is a toy for exercising the inference
-engine, not a useful language model.
+engine, not a useful language model. Greedy decoding soon loops ("and the
+earth, and the earth, ..."); sampling (temperature ~0.8, top-k 40) reads better.
 
 ## Architecture
 
@@ -408,7 +410,7 @@ The model was trained on Bible verses only, never on chat-formatted text.
 
 ## Data
 
-The King James Version of the Bible (1611), from the Debian package
+The Authorized (King James) Version of the Bible, from the Debian package
 `bible-kjv-text` (decompressed with the `bible` reader from `bible-kjv`);
 the text is in the public domain (copyright long expired). Verse references
 were stripped; each verse was encoded as `BOS verse EOS`, and the stream was
@@ -419,8 +421,9 @@ packed into {seq_len}-token sequences. Every 50th verse was held out for validat
 Trained from scratch on CPU with torch {torch_version}: AdamW (betas 0.9/0.95,
 weight decay {wd}), peak LR {lr:g}, {warmup}-step warm-up then cosine decay to
 {min_lr_ratio:g}x over a {budget:g}-minute wall-clock budget, batch {batch} x {seq_len}
-tokens, bf16 autocast: {steps} steps (~{epochs} epochs, {tokens_m:.1f}M tokens),
-{minutes:.1f} minutes.
+tokens, bf16 autocast: {steps} steps ({epochs:.1f} epochs, {tokens_m:.1f}M tokens) in
+{minutes:.1f} minutes on 2 CPU cores (shared with other jobs, so the step count
+depends on machine load).
 
 Final training loss **{train_loss:.3f}**, held-out validation loss **{val_loss:.3f}**
 (nats per token).
@@ -432,6 +435,37 @@ apt-get install -y bible-kjv-text bible-kjv
 {command}
 ```
 """
+
+
+def make_portable(out_dir: Path) -> None:
+    """Make the saved files loadable by transformers 4.x as well as 5.x.
+
+    transformers 5 writes ``tokenizer_class: TokenizersBackend``, a list-valued
+    ``extra_special_tokens`` and ``rope_parameters``, none of which 4.x
+    understands.  Both versions accept the older spellings used here (5.x maps
+    ``additional_special_tokens``/``rope_theta``/``torch_dtype`` onto the new
+    names), and the BOS-prepending post-processor lives in tokenizer.json anyway.
+    """
+    path = out_dir / "tokenizer_config.json"
+    tc = json.loads(path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = tc.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        tc["additional_special_tokens"] = extra
+    elif extra:  # a dict, as written by 4.x: keep it
+        tc["extra_special_tokens"] = extra
+    tc["add_bos_token"] = True
+    tc["add_eos_token"] = False
+    tc.setdefault("model_input_names", ["input_ids", "attention_mask"])
+    path.write_text(json.dumps(tc, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
+
+    path = out_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = cfg.get("rope_parameters") or {}
+    cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    cfg.setdefault("torch_dtype", cfg.get("dtype", "bfloat16"))
+    cfg.setdefault("dtype", cfg["torch_dtype"])
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def save_all(model, tok, out_dir: Path, stats: dict, args, command: str) -> None:
@@ -459,6 +493,7 @@ def save_all(model, tok, out_dir: Path, stats: dict, args, command: str) -> None
             else:
                 log(f"dropping {f.name} (not needed)")
 
+    make_portable(out_dir)
     n_params = sum(p.numel() for p in model.parameters())
     weight_bytes = (out_dir / "model.safetensors").stat().st_size
     assert weight_bytes <= MAX_WEIGHT_BYTES, f"model.safetensors is {weight_bytes} bytes"
@@ -518,7 +553,7 @@ def parse_args(argv=None):
     p.add_argument("--time-budget-min", type=float, default=20.0, help="wall-clock training budget in minutes (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=0, help="optional cap on optimizer steps (0 = budget only)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.05, help="final LR as a fraction of the peak")

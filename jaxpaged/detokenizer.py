@@ -44,7 +44,14 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self._emitted = 0  # characters of `text` already handed out by `take_delta`
 
+        # A fast tokenizer without clean-up decodes exactly like its Rust backend, minus the
+        # Python wrapper's overhead (a few microseconds per call, two calls per token).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
+
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> bool:

@@ -123,6 +123,23 @@ def _top_k_top_p(logits, top_k, top_p):
     return jnp.where((logits < kth) | (logits < pth), -jnp.inf, logits)
 
 
+def _sample_filtered(logits, params: SamplingTensors):
+    """Tempered sampling after top-k / top-p / min-p filtering (Gumbel-max with per-row keys)."""
+    scaled = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    filtered = jax.lax.cond(
+        jnp.any((params.top_k > 0) | (params.top_p < 1)),
+        lambda x: _top_k_top_p(x, params.top_k, params.top_p),
+        lambda x: x,
+        scaled,
+    )
+    max_logit = jnp.max(filtered, axis=-1, keepdims=True)
+    # min_p: keep tokens whose probability is at least min_p times the top token's.
+    min_logit = jnp.where(params.min_p > 0, jnp.log(jnp.maximum(params.min_p, 1e-30)), -jnp.inf)
+    filtered = jnp.where(filtered < max_logit + min_logit[:, None], -jnp.inf, filtered)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(_keys(params))
+    return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+
+
 def _keys(params: SamplingTensors):
     def one(seed, index, position):
         key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), index)
@@ -157,21 +174,13 @@ def sample(
     logits = jax.lax.cond(
         penalised, lambda x: _apply_penalties(x, params, prompt_mask, output_counts), lambda x: x, logits
     )
-    greedy_ids = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    filtered = jax.lax.cond(
-        jnp.any((params.top_k > 0) | (params.top_p < 1)),
-        lambda x: _top_k_top_p(x, params.top_k, params.top_p),
-        lambda x: x,
-        scaled,
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token_ids = jax.lax.cond(
+        jnp.any(params.temperature > 0),  # all-greedy batches skip filtering and the noise
+        lambda x: jnp.where(params.temperature > 0, _sample_filtered(x, params), greedy_ids),
+        lambda x: greedy_ids,
+        logits,
     )
-    max_logit = jnp.max(filtered, axis=-1, keepdims=True)
-    # min_p: keep tokens whose probability is at least min_p times the top token's.
-    min_logit = jnp.where(params.min_p > 0, jnp.log(jnp.maximum(params.min_p, 1e-30)), -jnp.inf)
-    filtered = jnp.where(filtered < max_logit + min_logit[:, None], -jnp.inf, filtered)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(_keys(params))
-    sampled_ids = jnp.argmax(filtered + gumbel, axis=-1)
-    token_ids = jnp.where(params.temperature > 0, sampled_ids, greedy_ids).astype(jnp.int32)
     chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
     rows = logits.shape[0]
 

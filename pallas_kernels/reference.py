@@ -20,6 +20,8 @@ from jaxtyping import Array, Float, Int
 
 # A large finite negative for masked logits: -inf would turn fully masked rows into NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Query rows per work item of the ragged reference.
+QUERY_BLOCK = 64
 
 
 def write_kv(
@@ -135,23 +137,33 @@ def ragged_paged_attention(
     """
     del interpret
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    num_tokens = q.shape[0]
+    num_tokens, num_slots = q.shape[0], block_tables.shape[0]
     length = block_tables.shape[1] * k_pool.shape[1]
-    tok = jnp.arange(num_tokens)
+    block_q = min(num_tokens, QUERY_BLOCK)
+    # Work items: blocks of up to block_q consecutive tokens of one sequence. Each gathers its
+    # sequence's pages once and attends for its rows only: O(T x L) work, not O(S x T x L).
+    q_lens = jnp.where(jnp.arange(num_slots) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    blocks = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(blocks)
+    max_items = -(-num_tokens // block_q) + num_slots
+    item = jnp.arange(max_items)
+    item_seq = jnp.minimum(jnp.searchsorted(ends, item, side="right"), num_slots - 1)
+    item_first = cu_q_lens[item_seq] + (item - (ends[item_seq] - blocks[item_seq])) * block_q
+    item_live = item < ends[-1]
+    q_padded = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
     key_pos = jnp.arange(length)
 
-    def one_sequence(s):
-        start, end = cu_q_lens[s], cu_q_lens[s + 1]
-        in_seq = (tok >= start) & (tok < end) & (s < num_seqs)
-        q_pos = kv_lens[s] - (end - start) + (tok - start)  # [T]
-        mask = in_seq[:, None] & (key_pos[None, :] <= q_pos[:, None]) & (key_pos < kv_lens[s])[None, :]
+    def one_item(out, w):
+        s, first = item_seq[w], item_first[w]
+        rows = first + jnp.arange(block_q)
+        row_ok = item_live[w] & (rows < cu_q_lens[s + 1])
+        q_pos = kv_lens[s] - cu_q_lens[s + 1] + rows  # absolute position of each row
+        mask = row_ok[:, None] & (key_pos[None, :] <= q_pos[:, None])
+        q_rows = jax.lax.dynamic_slice_in_dim(q_padded, first, block_q)
         table = block_tables[s]
-        out = _attend(q, _gather_pages(k_pool, table), _gather_pages(v_pool, table), mask, scale)
-        return jnp.where(in_seq[:, None, None], out, 0)
+        o = _attend(q_rows, _gather_pages(k_pool, table), _gather_pages(v_pool, table), mask, scale)
+        current = jax.lax.dynamic_slice_in_dim(out, first, block_q)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], o, current), first, 0), None
 
-    # One sequence at a time keeps memory at T x N x L instead of T x N x S x L.
-    def body(acc, s):
-        return acc + one_sequence(s), None
-
-    out, _ = jax.lax.scan(body, jnp.zeros(q.shape, q.dtype), jnp.arange(block_tables.shape[0]))
-    return out
+    out, _ = jax.lax.scan(one_item, jnp.zeros_like(q_padded), item)
+    return out[:num_tokens]

@@ -118,14 +118,22 @@ class Attention(nnx.Module):
         k = apply_rope(k, meta.positions, inv_freq)
         k_pool, v_pool = pallas_kernels.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         ops = pallas_kernels if self.attention == "pallas" else reference
-        if meta.decode_only:  # token i is sequence i's only query: decode attention, then pad to T
+
+        def decode(q):  # token i is sequence i's only query: decode attention, padded to T rows
             num_seqs = meta.kv_lens.shape[0]
-            attn = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens)
-            attn = jnp.pad(attn, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
-        else:
-            attn = ops.ragged_paged_attention(
+            out = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens)
+            return jnp.pad(out, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
+
+        def ragged(q):
+            return ops.ragged_paged_attention(
                 q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables, meta.num_seqs
             )
+
+        if meta.decode_only:
+            attn = decode(q)
+        else:  # a step whose sequences all have one token is a decode batch too
+            is_decode = meta.cu_q_lens[meta.num_seqs] == meta.num_seqs
+            attn = jax.lax.cond(is_decode, decode, ragged, q)
         out = jnp.einsum("TNH,NHD->TD", attn, self.o_proj[...])
         if self.has_o_bias:
             out = out + self.o_bias[...]

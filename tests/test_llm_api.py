@@ -1,6 +1,7 @@
 """The vLLM-style API: LLM.generate / chat, sampling features, streaming, aborts, errors, donation."""
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -210,3 +211,14 @@ def test_fused_decode_steps_change_nothing(model_dir):
         bm = llm.llm_engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_total_blocks
     assert results[0] == results[1]
+
+
+def test_compilation_cache_dir_keeps_the_step_programs(model_dir, tmp_path):
+    cache = tmp_path / "xla-cache"
+    try:
+        LLM(model_dir[0], dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+            compilation_cache_dir=str(cache))  # fmt: skip
+    finally:  # the cache directory is process-wide JAX configuration: leave it as it was
+        jax.config.update("jax_compilation_cache_dir", None)
+    names = os.listdir(cache)
+    assert any("_packed_step" in n for n in names) and any("_packed_decode_steps" in n for n in names)

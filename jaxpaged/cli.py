@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # transformers is only the tokenizer here: its advice that PyTorch is missing is noise.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:

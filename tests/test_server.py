@@ -6,6 +6,7 @@ thread (a gate around `LLMEngine.step`) so that the request is certainly still r
 """
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -406,3 +407,18 @@ def test_jaxpaged_serve_with_api_key(server, tmp_path):
         assert expected in text, text
     assert re.search(r"KV cache \d+ blocks x 16 = \d+ tokens", text), text
     assert PROMPTS[0] not in text  # request logs carry no prompt text
+
+
+def test_enable_log_requests_logs_prompts_only_when_asked(server, caplog):
+    async def ask(log_prompts: bool):
+        app = build_app(server.async_engine, MODEL, log_prompts=log_prompts)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 2, "temperature": 0}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+
+    with caplog.at_level(logging.INFO, logger="jaxpaged.server"):
+        asyncio.run(ask(False))
+        assert PROMPTS[2] not in caplog.text
+        asyncio.run(ask(True))
+        assert PROMPTS[2] in caplog.text
+    server.wait_idle()

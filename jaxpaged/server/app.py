@@ -39,7 +39,7 @@ MAX_BODY_BYTES = 4 * 2**20
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
+              max_body_bytes: int = MAX_BODY_BYTES, log_prompts: bool = False) -> FastAPI:  # fmt: skip
     """The OpenAI-compatible app over a running `AsyncEngine`.
 
     Args:
@@ -47,9 +47,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
       served_model_name: the `model` name clients use (others get 404).
       api_key: when set, every route but `/health` needs `Authorization: Bearer <api_key>`.
       max_body_bytes: larger request bodies get 413.
+      log_prompts: request logs include the prompt text (off by default).
     """
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None)
-    ctx = ServingContext(async_engine, served_model_name)
+    ctx = ServingContext(async_engine, served_model_name, log_prompts)
     metrics = ServerMetrics(async_engine, served_model_name)
     created = int(time.time())
     app.state.ctx, app.state.metrics = ctx, metrics

@@ -22,6 +22,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level (default: info)")
+    parser.add_argument("--enable-log-requests", action="store_true", help="include prompt text in request logs")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -50,7 +51,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs(**kwargs))
     _log_start_up(engine, time.perf_counter() - start)
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, name, api_key=args.api_key)
+    app = build_app(async_engine, name, api_key=args.api_key, log_prompts=args.enable_log_requests)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5)  # fmt: skip
     logger.info("serving %r at http://%s:%d/v1 (API key %s)", name, args.host, args.port,

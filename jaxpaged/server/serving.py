@@ -26,10 +26,12 @@ logger = logging.getLogger("jaxpaged.server")
 
 @dataclasses.dataclass
 class ServingContext:
-    """What the handlers share: the engine and the name the model is served under."""
+    """What the handlers share: the engine, the name the model is served under, and whether
+    request logs may include prompt text (`--enable-log-requests`)."""
 
     engine: AsyncEngine
     model_name: str
+    log_prompts: bool = False
 
     def check_model(self, model: str | None) -> None:
         """404 `model_not_found` unless `model` is None or the served name."""
@@ -150,6 +152,9 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: _Kind
     stream = await ctx.engine.add_requests(ids, prompts, params, cache_salt=body.cache_salt)
     logger.info("%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s", request_id, len(prompts),
                 sum(len(p["prompt_token_ids"]) for p in prompts), params.n, params.max_tokens, body.stream)  # fmt: skip
+    if ctx.log_prompts:
+        for rid, p in zip(ids, prompts):
+            logger.info("%s: prompt %r", rid, p.get("prompt") or p["prompt_token_ids"])
     head = {"id": request_id, "object": kind.object(body.stream), "created": int(time.time()), "model": ctx.model_name}
     index_of = {rid: i * params.n for i, rid in enumerate(ids)}
     if body.stream:

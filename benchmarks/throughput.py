@@ -2,30 +2,33 @@
 
 Both run the same random prompts with the same output length (greedy, EOS ignored), in the
 same process, on the same machine (transformers on CUDA when torch sees a GPU); compilation
-and warm-up are excluded from both timings. `--load-format dummy` takes a directory with only
-a config.json (e.g. Llama-3.1-8B's) and gives both engines random weights of that shape.
+and warm-up are excluded from both timings. `--load-format dummy` gives both engines random
+weights of the model's shape; `--model` may then also be a `jaxpaged plan` preset name such
+as `llama-3.1-8b` (no download, no tokenizer needed).
 
-    python benchmarks/throughput.py [--model DIR] [--load-format auto|dummy] [--num-prompts 64]
-        [--input-len 32,128] [--output-len 64] [--hf-batch-size 16] [--json out.json]
+    python benchmarks/throughput.py [--model DIR_OR_PRESET] [--load-format auto|dummy] [--dtype bfloat16]
+        [--num-prompts 64] [--input-len 32,128] [--output-len 64] [--hf-batch-size 16] [--json out.json]
 """
 
 import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 from jaxpaged.cli import DEMO_MODEL_DIR
 from jaxpaged.llm import LLM
+from jaxpaged.presets import get_preset
 from jaxpaged.sampling_params import SamplingParams
 
 
 def run_jaxpaged(model_dir: str, prompts: list[list[int]], output_len: int, args, steps: int) -> float:
     llm = LLM(model_dir, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_scheduler_steps=steps,
-              load_format=args.load_format)  # fmt: skip
+              load_format=args.load_format, skip_tokenizer_init=args.load_format == "dummy")  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -84,6 +87,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
 
+    if not os.path.isdir(args.model):
+        preset = get_preset(args.model)
+        if preset is None or args.load_format != "dummy":
+            parser.error(f"--model {args.model!r}: not a directory (presets need --load-format dummy)")
+        args.model = tempfile.mkdtemp(prefix="jaxpaged-preset-")
+        with open(os.path.join(args.model, "config.json"), "w") as f:
+            json.dump(preset, f)
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     lo, hi = map(int, args.input_len.split(","))

@@ -98,3 +98,17 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta
+
+
+class NoDetokenizer:
+    """Stands in for `IncrementalDetokenizer` when the engine runs without a tokenizer
+    (`skip_tokenizer_init=True`): outputs carry token ids and empty text."""
+
+    text = ""
+    stop_reason = None
+
+    def add_token(self, token_id: int) -> bool:
+        return False
+
+    def take_delta(self, finished: bool) -> str:
+        return ""

@@ -49,7 +49,7 @@ class LLMEngine:
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         self.model_config, model, self.max_model_len = build_model(args)
         self.mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.tensor_parallel_size]), ("tp",))
         self.plan = plan_cache(args, model, self.mesh, self.max_model_len)
@@ -109,6 +109,8 @@ class LLMEngine:
                 f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported; "
                 f"got {len(params.stop_token_ids)} stop_token_ids"
             )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; the engine runs with skip_tokenizer_init=True")
         text, token_ids = self._tokenize(prompt)
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
@@ -140,6 +142,8 @@ class LLMEngine:
             else:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("the engine runs with skip_tokenizer_init=True: give {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)

@@ -26,6 +26,8 @@ class EngineArgs:
       compilation_cache_dir: a persistent JAX compilation cache directory, or None.
       attention_backend: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference"
         or "pallas" (interpret mode on CPU).
+      skip_tokenizer_init: run without a tokenizer: prompts must be token ids, outputs carry
+        token ids and empty text, no stop strings (for benchmarks on config-only directories).
       num_scheduler_steps: decode steps fused into one device program when every running
         sequence is decoding and nothing waits (the host then syncs once per that many
         tokens); 1 runs one step per program.
@@ -47,6 +49,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = None
     attention_backend: str = "auto"
     num_scheduler_steps: int = 4
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self):
         if not os.path.isdir(self.model):

@@ -48,7 +48,7 @@ def eos_token_ids(args: EngineArgs, config: ModelConfig, tokenizer) -> set[int]:
         with open(path) as f:
             eos = json.load(f).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
 

@@ -34,6 +34,7 @@ class LLM:
       compilation_cache_dir: persistent JAX compilation cache directory.
       attention_backend: "auto" (Pallas kernels on GPU), "reference" or "pallas".
       num_scheduler_steps: decode steps fused per device program when all sequences decode.
+      skip_tokenizer_init: no tokenizer: token-id prompts in, token ids out (empty text).
 
     Example:
       >>> llm = LLM("path/to/model")
@@ -46,7 +47,7 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, load_format: str = "auto", tensor_parallel_size: int = 1,
                  compilation_cache_dir: str | None = None, attention_backend: str = "auto",
-                 num_scheduler_steps: int = 4):  # fmt: skip
+                 num_scheduler_steps: int = 4, skip_tokenizer_init: bool = False):  # fmt: skip
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -54,6 +55,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, seed=seed, load_format=load_format,
             tensor_parallel_size=tensor_parallel_size, compilation_cache_dir=compilation_cache_dir,
             attention_backend=attention_backend, num_scheduler_steps=num_scheduler_steps,
+            skip_tokenizer_init=skip_tokenizer_init,
         )  # fmt: skip
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
@@ -107,6 +109,8 @@ class LLM:
         `{"role", "content"}` messages) or a list of them, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs the tokenizer's chat template; this LLM was made with skip_tokenizer_init=True")
         prompts = []
         for conv in conversations:
             text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Sequence
@@ -13,7 +13,7 @@ class Completion:
     """One sequence's text side: detokenizer, logprobs, and what has been reported so far."""
 
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NoDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
     text: str = ""  # everything handed out so far
@@ -29,7 +29,7 @@ class RequestState:
       prompt_token_ids: the tokenized prompt.
       params: its sampling parameters.
       seqs: its `n` sequences.
-      tokenizer: for detokenization.
+      tokenizer: for detokenization (None: token ids only, empty text).
       stream: report deltas (new text and tokens only) instead of cumulative outputs.
     """
 
@@ -44,7 +44,7 @@ class RequestState:
         self.completions = [
             Completion(
                 seq=seq,
-                detokenizer=IncrementalDetokenizer(
+                detokenizer=NoDetokenizer() if tokenizer is None else IncrementalDetokenizer(
                     tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
                 ),  # fmt: skip
@@ -63,10 +63,13 @@ class RequestState:
         completion.cumulative_logprob += logprob
         if completion.logprobs is None:
             return
-        entry = {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]))}
+        entry = {token_id: Logprob(logprob, rank, self._token_text(token_id))}
         for r, (tid, lp) in enumerate(zip(top_ids[: self.params.logprobs], top_logprobs), start=1):
-            entry.setdefault(int(tid), Logprob(float(lp), r, self.tokenizer.decode([int(tid)])))
+            entry.setdefault(int(tid), Logprob(float(lp), r, self._token_text(int(tid))))
         completion.logprobs.append(entry)
+
+    def _token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def make_output(self) -> RequestOutput:
         """The request's output now: deltas since the last call when streaming, else cumulative."""

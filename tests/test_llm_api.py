@@ -222,3 +222,17 @@ def test_compilation_cache_dir_keeps_the_step_programs(model_dir, tmp_path):
         jax.config.update("jax_compilation_cache_dir", None)
     names = os.listdir(cache)
     assert any("_packed_step" in n for n in names) and any("_packed_decode_steps" in n for n in names)
+
+
+def test_skip_tokenizer_init_runs_token_ids_from_a_config_only_directory(tmp_path, model_dir):
+    import shutil
+
+    shutil.copy(f"{model_dir[0]}/config.json", tmp_path / "config.json")
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32)  # fmt: skip
+    [out] = llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(5, logprobs=1), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(["text"], greedy(2), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings"):
+        llm.generate([{"prompt_token_ids": [1]}], greedy(2, stop=["x"]), use_tqdm=False)

@@ -47,7 +47,8 @@ def run_transformers(model_dir: str, prompts: list[list[int]], output_len: int, 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.load_format == "dummy":
         config = transformers.AutoConfig.from_pretrained(model_dir)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with torch.device(device):  # initialise on the GPU: an 8B model on the CPU takes minutes
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model = model.to(device).eval()

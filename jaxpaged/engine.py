@@ -47,8 +47,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         if args.compilation_cache_dir:
+            from jax.experimental.compilation_cache import compilation_cache
+
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            compilation_cache.reset_cache()  # JAX decides once whether to use a cache: ask again
         self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         self.model_config, model, self.max_model_len = build_model(args)
         self.mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.tensor_parallel_size]), ("tp",))

@@ -2,6 +2,8 @@
 
 import logging
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -214,12 +216,14 @@ def test_fused_decode_steps_change_nothing(model_dir):
 
 
 def test_compilation_cache_dir_keeps_the_step_programs(model_dir, tmp_path):
+    """In a fresh process, as a user would start an engine (JAX's cache is process-wide)."""
     cache = tmp_path / "xla-cache"
-    try:
-        LLM(model_dir[0], dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-            compilation_cache_dir=str(cache))  # fmt: skip
-    finally:  # the cache directory is process-wide JAX configuration: leave it as it was
-        jax.config.update("jax_compilation_cache_dir", None)
+    code = (
+        "from jaxpaged.llm import LLM\n"
+        f"LLM({model_dir[0]!r}, dtype='float32', max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,"
+        f" compilation_cache_dir={str(cache)!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     names = os.listdir(cache)
     assert any("_packed_step" in n for n in names) and any("_packed_decode_steps" in n for n in names)
 

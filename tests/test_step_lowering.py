@@ -1,0 +1,62 @@
+"""The engine's whole step program (model on the Pallas kernels + sampler) lowers for CUDA on a CPU.
+
+Lowering the kernels alone (test_kernel_lowering.py) does not prove the programs the engine
+compiles on a GPU lower too: the kernels sit inside `lax.cond` (decode or ragged), the fused
+decode steps inside `lax.scan`, next to the sampler's sort and top-k. Here the real step
+programs are lowered for CUDA with Llama-3.1-8B's attention shapes (2 layers to keep it quick)
+and the Triton calls of both kernels must be in them. On a CPU the kernels would default to
+interpret mode, so the test makes `interpret=None` mean "compile", as on a GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from test_kernel_lowering import TRITON_CALL, lower_for_cuda
+
+from jaxpaged.config import ModelConfig
+from jaxpaged.functional import init_cache
+from jaxpaged.model import Llama
+from jaxpaged.runner import _packed_decode_steps, _packed_step
+from jaxpaged.step_packer import StepPacker
+from pallas_kernels import _common
+
+pytestmark = [
+    pytest.mark.lowering,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
+
+LLAMA_8B_2_LAYERS = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
+
+
+@pytest.fixture
+def abstract_engine(monkeypatch):
+    monkeypatch.setattr(_common, "resolve_interpret", lambda interpret: bool(interpret))
+    model = nnx.eval_shape(lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas"))
+    graphdef, params = nnx.split(model)
+    cache = jax.eval_shape(
+        lambda: init_cache(LLAMA_8B_2_LAYERS, num_blocks=4096, block_size=16, dtype=jnp.bfloat16, max_num_seqs=64)
+    )
+    packer = StepPacker(block_size=16, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512,
+                        vocab_size=LLAMA_8B_2_LAYERS.vocab_size)  # fmt: skip
+    return graphdef, params, cache, packer
+
+
+def test_mixed_step_lowers_with_both_kernels(abstract_engine):
+    graphdef, params, cache, packer = abstract_engine
+    layout = packer.layouts[512]
+    flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+    text = lower_for_cuda(functools.partial(_packed_step, layout, graphdef), params, cache, flat)
+    # One Triton call per kernel and layer: the ragged kernel and, under lax.cond, the decode one.
+    assert text.count(TRITON_CALL) >= 2 * LLAMA_8B_2_LAYERS.num_layers
+
+
+def test_fused_decode_steps_lower_with_the_decode_kernel(abstract_engine):
+    graphdef, params, cache, packer = abstract_engine
+    layout = packer.layouts[packer.bucket_for(64, 64)]
+    flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+    text = lower_for_cuda(functools.partial(_packed_decode_steps, layout, 4, graphdef), params, cache, flat)
+    assert text.count(TRITON_CALL) >= LLAMA_8B_2_LAYERS.num_layers

@@ -27,6 +27,7 @@ _EXPORTS = {
     "EngineArgs": "jaxpaged.engine_args",
     "ModelConfig": "jaxpaged.config",
     "SamplingParams": "jaxpaged.sampling_params",
+    "RequestOutputKind": "jaxpaged.sampling_params",
     "RequestOutput": "jaxpaged.outputs",
     "CompletionOutput": "jaxpaged.outputs",
 }

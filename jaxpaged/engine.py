@@ -88,7 +88,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, cache_salt: str | None = None, stream: bool = False) -> None:  # fmt: skip
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:  # fmt: skip
         """Queues a request.
 
         Args:
@@ -97,7 +97,6 @@ class LLMEngine:
           params: sampling parameters (default `SamplingParams()`).
           arrival_time: `time.time()` of arrival (default now).
           cache_salt: isolates this request's prefix-cache entries.
-          stream: outputs carry only what is new since the previous one (delta mode).
 
         Raises:
           ValueError: duplicate id, a bad prompt, or a request that can never fit.
@@ -133,7 +132,7 @@ class LLMEngine:
             except ValueError:
                 self.scheduler.abort(request_id) if i else None
                 raise
-        self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, self.tokenizer, stream)
+        self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, self.tokenizer)
         self.num_prompt_tokens += len(token_ids)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -168,7 +167,8 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the outputs of requests that changed."""
+        """Runs one engine step; returns the outputs of requests that changed (for
+        `RequestOutputKind.FINAL_ONLY` requests, only once they finish)."""
         out = self.scheduler.schedule()
         for seq in out.preempted:
             self._release(seq)
@@ -177,6 +177,8 @@ class LLMEngine:
         outputs = []
         for request_id in sorted(self._changed, key=lambda r: self.requests[r].completions[0].seq.seq_id):
             state = self.requests[request_id]
+            if state.final_only and not state.finished:
+                continue
             outputs.append(state.make_output())
             if state.finished:
                 del self.requests[request_id]

@@ -1,5 +1,6 @@
 """`LLM`: offline batch generation with vLLM's interface."""
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -9,7 +10,7 @@ from tqdm import tqdm
 from jaxpaged.engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict
 
@@ -93,6 +94,7 @@ class LLM:
         ids = []
         try:
             for prompt, sp in zip(prompts, params):
+                sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)  # only final outputs are kept
                 request_id = str(next(self._ids))
                 self.llm_engine.add_request(request_id, prompt, sp)
                 ids.append(request_id)

@@ -4,7 +4,7 @@ import dataclasses
 
 from jaxpaged.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.sequence import Sequence
 
 
@@ -30,16 +30,19 @@ class RequestState:
       params: its sampling parameters.
       seqs: its `n` sequences.
       tokenizer: for detokenization (None: token ids only, empty text).
-      stream: report deltas (new text and tokens only) instead of cumulative outputs.
+
+    `params.output_kind` decides what outputs carry: DELTA, new text and tokens only;
+    CUMULATIVE or FINAL_ONLY, everything so far.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], tokenizer, stream: bool):  # fmt: skip
+                 seqs: list[Sequence], tokenizer):  # fmt: skip
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.stream = stream
+        self.stream = params.output_kind is RequestOutputKind.DELTA
+        self.final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         self.tokenizer = tokenizer
         self.completions = [
             Completion(

@@ -6,7 +6,17 @@ lengths, and the detokenizer the string stop rules and special-token handling.
 """
 
 import dataclasses
+import enum
 import typing
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step` reports for a request (vLLM's names): everything so far, only
+    what is new since the last output, or nothing until it finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 # Temperatures below this are greedy, as in vLLM (`_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5
@@ -51,6 +61,7 @@ class SamplingParams:
       include_stop_str_in_output: keep the matched stop string in the text.
       skip_special_tokens: drop special tokens from the text.
       spaces_between_special_tokens: put spaces between special tokens in the text.
+      output_kind: CUMULATIVE (default), DELTA (streaming) or FINAL_ONLY (offline batches).
     """
 
     n: int = 1
@@ -71,6 +82,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         self.stop = self._normalise_stop(self.stop)
@@ -118,6 +130,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise _bad("output_kind", self.output_kind, "a RequestOutputKind")
         if self.n < 1:
             raise _bad("n", self.n, "at least 1")
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -16,7 +16,7 @@ from jaxpaged.engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.llm import LLM
 from jaxpaged.runner import ModelRunner
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +109,8 @@ def test_chat_applies_the_template(llm):
 def test_streaming_deltas_add_up_and_abort_frees_blocks(model_dir):
     engine = LLMEngine(EngineArgs(model=model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=8,
                                   max_num_batched_tokens=64))  # fmt: skip
-    engine.add_request("s", "hello there", greedy(10), stream=True)
-    engine.add_request("a", "abort me", greedy(50), stream=True)
+    engine.add_request("s", "hello there", greedy(10, output_kind=RequestOutputKind.DELTA))
+    engine.add_request("a", "abort me", greedy(50, output_kind=RequestOutputKind.DELTA))
     text, tokens = "", []
     for _ in range(3):
         for out in engine.step():
@@ -132,6 +132,20 @@ def test_streaming_deltas_add_up_and_abort_frees_blocks(model_dir):
     assert len(tokens) == 10 and text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_output_kinds(llm):
+    """CUMULATIVE outputs grow every step; FINAL_ONLY reports once, at the end."""
+    engine = llm.llm_engine
+    engine.add_request("cumulative", "one two", greedy(6))
+    engine.add_request("final", "one two", greedy(6, output_kind=RequestOutputKind.FINAL_ONLY))
+    seen = {"cumulative": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out.outputs[0].token_ids)
+    assert len(seen["final"]) == 1 and len(seen["final"][0]) == 6
+    assert len(seen["cumulative"]) > 1 and seen["cumulative"][-1] == seen["final"][0]
+    assert all(a == b[: len(a)] for a, b in zip(seen["cumulative"], seen["cumulative"][1:]))
 
 
 @pytest.mark.parametrize(

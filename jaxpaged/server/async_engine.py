@@ -17,6 +17,7 @@ reads `stats`, a snapshot of `LLMEngine.get_stats()` taken after every step.
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from typing import Any
 from jaxpaged.engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -216,9 +217,9 @@ class AsyncEngine:
             return  # the caller went away before the request was added
         added = []
         try:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)  # streams carry deltas
             for request_id, prompt in zip(stream.request_ids, prompts, strict=True):
-                self.engine.add_request(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt,
-                                        stream=True)  # fmt: skip
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt)
                 added.append(request_id)
         except Exception as err:  # the caller's error (a ValueError, usually): hand it back
             if added:

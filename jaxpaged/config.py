@@ -93,11 +93,6 @@ class ModelConfig:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes per token at 2 bytes per element (K and V, every layer)."""
-        return kv_bytes_per_token(self, dtype_bytes=2)
-
     def check_max_model_len(self, max_model_len: int) -> int:
         """Validates a requested context length and returns it.
 

@@ -161,9 +161,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def get_num_unfinished_requests(self) -> int:
-        return sum(not r.finished for r in self.requests.values())
-
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

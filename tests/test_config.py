@@ -39,7 +39,7 @@ def test_llama_31_8b_config():
     assert config.rope.rope_type == "llama3" and config.rope.theta == 500000.0
     assert config.eos_token_ids == (128001, 128008, 128009)
     assert kv_bytes_per_token(config, 2) == 131072
-    assert config.kv_bytes_per_token * 4096 == 512 * 2**20
+    assert kv_bytes_per_token(config, 2) * 4096 == 512 * 2**20
 
 
 def test_qwen2_has_qkv_bias_and_mistral_head_dim():

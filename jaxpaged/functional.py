@@ -78,11 +78,13 @@ class StepInput:
     banned_ids: Int[Array, "S B"]
 
 
-def init_cache(config: ModelConfig, *, num_blocks: int, block_size: int, dtype, max_num_seqs: int) -> DeviceCache:
+def init_cache(config: ModelConfig, *, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
+               platform: str | None = None) -> DeviceCache:  # fmt: skip
     """A zeroed cache: `num_blocks` pool blocks (block 0 is the null block) and one penalty-table
-    row per concurrently running sequence."""
+    row per concurrently running sequence. The pool is stored in `kv_storage_dtype(dtype,
+    platform)` (float32 for bfloat16 on CPU, see `jaxpaged.model.kv_pool`)."""
     return DeviceCache(
-        kv=init_kv_pool(config, num_blocks, block_size, dtype),
+        kv=init_kv_pool(config, num_blocks, block_size, dtype, platform),
         prompt_mask=jnp.zeros((max_num_seqs, config.vocab_size), bool),
         output_counts=jnp.zeros((max_num_seqs, config.vocab_size), jnp.int32),
     )

@@ -110,7 +110,7 @@ class ModelRunner:
       num_blocks: KV blocks, including the null block 0.
       block_size: tokens per block.
       max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
-      kv_dtype: dtype of the KV pool.
+      kv_dtype: the model's KV dtype (stored as `kv_storage_dtype(kv_dtype, platform)`).
       num_decode_steps: decode steps fused into one program when a batch is all decodes
         (vLLM's num_scheduler_steps); 1 disables fusing.
     """
@@ -132,7 +132,7 @@ class ModelRunner:
         self.params = jax.device_put(params, replicated)
         kv_sharding = NamedSharding(mesh, PartitionSpec(None, None, "tp", None))
         cache = init_cache(self.config, num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype,
-                           max_num_seqs=max_num_seqs)  # fmt: skip
+                           max_num_seqs=max_num_seqs, platform=mesh.devices.flat[0].platform)  # fmt: skip
         self.cache = DeviceCache(
             kv=jax.device_put(cache.kv, kv_sharding),
             prompt_mask=jax.device_put(cache.prompt_mask, replicated),
@@ -142,6 +142,7 @@ class ModelRunner:
         self._decode_steps = jax.jit(_packed_decode_steps, static_argnums=(0, 1, 2), donate_argnums=(4,))
         self._seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,))
         self.compiled: dict[tuple[int, int], object] = {}  # (token bucket, steps) -> executable
+        self.temp_bytes: dict[tuple[int, int], int] = {}  # (token bucket, steps) -> temporaries
 
     def programs(self) -> list[tuple[int, int]]:
         """Every (token bucket, steps) program: single steps for all buckets, fused decode steps
@@ -152,25 +153,33 @@ class ModelRunner:
         return singles + (fused if self.num_decode_steps > 1 else [])
 
     def compile_bucket(self, t: int, steps: int = 1):
-        """Compiles (and keeps) the program for token bucket `t` running `steps` steps."""
+        """Compiles (and keeps) the program for token bucket `t` running `steps` steps; records
+        its temporaries (XLA's memory analysis) in `temp_bytes`."""
         layout = self.layouts[t]
         flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         if steps == 1:
             lowered = self._step.lower(layout, self.graphdef, self.params, self.cache, flat)
         else:
             lowered = self._decode_steps.lower(layout, steps, self.graphdef, self.params, self.cache, flat)
-        self.compiled[t, steps] = lowered.compile()
-        return self.compiled[t, steps]
+        compiled = self.compiled[t, steps] = lowered.compile()
+        analysis = compiled.memory_analysis()
+        self.temp_bytes[t, steps] = int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+        return compiled
 
     def warm_up(self) -> float:
-        """Compiles every program; returns the seconds it took."""
+        """Compiles every program, logging each as it finishes; returns the seconds it took."""
+        programs = self.programs()
+        logger.info("compiling %d step programs (token buckets %s, fused decode steps %d)", len(programs),
+                    sorted(self.layouts), self.num_decode_steps)  # fmt: skip
         start = time.perf_counter()
-        for t, steps in self.programs():
+        for i, (t, steps) in enumerate(programs, 1):
+            began = time.perf_counter()
             self.compile_bucket(t, steps)
+            logger.info("compiled step program %d/%d: %d tokens, %d seqs, %d step%s in %.1f s", i, len(programs),
+                        t, self.layouts[t].num_seqs, steps, "s" if steps > 1 else "", time.perf_counter() - began)  # fmt: skip
         self.seed_penalty_slot(0, [], 0)  # compiles the seeding step too
         seconds = time.perf_counter() - start
-        logger.info("compiled %d step programs (token buckets %s, fused decode steps %d) in %.1f s",
-                    len(self.compiled), sorted(self.layouts), self.num_decode_steps, seconds)  # fmt: skip
+        logger.info("compiled %d step programs in %.1f s", len(self.compiled), seconds)
         return seconds
 
     def fusable(self, num_seqs: int) -> bool:

@@ -28,6 +28,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
 ]
 
+NUM_BLOCKS = 4096
 LLAMA_8B_2_LAYERS = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                 num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
 
@@ -38,7 +39,8 @@ def abstract_engine(monkeypatch):
     model = nnx.eval_shape(lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas"))
     graphdef, params = nnx.split(model)
     cache = jax.eval_shape(
-        lambda: init_cache(LLAMA_8B_2_LAYERS, num_blocks=4096, block_size=16, dtype=jnp.bfloat16, max_num_seqs=64)
+        lambda: init_cache(LLAMA_8B_2_LAYERS, num_blocks=NUM_BLOCKS, block_size=16, dtype=jnp.bfloat16,
+                           max_num_seqs=64, platform="cuda")
     )
     packer = StepPacker(block_size=16, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512,
                         vocab_size=LLAMA_8B_2_LAYERS.vocab_size)  # fmt: skip
@@ -52,6 +54,7 @@ def test_mixed_step_lowers_with_both_kernels(abstract_engine):
     text = lower_for_cuda(functools.partial(_packed_step, layout, graphdef), params, cache, flat)
     # One Triton call per kernel and layer: the ragged kernel and, under lax.cond, the decode one.
     assert text.count(TRITON_CALL) >= 2 * LLAMA_8B_2_LAYERS.num_layers
+    assert_no_pool_sized_conversion(text)
 
 
 def test_fused_decode_steps_lower_with_the_decode_kernel(abstract_engine):
@@ -60,3 +63,14 @@ def test_fused_decode_steps_lower_with_the_decode_kernel(abstract_engine):
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
     text = lower_for_cuda(functools.partial(_packed_decode_steps, layout, 4, graphdef), params, cache, flat)
     assert text.count(TRITON_CALL) >= LLAMA_8B_2_LAYERS.num_layers
+    assert_no_pool_sized_conversion(text)
+
+
+def assert_no_pool_sized_conversion(text: str) -> None:
+    """The bfloat16 pool is read in place: no pool-shaped array of another dtype is ever made
+    (a per-step float32 copy of a layer's pool is the defect tests/test_pool_size.py guards on CPU)."""
+    c = LLAMA_8B_2_LAYERS
+    pool = f"{NUM_BLOCKS}x16x{c.num_kv_heads}x{c.head_dim}"
+    assert f"tensor<{pool}xbf16>" in text, "the pools should be bfloat16 on CUDA"
+    shapes = {f"{pool}x{dtype}" for dtype in ("f32", "f16", "i16", "ui16")} | {f"{NUM_BLOCKS * 16}x{c.num_kv_heads}x{c.head_dim}xf32"}
+    assert not [s for s in shapes if f"tensor<{s}>" in text], "a pool-sized array of another dtype is built"

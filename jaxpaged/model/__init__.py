@@ -1,6 +1,7 @@
 """The Llama-family model in Flax NNX and its paged-attention metadata."""
 
-from jaxpaged.model.llama import KVPool, Llama, init_kv_pool
+from jaxpaged.model.kv_pool import KVPool, init_kv_pool, kv_storage_dtype
+from jaxpaged.model.llama import Llama
 from jaxpaged.model.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "KVPool", "Llama", "init_kv_pool"]
+__all__ = ["AttentionMetadata", "KVPool", "Llama", "init_kv_pool", "kv_storage_dtype"]

@@ -8,15 +8,13 @@ attends over everything the pool holds for each sequence (write-then-attend). Th
 in and goes out as a value: under `jit` with the pool donated the update is in place.
 """
 
-import dataclasses
-import typing
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.model.kv_pool import KVPool
 from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 import pallas_kernels
@@ -34,33 +32,6 @@ def resolve_attention_backend(name: str) -> str:
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "reference"
     return name
-
-
-@typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVPool:
-    """The paged KV cache: per layer, K and V of shape `[NB, BS, K, H]`; block 0 is the null block."""
-
-    k: tuple[Float[Array, "NB BS K H"], ...]
-    v: tuple[Float[Array, "NB BS K H"], ...]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.k[0].shape[1]
-
-
-def init_kv_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVPool:
-    """Allocates a zeroed pool of `num_blocks` blocks (block 0 included) for every layer."""
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return KVPool(
-        k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-    )
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:

@@ -15,9 +15,9 @@ import numpy as np
 from safetensors import safe_open
 
 from convert.hf_keys import format_names
+from jaxpaged.checkpoint_format import SAFETENSORS_FILE as SINGLE_FILE
+from jaxpaged.checkpoint_format import SAFETENSORS_INDEX_FILE as INDEX_FILE
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class SafetensorsCheckpoint:

@@ -15,6 +15,7 @@ How a request flows:
   5. `step()` returns a `RequestOutput` for every request that changed.
 """
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from jaxpaged.engine_args import EngineArgs
-from jaxpaged.engine_setup import build_model, eos_token_ids, plan_cache
+from jaxpaged.engine_setup import build_model, check_step_memory, eos_token_ids, plan_cache
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.request_state import RequestState
 from jaxpaged.runner import ModelRunner
@@ -45,6 +46,9 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs):
+        if args.seed is None:  # "random": a fresh seed for this run, logged so it can be repeated
+            args = dataclasses.replace(args, seed=int(np.random.SeedSequence().entropy % 2**31))
+            logger.info("engine seed: %d (drawn at random)", args.seed)
         self.args = args
         if args.compilation_cache_dir:
             from jax.experimental.compilation_cache import compilation_cache
@@ -72,6 +76,7 @@ class LLMEngine:
             num_decode_steps=args.num_scheduler_steps,
         )  # fmt: skip
         self.compile_seconds = self.runner.warm_up()
+        check_step_memory(self.plan, self.runner.temp_bytes)
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(args.seed)
         self._free_slots = list(range(args.max_num_seqs - 1, -1, -1))
@@ -118,9 +123,9 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
         if params.max_tokens is None:
-            params = _replace(params, max_tokens=max(self.max_model_len - len(token_ids), 1))
+            params = dataclasses.replace(params, max_tokens=max(self.max_model_len - len(token_ids), 1))
         if params.seed is None:
-            params = _replace(params, seed=int(self._rng.integers(0, 2**31 - 1)))
+            params = dataclasses.replace(params, seed=int(self._rng.integers(0, 2**31 - 1)))
         arrival = time.time() if arrival_time is None else arrival_time
         seqs = [
             Sequence(request_id, token_ids, params, index=i, arrival_time=arrival, cache_salt=cache_salt)
@@ -299,8 +304,3 @@ class LLMEngine:
 def _has_penalties(sp: SamplingParams) -> bool:
     return sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
 
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, **changes)

@@ -1,81 +1,140 @@
-"""Engine configuration with vLLM's argument names, and the planning that turns it into sizes."""
+"""Engine configuration with vLLM's argument names: the one declaration of every engine option.
+
+Each field carries its help text (and, where it has them, its choices) in its metadata. `LLM`
+takes the fields as keyword arguments, and `jaxpaged generate` / `jaxpaged serve` derive their
+engine flags from them (`--max-num-seqs` for `max_num_seqs`, see `jaxpaged.cli_flags`), so a
+new option is declared here once. No JAX here: arguments are checked before anything slow.
+"""
 
 import dataclasses
 import os
+
+from jaxpaged.checkpoint_format import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
+from jaxpaged.presets import PRESETS, get_preset
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+
+class EngineArgsError(ValueError):
+    """An engine argument with a bad value; names the field so front ends can name their flag.
+
+    Attributes:
+      field: the `EngineArgs` field.
+      value: the value given.
+      reason: what is wrong and how to fix it.
+    """
+
+    def __init__(self, field: str, value, reason: str):
+        super().__init__(f"{field}={value!r}: {reason}")
+        self.field, self.value, self.reason = field, value, reason
+
+
+def _option(default, help: str, *, choices: tuple | None = None, metavar: str | None = None):
+    return dataclasses.field(default=default, metadata=dict(help=help, choices=choices, metavar=metavar))
 
 
 @dataclasses.dataclass
 class EngineArgs:
     """Everything `LLM(...)` and `jaxpaged serve` accept (vLLM's names and defaults).
 
-    Attributes:
-      model: a Hugging Face or converted model directory (a directory with only config.json
-        works with `load_format="dummy"`).
-      tokenizer: tokenizer directory (default: the model directory).
-      dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
-      max_model_len: longest sequence, prompt + output (default: the model's limit).
-      gpu_memory_utilization: fraction of device memory for weights, activations and KV cache.
-      kv_cache_memory_bytes: an exact KV-cache budget; overrides gpu_memory_utilization.
-      block_size: tokens per KV-cache block.
-      max_num_seqs: most sequences running at once.
-      max_num_batched_tokens: most tokens per step (default: max(2048, max_num_seqs)).
-      enable_prefix_caching: reuse the KV of equal prompt prefixes.
-      seed: engine seed; requests without their own seed draw one from it.
-      load_format: "auto" (read weights) or "dummy" (random weights, real shapes).
-      tensor_parallel_size: devices to shard over (only 1 is supported so far).
-      compilation_cache_dir: a persistent JAX compilation cache directory, or None.
-      attention_backend: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference"
-        or "pallas" (interpret mode on CPU).
-      skip_tokenizer_init: run without a tokenizer: prompts must be token ids, outputs carry
-        token ids and empty text, no stop strings (for benchmarks on config-only directories).
-      num_scheduler_steps: decode steps fused into one device program when every running
-        sequence is decoding and nothing waits (the host then syncs once per that many
-        tokens); 1 runs one step per program.
+    Every field's meaning is its `help` metadata, shown by `jaxpaged serve --help`:
+    `{f.name: f.metadata["help"] for f in dataclasses.fields(EngineArgs)}`.
     """
 
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    load_format: str = "auto"
-    tensor_parallel_size: int = 1
-    compilation_cache_dir: str | None = None
-    attention_backend: str = "auto"
-    num_scheduler_steps: int = 4
-    skip_tokenizer_init: bool = False
+    model: str = _option(
+        None, "model directory (Hugging Face or jaxpaged-convert); with --load-format dummy also a directory "
+        f"holding only config.json, or a preset ({', '.join(PRESETS)})", metavar="DIR")  # fmt: skip
+    tokenizer: str | None = _option(None, "tokenizer directory (default: the model directory)", metavar="DIR")
+    dtype: str = _option("auto", "weights and activations dtype; auto is the checkpoint's", choices=DTYPES)
+    max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
+    gpu_memory_utilization: float = _option(
+        0.9, "fraction of GPU memory for weights, activations and the KV cache")
+    kv_cache_memory_bytes: int | None = _option(
+        None, "exact KV cache size, e.g. 4GiB or 4294967296 (default: sized from the device's memory, or on a "
+        "CPU from max_num_seqs x max_model_len)", metavar="BYTES")  # fmt: skip
+    block_size: int = _option(16, "tokens per KV cache block (a power of two)")
+    max_num_seqs: int = _option(256, "most sequences running at once")
+    max_num_batched_tokens: int | None = _option(
+        None, "most tokens computed per step (default: max(2048, max_num_seqs))")
+    enable_prefix_caching: bool = _option(True, "reuse the KV cache of equal prompt prefixes")
+    seed: int | None = _option(
+        0, "engine seed: requests without their own seed draw one from it, so a run repeats; "
+        "'random' (None) draws a fresh seed every run", metavar="N|random")  # fmt: skip
+    load_format: str = _option("auto", "auto reads the weights; dummy makes random weights of the model's shapes",
+                               choices=LOAD_FORMATS)  # fmt: skip
+    tensor_parallel_size: int = _option(1, "devices to shard the model over (only 1 so far)")
+    compilation_cache_dir: str | None = _option(
+        None, "persistent JAX compilation cache directory: later start-ups load compiled steps from it",
+        metavar="DIR")  # fmt: skip
+    attention_backend: str = _option(
+        "auto", "auto is the Pallas kernels on a GPU and the jnp reference elsewhere; pallas on a CPU "
+        "interprets the kernels (slow)", choices=ATTENTION_BACKENDS)  # fmt: skip
+    num_scheduler_steps: int = _option(
+        4, "decode steps fused into one device program when every sequence decodes and none waits")
+    skip_tokenizer_init: bool = _option(
+        False, "run without a tokenizer: token-id prompts in, token ids out, no stop strings")
 
     def __post_init__(self):
-        if not os.path.isdir(self.model):
-            raise ValueError(
-                f"model={self.model!r} is not a directory; pass a Hugging Face or jaxpaged-convert "
-                "model directory (nothing is downloaded)"
-            )
-        if self.attention_backend not in ("auto", "reference", "pallas"):
-            raise ValueError(f"attention_backend={self.attention_backend!r} must be 'auto', 'reference' or 'pallas'")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format={self.load_format!r} is not supported; use 'auto' or 'dummy'")
+        self._check_model()
+        for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
+                              ("attention_backend", ATTENTION_BACKENDS)):  # fmt: skip
+            if getattr(self, name) not in allowed:
+                raise EngineArgsError(name, getattr(self, name), f"must be one of {', '.join(allowed)}")
+        for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size"):
+            self._check_int(name, 1)
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                self._check_int(name, 1)
+        if self.seed is not None:
+            self._check_int("seed", 0)
         if self.tensor_parallel_size != 1:
-            raise NotImplementedError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not implemented yet; use 1"
-            )
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size={self.block_size} must be a power of two")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} must be at least 1")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
+            raise EngineArgsError("tensor_parallel_size", self.tensor_parallel_size,
+                                  "tensor parallelism is not implemented yet; use 1")  # fmt: skip
+        if self.block_size & (self.block_size - 1):
+            raise EngineArgsError("block_size", self.block_size, "must be a power of two (8, 16, 32, ...)")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise EngineArgsError("gpu_memory_utilization", utilization, "must be a number in (0, 1]")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(2048, self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least max_num_seqs={self.max_num_seqs}"
-            )
+            raise EngineArgsError("max_num_batched_tokens", self.max_num_batched_tokens,
+                                  f"must be at least max_num_seqs ({self.max_num_seqs})")  # fmt: skip
+
+        if not self.skip_tokenizer_init:
+            self._check_tokenizer()
+
+    def _check_tokenizer(self) -> None:
+        field, directory = ("tokenizer", self.tokenizer) if self.tokenizer else ("model", self.model)
+        if not os.path.isdir(directory) or not has_tokenizer(directory):
+            raise EngineArgsError(field, directory, f"has no tokenizer files ({', '.join(TOKENIZER_FILES)}); point "
+                                  "`tokenizer` at a directory with them, or set `skip_tokenizer_init` to run on "
+                                  "token ids")  # fmt: skip
+
+    def _check_int(self, name: str, minimum: int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise EngineArgsError(name, value, f"must be an integer of at least {minimum}")
+
+    def _check_model(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise EngineArgsError("model", self.model, "give a model directory")
+        dummy = "use `load_format` dummy for random weights of its shapes"
+        if os.path.isdir(self.model):
+            if not os.path.isfile(os.path.join(self.model, CONFIG_FILE)):
+                raise EngineArgsError("model", self.model, f"the directory has no {CONFIG_FILE}; give a Hugging Face "
+                                      "or jaxpaged-convert model directory")  # fmt: skip
+            if self.load_format == "auto" and not has_weights(self.model):
+                raise EngineArgsError("model", self.model, f"the directory has no weights ({', '.join(WEIGHT_FILES)}); "
+                                      f"{dummy}")  # fmt: skip
+            return
+        if get_preset(self.model) is not None:
+            if self.load_format != "dummy":
+                raise EngineArgsError("model", self.model, "is a preset: a configuration without weights (nothing "
+                                      f"is downloaded); {dummy}, or give a model directory")  # fmt: skip
+            return
+        raise EngineArgsError("model", self.model, "is not a directory (nothing is downloaded); give a Hugging Face "
+                              f"or jaxpaged-convert model directory, or a preset ({', '.join(PRESETS)}) with "
+                              "`load_format` dummy")  # fmt: skip

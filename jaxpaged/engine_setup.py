@@ -10,14 +10,16 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig, kv_bytes_per_token
 from jaxpaged.engine_args import EngineArgs
-from jaxpaged.memory import KVCachePlan, plan_kv_cache
-from jaxpaged.model import Llama
+from jaxpaged.memory import GiB, KVCachePlan, plan_kv_cache
+from jaxpaged.model import Llama, kv_storage_dtype
 from jaxpaged.weights import load_model, read_hf_config, resolve_dtype
 
 logger = logging.getLogger("jaxpaged")
 
-# Without a device memory figure (CPU), the pool gets at most this much.
-CPU_KV_CACHE_BYTES = 1 << 30
+# Without a device memory figure (CPU), the pool gets at most this share of the machine's memory.
+CPU_KV_CACHE_SHARE = 0.25
+# Temporaries may differ this much between the probe and the real programs (alignment, scalars).
+TEMP_SLACK_BYTES = 1 << 20
 
 
 def build_model(args: EngineArgs) -> tuple[ModelConfig, Llama, int]:
@@ -53,19 +55,20 @@ def eos_token_ids(args: EngineArgs, config: ModelConfig, tokenizer) -> set[int]:
     return ids
 
 
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (what a CPU "device" has)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def plan_cache(args: EngineArgs, model: Llama, mesh: jax.sharding.Mesh, max_model_len: int) -> KVCachePlan:
-    """Sizes the KV pool from the device's memory (or the explicit budget)."""
-    dtype_bytes = model.embed[...].dtype.itemsize
+    """Sizes the KV pool from the device's memory (or the explicit budget, or on a CPU the job)."""
+    dtype_bytes = kv_storage_dtype(model.embed[...].dtype, mesh.devices.flat[0].platform).itemsize
     common = dict(dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len)
     if args.kv_cache_memory_bytes is not None:
         return plan_kv_cache(model.config, kv_cache_memory_bytes=args.kv_cache_memory_bytes, **common)
     stats = mesh.devices.flat[0].memory_stats() or {}
     if "bytes_limit" not in stats:
-        # CPU: no device memory figure. Enough for max_num_seqs full-length requests, capped.
-        per_token = kv_bytes_per_token(model.config, dtype_bytes)
-        want = (args.max_num_seqs * max_model_len + 2 * args.block_size) * per_token
-        budget = max(min(want, CPU_KV_CACHE_BYTES), (max_model_len + 2 * args.block_size) * per_token)
-        return plan_kv_cache(model.config, kv_cache_memory_bytes=budget, **common)
+        return plan_kv_cache(model.config, **common, **_cpu_budget(args, model.config, dtype_bytes, max_model_len))
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     activations = _peak_activation_bytes(args, model, mesh, max_model_len)
     # The allocator's limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (see jaxpaged/__init__.py).
@@ -82,6 +85,43 @@ def plan_cache(args: EngineArgs, model: Llama, mesh: jax.sharding.Mesh, max_mode
     )  # fmt: skip
 
 
+def _cpu_budget(args: EngineArgs, config: ModelConfig, dtype_bytes: int, max_model_len: int) -> dict:
+    """A CPU has no device memory figure: room for `max_num_seqs` requests of `max_model_len`
+    (what the job can use at once), capped at a share of the machine's memory."""
+    per_block = kv_bytes_per_token(config, dtype_bytes) * args.block_size
+    want = (args.max_num_seqs * -(-max_model_len // args.block_size) + 1) * per_block  # + the null block
+    cap = int(host_memory_bytes() * CPU_KV_CACHE_SHARE)
+    if want <= cap:
+        why = f"the job: max_num_seqs={args.max_num_seqs} x max_model_len={max_model_len} tokens (CPU)"
+        return dict(kv_cache_memory_bytes=want, sized_from=why)
+    why = (f"{CPU_KV_CACHE_SHARE:.0%} of this machine's memory (CPU; max_num_seqs={args.max_num_seqs} x "
+           f"max_model_len={max_model_len} would need {want / GiB:.2f} GiB; set kv_cache_memory_bytes to choose)")  # fmt: skip
+    return dict(kv_cache_memory_bytes=cap, sized_from=why)
+
+
+def check_step_memory(plan: KVCachePlan, temp_bytes: dict[tuple[int, int], int]) -> None:
+    """After warm-up: the compiled steps' temporaries (with the real pool) fit what the plan
+    reserved for them, so gpu_memory_utilization means what it says.
+
+    Args:
+      plan: the KV plan; `activation_bytes` is what it reserved (0 when nothing was measured).
+      temp_bytes: temporaries of each compiled program, from XLA's memory analysis.
+
+    Raises:
+      RuntimeError: a program needs more than the plan reserved (with the numbers and the knob).
+    """
+    if not plan.activation_bytes or not temp_bytes:
+        return
+    program, worst = max(temp_bytes.items(), key=lambda kv: kv[1])
+    if worst > plan.activation_bytes + TEMP_SLACK_BYTES:
+        raise RuntimeError(
+            f"the step program for token bucket {program[0]} x {program[1]} steps needs {worst / GiB:.3f} GiB of "
+            f"temporaries with the real KV pool, but the plan reserved {plan.activation_bytes / GiB:.3f} GiB "
+            "(the largest single step, measured with a small pool); lower gpu_memory_utilization or set "
+            "kv_cache_memory_bytes"
+        )
+
+
 def _peak_activation_bytes(args: EngineArgs, model: Llama, mesh, max_model_len: int) -> int:
     """Temporaries of the largest step bucket, from XLA's memory analysis (pool kept tiny)."""
     from jaxpaged.runner import ModelRunner  # the runner needs the plan; this probe does not
@@ -92,7 +132,8 @@ def _peak_activation_bytes(args: EngineArgs, model: Llama, mesh, max_model_len: 
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
         kv_dtype=model.embed[...].dtype,
     )  # fmt: skip
-    analysis = probe.compile_bucket(max(probe.layouts)).memory_analysis()
-    temp = int(getattr(analysis, "temp_size_in_bytes", 0))
+    program = (max(probe.layouts), 1)
+    probe.compile_bucket(*program)
+    temp = probe.temp_bytes[program]
     logger.info("peak activation memory of the largest step: %.2f GiB", temp / 2**30)
     return temp

@@ -20,22 +20,13 @@ class LLM:
 
     Args:
       model: a Hugging Face or converted model directory.
-      tokenizer: tokenizer directory (default: `model`).
-      dtype: "auto", "float32", "bfloat16" or "float16".
-      max_model_len: longest prompt + output (default: the model's limit).
-      gpu_memory_utilization: fraction of device memory the engine may use.
-      kv_cache_memory_bytes: exact KV-cache budget (overrides gpu_memory_utilization).
-      block_size: tokens per KV-cache block.
-      max_num_seqs: most sequences running at once.
-      max_num_batched_tokens: most tokens per engine step.
-      enable_prefix_caching: reuse the KV cache of equal prompt prefixes.
-      seed: engine seed (requests without a seed draw theirs from it).
-      load_format: "auto" or "dummy" (random weights with the model's real shapes).
-      tensor_parallel_size: devices to shard over.
-      compilation_cache_dir: persistent JAX compilation cache directory.
-      attention_backend: "auto" (Pallas kernels on GPU), "reference" or "pallas".
-      num_scheduler_steps: decode steps fused per device program when all sequences decode.
-      skip_tokenizer_init: no tokenizer: token-id prompts in, token ids out (empty text).
+      **kwargs: any other `EngineArgs` field (vLLM's names): `dtype`, `max_model_len`,
+        `gpu_memory_utilization`, `kv_cache_memory_bytes`, `max_num_seqs`, `seed`,
+        `load_format`, ... ; each field's help text says what it does.
+
+    Raises:
+      TypeError: a keyword that is not an `EngineArgs` field.
+      EngineArgsError: a bad value (a ValueError naming the field).
 
     Example:
       >>> llm = LLM("path/to/model")
@@ -43,22 +34,12 @@ class LLM:
       >>> outs[0].outputs[0].text
     """
 
-    def __init__(self, model: str, tokenizer: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.9, kv_cache_memory_bytes: int | None = None, block_size: int = 16,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0, load_format: str = "auto", tensor_parallel_size: int = 1,
-                 compilation_cache_dir: str | None = None, attention_backend: str = "auto",
-                 num_scheduler_steps: int = 4, skip_tokenizer_init: bool = False):  # fmt: skip
-        args = EngineArgs(
-            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, load_format=load_format,
-            tensor_parallel_size=tensor_parallel_size, compilation_cache_dir=compilation_cache_dir,
-            attention_backend=attention_backend, num_scheduler_steps=num_scheduler_steps,
-            skip_tokenizer_init=skip_tokenizer_init,
-        )  # fmt: skip
-        self.llm_engine = LLMEngine.from_engine_args(args)
+    def __init__(self, model: str, **kwargs):
+        fields = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise TypeError(f"LLM got unknown keyword arguments {unknown}; the engine takes {sorted(fields - {'model'})}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -12,6 +12,14 @@ from jaxpaged.config import ModelConfig, kv_bytes_per_token
 GiB = 2**30
 
 
+def format_bytes(n: int) -> str:
+    """`n` in the largest binary unit it reaches: "512.00 MiB", "1.50 GiB", "800 B"."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCachePlan:
     """The sized pool.
@@ -22,6 +30,8 @@ class KVCachePlan:
       bytes_per_token: KV bytes of one token over all layers.
       pool_bytes: bytes of the whole pool.
       max_model_len: the context the concurrency figure is computed for.
+      sized_from: how the budget was chosen (logged at start-up).
+      activation_bytes: the step temporaries the budget reserved (0 when not measured).
     """
 
     num_blocks: int
@@ -29,6 +39,8 @@ class KVCachePlan:
     bytes_per_token: int
     pool_bytes: int
     max_model_len: int
+    sized_from: str = ""
+    activation_bytes: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -44,8 +56,8 @@ class KVCachePlan:
     def summary(self) -> str:
         return (
             f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
-            f"({self.pool_bytes / GiB:.2f} GiB); max concurrency at max_model_len={self.max_model_len}: "
-            f"{self.max_concurrency:.2f}"
+            f"({format_bytes(self.pool_bytes)}; sized from {self.sized_from}); max concurrency at "
+            f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}"
         )
 
 
@@ -60,6 +72,7 @@ def plan_kv_cache(
     gpu_memory_utilization: float = 0.9,
     weight_bytes: int = 0,
     activation_bytes: int = 0,
+    sized_from: str | None = None,
 ) -> KVCachePlan:
     """Sizes the KV pool.
 
@@ -72,6 +85,7 @@ def plan_kv_cache(
       device_memory_bytes: memory of one device (needed without kv_cache_memory_bytes).
       gpu_memory_utilization: fraction of device memory the engine may use.
       weight_bytes, activation_bytes: what weights and the largest step's temporaries take.
+      sized_from: why the budget is what it is (default: the arithmetic above).
 
     Raises:
       ValueError: when not even one `max_model_len` request fits, with the numbers and knobs.
@@ -105,6 +119,8 @@ def plan_kv_cache(
         bytes_per_token=per_token,
         pool_bytes=int(num_blocks * per_block),
         max_model_len=max_model_len,
+        sized_from=sized_from or source,
+        activation_bytes=activation_bytes,
     )
 
 

@@ -14,40 +14,13 @@ headroom in `gpu_memory_utilization`.
 import dataclasses
 import json
 import math
-import os
-import re
 
 from convert.hf_keys import param_shapes
 from jaxpaged.config import ModelConfig, kv_bytes_per_token
-from jaxpaged.memory import GiB, kv_heads_per_device, plan_kv_cache
-from jaxpaged.presets import PRESETS, get_preset
+from jaxpaged.memory import format_bytes, kv_heads_per_device, plan_kv_cache
+from jaxpaged.presets import load_config_dict
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
-
-
-def parse_bytes(text: str) -> int:
-    """"80GiB", "80G" (binary), "80GB" (decimal), "1.5TiB" or a plain byte count -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 80GiB, 80GB or 85899345920")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def load_model_config(model: str) -> tuple[str, dict]:
-    """`(description, config.json dict)` of a preset name or a directory holding config.json."""
-    preset = get_preset(model)
-    if preset is not None:
-        return f"{model.lower()} (preset)", preset
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        presets = ", ".join(PRESETS)
-        raise ValueError(f"--model {model!r} is neither a preset ({presets}) nor a directory with config.json")
-    with open(path) as f:
-        return model, json.load(f)
 
 
 def _split(name: str, config: ModelConfig, tp: int, kv_heads: int) -> tuple[int, int] | None:
@@ -87,7 +60,7 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
     Raises:
       ValueError: an unknown model, dtype, memory size, or a context over the model's limit.
     """
-    name, raw = load_model_config(model)
+    name, raw = load_config_dict(model)
     config = ModelConfig.from_hf(raw)
     try:
         context = config.check_max_model_len(context or config.max_context_len)
@@ -125,8 +98,12 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
             device_config, dtype_bytes=DTYPE_BYTES[kv_dtype], block_size=block_size, max_model_len=context,
             device_memory_bytes=gpu_memory, gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weights,
         )  # fmt: skip
-    except ValueError as err:
-        note = str(err)
+    except ValueError:
+        budget = int(gpu_memory * gpu_memory_utilization) - weights
+        note = (f"weights take {format_bytes(weights)} of the {format_bytes(int(gpu_memory * gpu_memory_utilization))} "
+                f"that --gpu-memory-utilization {gpu_memory_utilization} allows per GPU, leaving "
+                f"{format_bytes(max(budget, 0))} for the KV cache; one request of --context {context} needs "
+                f"{format_bytes(per_token * context)}")  # fmt: skip
         options = dict(gpu_memory=gpu_memory, context=context, gpu_memory_utilization=gpu_memory_utilization,
                        dtype=dtype, kv_cache_dtype=kv_dtype, block_size=block_size)  # fmt: skip
         fitting = [n for n in (2, 4, 8, 16, 32, 64) if n > tp and _fits(model, n, options)][:1]
@@ -150,10 +127,7 @@ def _fits(model: str, tensor_parallel_size: int, options: dict) -> bool:
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n:,} B ({n / scale:.2f} {unit})"
-    return f"{n:,} B"
+    return f"{n:,} B" + (f" ({format_bytes(n)})" if n >= 2**10 else "")
 
 
 def format_plan(r: dict) -> str:
@@ -168,7 +142,7 @@ def format_plan(r: dict) -> str:
         ("weights per GPU", _size(r["weight_bytes_per_gpu"])),
         ("KV bytes per token per GPU", _size(r["kv_bytes_per_token"])
          + (f"  (all GPUs: {r['kv_bytes_per_token_all_gpus']:,} B)" if tp > 1 else "")),
-        (f"KV per request ({r['context']:,} tokens)", _size(r["kv_bytes_per_request"])),
+        (f"KV per request ({r['context']:,} tokens) per GPU", _size(r["kv_bytes_per_request"])),
         ("KV pool per GPU", _size(r["kv_pool_bytes_per_gpu"])),
         ("pool tokens", f"{r['pool_tokens']:,} ({r['kv_cache_blocks']:,} blocks of {r['block_size']})"),
         (f"max concurrency at {r['context']:,}", f"{r['max_concurrency']:.2f} requests"),
@@ -180,11 +154,15 @@ def format_plan(r: dict) -> str:
 
 
 def run(args) -> int:
-    """`jaxpaged plan` with parsed arguments; prints the table or (with --json) JSON."""
+    """`jaxpaged plan` with parsed arguments; prints the table or (with --json) JSON.
+
+    Returns:
+      0 when the model fits, 1 when it does not (the report says what would).
+    """
     report = make_plan(
-        args.model, gpu_memory=parse_bytes(args.gpu_memory), context=args.context,
+        args.model, gpu_memory=args.gpu_memory, context=args.context,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
     )  # fmt: skip
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
-    return 0
+    return 0 if report["fits"] else 1

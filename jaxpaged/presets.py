@@ -6,6 +6,8 @@ exactly what it would see in a downloaded directory.
 """
 
 import copy
+import json
+import os
 
 _LLAMA31_ROPE = {
     "factor": 8.0,
@@ -115,3 +117,19 @@ def get_preset(name: str) -> dict | None:
     key = name.strip().lower().rsplit("/", 1)[-1].removeprefix("meta-")
     config = PRESETS.get(key)
     return copy.deepcopy(config) if config is not None else None
+
+
+def load_config_dict(model: str) -> tuple[str, dict]:
+    """`(description, config.json dict)` of a preset name or a directory holding config.json.
+
+    Raises:
+      ValueError: neither a preset nor a directory with config.json, naming both options.
+    """
+    preset = get_preset(model)
+    if preset is not None and not os.path.isdir(model):
+        return f"{model.lower()} (preset)", preset
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json")
+    with open(path) as f:
+        return model, json.load(f)

@@ -23,12 +23,11 @@ from tqdm import tqdm
 
 from convert.hf_keys import Path, check_shape, format_names, hf_key_specs, optional_hf_keys, param_shapes
 from convert.safetensors_index import SafetensorsCheckpoint
+from jaxpaged.checkpoint_format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
 from jaxpaged.config import ModelConfig
 from jaxpaged.model.llama import Llama
+from jaxpaged.presets import load_config_dict
 
-FORMAT_FILE = "jaxpaged_format.json"
-FORMAT_VERSION = 1
-PARAMS_DIR = "params"
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 Params = dict[str, Any]  # nested dict of numpy arrays, `nnx.state(Llama).to_pure_dict()` layout
@@ -78,18 +77,14 @@ def is_converted_dir(model_dir: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(model_dir, FORMAT_FILE))
 
 
-def read_hf_config(model_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
-    """`(ModelConfig, raw config.json dict)` of a model directory.
+def read_hf_config(model: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+    """`(ModelConfig, raw config.json dict)` of a model directory or a preset name.
 
     Raises:
-      FileNotFoundError: no config.json in `model_dir`.
-      ValueError: from `ModelConfig.from_hf` for an unsupported configuration.
+      ValueError: neither a preset nor a directory with config.json, or an unsupported
+        configuration (from `ModelConfig.from_hf`).
     """
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json in {os.fspath(model_dir)!r}; pass a Hugging Face model directory")
-    with open(path) as f:
-        raw = json.load(f)
+    _, raw = load_config_dict(os.fspath(model))
     return ModelConfig.from_hf(raw), raw
 
 

@@ -37,3 +37,33 @@ def test_too_small_fails_with_the_numbers_and_knobs():
     with pytest.raises(ValueError, match="max_model_len=131072 needs 8192") as err:
         plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=131072, kv_cache_memory_bytes=GiB)
     assert "gpu_memory_utilization" in str(err.value) and "kv_cache_memory_bytes" in str(err.value)
+
+
+def test_cpu_pool_is_sized_from_the_job_and_capped_by_host_memory(monkeypatch):
+    from jaxpaged import engine_setup
+    from jaxpaged.engine_args import EngineArgs
+    from jaxpaged.cli_flags import DEMO_MODEL_DIR
+
+    args = EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=3, max_model_len=100, block_size=16)
+    per_block = kv_bytes_per_token(LLAMA_8B, 4) * 16
+    budget = engine_setup._cpu_budget(args, LLAMA_8B, 4, 100)
+    assert budget["kv_cache_memory_bytes"] == (3 * 7 + 1) * per_block  # 7 blocks per request + the null block
+    assert "the job: max_num_seqs=3 x max_model_len=100" in budget["sized_from"]
+    plan = plan_kv_cache(LLAMA_8B, dtype_bytes=4, block_size=16, max_model_len=100, **budget)
+    assert plan.num_blocks == 22 and plan.max_concurrency == 3
+    monkeypatch.setattr(engine_setup, "host_memory_bytes", lambda: 40 * per_block)
+    capped = engine_setup._cpu_budget(args, LLAMA_8B, 4, 100)
+    assert capped["kv_cache_memory_bytes"] == 10 * per_block and "25% of this machine's memory" in capped["sized_from"]
+
+
+def test_start_up_fails_when_a_step_needs_more_temporaries_than_planned():
+    from jaxpaged.engine_setup import TEMP_SLACK_BYTES, check_step_memory
+
+    plan = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, device_memory_bytes=80 * GiB,
+                         weight_bytes=16 * GiB, activation_bytes=GiB)  # fmt: skip
+    check_step_memory(plan, {(2048, 1): GiB, (256, 4): GiB // 2})
+    check_step_memory(plan, {(2048, 1): GiB + TEMP_SLACK_BYTES})
+    with pytest.raises(RuntimeError, match="token bucket 256 x 4 steps needs 2.000 GiB .* reserved 1.000 GiB"):
+        check_step_memory(plan, {(2048, 1): GiB, (256, 4): 2 * GiB})
+    unmeasured = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, kv_cache_memory_bytes=GiB)
+    check_step_memory(unmeasured, {(2048, 1): 2 * GiB})  # an exact budget: nothing was reserved to check

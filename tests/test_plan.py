@@ -10,14 +10,15 @@ from tiny_models import build_hf_model
 from jaxpaged.cli import main
 from jaxpaged.config import ModelConfig
 from jaxpaged.memory import kv_heads_per_device, plan_kv_cache
-from jaxpaged.plan import count_parameters, make_plan, parse_bytes
+from jaxpaged.cli_flags import parse_bytes
+from jaxpaged.plan import count_parameters, make_plan
 from jaxpaged.presets import PRESETS, get_preset
 
 MiB, GiB = 2**20, 2**30
 
 
-def plan_json(capsys, *argv) -> dict:
-    assert main(["plan", *argv, "--json"]) == 0
+def plan_json(capsys, *argv, fits: bool = True) -> dict:
+    assert main(["plan", *argv, "--json"]) == (0 if fits else 1)  # exit 1: the model does not fit
     return json.loads(capsys.readouterr().out)
 
 
@@ -36,13 +37,14 @@ def test_llama_31_8b_table_and_json(capsys):
 
 
 def test_llama_31_70b_needs_tensor_parallelism(capsys):
-    r = plan_json(capsys, "--model", "llama-3.1-70b", "--context", "8192")
+    r = plan_json(capsys, "--model", "llama-3.1-70b", "--context", "8192", fits=False)
     assert r["kv_bytes_per_token"] == 327_680 and r["num_parameters"] == 70_553_706_496
     assert not r["fits"] and "--tensor-parallel-size 2 fits" in r["note"]
     tp4 = plan_json(capsys, "--model", "llama-3.1-70b", "--context", "8192", "--tensor-parallel-size", "4")
     assert tp4["fits"] and tp4["kv_bytes_per_token"] == 327_680 // 4 and tp4["kv_bytes_per_token_all_gpus"] == 327_680
-    assert main(["plan", "--model", "llama-3.1-70b"]) == 0
-    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama-3.1-70b"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT: weights take 131.42 GiB of the 72.00 GiB that --gpu-memory-utilization 0.9" in out
 
 
 def test_tensor_parallel_halves_per_gpu_kv_and_weights(capsys):

@@ -47,6 +47,7 @@ class Server:
         greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         self.refs = {o.prompt: o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)}
         self.chat_ref = llm.chat(CHAT, greedy, use_tqdm=False)[0].outputs[0].text
+        self.empty_ref = llm.generate([""], greedy, use_tqdm=False)[0]
         self.engine = llm.llm_engine  # from here on only the AsyncEngine thread calls it
         self.gate, self.delay = threading.Event(), 0.0
         self.gate.set()
@@ -134,6 +135,13 @@ def test_completions_match_llm_generate(server):
     assert [c.text for c in batch.choices] == [server.refs[p] for p in PROMPTS[1:4]]
 
 
+def test_empty_prompt_is_bos_alone_as_in_generate(server):
+    """"" is the tokenizer's BOS alone, as in `LLM.generate` and `jaxpaged generate ""`."""
+    assert server.empty_ref.prompt_token_ids == [1]  # the tiny tokenizer adds BOS (id 1)
+    out = server.client.completions.create(model=MODEL, prompt="", max_tokens=MAX_TOKENS, temperature=0)
+    assert out.choices[0].text == server.empty_ref.outputs[0].text and out.usage.prompt_tokens == 1
+
+
 def test_chat_matches_llm_chat(server):
     out = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == server.chat_ref
@@ -219,9 +227,8 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
-    ("/v1/completions", {"prompt": ""}, 400, "prompt must not be empty"),
     ("/v1/completions", {"prompt": []}, 400, "prompt must not be empty"),
-    ("/v1/completions", {"prompt": [[1, 2], []]}, 400, "prompt must not be empty"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, 400, "the prompt is empty (it has no tokens)"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": "hi " * 100, "max_tokens": 100}, 400, "maximum context length is 128"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1"),

@@ -5,50 +5,54 @@
 """
 
 import argparse
+import importlib.util
 import logging
 import sys
 import time
 
+from jaxpaged import cli_flags
+from jaxpaged.cli_flags import PORT
+
 logger = logging.getLogger("jaxpaged.server")
 
 DEMO_MODEL_NAME = "jaxpaged-demo"
+# What the `server` extra installs (pyproject.toml), checked before anything slow starts.
+SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """The server's own flags (vLLM's names); the engine flags come from `add_engine_flags`."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model directory (default: the demo model)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=PORT, default=8000, help="TCP port to listen on")
     parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
-    parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level (default: info)")
+    parser.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level")  # fmt: skip
     parser.add_argument("--enable-log-requests", action="store_true", help="include prompt text in request logs")
 
 
 def serve(args: argparse.Namespace) -> int:
     """Runs the server until interrupted; returns the exit code."""
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn
-    except ImportError as err:
-        print(f"jaxpaged serve needs the server extra ({err.name} is missing): pip install 'jaxpaged[server]'",
+    missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"jaxpaged serve needs the server extra ({', '.join(missing)} missing): pip install 'jaxpaged[server]'",
               file=sys.stderr)  # fmt: skip
         return 1
-    from jaxpaged.cli import engine_kwargs
-    from jaxpaged.engine import LLMEngine
-    from jaxpaged.engine_args import EngineArgs
-    from jaxpaged.server.app import build_app
-    from jaxpaged.server.async_engine import AsyncEngine
-
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"got two models: {args.model_tag!r} and --model {args.model!r}; give one")
     model = args.model_tag or args.model
-    args.model = model
-    kwargs = engine_kwargs(args)
+    engine_args = cli_flags.engine_args(args, model=model)  # every flag checked before JAX loads
     name = args.served_model_name or model or DEMO_MODEL_NAME
+    logger.info("starting the engine for %s (loading JAX and the model, then compiling)", engine_args.model)
+    import uvicorn
+
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.server.app import build_app
+    from jaxpaged.server.async_engine import AsyncEngine
+
     start = time.perf_counter()
-    engine = LLMEngine(EngineArgs(**kwargs))
+    engine = LLMEngine(engine_args)
     _log_start_up(engine, time.perf_counter() - start)
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, name, api_key=args.api_key, log_prompts=args.enable_log_requests)

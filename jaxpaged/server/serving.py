@@ -59,12 +59,12 @@ def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
         raise APIError("prompt must not be empty", param="prompt")
     prompts = []
     for item in items:
-        if not item:
-            raise APIError("prompt must not be empty", param="prompt")
-        if isinstance(item, str):
+        if isinstance(item, str):  # "" is BOS alone when the tokenizer adds one, as in vLLM
             prompts.append({"prompt": item, "prompt_token_ids": ctx.engine.tokenizer.encode(item)})
         else:
             prompts.append({"prompt_token_ids": list(item)})
+        if not prompts[-1]["prompt_token_ids"]:
+            raise APIError("the prompt is empty (it has no tokens)", param="prompt")
     return prompts
 
 

@@ -1,0 +1,149 @@
+"""The first run as a newcomer meets it: every flag checked (and named) before JAX loads, prompts
+checked before compiling, progress shown while compiling, JSONL options honoured or rejected,
+config-only directories and presets with dummy weights, and `generate ""` agreeing with the server."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxpaged.cli import build_parser, main
+from jaxpaged.cli_flags import DEMO_MODEL_DIR
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    """`jaxpaged ARGV` in a fresh interpreter that reports whether JAX got imported."""
+    code = ("import sys; from jaxpaged.cli import main; rc = main(sys.argv[1:]); "
+            "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX', file=sys.stderr); sys.exit(rc)")  # fmt: skip
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--max-num-seqs", "0", "hi"], "--max-num-seqs 0: must be an integer of at least 1"),
+        (["generate", "--block-size", "12", "hi"], "--block-size 12: must be a power of two"),
+        (["generate", "--gpu-memory-utilization", "1.5", "hi"], "--gpu-memory-utilization 1.5: must be a number in (0, 1]"),
+        (["generate", "--temperature", "-1", "hi"], "--temperature must be non-negative"),
+        (["generate", "--top-k", "-3", "hi"], "--top-k must be 0 or -1"),
+        (["generate", "--model", "llama-3.1-8b", "hi"], "--model llama-3.1-8b: is a preset"),
+        (["generate", "--model", "/no/such/dir", "hi"], "--model /no/such/dir: is not a directory (nothing is downloaded)"),
+        (["generate", "--max-tokens", "5000", "In the beginning"], "more than the model's context of 1024 tokens"),
+        (["generate", "--max-model-len", "8", "In the beginning"], "more than --max-model-len 8"),
+        (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
+        (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
+        (["serve", "--port", "80000"], "80000 is not a TCP port"),
+        (["serve", "--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "--max-num-batched-tokens 4: must be at least --max-num-seqs (8)"),
+        (["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80"], "'80' has no unit; write e.g. 80GiB"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_named_by_its_flag_before_jax_loads(argv, message):
+    result = run_cli(*argv)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "NO_JAX" in result.stderr, "the error came after JAX was imported"
+    assert "Traceback" not in result.stderr
+
+
+def test_every_flag_has_help_with_its_default():
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            help_text = sub.formatter_class(name)._get_help_string(action)
+            assert help_text.strip(), f"{name} {action.option_strings} has no help"
+            if action.option_strings and action.default not in (None, False):
+                assert "default" in help_text, f"{name} {action.option_strings} does not show its default"
+
+
+def test_help_answers_without_jax():
+    result = run_cli("serve", "--help")
+    assert result.returncode == 0 and "--max-num-seqs N" in result.stdout and "NO_JAX" in result.stderr
+
+
+def test_generate_shows_progress_while_compiling(caplog):
+    with caplog.at_level(logging.INFO, logger="jaxpaged"):
+        assert main(["generate", "--temperature", "0", "--max-tokens", "4", "In the beginning"]) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxpaged"]
+    assert lines[0].startswith("generate: 1 prompt(s)")
+    assert any(line.startswith("compiling 2 step programs") for line in lines), lines
+    assert any(line.startswith("compiled step program 1/2: 16 tokens") for line in lines), lines
+    sized = next(line for line in lines if line.startswith("KV cache:"))
+    assert "sized from the job: max_num_seqs=1 x max_model_len=8 tokens (CPU)" in sized, sized
+
+
+def test_jsonl_lines_carry_their_own_sampling_options(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    lines = [{"prompt": "And God said", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+             {"prompt": "And God said", "max_tokens": 7, "temperature": 0, "ignore_eos": True},
+             {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "ignore_eos": True}]  # fmt: skip
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    dst = tmp_path / "out.jsonl"
+    assert main(["generate", "--input", str(src), "--output", str(dst), "--max-tokens", "50"]) == 0
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [len(r["token_ids"]) for r in rows] == [3, 7, 2]
+    assert rows[0]["token_ids"] == rows[1]["token_ids"][:3]  # both greedy from the same prompt
+    from transformers import AutoTokenizer
+
+    rendered = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).apply_chat_template(
+        lines[2]["messages"], add_generation_prompt=True, tokenize=False)  # fmt: skip
+    assert rows[2]["prompt"] == rendered != "Hi"  # the rendered conversation is what was completed
+    assert main(["generate", "--input", str(src), "--max-tokens", "50"]) == 0
+    printed = capsys.readouterr().out
+    assert rows[2]["prompt"] + rows[2]["text"] in printed  # messages lines print the rendered prompt
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ({"prompt": "x", "max_token": 3}, "in.jsonl:1: unknown field(s) ['max_token']"),
+        ({"prompt": "x", "n": 2}, "unknown field(s) ['n']"),
+        ({"prompt": "x", "temperature": -2}, "in.jsonl:1: --temperature must be non-negative"),
+        ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one of prompt, prompt_token_ids, messages"),
+        ({"text": "x"}, "exactly one of prompt, prompt_token_ids, messages (got none)"),
+    ],
+)
+def test_jsonl_options_are_honoured_or_rejected(tmp_path, capsys, line, message):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(line) + "\n")
+    assert main(["generate", "--input", str(src)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_only_directory_runs_dummy_weights_on_token_ids(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(open(os.path.join(DEMO_MODEL_DIR, "config.json")).read())
+    src = tmp_path / "ids.jsonl"
+    src.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}) + "\n")
+    assert main(["generate", "--model", str(model), "--input", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert "has no weights" in err and "use --load-format dummy" in err
+    assert main(["generate", "--model", str(model), "--load-format", "dummy", "text prompt"]) == 2
+    assert "prompts must be token ids" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model), "--load-format", "dummy", "--input", str(src)]) == 0
+    [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["prompt_token_ids"] == [5, 6, 7] and len(row["token_ids"]) == 4
+
+
+def test_seed_random_gives_fresh_samples_and_the_default_repeats(capsys):
+    def sample(*flags):
+        assert main(["generate", "--max-tokens", "24", "--temperature", "1.0", "--top-k", "0", *flags, "And"]) == 0
+        return capsys.readouterr().out
+
+    assert sample() == sample(), "the default --seed 0 must repeat"
+    assert sample("--seed", "random") != sample("--seed", "random")
+
+
+def test_empty_prompt_generates_from_bos_as_the_server_does(capsys):
+    """`generate ""` and the server agree (test_server.py): text "" is the BOS token alone when
+    the tokenizer adds one, as in vLLM and OpenAI; a prompt with no tokens at all is rejected."""
+    assert main(["generate", "--temperature", "0", "--max-tokens", "5", ""]) == 0
+    assert capsys.readouterr().out.strip()

@@ -17,9 +17,8 @@ import sys
 import time
 
 import numpy as np
-from transformers import AutoTokenizer
 
-from jaxpaged.cli import DEMO_MODEL_DIR
+from jaxpaged.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerConfig
@@ -47,6 +46,8 @@ def main(argv=None) -> dict:
 
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_model_len - args.prompt_len, seed=1)
+    from transformers import AutoTokenizer  # after the arguments are checked
+
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     detokenizers = {}
     rows = {}

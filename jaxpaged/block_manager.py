@@ -47,7 +47,7 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int], cache_salt: str 
     if cache_salt is None:
         h.update(b"\x00")
     else:
-        salt = cache_salt.encode()
+        salt = cache_salt.encode("utf-8", "surrogatepass")  # total: any str hashes
         h.update(b"\x01" + len(salt).to_bytes(8, "little") + salt)
     h.update(array("q", token_ids).tobytes())
     return h.digest()

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_setup import build_model, check_step_memory, eos_token_ids, plan_cache
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.request_state import RequestState
 from jaxpaged.runner import ModelRunner
 from jaxpaged.sampler import MAX_LOGPROBS
@@ -83,6 +83,7 @@ class LLMEngine:
         self._slot_of: dict[int, int] = {}
         self._rows: dict[int, np.ndarray] = {}
         self._changed: set[str] = set()
+        self._failed: dict[str, str] = {}  # request id -> why, until its output is returned
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -118,6 +119,8 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the engine runs with skip_tokenizer_init=True")
+        if cache_salt is not None:
+            _check_text("cache_salt", cache_salt)
         text, token_ids = self._tokenize(prompt)
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
@@ -149,6 +152,7 @@ class LLMEngine:
             else:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
+            _check_text("prompt", prompt)
             if self.tokenizer is None:
                 raise ValueError("the engine runs with skip_tokenizer_init=True: give {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
@@ -181,11 +185,36 @@ class LLMEngine:
             state = self.requests[request_id]
             if state.final_only and not state.finished:
                 continue
-            outputs.append(state.make_output())
+            output = self._guarded(request_id, state.make_output)
+            outputs.append(output if output is not None else self._failed_output(request_id))
             if state.finished:
                 del self.requests[request_id]
         self._changed.clear()
+        self._failed.clear()
         return outputs
+
+    # -- failures of one request ------------------------------------------------------------
+
+    def _guarded(self, request_id: str, fn, *args):
+        """Runs one request's host work; if it raises, that request fails and the step goes on."""
+        if request_id in self._failed:
+            return None
+        try:
+            return fn(*args)
+        except Exception as err:
+            logger.exception("request %s failed; the engine goes on without it", request_id)
+            self._failed[request_id] = f"processing the request failed ({type(err).__name__})"
+            for seq in self.scheduler.abort(request_id):
+                self._release(seq)
+            self._changed.add(request_id)
+            return None
+
+    def _failed_output(self, request_id: str) -> RequestOutput:
+        state = self.requests[request_id]
+        outs = [CompletionOutput(index=c.seq.index, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                 finish_reason="error") for c in state.completions]  # fmt: skip
+        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, outs, finished=True,
+                             error=self._failed[request_id])  # fmt: skip
 
     def _run(self, out: SchedulerOutput) -> None:
         rows, resets = [], []
@@ -218,7 +247,8 @@ class LLMEngine:
             self.scheduler.postprocess(out, fetched["token_ids"][j].tolist())
             for i, (seq, _) in enumerate(out.scheduled):
                 if seq.num_output_tokens > before[i]:
-                    self._record(seq, {name: values[j, i] for name, values in fetched.items()})
+                    sample = {name: values[j, i] for name, values in fetched.items()}
+                    self._guarded(seq.request_id, self._record, seq, sample)
 
     def _fused_steps(self, out: SchedulerOutput) -> int:
         """How many decode steps to fuse into this step's program (1 = no fusing).
@@ -299,6 +329,16 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
         }
+
+
+def _check_text(field: str, text) -> None:
+    """Text must be a str encodable as UTF-8 (a lone surrogate is not)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{field} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{field} holds an invalid character (a lone surrogate at position {err.start})") from None
 
 
 def _has_penalties(sp: SamplingParams) -> bool:

@@ -53,6 +53,9 @@ class RequestOutput:
 
     In streaming (`LLMEngine.step` with delta outputs), `text` and `token_ids` of each
     completion hold only what is new since the previous output of the same request.
+
+    `error` is set when processing this request failed inside the engine (the request is
+    finished, its completions' `finish_reason` is "error"; other requests are unaffected).
     """
 
     request_id: str
@@ -62,3 +65,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None

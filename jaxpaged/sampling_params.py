@@ -26,12 +26,26 @@ def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}")
 
 
+# The device step holds these fields in int32 / float32 (see step_packer.SAMPLING_FIELDS).
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite number a float32 can hold."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= FLOAT32_MAX
+
+
+def _check_text(field: str, text: str) -> None:
+    """Text must be encodable as UTF-8 (a lone surrogate is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"SamplingParams.{field} holds an invalid character (a lone surrogate at {err.start})") from None
 
 
 # The class validates its own inputs (ints are fine for float fields, wrong types raise
@@ -119,14 +133,20 @@ class SamplingParams:
     def _verify_args(self) -> None:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             if not _is_number(getattr(self, name)):
-                raise _bad(name, getattr(self, name), "a number")
+                raise _bad(name, getattr(self, name), "a finite number (float32 range)")
         for name in ("n", "top_k", "min_tokens"):
-            if not _is_int(getattr(self, name)):
-                raise _bad(name, getattr(self, name), "an int")
-        for name in ("seed", "max_tokens", "logprobs"):
+            if not _is_int(getattr(self, name)) or abs(getattr(self, name)) > INT32_MAX:
+                raise _bad(name, getattr(self, name), f"an int in [-{INT32_MAX}, {INT32_MAX}]")
+        for name in ("max_tokens", "logprobs"):
             value = getattr(self, name)
-            if value is not None and not _is_int(value):
-                raise _bad(name, value, "an int or None")
+            if value is not None and (not _is_int(value) or abs(value) > INT32_MAX):
+                raise _bad(name, value, f"an int in [-{INT32_MAX}, {INT32_MAX}] or None")
+        if self.seed is not None and not _is_int(self.seed):  # any int: the device folds it to 32 bits
+            raise _bad("seed", self.seed, "an int or None")
+        if any(t > INT32_MAX for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, f"token ids up to {INT32_MAX}")
+        for s in self.stop:
+            _check_text("stop", s)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")

@@ -322,9 +322,10 @@ class _BrokenEngine(LLMEngine):
     """Just enough of an `LLMEngine` for `AsyncEngine` (nothing compiled), with a step that fails."""
 
     def __init__(self, model_dir: str):  # no super().__init__: no model, no cache
-        self.args = types.SimpleNamespace(model=model_dir, tokenizer=None)
+        self.args = types.SimpleNamespace(model=model_dir, tokenizer=None, max_num_seqs=4)
         self.model_config = types.SimpleNamespace(vocab_size=512)
         self.max_model_len = 128
+        self.tokenizer = None
 
     def get_stats(self):
         return {}
@@ -343,23 +344,27 @@ class _BrokenEngine(LLMEngine):
 
 
 def test_a_failing_step_stops_the_engine_and_fails_requests_cleanly(server):
-    engine = AsyncEngine(_BrokenEngine(server.engine.args.model))
+    deaths = []
+    engine = AsyncEngine(_BrokenEngine(server.engine.args.model), on_dead=deaths.append)
     app = build_app(engine, MODEL)
 
     async def main():
-        stream = await engine.add_requests(["r"], ["hi"], SamplingParams())
-        with pytest.raises(EngineDeadError, match="device on fire"):
+        stream = await engine.add_requests(["r"], [{"prompt_token_ids": [1, 2]}], SamplingParams())
+        with pytest.raises(EngineDeadError, match=r"the engine loop failed \(RuntimeError\)"):
             async for _ in stream:
                 pass
         with pytest.raises(EngineDeadError):
             await engine.add_requests(["s"], ["hi"], SamplingParams())
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as http:
-            assert (await http.get("/health")).status_code == 503
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["message"] == "not ready: dead"
+            assert (await http.get("/live")).status_code == 200
             response = await http.post("/v1/completions", json={"prompt": "hi"})
-            assert response.status_code == 503 and "device on fire" in response.json()["error"]["message"]
+            assert response.status_code == 503 and response.json()["error"]["message"] == "the engine is not running"
+            assert "device on fire" not in health.text + response.text  # no internals to clients
 
     asyncio.run(main())
-    assert not engine.is_running
+    assert not engine.is_running and len(deaths) == 1
 
 
 def _free_port() -> int:

@@ -1,13 +1,16 @@
 """The FastAPI app: OpenAI routes, vLLM's extra routes, auth, body limits and error shapes.
 
     POST /v1/completions, /v1/chat/completions   (serving.py; JSON or SSE)
-    GET  /v1/models, /health, /metrics, /version
+    GET  /v1/models, /metrics, /version
+    GET  /health (readiness: 200 once serving), /live (liveness: 200 while the process answers)
     POST /tokenize, /detokenize                  (vLLM's shapes)
 
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: validation errors
 and bad values are 400, an unknown model 404 (`model_not_found`), a missing or wrong API key
-401, an oversized body 413, a stopped engine 503. Request logs carry ids and token counts,
-never prompt text.
+401 (also when more than one Authorization header is sent), an oversized body 413, an engine
+that is starting, draining or at capacity 503 (at capacity with `Retry-After`), a stopped engine
+503, a failure of the engine on one request 500. Messages name fields and values, never
+internals. Request logs carry ids and token counts, never prompt text.
 """
 
 import hmac
@@ -20,7 +23,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError
+from jaxpaged.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
 from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.protocol import (
     APIError,
@@ -36,21 +45,25 @@ from jaxpaged.server.serving import ServingContext, chat_prompt, create_chat_com
 logger = logging.getLogger("jaxpaged.server")
 
 MAX_BODY_BYTES = 4 * 2**20
+RETRY_AFTER_SECONDS = 1  # what a 503 at capacity tells clients to wait
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, log_prompts: bool = False) -> FastAPI:  # fmt: skip
-    """The OpenAI-compatible app over a running `AsyncEngine`.
+              max_body_bytes: int = MAX_BODY_BYTES, log_prompts: bool = False, max_sequences_per_request: int = 1024,
+              tokenizer_pool_size: int = 2) -> FastAPI:  # fmt: skip
+    """The OpenAI-compatible app over an `AsyncEngine` (which may still be starting).
 
     Args:
       async_engine: the engine (its thread keeps running after the app stops; shut it down).
       served_model_name: the `model` name clients use (others get 404).
-      api_key: when set, every route but `/health` needs `Authorization: Bearer <api_key>`.
+      api_key: when set, every route but `/health` and `/live` needs `Authorization: Bearer <api_key>`.
       max_body_bytes: larger request bodies get 413.
       log_prompts: request logs include the prompt text (off by default).
+      max_sequences_per_request: prompts x n above this get 400.
+      tokenizer_pool_size: threads that tokenize and detokenize off the event loop.
     """
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None)
-    ctx = ServingContext(async_engine, served_model_name, log_prompts)
+    ctx = ServingContext(async_engine, served_model_name, log_prompts, max_sequences_per_request, tokenizer_pool_size)
     metrics = ServerMetrics(async_engine, served_model_name)
     created = int(time.time())
     app.state.ctx, app.state.metrics = ctx, metrics
@@ -67,15 +80,22 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
     @app.get("/v1/models")
     async def models() -> dict:
+        ctx.require_ready()
         card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "jaxpaged",
-                "root": async_engine.engine.args.model, "parent": None,
-                "max_model_len": async_engine.max_model_len}  # fmt: skip
+                "root": served_model_name, "parent": None, "max_model_len": async_engine.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.is_running:
-            return JSONResponse(error_body(str(async_engine.dead), "server_error"), status_code=503)
+        """Readiness: 200 once the engine has compiled and serves; 503 while starting, draining or dead."""
+        if async_engine.is_ready:
+            return Response(status_code=200)
+        state = "dead" if async_engine.dead else "draining" if async_engine.draining else "starting"
+        return JSONResponse(error_body(f"not ready: {state}", "server_error"), status_code=503)
+
+    @app.get("/live")
+    async def live() -> Response:
+        """Liveness: 200 while the process serves HTTP (also while the engine compiles)."""
         return Response(status_code=200)
 
     @app.get("/version")
@@ -99,9 +119,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             raise APIError("give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
             request = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            tokens = chat_prompt(ctx, request)["prompt_token_ids"]
+            tokens = (await chat_prompt(ctx, request))["prompt_token_ids"]
         else:
-            tokens = async_engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ctx.check_text_length(len(body.prompt), "prompt")
+            special = body.add_special_tokens
+            tokens = await ctx.pool.run(lambda tok: tok.encode(body.prompt, add_special_tokens=special))
         return {"count": len(tokens), "max_model_len": async_engine.max_model_len, "tokens": tokens, "token_strs": None}
 
     @app.post("/detokenize")
@@ -111,7 +133,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": async_engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await ctx.pool.run(lambda tok: tok.decode(body.tokens))}
 
     return app
 
@@ -147,7 +169,21 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_, err: EngineDeadError):
+        return reply(503, error_body("the engine is not running", "server_error"))
+
+    @app.exception_handler(EngineNotReadyError)
+    async def not_ready(_, err: EngineNotReadyError):
         return reply(503, error_body(str(err), "server_error"))
+
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(_, err: EngineOverloadedError):
+        response = reply(503, error_body(str(err), "server_error", code="server_overloaded"))
+        response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return response
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_, err: RequestFailedError):
+        return reply(500, error_body(f"the engine failed on this request: {err}", "server_error"))
 
     @app.exception_handler(Exception)
     async def internal_error(_, err: Exception):
@@ -166,8 +202,9 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected and scope["path"] != "/health":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        if self.expected and scope["path"] not in ("/health", "/live"):
+            given = [value for name, value in scope["headers"] if name == b"authorization"]
+            if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
                 message = "invalid or missing API key; send 'Authorization: Bearer <key>'"
                 return await _send_json(send, 401, error_body(message, "authentication_error", code="invalid_api_key"))
         limit = self.max_body_bytes

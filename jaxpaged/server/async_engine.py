@@ -36,6 +36,18 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped (shut down, or a step raised); no request can run."""
 
 
+class EngineNotReadyError(RuntimeError):
+    """The engine is still starting (loading and compiling), or draining for shutdown."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """More sequences wait than `max_num_waiting` allows; retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing this request failed inside the engine; other requests go on."""
+
+
 class RequestStream:
     """The delta outputs of requests added together, as an async iterator, in arrival order.
 
@@ -84,38 +96,58 @@ class AsyncEngine:
     """Runs an `LLMEngine` on a background thread for asyncio callers (the OpenAI server).
 
     Args:
-      engine: a started engine; from now on only this object's thread may call it.
+      engine: a started engine, or a function that builds one: it is then called on the
+        engine thread, so a server can answer (liveness, "starting") while it compiles.
+      max_num_waiting: sequences that may wait beyond the engine's `max_num_seqs` running
+        ones; adding more raises `EngineOverloadedError` (None: no limit).
+      on_dead: called once, on the engine thread, if the engine fails (not on shutdown).
 
     Attributes:
-      engine: the wrapped engine (do not call it from other threads).
-      tokenizer: a tokenizer of the event loop's own (the engine thread uses the engine's).
+      engine: the wrapped engine, None while starting (do not call it from other threads).
+      tokenizer_dir: where the server's tokenizers load from (None without a tokenizer).
       stats: the latest `LLMEngine.get_stats()` snapshot.
       output_observers: callables `(output, now)` run on the engine thread for each output
         (metrics); they must be quick and must not raise.
       dead: the error that stopped the engine thread, or None while it runs.
+      draining: set by the server on shutdown: no new requests are admitted.
     """
 
-    def __init__(self, engine: LLMEngine):
-        from transformers import AutoTokenizer
-
-        self.engine = engine
-        self.tokenizer = AutoTokenizer.from_pretrained(engine.args.tokenizer or engine.args.model)
-        self.model_config = engine.model_config
-        self.max_model_len = engine.max_model_len
-        self.stats: dict[str, Any] = engine.get_stats()
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, max_num_waiting: int | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None):  # fmt: skip
+        self.engine: LLMEngine | None = None
+        self.model_config = self.max_model_len = self.tokenizer_dir = None
+        self.max_num_waiting = max_num_waiting
+        self.stats: dict[str, Any] = {}
         self.output_observers: list[Callable[[RequestOutput, float], None]] = []
         self.dead: BaseException | None = None
+        self.draining = False
+        self.ready = threading.Event()
+        self._on_dead = on_dead
         self._cond = threading.Condition()
         self._commands: list[tuple] = []
         self._stopping = False
+        self._unfinished_seqs = 0  # added and not finished (guarded by _cond)
+        self._seqs_of: dict[str, int] = {}  # engine thread only: request id -> its sequences
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
+        if isinstance(engine, LLMEngine):
+            self._adopt(engine)
+            factory = None
+        else:
+            factory = engine
+        self._thread = threading.Thread(target=self._run, args=(factory,), name="jaxpaged-engine", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncEngine":
-        """Builds (and compiles) the engine, then starts its thread."""
-        return cls(LLMEngine(args))
+    def _adopt(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.model_config = engine.model_config
+        self.max_model_len = engine.max_model_len
+        self.tokenizer_dir = None if engine.tokenizer is None else engine.args.tokenizer or engine.args.model
+        self.stats = engine.get_stats()
+        self.ready.set()
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.args.max_num_seqs
 
     # -- event-loop side ---------------------------------------------------------------------
 
@@ -132,10 +164,16 @@ class AsyncEngine:
         Raises:
           ValueError: from `LLMEngine.add_request` (nothing stays queued then).
           EngineDeadError: the engine thread has stopped.
+          EngineNotReadyError: still starting, or draining.
+          EngineOverloadedError: `max_num_waiting` would be exceeded.
         """
+        if self.dead is not None:
+            raise EngineDeadError("the engine is not running")
+        if self.draining or not self.ready.is_set():
+            raise EngineNotReadyError("the server is shutting down" if self.draining else "the engine is starting")
         stream = RequestStream(self, request_ids, asyncio.get_running_loop())
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", stream, list(prompts), params, cache_salt, time.time(), done))
+        self._submit(("add", stream, list(prompts), params, cache_salt, time.time(), done), len(prompts) * params.n)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -169,24 +207,53 @@ class AsyncEngine:
         """False once the engine thread has stopped (see `dead`)."""
         return self.dead is None
 
+    @property
+    def is_ready(self) -> bool:
+        """Started, running and not draining: what `/health` (readiness) reports."""
+        return self.ready.is_set() and self.dead is None and not self.draining
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stops the engine thread after its current step; open streams get `EngineDeadError`."""
+        """Stops the engine thread after its current step: unfinished requests are aborted (their KV
+        blocks return to the pool) and their streams get `EngineDeadError`."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: tuple, num_seqs: int = 0) -> None:
         with self._cond:
             if self.dead is not None:
-                raise EngineDeadError(f"the engine is not running ({self.dead})")
+                raise EngineDeadError("the engine is not running")
+            if num_seqs and self.max_num_waiting is not None:
+                limit = self.max_num_seqs + self.max_num_waiting
+                if self._unfinished_seqs + num_seqs > limit:
+                    raise EngineOverloadedError(
+                        f"the server is at capacity ({self._unfinished_seqs} sequences running or waiting, at most "
+                        f"{limit}); retry later")  # fmt: skip
+            self._unfinished_seqs += num_seqs
             self._commands.append(command)
             self._cond.notify()
 
+    @property
+    def num_unfinished_seqs(self) -> int:
+        """Sequences added and not yet finished (running, waiting, or about to be added)."""
+        return self._unfinished_seqs
+
+    def _finished_seqs(self, n: int) -> None:
+        with self._cond:
+            self._unfinished_seqs -= n
+
     # -- engine thread -----------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, factory: Callable[[], LLMEngine] | None) -> None:
+        if factory is not None:
+            try:
+                self._adopt(factory())
+            except BaseException as err:  # start-up failed: nothing can be served
+                logger.exception("the engine failed to start")
+                self._die(EngineDeadError(f"the engine failed to start: {type(err).__name__}"), fatal=True)
+                return
         busy = False
         try:
             while True:
@@ -203,10 +270,21 @@ class AsyncEngine:
                 busy = self.engine.has_unfinished_requests()
                 self._deliver(outputs)
         except BaseException as err:  # a step failed: the engine's state is unknown, stop serving
-            logger.exception("the engine loop failed; no further requests will run")
-            self._die(EngineDeadError(f"the engine loop failed: {type(err).__name__}: {err}"))
+            logger.exception("the engine loop failed; every request in flight fails and no new one is accepted")
+            self._die(EngineDeadError(f"the engine loop failed ({type(err).__name__})"), fatal=True)
             return
-        self._die(EngineDeadError("the engine was shut down"))
+        self._abort_all()
+        self._die(EngineDeadError("the engine was shut down"), fatal=False)
+
+    def _abort_all(self) -> None:
+        """At shutdown: aborts what is left so every KV block returns to the pool."""
+        unfinished = list(self._streams)
+        if unfinished:
+            self.engine.abort_request(unfinished)
+            self._deliver(self.engine.step())
+        stats = self.engine.get_stats()
+        logger.info("engine stopped: %d request(s) aborted at shutdown; %d of %d KV blocks free", len(unfinished),
+                    stats["num_free_blocks"], stats["num_total_blocks"])  # fmt: skip
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
@@ -214,6 +292,7 @@ class AsyncEngine:
             return
         _, stream, prompts, params, cache_salt, arrival, done = command
         if not done.set_running_or_notify_cancel():
+            self._finished_seqs(len(stream.request_ids) * params.n)
             return  # the caller went away before the request was added
         added = []
         try:
@@ -224,10 +303,13 @@ class AsyncEngine:
         except Exception as err:  # the caller's error (a ValueError, usually): hand it back
             if added:
                 self.engine.abort_request(added)
+                self.engine.step()  # deliver the aborts now; nobody listens to them
+            self._finished_seqs(len(stream.request_ids) * params.n)
             done.set_exception(err)
             return
         for request_id in added:
             self._streams[request_id] = stream
+            self._seqs_of[request_id] = params.n
         done.set_result(None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -241,14 +323,18 @@ class AsyncEngine:
                     logger.exception("output observer failed")
             get = self._streams.pop if output.finished else self._streams.get
             stream = get(output.request_id, None)
+            if output.finished:
+                self._finished_seqs(self._seqs_of.pop(output.request_id, 0))
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream, output))
+                item = RequestFailedError(output.error) if output.error else output
+                by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
-    def _die(self, err: EngineDeadError) -> None:
+    def _die(self, err: EngineDeadError, fatal: bool) -> None:
         with self._cond:
             self.dead = err
+            self._unfinished_seqs = 0
             commands, self._commands = self._commands, []
         for command in commands:
             if command[0] == "add" and command[-1].set_running_or_notify_cancel():
@@ -256,6 +342,8 @@ class AsyncEngine:
         streams, self._streams = self._streams, {}
         for stream in set(streams.values()):
             _call_soon(stream.loop, _put_all, [(stream, err)])
+        if fatal and self._on_dead is not None:
+            self._on_dead(err)
 
 
 def _put_all(items: list) -> None:

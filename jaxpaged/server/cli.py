@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import logging
 import sys
+import threading
 import time
 
 from jaxpaged import cli_flags
@@ -16,6 +17,8 @@ from jaxpaged.cli_flags import PORT
 logger = logging.getLogger("jaxpaged.server")
 
 DEMO_MODEL_NAME = "jaxpaged-demo"
+# After an engine failure, clients get their errors for this long before the process exits.
+DEAD_DRAIN_SECONDS = 2.0
 # What the `server` extra installs (pyproject.toml), checked before anything slow starts.
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -30,10 +33,26 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level")  # fmt: skip
     parser.add_argument("--enable-log-requests", action="store_true", help="include prompt text in request logs")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, how long in-flight requests may finish before they are aborted")  # fmt: skip
+    parser.add_argument("--max-num-waiting", type=int, default=10_000, metavar="N",
+                        help="sequences that may wait beyond the running ones; more get 503 with Retry-After")  # fmt: skip
+    parser.add_argument("--max-sequences-per-request", type=int, default=1024, metavar="N",
+                        help="most sequences (prompts x n) one request may ask for; more get 400")  # fmt: skip
+    parser.add_argument("--tokenizer-pool-size", type=int, default=2, metavar="N",
+                        help="threads that tokenize and detokenize off the event loop")  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Runs the server until interrupted; returns the exit code."""
+    """Runs the server until SIGTERM/SIGINT (exit 0 after draining) or an engine failure (exit 1).
+
+    1. Flags are checked, then HTTP starts at once: `/live` answers while the engine loads and
+       compiles on its own thread; `/health` (readiness) turns 200 when it is ready.
+    2. On SIGTERM or SIGINT the server stops admitting (503), lets in-flight requests finish for
+       up to `--shutdown-timeout` seconds, aborts the rest (their KV blocks return) and exits 0.
+    3. If the engine fails, every request in flight fails at once, `/health` turns 503, and the
+       process exits 1 after a short drain, so a supervisor (Kubernetes, systemd) restarts it.
+    """
     missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         print(f"jaxpaged serve needs the server extra ({', '.join(missing)} missing): pip install 'jaxpaged[server]'",
@@ -41,32 +60,73 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"got two models: {args.model_tag!r} and --model {args.model!r}; give one")
+    for flag, value, minimum in (("--shutdown-timeout", args.shutdown_timeout, 0), ("--max-num-waiting", args.max_num_waiting, 0),
+                                 ("--max-sequences-per-request", args.max_sequences_per_request, 1),
+                                 ("--tokenizer-pool-size", args.tokenizer_pool_size, 1)):  # fmt: skip
+        if value < minimum:
+            raise ValueError(f"{flag} {value}: must be at least {minimum}")
     model = args.model_tag or args.model
     engine_args = cli_flags.engine_args(args, model=model)  # every flag checked before JAX loads
     name = args.served_model_name or model or DEMO_MODEL_NAME
-    logger.info("starting the engine for %s (loading JAX and the model, then compiling)", engine_args.model)
+    logger.info("starting the engine for %s on its own thread (loading JAX and the model, then compiling); "
+                "/live answers now, /health once it is ready", engine_args.model)  # fmt: skip
     import uvicorn
 
-    from jaxpaged.engine import LLMEngine
     from jaxpaged.server.app import build_app
     from jaxpaged.server.async_engine import AsyncEngine
 
+    exit_code = 0
+    server: uvicorn.Server | None = None
+
+    def on_dead(err: BaseException) -> None:  # engine thread: fail fast, let the supervisor restart us
+        nonlocal exit_code
+        exit_code = 1
+        logger.error("%s; exiting in %.0f s", err, DEAD_DRAIN_SECONDS)
+        threading.Timer(DEAD_DRAIN_SECONDS, lambda: setattr(server, "should_exit", True)).start()
+
     start = time.perf_counter()
-    engine = LLMEngine(engine_args)
-    _log_start_up(engine, time.perf_counter() - start)
-    async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, name, api_key=args.api_key, log_prompts=args.enable_log_requests)
+
+    def build():
+        from jaxpaged.engine import LLMEngine
+
+        engine = LLMEngine(engine_args)
+        _log_start_up(engine, time.perf_counter() - start)
+        return engine
+
+    async_engine = AsyncEngine(build, max_num_waiting=args.max_num_waiting, on_dead=on_dead)
+    app = build_app(async_engine, name, api_key=args.api_key, log_prompts=args.enable_log_requests,
+                    max_sequences_per_request=args.max_sequences_per_request,
+                    tokenizer_pool_size=args.tokenizer_pool_size)  # fmt: skip
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=5)  # fmt: skip
-    logger.info("serving %r at http://%s:%d/v1 (API key %s)", name, args.host, args.port,
+                            timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
+    server = _draining_server(config, async_engine)
+    logger.info("listening at http://%s:%d/v1 (API key %s)", args.host, args.port,
                 "required" if args.api_key else "not required")  # fmt: skip
     try:
-        uvicorn.Server(config).run()
+        server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     finally:
-        async_engine.shutdown()
-    return 0
+        async_engine.shutdown()  # aborts what is left; every KV block returns
+    logger.info("server stopped (exit code %d)", exit_code)
+    return exit_code
+
+
+def _draining_server(config, async_engine):
+    """uvicorn's server, whose first SIGTERM/SIGINT marks the engine draining (new requests
+    get 503, `/health` turns 503) before uvicorn's graceful shutdown lets in-flight requests
+    finish for `timeout_graceful_shutdown` seconds."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not async_engine.draining:
+                logger.info("signal %d: draining (in-flight requests get up to %.0f s)", sig,
+                            config.timeout_graceful_shutdown or 0)  # fmt: skip
+            async_engine.draining = True
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def _log_start_up(engine, seconds: float) -> None:

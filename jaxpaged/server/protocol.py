@@ -7,7 +7,7 @@ values by `SamplingParams` (one source of truth), whose `ValueError` names the f
 import re
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from jaxpaged.sampling_params import SamplingParams
 
@@ -40,13 +40,44 @@ def api_error_from(err: ValueError) -> APIError:
     return APIError(str(err).replace("SamplingParams.", ""), param=match.group(1) if match else None)
 
 
+def _invalid_text(data: Any) -> str | None:
+    """The path of the first string in `data` that UTF-8 cannot encode (a lone surrogate), if any."""
+    stack = [((), data)]
+    while stack:  # iterative: bodies may nest deeply
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return ".".join(map(str, path)) or "body"
+        elif isinstance(value, dict):
+            stack.extend(((*path, k), v) for k, v in value.items())
+            stack.extend(((*path, "(key)"), k) for k in value)
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in enumerate(value))
+    return None
+
+
+class Request(BaseModel):
+    """Every request body: text anywhere in it must be valid Unicode (no lone surrogates), so
+    nothing the engine or tokenizer cannot encode gets past the edge."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_encodable(cls, data: Any) -> Any:
+        path = _invalid_text(data)
+        if path is not None:
+            raise ValueError(f"{path} holds an invalid character (a lone surrogate); send valid Unicode text")
+        return data
+
+
 class StreamOptions(BaseModel):
     """`stream_options`: `include_usage` adds a final chunk with `usage` and no choices."""
 
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -173,7 +204,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.to_sampling_params(max_tokens, logprobs, vocab_size)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Request):
     """vLLM's `POST /tokenize`: a `prompt`, or chat `messages` rendered by the chat template."""
 
     model: str | None = None
@@ -183,7 +214,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Request):
     """vLLM's `POST /detokenize`."""
 
     model: str | None = None

@@ -1,9 +1,11 @@
 """`/v1/completions` and `/v1/chat/completions`: prompts in, OpenAI responses or SSE chunks out.
 
-Each handler checks the model name, turns the body into `SamplingParams`, tokenizes on the
-event loop (with the server's own tokenizer), checks lengths against `max_model_len`, and adds
-all of its requests to the engine at once; only then does a response start, so every bad
-request is a 400 with OpenAI's error shape. A client that goes away aborts its requests.
+Each handler checks that the engine is ready and the model name, turns the body into
+`SamplingParams`, caps the request's sequences, bounds the prompt's length in characters,
+tokenizes on the tokenizer threads (never on the event loop), checks lengths against
+`max_model_len`, and adds all of its requests to the engine at once; only then does a response
+start, so every bad request is a 400 with OpenAI's error shape. A client that goes away aborts
+its requests.
 """
 
 import asyncio
@@ -18,25 +20,63 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
 from jaxpaged.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from jaxpaged.server.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("jaxpaged.server")
 
 
 @dataclasses.dataclass
 class ServingContext:
-    """What the handlers share: the engine, the name the model is served under, and whether
-    request logs may include prompt text (`--enable-log-requests`)."""
+    """What the handlers share: the engine, the name the model is served under, whether request
+    logs may include prompt text (`--enable-log-requests`), the per-request sequence cap, and
+    the tokenizer threads (made once the engine is ready).
+    """
 
     engine: AsyncEngine
     model_name: str
     log_prompts: bool = False
+    max_sequences_per_request: int = 1024
+    tokenizer_pool_size: int = 2
+    _pool: TokenizerPool | None = None
+
+    def require_ready(self) -> None:
+        """503 unless the engine is serving (starting, draining or dead otherwise)."""
+        if self.engine.dead is not None:
+            raise APIError("the engine is not running", 503, type="server_error")
+        if not self.engine.is_ready:
+            message = "the server is shutting down" if self.engine.draining else "the engine is starting; retry shortly"
+            raise APIError(message, 503, type="server_error")
+
+    @property
+    def pool(self) -> TokenizerPool:
+        """The tokenizer threads (400 when the engine runs without a tokenizer)."""
+        if self.engine.tokenizer_dir is None:
+            raise APIError("the model is served without a tokenizer: send token ids", param="prompt")
+        if self._pool is None:
+            self._pool = TokenizerPool(self.engine.tokenizer_dir, self.tokenizer_pool_size)
+        return self._pool
 
     def check_model(self, model: str | None) -> None:
         """404 `model_not_found` unless `model` is None or the served name."""
+        self.require_ready()
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """400 when one request asks for more sequences than `max_sequences_per_request`."""
+        if num_prompts * n > self.max_sequences_per_request:
+            raise APIError(f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+                           f"the server takes at most {self.max_sequences_per_request} per request", param="n")  # fmt: skip
+
+    def check_text_length(self, chars: int, what: str) -> None:
+        """400 before tokenizing when `chars` characters must be more tokens than `max_model_len`."""
+        limit = self.engine.max_model_len * self.pool.max_token_chars
+        if chars > limit:
+            raise APIError(f"the {what} has {chars} characters: more than the {self.engine.max_model_len} tokens of "
+                           f"this model's maximum context length can hold (at most {limit} characters)",
+                           param=what, code="context_length_exceeded")  # fmt: skip
 
     def check_length(self, num_prompt: int, max_tokens: int | None, what: str) -> None:
         """400 `context_length_exceeded` when prompt + max_tokens cannot fit `max_model_len`."""
@@ -52,15 +92,19 @@ class ServingContext:
                            code="context_length_exceeded")  # fmt: skip
 
 
-def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
-    """`LLMEngine.add_request` prompts for the `prompt` field's four forms."""
+async def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
+    """`LLMEngine.add_request` prompts for the `prompt` field's four forms (tokenized off the loop)."""
     items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
     if not items:
         raise APIError("prompt must not be empty", param="prompt")
+    texts = [item for item in items if isinstance(item, str)]
+    for text in texts:
+        ctx.check_text_length(len(text), "prompt")
+    encoded = iter(await ctx.pool.run(lambda tok: [tok.encode(t) for t in texts]) if texts else [])
     prompts = []
     for item in items:
         if isinstance(item, str):  # "" is BOS alone when the tokenizer adds one, as in vLLM
-            prompts.append({"prompt": item, "prompt_token_ids": ctx.engine.tokenizer.encode(item)})
+            prompts.append({"prompt": item, "prompt_token_ids": next(encoded)})
         else:
             prompts.append({"prompt_token_ids": list(item)})
         if not prompts[-1]["prompt_token_ids"]:
@@ -68,23 +112,40 @@ def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
     return prompts
 
 
-def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
-    """Renders the conversation with the tokenizer's chat template and tokenizes it."""
+async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
+    """Renders the conversation with the tokenizer's chat template and tokenizes it (off the loop)."""
     conversation = [m.to_template() for m in body.messages]
-    tokenizer = ctx.engine.tokenizer
-    try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt,
-                                             tokenize=False)  # fmt: skip
-    except Exception as err:  # no template, or the template rejects the conversation
-        raise APIError(f"cannot apply the model's chat template: {err}", param="messages") from None
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    ctx.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
+
+    def render(tokenizer):
+        try:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt,
+                                                 tokenize=False)  # fmt: skip
+        except Exception as err:  # no template, or the template rejects the conversation
+            return err
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    result = await ctx.pool.run(render)
+    if isinstance(result, Exception):
+        raise APIError(f"the model's chat template rejects these messages{_template_reason(result)}",
+                       param="messages") from None  # fmt: skip
+    return result
+
+
+def _template_reason(err: Exception) -> str:
+    """The template's own message (jinja's `raise_exception`), never an internal exception."""
+    from jinja2 import TemplateError
+
+    return f": {err}" if isinstance(err, TemplateError) and str(err) else ""
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: Request) -> Response:
     """`POST /v1/completions`: one engine request per prompt, choices indexed prompt-major."""
     ctx.check_model(body.model)
     params = body.sampling_params(ctx.engine.model_config.vocab_size)
-    prompts = completion_prompts(ctx, body.prompt)
+    num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
+    ctx.check_sequences(num_prompts, params.n)
+    prompts = await completion_prompts(ctx, body.prompt)
     for p in prompts:
         ctx.check_length(len(p["prompt_token_ids"]), params.max_tokens, "prompt")
     return await _run(ctx, raw, body, params, prompts, _Kind(chat=False, num_logprobs=body.logprobs))
@@ -94,7 +155,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     """`POST /v1/chat/completions`: the conversation through the chat template, one request."""
     ctx.check_model(body.model)
     params = body.sampling_params(ctx.engine.model_config.vocab_size)
-    prompt = chat_prompt(ctx, body)
+    ctx.check_sequences(1, params.n)
+    prompt = await chat_prompt(ctx, body)
     ctx.check_length(len(prompt["prompt_token_ids"]), params.max_tokens, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await _run(ctx, raw, body, params, [prompt], _Kind(chat=True, num_logprobs=num_logprobs))
@@ -210,7 +272,7 @@ async def _events(stream: RequestStream, kind: _Kind, head: dict, index_of: dict
             yield _sse({**head, "choices": [], "usage": usage.to_dict()})
         logger.info("%s: finished, %d completion tokens", head["id"], usage.completion)
         yield "data: [DONE]\n\n"
-    except EngineDeadError as err:
+    except (EngineDeadError, RequestFailedError) as err:
         yield _sse(error_body(str(err), "server_error"))
         yield "data: [DONE]\n\n"
     finally:

@@ -397,7 +397,7 @@ def test_jaxpaged_serve_with_api_key(server, tmp_path):
         assert http.get("/v1/models").status_code == 401
         wrong = http.get("/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
-        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics").status_code == 200  # Prometheus scrapes without the key, as in vLLM
         assert http.get("/v1/models", headers={"Authorization": "Bearer sk-test"}).json()["data"][0]["id"] == "tiny"
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0,
                                http_client=httpx.Client(trust_env=False, timeout=30))  # fmt: skip

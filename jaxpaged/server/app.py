@@ -20,6 +20,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -46,6 +47,8 @@ logger = logging.getLogger("jaxpaged.server")
 
 MAX_BODY_BYTES = 4 * 2**20
 RETRY_AFTER_SECONDS = 1  # what a 503 at capacity tells clients to wait
+# Probes and Prometheus scrape without the API key (as in vLLM, whose key guards only /v1).
+UNAUTHENTICATED_PATHS = ("/health", "/live", "/metrics")
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
@@ -56,13 +59,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     Args:
       async_engine: the engine (its thread keeps running after the app stops; shut it down).
       served_model_name: the `model` name clients use (others get 404).
-      api_key: when set, every route but `/health` and `/live` needs `Authorization: Bearer <api_key>`.
+      api_key: when set, every route but `UNAUTHENTICATED_PATHS` needs `Authorization: Bearer <api_key>`.
       max_body_bytes: larger request bodies get 413.
       log_prompts: request logs include the prompt text (off by default).
       max_sequences_per_request: prompts x n above this get 400.
       tokenizer_pool_size: threads that tokenize and detokenize off the event loop.
     """
-    app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     ctx = ServingContext(async_engine, served_model_name, log_prompts, max_sequences_per_request, tokenizer_pool_size)
     metrics = ServerMetrics(async_engine, served_model_name)
     created = int(time.time())
@@ -118,6 +121,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
+            if not body.messages:
+                raise APIError("messages must not be empty", param="messages")
             request = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
             tokens = (await chat_prompt(ctx, request))["prompt_token_ids"]
         else:
@@ -147,7 +152,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return reply(err.status, err.body())
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_, err: RequestValidationError):
+    async def validation_error(_, err: RequestValidationError | ValidationError):
         messages, param = [], None
         for e in err.errors():
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
@@ -164,7 +169,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return reply(err.status_code, error_body(str(err.detail), kind))
 
     @app.exception_handler(ValueError)
-    async def value_error(_, err: ValueError):
+    async def value_error(request, err: ValueError):
+        if isinstance(err, ValidationError):  # a model built inside a handler: name the fields
+            return await validation_error(request, err)
         return reply(400, api_error_from(err).body())
 
     @app.exception_handler(EngineDeadError)
@@ -202,7 +209,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected and scope["path"] not in ("/health", "/live"):
+        if self.expected and scope["path"] not in UNAUTHENTICATED_PATHS:
             given = [value for name, value in scope["headers"] if name == b"authorization"]
             if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
                 message = "invalid or missing API key; send 'Authorization: Bearer <key>'"

@@ -122,6 +122,7 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self.draining = False
         self.ready = threading.Event()
+        self._ready_callbacks: list[Callable[[], None]] = []
         self._on_dead = on_dead
         self._cond = threading.Condition()
         self._commands: list[tuple] = []
@@ -143,7 +144,17 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.tokenizer_dir = None if engine.tokenizer is None else engine.args.tokenizer or engine.args.model
         self.stats = engine.get_stats()
+        for callback in self._ready_callbacks:
+            callback()
         self.ready.set()
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Runs `callback()` once the engine is built: now if it is, else on the engine thread
+        before `ready` is set (for set-up that must not run on an event loop)."""
+        if self.ready.is_set():
+            callback()
+        else:
+            self._ready_callbacks.append(callback)
 
     @property
     def max_num_seqs(self) -> int:
@@ -286,9 +297,20 @@ class AsyncEngine:
         logger.info("engine stopped: %d request(s) aborted at shutdown; %d of %d KV blocks free", len(unfinished),
                     stats["num_free_blocks"], stats["num_total_blocks"])  # fmt: skip
 
+    def abort_all(self) -> None:
+        """Aborts every request in flight (thread-safe): their streams end with finish_reason
+        "abort" and their KV blocks return to the pool."""
+        try:
+            self._submit(("abort_all",))
+        except EngineDeadError:
+            pass
+
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
             self.engine.abort_request(command[1])
+            return
+        if command[0] == "abort_all":
+            self.engine.abort_request(list(self._streams))
             return
         _, stream, prompts, params, cache_salt, arrival, done = command
         if not done.set_running_or_notify_cancel():
@@ -301,9 +323,8 @@ class AsyncEngine:
                 self.engine.add_request(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt)
                 added.append(request_id)
         except Exception as err:  # the caller's error (a ValueError, usually): hand it back
-            if added:
+            if added:  # their outputs come with the next step, to no stream
                 self.engine.abort_request(added)
-                self.engine.step()  # deliver the aborts now; nobody listens to them
             self._finished_seqs(len(stream.request_ids) * params.n)
             done.set_exception(err)
             return

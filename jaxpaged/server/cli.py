@@ -7,6 +7,8 @@
 import argparse
 import importlib.util
 import logging
+import os
+import signal
 import sys
 import threading
 import time
@@ -17,8 +19,12 @@ from jaxpaged.cli_flags import PORT
 logger = logging.getLogger("jaxpaged.server")
 
 DEMO_MODEL_NAME = "jaxpaged-demo"
+# The API key may come from the environment (a Kubernetes Secret) rather than the command line.
+API_KEY_ENV = "JAXPAGED_API_KEY"
 # After an engine failure, clients get their errors for this long before the process exits.
 DEAD_DRAIN_SECONDS = 2.0
+# After the drain aborts what is left, its clients get their last events for this long.
+ABORT_FLUSH_SECONDS = 1.0
 # What the `server` extra installs (pyproject.toml), checked before anything slow starts.
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -29,7 +35,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=PORT, default=8000, help="TCP port to listen on")
     parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health, /live and /metrics "
+                        f"(default: ${API_KEY_ENV}, else none)")  # fmt: skip
     parser.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level")  # fmt: skip
     parser.add_argument("--enable-log-requests", action="store_true", help="include prompt text in request logs")
@@ -98,10 +106,14 @@ def serve(args: argparse.Namespace) -> int:
                     max_sequences_per_request=args.max_sequences_per_request,
                     tokenizer_pool_size=args.tokenizer_pool_size)  # fmt: skip
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
-    server = _draining_server(config, async_engine)
+                            timeout_graceful_shutdown=ABORT_FLUSH_SECONDS)  # fmt: skip
+    server = _draining_server(config, async_engine, args.shutdown_timeout)
     logger.info("listening at http://%s:%d/v1 (API key %s)", args.host, args.port,
                 "required" if args.api_key else "not required")  # fmt: skip
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal that stopped it once it is done; after our drain the
+        # process exits normally (0, or 1 after an engine failure) instead of dying of it.
+        signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
@@ -112,18 +124,30 @@ def serve(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _draining_server(config, async_engine):
-    """uvicorn's server, whose first SIGTERM/SIGINT marks the engine draining (new requests
-    get 503, `/health` turns 503) before uvicorn's graceful shutdown lets in-flight requests
-    finish for `timeout_graceful_shutdown` seconds."""
+def _draining_server(config, async_engine, shutdown_timeout: float):
+    """uvicorn's server, which drains before it stops. The first SIGTERM/SIGINT marks the engine
+    draining (new requests get 503, `/health` turns 503); in-flight requests get up to
+    `shutdown_timeout` seconds to finish; the rest are aborted, so their streams end properly
+    (finish_reason "abort", then `[DONE]`); only then does uvicorn shut down."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            if not async_engine.draining:
-                logger.info("signal %d: draining (in-flight requests get up to %.0f s)", sig,
-                            config.timeout_graceful_shutdown or 0)  # fmt: skip
+            if async_engine.draining or not async_engine.is_running:
+                return super().handle_exit(sig, frame)  # a second signal, or nothing to drain
             async_engine.draining = True
+            logger.info("signal %d: draining; in-flight requests get up to %.0f s", sig, shutdown_timeout)
+            threading.Thread(target=self._drain, args=(sig, frame), name="jaxpaged-drain", daemon=True).start()
+
+        def _drain(self, sig, frame) -> None:
+            deadline = time.monotonic() + shutdown_timeout
+            while async_engine.num_unfinished_seqs and time.monotonic() < deadline:
+                time.sleep(0.05)
+            left = async_engine.num_unfinished_seqs
+            if left:
+                logger.info("shutdown timeout: aborting %d sequence(s) still in flight", left)
+                async_engine.abort_all()
+                time.sleep(ABORT_FLUSH_SECONDS)  # let their last events reach the clients
             super().handle_exit(sig, frame)
 
     return Server(config)

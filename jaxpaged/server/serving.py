@@ -49,13 +49,18 @@ class ServingContext:
             message = "the server is shutting down" if self.engine.draining else "the engine is starting; retry shortly"
             raise APIError(message, 503, type="server_error")
 
+    def __post_init__(self):
+        self.engine.when_ready(self._start_pool)  # loads tokenizers off the event loop
+
+    def _start_pool(self) -> None:
+        if self.engine.tokenizer_dir is not None:
+            self._pool = TokenizerPool(self.engine.tokenizer_dir, self.tokenizer_pool_size)
+
     @property
     def pool(self) -> TokenizerPool:
         """The tokenizer threads (400 when the engine runs without a tokenizer)."""
-        if self.engine.tokenizer_dir is None:
-            raise APIError("the model is served without a tokenizer: send token ids", param="prompt")
         if self._pool is None:
-            self._pool = TokenizerPool(self.engine.tokenizer_dir, self.tokenizer_pool_size)
+            raise APIError("the model is served without a tokenizer: send token ids", param="prompt")
         return self._pool
 
     def check_model(self, model: str | None) -> None:

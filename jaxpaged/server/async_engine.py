@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxpaged.engine import LLMEngine
-from jaxpaged.engine_args import EngineArgs
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 

@@ -136,11 +136,11 @@ class SamplingParams:
                 raise _bad(name, getattr(self, name), "a finite number (float32 range)")
         for name in ("n", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)) or abs(getattr(self, name)) > INT32_MAX:
-                raise _bad(name, getattr(self, name), f"an int in [-{INT32_MAX}, {INT32_MAX}]")
+                raise _bad(name, getattr(self, name), f"an int (within ±{INT32_MAX})")
         for name in ("max_tokens", "logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or abs(value) > INT32_MAX):
-                raise _bad(name, value, f"an int in [-{INT32_MAX}, {INT32_MAX}] or None")
+                raise _bad(name, value, f"an int or None (within ±{INT32_MAX})")
         if self.seed is not None and not _is_int(self.seed):  # any int: the device folds it to 32 bits
             raise _bad("seed", self.seed, "an int or None")
         if any(t > INT32_MAX for t in self.stop_token_ids):

@@ -42,7 +42,6 @@ def test_greedy():
         ({"n": 0}, "n", "at least 1"),
         ({"n": 2, "temperature": 0.0}, "n", "greedy"),
         ({"temperature": -0.1}, "temperature", "non-negative"),
-        ({"temperature": float("nan")}, "temperature", "non-negative"),
         ({"top_p": 0.0}, "top_p", "(0, 1]"),
         ({"top_p": 1.5}, "top_p", "(0, 1]"),
         ({"top_k": -2}, "top_k", "at least 1"),
@@ -64,6 +63,14 @@ def test_greedy():
         ({"top_k": 1.5}, "top_k", "an int"),
         ({"max_tokens": 2.0}, "max_tokens", "an int or None"),
         ({"ignore_eos": "yes"}, "ignore_eos", "a bool"),
+        # what the device step holds: int32 and finite float32
+        ({"top_k": 2**31}, "top_k", "within ±2147483647"),
+        ({"max_tokens": 2**40}, "max_tokens", "within ±2147483647"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids", "token ids up to 2147483647"),
+        ({"temperature": float("inf")}, "temperature", "a finite number"),
+        ({"temperature": float("nan")}, "temperature", "a finite number"),
+        ({"top_p": 1e39}, "top_p", "float32 range"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty", "a finite number"),
     ],
 )
 def test_invalid_values_name_field_value_and_range(kwargs, field, allowed):
@@ -79,3 +86,9 @@ def test_edges_are_accepted():
     SamplingParams(top_p=1.0, min_p=1.0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=1e-3)
     SamplingParams(max_tokens=None, min_tokens=100)  # no cap: min_tokens is free
     SamplingParams(min_tokens=16, max_tokens=16, logprobs=0, seed=0)
+
+
+def test_text_must_be_valid_unicode_and_any_seed_is_accepted():
+    with pytest.raises(ValueError, match="SamplingParams.stop holds an invalid character"):
+        SamplingParams(stop=["ok", "\ud800"])
+    assert SamplingParams(seed=2**70).seed == 2**70  # the device folds seeds to 32 bits

@@ -25,24 +25,25 @@ __all__ = ["DEMO_MODEL_DIR", "build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxpaged` parser with its `generate`, `serve` and `plan` subcommands."""
     parser = argparse.ArgumentParser(prog="jaxpaged", description="PagedAttention LLM inference in JAX.",
-                                     formatter_class=HelpFormatter)  # fmt: skip
+                                     formatter_class=HelpFormatter, allow_abbrev=False)  # fmt: skip
     parser.add_argument("--log-level", default="INFO", help="level of jaxpaged's own log lines (on stderr)")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="offline batch generation", formatter_class=HelpFormatter,
+    gen = commands.add_parser("generate", help="offline batch generation", formatter_class=HelpFormatter, allow_abbrev=False,
                               description=cli_generate.__doc__.split("\n\n")[0])  # fmt: skip
     cli_generate.add_generate_flags(gen)
     # Sequences and batched tokens default to the job's size (fewer step programs to compile).
     add_engine_flags(gen, job_sized=("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
     gen.set_defaults(run=cli_generate.run)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter,
+                                allow_abbrev=False)  # a misspelt flag is an error, never another flag
     add_serve_flags(serve)
     add_engine_flags(serve)
     serve.set_defaults(run=_serve)
 
     plan = commands.add_parser("plan", help="weights, KV cache and concurrency of a model on a GPU (no GPU needed)",
-                               formatter_class=HelpFormatter)  # fmt: skip
+                               formatter_class=HelpFormatter, allow_abbrev=False)  # fmt: skip
     plan.add_argument("--model", required=True, help="a preset (llama-3.1-8b, llama-3.1-70b, mistral-7b-v0.3, "
                       "qwen2.5-7b) or a directory with config.json")  # fmt: skip
     plan.add_argument("--gpu-memory", default=80 * 2**30, type=BYTES_WITH_UNIT,

@@ -6,8 +6,9 @@
   container port, probe ports, Service target and Prometheus port are that `--port`; probes use
   `/health` (readiness) and `/live` (liveness, startup), routes of the app that need no API key;
   the grace period outlasts preStop plus `--shutdown-timeout`; the model and the compilation cache
-  lie on the PVCs of pvc.yaml; the GPU limit is set; `$(VAR)` in args comes from secret.yaml's
-  Secret; the HPA scales this Deployment on a gauge the server exports.
+  lie on the PVCs of pvc.yaml; the GPU limit is set; the API key reaches the server through its
+  environment variable from secret.yaml's Secret, never through the process arguments; the HPA
+  scales this Deployment on a gauge the server exports.
 - deploy/Dockerfile installs `[cuda12,server]`, runs as uid 1000, keeps the cache on a VOLUME,
   and its ENTRYPOINT + CMD parse with the same parser.
 """
@@ -16,8 +17,10 @@ import asyncio
 import functools
 import inspect
 import json
+import os
 import re
 import shlex
+import unittest.mock
 from pathlib import Path
 
 import kubernetes_validate
@@ -27,6 +30,7 @@ import yaml
 import jaxpaged.server.app
 import jaxpaged.server.metrics
 from jaxpaged.cli import _subparser, build_parser
+from jaxpaged.server.cli import API_KEY_ENV
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
@@ -43,15 +47,17 @@ def of_kind(kind: str) -> list[dict]:
 
 
 def serve_args(argv: list[str], env: dict[str, str]):
-    """`jaxpaged serve ARGV` parsed (no abbreviated flags), `$(VAR)` replaced as the kubelet does."""
-    parser = build_parser()
-    _subparser(parser, "serve").allow_abbrev = False
-    return parser.parse_args(["serve", *(re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in argv)])
+    """`jaxpaged serve ARGV` parsed (no abbreviated flags) in the container's environment,
+    `$(VAR)` replaced as the kubelet does."""
+    with unittest.mock.patch.dict(os.environ, env):
+        parser = build_parser()
+        _subparser(parser, "serve").allow_abbrev = False
+        return parser.parse_args(["serve", *(re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in argv)])
 
 
 @functools.cache
 def args():
-    """The Deployment's container args, parsed; each `$(VAR)` must be one of the container's env vars."""
+    """The Deployment's container args, parsed with its env vars set; each `$(VAR)` must be one of them."""
     return serve_args(CONTAINER["args"], {e["name"]: "sk-test" for e in CONTAINER.get("env", [])})
 
 
@@ -116,8 +122,8 @@ def test_model_and_cache_lie_on_the_claims():
 
 def test_api_key_comes_from_the_secret():
     (secret,) = of_kind("Secret")
-    (var,) = re.findall(r"\$\((\w+)\)", " ".join(CONTAINER["args"]))
-    (ref,) = [e["valueFrom"]["secretKeyRef"] for e in CONTAINER["env"] if e["name"] == var]
+    assert "--api-key" not in CONTAINER["args"]  # the server reads it from the environment, not argv
+    (ref,) = [e["valueFrom"]["secretKeyRef"] for e in CONTAINER["env"] if e["name"] == API_KEY_ENV]
     assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
 
 

@@ -53,7 +53,9 @@ class FuzzServer:
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         app = build_app(self.async_engine, MODEL, api_key=API_KEY)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+        # Idle keep-alive connections stay open for the whole run: uvicorn closing one (after 5 s
+        # by default) just as a client reuses it resets that request, whatever its input.
+        self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_keep_alive=600))
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 30

@@ -166,7 +166,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_, err: HTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return reply(err.status_code, error_body(str(err.detail), kind))
+        response = reply(err.status_code, error_body(str(err.detail), kind))
+        if err.status_code == 413:  # the rest of the body was never read: the connection cannot be reused
+            response.headers["Connection"] = "close"
+        return response
 
     @app.exception_handler(ValueError)
     async def value_error(request, err: ValueError):
@@ -217,8 +220,8 @@ class _Guard:
         limit = self.max_body_bytes
         too_large = f"the request body exceeds the limit of {limit} bytes"
         length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > limit:
-            return await _send_json(send, 413, error_body(too_large))
+        if length.isdigit() and int(length) > limit:  # answered unread: the connection cannot be reused
+            return await _send_json(send, 413, error_body(too_large), close=True)
         received = 0
 
         async def capped_receive():
@@ -233,8 +236,10 @@ class _Guard:
         await self.app(scope, capped_receive, send)
 
 
-async def _send_json(send, status: int, body: dict) -> None:
+async def _send_json(send, status: int, body: dict, close: bool = False) -> None:
     payload = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

@@ -30,7 +30,7 @@ from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.request_state import RequestState
 from jaxpaged.runner import ModelRunner
 from jaxpaged.sampler import MAX_LOGPROBS
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, check_text
 from jaxpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxpaged.sequence import Sequence, SequenceStatus
 from jaxpaged.step_packer import MAX_BANNED, SequenceRow, sampling_row
@@ -120,7 +120,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the engine runs with skip_tokenizer_init=True")
         if cache_salt is not None:
-            _check_text("cache_salt", cache_salt)
+            check_text("cache_salt", cache_salt)
         text, token_ids = self._tokenize(prompt)
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
@@ -152,7 +152,7 @@ class LLMEngine:
             else:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
-            _check_text("prompt", prompt)
+            check_text("prompt", prompt)
             if self.tokenizer is None:
                 raise ValueError("the engine runs with skip_tokenizer_init=True: give {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
@@ -329,16 +329,6 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
         }
-
-
-def _check_text(field: str, text) -> None:
-    """Text must be a str encodable as UTF-8 (a lone surrogate is not)."""
-    if not isinstance(text, str):
-        raise ValueError(f"{field} must be a string, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ValueError(f"{field} holds an invalid character (a lone surrogate at position {err.start})") from None
 
 
 def _has_penalties(sp: SamplingParams) -> bool:

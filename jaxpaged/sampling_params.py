@@ -40,12 +40,19 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= FLOAT32_MAX
 
 
-def _check_text(field: str, text: str) -> None:
-    """Text must be encodable as UTF-8 (a lone surrogate is not)."""
+def check_text(name: str, text: object) -> None:
+    """Text must be a str that UTF-8 can encode (a lone surrogate cannot: the tokenizer and the
+    prefix-cache hash would fail on it later).
+
+    Raises:
+      ValueError: naming `name`, the problem and its position.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be a string, got {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise ValueError(f"SamplingParams.{field} holds an invalid character (a lone surrogate at {err.start})") from None
+        raise ValueError(f"{name} holds an invalid character (a lone surrogate at position {err.start})") from None
 
 
 # The class validates its own inputs (ints are fine for float fields, wrong types raise
@@ -146,7 +153,7 @@ class SamplingParams:
         if any(t > INT32_MAX for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, f"token ids up to {INT32_MAX}")
         for s in self.stop:
-            _check_text("stop", s)
+            check_text("SamplingParams.stop", s)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")

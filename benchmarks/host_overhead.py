@@ -18,12 +18,12 @@ import time
 
 import numpy as np
 
-from jaxpaged.cli_flags import DEMO_MODEL_DIR
-from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.core.detokenizer import IncrementalDetokenizer
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.sequence import Sequence
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler, SchedulerConfig
-from jaxpaged.sequence import Sequence
-from jaxpaged.step_packer import SequenceRow, StepPacker, sampling_row
+from jaxpaged.worker.step_packer import SequenceRow, StepPacker, sampling_row
 
 BUDGET_MS = 1.0
 

@@ -42,7 +42,7 @@ def time_per_token(llm, prompt: list[int], output_len: int) -> float:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from jaxpaged import LLM
-    from jaxpaged.cli_flags import DEMO_MODEL_DIR
+    from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
     model = args.model or DEMO_MODEL_DIR
     prompt = list(range(2, 34))  # 32 tokens

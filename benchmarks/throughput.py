@@ -19,13 +19,13 @@ import time
 
 import numpy as np
 
-from jaxpaged.cli_flags import DEMO_MODEL_DIR
-from jaxpaged.presets import get_preset
+from jaxpaged.config.presets import get_preset
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import SamplingParams
 
 
 def run_jaxpaged(model_dir: str, prompts: list[list[int]], output_len: int, args, steps: int) -> float:
-    from jaxpaged.llm import LLM  # JAX loads here, after the arguments are checked
+    from jaxpaged.entrypoints.llm import LLM  # JAX loads here, after the arguments are checked
 
     llm = LLM(model_dir, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_scheduler_steps=steps,

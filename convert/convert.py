@@ -23,8 +23,8 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from jaxpaged.checkpoint_format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
-from jaxpaged.weights import (
+from jaxpaged.checkpoint.format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
+from jaxpaged.checkpoint.loader import (
     Params,
     dtype_name,
     is_converted_dir,

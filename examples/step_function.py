@@ -15,11 +15,11 @@ import numpy as np
 from flax import nnx
 from transformers import AutoTokenizer
 
-from jaxpaged.cli import DEMO_MODEL_DIR
+from jaxpaged.checkpoint.loader import load_model
+from jaxpaged.entrypoints.cli import DEMO_MODEL_DIR
 from jaxpaged.functional import StepInput, init_cache, step
 from jaxpaged.model import AttentionMetadata
-from jaxpaged.sampler import SamplingTensors
-from jaxpaged.weights import load_model
+from jaxpaged.worker.sampler import SamplingTensors
 
 BLOCK_SIZE = 16
 

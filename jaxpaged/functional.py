@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Int
 
-from jaxpaged.config import ModelConfig
+from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model import AttentionMetadata, KVPool, init_kv_pool
-from jaxpaged.sampler import SampleResult, SamplingTensors, sample, update_penalty_tables
+from jaxpaged.worker.sampler import SampleResult, SamplingTensors, sample, update_penalty_tables
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)

@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import typing
 
+
 class RequestOutputKind(enum.Enum):
     """What `LLMEngine.step` reports for a request (vLLM's names): everything so far, only
     what is new since the last output, or nothing until it finishes."""

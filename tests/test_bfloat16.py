@@ -3,8 +3,8 @@
 import numpy as np
 from tiny_models import save_hf_model
 
-from jaxpaged.paged_generate import PagedGenerator
-from jaxpaged.weights import load_model
+from jaxpaged.checkpoint.loader import load_model
+from jaxpaged.worker.paged_generate import PagedGenerator
 
 
 def test_bfloat16_logits_close_to_float32(tmp_path):

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from jaxpaged.block_manager import NULL_BLOCK, BlockManager
-from jaxpaged.sequence import Sequence
+from jaxpaged.core.block_manager import NULL_BLOCK, BlockManager
+from jaxpaged.core.sequence import Sequence
 
 BS = 4
 _ids = itertools.count()

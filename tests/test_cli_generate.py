@@ -3,7 +3,7 @@
 import json
 import os
 
-from jaxpaged.cli import DEMO_MODEL_DIR, main
+from jaxpaged.entrypoints.cli import DEMO_MODEL_DIR, main
 
 
 def test_demo_model_is_small_and_complete():

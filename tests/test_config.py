@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from jaxpaged.config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.model.rope import inverse_frequencies
 
 LLAMA_31_8B = {

@@ -14,9 +14,9 @@ from tiny_models import save_hf_model
 
 from convert.cli import main
 from convert.convert import convert_checkpoint
-from convert.hf_keys import hf_key_specs
+from jaxpaged.checkpoint.hf_keys import hf_key_specs
+from jaxpaged.checkpoint.loader import load_model, load_params
 from jaxpaged.model.llama import Llama
-from jaxpaged.weights import load_model, load_params
 
 VARIANT_CASES = [
     ("llama_mha", None),

@@ -3,8 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from jaxpaged.cli import DEMO_MODEL_DIR
-from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.core.detokenizer import IncrementalDetokenizer
+from jaxpaged.entrypoints.cli import DEMO_MODEL_DIR
 
 TEXT = "In the beginning naïve café — ✓ 日本語 😀 and the earth"
 

@@ -10,8 +10,8 @@ import torch
 from tiny_models import VARIANTS, save_hf_model
 
 from convert.convert import convert_checkpoint
-from jaxpaged.paged_generate import PagedGenerator
-from jaxpaged.weights import load_model
+from jaxpaged.checkpoint.loader import load_model
+from jaxpaged.worker.paged_generate import PagedGenerator
 
 PROMPT_LENGTHS = (1, 7, 16, 17, 100, 300)
 GREEDY_TOKENS = 64

@@ -17,7 +17,7 @@ from pallas_kernels import paged_decode_attention, ragged_paged_attention, write
 
 pytestmark = [
     pytest.mark.lowering,
-    # jax 0.11 warns at every Triton lowering; DESIGN.md section 4 knows and keeps the kernels small.
+    # jax 0.11 warns at every Triton lowering (the Triton backend is deprecated upstream).
     pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
 ]
 

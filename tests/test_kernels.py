@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_decode_attention, ragged_paged_attention, reference, write_kv
-from pallas_kernels import decode_attention
+from pallas_kernels import decode_attention, paged_decode_attention, ragged_paged_attention, reference, write_kv
 
 BS = 16  # block size
 KV_HEADS = 2

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from engine_fixtures import hf_greedy, make_model_dir
 
-from jaxpaged.engine import LLMEngine
-from jaxpaged.engine_args import EngineArgs
-from jaxpaged.llm import LLM
+from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -217,7 +217,7 @@ def test_compilation_cache_dir_keeps_the_step_programs(model_dir, tmp_path):
     """In a fresh process, as a user would start an engine (JAX's cache is process-wide)."""
     cache = tmp_path / "xla-cache"
     code = (
-        "from jaxpaged.llm import LLM\n"
+        "from jaxpaged.entrypoints.llm import LLM\n"
         f"LLM({model_dir[0]!r}, dtype='float32', max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,"
         f" compilation_cache_dir={str(cache)!r})\n"
     )

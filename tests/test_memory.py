@@ -1,10 +1,10 @@
-"""KV-cache planning arithmetic (jaxpaged.memory)."""
+"""KV-cache planning arithmetic (jaxpaged.planning.memory)."""
 
 import pytest
 from test_config import LLAMA_31_8B
 
-from jaxpaged.config import ModelConfig, kv_bytes_per_token
-from jaxpaged.memory import GiB, plan_kv_cache
+from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.planning.memory import GiB, plan_kv_cache
 
 LLAMA_8B = ModelConfig.from_hf(LLAMA_31_8B)
 LLAMA_70B = ModelConfig.from_hf({**LLAMA_31_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64})
@@ -40,9 +40,9 @@ def test_too_small_fails_with_the_numbers_and_knobs():
 
 
 def test_cpu_pool_is_sized_from_the_job_and_capped_by_host_memory(monkeypatch):
-    from jaxpaged import engine_setup
-    from jaxpaged.engine_args import EngineArgs
-    from jaxpaged.cli_flags import DEMO_MODEL_DIR
+    from jaxpaged.config.engine_args import EngineArgs
+    from jaxpaged.engine.llm_engine import setup as engine_setup
+    from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
     args = EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=3, max_model_len=100, block_size=16)
     per_block = kv_bytes_per_token(LLAMA_8B, 4) * 16
@@ -57,7 +57,7 @@ def test_cpu_pool_is_sized_from_the_job_and_capped_by_host_memory(monkeypatch):
 
 
 def test_start_up_fails_when_a_step_needs_more_temporaries_than_planned():
-    from jaxpaged.engine_setup import TEMP_SLACK_BYTES, check_step_memory
+    from jaxpaged.engine.setup import TEMP_SLACK_BYTES, check_step_memory
 
     plan = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, device_memory_bytes=80 * GiB,
                          weight_bytes=16 * GiB, activation_bytes=GiB)  # fmt: skip

@@ -4,8 +4,8 @@ import numpy as np
 from engine_fixtures import hf_greedy
 from tiny_models import save_hf_model
 
-from jaxpaged.paged_generate import PagedGenerator
-from jaxpaged.weights import load_model
+from jaxpaged.checkpoint.loader import load_model
+from jaxpaged.worker.paged_generate import PagedGenerator
 
 
 def test_kernels_and_references_give_the_same_greedy_tokens(tmp_path):
@@ -24,7 +24,7 @@ def test_engine_on_kernels_matches_transformers(tmp_path):
     """Through the engine: ragged kernel for prefills, decode kernel inside fused decode steps."""
     from tiny_tokenizer import save_tokenizer
 
-    from jaxpaged.llm import LLM
+    from jaxpaged.entrypoints.llm import LLM
     from jaxpaged.sampling_params import SamplingParams
 
     hf_model = save_hf_model("llama_hd64", str(tmp_path))

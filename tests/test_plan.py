@@ -7,12 +7,12 @@ import sys
 import pytest
 from tiny_models import build_hf_model
 
-from jaxpaged.cli import main
-from jaxpaged.config import ModelConfig
-from jaxpaged.memory import kv_heads_per_device, plan_kv_cache
-from jaxpaged.cli_flags import parse_bytes
-from jaxpaged.plan import count_parameters, make_plan
-from jaxpaged.presets import PRESETS, get_preset
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.presets import PRESETS, get_preset
+from jaxpaged.entrypoints.cli import main
+from jaxpaged.entrypoints.cli_flags import parse_bytes
+from jaxpaged.planning.memory import kv_heads_per_device, plan_kv_cache
+from jaxpaged.planning.plan import count_parameters, make_plan
 
 MiB, GiB = 2**20, 2**30
 
@@ -103,7 +103,7 @@ def test_parse_bytes_and_kv_head_split():
 
 
 def test_plan_needs_no_jax():
-    code = ("import sys; from jaxpaged.cli import main; main(['plan', '--model', 'llama-3.1-8b', '--json']); "
+    code = ("import sys; from jaxpaged.entrypoints.cli import main; main(['plan', '--model', 'llama-3.1-8b', '--json']); "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'torch')], 'JAX was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

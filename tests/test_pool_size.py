@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpaged.config import ModelConfig
+from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model import Llama, init_kv_pool, kv_storage_dtype
-from jaxpaged.runner import ModelRunner
+from jaxpaged.worker.model_runner import ModelRunner
 
 # head_dim 64: the smallest the Pallas kernels take.
 CONFIG = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,

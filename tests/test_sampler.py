@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.sampler import MAX_LOGPROBS, SamplingTensors, sample, update_penalty_tables
+from jaxpaged.worker.sampler import MAX_LOGPROBS, SamplingTensors, sample, update_penalty_tables
 
 V = 64
 ROWS = 8

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.block_manager import NULL_BLOCK
+from jaxpaged.core.block_manager import NULL_BLOCK
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler, SchedulerConfig
-from jaxpaged.sequence import Sequence, SequenceStatus
 
 EOS = 1
 _ids = itertools.count()

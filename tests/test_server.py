@@ -26,8 +26,8 @@ uvicorn = pytest.importorskip("uvicorn")
 from engine_fixtures import make_model_dir  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from jaxpaged.engine import LLMEngine  # noqa: E402
-from jaxpaged.llm import LLM  # noqa: E402
+from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxpaged.entrypoints.llm import LLM  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 from jaxpaged.server.app import build_app  # noqa: E402
 from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError  # noqa: E402
@@ -376,7 +376,7 @@ def _free_port() -> int:
 def test_jaxpaged_serve_with_api_key(server, tmp_path):
     model_dir = server.engine.args.model
     port = _free_port()
-    cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", model_dir, "--port", str(port), "--api-key", "sk-test",
+    cmd = [sys.executable, "-m", "jaxpaged.entrypoints.cli", "serve", model_dir, "--port", str(port), "--api-key", "sk-test",
            "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "16", "--uvicorn-log-level", "warning"]  # fmt: skip
     log = open(tmp_path / "serve.log", "w+")

@@ -26,8 +26,8 @@ import pytest
 import uvicorn
 from fuzz_requests import API_KEY, MODEL, Case
 
-from jaxpaged.cli_flags import DEMO_MODEL_DIR
-from jaxpaged.llm import LLM
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine
 

@@ -23,9 +23,9 @@ import httpx
 import pytest
 import uvicorn
 
-from jaxpaged.cli_flags import DEMO_MODEL_DIR
-from jaxpaged.llm import LLM
-from jaxpaged.request_state import RequestState
+from jaxpaged.core.request_state import RequestState
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine
 
@@ -190,7 +190,7 @@ def _serve(tmp_path, *extra: str, code: str = "") -> tuple[subprocess.Popen, str
     log = tmp_path / "serve.log"
     argv = ["serve", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "32", "--num-scheduler-steps", "1", "--uvicorn-log-level", "warning", *extra]
-    script = f"import sys; {code}\nfrom jaxpaged.cli import main; sys.exit(main({argv!r}))"
+    script = f"import sys; {code}\nfrom jaxpaged.entrypoints.cli import main; sys.exit(main({argv!r}))"
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -230,7 +230,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
 
 
 def test_engine_failure_exits_nonzero(tmp_path):
-    fault = ("import jaxpaged.engine as e\n"
+    fault = ("import jaxpaged.engine.llm_engine as e\n"
              "step = e.LLMEngine.step\n"
              "def failing(self):\n"
              "    if getattr(self, 'armed', False): raise RuntimeError('injected device fault')\n"

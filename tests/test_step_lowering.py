@@ -16,11 +16,11 @@ import pytest
 from flax import nnx
 from test_kernel_lowering import TRITON_CALL, lower_for_cuda
 
-from jaxpaged.config import ModelConfig
+from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.functional import init_cache
 from jaxpaged.model import Llama
-from jaxpaged.runner import _packed_decode_steps, _packed_step
-from jaxpaged.step_packer import StepPacker
+from jaxpaged.worker.model_runner import _packed_decode_steps, _packed_step
+from jaxpaged.worker.step_packer import StepPacker
 from pallas_kernels import _common
 
 pytestmark = [

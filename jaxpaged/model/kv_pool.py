@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxpaged.config import ModelConfig
+from jaxpaged.config.model_config import ModelConfig
 
 # Dtypes XLA's CPU backend cannot gather without converting the whole operand to float32.
 _CPU_UPCAST = ("bfloat16", "float8_e4m3fn", "float8_e5m2")

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxpaged.config import ModelConfig
+import pallas_kernels
+from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model.kv_pool import KVPool
 from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
-import pallas_kernels
 from pallas_kernels import reference
 
 INIT_STDDEV = 0.02

@@ -13,8 +13,8 @@ import sys
 import threading
 import time
 
-from jaxpaged import cli_flags
-from jaxpaged.cli_flags import PORT
+from jaxpaged.entrypoints import cli_flags
+from jaxpaged.entrypoints.cli_flags import PORT
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -95,7 +95,7 @@ def serve(args: argparse.Namespace) -> int:
     start = time.perf_counter()
 
     def build():
-        from jaxpaged.engine import LLMEngine
+        from jaxpaged.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(engine_args)
         _log_start_up(engine, time.perf_counter() - start)

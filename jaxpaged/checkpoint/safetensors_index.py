@@ -14,10 +14,9 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from safetensors import safe_open
 
-from convert.hf_keys import format_names
-from jaxpaged.checkpoint_format import SAFETENSORS_FILE as SINGLE_FILE
-from jaxpaged.checkpoint_format import SAFETENSORS_INDEX_FILE as INDEX_FILE
-
+from jaxpaged.checkpoint.format import SAFETENSORS_FILE as SINGLE_FILE
+from jaxpaged.checkpoint.format import SAFETENSORS_INDEX_FILE as INDEX_FILE
+from jaxpaged.checkpoint.hf_keys import format_names
 
 
 class SafetensorsCheckpoint:

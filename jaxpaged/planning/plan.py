@@ -1,12 +1,12 @@
 """`jaxpaged plan`: what a model needs on a GPU (weights, KV cache, concurrency), without a GPU.
 
-    weights per GPU      = every parameter of our layout (convert.hf_keys.param_shapes), with
+    weights per GPU      = every parameter of our layout (jaxpaged.checkpoint.hf_keys.param_shapes), with
                            heads, MLP width and vocabulary split over the tensor-parallel GPUs
     KV bytes per token   = 2 x layers x KV heads per GPU x head_dim x KV dtype bytes
     KV pool per GPU      = GPU memory x gpu_memory_utilization - weights per GPU
     max concurrency      = pool blocks / blocks of one request of `context` tokens
 
-The pool arithmetic is the engine's own (`jaxpaged.memory.plan_kv_cache`); the engine also
+The pool arithmetic is the engine's own (`jaxpaged.planning.memory.plan_kv_cache`); the engine also
 subtracts the largest compiled step's activations, which only a compile can measure, so leave
 headroom in `gpu_memory_utilization`.
 """
@@ -15,10 +15,10 @@ import dataclasses
 import json
 import math
 
-from convert.hf_keys import param_shapes
-from jaxpaged.config import ModelConfig, kv_bytes_per_token
-from jaxpaged.memory import format_bytes, kv_heads_per_device, plan_kv_cache
-from jaxpaged.presets import load_config_dict
+from jaxpaged.checkpoint.hf_keys import param_shapes
+from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.presets import load_config_dict
+from jaxpaged.planning.memory import format_bytes, kv_heads_per_device, plan_kv_cache
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -2,15 +2,15 @@
 
 Each field carries its help text (and, where it has them, its choices) in its metadata. `LLM`
 takes the fields as keyword arguments, and `jaxpaged generate` / `jaxpaged serve` derive their
-engine flags from them (`--max-num-seqs` for `max_num_seqs`, see `jaxpaged.cli_flags`), so a
+engine flags from them (`--max-num-seqs` for `max_num_seqs`, see `jaxpaged.entrypoints.cli_flags`), so a
 new option is declared here once. No JAX here: arguments are checked before anything slow.
 """
 
 import dataclasses
 import os
 
-from jaxpaged.checkpoint_format import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
-from jaxpaged.presets import PRESETS, get_preset
+from jaxpaged.checkpoint.format import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
+from jaxpaged.config.presets import PRESETS, get_preset
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")

@@ -7,7 +7,7 @@
 
 import dataclasses
 
-from jaxpaged.config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 
 GiB = 2**30
 

@@ -14,10 +14,10 @@ import logging
 import os
 import sys
 
-from jaxpaged.checkpoint_format import has_tokenizer
-from jaxpaged.cli_flags import DEMO_MODEL_DIR, engine_args
-from jaxpaged.config import ModelConfig
-from jaxpaged.presets import load_config_dict
+from jaxpaged.checkpoint.format import has_tokenizer
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.presets import load_config_dict
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpaged")
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = size_to_job(args, checked.model, prompts, params)
     engine = engine_args(args, **sizes, skip_tokenizer_init=skip)
 
-    from jaxpaged.llm import LLM  # JAX is imported from here on
+    from jaxpaged.entrypoints.llm import LLM  # JAX is imported from here on
 
     llm = LLM(**dataclasses.asdict(engine))
     outputs = llm.generate(prompts, params, use_tqdm=bool(args.input))

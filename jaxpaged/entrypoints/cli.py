@@ -15,8 +15,14 @@ import logging
 import os
 import sys
 
-from jaxpaged import cli_generate
-from jaxpaged.cli_flags import BYTES_WITH_UNIT, DEMO_MODEL_DIR, HelpFormatter, add_engine_flags, describe_error
+from jaxpaged.entrypoints import cli_generate
+from jaxpaged.entrypoints.cli_flags import (
+    BYTES_WITH_UNIT,
+    DEMO_MODEL_DIR,
+    HelpFormatter,
+    add_engine_flags,
+    describe_error,
+)
 from jaxpaged.server.cli import add_serve_flags
 
 __all__ = ["DEMO_MODEL_DIR", "build_parser", "main"]
@@ -67,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from jaxpaged.plan import run
+    from jaxpaged.planning.plan import run
 
     return run(args)
 

@@ -24,9 +24,9 @@ import itertools
 import time
 from collections import deque
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.sequence import Sequence, SequenceStatus
-from jaxpaged.step_inputs import ScheduledSequence
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.sequence import Sequence, SequenceStatus
+from jaxpaged.core.step_inputs import ScheduledSequence
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

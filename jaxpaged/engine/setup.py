@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpaged.config import ModelConfig, kv_bytes_per_token
-from jaxpaged.engine_args import EngineArgs
-from jaxpaged.memory import GiB, KVCachePlan, plan_kv_cache
+from jaxpaged.checkpoint.loader import load_model, read_hf_config, resolve_dtype
+from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.model import Llama, kv_storage_dtype
-from jaxpaged.weights import load_model, read_hf_config, resolve_dtype
+from jaxpaged.planning.memory import GiB, KVCachePlan, plan_kv_cache
 
 logger = logging.getLogger("jaxpaged")
 
@@ -124,7 +124,7 @@ def check_step_memory(plan: KVCachePlan, temp_bytes: dict[tuple[int, int], int])
 
 def _peak_activation_bytes(args: EngineArgs, model: Llama, mesh, max_model_len: int) -> int:
     """Temporaries of the largest step bucket, from XLA's memory analysis (pool kept tiny)."""
-    from jaxpaged.runner import ModelRunner  # the runner needs the plan; this probe does not
+    from jaxpaged.worker.model_runner import ModelRunner  # the runner needs the plan; this probe does not
 
     pages = -(-max_model_len // args.block_size)
     probe = ModelRunner(

@@ -30,7 +30,7 @@ import collections
 import hashlib
 from array import array
 
-from jaxpaged.sequence import Sequence
+from jaxpaged.core.sequence import Sequence
 
 NULL_BLOCK = 0
 

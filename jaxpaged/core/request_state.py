@@ -2,10 +2,10 @@
 
 import dataclasses
 
-from jaxpaged.detokenizer import IncrementalDetokenizer, NoDetokenizer
+from jaxpaged.core.detokenizer import IncrementalDetokenizer, NoDetokenizer
+from jaxpaged.core.sequence import Sequence
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.sequence import Sequence
 
 
 @dataclasses.dataclass

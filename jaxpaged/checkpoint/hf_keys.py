@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxpaged.config import ModelConfig
+from jaxpaged.config.model_config import ModelConfig
 
 Path = tuple[str | int, ...]
 

@@ -24,16 +24,16 @@ import jax
 import numpy as np
 from transformers import AutoTokenizer
 
-from jaxpaged.engine_args import EngineArgs
-from jaxpaged.engine_setup import build_model, check_step_memory, eos_token_ids, plan_cache
+from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.core.request_state import RequestState
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.core.sequence import Sequence, SequenceStatus
+from jaxpaged.engine.setup import build_model, check_step_memory, eos_token_ids, plan_cache
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.request_state import RequestState
-from jaxpaged.runner import ModelRunner
-from jaxpaged.sampler import MAX_LOGPROBS
 from jaxpaged.sampling_params import SamplingParams, check_text
-from jaxpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jaxpaged.sequence import Sequence, SequenceStatus
-from jaxpaged.step_packer import MAX_BANNED, SequenceRow, sampling_row
+from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.sampler import MAX_LOGPROBS
+from jaxpaged.worker.step_packer import MAX_BANNED, SequenceRow, sampling_row
 
 logger = logging.getLogger("jaxpaged")
 

@@ -1,7 +1,7 @@
 """Loading weights: a Hugging Face directory or a `jaxpaged-convert` directory -> params / Llama.
 
 1. `load_params` tells the two apart by the `jaxpaged_format.json` marker the converter writes.
-2. HF: names are validated against the explicit key map (`convert.hf_keys`) from headers alone
+2. HF: names are validated against the explicit key map (`jaxpaged.checkpoint.hf_keys`) from headers alone
    (missing, unexpected, duplicate and wrongly shaped tensors fail before any data is read);
    then tensors are read one at a time, cast to the target dtype and put into our layout.
 3. Converted: the Orbax `params/` tree is restored and checked against the same map.
@@ -21,12 +21,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from convert.hf_keys import Path, check_shape, format_names, hf_key_specs, optional_hf_keys, param_shapes
-from convert.safetensors_index import SafetensorsCheckpoint
-from jaxpaged.checkpoint_format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
-from jaxpaged.config import ModelConfig
+from jaxpaged.checkpoint.format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
+from jaxpaged.checkpoint.hf_keys import Path, check_shape, format_names, hf_key_specs, optional_hf_keys, param_shapes
+from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.presets import load_config_dict
 from jaxpaged.model.llama import Llama
-from jaxpaged.presets import load_config_dict
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.model import KVPool, Llama, init_kv_pool
-from jaxpaged.runner import unpack
-from jaxpaged.step_inputs import ScheduledSequence
-from jaxpaged.step_packer import Layout, SequenceRow, StepPacker, sampling_row
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.model_runner import unpack
+from jaxpaged.worker.step_packer import Layout, SequenceRow, StepPacker, sampling_row
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(3,))

@@ -16,11 +16,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.functional import DeviceCache, StepInput, init_cache, step
 from jaxpaged.model import AttentionMetadata, Llama
-from jaxpaged.sampler import SampleResult, SamplingTensors, update_penalty_tables
-from jaxpaged.step_inputs import ScheduledSequence
-from jaxpaged.step_packer import SAMPLING_FIELDS, Layout, SequenceRow, StepPacker
+from jaxpaged.worker.sampler import SampleResult, SamplingTensors, update_penalty_tables
+from jaxpaged.worker.step_packer import SAMPLING_FIELDS, Layout, SequenceRow, StepPacker
 
 logger = logging.getLogger("jaxpaged")
 

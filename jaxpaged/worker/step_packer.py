@@ -16,7 +16,7 @@ import itertools
 
 import numpy as np
 
-from jaxpaged.step_inputs import ScheduledSequence
+from jaxpaged.core.step_inputs import ScheduledSequence
 
 MIN_TOKEN_BUCKET = 16
 # Token ids a sequence may not sample yet (EOS and stop_token_ids before min_tokens), per row.

@@ -33,13 +33,15 @@ def write_kv(
 ) -> tuple[Float[Array, "NB BS K H"], Float[Array, "NB BS K H"]]:
     """Scatters new K/V rows into the pools at `slot = block_id * BS + offset`.
 
-    Updated in place when the pools are donated (the reshape is a bitcast, the scatter
-    aliases its operand).
+    Updated in place when the pools are donated (the scatter aliases its operand). It indexes
+    (block, offset) rather than a flattened [NB * BS, K, H] view: with one kv head (one device's
+    share under tensor parallelism) XLA's CPU layout assignment gave that reshape another layout
+    than the pool's and copied the whole pool on every step.
     """
-    nb, bs, kh, hd = k_pool.shape
-    k = k_pool.reshape(nb * bs, kh, hd).at[slot_mapping].set(k_new.astype(k_pool.dtype))
-    v = v_pool.reshape(nb * bs, kh, hd).at[slot_mapping].set(v_new.astype(v_pool.dtype))
-    return k.reshape(nb, bs, kh, hd), v.reshape(nb, bs, kh, hd)
+    block, offset = slot_mapping // k_pool.shape[1], slot_mapping % k_pool.shape[1]
+    k = k_pool.at[block, offset].set(k_new.astype(k_pool.dtype))
+    v = v_pool.at[block, offset].set(v_new.astype(v_pool.dtype))
+    return k, v
 
 
 def _gather_pages(

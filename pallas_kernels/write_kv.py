@@ -1,9 +1,9 @@
 """Writing this step's K/V into the paged pools.
 
 An XLA scatter, not a Pallas kernel: under donation XLA updates the pool buffers in place (the
-[NB, BS, K, H] -> [NB * BS, K, H] reshape is a bitcast and the scatter aliases its operand), and
-it moves only T x K x H elements per pool, which no custom kernel beats. A Pallas variant with
-`input_output_aliases` belongs beside this one only if a profile ever says otherwise.
+scatter at (block, offset) aliases its operand), and it moves only T x K x H elements per pool,
+which no custom kernel beats. A Pallas variant with `input_output_aliases` belongs beside this
+one only if a profile ever says otherwise.
 `tests/test_kernels.py` checks the in-place update with `compiled.memory_analysis()`.
 
 Dimension letters as in `pallas_kernels.reference`.

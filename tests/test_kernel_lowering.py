@@ -35,10 +35,12 @@ MODELS = {
 }
 
 
+CUDA_DEVICE = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+
+
 def lower_for_cuda(fn, *abstract_args) -> str:
     """StableHLO text of `jax.jit(fn)` lowered for CUDA on whatever machine runs the test."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=CUDA_DEVICE)
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -87,8 +89,7 @@ def test_write_kv_lowers_for_cuda_as_an_in_place_scatter():
     """write_kv is an XLA scatter (no Triton call); donated, its outputs alias the pools."""
     _, k, h = MODELS["llama-3.1-8b"]
     fn = jax.jit(write_kv, donate_argnums=(0, 1))
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=CUDA_DEVICE)
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = fn.trace(*pools(k, h), sds((2048, k, h)), sds((2048, k, h)), sds((2048,), jnp.int32)).lower(
             lowering_platforms=("cuda",)

@@ -41,7 +41,7 @@ def test_too_small_fails_with_the_numbers_and_knobs():
 
 def test_cpu_pool_is_sized_from_the_job_and_capped_by_host_memory(monkeypatch):
     from jaxpaged.config.engine_args import EngineArgs
-    from jaxpaged.engine.llm_engine import setup as engine_setup
+    from jaxpaged.engine import setup as engine_setup
     from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
     args = EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=3, max_model_len=100, block_size=16)
@@ -58,12 +58,14 @@ def test_cpu_pool_is_sized_from_the_job_and_capped_by_host_memory(monkeypatch):
 
 def test_start_up_fails_when_a_step_needs_more_temporaries_than_planned():
     from jaxpaged.engine.setup import TEMP_SLACK_BYTES, check_step_memory
+    from jaxpaged.worker.model_runner import Program
 
     plan = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, device_memory_bytes=80 * GiB,
                          weight_bytes=16 * GiB, activation_bytes=GiB)  # fmt: skip
-    check_step_memory(plan, {(2048, 1): GiB, (256, 4): GiB // 2})
-    check_step_memory(plan, {(2048, 1): GiB + TEMP_SLACK_BYTES})
-    with pytest.raises(RuntimeError, match="token bucket 256 x 4 steps needs 2.000 GiB .* reserved 1.000 GiB"):
-        check_step_memory(plan, {(2048, 1): GiB, (256, 4): 2 * GiB})
+    mixed, decode = Program(2048, 1, False), Program(256, 4, True)
+    check_step_memory(plan, {mixed: GiB, decode: GiB // 2})
+    check_step_memory(plan, {mixed: GiB + TEMP_SLACK_BYTES})
+    with pytest.raises(RuntimeError, match=r"\(decode step, 256 tokens x 4 step\(s\)\) needs 2.000 GiB .* reserved 1.000 GiB"):
+        check_step_memory(plan, {mixed: GiB, decode: 2 * GiB})
     unmeasured = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, kv_cache_memory_bytes=GiB)
-    check_step_memory(unmeasured, {(2048, 1): 2 * GiB})  # an exact budget: nothing was reserved to check
+    check_step_memory(unmeasured, {mixed: 2 * GiB})  # an exact budget: nothing was reserved to check

@@ -11,7 +11,8 @@ from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import PRESETS, get_preset
 from jaxpaged.entrypoints.cli import main
 from jaxpaged.entrypoints.cli_flags import parse_bytes
-from jaxpaged.planning.memory import kv_heads_per_device, plan_kv_cache
+from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
+from jaxpaged.planning.memory import plan_kv_cache
 from jaxpaged.planning.plan import count_parameters, make_plan
 
 MiB, GiB = 2**20, 2**30
@@ -97,9 +98,16 @@ def test_bad_arguments_name_the_flag(capsys):
 def test_parse_bytes_and_kv_head_split():
     assert parse_bytes("80GiB") == parse_bytes("80G") == 80 * GiB and parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("1.5 TiB") == 3 * 2**39 and parse_bytes("4096") == 4096
-    assert [kv_heads_per_device(8, tp) for tp in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
-    with pytest.raises(ValueError, match="one must divide the other"):
-        kv_heads_per_device(4, 3)
+    seventy_b = ModelConfig.from_hf(get_preset("llama-3.1-70b"))  # 8 kv heads
+    split = [TensorParallelLayout(seventy_b, tp) for tp in (1, 2, 4, 8, 16)]
+    assert [s.device_config.num_kv_heads for s in split] == [8, 4, 2, 1, 1]
+    assert [s.kv_replicas for s in split] == [1, 1, 1, 1, 2]
+    odd = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=36, num_layers=1, num_heads=24,
+                      num_kv_heads=4, head_dim=8)  # fmt: skip
+    with pytest.raises(TensorParallelError, match="num_key_value_heads=4: one must divide the other"):
+        TensorParallelLayout(odd, 3)
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size=8 must divide intermediate_size=36"):
+        TensorParallelLayout(odd, 8)
 
 
 def test_plan_needs_no_jax():

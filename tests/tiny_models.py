@@ -40,6 +40,11 @@ VARIANTS = {
     # head_dim 64, as the Pallas kernels require
     "llama_hd64": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_key_value_heads=2, head_dim=32, sliding_window=None)),
+    # Tensor-parallel variants: 8 query heads split over up to 8 devices, fewer kv heads than that.
+    "llama_tp": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
+    # a vocabulary of 500 splits over 2 and 4 devices but stays whole over 8
+    "qwen2_tp": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(vocab_size=500, num_attention_heads=8, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)),
+    "mistral_tp": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, sliding_window=None)),
 }
 
 

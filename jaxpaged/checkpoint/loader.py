@@ -5,13 +5,16 @@
    (missing, unexpected, duplicate and wrongly shaped tensors fail before any data is read);
    then tensors are read one at a time, cast to the target dtype and put into our layout.
 3. Converted: the Orbax `params/` tree is restored and checked against the same map.
-4. `load_model` builds the NNX `Llama` abstractly (no random init) and fills it with the params.
+4. `load_model` builds the NNX `Llama` abstractly (no random init) and fills it tensor by
+   tensor, each placed on its devices (split by the sharding table under tensor parallelism).
 
-Peak host memory is about one copy of the model in the target dtype plus one tensor.
+Peak host memory: about one tensor from safetensors; one copy of the model from Orbax (which
+restores the whole tree before placing it).
 """
 
 import json
 import os
+from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -27,6 +30,7 @@ from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.model.llama import Llama
+from jaxpaged.parallel.mesh import TensorParallel
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
@@ -101,10 +105,10 @@ def check_names(expected: AbstractSet, present: AbstractSet, where: str, optiona
         raise ValueError(f"{where} does not match config.json: " + "; ".join(problems))
 
 
-def read_hf_params(
+def iter_hf_params(
     model_dir: str | os.PathLike, config: ModelConfig, dtype: np.dtype, progress: bool = False
-) -> Params:
-    """Reads and converts an HF safetensors checkpoint, tensor by tensor.
+) -> Iterator[tuple[Path, np.ndarray]]:
+    """Checks an HF safetensors checkpoint from its headers, then reads it one tensor at a time.
 
     Args:
       model_dir: directory with `model.safetensors` or `model.safetensors.index.json` + shards.
@@ -113,10 +117,11 @@ def read_hf_params(
       progress: show a tqdm bar over tensors.
 
     Returns:
-      The nested params dict in our layout.
+      An iterator of `(params path, array in our layout)`; each array is read when reached.
 
     Raises:
-      ValueError: missing, unexpected, duplicate or wrongly shaped tensors, each named.
+      ValueError: missing, unexpected, duplicate or wrongly shaped tensors, each named (before
+        any data is read).
     """
     ckpt = SafetensorsCheckpoint(model_dir)
     specs = hf_key_specs(config)
@@ -128,14 +133,37 @@ def read_hf_params(
         if shape is not None and name in ckpt.locations:
             check_shape(name, shape, ckpt.shape(name))
     by_name = {s.hf_name: s for s in specs}
+
+    def tensors():
+        with tqdm(total=len(specs), desc="loading tensors", unit="tensor", disable=not progress) as bar:
+            for name, array in ckpt.iter_tensors(by_name):
+                spec = by_name[name]
+                yield spec.target, spec.transform(array.astype(dtype, copy=False))
+                bar.update()
+
+    return tensors()
+
+
+def read_hf_params(
+    model_dir: str | os.PathLike, config: ModelConfig, dtype: np.dtype, progress: bool = False
+) -> Params:
+    """The whole checkpoint as a nested params dict in our layout (see `iter_hf_params`)."""
     params: Params = {}
-    with tqdm(total=len(specs), desc="loading tensors", unit="tensor", disable=not progress) as bar:
-        for name, array in ckpt.iter_tensors(by_name):
-            spec = by_name[name]
-            _insert(params, spec.target, spec.transform(array.astype(dtype, copy=False)))
-            del array
-            bar.update()
+    for path, array in iter_hf_params(model_dir, config, dtype, progress):
+        _insert(params, path, array)
     return params
+
+
+def _checkpoint_tensors(model_dir: str | os.PathLike, dtype: Any,
+                        parallel: TensorParallel | None = None) -> tuple[ModelConfig, np.dtype, Iterator]:  # fmt: skip
+    """`(config, target dtype, iterator of (path, array))` of an HF or a converted directory
+    (arrays are numpy, or already placed `jax.Array`s when Orbax restored them into shards)."""
+    config, raw = read_hf_config(model_dir)
+    if is_converted_dir(model_dir):
+        target, params = _load_converted(model_dir, config, dtype, parallel)
+        return config, target, iter(_flatten(params).items())
+    target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
+    return config, target, iter_hf_params(model_dir, config, target)
 
 
 def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[ModelConfig, Params]:
@@ -154,29 +182,44 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
       FileNotFoundError: no config.json or no checkpoint files.
       ValueError: unsupported config or dtype; missing, unexpected, duplicate or misshaped keys.
     """
-    config, raw = read_hf_config(model_dir)
-    if is_converted_dir(model_dir):
-        return config, _load_converted(model_dir, config, dtype)
-    target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
-    return config, read_hf_params(model_dir, config, target)
+    config, _, tensors = _checkpoint_tensors(model_dir, dtype)
+    params: Params = {}
+    for path, array in tensors:
+        _insert(params, path, array)
+    return config, params
 
 
-def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str = "auto") -> tuple[ModelConfig, Llama]:
+def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str = "auto",
+               parallel: TensorParallel | None = None) -> tuple[ModelConfig, Llama]:  # fmt: skip
     """Loads a checkpoint into an NNX `Llama` without random-initialising it first.
+
+    Each tensor goes straight to its devices as it is read (split by the sharding table under
+    tensor parallelism), so host memory holds about one tensor of a safetensors checkpoint.
 
     Args:
       model_dir: an HF directory or a converted directory (see `load_params`).
       dtype: as in `load_params`; also the model's dtype.
       attention: attention backend, "auto", "reference" or "pallas".
+      parallel: the mesh and sharding table; None puts everything on the default device.
 
     Returns:
-      `(config, model)` whose parameters are `jax.Array`s on the default device.
+      `(config, model)`: the checkpoint's config, and the model (in the mesh layout, kv heads
+      repeated, when `parallel` repeats them).
     """
-    config, params = load_params(model_dir, dtype)
-    param_dtype = params["embed"].dtype
-    abstract = nnx.eval_shape(lambda: Llama(config, param_dtype, rngs=nnx.Rngs(0), attention=attention))
+    config, target, tensors = _checkpoint_tensors(model_dir, dtype, parallel)
+    model_config = parallel.layout.mesh_config if parallel is not None else config
+    abstract = nnx.eval_shape(
+        lambda: Llama(model_config, target, rngs=nnx.Rngs(0), attention=attention, parallel=parallel)
+    )
     graphdef, state = nnx.split(abstract)
-    _to_device(params)
+    params: Params = {}
+    for path, array in tensors:
+        if isinstance(array, jax.Array):  # restored into its shards
+            placed = array
+        else:
+            placed = jax.device_put(array) if parallel is None else parallel.place(str(path[-1]), array)
+        _insert(params, path, placed)
+        del array
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     leftover = [leaf for leaf in jax.tree.leaves(nnx.state(model)) if not isinstance(leaf, jax.Array)]
@@ -185,7 +228,11 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     return config, model
 
 
-def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: Any) -> Params:
+def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: Any,
+                    parallel: TensorParallel | None = None) -> tuple[np.dtype, Params]:  # fmt: skip
+    """Restores a converted checkpoint: as numpy arrays, or with `parallel` straight into each
+    tensor's shards (each device reads its part; tensors whose kv heads must be repeated come
+    back as numpy for `parallel.place`)."""
     import orbax.checkpoint as ocp  # only converted checkpoints need Orbax
 
     with open(os.path.join(model_dir, FORMAT_FILE)) as f:
@@ -208,12 +255,19 @@ def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: An
         check_names(set(expected), set(stored), f"converted checkpoint {params_dir!r}")
         for path, shape in stored.items():
             check_shape(_dotted(path), expected[path], shape)
-        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=target), meta)
+
+        def restore_args(path, _):
+            name = str(path[-1].key)
+            if parallel is None or parallel.repeats(name):
+                return ocp.RestoreArgs(restore_type=np.ndarray, dtype=target)
+            return ocp.ArrayRestoreArgs(sharding=parallel.param_sharding(name), dtype=target)
+
+        args = jax.tree_util.tree_map_with_path(restore_args, meta)
         restored = checkpointer.restore(params_dir, restore_args=args)
     params: Params = {}
     for path, array in _flatten(restored).items():
-        _insert(params, path, np.asarray(array))
-    return params
+        _insert(params, path, array if isinstance(array, jax.Array) else np.asarray(array))
+    return target, params
 
 
 def _dotted(key: str | Path) -> str:
@@ -237,12 +291,3 @@ def _flatten(tree: dict, prefix: Path = ()) -> dict[Path, Any]:
         else:
             flat[prefix + (key,)] = value
     return flat
-
-
-def _to_device(tree: dict) -> None:
-    """Replaces every numpy leaf by a `jax.Array` in place, freeing each host copy as it goes."""
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            _to_device(value)
-        else:
-            tree[key] = jax.device_put(value)

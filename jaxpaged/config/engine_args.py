@@ -10,7 +10,9 @@ import dataclasses
 import os
 
 from jaxpaged.checkpoint.format import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
-from jaxpaged.config.presets import PRESETS, get_preset
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.presets import PRESETS, get_preset, load_config_dict
+from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -64,7 +66,15 @@ class EngineArgs:
         "'random' (None) draws a fresh seed every run", metavar="N|random")  # fmt: skip
     load_format: str = _option("auto", "auto reads the weights; dummy makes random weights of the model's shapes",
                                choices=LOAD_FORMATS)  # fmt: skip
-    tensor_parallel_size: int = _option(1, "devices to shard the model over (only 1 so far)")
+    tensor_parallel_size: int = _option(
+        1, "devices to split the model over (Megatron tensor parallelism); must divide the attention heads")
+    nnodes: int = _option(
+        1, "processes (machines) the engine spans; each runs jaxpaged serve with its own --node-rank")
+    node_rank: int = _option(
+        0, "this process among --nnodes: 0 schedules and serves, the others run its steps on their devices")
+    master_addr: str = _option("127.0.0.1", "address of process 0, where the processes meet (with --nnodes > 1)",
+                               metavar="HOST")  # fmt: skip
+    master_port: int = _option(29501, "port of process 0 where the processes meet (with --nnodes > 1)")
     compilation_cache_dir: str | None = _option(
         None, "persistent JAX compilation cache directory: later start-ups load compiled steps from it",
         metavar="DIR")  # fmt: skip
@@ -82,16 +92,19 @@ class EngineArgs:
                               ("attention_backend", ATTENTION_BACKENDS)):  # fmt: skip
             if getattr(self, name) not in allowed:
                 raise EngineArgsError(name, getattr(self, name), f"must be one of {', '.join(allowed)}")
-        for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "nnodes"):
             self._check_int(name, 1)
+        self._check_int("node_rank", 0)
+        if self.node_rank >= self.nnodes:
+            raise EngineArgsError("node_rank", self.node_rank, f"must be below nnodes ({self.nnodes})")
+        if not 0 < self.master_port < 65536 or isinstance(self.master_port, bool):
+            raise EngineArgsError("master_port", self.master_port, "must be a TCP port (1-65535)")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
                 self._check_int(name, 1)
         if self.seed is not None:
             self._check_int("seed", 0)
-        if self.tensor_parallel_size != 1:
-            raise EngineArgsError("tensor_parallel_size", self.tensor_parallel_size,
-                                  "tensor parallelism is not implemented yet; use 1")  # fmt: skip
+        self._check_tensor_parallel()
         if self.block_size & (self.block_size - 1):
             raise EngineArgsError("block_size", self.block_size, "must be a power of two (8, 16, 32, ...)")
         utilization = self.gpu_memory_utilization
@@ -105,6 +118,14 @@ class EngineArgs:
 
         if not self.skip_tokenizer_init:
             self._check_tokenizer()
+
+    def _check_tensor_parallel(self) -> None:
+        config = ModelConfig.from_hf(load_config_dict(self.model)[1])
+        try:
+            TensorParallelLayout(config, self.tensor_parallel_size)
+        except TensorParallelError as err:
+            reason = str(err).removeprefix(f"tensor_parallel_size={self.tensor_parallel_size} ")
+            raise EngineArgsError("tensor_parallel_size", self.tensor_parallel_size, reason) from None
 
     def _check_tokenizer(self) -> None:
         field, directory = ("tokenizer", self.tokenizer) if self.tokenizer else ("model", self.model)

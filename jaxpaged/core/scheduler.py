@@ -118,7 +118,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._admissions = itertools.count()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -228,7 +227,6 @@ class Scheduler:
             bm.allocate(seq, parent)
             bm.may_append(seq, n)
             seq.status = SequenceStatus.RUNNING
-            seq.admitted_order = next(self._admissions)
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
@@ -247,7 +245,8 @@ class Scheduler:
             num_decode_seqs=num_decode_seqs,
         )
 
-    def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int] | dict[int, int]) -> list[Sequence]:
+    def postprocess(self, output: SchedulerOutput,
+                    sampled_token_ids: list[int] | dict[int, int]) -> list[tuple[int, Sequence]]:  # fmt: skip
         """Takes a computed step's sampled tokens back.
 
         Args:
@@ -257,11 +256,12 @@ class Scheduler:
             entries. Python ints (use `.tolist()` on arrays).
 
         Returns:
-          the sequences that finished on a token-id rule (EOS, stop_token_ids, max_tokens,
-          max_model_len); their blocks are already freed.
+          `(batch index, sequence)` of every sequence a token was appended to (its
+          `last_token_id`). Those that finished on a token-id rule (EOS, stop_token_ids,
+          max_tokens, max_model_len) are `is_finished`, their blocks already freed.
         """
         now = time.time()
-        finished = []
+        appended = []
         for i, ((seq, n), samples) in enumerate(zip(output.scheduled, output.samples)):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished since it was scheduled
@@ -270,13 +270,37 @@ class Scheduler:
                 continue
             token = sampled_token_ids[seq.seq_id] if isinstance(sampled_token_ids, dict) else sampled_token_ids[i]
             seq.output_token_ids.append(int(token))
+            appended.append((i, seq))
             if seq.first_token_time is None:
                 seq.first_token_time = now
             stop = self._check_stop(seq)
             if stop is not None:
                 self.finish_sequence(seq, *stop)
-                finished.append(seq)
-        return finished
+        return appended
+
+    def reserve_lookahead(self, output: SchedulerOutput, num_steps: int) -> bool:
+        """Gives this step's sequences the blocks for `num_steps` decode steps run as one device
+        program (fused decode), if that is safe; otherwise reserves nothing.
+
+        Safe when every scheduled sequence is decoding, nobody waits to be prefilled, none is
+        still under min_tokens, all have budget for the extra tokens (nothing is written past
+        max_tokens or max_model_len), and the pool has the blocks.
+        """
+        if output.num_decode_seqs != output.num_seqs or self.waiting:
+            return False
+        bs, need = self.config.block_size, 0
+        for seq, _ in output.scheduled:
+            sp = seq.sampling_params
+            if seq.num_output_tokens < sp.min_tokens or seq.num_output_tokens + num_steps > sp.max_tokens:
+                return False
+            if seq.num_tokens + num_steps > self.config.max_model_len:
+                return False
+            need += max(0, -(-(seq.num_computed_tokens + num_steps) // bs) - len(seq.block_table))
+        if need > self.block_manager.num_free_blocks:
+            return False
+        for seq, _ in output.scheduled:
+            self.block_manager.may_append(seq, num_steps)
+        return True
 
     # -- stats ------------------------------------------------------------------------------
 

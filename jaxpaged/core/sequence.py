@@ -58,7 +58,6 @@ class Sequence:
       arrival_time, first_token_time, finish_time: `time.time()` stamps (None until known).
       cache_salt: isolates this sequence's prefix-cache entries from other salts.
       stop_reason: the stop token id or stop string that finished it (None for EOS/length).
-      admitted_order: scheduler counter stamped at each admission (higher = more recent).
       num_preemptions: how often it was preempted.
     """
 
@@ -98,7 +97,6 @@ class Sequence:
         self.finish_time: float | None = None
         self.cache_salt = cache_salt
         self.stop_reason: int | str | None = None
-        self.admitted_order = -1
         self.num_preemptions = 0
 
     def __repr__(self) -> str:

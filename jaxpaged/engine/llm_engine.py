@@ -15,23 +15,23 @@ How a request flows:
   5. `step()` returns a `RequestOutput` for every request that changed.
 """
 
+import atexit
 import dataclasses
 import logging
 import time
 from typing import Any
 
-import jax
 import numpy as np
 from transformers import AutoTokenizer
 
-from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.core.request_state import RequestState
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxpaged.core.sequence import Sequence, SequenceStatus
-from jaxpaged.engine.setup import build_model, check_step_memory, eos_token_ids, plan_cache
+from jaxpaged.engine.setup import eos_token_ids, start_device_worker
 from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import SamplingParams, check_text
-from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.sampler import MAX_LOGPROBS
 from jaxpaged.worker.step_packer import MAX_BANNED, SequenceRow, sampling_row
 
@@ -49,18 +49,16 @@ class LLMEngine:
         if args.seed is None:  # "random": a fresh seed for this run, logged so it can be repeated
             args = dataclasses.replace(args, seed=int(np.random.SeedSequence().entropy % 2**31))
             logger.info("engine seed: %d (drawn at random)", args.seed)
+        if args.node_rank != 0:
+            raise EngineArgsError("node_rank", args.node_rank, "only process 0 runs the engine; start the others "
+                                  "with `jaxpaged serve --node-rank N` (they run process 0's steps)")  # fmt: skip
         self.args = args
-        if args.compilation_cache_dir:
-            from jax.experimental.compilation_cache import compilation_cache
-
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-            compilation_cache.reset_cache()  # JAX decides once whether to use a cache: ask again
         self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-        self.model_config, model, self.max_model_len = build_model(args)
-        self.mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.tensor_parallel_size]), ("tp",))
-        self.plan = plan_cache(args, model, self.mesh, self.max_model_len)
-        logger.info(self.plan.summary())
+        worker = start_device_worker(args)
+        self.model_config, self.max_model_len, self.plan = worker.model_config, worker.max_model_len, worker.plan
+        self.parallel, self.runner, self.compile_seconds = worker.parallel, worker.runner, worker.compile_seconds
+        if self.runner.channel is not None:
+            atexit.register(self.shutdown)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -69,18 +67,8 @@ class LLMEngine:
             ),  # fmt: skip
             eos_token_id=sorted(eos_token_ids(args, self.model_config, self.tokenizer)),
         )
-        self.runner = ModelRunner(
-            model, mesh=self.mesh, num_blocks=self.plan.num_blocks, block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=self.max_model_len, kv_dtype=model.embed[...].dtype,
-            num_decode_steps=args.num_scheduler_steps,
-        )  # fmt: skip
-        self.compile_seconds = self.runner.warm_up()
-        check_step_memory(self.plan, self.runner.temp_bytes)
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(args.seed)
-        self._free_slots = list(range(args.max_num_seqs - 1, -1, -1))
-        self._slot_of: dict[int, int] = {}
         self._rows: dict[int, np.ndarray] = {}
         self._changed: set[str] = set()
         self._failed: dict[str, str] = {}  # request id -> why, until its output is returned
@@ -90,6 +78,13 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
+
+    def shutdown(self) -> None:
+        """Releases the other processes of a multi-process engine (they exit their step loop);
+        nothing to do on one process. The engine runs no more steps afterwards."""
+        channel, self.runner.channel = self.runner.channel, None
+        if channel is not None:
+            channel.send(STOP, (), np.zeros(0, np.int32))
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -219,10 +214,9 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> None:
         rows, resets = [], []
         for seq, _ in out.scheduled:
-            slot = self._slot_of.get(seq.seq_id)
+            slot, new = self.runner.acquire_slot(seq.seq_id)
             sp = seq.sampling_params
-            if slot is None:
-                slot = self._slot_of[seq.seq_id] = self._free_slots.pop()
+            if new:
                 if seq.num_computed_tokens and _has_penalties(sp):
                     computed = seq.token_ids_slice(0, seq.num_computed_tokens)
                     self.runner.seed_penalty_slot(slot, computed, seq.num_prompt_tokens)
@@ -243,37 +237,17 @@ class LLMEngine:
             value = np.asarray(getattr(result, name))
             fetched[name] = (value if steps > 1 else value[None])[:, :n]
         for j in range(steps):
-            before = [seq.num_output_tokens for seq, _ in out.scheduled]
-            self.scheduler.postprocess(out, fetched["token_ids"][j].tolist())
-            for i, (seq, _) in enumerate(out.scheduled):
-                if seq.num_output_tokens > before[i]:
-                    sample = {name: values[j, i] for name, values in fetched.items()}
-                    self._guarded(seq.request_id, self._record, seq, sample)
+            for i, seq in self.scheduler.postprocess(out, fetched["token_ids"][j].tolist()):
+                sample = {name: values[j, i] for name, values in fetched.items()}
+                self._guarded(seq.request_id, self._record, seq, sample)
 
     def _fused_steps(self, out: SchedulerOutput) -> int:
-        """How many decode steps to fuse into this step's program (1 = no fusing).
-
-        Fused when every scheduled sequence is decoding, nobody waits to be prefilled, no
-        sequence is still under min_tokens, all have budget for the extra tokens (so nothing is
-        written past max_tokens or max_model_len), and the pool has blocks for them.
-        """
+        """How many decode steps to fuse into this step's program (1 = no fusing): the runner
+        must have the program and the scheduler must reserve the blocks."""
         k = self.args.num_scheduler_steps
-        if k <= 1 or out.num_decode_seqs != out.num_seqs or self.scheduler.num_waiting or not self.runner.fusable(out.num_seqs):
-            return 1
-        bs, need = self.args.block_size, 0
-        for seq, _ in out.scheduled:
-            sp = seq.sampling_params
-            if seq.num_output_tokens < sp.min_tokens or seq.num_output_tokens + k > sp.max_tokens:
-                return 1
-            if seq.num_tokens + k > self.max_model_len:
-                return 1
-            need += max(0, -(-(seq.num_computed_tokens + k) // bs) - len(seq.block_table))
-        bm = self.scheduler.block_manager
-        if need > bm.num_free_blocks:
-            return 1
-        for seq, _ in out.scheduled:
-            bm.may_append(seq, k)
-        return k
+        if k > 1 and self.runner.fusable(out.num_seqs) and self.scheduler.reserve_lookahead(out, k):
+            return k
+        return 1
 
     def _record(self, seq: Sequence, sample: dict[str, Any]) -> None:
         """Logprobs, detokenization and stop strings for the token just appended to `seq`
@@ -304,10 +278,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         """Gives back a sequence's penalty-table slot (finished, aborted or preempted)."""
-        slot = self._slot_of.pop(seq.seq_id, None)
-        if slot is not None:
-            self.runner.packer.release(slot)
-            self._free_slots.append(slot)
+        self.runner.release_slot(seq.seq_id)
         if seq.is_finished:
             self._rows.pop(seq.seq_id, None)
 

@@ -1,5 +1,7 @@
-"""Engine start-up: the model (loaded or dummy), the context limit, stop tokens and the KV plan."""
+"""Engine start-up: the model (loaded or dummy) on its mesh, the context limit, stop tokens and
+the KV plan (per device: every number here is one device's share)."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,7 +14,10 @@ from jaxpaged.checkpoint.loader import load_model, read_hf_config, resolve_dtype
 from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.model import Llama, kv_storage_dtype
+from jaxpaged.parallel import multihost
+from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, leaf_name
 from jaxpaged.planning.memory import GiB, KVCachePlan, plan_kv_cache
+from jaxpaged.worker.model_runner import ModelRunner, Program
 
 logger = logging.getLogger("jaxpaged")
 
@@ -22,24 +27,92 @@ CPU_KV_CACHE_SHARE = 0.25
 TEMP_SLACK_BYTES = 1 << 20
 
 
-def build_model(args: EngineArgs) -> tuple[ModelConfig, Llama, int]:
-    """Loads (or, with load_format="dummy", randomly initialises) the model.
+@dataclasses.dataclass
+class DeviceWorker:
+    """Everything on the devices, started: the model on its mesh, the sized pool, the compiled
+    step programs.
+
+    Attributes:
+      model_config: the checkpoint's configuration.
+      max_model_len: the validated context limit.
+      parallel: the mesh and sharding table.
+      plan: the KV plan (per device; the same on every process).
+      runner: the warmed-up runner; on the leader of several processes its `channel` sends each
+        step to the followers.
+      compile_seconds: how long warm-up compiled.
+    """
+
+    model_config: ModelConfig
+    max_model_len: int
+    parallel: TensorParallel
+    plan: KVCachePlan
+    runner: ModelRunner
+    compile_seconds: float
+
+
+def start_device_worker(args: EngineArgs) -> DeviceWorker:
+    """Joins the other processes (with nnodes > 1), builds the mesh, loads the model onto it,
+    plans the pool, and compiles every step program."""
+    multihost.initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    if args.compilation_cache_dir:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        compilation_cache.reset_cache()  # JAX decides once whether to use a cache: ask again
+    parallel = TensorParallel.create(read_hf_config(args.model)[0], args.tensor_parallel_size)
+    config, model, max_model_len = build_model(args, parallel)
+    plan = plan_cache(args, model, parallel, max_model_len)
+    agreed = multihost.agree_on_blocks(plan.num_blocks)
+    if agreed != plan.num_blocks:
+        plan = dataclasses.replace(plan, num_blocks=agreed, pool_bytes=agreed * plan.bytes_per_token * plan.block_size,
+                                   sized_from=plan.sized_from + " (the smallest of all processes)")  # fmt: skip
+    logger.info(plan.summary())
+    runner = ModelRunner(
+        model, parallel=parallel, num_blocks=plan.num_blocks, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len, kv_dtype=model.embed[...].dtype, num_decode_steps=args.num_scheduler_steps,
+    )  # fmt: skip
+    seconds = runner.warm_up()
+    check_step_memory(plan, runner.temp_bytes)
+    if jax.process_count() > 1 and multihost.is_leader():
+        runner.channel = multihost.StepChannel()  # from now on every device call is announced
+    return DeviceWorker(config, max_model_len, parallel, plan, runner, seconds)
+
+
+def build_model(args: EngineArgs, parallel: TensorParallel) -> tuple[ModelConfig, Llama, int]:
+    """Loads (or, with load_format="dummy", randomly initialises) the model onto its mesh.
 
     Returns:
-      `(config, model, max_model_len)` with max_model_len validated against the model.
+      `(config, model, max_model_len)`: the checkpoint's config, the model in the mesh layout,
+      and max_model_len validated against the model.
     """
     config, raw = read_hf_config(args.model)
     max_model_len = config.check_max_model_len(args.max_model_len or config.max_context_len)
     if args.load_format == "dummy":
-        dtype = resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype"))
-        model = nnx.jit(
-            lambda: Llama(config, jnp.dtype(dtype), rngs=nnx.Rngs(args.seed), attention=args.attention_backend)
-        )()
+        dtype = jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
+        model = _dummy_model(config, dtype, args, parallel)
     else:
-        config, model = load_model(args.model, args.dtype, attention=args.attention_backend)
+        config, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel)
     logger.info("model %s: %s, %d layers, dtype %s", args.model, config.architecture, config.num_layers,
                 model.embed[...].dtype)  # fmt: skip
     return config, model, max_model_len
+
+
+def _dummy_model(config: ModelConfig, dtype, args: EngineArgs, parallel: TensorParallel) -> Llama:
+    """Random weights of the checkpoint's shapes (the same values for every tensor-parallel size),
+    made on the mesh: every device computes only its shard."""
+    abstract = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
+                                            attention=args.attention_backend, parallel=parallel))  # fmt: skip
+    graphdef, state = nnx.split(abstract)
+
+    def init():
+        params = nnx.to_pure_dict(nnx.state(Llama(config, dtype, rngs=nnx.Rngs(args.seed))))
+        return jax.tree_util.tree_map_with_path(lambda path, x: parallel.to_mesh_layout(leaf_name(path), x), params)
+
+    params = jax.jit(init, out_shardings=parallel.state_shardings(nnx.to_pure_dict(state)))()
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
 
 
 def eos_token_ids(args: EngineArgs, config: ModelConfig, tokenizer) -> set[int]:
@@ -60,27 +133,46 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def plan_cache(args: EngineArgs, model: Llama, mesh: jax.sharding.Mesh, max_model_len: int) -> KVCachePlan:
-    """Sizes the KV pool from the device's memory (or the explicit budget, or on a CPU the job)."""
-    dtype_bytes = kv_storage_dtype(model.embed[...].dtype, mesh.devices.flat[0].platform).itemsize
+def device_weight_bytes(model: Llama) -> int:
+    """Parameter bytes on the fullest device (measured from the placed shards)."""
+    return max(bytes_per_device(nnx.state(model)).values())
+
+
+def device_memory_bytes(parallel: TensorParallel) -> int | None:
+    """The allocator's limit on the smallest of this process's devices of the mesh (processes
+    then agree on the smallest plan); None on a CPU (no figure)."""
+    local = [d for d in parallel.mesh.devices.flat if d.process_index == jax.process_index()]
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
+    return None if None in limits else min(limits)
+
+
+def plan_cache(args: EngineArgs, model: Llama, parallel: TensorParallel, max_model_len: int,
+               memory_bytes: int | None = None) -> KVCachePlan:  # fmt: skip
+    """Sizes one device's KV pool from its memory (or the explicit budget, or on a CPU the job).
+
+    Args:
+      memory_bytes: the allocator's limit per device; default `device_memory_bytes(parallel)`.
+    """
+    config = parallel.layout.device_config
+    dtype_bytes = kv_storage_dtype(model.embed[...].dtype, parallel.platform).itemsize
     common = dict(dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len)
     if args.kv_cache_memory_bytes is not None:
-        return plan_kv_cache(model.config, kv_cache_memory_bytes=args.kv_cache_memory_bytes, **common)
-    stats = mesh.devices.flat[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return plan_kv_cache(model.config, **common, **_cpu_budget(args, model.config, dtype_bytes, max_model_len))
-    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-    activations = _peak_activation_bytes(args, model, mesh, max_model_len)
+        return plan_kv_cache(config, kv_cache_memory_bytes=args.kv_cache_memory_bytes, **common)
+    limit = memory_bytes if memory_bytes is not None else device_memory_bytes(parallel)
+    if limit is None:
+        return plan_kv_cache(config, **common, **_cpu_budget(args, config, dtype_bytes, max_model_len))
+    weights = device_weight_bytes(model)
+    activations = _peak_activation_bytes(args, model, parallel, max_model_len)
     # The allocator's limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (see jaxpaged/__init__.py).
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-    total = stats["bytes_limit"] / fraction
+    total = limit / fraction
     utilization = args.gpu_memory_utilization
     if utilization > fraction:
         logger.warning("gpu_memory_utilization=%s exceeds the JAX allocator's limit (XLA_PYTHON_CLIENT_MEM_FRACTION=%s); "
                        "planning with %s", utilization, fraction, fraction)  # fmt: skip
         utilization = fraction
     return plan_kv_cache(
-        model.config, device_memory_bytes=int(total), gpu_memory_utilization=utilization,
+        config, device_memory_bytes=int(total), gpu_memory_utilization=utilization,
         weight_bytes=weights, activation_bytes=activations, **common,
     )  # fmt: skip
 
@@ -99,7 +191,7 @@ def _cpu_budget(args: EngineArgs, config: ModelConfig, dtype_bytes: int, max_mod
     return dict(kv_cache_memory_bytes=cap, sized_from=why)
 
 
-def check_step_memory(plan: KVCachePlan, temp_bytes: dict[tuple[int, int], int]) -> None:
+def check_step_memory(plan: KVCachePlan, temp_bytes: dict[Program, int]) -> None:
     """After warm-up: the compiled steps' temporaries (with the real pool) fit what the plan
     reserved for them, so gpu_memory_utilization means what it says.
 
@@ -115,25 +207,23 @@ def check_step_memory(plan: KVCachePlan, temp_bytes: dict[tuple[int, int], int])
     program, worst = max(temp_bytes.items(), key=lambda kv: kv[1])
     if worst > plan.activation_bytes + TEMP_SLACK_BYTES:
         raise RuntimeError(
-            f"the step program for token bucket {program[0]} x {program[1]} steps needs {worst / GiB:.3f} GiB of "
+            f"the step program ({program.describe()}) needs {worst / GiB:.3f} GiB of "
             f"temporaries with the real KV pool, but the plan reserved {plan.activation_bytes / GiB:.3f} GiB "
             "(the largest single step, measured with a small pool); lower gpu_memory_utilization or set "
             "kv_cache_memory_bytes"
         )
 
 
-def _peak_activation_bytes(args: EngineArgs, model: Llama, mesh, max_model_len: int) -> int:
+def _peak_activation_bytes(args: EngineArgs, model: Llama, parallel: TensorParallel, max_model_len: int) -> int:
     """Temporaries of the largest step bucket, from XLA's memory analysis (pool kept tiny)."""
-    from jaxpaged.worker.model_runner import ModelRunner  # the runner needs the plan; this probe does not
-
     pages = -(-max_model_len // args.block_size)
     probe = ModelRunner(
-        model, mesh=mesh, num_blocks=pages + 1, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        model, parallel=parallel, num_blocks=pages + 1, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
         kv_dtype=model.embed[...].dtype,
     )  # fmt: skip
-    program = (max(probe.layouts), 1)
-    probe.compile_bucket(*program)
+    program = Program(max(probe.layouts), 1, False)
+    probe.compile_program(program)
     temp = probe.temp_bytes[program]
     logger.info("peak activation memory of the largest step: %.2f GiB", temp / 2**30)
     return temp

@@ -68,7 +68,7 @@ BYTES = _type("size", parse_bytes)
 BYTES_WITH_UNIT = _type("size", lambda text: parse_bytes(text, unit_required=True))
 
 # Flag types that are not the field's plain Python type.
-_FLAG_TYPES = {"kv_cache_memory_bytes": BYTES, "seed": _type("seed", _seed)}
+_FLAG_TYPES = {"kv_cache_memory_bytes": BYTES, "seed": _type("seed", _seed), "master_port": PORT}
 
 
 def flag_name(field: str) -> str:

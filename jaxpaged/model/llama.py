@@ -6,7 +6,14 @@ F MLP width, V vocabulary, NB pool blocks, BS block size.
 Each layer projects q/k/v, rotates q/k, writes this step's K/V into its pool slots, then
 attends over everything the pool holds for each sequence (write-then-attend). The pool comes
 in and goes out as a value: under `jit` with the pool donated the update is in place.
+
+Under tensor parallelism (`parallel`, see jaxpaged.parallel) the parameters arrive split over
+the mesh by the sharding table; the pool write and the attention each run on every device over
+its own heads (`shard_map`), XLA adds the all-reduce after o_proj and down_proj, the embedding lookup
+is vocabulary-parallel and the logits are gathered whole for the sampler.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,14 +21,16 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
+from jaxpaged.config.engine_args import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model.kv_pool import KVPool
 from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
+from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.parallel.sharding import KEY_VALUE_AXES, KV_POOL_AXES, QUERY_AXES
 from pallas_kernels import reference
 
 INIT_STDDEV = 0.02
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 
 
 def resolve_attention_backend(name: str) -> str:
@@ -54,7 +63,8 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention reading and writing one layer of the paged pool."""
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str = "reference"):
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str = "reference",
+                 parallel: TensorParallel | None = None):  # fmt: skip
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.q_proj = _param(rngs, (d, n, h), dtype)  # DNH
         self.k_proj = _param(rngs, (d, k, h), dtype)  # DKH
@@ -71,6 +81,7 @@ class Attention(nnx.Module):
         self.rope = config.rope
         self.head_dim = h
         self.attention = attention  # "reference" or "pallas" (resolved)
+        self.parallel = parallel
 
     def __call__(
         self,
@@ -87,28 +98,45 @@ class Attention(nnx.Module):
         inv_freq = jnp.asarray(inverse_frequencies(self.rope, self.head_dim))  # a trace-time constant
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        k_pool, v_pool = pallas_kernels.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
-        ops = pallas_kernels if self.attention == "pallas" else reference
-
-        def decode(q):  # token i is sequence i's only query: decode attention, padded to T rows
-            num_seqs = meta.kv_lens.shape[0]
-            out = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens)
-            return jnp.pad(out, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
-
-        def ragged(q):
-            return ops.ragged_paged_attention(
-                q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables, meta.num_seqs
-            )
-
-        if meta.decode_only:
-            attn = decode(q)
-        else:  # a step whose sequences all have one token is a decode batch too
-            is_decode = meta.cu_q_lens[meta.num_seqs] == meta.num_seqs
-            attn = jax.lax.cond(is_decode, decode, ragged, q)
+        write = pallas_kernels.write_kv
+        attend = functools.partial(paged_attention, pallas_kernels if self.attention == "pallas" else reference)
+        if self.parallel is not None:  # each device writes and reads its own heads
+            write = self.parallel.per_head(write, (KV_POOL_AXES, KV_POOL_AXES, KEY_VALUE_AXES, KEY_VALUE_AXES, ()),
+                                           (KV_POOL_AXES, KV_POOL_AXES))  # fmt: skip
+            attend = self.parallel.per_head(attend, (QUERY_AXES, KV_POOL_AXES, KV_POOL_AXES, ()), QUERY_AXES)
+        k_pool, v_pool = write(k_pool, v_pool, k, v, meta.slot_mapping)
+        attn = attend(q, k_pool, v_pool, meta)
         out = jnp.einsum("TNH,NHD->TD", attn, self.o_proj[...])
         if self.has_o_bias:
             out = out + self.o_bias[...]
         return out, k_pool, v_pool
+
+
+def paged_attention(
+    ops,
+    q: Float[Array, "T N H"],
+    k_pool: Float[Array, "NB BS K H"],
+    v_pool: Float[Array, "NB BS K H"],
+    meta: AttentionMetadata,
+) -> Float[Array, "T N H"]:
+    """Attention of this step's queries over the pool (over whichever heads it is given: all of
+    them, or one device's share under `shard_map`): the decode kernel for a decode program
+    (`meta.decode_only`), else the ragged one, which serves any batch.
+
+    There is no `lax.cond` choosing between them per step: a GPU conditional waits for its
+    predicate on the host, and on CPU one over the pools copied every pool whose device holds a
+    single kv head (XLA gave the operand another layout). The runner picks the program instead.
+
+    Args:
+      ops: `pallas_kernels` or `pallas_kernels.reference` (same functions, same results).
+    """
+
+    if meta.decode_only:  # token i is sequence i's only query: decode attention, padded to T rows
+        num_seqs = meta.kv_lens.shape[0]
+        out = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens)
+        return jnp.pad(out, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
+    return ops.ragged_paged_attention(q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables,
+                                      meta.num_seqs)  # fmt: skip
 
 
 class MLP(nnx.Module):
@@ -129,9 +157,10 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention, then MLP."""
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str):
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str,
+                 parallel: TensorParallel | None = None):  # fmt: skip
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, dtype, rngs=rngs, attention=attention)
+        self.attn = Attention(config, dtype, rngs=rngs, attention=attention, parallel=parallel)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, rngs=rngs)
 
@@ -150,14 +179,19 @@ class Llama(nnx.Module):
       dtype: parameter and activation dtype (float32 or bfloat16).
       rngs: random initialisation (used as-is for `load_format="dummy"`; replaced on load).
       attention: "auto", "reference" or "pallas" (see `resolve_attention_backend`).
+      parallel: the mesh and sharding table under tensor parallelism; `config` is then the
+        mesh layout (`parallel.layout.mesh_config`, kv heads repeated). None: one device.
     """
 
-    def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, attention: str = "auto"):
+    def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, attention: str = "auto",
+                 parallel: TensorParallel | None = None):  # fmt: skip
         self.config = config
+        self.parallel = parallel
         backend = resolve_attention_backend(attention)
         self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # VD
         self.layers = nnx.List(
-            [DecoderLayer(config, dtype, rngs=rngs, attention=backend) for _ in range(config.num_layers)]
+            [DecoderLayer(config, dtype, rngs=rngs, attention=backend, parallel=parallel)
+             for _ in range(config.num_layers)]  # fmt: skip
         )
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
@@ -171,7 +205,8 @@ class Llama(nnx.Module):
         Returns:
           The final-normed hidden state of every token, and the updated pool.
         """
-        x = self.embed[...][token_ids]
+        table = self.embed[...]
+        x = table[token_ids] if self.parallel is None else self.parallel.embed(table, token_ids)
         new_k, new_v = [], []
         for layer, k_pool, v_pool in zip(self.layers, kv_pool.k, kv_pool.v):
             x, k_pool, v_pool = layer(x, k_pool, v_pool, meta)
@@ -185,4 +220,5 @@ class Llama(nnx.Module):
             logits = jnp.einsum("TD,VD->TV", hidden, self.embed[...], preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("TD,DV->TV", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        return logits if self.parallel is None else self.parallel.replicate(logits)

@@ -122,24 +122,3 @@ def plan_kv_cache(
         sized_from=sized_from or source,
         activation_bytes=activation_bytes,
     )
-
-
-def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
-    """KV heads each device holds under tensor parallelism (as vLLM splits them).
-
-    The heads are split evenly over the devices; with more devices than KV heads each device
-    holds one head (every head is replicated `tensor_parallel_size // num_kv_heads` times).
-
-    Raises:
-      ValueError: when neither of the two numbers divides the other.
-    """
-    if tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be at least 1")
-    if num_kv_heads % tensor_parallel_size == 0:
-        return num_kv_heads // tensor_parallel_size
-    if tensor_parallel_size % num_kv_heads == 0:
-        return 1
-    raise ValueError(
-        f"tensor_parallel_size={tensor_parallel_size} and num_key_value_heads={num_kv_heads}: one must divide "
-        "the other (the KV heads are split over the devices, or replicated when there are more devices)"
-    )

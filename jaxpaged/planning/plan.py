@@ -1,7 +1,8 @@
 """`jaxpaged plan`: what a model needs on a GPU (weights, KV cache, concurrency), without a GPU.
 
-    weights per GPU      = every parameter of our layout (jaxpaged.checkpoint.hf_keys.param_shapes), with
-                           heads, MLP width and vocabulary split over the tensor-parallel GPUs
+    weights per GPU      = every parameter of our layout (jaxpaged.checkpoint.hf_keys.param_shapes),
+                           split over the tensor-parallel GPUs by the engine's sharding table
+                           (jaxpaged.parallel.sharding: heads, MLP width, vocabulary)
     KV bytes per token   = 2 x layers x KV heads per GPU x head_dim x KV dtype bytes
     KV pool per GPU      = GPU memory x gpu_memory_utilization - weights per GPU
     max concurrency      = pool blocks / blocks of one request of `context` tokens
@@ -11,45 +12,27 @@ subtracts the largest compiled step's activations, which only a compile can meas
 headroom in `gpu_memory_utilization`.
 """
 
-import dataclasses
 import json
 import math
 
 from jaxpaged.checkpoint.hf_keys import param_shapes
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
-from jaxpaged.planning.memory import format_bytes, kv_heads_per_device, plan_kv_cache
+from jaxpaged.parallel.sharding import TensorParallelLayout
+from jaxpaged.planning.memory import format_bytes, plan_kv_cache
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _split(name: str, config: ModelConfig, tp: int, kv_heads: int) -> tuple[int, int] | None:
-    """(axis, per-GPU size) of a parameter split over `tp` GPUs; None when replicated."""
-    vocab, ffn = -(-config.vocab_size // tp), -(-config.intermediate_size // tp)
-    heads = config.num_heads // tp
-    return {
-        "embed": (0, vocab), "lm_head": (1, vocab),
-        "q_proj": (1, heads), "q_bias": (0, heads), "o_proj": (0, heads),
-        "k_proj": (1, kv_heads), "v_proj": (1, kv_heads), "k_bias": (0, kv_heads), "v_bias": (0, kv_heads),
-        "gate_proj": (1, ffn), "up_proj": (1, ffn), "down_proj": (0, ffn),
-    }.get(name)  # fmt: skip
-
-
 def count_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
-    """`(total, per GPU)` parameter counts of `Llama(config)`, split as tensor parallelism would."""
-    tp = tensor_parallel_size
-    if config.num_heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={config.num_heads}")
-    kv_heads = kv_heads_per_device(config.num_kv_heads, tp)
-    total = per_gpu = 0
-    for path, shape in param_shapes(config).items():
-        total += math.prod(shape)
-        split = _split(str(path[-1]), config, tp, kv_heads)
-        if split is not None:
-            axis, size = split
-            shape = shape[:axis] + (size,) + shape[axis + 1 :]
-        per_gpu += math.prod(shape)
-    return total, per_gpu
+    """`(total, per GPU)` parameter counts of `Llama(config)`, split by the sharding table.
+
+    Raises:
+      TensorParallelError: the model does not split over `tensor_parallel_size` GPUs.
+    """
+    shapes = param_shapes(config)
+    layout = TensorParallelLayout(config, tensor_parallel_size)
+    return sum(math.prod(s) for s in shapes.values()), layout.device_elements(shapes)
 
 
 def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_memory_utilization: float = 0.9,
@@ -79,9 +62,7 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
     tp = tensor_parallel_size
     total_params, gpu_params = count_parameters(config, tp)
     weights = gpu_params * DTYPE_BYTES[dtype]
-    device_config = dataclasses.replace(
-        config, num_heads=config.num_heads // tp, num_kv_heads=kv_heads_per_device(config.num_kv_heads, tp)
-    )
+    device_config = TensorParallelLayout(config, tp).device_config
     per_token = kv_bytes_per_token(device_config, DTYPE_BYTES[kv_dtype])
     report = {
         "model": name, "architecture": raw["architectures"][0], "num_parameters": total_params,

@@ -284,6 +284,7 @@ class AsyncEngine:
             self._die(EngineDeadError(f"the engine loop failed ({type(err).__name__})"), fatal=True)
             return
         self._abort_all()
+        self.engine.shutdown()  # releases the follower processes of a multi-process engine
         self._die(EngineDeadError("the engine was shut down"), fatal=False)
 
     def _abort_all(self) -> None:

@@ -61,6 +61,11 @@ def serve(args: argparse.Namespace) -> int:
     3. If the engine fails, every request in flight fails at once, `/health` turns 503, and the
        process exits 1 after a short drain, so a supervisor (Kubernetes, systemd) restarts it.
     """
+    if args.node_rank > 0:  # a follower serves nothing: it runs process 0's steps on its devices
+        from jaxpaged.engine.follower import run_follower
+
+        run_follower(cli_flags.engine_args(args, model=args.model_tag or args.model))
+        return 0
     missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         print(f"jaxpaged serve needs the server extra ({', '.join(missing)} missing): pip install 'jaxpaged[server]'",

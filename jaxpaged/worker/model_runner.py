@@ -9,16 +9,18 @@ Every bucket is compiled by `warm_up`, so nothing compiles while serving.
 import dataclasses
 import logging
 import time
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.functional import DeviceCache, StepInput, init_cache, step
-from jaxpaged.model import AttentionMetadata, Llama
+from jaxpaged.model import AttentionMetadata, KVPool, Llama
+from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
 from jaxpaged.worker.sampler import SampleResult, SamplingTensors, update_penalty_tables
 from jaxpaged.worker.step_packer import SAMPLING_FIELDS, Layout, SequenceRow, StepPacker
 
@@ -56,10 +58,13 @@ def _packed_decode_steps(layout: Layout, num_steps: int, graphdef, params, cache
     """`num_steps` decode steps in one program: each feeds back the tokens the previous sampled.
 
     Only for decode-only batches (token i belongs to sequence i) whose sequences all have
-    blocks and budget for `num_steps` more tokens. Results are stacked `[num_steps, S, ...]`.
+    blocks and budget for `num_steps` more tokens. Results are stacked `[num_steps, S, ...]`
+    (unstacked for one step).
     """
     inp = unpack(layout, flat)
     inp = dataclasses.replace(inp, metadata=dataclasses.replace(inp.metadata, decode_only=True))
+    if num_steps == 1:
+        return step(graphdef, params, cache, inp)
     meta = inp.metadata
     num_seqs, num_tokens = layout.num_seqs, layout.num_tokens
     bs = cache.kv.block_size
@@ -101,12 +106,30 @@ def _seed_penalty_rows(cache: DeviceCache, token_ids, token_slot, token_is_outpu
     return DeviceCache(kv=cache.kv, prompt_mask=prompt_mask, output_counts=output_counts)
 
 
+class Program(typing.NamedTuple):
+    """One compiled step program.
+
+    Attributes:
+      tokens: the token bucket (its layout fixes the sequence bucket too).
+      steps: steps run in one call (fused decode steps feed back what they sample).
+      decode: every sequence has one token: the decode kernel, no ragged attention. A mixed
+        program runs the ragged kernel, which also serves decode-only batches.
+    """
+
+    tokens: int
+    steps: int
+    decode: bool
+
+    def describe(self) -> str:
+        return f"{'decode' if self.decode else 'mixed'} step, {self.tokens} tokens x {self.steps} step(s)"
+
+
 class ModelRunner:
     """Runs engine steps on the device.
 
     Args:
-      model: the NNX model (split once; params are placed on `mesh`).
-      mesh: the engine's device mesh (axis "tp").
+      model: the NNX model (split once; its params are placed by the sharding table).
+      parallel: the mesh and sharding table (one device: `TensorParallel.create(config)`).
       num_blocks: KV blocks, including the null block 0.
       block_size: tokens per block.
       max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
@@ -115,11 +138,11 @@ class ModelRunner:
         (vLLM's num_scheduler_steps); 1 disables fusing.
     """
 
-    def __init__(self, model: Llama, *, mesh: Mesh, num_blocks: int, block_size: int, max_num_seqs: int,
+    def __init__(self, model: Llama, *, parallel: TensorParallel, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype, num_decode_steps: int = 1):  # fmt: skip
         self.config = model.config
         self.num_decode_steps = num_decode_steps
-        self.mesh = mesh
+        self.parallel = parallel
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.packer = StepPacker(block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -128,42 +151,51 @@ class ModelRunner:
         self.layouts = self.packer.layouts
         graphdef, params = nnx.split(model)
         self.graphdef = graphdef
-        replicated = NamedSharding(mesh, PartitionSpec())
-        self.params = jax.device_put(params, replicated)
-        kv_sharding = NamedSharding(mesh, PartitionSpec(None, None, "tp", None))
-        cache = init_cache(self.config, num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype,
-                           max_num_seqs=max_num_seqs, platform=mesh.devices.flat[0].platform)  # fmt: skip
-        self.cache = DeviceCache(
-            kv=jax.device_put(cache.kv, kv_sharding),
-            prompt_mask=jax.device_put(cache.prompt_mask, replicated),
-            output_counts=jax.device_put(cache.output_counts, replicated),
-        )
-        self._step = jax.jit(_packed_step, static_argnums=(0, 1), donate_argnums=(3,))
-        self._decode_steps = jax.jit(_packed_decode_steps, static_argnums=(0, 1, 2), donate_argnums=(4,))
-        self._seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,))
-        self.compiled: dict[tuple[int, int], object] = {}  # (token bucket, steps) -> executable
-        self.temp_bytes: dict[tuple[int, int], int] = {}  # (token bucket, steps) -> temporaries
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._slot_of: dict[int, int] = {}  # seq_id -> its penalty-table row and block-table row
+        self.params = parallel.place_state(params)  # no copy when the loader placed them already
+        self._whole = parallel.sharding()
+        whole, pool, layers = self._whole, parallel.pool_sharding, self.config.num_layers
+        cache_shardings = DeviceCache(kv=KVPool(k=(pool,) * layers, v=(pool,) * layers), prompt_mask=whole,
+                                      output_counts=whole)  # fmt: skip
+        self.cache = self._zero_cache(num_blocks, kv_dtype, cache_shardings)
+        # Results are whole on every device (every process can read them).
+        self._step = jax.jit(_packed_step, static_argnums=(0, 1), donate_argnums=(3,),
+                             out_shardings=(cache_shardings, whole))  # fmt: skip
+        self._decode_steps = jax.jit(_packed_decode_steps, static_argnums=(0, 1, 2), donate_argnums=(4,),
+                                     out_shardings=(cache_shardings, whole))  # fmt: skip
+        self._seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,), out_shardings=cache_shardings)
+        self.channel: StepChannel | None = None  # set on the leader of several processes
+        self.compiled: dict[Program, object] = {}  # executables
+        self.temp_bytes: dict[Program, int] = {}  # temporaries of each
 
-    def programs(self) -> list[tuple[int, int]]:
-        """Every (token bucket, steps) program: single steps for all buckets, fused decode steps
-        for the buckets a decode-only batch can use (one token per sequence)."""
-        singles = [(t, 1) for t in self.layouts]
+    def _zero_cache(self, num_blocks: int, kv_dtype, shardings: DeviceCache) -> DeviceCache:
+        """The cache made where it lives: the pool split over kv heads (no device ever holds the
+        whole pool), the penalty tables whole on every device."""
+        make = lambda: init_cache(self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=kv_dtype,  # noqa: E731
+                                  max_num_seqs=self.max_num_seqs, platform=self.parallel.platform)  # fmt: skip
+        return jax.jit(make, out_shardings=shardings)()
+
+    def programs(self) -> list[Program]:
+        """Every program: a mixed step (ragged attention) for each token bucket, and decode steps
+        (the decode kernel, `num_decode_steps` of them fused) for each bucket a decode-only batch
+        uses (one token per sequence)."""
+        mixed = [Program(t, 1, False) for t in self.layouts]
         decode_buckets = sorted({self.packer.bucket_for(n, n) for n in range(1, self.max_num_seqs + 1)})
-        fused = [(t, self.num_decode_steps) for t in decode_buckets]
-        return singles + (fused if self.num_decode_steps > 1 else [])
+        return mixed + [Program(t, self.num_decode_steps, True) for t in decode_buckets]
 
-    def compile_bucket(self, t: int, steps: int = 1):
-        """Compiles (and keeps) the program for token bucket `t` running `steps` steps; records
-        its temporaries (XLA's memory analysis) in `temp_bytes`."""
-        layout = self.layouts[t]
+    def compile_program(self, program: Program):
+        """Compiles (and keeps) one program; records its temporaries (XLA's memory analysis) in
+        `temp_bytes`."""
+        layout = self.layouts[program.tokens]
         flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        if steps == 1:
-            lowered = self._step.lower(layout, self.graphdef, self.params, self.cache, flat)
+        if program.decode:
+            lowered = self._decode_steps.lower(layout, program.steps, self.graphdef, self.params, self.cache, flat)
         else:
-            lowered = self._decode_steps.lower(layout, steps, self.graphdef, self.params, self.cache, flat)
-        compiled = self.compiled[t, steps] = lowered.compile()
+            lowered = self._step.lower(layout, self.graphdef, self.params, self.cache, flat)
+        compiled = self.compiled[program] = lowered.compile()
         analysis = compiled.memory_analysis()
-        self.temp_bytes[t, steps] = int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+        self.temp_bytes[program] = int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
         return compiled
 
     def warm_up(self) -> float:
@@ -172,11 +204,11 @@ class ModelRunner:
         logger.info("compiling %d step programs (token buckets %s, fused decode steps %d)", len(programs),
                     sorted(self.layouts), self.num_decode_steps)  # fmt: skip
         start = time.perf_counter()
-        for i, (t, steps) in enumerate(programs, 1):
+        for i, program in enumerate(programs, 1):
             began = time.perf_counter()
-            self.compile_bucket(t, steps)
-            logger.info("compiled step program %d/%d: %d tokens, %d seqs, %d step%s in %.1f s", i, len(programs),
-                        t, self.layouts[t].num_seqs, steps, "s" if steps > 1 else "", time.perf_counter() - began)  # fmt: skip
+            self.compile_program(program)
+            logger.info("compiled step program %d/%d: %s, %d seqs in %.1f s", i, len(programs), program.describe(),
+                        self.layouts[program.tokens].num_seqs, time.perf_counter() - began)  # fmt: skip
         self.seed_penalty_slot(0, [], 0)  # compiles the seeding step too
         seconds = time.perf_counter() - start
         logger.info("compiled %d step programs in %.1f s", len(self.compiled), seconds)
@@ -185,7 +217,23 @@ class ModelRunner:
     def fusable(self, num_seqs: int) -> bool:
         """Whether a decode-only batch of `num_seqs` sequences has a fused-steps program."""
         t = self.packer.bucket_for(num_seqs, num_seqs)
-        return self.num_decode_steps > 1 and (t, self.num_decode_steps) in self.compiled
+        return self.num_decode_steps > 1 and Program(t, self.num_decode_steps, True) in self.compiled
+
+    def acquire_slot(self, seq_id: int) -> tuple[int, bool]:
+        """The penalty-table (and block-table) row of a running sequence: `(slot, new)`, a free
+        one when it has none (new: the caller resets or seeds it)."""
+        slot = self._slot_of.get(seq_id)
+        if slot is not None:
+            return slot, False
+        slot = self._slot_of[seq_id] = self._free_slots.pop()
+        return slot, True
+
+    def release_slot(self, seq_id: int) -> None:
+        """Gives a sequence's row back (finished, aborted or preempted); no-op if it has none."""
+        slot = self._slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.packer.release(slot)
+            self._free_slots.append(slot)
 
     def seed_penalty_slot(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         """Resets penalty row `slot` and records tokens a sequence got from the prefix cache
@@ -196,15 +244,33 @@ class ModelRunner:
         slots = np.full(size, self.max_num_seqs, np.int32)
         slots[: len(token_ids)] = slot
         is_output = np.arange(size) >= prompt_len
-        self.cache = self._seed(self.cache, ids, slots, is_output, np.array([slot], np.int32))
+        if self.channel is not None:
+            self.channel.send(SEED, (slot, prompt_len, len(token_ids)), ids)
+        args = (ids, slots, is_output, np.array([slot], np.int32))
+        self.cache = self._seed(self.cache, *(jax.device_put(a, self._whole) for a in args))
 
     def execute(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int],
                 steps: int = 1) -> SampleResult:  # fmt: skip
         """Packs, transfers and runs one step (or `steps` fused decode steps); returns the (not
         yet fetched) device result, stacked `[steps, ...]` when steps > 1."""
         t, flat = self.packer.pack(inputs, rows, resets)
-        compiled = self.compiled.get((t, steps))
-        if compiled is None:
-            raise RuntimeError(f"no compiled program for token bucket {t} x {steps} steps: call warm_up() first")
-        self.cache, result = compiled(self.params, self.cache, jax.device_put(flat))
+        decode = Program(t, steps, True)
+        if decode not in self.compiled and steps == 1:  # decode steps are fused: one runs as a mixed step
+            decode = Program(t, 1, False)
+        program = decode if all(len(s.token_ids) == 1 for s in inputs) else Program(t, steps, False)
+        if program not in self.compiled:
+            raise RuntimeError(f"no compiled program {program}: call warm_up() first")
+        if self.channel is not None:
+            self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode)), flat)
+        return self.run_packed(program, flat)
+
+    def run_packed(self, program: Program, flat: np.ndarray) -> SampleResult:
+        """Runs a compiled program on a packed step buffer (the followers of a multi-process
+        engine get both from the leader)."""
+        self.cache, result = self.compiled[program](self.params, self.cache, jax.device_put(flat, self._whole))
         return result
+
+    @staticmethod
+    def program_from_fields(fields: tuple[int, ...]) -> Program:
+        """The program the leader named in a step-channel header."""
+        return Program(fields[0], fields[1], bool(fields[2]))

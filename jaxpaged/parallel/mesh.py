@@ -1,0 +1,169 @@
+"""The sharding table applied to JAX: the device mesh, parameter and pool placement, and the
+per-head / per-vocabulary-shard computations of a tensor-parallel step.
+
+`TensorParallel` is hashable (the model keeps it as static structure): layers call
+`per_head` around the pool write and the attention, `embed` for the embedding lookup and `replicate` on the
+logits the sampler reads; with one device each is the plain computation.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from jaxpaged.config.engine_args import EngineArgsError
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.parallel.sharding import (
+    KV_HEADS,
+    KV_POOL_AXES,
+    MESH_AXES,
+    TENSOR_AXIS,
+    VOCAB,
+    TensorParallelLayout,
+)
+
+
+def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
+    """A mesh of the first `tensor_parallel_size` devices (all processes' devices, in order).
+
+    Raises:
+      EngineArgsError: fewer devices than asked for, with the count.
+    """
+    devices = jax.devices() if devices is None else devices
+    if tensor_parallel_size > len(devices):
+        raise EngineArgsError("tensor_parallel_size", tensor_parallel_size,
+                              f"needs as many devices, but JAX sees {len(devices)} ({devices[0].platform} devices)")  # fmt: skip
+    return Mesh(np.array(devices[:tensor_parallel_size]), MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """A model's sharding table on a concrete mesh.
+
+    Args:
+      layout: how the model splits (`TensorParallelLayout`).
+      mesh: the devices; its `TENSOR_AXIS` size is `layout.size`. An `AbstractMesh` (devices
+        described, not present) serves to lower the step programs for another platform.
+    """
+
+    layout: TensorParallelLayout
+    mesh: Mesh | AbstractMesh
+
+    @classmethod
+    def create(cls, config: ModelConfig, tensor_parallel_size: int = 1, devices: list | None = None) -> "TensorParallel":
+        """Validates the split (`TensorParallelLayout`) and builds the mesh."""
+        layout = TensorParallelLayout(config, tensor_parallel_size)
+        return cls(layout, make_mesh(tensor_parallel_size, devices))
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    @property
+    def platform(self) -> str:
+        if isinstance(self.mesh, AbstractMesh):
+            return self.mesh.abstract_device.platform
+        return self.mesh.devices.flat[0].platform
+
+    def sharding(self, mesh_axes: tuple[str | None, ...] = ()) -> NamedSharding:
+        """The `NamedSharding` of mesh axes per dimension (empty: replicated)."""
+        return NamedSharding(self.mesh, PartitionSpec(*mesh_axes))
+
+    def param_sharding(self, name: str) -> NamedSharding:
+        """Where the parameter whose path ends in `name` lives."""
+        return self.sharding(self.layout.param_mesh_axes(name))
+
+    @property
+    def pool_sharding(self) -> NamedSharding:
+        return self.sharding(self.layout.mesh_axes(KV_POOL_AXES))
+
+    def repeats(self, name: str) -> bool:
+        """Whether the parameter's checkpoint tensor differs from its mesh layout (kv heads
+        repeated onto more devices)."""
+        return self.layout.kv_replicas > 1 and KV_HEADS in self.layout.param_axes(name)
+
+    def to_mesh_layout(self, name: str, array):
+        """A checkpoint tensor (numpy or jax) in the mesh layout: its kv-head axis, if any,
+        repeated `kv_replicas` times (each head next to the devices whose query heads read it)."""
+        if not self.repeats(name):
+            return array
+        repeat = np.repeat if isinstance(array, np.ndarray) else jnp.repeat
+        return repeat(array, self.layout.kv_replicas, axis=self.layout.param_axes(name).index(KV_HEADS))
+
+    def place(self, name: str, array: np.ndarray) -> jax.Array:
+        """Puts one checkpoint tensor (our layout, checkpoint kv heads) on the mesh; each device
+        receives only its shard (of several processes, each places its own devices' shards)."""
+        array = self.to_mesh_layout(name, array)
+        return jax.make_array_from_callback(array.shape, self.param_sharding(name), lambda index: array[index])
+
+    def place_state(self, state):
+        """`jax.device_put` of a whole model state (pure dict or `nnx.State`) already in the mesh
+        layout (kv heads repeated), each leaf with its table sharding."""
+        return jax.tree_util.tree_map_with_path(lambda path, x: jax.device_put(x, self.param_sharding(leaf_name(path))),
+                                                state)  # fmt: skip
+
+    def state_shardings(self, state):
+        """The table sharding of every leaf of a model state (for `jit` out_shardings)."""
+        return jax.tree_util.tree_map_with_path(lambda path, _: self.param_sharding(leaf_name(path)), state)
+
+    # -- inside a step ------------------------------------------------------------------------
+
+    def per_head(self, fn, in_axes: tuple, out_axes):
+        """`fn` run on every device over its own heads (`shard_map`).
+
+        Args:
+          fn: a function of arrays (or pytrees of them).
+          in_axes, out_axes: the logical axes of each argument / of the result (as in the table,
+            e.g. `KV_POOL_AXES`); `()` for a pytree that is whole on every device.
+        """
+        if self.size == 1:
+            return fn
+
+        def spec(axes):
+            return PartitionSpec(*self.layout.mesh_axes(axes))
+
+        out_specs = tuple(map(spec, out_axes)) if isinstance(out_axes[0], tuple) else spec(out_axes)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(map(spec, in_axes)), out_specs=out_specs,
+                             check_vma=False)  # fmt: skip
+
+    def embed(self, table: jax.Array, token_ids: jax.Array) -> jax.Array:
+        """`table[token_ids]` of a `[V, D]` table split over the vocabulary: each device looks up
+        the ids in its rows (zeros elsewhere) and one all-reduce sums them (exact: one term is
+        non-zero)."""
+        if self.layout.mesh_axes((VOCAB,)) == (None,):
+            return table[token_ids]
+
+        def lookup(rows, ids):
+            first = jax.lax.axis_index(TENSOR_AXIS) * rows.shape[0]
+            local = ids - first
+            hit = (local >= 0) & (local < rows.shape[0])
+            found = rows[jnp.where(hit, local, 0)]
+            return jax.lax.psum(jnp.where(hit[:, None], found, jnp.zeros_like(found)), TENSOR_AXIS)
+
+        return jax.shard_map(lookup, mesh=self.mesh, in_specs=(PartitionSpec(TENSOR_AXIS, None), PartitionSpec()),
+                             out_specs=PartitionSpec(), check_vma=False)(table, token_ids)  # fmt: skip
+
+    def replicate(self, x: jax.Array) -> jax.Array:
+        """`x` whole on every device (e.g. logits split over the vocabulary, for the sampler)."""
+        if self.size == 1:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.sharding())
+
+
+def leaf_name(path) -> str:
+    """The parameter name of a state leaf: the last string key of its path (`nnx.State` paths
+    end in the Variable's value)."""
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return next(n for n in reversed(names) if isinstance(n, str) and n != "value")
+
+
+def bytes_per_device(tree) -> dict:
+    """Bytes of every array of `tree` on each device (shards counted where they live)."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + math.prod(shard.data.shape) * leaf.dtype.itemsize
+    return out

@@ -1,0 +1,99 @@
+"""One engine over several machines: JAX's multi-controller runtime (`jax.distributed`).
+
+Every process holds its devices' shards and runs the same compiled step programs; a step runs
+only when all of them call it. Process 0, the leader, schedules, and before each device call it
+broadcasts what to run (a fixed-size header and the step's packed int32 buffer) to the others,
+the followers, which run `follow` until the leader says stop. Only the leader serves requests.
+The broadcast is itself a small JAX collective (`multihost_utils.broadcast_one_to_all`), so no
+transport beyond the one `jax.distributed` sets up is needed.
+
+    leader   (node_rank 0): LLMEngine / jaxpaged serve       -> StepChannel.send before each call
+    follower (node_rank k): jaxpaged serve --node-rank k     -> follow(runner, StepChannel())
+"""
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger("jaxpaged")
+
+# Commands of the step channel.
+EXECUTE, SEED, STOP = 1, 2, 3
+HEADER_SIZE = 6  # command, four integer fields, payload length
+
+
+def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
+    """Joins the processes into one JAX runtime (before anything touches a device).
+
+    On CPU the cross-process collectives go over gloo. A runtime already initialized (by the
+    caller, or an earlier engine in this process) is kept.
+    """
+    import jax
+
+    if nnodes == 1 or jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices; GPUs use NCCL
+    # JAX's preemption service would take SIGTERM for itself; `jaxpaged serve` drains on it.
+    jax.config.update("jax_enable_preemption_service", False)
+    logger.info("joining %d processes at %s:%d as process %d", nnodes, master_addr, master_port, node_rank)
+    jax.distributed.initialize(f"{master_addr}:{master_port}", num_processes=nnodes, process_id=node_rank)
+
+
+def is_leader() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+class StepChannel:
+    """The leader's commands to the followers, one header and one payload per command."""
+
+    def send(self, command: int, fields: tuple[int, ...], payload: np.ndarray) -> None:
+        """Leader: broadcasts a command with up to four integer fields and an int32 payload."""
+        from jax.experimental import multihost_utils
+
+        header = np.zeros(HEADER_SIZE, np.int32)
+        header[0], header[1 : 1 + len(fields)], header[-1] = command, fields, payload.size
+        multihost_utils.broadcast_one_to_all(header)
+        if payload.size:
+            multihost_utils.broadcast_one_to_all(np.ascontiguousarray(payload, np.int32))
+
+    def receive(self) -> tuple[int, tuple[int, ...], np.ndarray]:
+        """Follower: the next command, its four fields and its payload."""
+        from jax.experimental import multihost_utils
+
+        header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(HEADER_SIZE, np.int32)))
+        size = int(header[-1])
+        payload = np.zeros(size, np.int32)
+        if size:
+            payload = np.asarray(multihost_utils.broadcast_one_to_all(payload))
+        return int(header[0]), tuple(int(x) for x in header[1:-1]), payload
+
+
+def agree_on_blocks(num_blocks: int) -> int:
+    """The pool size every process can hold (the smallest of their plans)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return num_blocks
+    return int(np.min(multihost_utils.process_allgather(np.array([num_blocks], np.int64))))
+
+
+def follow(runner, channel: StepChannel) -> int:
+    """Follower: runs the leader's commands on `runner` until it says stop; returns the number
+    of steps run."""
+    steps = 0
+    while True:
+        command, fields, payload = channel.receive()
+        if command == STOP:
+            logger.info("the leader stopped after %d steps", steps)
+            return steps
+        if command == EXECUTE:
+            runner.run_packed(runner.program_from_fields(fields), payload)
+            steps += 1
+        elif command == SEED:
+            slot, prompt_len, length = fields[:3]
+            runner.seed_penalty_slot(slot, payload[:length].tolist(), prompt_len)
+        else:
+            raise RuntimeError(f"unknown step-channel command {command}")

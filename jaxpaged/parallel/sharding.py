@@ -1,0 +1,154 @@
+"""The sharding table: every parameter's logical axes and the rules that put them on the mesh.
+
+Megatron-style tensor parallelism over the mesh axis `TENSOR_AXIS`:
+
+    q/k/v projections, gate/up     split over heads / kv heads / MLP width (column parallel)
+    o_proj, down_proj              split over their input (row parallel: one all-reduce each)
+    embedding, LM head             split over the vocabulary (rows of the table / its columns)
+    norms, o_bias                  replicated
+    KV pool [NB, BS, K, H]         split over kv heads
+
+With more devices than kv heads (Llama-3.1-70B has 8, Qwen2.5-7B 4), each kv head is repeated
+`kv_replicas = N / K` times before splitting, so every device holds one kv head next to the
+query heads that read it (device i's query heads belong to original kv head i // kv_replicas).
+
+The runner's placement, the weight loader and `jaxpaged plan` all read this table (no JAX here),
+so what `plan` counts per GPU is what the engine puts there. A scan over layers would add a
+leading `LAYERS` axis (never split); a data-parallel mesh axis would be a second entry of
+`MESH_AXES` that no parameter maps to.
+"""
+
+import dataclasses
+import math
+
+from jaxpaged.config.model_config import ModelConfig
+
+# Mesh axis names: declared once here.
+TENSOR_AXIS = "tp"
+MESH_AXES = (TENSOR_AXIS,)
+
+# Logical axes.
+LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+BLOCKS, SLOTS = "blocks", "slots"
+
+# Each parameter (by the last element of its path in `nnx.state(Llama)`) and its logical axes.
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": (VOCAB, EMBED),
+    "lm_head": (EMBED, VOCAB),
+    "q_proj": (EMBED, HEADS, HEAD_DIM),
+    "k_proj": (EMBED, KV_HEADS, HEAD_DIM),
+    "v_proj": (EMBED, KV_HEADS, HEAD_DIM),
+    "o_proj": (HEADS, HEAD_DIM, EMBED),
+    "q_bias": (HEADS, HEAD_DIM),
+    "k_bias": (KV_HEADS, HEAD_DIM),
+    "v_bias": (KV_HEADS, HEAD_DIM),
+    "o_bias": (EMBED,),
+    "gate_proj": (EMBED, MLP),
+    "up_proj": (EMBED, MLP),
+    "down_proj": (MLP, EMBED),
+    "scale": (EMBED,),
+}
+# One layer's K (or V) pool.
+KV_POOL_AXES = (BLOCKS, SLOTS, KV_HEADS, HEAD_DIM)
+# Step activations [T, N, H] of query heads and [T, K, H] of kv heads.
+QUERY_AXES = (None, HEADS, HEAD_DIM)
+KEY_VALUE_AXES = (None, KV_HEADS, HEAD_DIM)
+
+# Logical axis -> mesh axis. Every split axis must divide evenly, except the vocabulary, which
+# stays whole (replicated) when it does not.
+RULES: dict[str, str] = {HEADS: TENSOR_AXIS, KV_HEADS: TENSOR_AXIS, MLP: TENSOR_AXIS, VOCAB: TENSOR_AXIS}
+
+
+class TensorParallelError(ValueError):
+    """A model that cannot be split over the requested number of devices (names the numbers)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelLayout:
+    """How one model splits over `size` devices.
+
+    Args:
+      config: the model as its checkpoint describes it.
+      size: devices on the tensor-parallel axis.
+
+    Raises:
+      TensorParallelError: `size` does not divide the query heads or the MLP width, or neither of
+        `size` and the kv heads divides the other.
+    """
+
+    config: ModelConfig
+    size: int = 1
+
+    def __post_init__(self):
+        c, n = self.config, self.size
+        if not isinstance(n, int) or n < 1:
+            raise TensorParallelError(f"tensor_parallel_size={n!r} must be a positive integer")
+        if c.num_heads % n:
+            raise TensorParallelError(f"tensor_parallel_size={n} must divide num_attention_heads={c.num_heads}")
+        if c.num_kv_heads % n and n % c.num_kv_heads:
+            raise TensorParallelError(
+                f"tensor_parallel_size={n} and num_key_value_heads={c.num_kv_heads}: one must divide the other "
+                "(kv heads are split over the devices, or repeated when there are more devices than kv heads)"
+            )
+        if c.intermediate_size % n:
+            raise TensorParallelError(f"tensor_parallel_size={n} must divide intermediate_size={c.intermediate_size}")
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many devices hold each kv head (1 unless there are more devices than kv heads)."""
+        return max(1, self.size // self.config.num_kv_heads)
+
+    @property
+    def mesh_config(self) -> ModelConfig:
+        """The model as the mesh holds it: kv heads repeated `kv_replicas` times (the same model)."""
+        return dataclasses.replace(self.config, num_kv_heads=self.config.num_kv_heads * self.kv_replicas)
+
+    @property
+    def device_config(self) -> ModelConfig:
+        """One device's share of the heads (what its KV pool and attention see)."""
+        mesh = self.mesh_config
+        return dataclasses.replace(mesh, num_heads=mesh.num_heads // self.size,
+                                   num_kv_heads=mesh.num_kv_heads // self.size)  # fmt: skip
+
+    def axis_size(self, logical: str) -> int:
+        """The global size of a logical axis in the mesh layout."""
+        c = self.mesh_config
+        return {VOCAB: c.vocab_size, EMBED: c.hidden_size, HEADS: c.num_heads, KV_HEADS: c.num_kv_heads,
+                HEAD_DIM: c.head_dim, MLP: c.intermediate_size}[logical]  # fmt: skip
+
+    def mesh_axes(self, axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
+        """The mesh axis each logical axis is split over (None: whole on every device); the
+        argument of a `PartitionSpec`."""
+        out = []
+        for axis in axes:
+            mesh_axis = RULES.get(axis) if self.size > 1 else None
+            if mesh_axis is not None and axis == VOCAB and self.axis_size(VOCAB) % self.size:
+                mesh_axis = None  # an uneven vocabulary stays whole
+            out.append(mesh_axis)
+        return tuple(out)
+
+    def param_axes(self, name: str) -> tuple[str, ...]:
+        """Logical axes of the parameter whose path ends in `name`.
+
+        Raises:
+          KeyError: a parameter the table does not know (every parameter must be in it).
+        """
+        if name not in PARAM_AXES:
+            raise KeyError(f"parameter {name!r} has no entry in the sharding table (jaxpaged.parallel.sharding)")
+        return PARAM_AXES[name]
+
+    def param_mesh_axes(self, name: str) -> tuple[str | None, ...]:
+        return self.mesh_axes(self.param_axes(name))
+
+    def mesh_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A checkpoint tensor's shape (in our layout) as the mesh holds it: kv axes repeated."""
+        return tuple(d * self.kv_replicas if a == KV_HEADS else d for a, d in zip(self.param_axes(name), shape))
+
+    def device_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """One device's shard of a checkpoint tensor of `shape` (in our layout)."""
+        mesh_shape = self.mesh_shape(name, shape)
+        return tuple(d // self.size if m else d for d, m in zip(mesh_shape, self.param_mesh_axes(name)))
+
+    def device_elements(self, shapes: dict) -> int:
+        """Elements one device holds of the parameters `{path: shape}` (paths end in the name)."""
+        return sum(math.prod(self.device_shape(str(path[-1]), shape)) for path, shape in shapes.items())

@@ -1,0 +1,125 @@
+"""One engine over two processes with two CPU devices each (`jax.distributed`, collectives over
+gloo): process 0 schedules and broadcasts every step, process 1 runs them on its devices. The
+tokens equal transformers' (tensor-parallel size 4, kv heads repeated, preemption and prefix
+caching on), and the follower exits when the leader shuts down."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+from engine_fixtures import hf_greedy
+from tiny_models import save_hf_model
+
+from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+from jaxpaged.parallel.sharding import TensorParallelLayout
+
+MAX_TOKENS = 10
+PROCESS = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # two devices per process
+from jaxpaged.config.engine_args import EngineArgs
+
+rank, port, options, prompts = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+args = EngineArgs(**options, nnodes=2, node_rank=rank, master_port=port)
+if rank:
+    from jaxpaged.engine.follower import run_follower
+
+    print(json.dumps({"steps": run_follower(args)}))
+else:
+    from jaxpaged import LLMEngine, SamplingParams
+
+    engine = LLMEngine(args)
+    params = SamplingParams(temperature=0, max_tokens=int(sys.argv[5]), ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    stats = engine.get_stats()
+    engine.shutdown()
+    print(json.dumps({"tokens": [done[str(i)] for i in range(len(prompts))], "stats": stats}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_transformers_tokens(tmp_path):
+    hf = save_hf_model("llama_tp", str(tmp_path))
+    rng = np.random.default_rng(1)
+    shared = rng.integers(3, 500, size=20).tolist()
+    prompts = [shared + rng.integers(3, 500, size=int(n)).tolist() for n in (3, 9)]
+    prompts += [rng.integers(3, 500, size=int(n)).tolist() for n in (5, 30)]
+    per_block = kv_bytes_per_token(TensorParallelLayout(ModelConfig.from_pretrained(str(tmp_path)), 4).device_config, 4) * 8
+    options = dict(model=str(tmp_path), dtype="float32", tensor_parallel_size=4, skip_tokenizer_init=True,
+                   max_model_len=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+                   kv_cache_memory_bytes=9 * per_block)  # fmt: skip
+    port = free_port()
+    argv = [json.dumps(options), json.dumps(prompts), str(MAX_TOKENS)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(rank), str(port), *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in (1, 0)]  # fmt: skip
+    results = {}
+    for rank, proc in zip((1, 0), procs):
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"process {rank} failed:\n{err[-4000:]}"
+        results[rank] = json.loads(out.strip().splitlines()[-1])
+    assert results[0]["tokens"] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    stats = results[0]["stats"]
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert results[1]["steps"] > 0  # the follower ran the leader's steps, then left when told
+
+
+def test_serve_spans_two_processes_and_the_follower_leaves_with_the_leader(tmp_path):
+    """`jaxpaged serve --nnodes 2`: process 0 serves HTTP over four devices, two of them in the
+    follower process; the completion equals one process's; SIGTERM stops both, exit code 0."""
+    import httpx
+
+    from jaxpaged import LLM, SamplingParams
+
+    port, master = free_port(), free_port()
+    flags = ["serve", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens",
+             "32", "--tensor-parallel-size", "4", "--nnodes", "2", "--master-port", str(master)]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+    def start(*extra: str) -> tuple[subprocess.Popen, str]:
+        log = tmp_path / f"process{len(extra)}.log"
+        script = f"import sys\nfrom jaxpaged.entrypoints.cli import main\nsys.exit(main({flags + list(extra)!r}))"
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+        return proc, log
+
+    follower, follower_log = start("--node-rank", "1")
+    leader, leader_log = start("--node-rank", "0", "--port", str(port), "--uvicorn-log-level", "warning")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert leader.poll() is None and follower.poll() is None, leader_log.read_text() + follower_log.read_text()
+            try:
+                if httpx.get(url + "/health", trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, leader_log.read_text()
+            time.sleep(0.5)
+        body = {"prompt": "In the beginning", "max_tokens": 16, "temperature": 0}
+        served = httpx.post(url + "/v1/completions", json=body, trust_env=False, timeout=120).json()
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(120) == 0, leader_log.read_text()
+        assert follower.wait(60) == 0, follower_log.read_text()
+    finally:
+        leader.kill()
+        follower.kill()
+    assert "the leader stopped after" in follower_log.read_text()
+    one = LLM(DEMO_MODEL_DIR, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32)
+    expected = one.generate("In the beginning", SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert served["choices"][0]["text"] == expected[0].outputs[0].text

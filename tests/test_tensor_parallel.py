@@ -1,0 +1,210 @@
+"""Tensor parallelism on 8 CPU devices: the same tokens for every tensor-parallel size, and every
+parameter and the KV pool split where the sharding table says.
+
+The tiny models have 8 query heads and fewer kv heads than the largest size (kv heads are then
+repeated), Qwen2's vocabulary of 500 splits over 2 and 4 devices but not 8, and the workload
+exercises prefix caching, chunked prefill, preemption and fused decode steps.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_fixtures import hf_greedy
+from flax import nnx
+from tiny_models import save_hf_model
+
+from convert.convert import convert_checkpoint
+from jaxpaged.checkpoint.loader import load_model
+from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.presets import get_preset
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.setup import build_model, device_weight_bytes, plan_cache
+from jaxpaged.model import Llama
+from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, leaf_name, make_mesh
+from jaxpaged.parallel.sharding import TensorParallelLayout
+from jaxpaged.planning.plan import make_plan
+from jaxpaged.sampling_params import SamplingParams
+
+SIZES = (1, 2, 4, 8)
+BLOCK_SIZE = 8
+POOL_BLOCKS = 8  # fewer than the workload's sequences need at once: preemption happens
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["llama_tp", "qwen2_tp", "mistral_tp"])
+def tp_model(request, tmp_path_factory):
+    """(variant, model dir, prompts, transformers' greedy continuations)."""
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf = save_hf_model(request.param, path)
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 500, size=20).tolist()
+    prompts = [shared + rng.integers(3, 500, size=int(n)).tolist() for n in (3, 9, 1)]
+    prompts += [rng.integers(3, 500, size=int(n)).tolist() for n in (5, 30)]
+    return request.param, path, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+
+
+def make_engine(path: str, n: int, **kwargs) -> LLMEngine:
+    config = ModelConfig.from_pretrained(path)
+    per_block = kv_bytes_per_token(TensorParallelLayout(config, n).device_config, 4) * BLOCK_SIZE  # float32
+    options = dict(model=path, dtype="float32", tensor_parallel_size=n, skip_tokenizer_init=True, max_model_len=48,
+                   block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=16,
+                   kv_cache_memory_bytes=(POOL_BLOCKS + 1) * per_block)  # fmt: skip
+    return LLMEngine(EngineArgs(**{**options, **kwargs}))
+
+
+def run(engine: LLMEngine, prompts, params: SamplingParams) -> list:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((int(o.request_id), o) for o in engine.step() if o.finished)
+    return [done[i].outputs[0] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_greedy_tokens_equal_transformers_for_every_size(tp_model, n):
+    variant, path, prompts, references = tp_model
+    engine = make_engine(path, n)
+    outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == references, f"{variant} on {n} devices differs from transformers"
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_seeded_sampling_penalties_and_logprobs_agree_across_sizes(tmp_path):
+    save_hf_model("llama_tp", str(tmp_path))
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42] * 5, [300]]
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=10, ignore_eos=True, logprobs=3,
+                            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)  # fmt: skip
+    runs = {n: run(make_engine(str(tmp_path), n), prompts, params) for n in (1, 8)}
+    for one, eight in zip(runs[1], runs[8]):
+        assert one.token_ids == eight.token_ids
+        np.testing.assert_allclose(one.cumulative_logprob, eight.cumulative_logprob, rtol=1e-4)
+        for a, b in zip(one.logprobs, eight.logprobs):
+            assert list(a) == list(b)  # the same top-3 ids
+            np.testing.assert_allclose([x.logprob for x in a.values()], [x.logprob for x in b.values()], atol=1e-4)
+
+
+# Every parameter's expected split over 8 devices for llama_tp (8 heads, 2 kv heads repeated to
+# 8, MLP 128, vocabulary 512), written out rather than read from the table it checks.
+EXPECTED_SPECS = {
+    "embed": ("tp", None), "lm_head": (None, "tp"),
+    "q_proj": (None, "tp", None), "k_proj": (None, "tp", None), "v_proj": (None, "tp", None),
+    "o_proj": ("tp", None, None), "gate_proj": (None, "tp"), "up_proj": (None, "tp"), "down_proj": ("tp", None),
+    "scale": (),
+}  # fmt: skip
+EXPECTED_SHARDS = {  # one device's shard
+    "embed": (64, 64), "lm_head": (64, 64), "q_proj": (64, 1, 8), "k_proj": (64, 1, 8), "v_proj": (64, 1, 8),
+    "o_proj": (1, 8, 64), "gate_proj": (64, 16), "up_proj": (64, 16), "down_proj": (16, 64), "scale": (64,),
+}  # fmt: skip
+
+
+def test_every_parameter_and_the_pool_are_split_as_the_table_says(tmp_path):
+    save_hf_model("llama_tp", str(tmp_path))
+    engine = make_engine(str(tmp_path), 8)
+    leaves = jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]
+    assert len(leaves) == 2 * 9 + 3  # every parameter is checked
+    for path, leaf in leaves:
+        name = leaf_name(path)
+        spec = tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec))
+        expected = EXPECTED_SPECS[name] + (None,) * (leaf.ndim - len(EXPECTED_SPECS[name]))
+        assert spec == expected, f"{jax.tree_util.keystr(path)}: {spec}"
+        assert {s.data.shape for s in leaf.addressable_shards} == {EXPECTED_SHARDS[name]}, name
+        assert len(leaf.addressable_shards) == 8
+    pool = engine.runner.cache.kv.k[0]
+    assert pool.shape[2] == 8 and {s.data.shape[2] for s in pool.addressable_shards} == {1}
+    # kv head h lives on devices 4h .. 4h+3, next to the query heads that read it
+    k_proj = engine.runner.params["layers"][0]["attn"]["k_proj"][...]
+    np.testing.assert_array_equal(np.asarray(k_proj[:, 0]), np.asarray(k_proj[:, 3]))
+    assert not np.array_equal(np.asarray(k_proj[:, 3]), np.asarray(k_proj[:, 4]))
+
+
+def test_per_device_bytes_shrink_and_match_jaxpaged_plan(tmp_path):
+    """Weights and KV bytes per device shrink with the size and equal `jaxpaged plan`'s numbers;
+    the engine's pool is plan's pool less the activations it measures."""
+    save_hf_model("llama_tp", str(tmp_path))
+    memory = 64 * 2**20  # a pretend device: 64 MiB
+    weights, kv_per_token = [], []
+    for n in SIZES:
+        args = EngineArgs(model=str(tmp_path), dtype="float32", tensor_parallel_size=n, skip_tokenizer_init=True,
+                          max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, gpu_memory_utilization=0.5)  # fmt: skip
+        parallel = TensorParallel.create(ModelConfig.from_pretrained(str(tmp_path)), n)
+        _, model, max_model_len = build_model(args, parallel)
+        # The engine reads the allocator's limit, which is XLA_PYTHON_CLIENT_MEM_FRACTION (0.95) of the device.
+        engine_plan = plan_cache(args, model, parallel, max_model_len, memory_bytes=int(memory * 0.95))
+        report = make_plan(str(tmp_path), gpu_memory=memory, context=64, gpu_memory_utilization=0.5,
+                           tensor_parallel_size=n, dtype="float32")  # fmt: skip
+        assert device_weight_bytes(model) == report["weight_bytes_per_gpu"]
+        on_devices = bytes_per_device(nnx.state(model))
+        assert len(on_devices) == n and max(on_devices.values()) == min(on_devices.values())  # an even split
+        assert engine_plan.bytes_per_token == report["kv_bytes_per_token"]
+        per_block = engine_plan.bytes_per_token * engine_plan.block_size
+        gap = report["kv_pool_bytes_per_gpu"] - (engine_plan.pool_bytes + engine_plan.activation_bytes)
+        assert engine_plan.activation_bytes > 0 and abs(gap) < per_block, (n, gap)
+        weights.append(report["weight_bytes_per_gpu"])
+        kv_per_token.append(report["kv_bytes_per_token"])
+    assert weights == sorted(weights, reverse=True) and len(set(weights)) == len(SIZES)
+    assert kv_per_token[:2] == [2 * 2 * 2 * 8 * 4, 2 * 2 * 1 * 8 * 4]  # 2 kv heads, then 1 per device
+    assert kv_per_token[2:] == kv_per_token[1:2] * 2  # repeated kv heads: one per device
+
+
+def test_sizes_that_do_not_split_are_named(tmp_path):
+    save_hf_model("llama_tp", str(tmp_path))
+    with pytest.raises(EngineArgsError, match="tensor_parallel_size=3: must divide num_attention_heads=8"):
+        EngineArgs(model=str(tmp_path), tensor_parallel_size=3, skip_tokenizer_init=True)
+    with pytest.raises(EngineArgsError, match="tensor_parallel_size=16: must divide num_attention_heads=8"):
+        EngineArgs(model=str(tmp_path), tensor_parallel_size=16, skip_tokenizer_init=True)
+    with pytest.raises(EngineArgsError, match="tensor_parallel_size=16: needs as many devices, but JAX sees 8"):
+        make_mesh(16)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_llama_70b_shards_are_what_jaxpaged_plan_counts(n):
+    """The engine's layout of Llama-3.1-70B (abstract: shapes and shardings, no weights) puts on
+    each GPU exactly the bytes `jaxpaged plan` reports, and a pool of plan's kv heads per GPU."""
+    config = ModelConfig.from_hf(get_preset("llama-3.1-70b"))
+    parallel = TensorParallel.create(config, n)
+    model = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel))
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+    per_device = sum(math.prod(parallel.param_sharding(leaf_name(p)).shard_shape(x.shape)) * 2 for p, x in leaves)
+    report = make_plan("llama-3.1-70b", gpu_memory=80 * 2**30, context=8192, tensor_parallel_size=n)
+    assert per_device == report["weight_bytes_per_gpu"]
+    pool = parallel.pool_sharding.shard_shape((16, 16, parallel.layout.mesh_config.num_kv_heads, 128))
+    assert pool[2] == report["kv_heads_per_gpu"] == 8 // n
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
+    """From safetensors and from a converted (Orbax) checkpoint: every tensor arrives split as
+    the table says and holds the checkpoint's values (kv heads repeated at N=4)."""
+    hf_dir, converted = str(tmp_path / "hf"), str(tmp_path / "converted")
+    save_hf_model("llama_tp", hf_dir)
+    convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
+    config = ModelConfig.from_pretrained(hf_dir)
+    _, single = load_model(hf_dir, "float32")
+    reference = dict(jax.tree_util.tree_flatten_with_path(nnx.state(single))[0])
+    parallel = TensorParallel.create(config, n)
+    for source in (hf_dir, converted):
+        _, model = load_model(source, "float32", parallel=parallel)
+        leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+        assert len(leaves) == len(reference)
+        for path, leaf in leaves:
+            name = leaf_name(path)
+            assert leaf.sharding.is_equivalent_to(parallel.param_sharding(name), leaf.ndim), (source, name)
+            expected = parallel.to_mesh_layout(name, np.asarray(reference[path]))
+            np.testing.assert_array_equal(np.asarray(leaf), expected, err_msg=f"{source}: {name}")
+
+
+def test_dummy_weights_are_the_same_model_for_every_size(tmp_path):
+    """`load_format="dummy"` makes the checkpoint's random weights on the mesh (each device its
+    shard): the same model, so the same greedy tokens, on 1 and 8 devices."""
+    save_hf_model("llama_tp", str(tmp_path))
+    prompts = [[5, 6, 7, 8, 9], [300] * 7]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one, eight = (run(make_engine(str(tmp_path), n, load_format="dummy"), prompts, params) for n in (1, 8))
+    assert [o.token_ids for o in one] == [o.token_ids for o in eight]

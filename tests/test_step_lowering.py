@@ -83,7 +83,8 @@ def assert_no_pool_sized_conversion(text: str) -> None:
 def abstract_two_gpu_engine(monkeypatch):
     """The 8B-shaped engine split over two abstract H100s: sharded parameter, pool and input specs."""
     monkeypatch.setattr(_common, "resolve_interpret", lambda interpret: bool(interpret))
-    mesh = jax.sharding.AbstractMesh((2,), ("tp",), abstract_device=CUDA_DEVICE)
+    # Auto axes, as the engine's concrete mesh has (jax 0.11 makes abstract meshes Explicit by default)
+    mesh = jax.sharding.AbstractMesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=CUDA_DEVICE)
     parallel = TensorParallel(TensorParallelLayout(LLAMA_8B_2_LAYERS, 2), mesh)
     model = nnx.eval_shape(lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas",
                                          parallel=parallel))  # fmt: skip

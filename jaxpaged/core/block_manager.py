@@ -17,8 +17,8 @@ filled blocks are never shared.
 
 Registration happens when a step is scheduled, before that step writes the block, exactly as
 in vLLM: a sequence admitted in the same step may reuse it, which is correct because a step
-writes all its K/V before any attention reads them (write-then-attend, DESIGN §3). So once
-`Scheduler.schedule()` returns, its step must run as planned.
+writes all its K/V before any attention reads them (write-then-attend, jaxpaged/model/llama.py).
+So once `Scheduler.schedule()` returns, its step must run as planned.
 
 Parallel sampling (`n > 1`): with prefix caching on, siblings share their prompt's full
 blocks through the cache. `fork(parent, child)` shares them explicitly (ref counted, also with

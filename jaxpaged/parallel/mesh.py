@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpaged.config.engine_args import EngineArgsError
 from jaxpaged.config.model_config import ModelConfig
@@ -36,7 +36,9 @@ def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
     if tensor_parallel_size > len(devices):
         raise EngineArgsError("tensor_parallel_size", tensor_parallel_size,
                               f"needs as many devices, but JAX sees {len(devices)} ({devices[0].platform} devices)")  # fmt: skip
-    return Mesh(np.array(devices[:tensor_parallel_size]), MESH_AXES)
+    # Auto axes: XLA propagates the parameters' shardings through the step (the per-head parts
+    # are explicit shard_maps), whatever a JAX version's default axis type is.
+    return Mesh(np.array(devices[:tensor_parallel_size]), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,3 +123,21 @@ def test_serve_spans_two_processes_and_the_follower_leaves_with_the_leader(tmp_p
     one = LLM(DEMO_MODEL_DIR, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32)
     expected = one.generate("In the beginning", SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert served["choices"][0]["text"] == expected[0].outputs[0].text
+
+
+def test_bad_multi_process_arguments_are_named():
+    import pytest
+
+    from jaxpaged import LLMEngine
+    from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
+    from jaxpaged.engine.follower import run_follower
+
+    demo = dict(model=DEMO_MODEL_DIR)
+    with pytest.raises(EngineArgsError, match="node_rank=2: must be below nnodes \\(2\\)"):
+        EngineArgs(**demo, nnodes=2, node_rank=2)
+    with pytest.raises(EngineArgsError, match="master_port=70000: must be a TCP port"):
+        EngineArgs(**demo, nnodes=2, master_port=70000)
+    with pytest.raises(EngineArgsError, match="node_rank=1: only process 0 runs the engine"):
+        LLMEngine(EngineArgs(**demo, nnodes=2, node_rank=1))
+    with pytest.raises(EngineArgsError, match="node_rank=0: process 0 runs the engine"):
+        run_follower(EngineArgs(**demo))

@@ -93,6 +93,8 @@ def test_bad_arguments_name_the_flag(capsys):
     assert "num_attention_heads=28" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-3.1-8b", "--gpu-memory", "lots"]) == 2
     assert "memory size" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-3.1-8b", "--block-size", "12"]) == 2
+    assert "--block-size 12: must be a power of two" in capsys.readouterr().err  # the engine's own check
 
 
 def test_parse_bytes_and_kv_head_split():

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model import Llama, init_kv_pool, kv_storage_dtype
 from jaxpaged.parallel.mesh import TensorParallel
@@ -38,8 +40,10 @@ def temporaries(dtype, backend: str, num_blocks: int, split: str) -> dict:
     kv_heads, devices = SPLITS[split]
     parallel = TensorParallel.create(dataclasses.replace(CONFIG, num_kv_heads=kv_heads), devices)
     model = Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0), attention=backend, parallel=parallel)
-    runner = ModelRunner(model, parallel=parallel, num_blocks=num_blocks, block_size=16, max_num_seqs=4,
-                         max_num_batched_tokens=16, max_model_len=128, kv_dtype=dtype, num_decode_steps=4)  # fmt: skip
+    args = EngineArgs(model="llama-3.1-8b", load_format="dummy", skip_tokenizer_init=True, block_size=16, max_num_seqs=4,
+                      max_num_batched_tokens=16, max_model_len=128, num_scheduler_steps=4)  # fmt: skip
+    config = EngineConfig(args, parallel.layout.config, 128, parallel.layout, num_blocks)  # the runner reads args' limits
+    runner = ModelRunner(model, parallel=parallel, config=config)
     for program in runner.programs():
         runner.compile_program(program)
     return runner.temp_bytes

@@ -323,8 +323,7 @@ class _BrokenEngine(LLMEngine):
 
     def __init__(self, model_dir: str):  # no super().__init__: no model, no cache
         self.args = types.SimpleNamespace(model=model_dir, tokenizer=None, max_num_seqs=4)
-        self.model_config = types.SimpleNamespace(vocab_size=512)
-        self.max_model_len = 128
+        self.config = types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=512), max_model_len=128)
         self.tokenizer = None
 
     def get_stats(self):

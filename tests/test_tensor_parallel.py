@@ -19,6 +19,7 @@ from tiny_models import save_hf_model
 from convert.convert import convert_checkpoint
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import get_preset
 from jaxpaged.engine.llm_engine import LLMEngine
@@ -133,10 +134,11 @@ def test_per_device_bytes_shrink_and_match_jaxpaged_plan(tmp_path):
     for n in SIZES:
         args = EngineArgs(model=str(tmp_path), dtype="float32", tensor_parallel_size=n, skip_tokenizer_init=True,
                           max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, gpu_memory_utilization=0.5)  # fmt: skip
-        parallel = TensorParallel.create(ModelConfig.from_pretrained(str(tmp_path)), n)
-        _, model, max_model_len = build_model(args, parallel)
+        config = EngineConfig.resolve(args)
+        parallel = TensorParallel(config.layout, make_mesh(n))
+        model = build_model(config, parallel)
         # The engine reads the allocator's limit, which is XLA_PYTHON_CLIENT_MEM_FRACTION (0.95) of the device.
-        engine_plan = plan_cache(args, model, parallel, max_model_len, memory_bytes=int(memory * 0.95))
+        engine_plan = plan_cache(config, model, parallel, memory_bytes=int(memory * 0.95))
         report = make_plan(str(tmp_path), gpu_memory=memory, context=64, gpu_memory_utilization=0.5,
                            tensor_parallel_size=n, dtype="float32")  # fmt: skip
         assert device_weight_bytes(model) == report["weight_bytes_per_gpu"]

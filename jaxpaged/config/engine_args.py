@@ -33,6 +33,12 @@ class EngineArgsError(ValueError):
         self.field, self.value, self.reason = field, value, reason
 
 
+def check_block_size(block_size: int) -> None:
+    """Raises EngineArgsError unless `block_size` is a power of two (the kernels' tiles)."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise EngineArgsError("block_size", block_size, "must be a power of two (8, 16, 32, ...)")
+
+
 def _option(default, help: str, *, choices: tuple | None = None, metavar: str | None = None):
     return dataclasses.field(default=default, metadata=dict(help=help, choices=choices, metavar=metavar))
 
@@ -105,8 +111,7 @@ class EngineArgs:
         if self.seed is not None:
             self._check_int("seed", 0)
         self._check_tensor_parallel()
-        if self.block_size & (self.block_size - 1):
-            raise EngineArgsError("block_size", self.block_size, "must be a power of two (8, 16, 32, ...)")
+        check_block_size(self.block_size)
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise EngineArgsError("gpu_memory_utilization", utilization, "must be a number in (0, 1]")

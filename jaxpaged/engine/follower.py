@@ -4,6 +4,7 @@ it holds its devices' shards and runs the steps process 0 schedules, and serves 
 import logging
 
 from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.engine.setup import start_device_worker
 from jaxpaged.parallel.multihost import StepChannel, follow
 
@@ -19,6 +20,6 @@ def run_follower(args: EngineArgs) -> int:
     """
     if args.node_rank == 0:
         raise EngineArgsError("node_rank", 0, "process 0 runs the engine (LLM or jaxpaged serve), not a follower")
-    worker = start_device_worker(args)
+    worker = start_device_worker(EngineConfig.resolve(args))
     logger.info("process %d of %d ready; following process 0", args.node_rank, args.nnodes)
     return follow(worker.runner, StepChannel())

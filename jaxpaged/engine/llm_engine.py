@@ -25,8 +25,9 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.core.request_state import RequestState
-from jaxpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker
 from jaxpaged.outputs import CompletionOutput, RequestOutput
@@ -46,27 +47,19 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs):
-        if args.seed is None:  # "random": a fresh seed for this run, logged so it can be repeated
-            args = dataclasses.replace(args, seed=int(np.random.SeedSequence().entropy % 2**31))
-            logger.info("engine seed: %d (drawn at random)", args.seed)
         if args.node_rank != 0:
             raise EngineArgsError("node_rank", args.node_rank, "only process 0 runs the engine; start the others "
                                   "with `jaxpaged serve --node-rank N` (they run process 0's steps)")  # fmt: skip
-        self.args = args
+        config = EngineConfig.resolve(args)
+        self.args = args = config.args
         self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-        worker = start_device_worker(args)
-        self.model_config, self.max_model_len, self.plan = worker.model_config, worker.max_model_len, worker.plan
-        self.parallel, self.runner, self.compile_seconds = worker.parallel, worker.runner, worker.compile_seconds
+        worker = start_device_worker(config)
+        self.config, self.plan, self.parallel = worker.config, worker.plan, worker.parallel
+        self.runner, self.compile_seconds = worker.runner, worker.compile_seconds
         if self.runner.channel is not None:
             atexit.register(self.shutdown)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=self.plan.num_blocks,
-                enable_prefix_caching=args.enable_prefix_caching,
-            ),  # fmt: skip
-            eos_token_id=sorted(eos_token_ids(args, self.model_config, self.tokenizer)),
-        )
+        self.scheduler = Scheduler(self.config.scheduler_config(),
+                                   eos_token_id=sorted(eos_token_ids(args, self.config.model, self.tokenizer)))  # fmt: skip
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(args.seed)
         self._rows: dict[int, np.ndarray] = {}
@@ -117,11 +110,12 @@ class LLMEngine:
         if cache_salt is not None:
             check_text("cache_salt", cache_salt)
         text, token_ids = self._tokenize(prompt)
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        vocab_size = self.config.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max(self.max_model_len - len(token_ids), 1))
+            params = dataclasses.replace(params, max_tokens=max(self.config.max_model_len - len(token_ids), 1))
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._rng.integers(0, 2**31 - 1)))
         arrival = time.time() if arrival_time is None else arrival_time

@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpaged.checkpoint.loader import load_model, read_hf_config, resolve_dtype
+from jaxpaged.checkpoint.loader import load_model, resolve_dtype
 from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.presets import load_config_dict
 from jaxpaged.model import Llama, kv_storage_dtype
 from jaxpaged.parallel import multihost
-from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, leaf_name
+from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, leaf_name, make_mesh
 from jaxpaged.planning.memory import GiB, KVCachePlan, plan_kv_cache
 from jaxpaged.worker.model_runner import ModelRunner, Program
 
@@ -33,8 +35,7 @@ class DeviceWorker:
     step programs.
 
     Attributes:
-      model_config: the checkpoint's configuration.
-      max_model_len: the validated context limit.
+      config: the engine's configuration, with the planned pool size.
       parallel: the mesh and sharding table.
       plan: the KV plan (per device; the same on every process).
       runner: the warmed-up runner; on the leader of several processes its `channel` sends each
@@ -42,17 +43,17 @@ class DeviceWorker:
       compile_seconds: how long warm-up compiled.
     """
 
-    model_config: ModelConfig
-    max_model_len: int
+    config: EngineConfig
     parallel: TensorParallel
     plan: KVCachePlan
     runner: ModelRunner
     compile_seconds: float
 
 
-def start_device_worker(args: EngineArgs) -> DeviceWorker:
+def start_device_worker(config: EngineConfig) -> DeviceWorker:
     """Joins the other processes (with nnodes > 1), builds the mesh, loads the model onto it,
     plans the pool, and compiles every step program."""
+    args = config.args
     multihost.initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     if args.compilation_cache_dir:
         from jax.experimental.compilation_cache import compilation_cache
@@ -60,43 +61,36 @@ def start_device_worker(args: EngineArgs) -> DeviceWorker:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         compilation_cache.reset_cache()  # JAX decides once whether to use a cache: ask again
-    parallel = TensorParallel.create(read_hf_config(args.model)[0], args.tensor_parallel_size)
-    config, model, max_model_len = build_model(args, parallel)
-    plan = plan_cache(args, model, parallel, max_model_len)
+    parallel = TensorParallel(config.layout, make_mesh(config.layout.size))
+    model = build_model(config, parallel)
+    plan = plan_cache(config, model, parallel)
     agreed = multihost.agree_on_blocks(plan.num_blocks)
     if agreed != plan.num_blocks:
         plan = dataclasses.replace(plan, num_blocks=agreed, pool_bytes=agreed * plan.bytes_per_token * plan.block_size,
                                    sized_from=plan.sized_from + " (the smallest of all processes)")  # fmt: skip
     logger.info(plan.summary())
-    runner = ModelRunner(
-        model, parallel=parallel, num_blocks=plan.num_blocks, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len, kv_dtype=model.embed[...].dtype, num_decode_steps=args.num_scheduler_steps,
-    )  # fmt: skip
+    config = config.with_blocks(plan.num_blocks)
+    runner = ModelRunner(model, parallel=parallel, config=config)
     seconds = runner.warm_up()
     check_step_memory(plan, runner.temp_bytes)
     if jax.process_count() > 1 and multihost.is_leader():
         runner.channel = multihost.StepChannel()  # from now on every device call is announced
-    return DeviceWorker(config, max_model_len, parallel, plan, runner, seconds)
+    return DeviceWorker(config, parallel, plan, runner, seconds)
 
 
-def build_model(args: EngineArgs, parallel: TensorParallel) -> tuple[ModelConfig, Llama, int]:
-    """Loads (or, with load_format="dummy", randomly initialises) the model onto its mesh.
-
-    Returns:
-      `(config, model, max_model_len)`: the checkpoint's config, the model in the mesh layout,
-      and max_model_len validated against the model.
-    """
-    config, raw = read_hf_config(args.model)
-    max_model_len = config.check_max_model_len(args.max_model_len or config.max_context_len)
+def build_model(config: EngineConfig, parallel: TensorParallel) -> Llama:
+    """Loads (or, with load_format="dummy", randomly initialises) the model onto its mesh, in
+    the mesh layout."""
+    args, model_config = config.args, config.model
     if args.load_format == "dummy":
+        raw = load_config_dict(args.model)[1]
         dtype = jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
-        model = _dummy_model(config, dtype, args, parallel)
+        model = _dummy_model(model_config, dtype, args, parallel)
     else:
-        config, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel)
-    logger.info("model %s: %s, %d layers, dtype %s", args.model, config.architecture, config.num_layers,
+        _, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel)
+    logger.info("model %s: %s, %d layers, dtype %s", args.model, model_config.architecture, model_config.num_layers,
                 model.embed[...].dtype)  # fmt: skip
-    return config, model, max_model_len
+    return model
 
 
 def _dummy_model(config: ModelConfig, dtype, args: EngineArgs, parallel: TensorParallel) -> Llama:
@@ -146,13 +140,14 @@ def device_memory_bytes(parallel: TensorParallel) -> int | None:
     return None if None in limits else min(limits)
 
 
-def plan_cache(args: EngineArgs, model: Llama, parallel: TensorParallel, max_model_len: int,
+def plan_cache(engine_config: EngineConfig, model: Llama, parallel: TensorParallel,
                memory_bytes: int | None = None) -> KVCachePlan:  # fmt: skip
     """Sizes one device's KV pool from its memory (or the explicit budget, or on a CPU the job).
 
     Args:
       memory_bytes: the allocator's limit per device; default `device_memory_bytes(parallel)`.
     """
+    args, max_model_len = engine_config.args, engine_config.max_model_len
     config = parallel.layout.device_config
     dtype_bytes = kv_storage_dtype(model.embed[...].dtype, parallel.platform).itemsize
     common = dict(dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len)
@@ -162,7 +157,7 @@ def plan_cache(args: EngineArgs, model: Llama, parallel: TensorParallel, max_mod
     if limit is None:
         return plan_kv_cache(config, **common, **_cpu_budget(args, config, dtype_bytes, max_model_len))
     weights = device_weight_bytes(model)
-    activations = _peak_activation_bytes(args, model, parallel, max_model_len)
+    activations = _peak_activation_bytes(engine_config, model, parallel)
     # The allocator's limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (see jaxpaged/__init__.py).
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
     total = limit / fraction
@@ -214,14 +209,10 @@ def check_step_memory(plan: KVCachePlan, temp_bytes: dict[Program, int]) -> None
         )
 
 
-def _peak_activation_bytes(args: EngineArgs, model: Llama, parallel: TensorParallel, max_model_len: int) -> int:
+def _peak_activation_bytes(config: EngineConfig, model: Llama, parallel: TensorParallel) -> int:
     """Temporaries of the largest step bucket, from XLA's memory analysis (pool kept tiny)."""
-    pages = -(-max_model_len // args.block_size)
-    probe = ModelRunner(
-        model, parallel=parallel, num_blocks=pages + 1, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-        kv_dtype=model.embed[...].dtype,
-    )  # fmt: skip
+    pages = -(-config.max_model_len // config.args.block_size)
+    probe = ModelRunner(model, parallel=parallel, config=config.with_blocks(pages + 1))
     program = Program(max(probe.layouts), 1, False)
     probe.compile_program(program)
     temp = probe.temp_bytes[program]

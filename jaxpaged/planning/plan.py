@@ -16,6 +16,7 @@ import json
 import math
 
 from jaxpaged.checkpoint.hf_keys import param_shapes
+from jaxpaged.config.engine_args import check_block_size
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.parallel.sharding import TensorParallelLayout
@@ -55,8 +56,7 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
     for flag, value in (("--dtype", dtype), ("--kv-cache-dtype", kv_dtype)):
         if value not in DTYPE_BYTES:
             raise ValueError(f"{flag} {value!r} is not supported; use auto or one of {sorted(DTYPE_BYTES)}")
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"--block-size {block_size} must be a power of two")
+    check_block_size(block_size)
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
     tp = tensor_parallel_size

@@ -85,7 +85,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     async def models() -> dict:
         ctx.require_ready()
         card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "jaxpaged",
-                "root": served_model_name, "parent": None, "max_model_len": async_engine.max_model_len}  # fmt: skip
+                "root": served_model_name, "parent": None, "max_model_len": async_engine.config.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -129,12 +129,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             ctx.check_text_length(len(body.prompt), "prompt")
             special = body.add_special_tokens
             tokens = await ctx.pool.run(lambda tok: tok.encode(body.prompt, add_special_tokens=special))
-        return {"count": len(tokens), "max_model_len": async_engine.max_model_len, "tokens": tokens, "token_strs": None}
+        return {"count": len(tokens), "max_model_len": async_engine.config.max_model_len, "tokens": tokens, "token_strs": None}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         ctx.check_model(body.model)
-        vocab = async_engine.model_config.vocab_size
+        vocab = async_engine.config.model.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")

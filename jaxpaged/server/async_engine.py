@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -114,7 +115,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, max_num_waiting: int | None = None,
                  on_dead: Callable[[BaseException], None] | None = None):  # fmt: skip
         self.engine: LLMEngine | None = None
-        self.model_config = self.max_model_len = self.tokenizer_dir = None
+        self.config: EngineConfig | None = None  # the engine's, once it is ready
+        self.tokenizer_dir = None
         self.max_num_waiting = max_num_waiting
         self.stats: dict[str, Any] = {}
         self.output_observers: list[Callable[[RequestOutput, float], None]] = []
@@ -139,8 +141,7 @@ class AsyncEngine:
 
     def _adopt(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.model_config = engine.model_config
-        self.max_model_len = engine.max_model_len
+        self.config = engine.config
         self.tokenizer_dir = None if engine.tokenizer is None else engine.args.tokenizer or engine.args.model
         self.stats = engine.get_stats()
         for callback in self._ready_callbacks:

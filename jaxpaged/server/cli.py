@@ -161,13 +161,13 @@ def _draining_server(config, async_engine, shutdown_timeout: float):
 def _log_start_up(engine, seconds: float) -> None:
     import jax
 
-    plan, runner, config = engine.plan, engine.runner, engine.model_config
+    plan, runner, config = engine.plan, engine.runner, engine.config.model
     dtype = jax.tree.leaves(runner.params)[0].dtype
     programs = len(getattr(runner, "compiled", runner.layouts))
     logger.info(
         "engine ready in %.1f s: model %s (%s, %d layers, dtype %s, max_model_len %d); KV cache %d blocks x %d = "
         "%d tokens (%.3f GiB), max concurrency %.2f at max_model_len; %d step programs (token buckets %s) "
         "compiled in %.1f s", seconds, engine.args.model, config.architecture, config.num_layers, dtype,
-        engine.max_model_len, plan.num_blocks - 1, plan.block_size, plan.num_tokens, plan.pool_bytes / 2**30,
+        engine.config.max_model_len, plan.num_blocks - 1, plan.block_size, plan.num_tokens, plan.pool_bytes / 2**30,
         plan.max_concurrency, programs, sorted(runner.layouts), engine.compile_seconds,
     )  # fmt: skip

@@ -77,15 +77,15 @@ class ServingContext:
 
     def check_text_length(self, chars: int, what: str) -> None:
         """400 before tokenizing when `chars` characters must be more tokens than `max_model_len`."""
-        limit = self.engine.max_model_len * self.pool.max_token_chars
+        limit = self.engine.config.max_model_len * self.pool.max_token_chars
         if chars > limit:
-            raise APIError(f"the {what} has {chars} characters: more than the {self.engine.max_model_len} tokens of "
+            raise APIError(f"the {what} has {chars} characters: more than the {self.engine.config.max_model_len} tokens of "
                            f"this model's maximum context length can hold (at most {limit} characters)",
                            param=what, code="context_length_exceeded")  # fmt: skip
 
     def check_length(self, num_prompt: int, max_tokens: int | None, what: str) -> None:
         """400 `context_length_exceeded` when prompt + max_tokens cannot fit `max_model_len`."""
-        limit = self.engine.max_model_len
+        limit = self.engine.config.max_model_len
         if max_tokens is None and num_prompt >= limit:
             raise APIError(f"This model's maximum context length is {limit} tokens, and the {what} has {num_prompt} "
                            "tokens, which leaves no room for the completion. Please shorten the "
@@ -147,7 +147,7 @@ def _template_reason(err: Exception) -> str:
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: Request) -> Response:
     """`POST /v1/completions`: one engine request per prompt, choices indexed prompt-major."""
     ctx.check_model(body.model)
-    params = body.sampling_params(ctx.engine.model_config.vocab_size)
+    params = body.sampling_params(ctx.engine.config.model.vocab_size)
     num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
     ctx.check_sequences(num_prompts, params.n)
     prompts = await completion_prompts(ctx, body.prompt)
@@ -159,7 +159,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
     """`POST /v1/chat/completions`: the conversation through the chat template, one request."""
     ctx.check_model(body.model)
-    params = body.sampling_params(ctx.engine.model_config.vocab_size)
+    params = body.sampling_params(ctx.engine.config.model.vocab_size)
     ctx.check_sequences(1, params.n)
     prompt = await chat_prompt(ctx, body)
     ctx.check_length(len(prompt["prompt_token_ids"]), params.max_tokens, "messages")

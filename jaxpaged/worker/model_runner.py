@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.functional import DeviceCache, StepInput, init_cache, step
 from jaxpaged.model import AttentionMetadata, KVPool, Llama
@@ -130,21 +131,21 @@ class ModelRunner:
     Args:
       model: the NNX model (split once; its params are placed by the sharding table).
       parallel: the mesh and sharding table (one device: `TensorParallel.create(config)`).
-      num_blocks: KV blocks, including the null block 0.
-      block_size: tokens per block.
-      max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
-      kv_dtype: the model's KV dtype (stored as `kv_storage_dtype(kv_dtype, platform)`).
-      num_decode_steps: decode steps fused into one program when a batch is all decodes
-        (vLLM's num_scheduler_steps); 1 disables fusing.
+      config: the engine's configuration, planned: the pool's `num_blocks` (the null block
+        included), the scheduler's limits, `num_scheduler_steps` decode steps fused into one
+        program when a batch is all decodes (1: no fusing). The pool is stored in
+        `kv_storage_dtype` of the model's dtype.
     """
 
-    def __init__(self, model: Llama, *, parallel: TensorParallel, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, kv_dtype, num_decode_steps: int = 1):  # fmt: skip
+    def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig):
+        args = config.args
         self.config = model.config
-        self.num_decode_steps = num_decode_steps
+        self.num_decode_steps = args.num_scheduler_steps
         self.parallel = parallel
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size = args.block_size
+        self.max_num_seqs = max_num_seqs = args.max_num_seqs
+        max_num_batched_tokens, max_model_len = args.max_num_batched_tokens, config.max_model_len
+        num_blocks, kv_dtype = config.num_blocks, model.embed[...].dtype
         self.packer = StepPacker(block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, vocab_size=self.config.vocab_size)  # fmt: skip
         self.pages = self.packer.pages

@@ -1,0 +1,64 @@
+"""The engine's resolved configuration: `EngineArgs` plus what start-up decides from the model.
+
+Built once (`EngineConfig.resolve`, no JAX) and handed to the planner, the runner, the scheduler
+and the server, so none of them re-derives a limit or re-reads the model's configuration. The
+pool size is the one thing only the devices can decide: `with_blocks` adds it after planning.
+"""
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.presets import load_config_dict
+from jaxpaged.core.scheduler import SchedulerConfig
+from jaxpaged.parallel.sharding import TensorParallelLayout
+
+logger = logging.getLogger("jaxpaged")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine runs with.
+
+    Attributes:
+      args: the options as given, with the seed resolved (never None).
+      model: the checkpoint's configuration.
+      max_model_len: the context limit, validated against the model.
+      layout: how the model splits over the tensor-parallel devices.
+      num_blocks: KV blocks per device, the null block included (0 until the pool is planned).
+    """
+
+    args: EngineArgs
+    model: ModelConfig
+    max_model_len: int
+    layout: TensorParallelLayout
+    num_blocks: int = 0
+
+    @classmethod
+    def resolve(cls, args: EngineArgs) -> "EngineConfig":
+        """Resolves the seed ("random" draws one, logged so a run can be repeated), reads the
+        model's configuration and checks the context limit against it.
+
+        Raises:
+          ValueError: max_model_len beyond the model's limit or its sliding window.
+        """
+        if args.seed is None:
+            args = dataclasses.replace(args, seed=int(np.random.SeedSequence().entropy % 2**31))
+            logger.info("engine seed: %d (drawn at random)", args.seed)
+        model = ModelConfig.from_hf(load_config_dict(args.model)[1])
+        max_model_len = model.check_max_model_len(args.max_model_len or model.max_context_len)
+        return cls(args, model, max_model_len, TensorParallelLayout(model, args.tensor_parallel_size))
+
+    def with_blocks(self, num_blocks: int) -> "EngineConfig":
+        """This configuration with the planned pool size."""
+        return dataclasses.replace(self, num_blocks=num_blocks)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """What the scheduler needs (after planning)."""
+        a = self.args
+        return SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                               max_model_len=self.max_model_len, block_size=a.block_size, num_blocks=self.num_blocks,
+                               enable_prefix_caching=a.enable_prefix_caching)  # fmt: skip

@@ -66,6 +66,7 @@ def run(engine: LLMEngine, prompts, params: SamplingParams) -> list:
     return [done[i].outputs[0] for i in range(len(prompts))]
 
 
+@pytest.mark.isolated
 @pytest.mark.parametrize("n", SIZES)
 def test_greedy_tokens_equal_transformers_for_every_size(tp_model, n):
     variant, path, prompts, references = tp_model
@@ -77,6 +78,7 @@ def test_greedy_tokens_equal_transformers_for_every_size(tp_model, n):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+@pytest.mark.isolated
 def test_seeded_sampling_penalties_and_logprobs_agree_across_sizes(tmp_path):
     save_hf_model("llama_tp", str(tmp_path))
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42] * 5, [300]]
@@ -105,6 +107,7 @@ EXPECTED_SHARDS = {  # one device's shard
 }  # fmt: skip
 
 
+@pytest.mark.isolated
 def test_every_parameter_and_the_pool_are_split_as_the_table_says(tmp_path):
     save_hf_model("llama_tp", str(tmp_path))
     engine = make_engine(str(tmp_path), 8)
@@ -125,6 +128,7 @@ def test_every_parameter_and_the_pool_are_split_as_the_table_says(tmp_path):
     assert not np.array_equal(np.asarray(k_proj[:, 3]), np.asarray(k_proj[:, 4]))
 
 
+@pytest.mark.isolated
 def test_per_device_bytes_shrink_and_match_jaxpaged_plan(tmp_path):
     """Weights and KV bytes per device shrink with the size and equal `jaxpaged plan`'s numbers;
     the engine's pool is plan's pool less the activations it measures."""
@@ -180,6 +184,7 @@ def test_llama_70b_shards_are_what_jaxpaged_plan_counts(n):
     assert pool[2] == report["kv_heads_per_gpu"] == 8 // n
 
 
+@pytest.mark.isolated
 @pytest.mark.parametrize("n", [2, 4])
 def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
     """From safetensors and from a converted (Orbax) checkpoint: every tensor arrives split as
@@ -202,6 +207,7 @@ def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
             np.testing.assert_array_equal(np.asarray(leaf), expected, err_msg=f"{source}: {name}")
 
 
+@pytest.mark.isolated
 def test_dummy_weights_are_the_same_model_for_every_size(tmp_path):
     """`load_format="dummy"` makes the checkpoint's random weights on the mesh (each device its
     shard): the same model, so the same greedy tokens, on 1 and 8 devices."""

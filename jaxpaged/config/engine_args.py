@@ -80,7 +80,7 @@ class EngineArgs:
         0, "this process among --nnodes: 0 schedules and serves, the others run its steps on their devices")
     master_addr: str = _option("127.0.0.1", "address of process 0, where the processes meet (with --nnodes > 1)",
                                metavar="HOST")  # fmt: skip
-    master_port: int = _option(29501, "port of process 0 where the processes meet (with --nnodes > 1)")
+    master_port: int = _option(29501, "port of process 0 where the processes meet (with --nnodes > 1)", metavar="PORT")
     compilation_cache_dir: str | None = _option(
         None, "persistent JAX compilation cache directory: later start-ups load compiled steps from it",
         metavar="DIR")  # fmt: skip

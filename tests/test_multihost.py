@@ -11,13 +11,11 @@ import subprocess
 import sys
 import time
 
-import numpy as np
+import tp_workload
 from engine_fixtures import hf_greedy
 from tiny_models import save_hf_model
 
-from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
-from jaxpaged.parallel.sharding import TensorParallelLayout
 
 MAX_TOKENS = 10
 PROCESS = r"""
@@ -55,14 +53,8 @@ def free_port() -> int:
 
 def test_two_processes_give_transformers_tokens(tmp_path):
     hf = save_hf_model("llama_tp", str(tmp_path))
-    rng = np.random.default_rng(1)
-    shared = rng.integers(3, 500, size=20).tolist()
-    prompts = [shared + rng.integers(3, 500, size=int(n)).tolist() for n in (3, 9)]
-    prompts += [rng.integers(3, 500, size=int(n)).tolist() for n in (5, 30)]
-    per_block = kv_bytes_per_token(TensorParallelLayout(ModelConfig.from_pretrained(str(tmp_path)), 4).device_config, 4) * 8
-    options = dict(model=str(tmp_path), dtype="float32", tensor_parallel_size=4, skip_tokenizer_init=True,
-                   max_model_len=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=16,
-                   kv_cache_memory_bytes=9 * per_block)  # fmt: skip
+    prompts = tp_workload.prompts(seed=1)
+    options = tp_workload.engine_options(str(tmp_path), 4)
     port = free_port()
     argv = [json.dumps(options), json.dumps(prompts), str(MAX_TOKENS)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tp_workload
 from engine_fixtures import hf_greedy
 from flax import nnx
 from tiny_models import save_hf_model
@@ -20,19 +21,16 @@ from convert.convert import convert_checkpoint
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.config.engine_config import EngineConfig
-from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import get_preset
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.setup import build_model, device_weight_bytes, plan_cache
 from jaxpaged.model import Llama
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, leaf_name, make_mesh
-from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
 
 SIZES = (1, 2, 4, 8)
-BLOCK_SIZE = 8
-POOL_BLOCKS = 8  # fewer than the workload's sequences need at once: preemption happens
 MAX_TOKENS = 12
 
 
@@ -41,20 +39,12 @@ def tp_model(request, tmp_path_factory):
     """(variant, model dir, prompts, transformers' greedy continuations)."""
     path = str(tmp_path_factory.mktemp(request.param))
     hf = save_hf_model(request.param, path)
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, 500, size=20).tolist()
-    prompts = [shared + rng.integers(3, 500, size=int(n)).tolist() for n in (3, 9, 1)]
-    prompts += [rng.integers(3, 500, size=int(n)).tolist() for n in (5, 30)]
+    prompts = tp_workload.prompts()
     return request.param, path, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
 
 
 def make_engine(path: str, n: int, **kwargs) -> LLMEngine:
-    config = ModelConfig.from_pretrained(path)
-    per_block = kv_bytes_per_token(TensorParallelLayout(config, n).device_config, 4) * BLOCK_SIZE  # float32
-    options = dict(model=path, dtype="float32", tensor_parallel_size=n, skip_tokenizer_init=True, max_model_len=48,
-                   block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=16,
-                   kv_cache_memory_bytes=(POOL_BLOCKS + 1) * per_block)  # fmt: skip
-    return LLMEngine(EngineArgs(**{**options, **kwargs}))
+    return LLMEngine(EngineArgs(**{**tp_workload.engine_options(path, n), **kwargs}))
 
 
 def run(engine: LLMEngine, prompts, params: SamplingParams) -> list:

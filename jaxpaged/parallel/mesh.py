@@ -104,8 +104,7 @@ class TensorParallel:
     def place_state(self, state):
         """`jax.device_put` of a whole model state (pure dict or `nnx.State`) already in the mesh
         layout (kv heads repeated), each leaf with its table sharding."""
-        return jax.tree_util.tree_map_with_path(lambda path, x: jax.device_put(x, self.param_sharding(leaf_name(path))),
-                                                state)  # fmt: skip
+        return jax.device_put(state, self.state_shardings(state))
 
     def state_shardings(self, state):
         """The table sharding of every leaf of a model state (for `jit` out_shardings)."""

@@ -13,7 +13,9 @@ transport beyond the one `jax.distributed` sets up is needed.
 
 import logging
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 logger = logging.getLogger("jaxpaged")
 
@@ -28,8 +30,6 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) 
     On CPU the cross-process collectives go over gloo. A runtime already initialized (by the
     caller, or an earlier engine in this process) is kept.
     """
-    import jax
-
     if nnodes == 1 or jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices; GPUs use NCCL
@@ -40,8 +40,6 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) 
 
 
 def is_leader() -> bool:
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -50,8 +48,6 @@ class StepChannel:
 
     def send(self, command: int, fields: tuple[int, ...], payload: np.ndarray) -> None:
         """Leader: broadcasts a command with up to four integer fields and an int32 payload."""
-        from jax.experimental import multihost_utils
-
         header = np.zeros(HEADER_SIZE, np.int32)
         header[0], header[1 : 1 + len(fields)], header[-1] = command, fields, payload.size
         multihost_utils.broadcast_one_to_all(header)
@@ -60,8 +56,6 @@ class StepChannel:
 
     def receive(self) -> tuple[int, tuple[int, ...], np.ndarray]:
         """Follower: the next command, its four fields and its payload."""
-        from jax.experimental import multihost_utils
-
         header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(HEADER_SIZE, np.int32)))
         size = int(header[-1])
         payload = np.zeros(size, np.int32)
@@ -72,9 +66,6 @@ class StepChannel:
 
 def agree_on_blocks(num_blocks: int) -> int:
     """The pool size every process can hold (the smallest of their plans)."""
-    import jax
-    from jax.experimental import multihost_utils
-
     if jax.process_count() == 1:
         return num_blocks
     return int(np.min(multihost_utils.process_allgather(np.array([num_blocks], np.int64))))

@@ -255,10 +255,11 @@ class ModelRunner:
         """Packs, transfers and runs one step (or `steps` fused decode steps); returns the (not
         yet fetched) device result, stacked `[steps, ...]` when steps > 1."""
         t, flat = self.packer.pack(inputs, rows, resets)
-        decode = Program(t, steps, True)
-        if decode not in self.compiled and steps == 1:  # decode steps are fused: one runs as a mixed step
-            decode = Program(t, 1, False)
-        program = decode if all(len(s.token_ids) == 1 for s in inputs) else Program(t, steps, False)
+        # A decode batch takes the decode program when there is one of `steps` steps (with fused
+        # decoding there is none of 1 step: a single decode step runs as a mixed one).
+        program = Program(t, steps, True)
+        if program not in self.compiled or any(len(s.token_ids) != 1 for s in inputs):
+            program = Program(t, steps, False)
         if program not in self.compiled:
             raise RuntimeError(f"no compiled program {program}: call warm_up() first")
         if self.channel is not None:

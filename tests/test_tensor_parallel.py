@@ -206,3 +206,20 @@ def test_dummy_weights_are_the_same_model_for_every_size(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     one, eight = (run(make_engine(str(tmp_path), n, load_format="dummy"), prompts, params) for n in (1, 8))
     assert [o.token_ids for o in one] == [o.token_ids for o in eight]
+
+
+@pytest.mark.isolated
+def test_bfloat16_demo_model_gives_the_same_text_split_over_four_devices():
+    """The trained demo model in bfloat16 (its checkpoint dtype; 2 kv heads, repeated onto 4
+    devices): the same greedy text on one device and on four."""
+    from jaxpaged import LLM
+    from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+
+    prompts = ["In the beginning", "And God said", "The LORD is my shepherd"]
+    texts = {}
+    for n in (1, 4):
+        llm = LLM(DEMO_MODEL_DIR, dtype="bfloat16", tensor_parallel_size=n, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=32)  # fmt: skip
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        texts[n] = [o.outputs[0].text for o in outputs]
+    assert texts[1] == texts[4]

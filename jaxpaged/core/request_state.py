@@ -49,7 +49,7 @@ class RequestState:
                 seq=seq,
                 detokenizer=NoDetokenizer() if tokenizer is None else IncrementalDetokenizer(
                     tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
                 ),  # fmt: skip
                 logprobs=[] if params.logprobs is not None else None,
             )

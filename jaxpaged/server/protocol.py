@@ -102,6 +102,7 @@ class _SamplingRequest(Request):
     cache_salt: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
         """The request's `SamplingParams`.
@@ -131,6 +132,7 @@ class _SamplingRequest(Request):
             frequency_penalty=self.frequency_penalty, seed=seed, stop=stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )  # fmt: skip
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in ("max_tokens",)})

@@ -1,5 +1,6 @@
 """Test-wide setup: JAX on CPU with 8 fake devices (for sharding tests), tiny models importable,
-and the `isolated` marker.
+the engines' default compilation cache in a directory of this run (`$XDG_CACHE_HOME` points
+there, shared by the run's subprocesses, never the user's ~/.cache), and the `isolated` marker.
 
 `isolated` tests run in a fresh Python process of their own (`python -m pytest NODEID`). The
 tensor-parallel engine tests compile many 8-device programs; at the end of the full suite, in a
@@ -11,12 +12,16 @@ those tests alone), taking the whole suite down with it.
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(__file__))
+if "JAXPAGED_TEST_CACHE_HOME" not in os.environ:  # set once per run; subprocesses inherit it
+    os.environ["JAXPAGED_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxpaged-test-cache-")
+os.environ["XDG_CACHE_HOME"] = os.environ["JAXPAGED_TEST_CACHE_HOME"]
 
 IN_ISOLATION = "JAXPAGED_TEST_IN_ISOLATION"
 

@@ -14,7 +14,7 @@ from tiny_models import save_hf_model
 
 from convert.cli import main
 from convert.convert import convert_checkpoint
-from jaxpaged.checkpoint.hf_keys import hf_key_specs
+from jaxpaged.checkpoint.hf_keys import hf_key_specs, param_shapes
 from jaxpaged.checkpoint.loader import load_model, load_params
 from jaxpaged.model.llama import Llama
 
@@ -90,15 +90,16 @@ def test_hf_and_converted_params_match_torch(variant, shard_size, tmp_path):
     eq = np.testing.assert_array_equal
     eq(ours["embed"], hf["model.embed_tokens.weight"])
     eq(ours["final_norm"]["scale"], hf["model.norm.weight"])
+    layers = ours["layers"]  # stacked: row i is layer i
     for i in range(config.num_layers):
-        attn, hf_attn = ours["layers"][i]["attn"], f"model.layers.{i}.self_attn."
+        attn, hf_attn = {name: p[i] for name, p in layers["attn"].items()}, f"model.layers.{i}.self_attn."
         eq(attn["q_proj"].reshape(d, n * h).T, hf[hf_attn + "q_proj.weight"])
         eq(attn["k_proj"].reshape(d, k * h).T, hf[hf_attn + "k_proj.weight"])
         eq(attn["v_proj"].reshape(d, k * h).T, hf[hf_attn + "v_proj.weight"])
         eq(attn["o_proj"].reshape(n * h, d).T, hf[hf_attn + "o_proj.weight"])
-        eq(ours["layers"][i]["mlp"]["gate_proj"].T, hf[f"model.layers.{i}.mlp.gate_proj.weight"])
-        eq(ours["layers"][i]["mlp"]["down_proj"].T, hf[f"model.layers.{i}.mlp.down_proj.weight"])
-        eq(ours["layers"][i]["input_norm"]["scale"], hf[f"model.layers.{i}.input_layernorm.weight"])
+        eq(layers["mlp"]["gate_proj"][i].T, hf[f"model.layers.{i}.mlp.gate_proj.weight"])
+        eq(layers["mlp"]["down_proj"][i].T, hf[f"model.layers.{i}.mlp.down_proj.weight"])
+        eq(layers["input_norm"]["scale"][i], hf[f"model.layers.{i}.input_layernorm.weight"])
         if config.qkv_bias:
             eq(attn["q_bias"].reshape(n * h), hf[hf_attn + "q_proj.bias"])
             eq(attn["k_bias"].reshape(k * h), hf[hf_attn + "k_proj.bias"])
@@ -109,7 +110,8 @@ def test_hf_and_converted_params_match_torch(variant, shard_size, tmp_path):
         assert "lm_head" not in ours
     else:
         eq(ours["lm_head"].T, hf["lm_head.weight"])
-    assert len(hf_key_specs(config)) == len(ours_flat)
+    assert len(param_shapes(config)) == len(ours_flat)
+    assert len(hf_key_specs(config)) == len(ours_flat) + (config.num_layers - 1) * len(leaves(layers))
 
 
 def test_cli_bfloat16_end_to_end(llama_dir, tmp_path, capsys):
@@ -121,7 +123,7 @@ def test_cli_bfloat16_end_to_end(llama_dir, tmp_path, capsys):
     for name in ("config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja"):
         assert (out / name).is_file(), name
     marker = json.loads((out / "jaxpaged_format.json").read_text())
-    assert marker["dtype"] == "bfloat16" and marker["format_version"] == 1
+    assert marker["dtype"] == "bfloat16" and marker["format_version"] == 2  # 2: layers stacked
 
     _, params = load_params(out)  # "auto": the converted dtype
     _, reference = load_params(hf_dir, "float32")
@@ -239,13 +241,13 @@ def test_load_model_builds_llama_with_checkpoint_shapes(llama_dir, dtype):
     config, model = load_model(llama_dir, dtype)
     assert isinstance(model, Llama)
     state = leaves(nnx.to_pure_dict(nnx.state(model)))
-    expected = {spec.target: spec.shape for spec in hf_key_specs(config)}
+    expected = param_shapes(config)
     assert {p: v.shape for p, v in state.items()} == expected
     for path, value in state.items():
         assert isinstance(value, jax.Array) and value.dtype == np.dtype(dtype), path
     _, params = load_params(llama_dir, dtype)
     np.testing.assert_array_equal(
-        np.asarray(state[("layers", 1, "attn", "o_proj")]), params["layers"][1]["attn"]["o_proj"]
+        np.asarray(state[("layers", "attn", "o_proj")]), params["layers"]["attn"]["o_proj"]
     )
 
 
@@ -254,8 +256,9 @@ def test_converted_dir_checked_against_its_config(llama_dir, tmp_path):
     convert_checkpoint(llama_dir, out, dtype="float32", progress=False)
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
-    with pytest.raises(ValueError, match=r"unexpected keys: layers\.1\.attn\.k_proj"):
+    # the decoder layers are stacked: a checkpoint of 2 layers has 2 rows where the config expects 1
+    with pytest.raises(ValueError, match=r"tensor 'layers\.[a-z_.]+' has shape \[2, [0-9, ]*\], expected \[1, "):
         load_params(out)
     (out / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*\[128, 64\].*\[64, 64\]"):
+    with pytest.raises(ValueError, match=r"layers\.mlp\.down_proj.*\[2, 128, 64\].*\[2, 64, 64\]"):
         load_params(out)

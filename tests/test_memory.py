@@ -58,7 +58,7 @@ def test_cpu_pool_is_sized_from_the_job_and_capped_by_host_memory(monkeypatch):
 
 def test_start_up_fails_when_a_step_needs_more_temporaries_than_planned():
     from jaxpaged.engine.setup import TEMP_SLACK_BYTES, check_step_memory
-    from jaxpaged.worker.model_runner import Program
+    from jaxpaged.worker.step_programs import Program
 
     plan = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, device_memory_bytes=80 * GiB,
                          weight_bytes=16 * GiB, activation_bytes=GiB)  # fmt: skip

@@ -74,7 +74,7 @@ def test_cpu_stores_bfloat16_pools_in_float32():
     assert kv_storage_dtype(jnp.float16, "cpu") == jnp.float16  # gathered natively
     assert kv_storage_dtype(jnp.float32, "cpu") == jnp.float32
     pool = init_kv_pool(CONFIG, 4, 16, jnp.bfloat16, "cpu")
-    assert pool.k[0].dtype == jnp.float32 and pool.k[0].shape == (4, 16, 2, 64)
+    assert pool.k.dtype == jnp.float32 and pool.k.shape == (CONFIG.num_layers * 4, 16, 2, 64)  # every layer's blocks
 
 
 def test_bfloat16_pool_in_float32_holds_exact_bfloat16_values():
@@ -84,6 +84,6 @@ def test_bfloat16_pool_in_float32_holds_exact_bfloat16_values():
 
     k = jax.random.normal(jax.random.key(0), (8, 2, 64), jnp.bfloat16)
     pool = init_kv_pool(CONFIG, 4, 16, jnp.bfloat16, "cpu")
-    k_pool, _ = reference.write_kv(pool.k[0], pool.v[0], k, k, jnp.arange(16, 24))
+    k_pool, _ = reference.write_kv(pool.k, pool.v, k, k, jnp.arange(16, 24))
     assert k_pool.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(k_pool.reshape(-1, 2, 64)[16:24].astype(jnp.bfloat16)), np.asarray(k))

@@ -19,10 +19,10 @@ from test_kernel_lowering import CUDA_DEVICE, TRITON_CALL, lower_for_cuda
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.functional import DeviceCache, init_cache
 from jaxpaged.model import KVPool, Llama
-from jaxpaged.parallel.mesh import TensorParallel, leaf_name
+from jaxpaged.parallel.mesh import TensorParallel, param_path
 from jaxpaged.parallel.sharding import TensorParallelLayout
-from jaxpaged.worker.model_runner import _packed_decode_steps, _packed_step
 from jaxpaged.worker.step_packer import StepPacker
+from jaxpaged.worker.step_programs import _packed_decode_steps, _packed_step
 from pallas_kernels import _common
 
 pytestmark = [
@@ -54,9 +54,9 @@ def test_mixed_step_lowers_with_the_ragged_kernel(abstract_engine):
     layout = packer.layouts[512]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
     text = lower_for_cuda(functools.partial(_packed_step, layout, graphdef), params, cache, flat)
-    # One Triton call per layer, the ragged kernel's: the runner picks the decode program for
-    # decode batches instead of a per-layer `lax.cond` holding both kernels.
-    assert text.count(TRITON_CALL) == LLAMA_8B_2_LAYERS.num_layers
+    # One Triton call, the ragged kernel's, in the one (scanned) layer body: the runner picks the
+    # decode program for decode batches instead of a per-layer `lax.cond` holding both kernels.
+    assert text.count(TRITON_CALL) == 1
     assert_no_pool_sized_conversion(text)
 
 
@@ -65,7 +65,7 @@ def test_fused_decode_steps_lower_with_the_decode_kernel(abstract_engine):
     layout = packer.layouts[packer.bucket_for(64, 64)]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
     text = lower_for_cuda(functools.partial(_packed_decode_steps, layout, 4, graphdef), params, cache, flat)
-    assert text.count(TRITON_CALL) >= LLAMA_8B_2_LAYERS.num_layers
+    assert text.count(TRITON_CALL) == 1  # the decode kernel, in the layer body of the step body
     assert_no_pool_sized_conversion(text)
 
 
@@ -73,9 +73,10 @@ def assert_no_pool_sized_conversion(text: str) -> None:
     """The bfloat16 pool is read in place: no pool-shaped array of another dtype is ever made
     (a per-step float32 copy of a layer's pool is the defect tests/test_pool_size.py guards on CPU)."""
     c = LLAMA_8B_2_LAYERS
-    pool = f"{NUM_BLOCKS}x16x{c.num_kv_heads}x{c.head_dim}"
+    blocks = NUM_BLOCKS * c.num_layers  # every layer's blocks in one pool
+    pool = f"{blocks}x16x{c.num_kv_heads}x{c.head_dim}"
     assert f"tensor<{pool}xbf16>" in text, "the pools should be bfloat16 on CUDA"
-    shapes = {f"{pool}x{dtype}" for dtype in ("f32", "f16", "i16", "ui16")} | {f"{NUM_BLOCKS * 16}x{c.num_kv_heads}x{c.head_dim}xf32"}
+    shapes = {f"{pool}x{dtype}" for dtype in ("f32", "f16", "i16", "ui16")} | {f"{blocks * 16}x{c.num_kv_heads}x{c.head_dim}xf32"}
     assert not [s for s in shapes if f"tensor<{s}>" in text], "a pool-sized array of another dtype is built"
 
 
@@ -90,7 +91,7 @@ def abstract_two_gpu_engine(monkeypatch):
                                          parallel=parallel))  # fmt: skip
     graphdef, params = nnx.split(model)
     params = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.param_sharding(leaf_name(path))), params
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.param_sharding(param_path(path))), params
     )
     cache = jax.eval_shape(lambda: init_cache(LLAMA_8B_2_LAYERS, num_blocks=NUM_BLOCKS, block_size=16, dtype=jnp.bfloat16,
                                               max_num_seqs=64, platform="cuda"))  # fmt: skip
@@ -100,7 +101,7 @@ def abstract_two_gpu_engine(monkeypatch):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     cache = DeviceCache(
-        kv=KVPool(k=tuple(placed(x, pool) for x in cache.kv.k), v=tuple(placed(x, pool) for x in cache.kv.v)),
+        kv=KVPool(k=placed(cache.kv.k, pool), v=placed(cache.kv.v, pool), num_layers=cache.kv.num_layers),
         prompt_mask=placed(cache.prompt_mask, whole), output_counts=placed(cache.output_counts, whole),
     )  # fmt: skip
     packer = StepPacker(block_size=16, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512,
@@ -111,7 +112,7 @@ def abstract_two_gpu_engine(monkeypatch):
 @pytest.mark.parametrize("decode", [False, True], ids=["mixed", "fused-decode"])
 def test_tensor_parallel_steps_lower_with_the_kernels_under_shard_map(abstract_two_gpu_engine, decode):
     """Each GPU runs the kernels on its 4 of the 8 kv heads: the Triton calls sit inside the
-    manual (shard_map) computations and see a [NB, BS, 4, H] pool. The all-reduces after o_proj
+    manual (shard_map) computations and see a [L * NB, BS, 4, H] pool. The all-reduces after o_proj
     and down_proj are added when XLA partitions the program, which compiling for CUDA (a GPU)
     would show; cross-lowering only shows the vocabulary-parallel embedding's psum."""
     mesh, graphdef, params, cache, packer, whole = abstract_two_gpu_engine
@@ -122,8 +123,7 @@ def test_tensor_parallel_steps_lower_with_the_kernels_under_shard_map(abstract_t
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(step_fn).trace(params, cache, flat).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    layers = LLAMA_8B_2_LAYERS.num_layers
-    assert text.count(TRITON_CALL) >= layers
-    assert text.count("sdy.manual_computation") >= 2 * layers + 1  # write and attention per layer, the embedding
-    assert "tensor<4096x16x4x128xbf16>" in text  # one GPU's share of a layer's pool
+    assert text.count(TRITON_CALL) == 1  # in the one (scanned) layer body
+    assert text.count("sdy.manual_computation") >= 3  # the layer body's write and attention, the embedding
+    assert f"tensor<{NUM_BLOCKS * LLAMA_8B_2_LAYERS.num_layers}x16x4x128xbf16>" in text  # one GPU's share of the pool
     assert "all_reduce" in text

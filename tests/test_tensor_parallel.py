@@ -26,7 +26,7 @@ from jaxpaged.config.presets import get_preset
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.setup import build_model, device_weight_bytes, plan_cache
 from jaxpaged.model import Llama
-from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, leaf_name, make_mesh
+from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
 from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
 
@@ -85,15 +85,16 @@ def test_seeded_sampling_penalties_and_logprobs_agree_across_sizes(tmp_path):
 
 # Every parameter's expected split over 8 devices for llama_tp (8 heads, 2 kv heads repeated to
 # 8, MLP 128, vocabulary 512), written out rather than read from the table it checks.
-EXPECTED_SPECS = {
+EXPECTED_SPECS = {  # the decoder layers' parameters are stacked: a leading layer axis, never split
     "embed": ("tp", None), "lm_head": (None, "tp"),
-    "q_proj": (None, "tp", None), "k_proj": (None, "tp", None), "v_proj": (None, "tp", None),
-    "o_proj": ("tp", None, None), "gate_proj": (None, "tp"), "up_proj": (None, "tp"), "down_proj": ("tp", None),
-    "scale": (),
+    "q_proj": (None, None, "tp", None), "k_proj": (None, None, "tp", None), "v_proj": (None, None, "tp", None),
+    "o_proj": (None, "tp", None, None), "gate_proj": (None, None, "tp"), "up_proj": (None, None, "tp"),
+    "down_proj": (None, "tp", None), "scale": (),
 }  # fmt: skip
-EXPECTED_SHARDS = {  # one device's shard
-    "embed": (64, 64), "lm_head": (64, 64), "q_proj": (64, 1, 8), "k_proj": (64, 1, 8), "v_proj": (64, 1, 8),
-    "o_proj": (1, 8, 64), "gate_proj": (64, 16), "up_proj": (64, 16), "down_proj": (16, 64), "scale": (64,),
+EXPECTED_SHARDS = {  # one device's shard (2 layers)
+    "embed": (64, 64), "lm_head": (64, 64), "q_proj": (2, 64, 1, 8), "k_proj": (2, 64, 1, 8), "v_proj": (2, 64, 1, 8),
+    "o_proj": (2, 1, 8, 64), "gate_proj": (2, 64, 16), "up_proj": (2, 64, 16), "down_proj": (2, 16, 64),
+    "scale": (64,), "layer_scale": (2, 64),
 }  # fmt: skip
 
 
@@ -102,18 +103,19 @@ def test_every_parameter_and_the_pool_are_split_as_the_table_says(tmp_path):
     save_hf_model("llama_tp", str(tmp_path))
     engine = make_engine(str(tmp_path), 8)
     leaves = jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]
-    assert len(leaves) == 2 * 9 + 3  # every parameter is checked
+    assert len(leaves) == 9 + 3  # every parameter is checked
     for path, leaf in leaves:
-        name = leaf_name(path)
+        name = param_path(path)[-1]
         spec = tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec))
         expected = EXPECTED_SPECS[name] + (None,) * (leaf.ndim - len(EXPECTED_SPECS[name]))
         assert spec == expected, f"{jax.tree_util.keystr(path)}: {spec}"
-        assert {s.data.shape for s in leaf.addressable_shards} == {EXPECTED_SHARDS[name]}, name
+        shard = EXPECTED_SHARDS["layer_scale" if name == "scale" and leaf.ndim == 2 else name]
+        assert {s.data.shape for s in leaf.addressable_shards} == {shard}, name
         assert len(leaf.addressable_shards) == 8
-    pool = engine.runner.cache.kv.k[0]
+    pool = engine.runner.cache.kv.k  # [L * NB, BS, K, H]
     assert pool.shape[2] == 8 and {s.data.shape[2] for s in pool.addressable_shards} == {1}
     # kv head h lives on devices 4h .. 4h+3, next to the query heads that read it
-    k_proj = engine.runner.params["layers"][0]["attn"]["k_proj"][...]
+    k_proj = engine.runner.params["layers"]["attn"]["k_proj"][...][0]
     np.testing.assert_array_equal(np.asarray(k_proj[:, 0]), np.asarray(k_proj[:, 3]))
     assert not np.array_equal(np.asarray(k_proj[:, 3]), np.asarray(k_proj[:, 4]))
 
@@ -167,7 +169,7 @@ def test_llama_70b_shards_are_what_jaxpaged_plan_counts(n):
     parallel = TensorParallel.create(config, n)
     model = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel))
     leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
-    per_device = sum(math.prod(parallel.param_sharding(leaf_name(p)).shard_shape(x.shape)) * 2 for p, x in leaves)
+    per_device = sum(math.prod(parallel.param_sharding(param_path(p)).shard_shape(x.shape)) * 2 for p, x in leaves)
     report = make_plan("llama-3.1-70b", gpu_memory=80 * 2**30, context=8192, tensor_parallel_size=n)
     assert per_device == report["weight_bytes_per_gpu"]
     pool = parallel.pool_sharding.shard_shape((16, 16, parallel.layout.mesh_config.num_kv_heads, 128))
@@ -191,7 +193,7 @@ def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
         leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
         assert len(leaves) == len(reference)
         for path, leaf in leaves:
-            name = leaf_name(path)
+            name = param_path(path)
             assert leaf.sharding.is_equivalent_to(parallel.param_sharding(name), leaf.ndim), (source, name)
             expected = parallel.to_mesh_layout(name, np.asarray(reference[path]))
             np.testing.assert_array_equal(np.asarray(leaf), expected, err_msg=f"{source}: {name}")

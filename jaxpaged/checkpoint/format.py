@@ -12,7 +12,7 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 FORMAT_FILE = "jaxpaged_format.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: decoder layers stacked into one array per parameter
 PARAMS_DIR = "params"
 # Any of these means a Hugging Face tokenizer can be loaded from the directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

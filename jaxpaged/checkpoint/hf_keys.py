@@ -1,8 +1,8 @@
 """The explicit map from Hugging Face tensor names to jaxpaged parameters.
 
 Every expected HF tensor is spelled out per layer from the `ModelConfig` (no regex guessing),
-with its target path in `nnx.state(Llama).to_pure_dict()`, its HF shape and the transform to
-our einsum-ready layout. Dimension letters: D hidden, N query heads, K kv heads, H head_dim,
+with its target path in `nnx.state(Llama).to_pure_dict()` (and, for a decoder layer's tensor,
+its index in that stacked parameter), its HF shape and the transform to our einsum-ready layout. Dimension letters: D hidden, N query heads, K kv heads, H head_dim,
 F MLP width, V vocabulary.
 
 HF stores a linear layer as `weight[out, in]` (`y = x @ W.T`); we store `[in, ...out]` with the
@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxpaged.config.model_config import ModelConfig
 
-Path = tuple[str | int, ...]
+Path = tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,10 +24,11 @@ class KeySpec:
 
     Attributes:
       hf_name: the tensor name in the safetensors files.
-      target: the path in our nested params dict, e.g. `("layers", 3, "attn", "q_proj")`.
+      target: the path in our nested params dict, e.g. `("layers", "attn", "q_proj")`.
       hf_shape: the shape HF stores.
-      shape: our shape after the transform.
+      shape: our shape after the transform (of one layer for a stacked parameter).
       transpose: whether the transform transposes (a 2-D HF weight) before reshaping to `shape`.
+      layer: the tensor's index in the stacked parameter `target` (None: not a layer's).
     """
 
     hf_name: str
@@ -35,6 +36,7 @@ class KeySpec:
     hf_shape: tuple[int, ...]
     shape: tuple[int, ...]
     transpose: bool
+    layer: int | None = None
 
     def transform(self, x: np.ndarray) -> np.ndarray:
         """Checks the HF shape, then returns a C-contiguous array in our layout.
@@ -75,32 +77,31 @@ def hf_key_specs(config: ModelConfig) -> list[KeySpec]:
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
     specs = [KeySpec("model.embed_tokens.weight", ("embed",), (v, d), (v, d), False)]
+    at = ("layers", "attn")
     for i in range(config.num_layers):
         hf = f"model.layers.{i}."
-        at = ("layers", i, "attn")
-        specs += [
-            KeySpec(hf + "input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,), (d,), False),
-            KeySpec(hf + "self_attn.q_proj.weight", at + ("q_proj",), (n * h, d), (d, n, h), True),
-            KeySpec(hf + "self_attn.k_proj.weight", at + ("k_proj",), (k * h, d), (d, k, h), True),
-            KeySpec(hf + "self_attn.v_proj.weight", at + ("v_proj",), (k * h, d), (d, k, h), True),
-            KeySpec(hf + "self_attn.o_proj.weight", at + ("o_proj",), (d, n * h), (n, h, d), True),
+        layer = [
+            (hf + "input_layernorm.weight", ("layers", "input_norm", "scale"), (d,), (d,), False),
+            (hf + "self_attn.q_proj.weight", at + ("q_proj",), (n * h, d), (d, n, h), True),
+            (hf + "self_attn.k_proj.weight", at + ("k_proj",), (k * h, d), (d, k, h), True),
+            (hf + "self_attn.v_proj.weight", at + ("v_proj",), (k * h, d), (d, k, h), True),
+            (hf + "self_attn.o_proj.weight", at + ("o_proj",), (d, n * h), (n, h, d), True),
         ]
         if config.qkv_bias:
-            specs += [
-                KeySpec(hf + "self_attn.q_proj.bias", at + ("q_bias",), (n * h,), (n, h), False),
-                KeySpec(hf + "self_attn.k_proj.bias", at + ("k_bias",), (k * h,), (k, h), False),
-                KeySpec(hf + "self_attn.v_proj.bias", at + ("v_bias",), (k * h,), (k, h), False),
+            layer += [
+                (hf + "self_attn.q_proj.bias", at + ("q_bias",), (n * h,), (n, h), False),
+                (hf + "self_attn.k_proj.bias", at + ("k_bias",), (k * h,), (k, h), False),
+                (hf + "self_attn.v_proj.bias", at + ("v_bias",), (k * h,), (k, h), False),
             ]
         if config.o_bias:
-            specs.append(KeySpec(hf + "self_attn.o_proj.bias", at + ("o_bias",), (d,), (d,), False))
-        specs += [
-            KeySpec(
-                hf + "post_attention_layernorm.weight", ("layers", i, "post_attention_norm", "scale"), (d,), (d,), False
-            ),
-            KeySpec(hf + "mlp.gate_proj.weight", ("layers", i, "mlp", "gate_proj"), (f, d), (d, f), True),
-            KeySpec(hf + "mlp.up_proj.weight", ("layers", i, "mlp", "up_proj"), (f, d), (d, f), True),
-            KeySpec(hf + "mlp.down_proj.weight", ("layers", i, "mlp", "down_proj"), (d, f), (f, d), True),
+            layer.append((hf + "self_attn.o_proj.bias", at + ("o_bias",), (d,), (d,), False))
+        layer += [
+            (hf + "post_attention_layernorm.weight", ("layers", "post_attention_norm", "scale"), (d,), (d,), False),
+            (hf + "mlp.gate_proj.weight", ("layers", "mlp", "gate_proj"), (f, d), (d, f), True),
+            (hf + "mlp.up_proj.weight", ("layers", "mlp", "up_proj"), (f, d), (d, f), True),
+            (hf + "mlp.down_proj.weight", ("layers", "mlp", "down_proj"), (d, f), (f, d), True),
         ]
+        specs += [KeySpec(*fields, layer=i) for fields in layer]
     specs.append(KeySpec("model.norm.weight", ("final_norm", "scale"), (d,), (d,), False))
     if not config.tie_word_embeddings:
         specs.append(KeySpec("lm_head.weight", ("lm_head",), (v, d), (d, v), True))
@@ -124,8 +125,10 @@ def optional_hf_keys(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
 
 
 def param_shapes(config: ModelConfig) -> dict[Path, tuple[int, ...]]:
-    """Our parameter path -> our shape, for every parameter of `Llama(config)`."""
-    return {spec.target: spec.shape for spec in hf_key_specs(config)}
+    """Our parameter path -> our shape, for every parameter of `Llama(config)` (stacked
+    parameters `[L, ...]`)."""
+    return {spec.target: spec.shape if spec.layer is None else (config.num_layers, *spec.shape)
+            for spec in hf_key_specs(config)}  # fmt: skip
 
 
 def format_names(names, limit: int = 20) -> str:

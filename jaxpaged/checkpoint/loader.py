@@ -6,12 +6,14 @@
    then tensors are read one at a time, cast to the target dtype and put into our layout.
 3. Converted: the Orbax `params/` tree is restored and checked against the same map.
 4. `load_model` builds the NNX `Llama` abstractly (no random init) and fills it tensor by
-   tensor, each placed on its devices (split by the sharding table under tensor parallelism).
+   tensor, each placed on its devices (split by the sharding table under tensor parallelism);
+   a decoder layer's tensor goes into its row of the stacked parameter, in place on the device.
 
 Peak host memory: about one tensor from safetensors; one copy of the model from Orbax (which
-restores the whole tree before placing it).
+restores the whole tree before placing it). Device memory: the model plus one layer's tensor.
 """
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -30,7 +33,7 @@ from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.model.llama import Llama
-from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.parallel.mesh import TensorParallel, param_path
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
@@ -117,7 +120,8 @@ def iter_hf_params(
       progress: show a tqdm bar over tensors.
 
     Returns:
-      An iterator of `(params path, array in our layout)`; each array is read when reached.
+      An iterator of `(params path, layer, array in our layout)`; `layer` is the tensor's row
+      of a stacked parameter (None for the others); each array is read when reached.
 
     Raises:
       ValueError: missing, unexpected, duplicate or wrongly shaped tensors, each named (before
@@ -138,7 +142,7 @@ def iter_hf_params(
         with tqdm(total=len(specs), desc="loading tensors", unit="tensor", disable=not progress) as bar:
             for name, array in ckpt.iter_tensors(by_name):
                 spec = by_name[name]
-                yield spec.target, spec.transform(array.astype(dtype, copy=False))
+                yield spec.target, spec.layer, spec.transform(array.astype(dtype, copy=False))
                 bar.update()
 
     return tensors()
@@ -147,21 +151,31 @@ def iter_hf_params(
 def read_hf_params(
     model_dir: str | os.PathLike, config: ModelConfig, dtype: np.dtype, progress: bool = False
 ) -> Params:
-    """The whole checkpoint as a nested params dict in our layout (see `iter_hf_params`)."""
+    """The whole checkpoint as a nested params dict in our layout, decoder layers stacked (see
+    `iter_hf_params`)."""
+    shapes = param_shapes(config)
+    stacked: dict[Path, np.ndarray] = {}
     params: Params = {}
-    for path, array in iter_hf_params(model_dir, config, dtype, progress):
-        _insert(params, path, array)
+    for path, layer, array in iter_hf_params(model_dir, config, dtype, progress):
+        if layer is None:
+            _insert(params, path, array)
+            continue
+        if path not in stacked:
+            stacked[path] = np.empty(shapes[path], array.dtype)
+            _insert(params, path, stacked[path])
+        stacked[path][layer] = array
     return params
 
 
 def _checkpoint_tensors(model_dir: str | os.PathLike, dtype: Any,
                         parallel: TensorParallel | None = None) -> tuple[ModelConfig, np.dtype, Iterator]:  # fmt: skip
-    """`(config, target dtype, iterator of (path, array))` of an HF or a converted directory
-    (arrays are numpy, or already placed `jax.Array`s when Orbax restored them into shards)."""
+    """`(config, target dtype, iterator of (path, layer, array))` of an HF or a converted
+    directory (arrays are numpy, or already placed `jax.Array`s when Orbax restored them into
+    shards; `layer` is the row of a stacked parameter a tensor fills, None: the whole of it)."""
     config, raw = read_hf_config(model_dir)
     if is_converted_dir(model_dir):
         target, params = _load_converted(model_dir, config, dtype, parallel)
-        return config, target, iter(_flatten(params).items())
+        return config, target, ((path, None, array) for path, array in _flatten(params).items())
     target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
     return config, target, iter_hf_params(model_dir, config, target)
 
@@ -182,15 +196,18 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
       FileNotFoundError: no config.json or no checkpoint files.
       ValueError: unsupported config or dtype; missing, unexpected, duplicate or misshaped keys.
     """
+    if not is_converted_dir(model_dir):
+        config, raw = read_hf_config(model_dir)
+        return config, read_hf_params(model_dir, config, resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype")))
     config, _, tensors = _checkpoint_tensors(model_dir, dtype)
     params: Params = {}
-    for path, array in tensors:
+    for path, _, array in tensors:
         _insert(params, path, array)
     return config, params
 
 
 def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str = "auto",
-               parallel: TensorParallel | None = None) -> tuple[ModelConfig, Llama]:  # fmt: skip
+               parallel: TensorParallel | None = None, scan_layers: bool = True) -> tuple[ModelConfig, Llama]:  # fmt: skip
     """Loads a checkpoint into an NNX `Llama` without random-initialising it first.
 
     Each tensor goes straight to its devices as it is read (split by the sharding table under
@@ -201,6 +218,7 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
       dtype: as in `load_params`; also the model's dtype.
       attention: attention backend, "auto", "reference" or "pallas".
       parallel: the mesh and sharding table; None puts everything on the default device.
+      scan_layers: see `Llama`.
 
     Returns:
       `(config, model)`: the checkpoint's config, and the model (in the mesh layout, kv heads
@@ -209,17 +227,26 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     config, target, tensors = _checkpoint_tensors(model_dir, dtype, parallel)
     model_config = parallel.layout.mesh_config if parallel is not None else config
     abstract = nnx.eval_shape(
-        lambda: Llama(model_config, target, rngs=nnx.Rngs(0), attention=attention, parallel=parallel)
+        lambda: Llama(model_config, target, rngs=nnx.Rngs(0), attention=attention, parallel=parallel,
+                      scan_layers=scan_layers)
     )
     graphdef, state = nnx.split(abstract)
+    shapes = param_shapes(model_config)
     params: Params = {}
-    for path, array in tensors:
-        if isinstance(array, jax.Array):  # restored into its shards
-            placed = array
+    stacked: dict[Path, jax.Array] = {}
+    for path, layer, array in tensors:
+        if layer is not None:  # one row of a stacked parameter, set in place on its devices
+            if path not in stacked:
+                stacked[path] = _zeros_on_mesh(shapes[path], array.dtype, parallel, path)
+            row = jax.device_put(array) if parallel is None else parallel.place(path, array, one_layer=True)
+            stacked[path] = _set_row(stacked[path], row, jnp.int32(layer))
+        elif isinstance(array, jax.Array):  # restored into its shards
+            _insert(params, path, array)
         else:
-            placed = jax.device_put(array) if parallel is None else parallel.place(str(path[-1]), array)
-        _insert(params, path, placed)
+            _insert(params, path, jax.device_put(array) if parallel is None else parallel.place(path, array))
         del array
+    for path, array in stacked.items():
+        _insert(params, path, array)
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     leftover = [leaf for leaf in jax.tree.leaves(nnx.state(model)) if not isinstance(leaf, jax.Array)]
@@ -257,10 +284,10 @@ def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: An
             check_shape(_dotted(path), expected[path], shape)
 
         def restore_args(path, _):
-            name = str(path[-1].key)
-            if parallel is None or parallel.repeats(name):
+            path = param_path(path)
+            if parallel is None or parallel.repeats(path):
                 return ocp.RestoreArgs(restore_type=np.ndarray, dtype=target)
-            return ocp.ArrayRestoreArgs(sharding=parallel.param_sharding(name), dtype=target)
+            return ocp.ArrayRestoreArgs(sharding=parallel.param_sharding(path), dtype=target)
 
         args = jax.tree_util.tree_map_with_path(restore_args, meta)
         restored = checkpointer.restore(params_dir, restore_args=args)
@@ -268,6 +295,18 @@ def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: An
     for path, array in _flatten(restored).items():
         _insert(params, path, array if isinstance(array, jax.Array) else np.asarray(array))
     return target, params
+
+
+def _zeros_on_mesh(shape: tuple[int, ...], dtype, parallel: TensorParallel | None, path: Path) -> jax.Array:
+    """Zeros of a stacked parameter made where they live (each device its shard)."""
+    sharding = None if parallel is None else parallel.param_sharding(path)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_row(stacked: jax.Array, row: jax.Array, index: jax.Array) -> jax.Array:
+    """`stacked[index] = row` in place (the stacked buffer is donated)."""
+    return jax.lax.dynamic_update_index_in_dim(stacked, row.astype(stacked.dtype), index, 0)
 
 
 def _dotted(key: str | Path) -> str:

@@ -17,6 +17,7 @@ from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+MAX_COMPILE_THREADS = 8
 
 
 class EngineArgsError(ValueError):
@@ -37,6 +38,12 @@ def check_block_size(block_size: int) -> None:
     """Raises EngineArgsError unless `block_size` is a power of two (the kernels' tiles)."""
     if block_size < 1 or block_size & (block_size - 1):
         raise EngineArgsError("block_size", block_size, "must be a power of two (8, 16, 32, ...)")
+
+
+def default_compilation_cache_dir() -> str:
+    """Where `compilation_cache_dir="auto"` keeps compiled programs: per user, like vLLM's cache."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "jaxpaged", "xla")
 
 
 def _option(default, help: str, *, choices: tuple | None = None, metavar: str | None = None):
@@ -81,12 +88,19 @@ class EngineArgs:
     master_addr: str = _option("127.0.0.1", "address of process 0, where the processes meet (with --nnodes > 1)",
                                metavar="HOST")  # fmt: skip
     master_port: int = _option(29501, "port of process 0 where the processes meet (with --nnodes > 1)", metavar="PORT")
-    compilation_cache_dir: str | None = _option(
-        None, "persistent JAX compilation cache directory: later start-ups load compiled steps from it",
-        metavar="DIR")  # fmt: skip
+    compilation_cache_dir: str = _option(
+        "auto", "persistent compilation cache: later start-ups load the compiled step programs from it; auto is "
+        "JAX's own cache directory when one is set, else $XDG_CACHE_HOME/jaxpaged/xla (~/.cache/jaxpaged/xla); "
+        "none turns it off", metavar="DIR|auto|none")  # fmt: skip
     attention_backend: str = _option(
         "auto", "auto is the Pallas kernels on a GPU and the jnp reference elsewhere; pallas on a CPU "
         "interprets the kernels (slow)", choices=ATTENTION_BACKENDS)  # fmt: skip
+    scan_layers: bool = _option(
+        True, "compile the decoder layers as one loop body (start-up in seconds); --no-scan-layers unrolls them "
+        "into every step program (the same results, many times the compile time; for comparing step times)")
+    compile_threads: int | None = _option(
+        None, "threads compiling the step programs at start-up (default: one per CPU core, at most "
+        f"{MAX_COMPILE_THREADS}; each holds one program's compiler memory)")
     num_scheduler_steps: int = _option(
         4, "decode steps fused into one device program when every sequence decodes and none waits")
     skip_tokenizer_init: bool = _option(
@@ -105,7 +119,7 @@ class EngineArgs:
             raise EngineArgsError("node_rank", self.node_rank, f"must be below nnodes ({self.nnodes})")
         if not 0 < self.master_port < 65536 or isinstance(self.master_port, bool):
             raise EngineArgsError("master_port", self.master_port, "must be a TCP port (1-65535)")
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "compile_threads"):
             if getattr(self, name) is not None:
                 self._check_int(name, 1)
         if self.seed is not None:
@@ -115,8 +129,13 @@ class EngineArgs:
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise EngineArgsError("gpu_memory_utilization", utilization, "must be a number in (0, 1]")
+        if not isinstance(self.compilation_cache_dir, str) or not self.compilation_cache_dir:
+            raise EngineArgsError("compilation_cache_dir", self.compilation_cache_dir,
+                                  "must be a directory, 'auto' or 'none'")  # fmt: skip
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(2048, self.max_num_seqs)
+        if self.compile_threads is None:
+            self.compile_threads = min(os.cpu_count() or 1, MAX_COMPILE_THREADS)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineArgsError("max_num_batched_tokens", self.max_num_batched_tokens,
                                   f"must be at least max_num_seqs ({self.max_num_seqs})")  # fmt: skip

@@ -11,15 +11,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.checkpoint.loader import load_model, resolve_dtype
-from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.config.engine_args import EngineArgs, default_compilation_cache_dir
 from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.model import Llama, kv_storage_dtype
 from jaxpaged.parallel import multihost
-from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, leaf_name, make_mesh
+from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
 from jaxpaged.planning.memory import GiB, KVCachePlan, plan_kv_cache
-from jaxpaged.worker.model_runner import ModelRunner, Program
+from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.step_programs import Program
 
 logger = logging.getLogger("jaxpaged")
 
@@ -55,12 +56,7 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
     plans the pool, and compiles every step program."""
     args = config.args
     multihost.initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port)
-    if args.compilation_cache_dir:
-        from jax.experimental.compilation_cache import compilation_cache
-
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        compilation_cache.reset_cache()  # JAX decides once whether to use a cache: ask again
+    use_compilation_cache(args.compilation_cache_dir)
     parallel = TensorParallel(config.layout, make_mesh(config.layout.size))
     model = build_model(config, parallel)
     plan = plan_cache(config, model, parallel)
@@ -71,11 +67,30 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
     logger.info(plan.summary())
     config = config.with_blocks(plan.num_blocks)
     runner = ModelRunner(model, parallel=parallel, config=config)
-    seconds = runner.warm_up()
+    seconds = runner.warm_up(args.compile_threads)
     check_step_memory(plan, runner.temp_bytes)
     if jax.process_count() > 1 and multihost.is_leader():
         runner.channel = multihost.StepChannel()  # from now on every device call is announced
     return DeviceWorker(config, parallel, plan, runner, seconds)
+
+
+def use_compilation_cache(setting: str) -> str | None:
+    """Turns JAX's persistent compilation cache on (every program, however quick to compile) in
+    the directory `compilation_cache_dir` names; returns it (None: "none", off)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if setting == "none":
+        directory = None
+    elif setting == "auto":
+        directory = jax.config.jax_compilation_cache_dir or default_compilation_cache_dir()
+    else:
+        directory = setting
+    jax.config.update("jax_compilation_cache_dir", directory)
+    if directory is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        logger.info("compilation cache: %s", directory)
+    compilation_cache.reset_cache()  # JAX decides once whether to use a cache: ask again
+    return directory
 
 
 def build_model(config: EngineConfig, parallel: TensorParallel) -> Llama:
@@ -87,7 +102,8 @@ def build_model(config: EngineConfig, parallel: TensorParallel) -> Llama:
         dtype = jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
         model = _dummy_model(model_config, dtype, args, parallel)
     else:
-        _, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel)
+        _, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel,
+                              scan_layers=args.scan_layers)  # fmt: skip
     logger.info("model %s: %s, %d layers, dtype %s", args.model, model_config.architecture, model_config.num_layers,
                 model.embed[...].dtype)  # fmt: skip
     return model
@@ -97,12 +113,13 @@ def _dummy_model(config: ModelConfig, dtype, args: EngineArgs, parallel: TensorP
     """Random weights of the checkpoint's shapes (the same values for every tensor-parallel size),
     made on the mesh: every device computes only its shard."""
     abstract = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
-                                            attention=args.attention_backend, parallel=parallel))  # fmt: skip
+                                            attention=args.attention_backend, parallel=parallel,
+                                            scan_layers=args.scan_layers))  # fmt: skip
     graphdef, state = nnx.split(abstract)
 
     def init():
         params = nnx.to_pure_dict(nnx.state(Llama(config, dtype, rngs=nnx.Rngs(args.seed))))
-        return jax.tree_util.tree_map_with_path(lambda path, x: parallel.to_mesh_layout(leaf_name(path), x), params)
+        return jax.tree_util.tree_map_with_path(lambda path, x: parallel.to_mesh_layout(param_path(path), x), params)
 
     params = jax.jit(init, out_shardings=parallel.state_shardings(nnx.to_pure_dict(state)))()
     nnx.replace_by_pure_dict(state, params)

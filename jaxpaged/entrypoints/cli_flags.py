@@ -88,17 +88,20 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, *, job_sized: tuple[str, ...] = ()) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser, *, job_sized: tuple[str, ...] = (),
+                     defaults: dict | None = None) -> None:  # fmt: skip
     """One flag per `EngineArgs` field (vLLM's names), with its help text and default.
 
     Args:
       parser: the subcommand's parser.
       job_sized: fields this subcommand sizes to its workload unless given (default None).
+      defaults: this subcommand's own defaults of some fields (shown in --help).
     """
+    defaults = defaults or {}
     for f in dataclasses.fields(EngineArgs):
         meta = f.metadata
-        kwargs = dict(default=f.default, help=meta["help"], dest=f.name)
-        if f.name == "model":
+        kwargs = dict(default=defaults.get(f.name, f.default), help=meta["help"], dest=f.name)
+        if f.name == "model" and "model" not in defaults:
             kwargs["help"] += " (default: the embedded demo model)"
         if f.name in job_sized:
             kwargs.update(default=None, help=meta["help"].split(" (default")[0] + " (default: sized to the job)")

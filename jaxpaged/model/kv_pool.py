@@ -1,4 +1,10 @@
-"""The paged KV pool: per layer K and V of shape `[NB, BS, K, H]`, block 0 the null block.
+"""The paged KV pool: K and V of all layers in one array each, `[L * NB, BS, K, H]`: layer l owns
+blocks `l * NB .. (l + 1) * NB - 1`, and its first is that layer's null block. The model scans
+over the layers with one array; the kernels read and write a layer's blocks at offset block ids.
+
+Why not `[L, NB, BS, K, H]`: the model would reshape it to the kernels' `[L * NB, ...]` view, and
+with one kv head per device XLA's CPU layout assignment gives that reshape another layout than
+the pool's and copies the whole pool around the layer loop every step.
 
 Storage dtype. XLA's CPU backend has no bfloat16 (or float8) gather: it converts the operand of
 every such gather to float32 first, and the operand here is a layer's whole pool. A step over a
@@ -40,26 +46,26 @@ def kv_storage_dtype(dtype, platform: str | None = None) -> jnp.dtype:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
-    """The paged KV cache: per layer, K and V of shape `[NB, BS, K, H]`; block 0 is the null block."""
+    """The paged KV cache: K and V of shape `[L * NB, BS, K, H]`; layer l's blocks start at
+    `l * NB`, and the first of them is its null block."""
 
-    k: tuple[Float[Array, "NB BS K H"], ...]
-    v: tuple[Float[Array, "NB BS K H"], ...]
+    k: Float[Array, "LNB BS K H"]
+    v: Float[Array, "LNB BS K H"]
+    num_layers: int = dataclasses.field(metadata=dict(static=True))
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0]
+        """Blocks of each layer (NB), its null block included."""
+        return self.k.shape[0] // self.num_layers
 
     @property
     def block_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[1]
 
 
 def init_kv_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype, platform: str | None = None) -> KVPool:
     """A zeroed pool of `num_blocks` blocks (block 0 included) for every layer, stored in
     `kv_storage_dtype(dtype, platform)`."""
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers * num_blocks, block_size, config.num_kv_heads, config.head_dim)
     storage = kv_storage_dtype(dtype, platform)
-    return KVPool(
-        k=tuple(jnp.zeros(shape, storage) for _ in range(config.num_layers)),
-        v=tuple(jnp.zeros(shape, storage) for _ in range(config.num_layers)),
-    )
+    return KVPool(k=jnp.zeros(shape, storage), v=jnp.zeros(shape, storage), num_layers=config.num_layers)

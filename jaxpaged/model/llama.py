@@ -7,6 +7,12 @@ Each layer projects q/k/v, rotates q/k, writes this step's K/V into its pool slo
 attends over everything the pool holds for each sequence (write-then-attend). The pool comes
 in and goes out as a value: under `jit` with the pool donated the update is in place.
 
+The layers are one stacked module (every parameter has a leading layer axis L) run by a
+`lax.scan`: XLA compiles one layer body instead of L copies of it, which is most of what a
+step program costs to compile. The pool `[L * NB, BS, K, H]` is carried through the scan whole;
+layer l's blocks are `l * NB + block` (see kv_pool.py), so the kernels read and write one
+layer's blocks with offset block ids, and nothing slices a layer's pool out of it (no copy).
+
 Under tensor parallelism (`parallel`, see jaxpaged.parallel) the parameters arrive split over
 the mesh by the sharding table; the pool write and the attention each run on every device over
 its own heads (`shard_map`), XLA adds the all-reduce after o_proj and down_proj, the embedding lookup
@@ -48,10 +54,14 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    """`x / rms(x) * scale`, normalised in float32 and cast back before the scale (as HF does)."""
+    """`x / rms(x) * scale`, normalised in float32 and cast back before the scale (as HF does).
 
-    def __init__(self, dim: int, eps: float, dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    Args:
+      stack: leading axes of the scale (`(L,)` in the stacked layers).
+    """
+
+    def __init__(self, dim: int, eps: float, dtype, stack: tuple[int, ...] = ()):
+        self.scale = nnx.Param(jnp.ones((*stack, dim), dtype))
         self.eps = eps
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
@@ -61,21 +71,24 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention reading and writing one layer of the paged pool."""
+    """Grouped-query self-attention reading and writing one layer's blocks of the paged pool.
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str = "reference",
-                 parallel: TensorParallel | None = None):  # fmt: skip
+    Parameters are stacked over `stack` (the layers); a call sees one layer's slice.
+    """
+
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, stack: tuple[int, ...],
+                 attention: str = "reference", parallel: TensorParallel | None = None):  # fmt: skip
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = _param(rngs, (d, n, h), dtype)  # DNH
-        self.k_proj = _param(rngs, (d, k, h), dtype)  # DKH
-        self.v_proj = _param(rngs, (d, k, h), dtype)  # DKH
-        self.o_proj = _param(rngs, (n, h, d), dtype)  # NHD
+        self.q_proj = _param(rngs, (*stack, d, n, h), dtype)  # DNH
+        self.k_proj = _param(rngs, (*stack, d, k, h), dtype)  # DKH
+        self.v_proj = _param(rngs, (*stack, d, k, h), dtype)  # DKH
+        self.o_proj = _param(rngs, (*stack, n, h, d), dtype)  # NHD
         if config.qkv_bias:
-            self.q_bias = nnx.Param(jnp.zeros((n, h), dtype))
-            self.k_bias = nnx.Param(jnp.zeros((k, h), dtype))
-            self.v_bias = nnx.Param(jnp.zeros((k, h), dtype))
+            self.q_bias = nnx.Param(jnp.zeros((*stack, n, h), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((*stack, k, h), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((*stack, k, h), dtype))
         if config.o_bias:
-            self.o_bias = nnx.Param(jnp.zeros((d,), dtype))
+            self.o_bias = nnx.Param(jnp.zeros((*stack, d), dtype))
         self.qkv_bias = config.qkv_bias
         self.has_o_bias = config.o_bias
         self.rope = config.rope
@@ -86,10 +99,12 @@ class Attention(nnx.Module):
     def __call__(
         self,
         x: Float[Array, "T D"],
-        k_pool: Float[Array, "NB BS K H"],
-        v_pool: Float[Array, "NB BS K H"],
+        k_pool: Float[Array, "LNB BS K H"],
+        v_pool: Float[Array, "LNB BS K H"],
         meta: AttentionMetadata,
-    ) -> tuple[Float[Array, "T D"], Float[Array, "NB BS K H"], Float[Array, "NB BS K H"]]:
+    ) -> tuple[Float[Array, "T D"], Float[Array, "LNB BS K H"], Float[Array, "LNB BS K H"]]:
+        """One layer over this step's tokens; `meta` addresses this layer's blocks of the pool
+        (all layers' blocks in a row, `AttentionMetadata.for_layer`)."""
         q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
         k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
         v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
@@ -101,9 +116,9 @@ class Attention(nnx.Module):
         write = pallas_kernels.write_kv
         attend = functools.partial(paged_attention, pallas_kernels if self.attention == "pallas" else reference)
         if self.parallel is not None:  # each device writes and reads its own heads
-            write = self.parallel.per_head(write, (KV_POOL_AXES, KV_POOL_AXES, KEY_VALUE_AXES, KEY_VALUE_AXES, ()),
-                                           (KV_POOL_AXES, KV_POOL_AXES))  # fmt: skip
-            attend = self.parallel.per_head(attend, (QUERY_AXES, KV_POOL_AXES, KV_POOL_AXES, ()), QUERY_AXES)
+            pool = KV_POOL_AXES
+            write = self.parallel.per_head(write, (pool, pool, KEY_VALUE_AXES, KEY_VALUE_AXES, ()), (pool, pool))
+            attend = self.parallel.per_head(attend, (QUERY_AXES, pool, pool, ()), QUERY_AXES)
         k_pool, v_pool = write(k_pool, v_pool, k, v, meta.slot_mapping)
         attn = attend(q, k_pool, v_pool, meta)
         out = jnp.einsum("TNH,NHD->TD", attn, self.o_proj[...])
@@ -140,13 +155,13 @@ def paged_attention(
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (parameters stacked over `stack`)."""
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, stack: tuple[int, ...]):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _param(rngs, (d, f), dtype)  # DF
-        self.up_proj = _param(rngs, (d, f), dtype)  # DF
-        self.down_proj = _param(rngs, (f, d), dtype)  # FD
+        self.gate_proj = _param(rngs, (*stack, d, f), dtype)  # DF
+        self.up_proj = _param(rngs, (*stack, d, f), dtype)  # DF
+        self.down_proj = _param(rngs, (*stack, f, d), dtype)  # FD
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
@@ -155,14 +170,16 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention, then MLP."""
+    """Pre-norm residual block: attention, then MLP. Built once for all layers (every parameter
+    stacked `[L, ...]`); a call runs the one layer whose slice it is given (inside the scan)."""
 
     def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str,
                  parallel: TensorParallel | None = None):  # fmt: skip
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, dtype, rngs=rngs, attention=attention, parallel=parallel)
-        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, rngs=rngs)
+        stack = (config.num_layers,)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, stack)
+        self.attn = Attention(config, dtype, rngs=rngs, stack=stack, attention=attention, parallel=parallel)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, stack)
+        self.mlp = MLP(config, dtype, rngs=rngs, stack=stack)
 
     def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata):
         attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta)
@@ -181,18 +198,18 @@ class Llama(nnx.Module):
       attention: "auto", "reference" or "pallas" (see `resolve_attention_backend`).
       parallel: the mesh and sharding table under tensor parallelism; `config` is then the
         mesh layout (`parallel.layout.mesh_config`, kv heads repeated). None: one device.
+      scan_layers: run the layers as a `lax.scan` (one compiled body); False unrolls them (L
+        bodies: the same results, many times the compile time; for comparing step times).
     """
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, attention: str = "auto",
-                 parallel: TensorParallel | None = None):  # fmt: skip
+                 parallel: TensorParallel | None = None, scan_layers: bool = True):  # fmt: skip
         self.config = config
         self.parallel = parallel
+        self.scan_layers = scan_layers
         backend = resolve_attention_backend(attention)
         self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # VD
-        self.layers = nnx.List(
-            [DecoderLayer(config, dtype, rngs=rngs, attention=backend, parallel=parallel)
-             for _ in range(config.num_layers)]  # fmt: skip
-        )
+        self.layers = DecoderLayer(config, dtype, rngs=rngs, attention=backend, parallel=parallel)  # stacked [L, ...]
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), dtype)  # DV
@@ -207,12 +224,24 @@ class Llama(nnx.Module):
         """
         table = self.embed[...]
         x = table[token_ids] if self.parallel is None else self.parallel.embed(table, token_ids)
-        new_k, new_v = [], []
-        for layer, k_pool, v_pool in zip(self.layers, kv_pool.k, kv_pool.v):
-            x, k_pool, v_pool = layer(x, k_pool, v_pool, meta)
-            new_k.append(k_pool)
-            new_v.append(v_pool)
-        return self.final_norm(x), KVPool(k=tuple(new_k), v=tuple(new_v))
+        num_layers, num_blocks, block_size = kv_pool.num_layers, kv_pool.num_blocks, kv_pool.block_size
+        graphdef, layer_params = nnx.split(self.layers)
+
+        def one_layer(carry, per_layer):
+            x, k_pool, v_pool = carry
+            params, first_block = per_layer
+            layer = nnx.merge(graphdef, params)
+            return layer(x, k_pool, v_pool, meta.for_layer(first_block, block_size)), None
+
+        carry = (x, kv_pool.k, kv_pool.v)
+        first_blocks = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks
+        if self.scan_layers:
+            (x, k, v), _ = jax.lax.scan(one_layer, carry, (layer_params, first_blocks))
+        else:  # the same layers unrolled: one copy of the body per layer in the program
+            for i in range(num_layers):
+                carry, _ = one_layer(carry, jax.tree.map(lambda a: a[i], (layer_params, first_blocks)))
+            x, k, v = carry
+        return self.final_norm(x), KVPool(k=k, v=v, num_layers=num_layers)
 
     def compute_logits(self, hidden: Float[Array, "T D"]) -> Float[Array, "T V"]:
         """Float32 logits for the given hidden states (LM head, or the tied embedding)."""

@@ -32,3 +32,10 @@ class AttentionMetadata:
     block_tables: Int[Array, "S P"]
     num_seqs: Int[Array, ""]
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def for_layer(self, first_block: Int[Array, ""], block_size: int) -> "AttentionMetadata":
+        """The same step addressing one layer's blocks of a pool that holds every layer's blocks
+        in a row (layer l's block b is `l * NB + b`, `first_block = l * NB`); padding still
+        lands in that layer's null block."""
+        return dataclasses.replace(self, slot_mapping=self.slot_mapping + first_block * block_size,
+                                   block_tables=self.block_tables + first_block)  # fmt: skip

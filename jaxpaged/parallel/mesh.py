@@ -74,32 +74,46 @@ class TensorParallel:
         """The `NamedSharding` of mesh axes per dimension (empty: replicated)."""
         return NamedSharding(self.mesh, PartitionSpec(*mesh_axes))
 
-    def param_sharding(self, name: str) -> NamedSharding:
-        """Where the parameter whose path ends in `name` lives."""
-        return self.sharding(self.layout.param_mesh_axes(name))
+    def param_sharding(self, path: tuple[str, ...]) -> NamedSharding:
+        """Where the parameter at `path` (its string keys, see `param_path`) lives."""
+        return self.sharding(self.layout.param_mesh_axes(path))
+
+    def layer_sharding(self, path: tuple[str, ...]) -> NamedSharding:
+        """Where one layer's slice of the stacked parameter at `path` lives."""
+        return self.sharding(self.layout.param_mesh_axes(path)[1:])
 
     @property
     def pool_sharding(self) -> NamedSharding:
         return self.sharding(self.layout.mesh_axes(KV_POOL_AXES))
 
-    def repeats(self, name: str) -> bool:
+    def repeats(self, path: tuple[str, ...]) -> bool:
         """Whether the parameter's checkpoint tensor differs from its mesh layout (kv heads
         repeated onto more devices)."""
-        return self.layout.kv_replicas > 1 and KV_HEADS in self.layout.param_axes(name)
+        return self.layout.kv_replicas > 1 and KV_HEADS in self.layout.param_axes(path)
 
-    def to_mesh_layout(self, name: str, array):
+    def to_mesh_layout(self, path: tuple[str, ...], array, *, one_layer: bool = False):
         """A checkpoint tensor (numpy or jax) in the mesh layout: its kv-head axis, if any,
-        repeated `kv_replicas` times (each head next to the devices whose query heads read it)."""
-        if not self.repeats(name):
-            return array
-        repeat = np.repeat if isinstance(array, np.ndarray) else jnp.repeat
-        return repeat(array, self.layout.kv_replicas, axis=self.layout.param_axes(name).index(KV_HEADS))
+        repeated `kv_replicas` times (each head next to the devices whose query heads read it).
 
-    def place(self, name: str, array: np.ndarray) -> jax.Array:
+        Args:
+          one_layer: `array` is one layer's slice of the stacked parameter at `path`.
+        """
+        if not self.repeats(path):
+            return array
+        axes = self.layout.param_axes(path)[1 if one_layer else 0 :]
+        repeat = np.repeat if isinstance(array, np.ndarray) else jnp.repeat
+        return repeat(array, self.layout.kv_replicas, axis=axes.index(KV_HEADS))
+
+    def place(self, path: tuple[str, ...], array: np.ndarray, *, one_layer: bool = False) -> jax.Array:
         """Puts one checkpoint tensor (our layout, checkpoint kv heads) on the mesh; each device
-        receives only its shard (of several processes, each places its own devices' shards)."""
-        array = self.to_mesh_layout(name, array)
-        return jax.make_array_from_callback(array.shape, self.param_sharding(name), lambda index: array[index])
+        receives only its shard (of several processes, each places its own devices' shards).
+
+        Args:
+          one_layer: `array` is one layer's slice of the stacked parameter at `path`.
+        """
+        array = self.to_mesh_layout(path, array, one_layer=one_layer)
+        sharding = self.layer_sharding(path) if one_layer else self.param_sharding(path)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     def place_state(self, state):
         """`jax.device_put` of a whole model state (pure dict or `nnx.State`) already in the mesh
@@ -108,7 +122,7 @@ class TensorParallel:
 
     def state_shardings(self, state):
         """The table sharding of every leaf of a model state (for `jit` out_shardings)."""
-        return jax.tree_util.tree_map_with_path(lambda path, _: self.param_sharding(leaf_name(path)), state)
+        return jax.tree_util.tree_map_with_path(lambda path, _: self.param_sharding(param_path(path)), state)
 
     # -- inside a step ------------------------------------------------------------------------
 
@@ -154,11 +168,11 @@ class TensorParallel:
         return jax.lax.with_sharding_constraint(x, self.sharding())
 
 
-def leaf_name(path) -> str:
-    """The parameter name of a state leaf: the last string key of its path (`nnx.State` paths
-    end in the Variable's value)."""
+def param_path(path) -> tuple[str, ...]:
+    """The parameter path of a state leaf as the sharding table reads it: its string keys, e.g.
+    `("layers", "attn", "q_proj")` (`nnx.State` paths end in the Variable's value, dropped)."""
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    return next(n for n in reversed(names) if isinstance(n, str) and n != "value")
+    return tuple(n for n in names if isinstance(n, str) and n != "value")
 
 
 def bytes_per_device(tree) -> dict:

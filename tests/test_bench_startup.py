@@ -1,0 +1,98 @@
+"""Start-up: `jaxpaged bench startup` reports every program the engine compiles; the scanned and the
+unrolled decoder layers compute the same thing; the compilation cache is on by default."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpaged.config.engine_args import EngineArgs, default_compilation_cache_dir
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.engine.setup import use_compilation_cache
+from jaxpaged.entrypoints.cli import main
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+from jaxpaged.model import AttentionMetadata, Llama, init_kv_pool
+
+LIMITS = ["--max-num-seqs", "2", "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "16"]
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_bench_startup_compiles_and_reports_every_program(tmp_path, capsys, scan):
+    out = tmp_path / "startup.json"
+    flags = ["--model", DEMO_MODEL_DIR, *LIMITS, "--num-scheduler-steps", "4", "--compile-threads", "2"]
+    assert main(["bench", "startup", *flags, "--output-json", str(out)] + ([] if scan else ["--no-scan-layers"])) == 0
+    report = json.loads(out.read_text())
+    names = [row["program"] for row in report["programs"]]
+    # token buckets 16 and 32 (2 seqs each) -> 2 mixed steps; decode bucket 16 -> 1 fused program
+    assert names == ["memory probe: mixed step, 32 tokens x 1 step(s), 2 seqs",
+                     "mixed step, 16 tokens x 1 step(s), 2 seqs", "mixed step, 32 tokens x 1 step(s), 2 seqs",
+                     "decode step, 16 tokens x 4 step(s), 2 seqs", "penalty-row seeding"]  # fmt: skip
+    assert report["num_programs"] == 5 and report["scan_layers"] is scan and report["compile_threads"] == 2
+    assert report["num_layers"] == 4 and report["platform"] == "cpu" and report["compilation_cache_dir"] is None
+    # (the seeding program is the same in both cases: JAX may reuse it from memory within a process)
+    assert all(row["compile_s"] > 0 and row["lower_s"] > 0 for row in report["programs"][:-1])
+    assert report["total_compile_s"] == pytest.approx(sum(r["compile_s"] for r in report["programs"]), abs=0.01)
+    assert 0 < report["wall_s"] <= report["total_lower_s"] + report["total_compile_s"] + 5
+    assert f"ready after {report['wall_s']:.1f} s" in capsys.readouterr().out
+
+
+def test_bench_startup_names_a_bad_flag(capsys):
+    assert main(["bench", "startup", "--compile-threads", "0"]) == 2
+    assert "--compile-threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scanned_and_unrolled_layers_give_the_same_logits_and_pool(dtype):
+    """Three layers over a mixed batch (a 5-token prompt chunk and a decode): the scan over the
+    stacked layers and the same layers unrolled write the same pool and give the same logits."""
+    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+    model = Llama(config, dtype, rngs=nnx.Rngs(0), attention="reference")
+    graphdef, params = nnx.split(model)
+    tables = np.zeros((2, 4), np.int32)
+    tables[0, :2], tables[1, :1] = [3, 5], [2]
+    positions = np.array([0, 1, 2, 3, 4, 3, 0, 0], np.int32)  # seq 0: 5 prompt tokens; seq 1: its 4th token
+    slots = np.array([tables[0, p // 4] * 4 + p % 4 for p in positions[:5]] + [2 * 4 + 3, 0, 0], np.int32)
+    meta = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slots),
+                             cu_q_lens=jnp.array([0, 5, 6], jnp.int32), kv_lens=jnp.array([5, 4], jnp.int32),
+                             block_tables=jnp.asarray(tables), num_seqs=jnp.array(2, jnp.int32))  # fmt: skip
+    pool = init_kv_pool(config, num_blocks=8, block_size=4, dtype=dtype)
+    # seq 1's first 3 tokens are already in its block, in every layer
+    filled = jax.random.normal(jax.random.key(1), (config.num_layers, 4, 2, 8))
+    rows = [layer * 8 + 2 for layer in range(config.num_layers)]
+    pool = type(pool)(k=pool.k.at[np.array(rows)].set(filled.astype(pool.k.dtype)),
+                      v=pool.v.at[np.array(rows)].set(-filled.astype(pool.v.dtype)), num_layers=config.num_layers)  # fmt: skip
+    token_ids = jnp.array([5, 9, 11, 3, 7, 13, 0, 0], jnp.int32)
+
+    def run(scan: bool):
+        layers = nnx.merge(graphdef, params)
+        layers.scan_layers = scan
+        hidden, new_pool = layers(token_ids, pool, meta)
+        return layers.compute_logits(hidden), new_pool
+
+    scanned, unrolled = jax.jit(lambda: run(True))(), jax.jit(lambda: run(False))()
+    # XLA fuses the two programs differently: equal up to rounding (one bfloat16 step at most)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
+    for got, want in zip((scanned[0], scanned[1].k, scanned[1].v), (unrolled[0], unrolled[1].k, unrolled[1].v)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+    # each layer wrote its own blocks: layer l's copy of block 3 (seq 0) differs between layers
+    written = np.asarray(scanned[1].k).reshape(config.num_layers, 8, 4, 2, 8)[:, 3]
+    assert not np.array_equal(written[0], written[1]) and not np.array_equal(written[1], written[2])
+
+
+def test_compilation_cache_is_on_by_default_per_user(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert EngineArgs(model=DEMO_MODEL_DIR).compilation_cache_dir == "auto"
+    assert default_compilation_cache_dir() == str(tmp_path / "jaxpaged" / "xla")
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert use_compilation_cache("auto") == str(tmp_path / "jaxpaged" / "xla")
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))  # JAX's own setting wins
+        assert use_compilation_cache("auto") == str(tmp_path / "mine")
+        assert use_compilation_cache("none") is None and jax.config.jax_compilation_cache_dir is None
+    finally:
+        use_compilation_cache(before or "none")

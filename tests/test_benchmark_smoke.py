@@ -1,31 +1,93 @@
-"""`benchmarks/kernels_gpu.py --smoke` runs end to end on the CPU (interpret mode, tiny shapes).
+"""The GPU scripts run end to end on the CPU with `--smoke` (interpret mode, the demo model, tiny shapes).
 
-The real run needs a GPU; this keeps the script from rotting: its correctness checks, timing
-loops, peers (JAX's Pallas paged attention is lowered for CUDA, not run), table and JSON.
+The real runs need a GPU; these keep the scripts from rotting:
+- `benchmarks/kernels_gpu.py`, as gpu_run.py's kernels stage runs it: its bandwidth probe,
+  correctness checks, timing loops, peers (JAX's Pallas paged attention is lowered for CUDA, not
+  run), table and JSON;
+- `benchmarks/gpu_run.py`: the ShareGPT preparation, then every stage in its own processes, each
+  stage's JSON and log, the summary after every stage, and a stage out of time recorded as such
+  while the later stages still run.
 """
 
 import json
 import os
 import subprocess
 import sys
+import tarfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_gpu_script(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_run.py"), *argv], cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
 def test_kernel_benchmark_smoke(tmp_path):
-    out = tmp_path / "kernels.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "kernels_gpu.py"), "--smoke", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """`kernels_gpu.py --smoke` as the orchestrator's kernels stage runs it."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = run_gpu_script("--smoke", "--stages", "kernels", "--out", str(out), "--work-dir", str(work), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    [record] = json.loads((out / "summary.json").read_text())["stages"]
+    assert record["stage"] == "kernels" and record["status"] == "ok"
+    results = json.loads((work / "kernels_result.json").read_text())
     assert results["smoke"] is True
     assert results["checks"] and all(c["ok"] for c in results["checks"])
-    assert results["decode"] and results["decode"][0]["ours_s"] is not None
-    assert results["prefill"] and results["prefill"][0]["ours_s"] is not None
+    assert results["complete"] is True and results["hbm_copy_Bps"] > 0
+    assert any("IEEE dots" in c["name"] for c in results["checks"])  # f32 checked with and without TF32 dots
+    decode = results["decode"][0]
+    assert decode["ours_s"] is not None and decode["frac_of_measured_hbm"] > 0
+    assert results["prefill"] and results["prefill"][0]["ours_TFLOPs"] > 0
+    assert record["headline"]["checks"] == len(results["checks"]) and record["headline"]["best_decode"]
+
+
+STAGES = ("kernels", "startup", "engine_start", "latency", "throughput", "serve")
+HEADLINE_KEYS = {
+    "startup": {"programs", "cold_s", "warm_s"},
+    "engine_start": {"cold_ready_s", "warm_ready_s", "cold_first_generate_s"},
+    "latency": {"tpot_ms", "avg_latency_s"},
+    "throughput": {"requests", "output_tok_s", "requests_s", "transformers_output_tok_s", "vs_transformers"},
+}
+
+
+def test_gpu_run_smoke_runs_every_stage_and_records_a_timeout(tmp_path):
+    dataset = tmp_path / "sharegpt.json"
+    proc = run_gpu_script("--prepare-dataset", "--dataset-path", str(dataset), "--dataset-min-passing", "50", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    conversations = json.loads(dataset.read_text())
+    assert 50 <= len(conversations) and all(len(c["conversations"]) == 2 for c in conversations)
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    # kernels gets one second (it needs ~45 s in interpret mode): it must be cut off, and
+    # every later stage must still run
+    proc = run_gpu_script("--smoke", "--out", str(out), "--work-dir", str(work), "--dataset-path", str(dataset),
+                          "--budget", "kernels=1", timeout=400)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-5000:] + proc.stderr[-3000:]  # 1: not every stage ok
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"]["platform"] == "cpu" and summary["device"]["jax_version"]
+    records = {r["stage"]: r for r in summary["stages"]}
+    assert list(records) == list(STAGES)
+    assert {name: r["status"] for name, r in records.items()} == {"kernels": "timed_out", **{s: "ok" for s in STAGES[1:]}}
+    kernels = records["kernels"]["steps"][0]
+    assert kernels["status"] == "timed_out" and kernels["returncode"] is None and kernels["elapsed_s"] < 15
+    for name, keys in HEADLINE_KEYS.items():
+        assert keys <= set(records[name]["headline"]), name
+    assert records["startup"]["headline"]["cold_s"] > 0 and records["latency"]["headline"]["tpot_ms"] > 0
+    assert records["throughput"]["headline"]["output_tok_s"] > 0
+    assert sorted(records["serve"]["headline"]) == ["rate 16.0", "rate 4.0", "rate inf"]
+    markdown = (out / "summary.md").read_text()
+    assert all(f"| {name} | {records[name]['status']} |" in markdown for name in STAGES)
+    assert sorted(os.listdir(out)) == ["console.txt", "stages.tar.gz", "summary.json", "summary.md"]
+    with tarfile.open(out / "stages.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {f"stages/{name}.{ext}" for name in STAGES for ext in ("json", "txt")} <= names
+    assert "stages/serve_results/latency_vs_throughput.png" in names
+    for name in STAGES:  # each stage's own JSON is its summary record
+        assert json.loads((work / f"{name}.json").read_text())["status"] == records[name]["status"]
+    assert "timed_out" in (work / "kernels.txt").read_text()
+
+
+def test_gpu_run_refuses_without_a_gpu(tmp_path):
+    proc = run_gpu_script("--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
+    assert proc.returncode == 2 and "REFUSED" in proc.stdout
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["device"]["refused"] is True

@@ -247,7 +247,7 @@ def check_invariants(sched, live):
 
 def run_step(sched, pool, rng):
     """schedule + fake device (write-then-attend on a model pool) + postprocess."""
-    cfg, bm = sched.config, sched.block_manager
+    cfg = sched.config
     out = sched.schedule()
     if sched.has_unfinished():
         assert not out.is_empty, "unfinished requests but nothing scheduled"

@@ -10,7 +10,7 @@ DEFAULT_DATASET = os.path.join(ROOT, "benchmarks", "data", "sharegpt_1000.json")
 
 # Seconds per stage, most valuable first; with the device probe they sum to 9.5 minutes, inside
 # one 10-minute device call. A stage that ends early hands its unused seconds to the next.
-STAGE_BUDGETS_S = {"kernels": 120, "startup": 60, "engine_start": 70, "latency": 45, "throughput": 150, "serve": 105}
+STAGE_BUDGETS_S = {"kernels": 120, "startup": 60, "engine_start": 70, "latency": 90, "throughput": 125, "serve": 85}
 PROBE_TIMEOUT_S = 20
 SMOKE_STAGE_BUDGET_S = 240
 

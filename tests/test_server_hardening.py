@@ -251,3 +251,15 @@ def test_engine_failure_exits_nonzero(tmp_path):
         proc.kill()
     text = open(log).read()
     assert "injected device fault" in text and "server stopped (exit code 1)" in text, text
+
+
+def test_requests_carry_spaces_between_special_tokens():
+    """vLLM's request field reaches the detokenizer's parameters (default True, as in vLLM)."""
+    from jaxpaged.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    assert CompletionRequest(prompt="hi").sampling_params(vocab_size=64).spaces_between_special_tokens is True
+    off = dict(skip_special_tokens=False, spaces_between_special_tokens=False)
+    completion = CompletionRequest(prompt="hi", **off).sampling_params(vocab_size=64)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **off).sampling_params(vocab_size=64)
+    for params in (completion, chat):
+        assert params.spaces_between_special_tokens is False and params.skip_special_tokens is False

@@ -110,13 +110,11 @@ def _abstract_engine(args):
     everything as `jax.ShapeDtypeStruct`s with the engine's shardings; `cache_for(num_blocks)`
     is the abstract cache of a pool of that many blocks."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
-    from jaxpaged.checkpoint.loader import resolve_dtype
     from jaxpaged.config.engine_config import EngineConfig
     from jaxpaged.config.model_config import kv_bytes_per_token
-    from jaxpaged.config.presets import load_config_dict
+    from jaxpaged.engine.setup import dummy_dtype
     from jaxpaged.functional import DeviceCache, init_cache
     from jaxpaged.model import Llama, kv_storage_dtype
     from jaxpaged.parallel.mesh import TensorParallel, make_mesh
@@ -124,8 +122,7 @@ def _abstract_engine(args):
 
     config = EngineConfig.resolve(args)
     parallel = TensorParallel(config.layout, make_mesh(config.layout.size))
-    raw = load_config_dict(args.model)[1]
-    dtype = jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
+    dtype = dummy_dtype(args)
     model = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
                                          attention=args.attention_backend, parallel=parallel,
                                          scan_layers=args.scan_layers))  # fmt: skip

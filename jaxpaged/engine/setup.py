@@ -98,15 +98,19 @@ def build_model(config: EngineConfig, parallel: TensorParallel) -> Llama:
     the mesh layout."""
     args, model_config = config.args, config.model
     if args.load_format == "dummy":
-        raw = load_config_dict(args.model)[1]
-        dtype = jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
-        model = _dummy_model(model_config, dtype, args, parallel)
+        model = _dummy_model(model_config, dummy_dtype(args), args, parallel)
     else:
         _, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel,
                               scan_layers=args.scan_layers)  # fmt: skip
     logger.info("model %s: %s, %d layers, dtype %s", args.model, model_config.architecture, model_config.num_layers,
                 model.embed[...].dtype)  # fmt: skip
     return model
+
+
+def dummy_dtype(args: EngineArgs) -> jnp.dtype:
+    """The dtype of random weights: `dtype`, or with "auto" the config's (float32 if it names none)."""
+    raw = load_config_dict(args.model)[1]
+    return jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
 
 
 def _dummy_model(config: ModelConfig, dtype, args: EngineArgs, parallel: TensorParallel) -> Llama:

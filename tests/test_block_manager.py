@@ -79,7 +79,7 @@ def test_salt_isolates():
     compute(a, admit(bm, a))
     for salt, hit in (("bob", 0), (None, 0), ("alice", 12)):
         s = make_seq(prompt, salt=salt)
-        assert bm.get_computed_blocks(s)[1] == hit
+        assert bm.get_computed_blocks(s).num_tokens == hit
 
 
 def test_whole_prompt_cached_still_computes_last_token():
@@ -104,7 +104,7 @@ def test_partial_block_never_shared_until_full():
     compute(a, admit(bm, a))
     assert bm.block_hash[a.block_table[2]] is None
     b = make_seq(list(range(10)) + [99])
-    assert bm.get_computed_blocks(b) == (a.block_table[:2], 8)
+    assert bm.get_computed_blocks(b) == (a.block_table[:2], [None, None], 8)
     # a decodes two more tokens: its third block fills and becomes shareable.
     for t in (10, 11):
         a.output_token_ids.append(t)
@@ -112,7 +112,7 @@ def test_partial_block_never_shared_until_full():
         compute(a, 1)
     assert bm.block_hash[a.block_table[2]] is not None
     c = make_seq(list(range(12)) + [7])
-    assert bm.get_computed_blocks(c) == (a.block_table[:3], 12)
+    assert bm.get_computed_blocks(c) == (a.block_table[:3], [None] * 3, 12)
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_lru():
@@ -134,7 +134,7 @@ def test_freed_blocks_stay_cached_and_are_evicted_lru():
     big = make_seq(range(100, 114))
     admit(bm, big)
     assert a_blocks[1] in big.block_table and a_blocks[0] not in big.block_table
-    assert bm.get_computed_blocks(make_seq([1] * 8 + [0]))[1] == 4  # a's first block survives
+    assert bm.get_computed_blocks(make_seq([1] * 8 + [0])).num_tokens == 4  # a's first block survives
     check_accounting(bm, [again, big])
 
 
@@ -188,5 +188,5 @@ def test_reset_prefix_cache():
     assert bm.evictable
     bm.reset_prefix_cache()
     assert not bm.evictable and not bm.cached_block_hash_to_block
-    assert bm.get_computed_blocks(make_seq(range(12)))[1] == 0
+    assert bm.get_computed_blocks(make_seq(range(12))).num_tokens == 0
     check_accounting(bm, [])

@@ -243,12 +243,29 @@ def check_invariants(sched, live):
     assert not free & cached and NULL_BLOCK not in free | cached
     assert free | cached == {b for b in range(1, bm.num_blocks) if bm.ref_counts[b] == 0}
     assert bm.num_free_blocks + len(owners) == bm.num_total_blocks
+    tier = bm.host_tier
+    if tier is not None:  # every host slot is free, cached or one swapped sequence's, never two
+        waiting = {s.seq_id for s in sched.waiting}
+        assert set(tier.swapped) <= waiting
+        held = list(tier._free) + list(tier.cached.values()) + [x for slots, _ in tier.swapped.values() for x in slots]
+        assert sorted(held) == list(range(tier.num_slots))
 
 
-def run_step(sched, pool, rng):
-    """schedule + fake device (write-then-attend on a model pool) + postprocess."""
+def move_blocks(sched, pool, host):
+    """The runner's device<->host copies on the fake pool: offloads, then loads."""
+    bs, transfers = sched.config.block_size, sched.block_manager.take_transfers()
+    for block, slot in transfers.offloads:
+        host[slot] = [pool.get(block * bs + o) for o in range(bs)]
+    for slot, block in transfers.loads:
+        for o, key in enumerate(host[slot]):
+            pool[block * bs + o] = key
+
+
+def run_step(sched, pool, rng, host=None):
+    """schedule + fake device (host copies, then write-then-attend on a model pool) + postprocess."""
     cfg = sched.config
     out = sched.schedule()
+    move_blocks(sched, pool, {} if host is None else host)
     if sched.has_unfinished():
         assert not out.is_empty, "unfinished requests but nothing scheduled"
     assert out.num_batched_tokens == sum(n for _, n in out.scheduled) <= cfg.max_num_batched_tokens
@@ -281,6 +298,7 @@ config_st = st.fixed_dictionaries(
         "max_num_seqs": st.sampled_from([1, 2, 3, 4, 6]),
         "extra_budget": st.integers(0, 40),
         "enable_prefix_caching": st.booleans(),
+        "host": st.sampled_from([(0, "recompute"), (3, "recompute"), (12, "recompute"), (3, "swap"), (40, "swap")]),
     }
 )
 add_st = st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 30), st.integers(1, 16), st.integers(0, 3), st.integers(1, 3))
@@ -299,8 +317,10 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     extra, pool_tokens = config.pop("extra_budget"), config.pop("pool_tokens")
     num_blocks = 1 + pool_tokens // config["block_size"]
     budget = config["max_num_seqs"] + extra
-    cfg = SchedulerConfig(max_model_len=48, max_num_batched_tokens=budget, num_blocks=num_blocks, **config)
-    sched, rng, pool = Scheduler(cfg, eos_token_id=EOS), random.Random(seed), {}
+    num_host_blocks, mode = config.pop("host")
+    cfg = SchedulerConfig(max_model_len=48, max_num_batched_tokens=budget, num_blocks=num_blocks,
+                          num_host_blocks=num_host_blocks, preemption_mode=mode, **config)  # fmt: skip
+    sched, rng, pool, host = Scheduler(cfg, eos_token_id=EOS), random.Random(seed), {}, {}
     live, request_ids = [], []
     for op in ops:
         if op[0] == "add":
@@ -322,7 +342,7 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
             request_ids.append(rid)
         elif op[0] == "step":
             for _ in range(op[1]):
-                run_step(sched, pool, rng)
+                run_step(sched, pool, rng, host)
         else:  # most ids are unknown or finished: aborting them is a no-op
             aborted = sched.abort(f"r{op[1]}")
             assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in aborted)
@@ -330,7 +350,7 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     for _ in range(3000):
         if not sched.has_unfinished():
             break
-        run_step(sched, pool, rng)
+        run_step(sched, pool, rng, host)
         check_invariants(sched, live)
     assert not sched.has_unfinished() and all(s.is_finished for s in live)
     for s in live:
@@ -338,6 +358,9 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
             assert 1 <= s.num_output_tokens <= s.sampling_params.max_tokens
     bm = sched.block_manager
     assert not any(bm.ref_counts) and bm.num_free_blocks == bm.num_total_blocks and bm.usage == 0
+    if bm.host_tier is not None:  # every host slot free or cached: none leaked to a swap
+        tier = bm.host_tier
+        assert not tier.swapped and tier.num_free + len(tier.cached) == tier.num_slots
 
 
 def test_lookahead_blocks_are_reserved_only_when_fusing_is_safe():

@@ -24,12 +24,20 @@ Parallel sampling (`n > 1`): with prefix caching on, siblings share their prompt
 blocks through the cache. `fork(parent, child)` shares them explicitly (ref counted, also with
 prefix caching off): the child gets the parent's computed full prompt blocks and recomputes
 its partial tail block itself, so no block is ever written by two sequences.
+
+Host tier (`host_tier`, optional; see host_tier.py): a cached block the device evicts is first
+copied to host memory under its hash; a lookup that misses on the device continues in the host
+tier, and each host hit gets a fresh device block that the runner fills from host memory
+before the step (`take_transfers`). A sequence preempted by swap (`swap_out`) parks its computed
+blocks there and gets them back, in fresh device blocks, when it is admitted again.
 """
 
 import collections
 import hashlib
+import typing
 from array import array
 
+from jaxpaged.core.host_tier import HostTier, KVTransfers
 from jaxpaged.core.sequence import Sequence
 
 NULL_BLOCK = 0
@@ -53,6 +61,25 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int], cache_salt: str 
     return h.digest()
 
 
+class ComputedPrefix(typing.NamedTuple):
+    """The leading blocks a sequence can reuse at admission.
+
+    Attributes:
+      blocks: for each leading block, its device block id, or None where the host tier holds it.
+      host_slots: for each leading block, its host slot where `blocks` has None, else None.
+      num_tokens: tokens they hold (at most the sequence's tokens less one: the last token is
+        always computed).
+    """
+
+    blocks: list[int | None]
+    host_slots: list[int | None]
+    num_tokens: int
+
+    @property
+    def device_blocks(self) -> list[int]:
+        return [b for b in self.blocks if b is not None]
+
+
 class BlockManager:
     """Hands out pool blocks to sequences; ref counts, a free list and the prefix cache.
 
@@ -63,14 +90,17 @@ class BlockManager:
       cached_block_hash_to_block: registered hash -> block id.
       block_hash: `[num_blocks]` each block's registered hash, or None.
       prefix_cache_queries: tokens looked up in the prefix cache (vLLM's metric).
-      prefix_cache_hits: of those, tokens served from the cache.
+      prefix_cache_hits: of those, tokens served from the device's cache.
+      host_tier: the host tier, or None.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host_tier: HostTier | None = None):  # fmt: skip
         """Args:
         num_blocks: pool blocks including the null block 0 (so at least 2).
         block_size: token slots per block.
         enable_prefix_caching: reuse full blocks across sequences by content hash.
+        host_tier: keep evicted blocks and swapped-out sequences in host memory.
         """
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
@@ -86,6 +116,7 @@ class BlockManager:
         self.cached_block_hash_to_block: dict[bytes, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_tier = host_tier
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already registered
 
     # -- accounting -------------------------------------------------------------------------
@@ -119,34 +150,41 @@ class BlockManager:
             seq.block_hashes.append(hash_block(parent, seq.token_ids_slice(j * bs, (j + 1) * bs), seq.cache_salt))
         return seq.block_hashes[i]
 
-    def get_computed_blocks(self, seq: Sequence, parent: Sequence | None = None) -> tuple[list[int], int]:
+    def get_computed_blocks(self, seq: Sequence, parent: Sequence | None = None) -> ComputedPrefix:
         """Blocks `seq` can reuse at admission and how many tokens they hold; no side effects.
+
+        A sequence swapped out reuses its swapped blocks (all in the host tier); one with a
+        `parent` forks its computed full prompt blocks; otherwise the prefix cache is looked up
+        block by block, on the device first and then in the host tier, until a block is in
+        neither.
 
         Args:
           seq: a sequence holding no blocks.
           parent: fork from this sibling (same prompt) instead of looking up the prefix cache.
-
-        Returns:
-          (block ids, number of tokens they cover); at most `seq.num_tokens - 1` tokens, so
-          the last token is always computed.
         """
-        bs = self.block_size
+        bs, tier = self.block_size, self.host_tier
+        if tier is not None and seq.seq_id in tier.swapped:
+            slots, tokens = tier.swapped[seq.seq_id]
+            return ComputedPrefix([None] * len(slots), list(slots), tokens)
         limit = seq.num_tokens - 1
         if parent is not None:
             limit = min(limit, parent.num_computed_tokens, parent.num_prompt_tokens, seq.num_prompt_tokens)
             k = min(limit // bs, len(parent.block_table))
             while k and parent.prompt_token_ids[: k * bs] != seq.prompt_token_ids[: k * bs]:
                 k -= 1
-            return parent.block_table[:k], k * bs
+            return ComputedPrefix(parent.block_table[:k], [None] * k, k * bs)
         if not self.enable_prefix_caching:
-            return [], 0
-        blocks = []
+            return ComputedPrefix([], [], 0)
+        blocks, slots = [], []
         for i in range(limit // bs):
-            block = self.cached_block_hash_to_block.get(self._block_hash_of(seq, i))
-            if block is None:
+            h = self._block_hash_of(seq, i)
+            block = self.cached_block_hash_to_block.get(h)
+            slot = None if block is not None or tier is None else tier.lookup(h)
+            if block is None and slot is None:
                 break
             blocks.append(block)
-        return blocks, len(blocks) * bs
+            slots.append(slot)
+        return ComputedPrefix(blocks, slots, len(blocks) * bs)
 
     # -- verbs ------------------------------------------------------------------------------
 
@@ -158,32 +196,52 @@ class BlockManager:
           num_new_tokens: tokens to compute after the reused ones; None means all the rest.
           parent: as in `get_computed_blocks`.
         """
-        blocks, cached = self.get_computed_blocks(seq, parent)
+        prefix = self.get_computed_blocks(seq, parent)
         if num_new_tokens is None:
-            num_new_tokens = seq.num_tokens - cached
-        new = self._blocks_for(cached + num_new_tokens) - len(blocks)
-        revived = sum(1 for b in blocks if self.ref_counts[b] == 0)  # leave the evictable pool
+            num_new_tokens = seq.num_tokens - prefix.num_tokens
+        device = prefix.device_blocks
+        new = self._blocks_for(prefix.num_tokens + num_new_tokens) - len(device)  # host hits need blocks too
+        revived = sum(1 for b in device if self.ref_counts[b] == 0)  # leave the evictable pool
         return new + revived <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, parent: Sequence | None = None) -> None:
-        """Gives `seq` its reusable leading blocks (prefix-cache hits, or a fork of `parent`).
+        """Gives `seq` its reusable leading blocks (prefix-cache hits, a fork of `parent`, or the
+        blocks it was swapped out with); host-tier blocks get fresh device blocks, filled by the
+        next transfers.
 
         Sets `seq.block_table`, `seq.num_cached_tokens` and `seq.num_computed_tokens` (= the
-        cached tokens); follow with `may_append` for the tokens to compute.
+        reused tokens); follow with `may_append` for the tokens to compute.
         """
         if seq.block_table:
             raise RuntimeError(f"{seq} already holds blocks")
-        blocks, cached = self.get_computed_blocks(seq, parent)
-        if self.enable_prefix_caching and parent is None:
+        prefix = self.get_computed_blocks(seq, parent)
+        tier = self.host_tier
+        swapped = tier is not None and seq.seq_id in tier.swapped
+        if self.enable_prefix_caching and parent is None and not swapped:
+            device_tokens = len(prefix.device_blocks) * self.block_size
             self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += cached
-        for block in blocks:
+            self.prefix_cache_hits += device_tokens
+            if tier is not None:
+                tier.queries += seq.num_tokens
+                tier.hits += prefix.num_tokens - device_tokens
+        if tier is not None:  # host slots stay put while evictions below offload other blocks
+            tier.pin([s for s in prefix.host_slots if s is not None])
+        for block in prefix.device_blocks:  # revived first: taking blocks below must not evict them
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
             self.ref_counts[block] += 1
-        seq.block_table = list(blocks)
-        seq.num_cached_tokens = seq.num_computed_tokens = cached
-        self._num_registered[seq.seq_id] = len(blocks)
+        table = [b if b is not None else self._take_free_block() for b in prefix.blocks]
+        if swapped:
+            tier.swap_in(seq.seq_id, table)
+        else:
+            for i, slot in enumerate(prefix.host_slots):
+                if slot is not None:
+                    tier.load(slot, table[i])
+                    self._register_block(self._block_hash_of(seq, i), table[i])
+        seq.block_table = table
+        seq.num_cached_tokens = seq.num_computed_tokens = prefix.num_tokens
+        # A swapped-in sequence registers its full blocks again as `may_append` reaches them.
+        self._num_registered[seq.seq_id] = 0 if swapped else len(table)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Shares `parent`'s computed full prompt blocks with `child` (n > 1 sampling).
@@ -230,34 +288,62 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_registered.pop(seq.seq_id, None)
+        if self.host_tier is not None:
+            self.host_tier.drop_swapped(seq.seq_id)
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Preemption by swap: plans copying `seq`'s computed blocks to the host tier and releases
+        its device blocks (`deallocate`); on its next `allocate` it gets them back. False, with
+        nothing done, when there is no host tier or it cannot take them all."""
+        if self.host_tier is None:
+            return False
+        computed = seq.num_computed_tokens
+        blocks = seq.block_table[: self._blocks_for(computed)]
+        if not blocks or len(blocks) > self.host_tier.num_available:
+            return False
+        self.deallocate(seq)  # bookkeeping only: the offloads read the blocks before any step writes them
+        return self.host_tier.swap_out(seq.seq_id, blocks, computed)
+
+    def take_transfers(self) -> KVTransfers:
+        """The device<->host copies planned since the last call; run them before the next step."""
+        if self.host_tier is None:
+            return KVTransfers([], [])
+        return self.host_tier.take_transfers()
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every registered hash; cached blocks become free (vLLM's `reset_prefix_cache`)."""
+        """Forgets every registered hash; cached blocks become free (vLLM's `reset_prefix_cache`),
+        in the host tier too."""
         self.free_block_ids.extend(self.evictable)
         self.evictable.clear()
         self.cached_block_hash_to_block.clear()
         self.block_hash = [None] * self.num_blocks
+        if self.host_tier is not None:
+            self.host_tier.clear_cached()
 
     # -- internals --------------------------------------------------------------------------
 
     def _take_free_block(self) -> int:
         if self.free_block_ids:
             block = self.free_block_ids.popleft()
-        else:  # evict the least recently freed cached block
+        else:  # evict the least recently freed cached block (to the host tier, if any)
             block, _ = self.evictable.popitem(last=False)
-            del self.cached_block_hash_to_block[self.block_hash[block]]
+            block_hash = self.block_hash[block]
+            del self.cached_block_hash_to_block[block_hash]
             self.block_hash[block] = None
+            if self.host_tier is not None:
+                self.host_tier.offload(block, block_hash)
         self.ref_counts[block] = 1
         return block
 
     def _register(self, seq: Sequence, num_full_blocks: int) -> None:
         start = self._num_registered.get(seq.seq_id, 0)
         for i in range(start, num_full_blocks):
-            h = self._block_hash_of(seq, i)
-            block = seq.block_table[i]
-            # Equal content already cached elsewhere (e.g. the last-token block that a
-            # fully cached prompt recomputes): keep that one; this block stays unhashed.
-            if h not in self.cached_block_hash_to_block and self.block_hash[block] is None:
-                self.cached_block_hash_to_block[h] = block
-                self.block_hash[block] = h
+            self._register_block(self._block_hash_of(seq, i), seq.block_table[i])
         self._num_registered[seq.seq_id] = max(start, num_full_blocks)
+
+    def _register_block(self, block_hash: bytes, block: int) -> None:
+        # Equal content already cached elsewhere (e.g. the last-token block that a fully cached
+        # prompt recomputes): keep that one; this block stays unhashed.
+        if block_hash not in self.cached_block_hash_to_block and self.block_hash[block] is None:
+            self.cached_block_hash_to_block[block_hash] = block
+            self.block_hash[block] = block_hash

@@ -7,11 +7,15 @@ Each engine step:
      waiting sequences in FCFS order; all under `max_num_seqs` running sequences and
      `max_num_batched_tokens` tokens per step. Blocks come from the
      `BlockManager`; when a running sequence cannot get one, the most recently admitted running
-     sequence not yet scheduled this step is preempted by recompute: its blocks are freed (they
+     sequence not yet scheduled this step is preempted: by recompute, its blocks are freed (they
      stay in the prefix cache while nobody needs them), `num_computed_tokens` drops to 0, and it
      goes back to the FRONT of the waiting queue; on resume it recomputes prompt + outputs so
-     far and samples its next token. No waiting sequence is admitted in a step that preempted.
-  2. The runner computes the step (`SchedulerOutput.step_inputs` -> `pack_step`).
+     far and samples its next token. By swap (`preemption_mode`, with a host tier that has
+     room), its computed blocks are copied to host memory first and copied back on resume,
+     so it recomputes nothing. No waiting sequence is admitted in a step that preempted.
+  2. The runner carries out the device<->host copies the block manager planned
+     (`block_manager.take_transfers()`), then computes the step
+     (`SchedulerOutput.step_inputs` -> `pack_step`).
   3. `postprocess(output, sampled_token_ids)` advances `num_computed_tokens`, appends the
      sampled token of every sequence whose step reached its last token (a prefill chunk short
      of the end of the prompt samples nothing), checks token-id stop rules and frees finished
@@ -25,8 +29,12 @@ import time
 from collections import deque
 
 from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.step_inputs import ScheduledSequence
+
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +49,9 @@ class SchedulerConfig:
       block_size: token slots per KV block.
       num_blocks: KV blocks in the pool, including the reserved null block 0.
       enable_prefix_caching: reuse cached full blocks of equal prefixes.
+      num_host_blocks: blocks of the host tier (0: none); see host_tier.py.
+      preemption_mode: "recompute", or "swap" (needs a host tier; a sequence it has no room
+        for is recomputed).
     """
 
     max_num_seqs: int = 256
@@ -49,6 +60,8 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int
     enable_prefix_caching: bool = True
+    num_host_blocks: int = 0
+    preemption_mode: str = "recompute"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -61,6 +74,12 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}); raise it or lower max_num_seqs"
             )
+        if self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be at least 0, got {self.num_host_blocks}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.num_host_blocks:
+            raise ValueError("preemption_mode='swap' needs a host tier (num_host_blocks > 0)")
 
 
 @dataclasses.dataclass
@@ -112,7 +131,8 @@ class Scheduler:
         eos_token_id: the model's EOS id(s); generation stops there unless `ignore_eos`.
         """
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        tier = HostTier(config.num_host_blocks) if config.num_host_blocks else None
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, tier)
         ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         self.eos_token_ids = frozenset(ids)
         self.waiting: deque[Sequence] = deque()
@@ -219,7 +239,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             seq = self.waiting[0]
             parent = self._fork_parent(seq)
-            _, cached = bm.get_computed_blocks(seq, parent)
+            cached = bm.get_computed_blocks(seq, parent).num_tokens
             n = min(seq.num_tokens - cached, budget)
             if not bm.can_allocate(seq, n, parent):
                 break
@@ -339,7 +359,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.deallocate(seq)
+        if not (self.config.preemption_mode == "swap" and self.block_manager.swap_out(seq)):
+            self.block_manager.deallocate(seq)  # by recompute
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -95,3 +95,22 @@ def test_other_configurations_give_the_same_tokens(workload, engine_kwargs):
         assert engine.get_stats()["prefix_cache_hits"] > 0
     else:
         assert engine.get_stats()["prefix_cache_hits"] == 0
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_host_tier_reloads_evicted_blocks_swaps_and_matches_transformers(workload, caching):
+    """The small pool again, with a host tier: evicted prefix blocks come back from host memory
+    and preempted sequences are swapped out and in (not recomputed), with the same tokens."""
+    path, prompts, max_tokens, references = workload
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 16
+    outputs, engine = run(path, prompts, max_tokens, kv_cache_memory_bytes=25 * bytes_per_block, max_num_seqs=16,
+                          max_num_batched_tokens=128, kv_offloading_size=48 * bytes_per_block / 2**30,
+                          enable_prefix_caching=caching)  # fmt: skip
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_swapped_in_blocks"] > 0
+    assert stats["kv_offload_bytes"] > 0 and stats["kv_load_bytes"] > 0
+    assert (stats["external_prefix_cache_hits"] > 0) == caching
+    check_against_hf(outputs, references)
+    check_no_leaks(engine)
+    tier = engine.scheduler.block_manager.host_tier
+    assert tier.num_slots == 48 and not tier.swapped and tier.num_free + len(tier.cached) == tier.num_slots

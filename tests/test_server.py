@@ -433,3 +433,33 @@ def test_enable_log_requests_logs_prompts_only_when_asked(server, caplog):
         asyncio.run(ask(True))
         assert PROMPTS[2] in caplog.text
     server.wait_idle()
+
+
+def test_host_tier_metrics(tmp_path):
+    """With --kv-offloading-size /metrics adds the host tier's hits (vLLM's external prefix-cache
+    names) and traffic; the server fixture's engine, without one, shows none of them."""
+    from jaxpaged.server.metrics import ServerMetrics
+
+    make_model_dir(str(tmp_path))
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # K and V x layers x kv heads x head_dim x float32 x tokens
+    # 6 usable blocks: two requests of 3 blocks at a time, so the next two evict the first two's
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64,
+              kv_cache_memory_bytes=7 * block_bytes, kv_offloading_size=64 * block_bytes / 2**30)  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i] * 40} for i in range(4)]
+    first = llm.generate(prompts, greedy, use_tqdm=False)
+    again = llm.generate(prompts[:1], greedy, use_tqdm=False)  # its blocks were evicted: host hits
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    engine = AsyncEngine(llm.llm_engine)
+    try:
+        text = ServerMetrics(engine, MODEL).render()[0].decode()
+    finally:
+        engine.shutdown()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["vllm:external_prefix_cache_hits_total"] >= 32
+    assert samples["vllm:external_prefix_cache_queries_total"] >= samples["vllm:external_prefix_cache_hits_total"]
+    assert samples["jaxpaged:kv_offload_bytes_total"] >= 2 * block_bytes
+    assert samples["jaxpaged:kv_load_bytes_total"] >= 2 * block_bytes
+    assert samples["jaxpaged:kv_host_tier_blocks"] == 64
+    for name in ("jaxpaged:kv_swapped_out_blocks_total", "jaxpaged:kv_host_tier_swapped_blocks"):
+        assert name in samples

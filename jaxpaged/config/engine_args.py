@@ -17,6 +17,7 @@ from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+PREEMPTION_MODES = ("recompute", "swap")
 MAX_COMPILE_THREADS = 8
 
 
@@ -74,6 +75,14 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _option(
         None, "most tokens computed per step (default: max(2048, max_num_seqs))")
     enable_prefix_caching: bool = _option(True, "reuse the KV cache of equal prompt prefixes")
+    kv_offloading_size: float | None = _option(
+        None, "GiB of host memory for a host tier of the KV cache: blocks evicted from the device prefix cache "
+        "are kept there and copied back on a prefix hit, and preempted sequences are swapped there "
+        "(default: no host tier)", metavar="GIB")  # fmt: skip
+    preemption_mode: str | None = _option(
+        None, "what a preempted sequence loses: recompute frees its blocks and computes them again on resume; "
+        "swap copies them to the host tier and back (needs --kv-offloading-size; recompute when the tier is "
+        "full) (default: swap with a host tier, else recompute)", choices=PREEMPTION_MODES)  # fmt: skip
     seed: int | None = _option(
         0, "engine seed: requests without their own seed draw one from it, so a run repeats; "
         "'random' (None) draws a fresh seed every run", metavar="N|random")  # fmt: skip
@@ -124,6 +133,7 @@ class EngineArgs:
                 self._check_int(name, 1)
         if self.seed is not None:
             self._check_int("seed", 0)
+        self._check_offloading()
         self._check_tensor_parallel()
         check_block_size(self.block_size)
         utilization = self.gpu_memory_utilization
@@ -142,6 +152,18 @@ class EngineArgs:
 
         if not self.skip_tokenizer_init:
             self._check_tokenizer()
+
+    def _check_offloading(self) -> None:
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < 2**20):
+            raise EngineArgsError("kv_offloading_size", size, "must be a positive number of GiB")
+        if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
+            raise EngineArgsError("preemption_mode", self.preemption_mode, f"must be one of {', '.join(PREEMPTION_MODES)}")
+        if self.preemption_mode == "swap" and size is None:
+            raise EngineArgsError("preemption_mode", "swap", "swaps to the host tier: set `kv_offloading_size` too")
+        if size is not None and self.nnodes > 1:
+            raise EngineArgsError("kv_offloading_size", size, "is not supported across several processes yet "
+                                  "(`nnodes` > 1); leave it unset")  # fmt: skip
 
     def _check_tensor_parallel(self) -> None:
         config = ModelConfig.from_hf(load_config_dict(self.model)[1])

@@ -29,6 +29,7 @@ class EngineConfig:
       max_model_len: the context limit, validated against the model.
       layout: how the model splits over the tensor-parallel devices.
       num_blocks: KV blocks per device, the null block included (0 until the pool is planned).
+      num_host_blocks: blocks of the host tier (0: none; planned with the pool).
     """
 
     args: EngineArgs
@@ -36,6 +37,7 @@ class EngineConfig:
     max_model_len: int
     layout: TensorParallelLayout
     num_blocks: int = 0
+    num_host_blocks: int = 0
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> "EngineConfig":
@@ -52,13 +54,20 @@ class EngineConfig:
         max_model_len = model.check_max_model_len(args.max_model_len or model.max_context_len)
         return cls(args, model, max_model_len, TensorParallelLayout(model, args.tensor_parallel_size))
 
-    def with_blocks(self, num_blocks: int) -> "EngineConfig":
-        """This configuration with the planned pool size."""
-        return dataclasses.replace(self, num_blocks=num_blocks)
+    def with_blocks(self, num_blocks: int, num_host_blocks: int | None = None) -> "EngineConfig":
+        """This configuration with the planned pool size (and host tier, when given)."""
+        host = self.num_host_blocks if num_host_blocks is None else num_host_blocks
+        return dataclasses.replace(self, num_blocks=num_blocks, num_host_blocks=host)
+
+    @property
+    def preemption_mode(self) -> str:
+        """`preemption_mode`, resolved: swap when there is a host tier, unless told otherwise."""
+        return self.args.preemption_mode or ("swap" if self.num_host_blocks else "recompute")
 
     def scheduler_config(self) -> SchedulerConfig:
         """What the scheduler needs (after planning)."""
         a = self.args
         return SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                max_model_len=self.max_model_len, block_size=a.block_size, num_blocks=self.num_blocks,
-                               enable_prefix_caching=a.enable_prefix_caching)  # fmt: skip
+                               enable_prefix_caching=a.enable_prefix_caching, num_host_blocks=self.num_host_blocks,
+                               preemption_mode=self.preemption_mode)  # fmt: skip

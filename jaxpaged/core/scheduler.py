@@ -28,13 +28,11 @@ import itertools
 import time
 from collections import deque
 
+from jaxpaged.config.engine_args import PREEMPTION_MODES
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.step_inputs import ScheduledSequence
-
-
-PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

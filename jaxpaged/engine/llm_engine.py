@@ -169,6 +169,8 @@ class LLMEngine:
             self._release(seq)
         if not out.is_empty:
             self._run(out)
+        else:  # copies planned while preempting are due before any later step
+            self.runner.move_kv(self.scheduler.block_manager.take_transfers())
         outputs = []
         for request_id in sorted(self._changed, key=lambda r: self.requests[r].completions[0].seq.seq_id):
             state = self.requests[request_id]
@@ -221,7 +223,8 @@ class LLMEngine:
                 row = self._rows[seq.seq_id] = sampling_row(sp, seq.index)
             banned = self._banned_ids(sp) if seq.num_output_tokens < sp.min_tokens else ()
             rows.append(SequenceRow(seq.seq_id, row, slot, seq.num_prompt_tokens, bool(sp.logprobs), banned))
-        steps = self._fused_steps(out)
+        steps = self._fused_steps(out)  # may take blocks too: the copies are planned only now
+        self.runner.move_kv(self.scheduler.block_manager.take_transfers())
         result = self.runner.execute(out.step_inputs, rows, resets, steps)
         n = out.num_seqs
         want_top = any(r.want_logprobs for r in rows)
@@ -293,6 +296,25 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
+            **self._host_tier_stats(),
+        }
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        """The host tier's counters (none without one): prefix hits there under vLLM's names for
+        an external KV cache, blocks and bytes moved under jaxpaged's."""
+        tier, transfer = self.scheduler.block_manager.host_tier, self.runner.kv_transfer
+        if tier is None:
+            return {}
+        return {
+            "external_prefix_cache_queries": tier.queries,
+            "external_prefix_cache_hits": tier.hits,
+            "kv_host_tier_blocks": tier.num_slots,
+            "kv_host_tier_cached_blocks": len(tier.cached),
+            "kv_host_tier_swapped_blocks": tier.num_swapped,
+            "kv_offload_bytes": tier.offloaded_blocks * transfer.block_bytes,
+            "kv_load_bytes": tier.loaded_blocks * transfer.block_bytes,
+            "kv_swapped_out_blocks": tier.swapped_out_blocks,
+            "kv_swapped_in_blocks": tier.swapped_in_blocks,
         }
 
 

@@ -11,14 +11,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.checkpoint.loader import load_model, resolve_dtype
-from jaxpaged.config.engine_args import EngineArgs, default_compilation_cache_dir
+from jaxpaged.config.engine_args import EngineArgs, EngineArgsError, default_compilation_cache_dir
 from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.model import Llama, kv_storage_dtype
 from jaxpaged.parallel import multihost
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
-from jaxpaged.planning.memory import GiB, KVCachePlan, plan_kv_cache
+from jaxpaged.planning.memory import GiB, KVCachePlan, format_bytes, plan_kv_cache
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.step_programs import Program
 
@@ -65,13 +65,33 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
         plan = dataclasses.replace(plan, num_blocks=agreed, pool_bytes=agreed * plan.bytes_per_token * plan.block_size,
                                    sized_from=plan.sized_from + " (the smallest of all processes)")  # fmt: skip
     logger.info(plan.summary())
-    config = config.with_blocks(plan.num_blocks)
+    config = config.with_blocks(plan.num_blocks, host_tier_blocks(config, model, parallel))
     runner = ModelRunner(model, parallel=parallel, config=config)
     seconds = runner.warm_up(args.compile_threads)
     check_step_memory(plan, runner.temp_bytes)
     if jax.process_count() > 1 and multihost.is_leader():
         runner.channel = multihost.StepChannel()  # from now on every device call is announced
     return DeviceWorker(config, parallel, plan, runner, seconds)
+
+
+def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParallel) -> int:
+    """Blocks of the host tier that `kv_offloading_size` GiB hold (0 without one); logged.
+
+    A host block holds K and V of every layer and every kv head of the mesh (under tensor
+    parallelism each device offloads its own heads into it)."""
+    args = config.args
+    if args.kv_offloading_size is None:
+        return 0
+    dtype_bytes = kv_storage_dtype(model.embed[...].dtype, parallel.platform).itemsize
+    per_block = kv_bytes_per_token(parallel.layout.mesh_config, dtype_bytes) * args.block_size
+    num_blocks = int(args.kv_offloading_size * GiB) // per_block
+    if num_blocks < 1:
+        raise EngineArgsError("kv_offloading_size", args.kv_offloading_size,
+                              f"holds no block of {format_bytes(per_block)}; give at least {per_block / GiB:.6f}")  # fmt: skip
+    logger.info("host KV tier: %d blocks x %d tokens = %d tokens (%s of host memory); preemption by %s", num_blocks,
+                args.block_size, num_blocks * args.block_size, format_bytes(num_blocks * per_block),
+                config.with_blocks(config.num_blocks, num_blocks).preemption_mode)  # fmt: skip
+    return num_blocks
 
 
 def use_compilation_cache(setting: str) -> str | None:

@@ -70,9 +70,22 @@ class TensorParallel:
             return self.mesh.abstract_device.platform
         return self.mesh.devices.flat[0].platform
 
-    def sharding(self, mesh_axes: tuple[str | None, ...] = ()) -> NamedSharding:
-        """The `NamedSharding` of mesh axes per dimension (empty: replicated)."""
-        return NamedSharding(self.mesh, PartitionSpec(*mesh_axes))
+    def sharding(self, mesh_axes: tuple[str | None, ...] = (), memory_kind: str | None = None) -> NamedSharding:
+        """The `NamedSharding` of mesh axes per dimension (empty: replicated), in the devices'
+        memory, or in `memory_kind` (e.g. "pinned_host")."""
+        return NamedSharding(self.mesh, PartitionSpec(*mesh_axes), memory_kind=memory_kind)
+
+    def logical_sharding(self, axes: tuple[str | None, ...], memory_kind: str | None = None) -> NamedSharding:
+        """The sharding of an array with these logical axes (see the sharding table)."""
+        return self.sharding(self.layout.mesh_axes(axes), memory_kind)
+
+    @property
+    def pinned_host(self) -> str | None:
+        """"pinned_host" where the mesh's devices can address pinned host memory, else None."""
+        if isinstance(self.mesh, AbstractMesh):
+            return None
+        kinds = {m.kind for m in self.mesh.devices.flat[0].addressable_memories()}
+        return "pinned_host" if "pinned_host" in kinds else None
 
     def param_sharding(self, path: tuple[str, ...]) -> NamedSharding:
         """Where the parameter at `path` (its string keys, see `param_path`) lives."""

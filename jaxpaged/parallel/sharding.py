@@ -57,6 +57,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 }
 # The K (or V) pool: every layer's blocks in a row.
 KV_POOL_AXES = (BLOCKS, SLOTS, KV_HEADS, HEAD_DIM)
+# Whole blocks copied to and from the host tier, `[C, 2, L, BS, K, H]`: K and V of every layer.
+KV_BLOCK_AXES = (BLOCKS, None, LAYERS, SLOTS, KV_HEADS, HEAD_DIM)
 # Step activations [T, N, H] of query heads and [T, K, H] of kv heads.
 QUERY_AXES = (None, HEADS, HEAD_DIM)
 KEY_VALUE_AXES = (None, KV_HEADS, HEAD_DIM)

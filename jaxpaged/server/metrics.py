@@ -28,7 +28,22 @@ _FROM_STATS = (
     ("vllm:num_preemptions", "counter", "num_preemptions", "Preemptions by the scheduler."),
     ("vllm:prompt_tokens", "counter", "prompt_tokens", "Prompt tokens received."),
     ("vllm:generation_tokens", "counter", "generation_tokens", "Tokens generated."),
-)
+    # With a host tier (--kv-offloading-size) only: its prefix hits under vLLM's names for a KV
+    # cache beyond the device, and its traffic under jaxpaged's.
+    ("vllm:external_prefix_cache_queries", "counter", "external_prefix_cache_queries",
+     "Prefix-cache lookups that could hit the host tier, in tokens."),
+    ("vllm:external_prefix_cache_hits", "counter", "external_prefix_cache_hits",
+     "Prefix-cache hits served from the host tier, in tokens."),
+    ("jaxpaged:kv_host_tier_blocks", "gauge", "kv_host_tier_blocks", "Blocks the host tier holds at most."),
+    ("jaxpaged:kv_host_tier_cached_blocks", "gauge", "kv_host_tier_cached_blocks",
+     "Host-tier blocks holding evicted prefix-cache blocks."),
+    ("jaxpaged:kv_host_tier_swapped_blocks", "gauge", "kv_host_tier_swapped_blocks",
+     "Host-tier blocks holding preempted sequences' blocks."),
+    ("jaxpaged:kv_offload_bytes", "counter", "kv_offload_bytes", "KV bytes copied from the devices to the host tier."),
+    ("jaxpaged:kv_load_bytes", "counter", "kv_load_bytes", "KV bytes copied from the host tier to the devices."),
+    ("jaxpaged:kv_swapped_out_blocks", "counter", "kv_swapped_out_blocks", "Blocks of preempted sequences swapped out."),
+    ("jaxpaged:kv_swapped_in_blocks", "counter", "kv_swapped_in_blocks", "Blocks of resumed sequences swapped in."),
+)  # fmt: skip
 
 
 class _EngineStatsCollector:
@@ -40,6 +55,8 @@ class _EngineStatsCollector:
     def collect(self):
         stats = self.engine.stats
         for name, kind, key, doc in _FROM_STATS:
+            if key not in stats:  # e.g. the host tier's, without one
+                continue
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(stats.get(key, 0)))
             yield family

@@ -13,11 +13,13 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.config.engine_config import EngineConfig
+from jaxpaged.core.host_tier import KVTransfers
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.functional import DeviceCache, init_cache
 from jaxpaged.model import Llama
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
+from jaxpaged.worker.kv_transfer import KVTransfer
 from jaxpaged.worker.sampler import SampleResult
 from jaxpaged.worker.step_packer import SequenceRow
 from jaxpaged.worker.step_programs import Program, StepPrograms, compile_all
@@ -54,6 +56,12 @@ class ModelRunner:
         self.params = parallel.place_state(params)  # no copy when the loader placed them already
         self._whole = parallel.sharding()
         self.cache = self._zero_cache(config.num_blocks, model.embed[...].dtype, self.step_programs.cache_shardings)
+        self.kv_transfer = None  # the host tier's memory and copies
+        if config.num_host_blocks:
+            k = self.cache.kv.k
+            self.kv_transfer = KVTransfer(parallel, self.step_programs.cache_shardings, num_layers=self.config.num_layers,
+                                          num_host_blocks=config.num_host_blocks, block_shape=k.shape[1:],
+                                          dtype=k.dtype)  # fmt: skip
         self.channel: StepChannel | None = None  # set on the leader of several processes
         self.compiled: dict[Program, object] = {}  # executables
         self.temp_bytes: dict[Program, int] = {}  # temporaries of each
@@ -91,10 +99,14 @@ class ModelRunner:
         jobs = [(self.step_programs.describe(p), lambda p=p: self.step_programs.lower(p, self.params, self.cache))
                 for p in programs]  # fmt: skip
         jobs.append(("penalty-row seeding", lambda: self.step_programs.lower_seed(self.cache)))
-        *steps, seed = compile_all(jobs, threads, logger.info)
-        for program, result in zip(programs, steps):
+        if self.kv_transfer is not None:
+            jobs += self.kv_transfer.lower(self.cache)
+        results = compile_all(jobs, threads, logger.info)
+        for program, result in zip(programs, results):
             self._keep(program, result.executable)
-        self._seed = seed.executable
+        self._seed = results[len(programs)].executable
+        if self.kv_transfer is not None:
+            self.kv_transfer.set_compiled(*(r.executable for r in results[len(programs) + 1 :]))
         seconds = time.perf_counter() - start
         logger.info("compiled %d step programs in %.1f s", len(self.compiled), seconds)
         return seconds
@@ -134,6 +146,11 @@ class ModelRunner:
         args = (ids, slots, is_output, np.array([slot], np.int32))
         seed = self._seed or self.step_programs.seed  # compiled by warm_up (else jit compiles it now)
         self.cache = seed(self.cache, *(jax.device_put(a, self._whole) for a in args))
+
+    def move_kv(self, transfers: KVTransfers) -> None:
+        """Carries out the host tier's copies (offloads, then loads) before the next step."""
+        if transfers:
+            self.cache = self.kv_transfer.run(self.cache, transfers)
 
     def execute(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int],
                 steps: int = 1) -> SampleResult:  # fmt: skip

@@ -1,0 +1,137 @@
+"""Copies of whole KV blocks between the device pool and host memory (the host tier's slots).
+
+The host tier (`jaxpaged.core.host_tier`) plans the copies; this module carries them out before
+each step, offloads first, then loads:
+
+- offload: one program gathers up to `TRANSFER_BLOCKS` blocks' K and V of every layer into
+  `[C, 2, L, BS, K, H]` (one block's data contiguous, as it is kept on the host), written
+  straight into pinned host memory where the devices have it (JAX memory kinds), else into
+  device memory and then fetched; the host copies it into the blocks' slots.
+- load: the slots' data is gathered on the host into one `[C, 2, L, BS, K, H]` buffer, put on
+  the devices in one transfer, and one program scatters it into the pool (donated: in place).
+
+Dimension letters: C blocks per copy (padded with the null block 0), L layers, BS block size,
+K kv heads (all of them: under tensor parallelism each device copies its own heads, and the host
+holds the whole block), H head_dim.
+"""
+
+import functools
+import logging
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxpaged.core.host_tier import KVTransfers
+from jaxpaged.functional import DeviceCache
+from jaxpaged.model import KVPool
+from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.parallel.sharding import KV_BLOCK_AXES, KV_POOL_AXES
+
+logger = logging.getLogger("jaxpaged")
+
+# Blocks moved by one program call (a copy of more blocks takes several calls).
+TRANSFER_BLOCKS = 32
+
+
+def _layer_rows(ids: Int[Array, " C"], num_layers: int, num_blocks: int) -> Int[Array, "C L"]:
+    """Pool rows of blocks `ids` in every layer (layer l's blocks start at `l * NB`)."""
+    return ids[:, None] + jnp.arange(num_layers, dtype=ids.dtype)[None, :] * num_blocks
+
+
+def gather_blocks(k_pool: Float[Array, "LNB BS K H"], v_pool: Float[Array, "LNB BS K H"], ids: Int[Array, " C"], *,
+                  num_layers: int) -> Float[Array, "C 2 L BS K H"]:  # fmt: skip
+    """K and V of blocks `ids` in every layer, one block's data contiguous."""
+    rows = _layer_rows(ids, num_layers, k_pool.shape[0] // num_layers)
+    return jnp.stack([k_pool[rows], v_pool[rows]], axis=1)
+
+
+def scatter_blocks(k_pool: Float[Array, "LNB BS K H"], v_pool: Float[Array, "LNB BS K H"], ids: Int[Array, " C"],
+                   data: Float[Array, "C 2 L BS K H"], *, num_layers: int):  # fmt: skip
+    """The pools with blocks `ids` of every layer replaced by `data` (padding ids are the null
+    block 0, which takes whatever the padding rows hold)."""
+    rows = _layer_rows(ids, num_layers, k_pool.shape[0] // num_layers)
+    return k_pool.at[rows].set(data[:, 0]), v_pool.at[rows].set(data[:, 1])
+
+
+def _offload(parallel: TensorParallel, num_layers: int, kv: KVPool, ids):
+    gather = parallel.per_head(functools.partial(gather_blocks, num_layers=num_layers),
+                               (KV_POOL_AXES, KV_POOL_AXES, ()), KV_BLOCK_AXES)  # fmt: skip
+    return gather(kv.k, kv.v, ids)
+
+
+def _load(parallel: TensorParallel, num_layers: int, cache: DeviceCache, ids, data) -> DeviceCache:
+    scatter = parallel.per_head(functools.partial(scatter_blocks, num_layers=num_layers),
+                                (KV_POOL_AXES, KV_POOL_AXES, (), KV_BLOCK_AXES), (KV_POOL_AXES, KV_POOL_AXES))  # fmt: skip
+    k, v = scatter(cache.kv.k, cache.kv.v, ids, data)
+    return DeviceCache(kv=KVPool(k=k, v=v, num_layers=num_layers), prompt_mask=cache.prompt_mask,
+                       output_counts=cache.output_counts)  # fmt: skip
+
+
+class KVTransfer:
+    """The host tier's memory and the two copy programs.
+
+    Args:
+      parallel: the mesh and sharding table.
+      cache_shardings: where the cache lives (the load program's output).
+      num_layers: L.
+      num_host_blocks: host slots.
+      block_shape: `(BS, K, H)` of one layer's block, K in the mesh layout (all devices' heads).
+      dtype: the pool's storage dtype.
+    """
+
+    def __init__(self, parallel: TensorParallel, cache_shardings: DeviceCache, *, num_layers: int,
+                 num_host_blocks: int, block_shape: tuple[int, int, int], dtype):  # fmt: skip
+        self.num_layers = num_layers
+        self.slot_shape = (2, num_layers, *block_shape)
+        # np.empty: pages are only touched (and counted by the OS) as slots fill.
+        self.host = np.empty((num_host_blocks, *self.slot_shape), dtype)
+        self.memory_kind = parallel.pinned_host
+        self._device = parallel.logical_sharding(KV_BLOCK_AXES)
+        self._ids_sharding = parallel.sharding()
+        out = parallel.logical_sharding(KV_BLOCK_AXES, self.memory_kind)
+        self._offload = jax.jit(functools.partial(_offload, parallel, num_layers), out_shardings=out)
+        self._load = jax.jit(functools.partial(_load, parallel, num_layers), donate_argnums=(0,),
+                             out_shardings=cache_shardings)  # fmt: skip
+        self._compiled_offload = self._compiled_load = None
+
+    @property
+    def block_bytes(self) -> int:
+        """Host bytes of one block (K and V of every layer)."""
+        return int(np.prod(self.slot_shape)) * self.host.dtype.itemsize
+
+    def lower(self, cache: DeviceCache) -> list[tuple[str, Callable[[], jax.stages.Lowered]]]:
+        """`(name, lower)` of the two programs, for the runner's warm-up."""
+        ids = jax.ShapeDtypeStruct((TRANSFER_BLOCKS,), jnp.int32, sharding=self._ids_sharding)
+        data = jax.ShapeDtypeStruct((TRANSFER_BLOCKS, *self.slot_shape), self.host.dtype, sharding=self._device)
+        return [
+            (f"host tier offload, {TRANSFER_BLOCKS} blocks", lambda: self._offload.lower(cache.kv, ids)),
+            (f"host tier load, {TRANSFER_BLOCKS} blocks", lambda: self._load.lower(cache, ids, data)),
+        ]
+
+    def set_compiled(self, offload, load) -> None:
+        """Keeps the programs the warm-up compiled (else `jit` compiles them at first use)."""
+        self._compiled_offload, self._compiled_load = offload, load
+
+    def run(self, cache: DeviceCache, transfers: KVTransfers) -> DeviceCache:
+        """Carries out `transfers` (offloads, then loads); returns the cache with the loads in it."""
+        offload = self._compiled_offload or self._offload
+        for start in range(0, len(transfers.offloads), TRANSFER_BLOCKS):
+            chunk = transfers.offloads[start : start + TRANSFER_BLOCKS]
+            ids = self._ids([block for block, _ in chunk])
+            data = np.asarray(offload(cache.kv, ids))  # waits: a later load may reuse these slots
+            self.host[[slot for _, slot in chunk]] = data[: len(chunk)]
+        load = self._compiled_load or self._load
+        for start in range(0, len(transfers.loads), TRANSFER_BLOCKS):
+            chunk = transfers.loads[start : start + TRANSFER_BLOCKS]
+            data = np.zeros((TRANSFER_BLOCKS, *self.slot_shape), self.host.dtype)
+            data[: len(chunk)] = self.host[[slot for slot, _ in chunk]]
+            cache = load(cache, self._ids([block for _, block in chunk]), jax.device_put(data, self._device))
+        return cache
+
+    def _ids(self, blocks: list[int]) -> jax.Array:
+        ids = np.zeros(TRANSFER_BLOCKS, np.int32)  # padding: the null block
+        ids[: len(blocks)] = blocks
+        return jax.device_put(ids, self._ids_sharding)

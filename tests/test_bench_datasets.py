@@ -105,6 +105,10 @@ def test_prefix_dataset_shares_one_prefix_and_varies_the_suffix():
     small = datasets.get_requests(args(dataset_name="prefix", prefix_len=8, suffix_len="2,3", output_len=4),
                                   tokenizer=None, vocab_size=50, max_model_len=64, seed=0)  # fmt: skip
     assert {r.prompt_len for r in small} <= {10, 11} and small[0].prompt_token_ids[:8] == small[1].prompt_token_ids[:8]
+    several = datasets.get_requests(args(dataset_name="prefix", prefix_len=8, suffix_len="2,3", num_prefixes=3, output_len=4,
+                                         num_prompts=9), tokenizer=None, vocab_size=50, max_model_len=64, seed=0)  # fmt: skip
+    heads = [tuple(r.prompt_token_ids[:8]) for r in several]
+    assert len(set(heads)) == 3 and heads[:3] * 3 == heads  # taken in turn
 
 
 def test_random_dataset_lengths_and_context_check():
@@ -121,6 +125,8 @@ def test_random_dataset_lengths_and_context_check():
     [
         (dict(dataset_name="sharegpt", input_len=5), "--input-len applies to --dataset-name random, not sharegpt"),
         (dict(dataset_name="random", prefix_len=5), "--prefix-len applies to --dataset-name prefix, not random"),
+        (dict(dataset_name="random", num_prefixes=2), "--num-prefixes applies to --dataset-name prefix, not random"),
+        (dict(dataset_name="prefix", num_prefixes=0), "--num-prefixes 0: must be at least 1"),
         (dict(dataset_name="random", dataset_path="x.json"), "--dataset-path applies to --dataset-name sharegpt"),
         (dict(num_prompts=0), "--num-prompts 0: must be at least 1"),
         (dict(dataset_path="/no/such.json"), "--dataset-path /no/such.json: no such file"),

@@ -6,6 +6,9 @@
 - `prefix`: the clinical-notes case: every prompt is one shared `--prefix-len` prefix (900 random
   tokens) plus its own suffix of `--suffix-len MIN,MAX` tokens (100 to 300), as when many notes are
   summarised under one long instruction; prefix caching computes the shared part once.
+  `--num-prefixes K` draws K such prefixes and gives the prompts one each in turn (K templates,
+  or K tenants' documents): with more prefixes than the device's prefix cache keeps, each is
+  evicted before it comes round again (what a host tier of the KV cache is for).
 """
 
 import argparse
@@ -49,6 +52,8 @@ def add_dataset_flags(parser: argparse.ArgumentParser, *, default_num_prompts: i
                        help=f"prefix: tokens of the prefix all prompts share (default: {DEFAULT_PREFIX_LEN})")  # fmt: skip
     group.add_argument("--suffix-len", type=_length_range, metavar="MIN,MAX", help="prefix: each prompt's own tokens "
                        f"after it, drawn uniformly (default: {DEFAULT_SUFFIX_LEN[0]},{DEFAULT_SUFFIX_LEN[1]})")  # fmt: skip
+    group.add_argument("--num-prefixes", type=int, metavar="K", help="prefix: distinct prefixes, taken by the prompts "
+                       "in turn (default: 1)")  # fmt: skip
 
 
 def check_dataset_flags(args: argparse.Namespace) -> None:
@@ -58,13 +63,14 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
       ValueError: naming the flag and the dataset it applies to.
     """
     applies = {"input_len": ("random",), "prefix_len": ("prefix",), "suffix_len": ("prefix",),
-               "dataset_path": ("sharegpt",)}  # fmt: skip
+               "num_prefixes": ("prefix",), "dataset_path": ("sharegpt",)}  # fmt: skip
     for field, datasets in applies.items():
         if getattr(args, field) is not None and args.dataset_name not in datasets:
             flag = "--" + field.replace("_", "-")
             raise ValueError(f"{flag} applies to --dataset-name {datasets[0]}, not {args.dataset_name}")
     for flag, value, minimum in (("--num-prompts", args.num_prompts, 1), ("--input-len", args.input_len, 1),
-                                 ("--output-len", args.output_len, 1), ("--prefix-len", args.prefix_len, 0)):  # fmt: skip
+                                 ("--output-len", args.output_len, 1), ("--prefix-len", args.prefix_len, 0),
+                                 ("--num-prefixes", args.num_prefixes, 1)):  # fmt: skip
         if value is not None and value < minimum:
             raise ValueError(f"{flag} {value}: must be at least {minimum}")
     if args.dataset_path is not None and not os.path.isfile(args.dataset_path):
@@ -109,17 +115,19 @@ def get_requests(args: argparse.Namespace, *, tokenizer, vocab_size: int, max_mo
         _check_fits(f"--input-len {input_len}", input_len, output_len, max_model_len)
         return [SampleRequest(rng.choices(ids, k=input_len), output_len) for _ in range(args.num_prompts)]
     return prefix_requests(rng, ids, args.num_prompts, args.prefix_len if args.prefix_len is not None else DEFAULT_PREFIX_LEN,
-                           args.suffix_len or DEFAULT_SUFFIX_LEN, output_len, max_model_len)  # fmt: skip
+                           args.suffix_len or DEFAULT_SUFFIX_LEN, output_len, max_model_len,
+                           args.num_prefixes or 1)  # fmt: skip
 
 
 def prefix_requests(rng: random.Random, ids: list[int], num_prompts: int, prefix_len: int, suffix_len: tuple[int, int],
-                    output_len: int, max_model_len: int) -> list[SampleRequest]:  # fmt: skip
-    """One shared prefix of `prefix_len` random ids; each request adds its own random suffix of
-    `suffix_len[0]` to `suffix_len[1]` ids."""
+                    output_len: int, max_model_len: int, num_prefixes: int = 1) -> list[SampleRequest]:  # fmt: skip
+    """`num_prefixes` prefixes of `prefix_len` random ids, taken by the prompts in turn; each
+    prompt adds its own random suffix of `suffix_len[0]` to `suffix_len[1]` ids."""
     _check_fits(f"--prefix-len {prefix_len} with --suffix-len up to {suffix_len[1]}", prefix_len + suffix_len[1],
                 output_len, max_model_len)  # fmt: skip
-    prefix = rng.choices(ids, k=prefix_len)
-    return [SampleRequest(prefix + rng.choices(ids, k=rng.randint(*suffix_len)), output_len) for _ in range(num_prompts)]
+    prefixes = [rng.choices(ids, k=prefix_len) for _ in range(num_prefixes)]
+    return [SampleRequest(prefixes[i % num_prefixes] + rng.choices(ids, k=rng.randint(*suffix_len)), output_len)
+            for i in range(num_prompts)]  # fmt: skip
 
 
 def _check_fits(what: str, input_len: int, output_len: int, max_model_len: int) -> None:

@@ -38,6 +38,9 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
         (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
         (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
         (["serve", "--port", "80000"], "80000 is not a TCP port"),
+        (["generate", "--kv-offloading-size", "0", "hi"], "--kv-offloading-size 0.0: must be a positive number of GiB"),
+        (["generate", "--preemption-mode", "swap", "hi"], "--preemption-mode swap: swaps to the host tier: set "
+         "--kv-offloading-size too"),
         (["serve", "--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "--max-num-batched-tokens 4: must be at least --max-num-seqs (8)"),
         (["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80"], "'80' has no unit; write e.g. 80GiB"),
     ],

@@ -108,8 +108,9 @@ class EngineArgs:
         True, "compile the decoder layers as one loop body (start-up in seconds); --no-scan-layers unrolls them "
         "into every step program (the same results, many times the compile time; for comparing step times)")
     compile_threads: int | None = _option(
-        None, "threads compiling the step programs at start-up (default: one per CPU core, at most "
-        f"{MAX_COMPILE_THREADS}; each holds one program's compiler memory)")
+        None, "threads compiling the step programs at start-up (default: one per two CPU cores, at most "
+        f"{MAX_COMPILE_THREADS}: XLA's compiler already uses about two cores per program; each thread holds one "
+        "program's compiler memory)")
     num_scheduler_steps: int = _option(
         4, "decode steps fused into one device program when every sequence decodes and none waits")
     skip_tokenizer_init: bool = _option(
@@ -145,7 +146,7 @@ class EngineArgs:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(2048, self.max_num_seqs)
         if self.compile_threads is None:
-            self.compile_threads = min(os.cpu_count() or 1, MAX_COMPILE_THREADS)
+            self.compile_threads = max(1, min((os.cpu_count() or 1) // 2, MAX_COMPILE_THREADS))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineArgsError("max_num_batched_tokens", self.max_num_batched_tokens,
                                   f"must be at least max_num_seqs ({self.max_num_seqs})")  # fmt: skip

@@ -251,9 +251,11 @@ def check_invariants(sched, live):
         assert sorted(held) == list(range(tier.num_slots))
 
 
-def move_blocks(sched, pool, host):
-    """The runner's device<->host copies on the fake pool: offloads, then loads."""
-    bs, transfers = sched.config.block_size, sched.block_manager.take_transfers()
+def move_blocks(sched, pool, host, stores=False):
+    """The runner's device<->host copies on the fake pool: offloads, then loads (before a step),
+    or the write-through copies of what the step computed (`stores`, after it)."""
+    bm, bs = sched.block_manager, sched.config.block_size
+    transfers = bm.take_stores() if stores else bm.take_transfers()
     for block, slot in transfers.offloads:
         host[slot] = [pool.get(block * bs + o) for o in range(bs)]
     for slot, block in transfers.loads:
@@ -261,7 +263,7 @@ def move_blocks(sched, pool, host):
             pool[block * bs + o] = key
 
 
-def run_step(sched, pool, rng, host=None):
+def run_step(sched, pool, rng, host=None, known=None):
     """schedule + fake device (host copies, then write-then-attend on a model pool) + postprocess."""
     cfg = sched.config
     out = sched.schedule()
@@ -288,7 +290,18 @@ def run_step(sched, pool, rng, host=None):
         for p in range(inp.num_computed + n):
             assert pool.get(slot(inp, p)) == key[p], f"stale K/V for {seq} at {p}"
     sampled = [EOS if rng.random() < 0.03 else rng.randrange(2, 8) for _ in out.scheduled]
-    return sched.postprocess(out, sampled)
+    appended = sched.postprocess(out, sampled)
+    move_blocks(sched, pool, {} if host is None else host, stores=True)
+    tier = sched.block_manager.host_tier
+    if host is not None and tier is not None:  # every cached host block holds the K/V its hash names
+        bs, known = cfg.block_size, {} if known is None else known
+        for seq, _ in out.scheduled:
+            for i, block_hash in enumerate(seq.block_hashes):
+                known[block_hash] = (seq.cache_salt, tuple(seq.token_ids_slice(0, (i + 1) * bs)))
+        for block_hash, slot in tier.cached.items():
+            salt, last = known[block_hash]
+            assert host[slot] == [(salt, last[: len(last) - bs + 1 + o]) for o in range(bs)], f"host slot {slot} is stale"
+    return appended
 
 
 config_st = st.fixed_dictionaries(
@@ -298,7 +311,9 @@ config_st = st.fixed_dictionaries(
         "max_num_seqs": st.sampled_from([1, 2, 3, 4, 6]),
         "extra_budget": st.integers(0, 40),
         "enable_prefix_caching": st.booleans(),
-        "host": st.sampled_from([(0, "recompute"), (3, "recompute"), (12, "recompute"), (3, "swap"), (40, "swap")]),
+        # host tier blocks, preemption mode, write-through (as with a disk tier)
+        "host": st.sampled_from([(0, "recompute", False), (3, "recompute", False), (12, "recompute", False),
+                                 (3, "swap", False), (40, "swap", False), (12, "swap", True), (4, "recompute", True)]),
     }
 )
 add_st = st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 30), st.integers(1, 16), st.integers(0, 3), st.integers(1, 3))
@@ -317,10 +332,12 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     extra, pool_tokens = config.pop("extra_budget"), config.pop("pool_tokens")
     num_blocks = 1 + pool_tokens // config["block_size"]
     budget = config["max_num_seqs"] + extra
-    num_host_blocks, mode = config.pop("host")
+    num_host_blocks, mode, write_through = config.pop("host")
     cfg = SchedulerConfig(max_model_len=48, max_num_batched_tokens=budget, num_blocks=num_blocks,
                           num_host_blocks=num_host_blocks, preemption_mode=mode, **config)  # fmt: skip
-    sched, rng, pool, host = Scheduler(cfg, eos_token_id=EOS), random.Random(seed), {}, {}
+    sched, rng, pool, host, known = Scheduler(cfg, eos_token_id=EOS), random.Random(seed), {}, {}, {}
+    if write_through:
+        sched.block_manager.host_tier.write_through = True
     live, request_ids = [], []
     for op in ops:
         if op[0] == "add":
@@ -342,7 +359,7 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
             request_ids.append(rid)
         elif op[0] == "step":
             for _ in range(op[1]):
-                run_step(sched, pool, rng, host)
+                run_step(sched, pool, rng, host, known)
         else:  # most ids are unknown or finished: aborting them is a no-op
             aborted = sched.abort(f"r{op[1]}")
             assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in aborted)
@@ -350,7 +367,7 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     for _ in range(3000):
         if not sched.has_unfinished():
             break
-        run_step(sched, pool, rng, host)
+        run_step(sched, pool, rng, host, known)
         check_invariants(sched, live)
     assert not sched.has_unfinished() and all(s.is_finished for s in live)
     for s in live:

@@ -79,6 +79,12 @@ class EngineArgs:
         None, "GiB of host memory for a host tier of the KV cache: blocks evicted from the device prefix cache "
         "are kept there and copied back on a prefix hit, and preempted sequences are swapped there "
         "(default: no host tier)", metavar="GIB")  # fmt: skip
+    kv_cache_dir: str | None = _option(
+        None, "directory for a disk tier of the KV cache: prefix blocks are also written there and a later engine "
+        "with the same model, dtype and block size reads them instead of computing them (needs "
+        "--kv-offloading-size; default: no disk tier)", metavar="DIR")  # fmt: skip
+    kv_cache_dir_size: float = _option(
+        16.0, "GiB of files the disk tier keeps in --kv-cache-dir (least recently used removed first)", metavar="GIB")
     preemption_mode: str | None = _option(
         None, "what a preempted sequence loses: recompute frees its blocks and computes them again on resume; "
         "swap copies them to the host tier and back (needs --kv-offloading-size; recompute when the tier is "
@@ -162,6 +168,17 @@ class EngineArgs:
             raise EngineArgsError("preemption_mode", self.preemption_mode, f"must be one of {', '.join(PREEMPTION_MODES)}")
         if self.preemption_mode == "swap" and size is None:
             raise EngineArgsError("preemption_mode", "swap", "swaps to the host tier: set `kv_offloading_size` too")
+        if self.kv_cache_dir is not None:
+            if not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir:
+                raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "must be a directory")
+            if size is None:
+                raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "reads and writes through the host tier: "
+                                      "set `kv_offloading_size` too")  # fmt: skip
+            if os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir):
+                raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "exists and is not a directory")
+        disk = self.kv_cache_dir_size
+        if isinstance(disk, bool) or not isinstance(disk, (int, float)) or not 0 < disk < 2**30:
+            raise EngineArgsError("kv_cache_dir_size", disk, "must be a positive number of GiB")
         if size is not None and self.nnodes > 1:
             raise EngineArgsError("kv_offloading_size", size, "is not supported across several processes yet "
                                   "(`nnodes` > 1); leave it unset")  # fmt: skip

@@ -30,6 +30,10 @@ copied to host memory under its hash; a lookup that misses on the device continu
 tier, and each host hit gets a fresh device block that the runner fills from host memory
 before the step (`take_transfers`). A sequence preempted by swap (`swap_out`) parks its computed
 blocks there and gets them back, in fresh device blocks, when it is admitted again.
+
+Disk tier (`disk_tier`, optional, with a host tier; see disk_tier.py): before a sequence is
+admitted, the blocks of its prefix that neither the device nor host memory holds but the disk
+does are read into host slots (`promote_from_disk`), so the lookup finds them there.
 """
 
 import collections
@@ -37,6 +41,7 @@ import hashlib
 import typing
 from array import array
 
+from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier, KVTransfers
 from jaxpaged.core.sequence import Sequence
 
@@ -95,13 +100,16 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 host_tier: HostTier | None = None):  # fmt: skip
+                 host_tier: HostTier | None = None, disk_tier: DiskTier | None = None):  # fmt: skip
         """Args:
         num_blocks: pool blocks including the null block 0 (so at least 2).
         block_size: token slots per block.
         enable_prefix_caching: reuse full blocks across sequences by content hash.
         host_tier: keep evicted blocks and swapped-out sequences in host memory.
+        disk_tier: find prefix blocks of earlier runs on disk (needs `host_tier`).
         """
+        if disk_tier is not None and host_tier is None:
+            raise ValueError("a disk tier reads and writes through a host tier; give host_tier too")
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -117,6 +125,7 @@ class BlockManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.host_tier = host_tier
+        self.disk_tier = disk_tier
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already registered
 
     # -- accounting -------------------------------------------------------------------------
@@ -185,6 +194,26 @@ class BlockManager:
             blocks.append(block)
             slots.append(slot)
         return ComputedPrefix(blocks, slots, len(blocks) * bs)
+
+    def promote_from_disk(self, seq: Sequence) -> None:
+        """Reads the leading blocks of `seq`'s prefix that only the disk tier holds into host
+        slots (pinned until the next transfers), stopping at the first block nowhere or
+        unreadable; nothing without a disk tier."""
+        disk, tier = self.disk_tier, self.host_tier
+        if disk is None or not self.enable_prefix_caching or seq.seq_id in tier.swapped:
+            return
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            h = self._block_hash_of(seq, i)
+            if h in self.cached_block_hash_to_block or tier.lookup(h) is not None:
+                continue
+            if not disk.contains(h):
+                return
+            slot = tier.cache_slot(h)
+            if slot is None:
+                return
+            if not disk.read(h, slot):
+                tier.uncache_slot(slot)
+                return
 
     # -- verbs ------------------------------------------------------------------------------
 
@@ -310,6 +339,13 @@ class BlockManager:
             return KVTransfers([], [])
         return self.host_tier.take_transfers()
 
+    def take_stores(self) -> KVTransfers:
+        """After a step: copies of the blocks it computed into the host tier, when the tier writes
+        through (for the disk tier); none otherwise."""
+        if self.host_tier is None:
+            return KVTransfers([], [])
+        return self.host_tier.take_stores()
+
     def reset_prefix_cache(self) -> None:
         """Forgets every registered hash; cached blocks become free (vLLM's `reset_prefix_cache`),
         in the host tier too."""
@@ -347,3 +383,5 @@ class BlockManager:
         if block_hash not in self.cached_block_hash_to_block and self.block_hash[block] is None:
             self.cached_block_hash_to_block[block_hash] = block
             self.block_hash[block] = block_hash
+            if self.host_tier is not None:
+                self.host_tier.registered(block, block_hash)

@@ -18,6 +18,11 @@ that `Scheduler.schedule()` planned, in this order:
   2. loads (host slot -> device block).
 A slot that a pending load reads is pinned: no offload or swap takes it until the transfers
 ran. Slots a resumed sequence was swapped into are freed once its loads are handed out.
+
+Write-through (`write_through`, for the disk tier): every block registered in the device's prefix
+cache is also copied here once it is computed. Registration happens when a step is scheduled,
+before that step computes the block, so these copies are handed over after the step ran
+(`take_stores`), before any later step can overwrite the block.
 """
 
 import collections
@@ -53,10 +58,11 @@ class HostTier:
       swapped_out_blocks, swapped_in_blocks: of those, blocks of preempted sequences.
     """
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, write_through: bool = False):
         if num_slots < 1:
             raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
+        self.write_through = write_through
         self.cached: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.swapped: dict[int, tuple[list[int], int]] = {}
         self.hits = self.queries = 0
@@ -68,6 +74,7 @@ class HostTier:
         self._release_after: list[int] = []  # swap slots to free once their loads are handed out
         self._offloads: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
+        self._stores: list[tuple[int, bytes]] = []  # registered for this step: copied after it
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -89,6 +96,33 @@ class HostTier:
     def lookup(self, block_hash: bytes) -> int | None:
         """The slot caching `block_hash`, or None; no side effects."""
         return self.cached.get(block_hash)
+
+    def hash_of(self, slot: int) -> bytes | None:
+        """The prefix hash a cached slot holds (None for a free or swapped slot)."""
+        return self._slot_hash.get(slot)
+
+    def registered(self, device_block: int, block_hash: bytes) -> None:
+        """A device block was registered under `block_hash` (the step being scheduled computes
+        it); with `write_through` it is copied here after that step (`take_stores`)."""
+        if self.write_through:
+            self._stores.append((device_block, block_hash))
+
+    def cache_slot(self, block_hash: bytes) -> int | None:
+        """A slot for a block that arrives from elsewhere (the disk tier) under `block_hash`, now
+        cached and pinned until the next hand-over; None when no slot can be had."""
+        if block_hash in self.cached:
+            return None
+        slot = self._take_slot()
+        if slot is not None:
+            self.cached[block_hash] = slot
+            self._slot_hash[slot] = block_hash
+        return slot
+
+    def uncache_slot(self, slot: int) -> None:
+        """Takes back a `cache_slot` whose block could not be read."""
+        del self.cached[self._slot_hash.pop(slot)]
+        self._pinned.discard(slot)
+        self._free.append(slot)
 
     def offload(self, device_block: int, block_hash: bytes) -> None:
         """Keeps an evicted device block: plans its copy into a slot under `block_hash` (evicting
@@ -176,6 +210,14 @@ class HostTier:
         self._free.extend(self._release_after)
         self._release_after = []
         return transfers
+
+    def take_stores(self) -> KVTransfers:
+        """With `write_through`: the copies of the blocks registered for the step that just ran
+        (computed now); run them before the next step. Call right after each step."""
+        stores, self._stores = self._stores, []
+        for block, block_hash in stores:
+            self.offload(block, block_hash)
+        return self.take_transfers()
 
     # -- internals --------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from collections import deque
 
 from jaxpaged.config.engine_args import PREEMPTION_MODES
 from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.step_inputs import ScheduledSequence
@@ -123,14 +124,17 @@ class Scheduler:
       num_preemptions: preemptions so far.
     """
 
-    def __init__(self, config: SchedulerConfig, eos_token_id: int | list[int] | None = None):
+    def __init__(self, config: SchedulerConfig, eos_token_id: int | list[int] | None = None,
+                 disk_tier: DiskTier | None = None):  # fmt: skip
         """Args:
         config: the limits.
         eos_token_id: the model's EOS id(s); generation stops there unless `ignore_eos`.
+        disk_tier: prefix blocks of earlier runs on disk (needs a host tier: `num_host_blocks`).
         """
         self.config = config
-        tier = HostTier(config.num_host_blocks) if config.num_host_blocks else None
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, tier)
+        tier = HostTier(config.num_host_blocks, write_through=disk_tier is not None) if config.num_host_blocks else None
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, tier,
+                                          disk_tier)  # fmt: skip
         ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         self.eos_token_ids = frozenset(ids)
         self.waiting: deque[Sequence] = deque()
@@ -237,6 +241,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             seq = self.waiting[0]
             parent = self._fork_parent(seq)
+            if parent is None:
+                bm.promote_from_disk(seq)
             cached = bm.get_computed_blocks(seq, parent).num_tokens
             n = min(seq.num_tokens - cached, budget)
             if not bm.can_allocate(seq, n, parent):

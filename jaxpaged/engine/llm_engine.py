@@ -29,7 +29,8 @@ from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.core.request_state import RequestState
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.core.sequence import Sequence, SequenceStatus
-from jaxpaged.engine.setup import eos_token_ids, start_device_worker
+from jaxpaged.core.host_tier import KVTransfers
+from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import SamplingParams, check_text
@@ -58,8 +59,12 @@ class LLMEngine:
         self.runner, self.compile_seconds = worker.runner, worker.compile_seconds
         if self.runner.channel is not None:
             atexit.register(self.shutdown)
+        self.disk_tier = start_disk_tier(self.config, self.runner)
+        if self.disk_tier is not None:  # blocks still queued for writing reach the disk before exit
+            atexit.register(self.disk_tier.flush)
         self.scheduler = Scheduler(self.config.scheduler_config(),
-                                   eos_token_id=sorted(eos_token_ids(args, self.config.model, self.tokenizer)))  # fmt: skip
+                                   eos_token_id=sorted(eos_token_ids(args, self.config.model, self.tokenizer)),
+                                   disk_tier=self.disk_tier)  # fmt: skip
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(args.seed)
         self._rows: dict[int, np.ndarray] = {}
@@ -170,7 +175,7 @@ class LLMEngine:
         if not out.is_empty:
             self._run(out)
         else:  # copies planned while preempting are due before any later step
-            self.runner.move_kv(self.scheduler.block_manager.take_transfers())
+            self._move_kv(self.scheduler.block_manager.take_transfers())
         outputs = []
         for request_id in sorted(self._changed, key=lambda r: self.requests[r].completions[0].seq.seq_id):
             state = self.requests[request_id]
@@ -224,7 +229,7 @@ class LLMEngine:
             banned = self._banned_ids(sp) if seq.num_output_tokens < sp.min_tokens else ()
             rows.append(SequenceRow(seq.seq_id, row, slot, seq.num_prompt_tokens, bool(sp.logprobs), banned))
         steps = self._fused_steps(out)  # may take blocks too: the copies are planned only now
-        self.runner.move_kv(self.scheduler.block_manager.take_transfers())
+        self._move_kv(self.scheduler.block_manager.take_transfers())
         result = self.runner.execute(out.step_inputs, rows, resets, steps)
         n = out.num_seqs
         want_top = any(r.want_logprobs for r in rows)
@@ -237,6 +242,18 @@ class LLMEngine:
             for i, seq in self.scheduler.postprocess(out, fetched["token_ids"][j].tolist()):
                 sample = {name: values[j, i] for name, values in fetched.items()}
                 self._guarded(seq.request_id, self._record, seq, sample)
+        self._move_kv(self.scheduler.block_manager.take_stores())  # write-through of what the step computed
+
+    def _move_kv(self, transfers: KVTransfers) -> None:
+        """Runs the host tier's copies; with a disk tier, queues the blocks that reached host slots
+        under a prefix hash for writing to disk."""
+        self.runner.move_kv(transfers)
+        if self.disk_tier is not None:
+            tier = self.scheduler.block_manager.host_tier
+            for _, slot in transfers.offloads:
+                block_hash = tier.hash_of(slot)
+                if block_hash is not None:  # a swapped-out sequence's slots have none
+                    self.disk_tier.save(block_hash, slot)
 
     def _fused_steps(self, out: SchedulerOutput) -> int:
         """How many decode steps to fuse into this step's program (1 = no fusing): the runner
@@ -315,6 +332,20 @@ class LLMEngine:
             "kv_load_bytes": tier.loaded_blocks * transfer.block_bytes,
             "kv_swapped_out_blocks": tier.swapped_out_blocks,
             "kv_swapped_in_blocks": tier.swapped_in_blocks,
+            **self._disk_tier_stats(),
+        }
+
+    def _disk_tier_stats(self) -> dict[str, int]:
+        disk = self.disk_tier
+        if disk is None:
+            return {}
+        return {
+            "kv_disk_hit_tokens": disk.hits * self.scheduler.config.block_size,
+            "kv_disk_read_bytes": disk.read_bytes,
+            "kv_disk_write_bytes": disk.write_bytes,
+            "kv_disk_blocks": disk.num_files,
+            "kv_disk_rejected_files": disk.rejected,
+            "kv_disk_dropped_writes": disk.dropped_writes,
         }
 
 

@@ -2,6 +2,7 @@
 the KV plan (per device: every number here is one device's share)."""
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -10,11 +11,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpaged.checkpoint.format import TOKENIZER_FILES
 from jaxpaged.checkpoint.loader import load_model, resolve_dtype
 from jaxpaged.config.engine_args import EngineArgs, EngineArgsError, default_compilation_cache_dir
 from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
+from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.model import Llama, kv_storage_dtype
 from jaxpaged.parallel import multihost
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
@@ -92,6 +95,46 @@ def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParalle
                 args.block_size, num_blocks * args.block_size, format_bytes(num_blocks * per_block),
                 config.with_blocks(config.num_blocks, num_blocks).preemption_mode)  # fmt: skip
     return num_blocks
+
+
+def start_disk_tier(config: EngineConfig, runner: ModelRunner) -> DiskTier | None:
+    """The disk tier in `kv_cache_dir` (None without one), over the host tier's memory; logged."""
+    args = config.args
+    if args.kv_cache_dir is None:
+        return None
+    memory = runner.kv_transfer.host
+    fingerprint = kv_fingerprint(config, str(runner.params_dtype), memory, runner.parallel.platform)
+    disk = DiskTier(args.kv_cache_dir, fingerprint, int(args.kv_cache_dir_size * GiB), memory)
+    logger.info("disk KV tier: %s, up to %s (%d blocks of %s), %d blocks there now", disk.directory,
+                format_bytes(disk.capacity_bytes), disk.capacity_bytes // disk.file_bytes, format_bytes(disk.file_bytes),
+                disk.num_files)  # fmt: skip
+    return disk
+
+
+def kv_fingerprint(config: EngineConfig, dtype: str, memory, platform: str) -> bytes:
+    """What a block's K/V bytes depend on: the model's configuration, its weights' identity, the
+    dtypes, the platform (its matmul precision), the block size and a host block's layout."""
+    identity = {
+        "format": 1, "model": dataclasses.asdict(config.model), "weights": weights_identity(config.args),
+        "dtype": dtype, "storage": memory.dtype.name, "block": list(memory.shape[1:]), "platform": platform,
+        "block_size": config.args.block_size,
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()
+
+
+def weights_identity(args: EngineArgs) -> dict:
+    """The weights as a cache can tell them apart without reading them: the dummy weights' seed,
+    or every file of the model directory but the tokenizer's, with its size and modification time."""
+    if args.load_format == "dummy":
+        return {"dummy_seed": args.seed}
+    files = []
+    for root, _, names in os.walk(args.model):
+        for name in sorted(names):
+            if name in TOKENIZER_FILES:
+                continue
+            stat = os.stat(os.path.join(root, name))
+            files.append((os.path.relpath(os.path.join(root, name), args.model), stat.st_size, stat.st_mtime_ns))
+    return {"files": sorted(files)}
 
 
 def use_compilation_cache(setting: str) -> str | None:

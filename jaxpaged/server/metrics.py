@@ -43,6 +43,15 @@ _FROM_STATS = (
     ("jaxpaged:kv_load_bytes", "counter", "kv_load_bytes", "KV bytes copied from the host tier to the devices."),
     ("jaxpaged:kv_swapped_out_blocks", "counter", "kv_swapped_out_blocks", "Blocks of preempted sequences swapped out."),
     ("jaxpaged:kv_swapped_in_blocks", "counter", "kv_swapped_in_blocks", "Blocks of resumed sequences swapped in."),
+    # With a disk tier (--kv-cache-dir) only.
+    ("jaxpaged:kv_disk_hit_tokens", "counter", "kv_disk_hit_tokens", "Prefix tokens read back from the disk tier."),
+    ("jaxpaged:kv_disk_read_bytes", "counter", "kv_disk_read_bytes", "KV bytes read from the disk tier."),
+    ("jaxpaged:kv_disk_write_bytes", "counter", "kv_disk_write_bytes", "KV bytes written to the disk tier."),
+    ("jaxpaged:kv_disk_blocks", "gauge", "kv_disk_blocks", "Blocks the disk tier holds."),
+    ("jaxpaged:kv_disk_rejected_files", "counter", "kv_disk_rejected_files",
+     "Disk-tier files found truncated, corrupt or of another model, and removed."),
+    ("jaxpaged:kv_disk_dropped_writes", "counter", "kv_disk_dropped_writes",
+     "Disk-tier writes skipped because too many were pending."),
 )  # fmt: skip
 
 

@@ -54,6 +54,7 @@ class ModelRunner:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._slot_of: dict[int, int] = {}  # seq_id -> its penalty-table row and block-table row
         self.params = parallel.place_state(params)  # no copy when the loader placed them already
+        self.params_dtype = model.embed[...].dtype
         self._whole = parallel.sharding()
         self.cache = self._zero_cache(config.num_blocks, model.embed[...].dtype, self.step_programs.cache_shardings)
         self.kv_transfer = None  # the host tier's memory and copies

@@ -93,3 +93,17 @@ def test_gpu_run_refuses_without_a_gpu(tmp_path):
     proc = run_gpu_script("--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
     assert proc.returncode == 2 and "REFUSED" in proc.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["device"]["refused"] is True
+
+
+def test_kv_transfer_bandwidth_runs_and_reports_every_path(tmp_path):
+    """`benchmarks/kv_transfer_bandwidth.py` (for the GPU run's host-tier figures) on tiny shapes."""
+    out = tmp_path / "bw.json"
+    script = os.path.join(ROOT, "benchmarks", "kv_transfer_bandwidth.py")
+    proc = subprocess.run([sys.executable, script, "--model", os.path.join(ROOT, "jaxpaged", "demo_model"), "--blocks", "8",
+                           "--repeats", "1", "--json", str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["GB_per_s"]) == {"offload", "load", "device_get", "device_put", "to_pinned"}
+    assert all(rate > 0 for rate in result["GB_per_s"].values()) and result["memory_kind"] == "pinned_host"
+    assert result["bytes"] == 8 * result["block_bytes"]

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 from engine_fixtures import hf_greedy, make_model_dir
 
+from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
+from jaxpaged.core.host_tier import HostTier
+from jaxpaged.core.sequence import Sequence
 
 FINGERPRINT = bytes(range(32))
 SLOT_SHAPE = (2, 3, 4, 2, 8)  # K/V, layers, block size, kv heads, head_dim
@@ -106,6 +109,28 @@ def test_the_size_cap_removes_least_recently_used_files_and_temporaries(tmp_path
     open(os.path.join(disk.directory, "x.kv.1.2.tmp"), "wb").close()  # an interrupted write
     again = DiskTier(str(tmp_path), FINGERPRINT, 3 * file_bytes, mem)
     assert again.num_files == 3 and not any(f.endswith(".tmp") for f in os.listdir(again.directory))
+
+
+def test_salted_blocks_are_found_on_disk_by_their_salt_alone(tmp_path):
+    mem = memory(slots=8)
+    disk = DiskTier(str(tmp_path), FINGERPRINT, 1 << 30, mem)
+    tier = HostTier(8, write_through=True)
+    bm = BlockManager(num_blocks=16, block_size=4, host_tier=tier, disk_tier=disk)
+    alice = Sequence("a", list(range(13)), cache_salt="alice")
+    bm.allocate(alice)
+    bm.may_append(alice, 13)
+    assert not bm.take_transfers()  # nothing to copy before the step
+    stores = bm.take_stores()  # after it: its 3 full blocks, as the engine then writes them
+    assert len(stores.offloads) == 3
+    for _, slot in stores.offloads:
+        disk.save(tier.hash_of(slot), slot)
+    disk.flush()
+    later = DiskTier(str(tmp_path), FINGERPRINT, 1 << 30, memory(slots=8, seed=1))
+    for salt, hit in (("bob", 0), (None, 0), ("alice", 12)):
+        fresh = BlockManager(num_blocks=16, block_size=4, host_tier=HostTier(8), disk_tier=later)
+        seq = Sequence("x", list(range(13)), cache_salt=salt)
+        fresh.promote_from_disk(seq)
+        assert fresh.get_computed_blocks(seq).num_tokens == hit, salt
 
 
 # ---- engines in separate processes --------------------------------------------------------

@@ -435,21 +435,26 @@ def test_enable_log_requests_logs_prompts_only_when_asked(server, caplog):
     server.wait_idle()
 
 
-def test_host_tier_metrics(tmp_path):
-    """With --kv-offloading-size /metrics adds the host tier's hits (vLLM's external prefix-cache
-    names) and traffic; the server fixture's engine, without one, shows none of them."""
+def test_host_and_disk_tier_metrics_and_start_up_log(tmp_path, caplog):
+    """With --kv-offloading-size (and --kv-cache-dir) /metrics adds the tiers' hits (vLLM's
+    external prefix-cache names) and traffic, and start-up logs their sizes."""
     from jaxpaged.server.metrics import ServerMetrics
 
     make_model_dir(str(tmp_path))
     block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # K and V x layers x kv heads x head_dim x float32 x tokens
     # 6 usable blocks: two requests of 3 blocks at a time, so the next two evict the first two's
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=7 * block_bytes, kv_offloading_size=64 * block_bytes / 2**30)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="jaxpaged"):
+        llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64,
+                  kv_cache_memory_bytes=7 * block_bytes, kv_offloading_size=64 * block_bytes / 2**30,
+                  kv_cache_dir=str(tmp_path / "kv"), kv_cache_dir_size=1.0)  # fmt: skip
+    assert "host KV tier: 64 blocks x 16 tokens = 1024 tokens (512.00 KiB of host memory); preemption by swap" in caplog.text
+    assert "disk KV tier: " in caplog.text and "up to 1.00 GiB" in caplog.text
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + i] * 40} for i in range(4)]
     first = llm.generate(prompts, greedy, use_tqdm=False)
     again = llm.generate(prompts[:1], greedy, use_tqdm=False)  # its blocks were evicted: host hits
     assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    llm.llm_engine.disk_tier.flush()  # its writes are on disk before the stats snapshot
     engine = AsyncEngine(llm.llm_engine)
     try:
         text = ServerMetrics(engine, MODEL).render()[0].decode()
@@ -461,5 +466,7 @@ def test_host_tier_metrics(tmp_path):
     assert samples["jaxpaged:kv_offload_bytes_total"] >= 2 * block_bytes
     assert samples["jaxpaged:kv_load_bytes_total"] >= 2 * block_bytes
     assert samples["jaxpaged:kv_host_tier_blocks"] == 64
-    for name in ("jaxpaged:kv_swapped_out_blocks_total", "jaxpaged:kv_host_tier_swapped_blocks"):
+    for name in ("jaxpaged:kv_swapped_out_blocks_total", "jaxpaged:kv_host_tier_swapped_blocks",
+                 "jaxpaged:kv_disk_hit_tokens_total", "jaxpaged:kv_disk_rejected_files_total"):
         assert name in samples
+    assert samples["jaxpaged:kv_disk_write_bytes_total"] > 0 and samples["jaxpaged:kv_disk_blocks"] > 0

@@ -27,6 +27,7 @@ from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.setup import build_model, device_weight_bytes, plan_cache
 from jaxpaged.model import Llama
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
+from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
 
@@ -66,6 +67,24 @@ def test_greedy_tokens_equal_transformers_for_every_size(tp_model, n):
     stats = engine.get_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize("n", [2, 4])  # 4: each of llama_tp's 2 kv heads repeated on 2 devices
+def test_host_tier_swaps_per_device_shards_and_tokens_equal_transformers(tmp_path, n):
+    """The small-pool workload with a host tier: preempted sequences are swapped out and in,
+    each device copying its own kv heads, with transformers' tokens."""
+    path = str(tmp_path)
+    hf = save_hf_model("llama_tp", path)
+    prompts = tp_workload.prompts()
+    references = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    engine = make_engine(path, n, kv_offloading_size=2**-14)  # 64 KiB: 16 to 32 host blocks
+    outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == references
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_swapped_in_blocks"] > 0 and stats["kv_load_bytes"] > 0
+    k = engine.runner.kv_transfer.host.shape[4]  # the host block holds every device's heads
+    assert k == TensorParallelLayout(ModelConfig.from_pretrained(path), n).mesh_config.num_kv_heads
 
 
 @pytest.mark.isolated

@@ -114,3 +114,4 @@ def test_host_tier_reloads_evicted_blocks_swaps_and_matches_transformers(workloa
     check_no_leaks(engine)
     tier = engine.scheduler.block_manager.host_tier
     assert tier.num_slots == 48 and not tier.swapped and tier.num_free + len(tier.cached) == tier.num_slots
+    assert len(engine.runner.kv_transfer._compiled) == 8  # every copy program compiled at start-up

@@ -1,7 +1,7 @@
 """Host-tier copies on the device (jaxpaged.worker.kv_transfer): blocks of every layer gathered
 into host slots and scattered back bit for bit, in every pool dtype, on one device and split over
-kv heads (also repeated ones); padding touches only null blocks; the load updates the pool in
-place (its temporaries do not grow with the pool)."""
+kv heads (also repeated ones), in calls of every size and nothing else touched; the copies update
+the pool in place (their temporaries do not grow with the pool)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ from jaxpaged.core.host_tier import KVTransfers
 from jaxpaged.functional import DeviceCache
 from jaxpaged.model import KVPool, kv_storage_dtype
 from jaxpaged.parallel.mesh import TensorParallel
-from jaxpaged.worker.kv_transfer import TRANSFER_BLOCKS, KVTransfer
+from jaxpaged.worker.kv_transfer import TRANSFER_SIZES, KVTransfer, transfer_chunks
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
@@ -46,8 +46,8 @@ def layer_rows(block, num_blocks=50):
 def test_blocks_round_trip_bit_for_bit(dtype, devices):
     transfer, cache, k, v = setup(dtype, devices)
     rng = np.random.default_rng(1)
-    blocks = rng.permutation(np.arange(1, 50))[:40].tolist()  # more than one program call
-    slots = rng.permutation(80)[:40].tolist()
+    blocks = rng.permutation(np.arange(1, 50))[:41].tolist()  # 41 = 16 + 16 + 4 + 4 + 1: every size but 64
+    slots = rng.permutation(80)[:41].tolist()
     cache = transfer.run(cache, KVTransfers(list(zip(blocks, slots)), []))
     for block, slot in zip(blocks, slots):
         np.testing.assert_array_equal(transfer.host[slot, 0], k[layer_rows(block)])
@@ -60,17 +60,23 @@ def test_blocks_round_trip_bit_for_bit(dtype, devices):
     for block, target in zip(blocks, targets):
         expect_k[layer_rows(target)] = k[layer_rows(block)]
         expect_v[layer_rows(target)] = v[layer_rows(block)]
-    null_rows = layer_rows(0)  # padding rows of a partial call write the null blocks only
-    keep = np.setdiff1d(np.arange(k.shape[0]), null_rows)
-    np.testing.assert_array_equal(k_after[keep], expect_k[keep])
-    np.testing.assert_array_equal(v_after[keep], expect_v[keep])
+    np.testing.assert_array_equal(k_after, expect_k)  # the null blocks and every other block untouched
+    np.testing.assert_array_equal(v_after, expect_v)
     assert cache.kv.k.sharding.spec == TensorParallel.create(CONFIG, devices).pool_sharding.spec
+
+
+def test_copies_are_cut_into_calls_without_padding():
+    assert TRANSFER_SIZES == (64, 16, 4, 1)
+    assert transfer_chunks(57) == [16, 16, 16, 4, 4, 1] and transfer_chunks(0) == []
+    assert transfer_chunks(200) == [64, 64, 64, 4, 4]
+    for n in range(300):
+        assert sum(transfer_chunks(n)) == n
 
 
 def test_offload_lands_in_host_memory_where_the_devices_have_it():
     transfer, cache, _, _ = setup(np.float32, 1)
     assert transfer.memory_kind == "pinned_host"  # the CPU backend has it too
-    offloaded = transfer._offload(cache.kv, jnp.zeros(TRANSFER_BLOCKS, jnp.int32))
+    offloaded = transfer._offload(cache.kv, jnp.zeros(4, jnp.int32))
     assert offloaded.sharding.memory_kind == "pinned_host"
 
 
@@ -81,9 +87,7 @@ def test_load_updates_the_pool_in_place(dtype, devices):
     temps = []
     for num_blocks in (20, 400):
         transfer, cache, _, _ = setup(kv_storage_dtype(dtype), devices, num_blocks=num_blocks)
-        (_, lower_offload), (_, lower_load) = transfer.lower(cache)
-        temps.append([lower_offload().compile().memory_analysis().temp_size_in_bytes,
-                      lower_load().compile().memory_analysis().temp_size_in_bytes])  # fmt: skip
+        temps.append([lower().compile().memory_analysis().temp_size_in_bytes for _, lower in transfer.lower(cache)])
     block_bytes = 2 * CONFIG.num_layers * BS * CONFIG.num_kv_heads * CONFIG.head_dim * 4
     for small, large in zip(*temps):
         assert large - small < block_bytes, temps

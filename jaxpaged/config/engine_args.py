@@ -84,7 +84,8 @@ class EngineArgs:
         "with the same model, dtype and block size reads them instead of computing them (needs "
         "--kv-offloading-size; default: no disk tier)", metavar="DIR")  # fmt: skip
     kv_cache_dir_size: float = _option(
-        16.0, "GiB of files the disk tier keeps in --kv-cache-dir (least recently used removed first)", metavar="GIB")
+        16.0, "GiB of files the disk tier keeps in --kv-cache-dir for this model (least recently used removed first)",
+        metavar="GIB")  # fmt: skip
     preemption_mode: str | None = _option(
         None, "what a preempted sequence loses: recompute frees its blocks and computes them again on resume; "
         "swap copies them to the host tier and back (needs --kv-offloading-size; recompute when the tier is "

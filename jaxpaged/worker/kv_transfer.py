@@ -3,14 +3,17 @@
 The host tier (`jaxpaged.core.host_tier`) plans the copies; this module carries them out before
 each step, offloads first, then loads:
 
-- offload: one program gathers up to `TRANSFER_BLOCKS` blocks' K and V of every layer into
-  `[C, 2, L, BS, K, H]` (one block's data contiguous, as it is kept on the host), written
-  straight into pinned host memory where the devices have it (JAX memory kinds), else into
-  device memory and then fetched; the host copies it into the blocks' slots.
+- offload: one program gathers C blocks' K and V of every layer into `[C, 2, L, BS, K, H]` (one
+  block's data contiguous, as it is kept on the host), written straight into pinned host memory
+  where the devices have it (JAX memory kinds), else into device memory and then fetched; the
+  host copies it into the blocks' slots.
 - load: the slots' data is gathered on the host into one `[C, 2, L, BS, K, H]` buffer, put on
   the devices in one transfer, and one program scatters it into the pool (donated: in place).
 
-Dimension letters: C blocks per copy (padded with the null block 0), L layers, BS block size,
+A copy of n blocks is cut into calls of C in `TRANSFER_SIZES`, largest first (57 blocks:
+16 + 16 + 16 + 4 + 4 + 1), so nothing is padded: every byte moved is a block's.
+
+Dimension letters: C blocks per copy, L layers, BS block size,
 K kv heads (all of them: under tensor parallelism each device copies its own heads, and the host
 holds the whole block), H head_dim.
 """
@@ -32,8 +35,17 @@ from jaxpaged.parallel.sharding import KV_BLOCK_AXES, KV_POOL_AXES
 
 logger = logging.getLogger("jaxpaged")
 
-# Blocks moved by one program call (a copy of more blocks takes several calls).
-TRANSFER_BLOCKS = 32
+# Blocks moved by one program call, largest first (one program per size and direction).
+TRANSFER_SIZES = (64, 16, 4, 1)
+
+
+def transfer_chunks(n: int) -> list[int]:
+    """The call sizes that move `n` blocks: as many of the largest size as fit, then the next."""
+    chunks = []
+    for size in TRANSFER_SIZES:
+        chunks += [size] * (n // size)
+        n %= size
+    return chunks
 
 
 def _layer_rows(ids: Int[Array, " C"], num_layers: int, num_blocks: int) -> Int[Array, "C L"]:
@@ -50,8 +62,7 @@ def gather_blocks(k_pool: Float[Array, "LNB BS K H"], v_pool: Float[Array, "LNB 
 
 def scatter_blocks(k_pool: Float[Array, "LNB BS K H"], v_pool: Float[Array, "LNB BS K H"], ids: Int[Array, " C"],
                    data: Float[Array, "C 2 L BS K H"], *, num_layers: int):  # fmt: skip
-    """The pools with blocks `ids` of every layer replaced by `data` (padding ids are the null
-    block 0, which takes whatever the padding rows hold)."""
+    """The pools with blocks `ids` of every layer replaced by `data`."""
     rows = _layer_rows(ids, num_layers, k_pool.shape[0] // num_layers)
     return k_pool.at[rows].set(data[:, 0]), v_pool.at[rows].set(data[:, 1])
 
@@ -95,7 +106,7 @@ class KVTransfer:
         self._offload = jax.jit(functools.partial(_offload, parallel, num_layers), out_shardings=out)
         self._load = jax.jit(functools.partial(_load, parallel, num_layers), donate_argnums=(0,),
                              out_shardings=cache_shardings)  # fmt: skip
-        self._compiled_offload = self._compiled_load = None
+        self._compiled: dict[tuple[str, int], object] = {}  # (direction, size) -> executable
 
     @property
     def block_bytes(self) -> int:
@@ -103,35 +114,38 @@ class KVTransfer:
         return int(np.prod(self.slot_shape)) * self.host.dtype.itemsize
 
     def lower(self, cache: DeviceCache) -> list[tuple[str, Callable[[], jax.stages.Lowered]]]:
-        """`(name, lower)` of the two programs, for the runner's warm-up."""
-        ids = jax.ShapeDtypeStruct((TRANSFER_BLOCKS,), jnp.int32, sharding=self._ids_sharding)
-        data = jax.ShapeDtypeStruct((TRANSFER_BLOCKS, *self.slot_shape), self.host.dtype, sharding=self._device)
-        return [
-            (f"host tier offload, {TRANSFER_BLOCKS} blocks", lambda: self._offload.lower(cache.kv, ids)),
-            (f"host tier load, {TRANSFER_BLOCKS} blocks", lambda: self._load.lower(cache, ids, data)),
-        ]
+        """`(name, lower)` of every program (both directions, every size), for the runner's warm-up."""
+        jobs = []
+        for size in TRANSFER_SIZES:
+            ids = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self._ids_sharding)
+            data = jax.ShapeDtypeStruct((size, *self.slot_shape), self.host.dtype, sharding=self._device)
+            jobs.append((f"host tier offload, {size} blocks", lambda ids=ids: self._offload.lower(cache.kv, ids)))
+            jobs.append((f"host tier load, {size} blocks", lambda ids=ids, data=data: self._load.lower(cache, ids, data)))
+        return jobs
 
-    def set_compiled(self, offload, load) -> None:
-        """Keeps the programs the warm-up compiled (else `jit` compiles them at first use)."""
-        self._compiled_offload, self._compiled_load = offload, load
+    def set_compiled(self, executables: list) -> None:
+        """Keeps the programs the warm-up compiled, in `lower`'s order (else `jit` compiles each at
+        first use)."""
+        for i, size in enumerate(TRANSFER_SIZES):
+            self._compiled[("offload", size)], self._compiled[("load", size)] = executables[2 * i : 2 * i + 2]
 
     def run(self, cache: DeviceCache, transfers: KVTransfers) -> DeviceCache:
         """Carries out `transfers` (offloads, then loads); returns the cache with the loads in it."""
-        offload = self._compiled_offload or self._offload
-        for start in range(0, len(transfers.offloads), TRANSFER_BLOCKS):
-            chunk = transfers.offloads[start : start + TRANSFER_BLOCKS]
-            ids = self._ids([block for block, _ in chunk])
-            data = np.asarray(offload(cache.kv, ids))  # waits: a later load may reuse these slots
-            self.host[[slot for _, slot in chunk]] = data[: len(chunk)]
-        load = self._compiled_load or self._load
-        for start in range(0, len(transfers.loads), TRANSFER_BLOCKS):
-            chunk = transfers.loads[start : start + TRANSFER_BLOCKS]
-            data = np.zeros((TRANSFER_BLOCKS, *self.slot_shape), self.host.dtype)
-            data[: len(chunk)] = self.host[[slot for slot, _ in chunk]]
-            cache = load(cache, self._ids([block for _, block in chunk]), jax.device_put(data, self._device))
+        start = 0
+        for size in transfer_chunks(len(transfers.offloads)):
+            chunk = transfers.offloads[start : start + size]
+            start += size
+            offload = self._compiled.get(("offload", size), self._offload)
+            data = np.asarray(offload(cache.kv, self._ids([block for block, _ in chunk])))  # waits: loads may reuse the slots
+            self.host[[slot for _, slot in chunk]] = data
+        start = 0
+        for size in transfer_chunks(len(transfers.loads)):
+            chunk = transfers.loads[start : start + size]
+            start += size
+            load = self._compiled.get(("load", size), self._load)
+            data = jax.device_put(self.host[[slot for slot, _ in chunk]], self._device)  # a fresh host array
+            cache = load(cache, self._ids([block for _, block in chunk]), data)
         return cache
 
     def _ids(self, blocks: list[int]) -> jax.Array:
-        ids = np.zeros(TRANSFER_BLOCKS, np.int32)  # padding: the null block
-        ids[: len(blocks)] = blocks
-        return jax.device_put(ids, self._ids_sharding)
+        return jax.device_put(np.asarray(blocks, np.int32), self._ids_sharding)

@@ -107,7 +107,7 @@ class ModelRunner:
             self._keep(program, result.executable)
         self._seed = results[len(programs)].executable
         if self.kv_transfer is not None:
-            self.kv_transfer.set_compiled(*(r.executable for r in results[len(programs) + 1 :]))
+            self.kv_transfer.set_compiled([r.executable for r in results[len(programs) + 1 :]])
         seconds = time.perf_counter() - start
         logger.info("compiled %d step programs in %.1f s", len(self.compiled), seconds)
         return seconds

@@ -37,3 +37,19 @@ def pytest_pyfunc_call(pyfuncitem):
         pytest.fail(f"{pyfuncitem.nodeid} failed in its own process:\n{result.stdout[-8000:]}\n{result.stderr[-4000:]}",
                     pytrace=False)  # fmt: skip
     return True
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Frees each test module's compiled programs when it ends. Every CPU executable keeps its
+    machine code in memory mappings of its own; held until the end of a full run, they exceed
+    the kernel's limit on mappings per process (vm.max_map_count, 65,530 by default) and XLA's
+    CPU compiler then crashes in the next compile (a segfault in `backend_compile` or in the
+    compilation cache's serialisation)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -54,13 +54,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def requests(args, context: int):
+    """The prompts; the process that fills the disk gets the same prefixes with other suffixes
+    (only what the prefixes share may come from disk)."""
+    import dataclasses
     import random
 
     from jaxpaged.bench.datasets import prefix_requests
 
     low, high = (int(v) for v in args.suffix_len.split(","))
-    return prefix_requests(random.Random(0), list(range(3, 4000)), args.num_prompts, args.prefix_len, (low, high),
-                           args.output_len, context, args.num_prefixes)  # fmt: skip
+    ids = list(range(3, 4000))
+    reqs = prefix_requests(random.Random(0), ids, args.num_prompts, args.prefix_len, (low, high), args.output_len,
+                           context, args.num_prefixes)  # fmt: skip
+    if args.config == _WARM_DISK:
+        other = random.Random(1)
+        reqs = [dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[: args.prefix_len] +
+                                    other.choices(ids, k=r.prompt_len - args.prefix_len)) for r in reqs]  # fmt: skip
+    return reqs
 
 
 def run_one(args) -> dict:

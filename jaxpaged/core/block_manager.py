@@ -204,7 +204,11 @@ class BlockManager:
             return
         for i in range((seq.num_tokens - 1) // self.block_size):
             h = self._block_hash_of(seq, i)
-            if h in self.cached_block_hash_to_block or tier.lookup(h) is not None:
+            if h in self.cached_block_hash_to_block:
+                continue
+            slot = tier.lookup(h)
+            if slot is not None:  # kept while later blocks take slots
+                tier.pin([slot])
                 continue
             if not disk.contains(h):
                 return

@@ -95,7 +95,6 @@ class KVTransfer:
 
     def __init__(self, parallel: TensorParallel, cache_shardings: DeviceCache, *, num_layers: int,
                  num_host_blocks: int, block_shape: tuple[int, int, int], dtype):  # fmt: skip
-        self.num_layers = num_layers
         self.slot_shape = (2, num_layers, *block_shape)
         # np.empty: pages are only touched (and counted by the OS) as slots fill.
         self.host = np.empty((num_host_blocks, *self.slot_shape), dtype)

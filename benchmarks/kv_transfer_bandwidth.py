@@ -7,7 +7,7 @@ first device and times, best of `--repeats`:
                  gather on the device, written into pinned host memory where the device has
                  it, then into the slots)
   load           the copy back into the pool (`KVTransfer.run`: slots gathered on the host, one
-                 transfer per 32 blocks, a scatter into the donated pool)
+                 transfer per call of 64, 16, 4 or 1 blocks, a scatter into the donated pool)
   device_get     `jax.device_get` of a device array of the same bytes (pageable host memory)
   to_pinned      `jax.device_put` of it into pinned host memory (memory kind "pinned_host")
   device_put     `jax.device_put` of a host array of the same bytes

@@ -41,6 +41,10 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
         (["generate", "--kv-offloading-size", "0", "hi"], "--kv-offloading-size 0.0: must be a positive number of GiB"),
         (["generate", "--preemption-mode", "swap", "hi"], "--preemption-mode swap: swaps to the host tier: set "
          "--kv-offloading-size too"),
+        (["generate", "--kv-cache-dir", "/tmp/kv", "hi"], "--kv-cache-dir /tmp/kv: reads and writes through the host "
+         "tier: set --kv-offloading-size too"),
+        (["generate", "--kv-offloading-size", "1", "--kv-cache-dir", "/tmp/kv", "--no-enable-prefix-caching", "hi"],
+         "it does nothing with --enable-prefix-caching off"),
         (["serve", "--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "--max-num-batched-tokens 4: must be at least --max-num-seqs (8)"),
         (["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80"], "'80' has no unit; write e.g. 80GiB"),
     ],

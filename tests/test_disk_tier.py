@@ -2,11 +2,14 @@
 engine process; truncated, corrupt and foreign files detected, removed and recomputed, never used;
 the size cap; and greedy tokens equal to transformers across processes."""
 
+import gc
 import json
 import logging
 import os
 import subprocess
 import sys
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -106,9 +109,37 @@ def test_the_size_cap_removes_least_recently_used_files_and_temporaries(tmp_path
         disk.save(h(i), i)
     disk.flush()
     assert sorted(f for f in os.listdir(disk.directory)) == sorted(h(i).hex() + ".kv" for i in (0, 3, 4))
-    open(os.path.join(disk.directory, "x.kv.1.2.tmp"), "wb").close()  # an interrupted write
+    stale, fresh = (os.path.join(disk.directory, f"x.kv.{i}.2.tmp") for i in (1, 2))
+    for path in (stale, fresh):
+        open(path, "wb").close()
+    os.utime(stale, (time.time() - 3600,) * 2)  # an interrupted write; `fresh` may be another process's
     again = DiskTier(str(tmp_path), FINGERPRINT, 3 * file_bytes, mem)
-    assert again.num_files == 3 and not any(f.endswith(".tmp") for f in os.listdir(again.directory))
+    assert again.num_files == 3 and not os.path.exists(stale) and os.path.exists(fresh)
+
+
+def test_a_file_removed_behind_the_tiers_back_is_a_plain_miss(tmp_path, caplog):
+    disk = DiskTier(str(tmp_path), FINGERPRINT, 1 << 30, memory())
+    disk.save(h(1), 0)
+    disk.flush()
+    os.remove(os.path.join(disk.directory, h(1).hex() + ".kv"))  # the cap of another process sharing it
+    with caplog.at_level(logging.WARNING, logger="jaxpaged"):
+        assert disk.contains(h(1)) and not disk.read(h(1), 2)
+    assert not disk.contains(h(1)) and disk.rejected == 0 and not caplog.text
+
+
+def test_writes_are_queued_once_and_the_writer_ends_with_its_tier(tmp_path):
+    disk = DiskTier(str(tmp_path), FINGERPRINT, 1 << 30, memory())
+    for _ in range(3):
+        disk.save(h(4), 1)  # queued once, whatever the writer has done by now
+    disk.flush()
+    assert disk.write_bytes == memory()[0].nbytes
+    writer = disk._files._thread
+    ref = weakref.ref(disk)
+    del disk
+    gc.collect()
+    assert ref() is None  # the writer thread does not keep the tier (and its host memory) alive
+    writer.join(5)
+    assert not writer.is_alive()
 
 
 def test_salted_blocks_are_found_on_disk_by_their_salt_alone(tmp_path):

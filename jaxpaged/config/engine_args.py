@@ -175,6 +175,9 @@ class EngineArgs:
             if size is None:
                 raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "reads and writes through the host tier: "
                                       "set `kv_offloading_size` too")  # fmt: skip
+            if not self.enable_prefix_caching:
+                raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "keeps prefix-cache blocks: it does nothing "
+                                      "with `enable_prefix_caching` off")  # fmt: skip
             if os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir):
                 raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "exists and is not a directory")
         disk = self.kv_cache_dir_size

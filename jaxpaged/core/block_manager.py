@@ -197,21 +197,24 @@ class BlockManager:
 
     def promote_from_disk(self, seq: Sequence) -> None:
         """Reads the leading blocks of `seq`'s prefix that only the disk tier holds into host
-        slots (pinned until the next transfers), stopping at the first block nowhere or
-        unreadable; nothing without a disk tier."""
+        slots (pinned until the next transfers), up to the first block held nowhere; a file that
+        cannot be read ends it there too. Nothing without a disk tier."""
         disk, tier = self.disk_tier, self.host_tier
         if disk is None or not self.enable_prefix_caching or seq.seq_id in tier.swapped:
             return
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            h = self._block_hash_of(seq, i)
+        on_disk = []
+        for i in range((seq.num_tokens - 1) // self.block_size):  # first pin every host hit of the prefix:
+            h = self._block_hash_of(seq, i)  # the slots taken below must not evict them
             if h in self.cached_block_hash_to_block:
                 continue
             slot = tier.lookup(h)
-            if slot is not None:  # kept while later blocks take slots
+            if slot is not None:
                 tier.pin([slot])
-                continue
-            if not disk.contains(h):
-                return
+            elif disk.contains(h):
+                on_disk.append(h)
+            else:
+                break
+        for h in on_disk:
             slot = tier.cache_slot(h)
             if slot is None:
                 return
@@ -352,7 +355,7 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every registered hash; cached blocks become free (vLLM's `reset_prefix_cache`),
-        in the host tier too."""
+        in the host tier too. The disk tier keeps its files: the next lookups read them again."""
         self.free_block_ids.extend(self.evictable)
         self.evictable.clear()
         self.cached_block_hash_to_block.clear()

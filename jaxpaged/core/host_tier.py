@@ -150,7 +150,8 @@ class HostTier:
         self._pinned.update(slots)
 
     def clear_cached(self) -> None:
-        """Forgets every cached block (not swapped ones); pinned slots stay until the transfers."""
+        """Forgets every cached block (not swapped ones) but those a pending load reads, which
+        stay cached."""
         for block_hash, slot in list(self.cached.items()):
             if slot not in self._pinned:
                 del self.cached[block_hash]

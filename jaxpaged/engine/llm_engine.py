@@ -59,9 +59,7 @@ class LLMEngine:
         self.runner, self.compile_seconds = worker.runner, worker.compile_seconds
         if self.runner.channel is not None:
             atexit.register(self.shutdown)
-        self.disk_tier = start_disk_tier(self.config, self.runner)
-        if self.disk_tier is not None:  # blocks still queued for writing reach the disk before exit
-            atexit.register(self.disk_tier.flush)
+        self.disk_tier = start_disk_tier(self.config, self.runner)  # its queued writes are done at exit too
         self.scheduler = Scheduler(self.config.scheduler_config(),
                                    eos_token_id=sorted(eos_token_ids(args, self.config.model, self.tokenizer)),
                                    disk_tier=self.disk_tier)  # fmt: skip
@@ -78,8 +76,10 @@ class LLMEngine:
         return cls(args)
 
     def shutdown(self) -> None:
-        """Releases the other processes of a multi-process engine (they exit their step loop);
-        nothing to do on one process. The engine runs no more steps afterwards."""
+        """Releases the other processes of a multi-process engine (they exit their step loop) and
+        finishes the disk tier's writes. The engine runs no more steps afterwards."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
         channel, self.runner.channel = self.runner.channel, None
         if channel is not None:
             channel.send(STOP, (), np.zeros(0, np.int32))

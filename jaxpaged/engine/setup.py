@@ -113,11 +113,14 @@ def start_disk_tier(config: EngineConfig, runner: ModelRunner) -> DiskTier | Non
 
 def kv_fingerprint(config: EngineConfig, dtype: str, memory, platform: str) -> bytes:
     """What a block's K/V bytes depend on: the model's configuration, its weights' identity, the
-    dtypes, the platform (its matmul precision), the block size and a host block's layout."""
+    dtypes, the platform (its matmul precision), the block size and a host block's layout, and
+    what changes the programs computing them (tensor-parallel size, attention backend, layer scan)."""
+    args = config.args
     identity = {
-        "format": 1, "model": dataclasses.asdict(config.model), "weights": weights_identity(config.args),
+        "format": 1, "model": dataclasses.asdict(config.model), "weights": weights_identity(args),
         "dtype": dtype, "storage": memory.dtype.name, "block": list(memory.shape[1:]), "platform": platform,
-        "block_size": config.args.block_size,
+        "block_size": args.block_size, "tensor_parallel_size": args.tensor_parallel_size,
+        "attention_backend": args.attention_backend, "scan_layers": args.scan_layers,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()
 

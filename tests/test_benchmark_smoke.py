@@ -38,6 +38,7 @@ def test_kernel_benchmark_smoke(tmp_path):
     decode = results["decode"][0]
     assert decode["ours_s"] is not None and decode["frac_of_measured_hbm"] > 0
     assert results["prefill"] and results["prefill"][0]["ours_TFLOPs"] > 0
+    assert record["headline"]["kv_offload_GBps"] > 0 and record["headline"]["kv_load_GBps"] > 0  # the host tier's copies
     assert record["headline"]["checks"] == len(results["checks"]) and record["headline"]["best_decode"]
 
 

@@ -38,6 +38,7 @@ class Plan:
     weight_flags: tuple[str, ...]  # dtype and load format
     engine_limits: tuple[str, ...]
     kernel_flags: tuple[str, ...]
+    kv_transfer_flags: tuple[str, ...]  # benchmarks/kv_transfer_bandwidth.py (the host tier's copies)
     latency_flags: tuple[str, ...]
     throughput_flags: tuple[str, ...]  # dataset flags without --dataset-path
     compare_transformers: bool
@@ -50,7 +51,7 @@ def gpu_plan(budgets: dict) -> Plan:
     """Llama-3.1-8B's shapes with random bf16 weights, on the GPU."""
     return Plan(
         smoke=False, model="llama-3.1-8b", weight_flags=("--dtype", "bfloat16", "--load-format", "dummy"),
-        engine_limits=GPU_ENGINE_LIMITS, kernel_flags=(),
+        engine_limits=GPU_ENGINE_LIMITS, kernel_flags=(), kv_transfer_flags=("--model", "llama-3.1-8b", "--blocks", "256"),
         latency_flags=("--batch-size", "1", "--input-len", "32", "--output-len", "128", "--num-iters-warmup", "3",
                        "--num-iters", "10"),
         throughput_flags=("--dataset-name", "sharegpt", "--num-prompts", "1000"), compare_transformers=True,
@@ -67,6 +68,7 @@ def smoke_plan(budgets: dict) -> Plan:
     return Plan(
         smoke=True, model=DEMO_MODEL_DIR, weight_flags=("--skip-tokenizer-init",),
         engine_limits=SMOKE_ENGINE_LIMITS, kernel_flags=("--smoke",),
+        kv_transfer_flags=("--model", DEMO_MODEL_DIR, "--blocks", "8", "--repeats", "1"),
         latency_flags=("--input-len", "8", "--output-len", "8", "--num-iters-warmup", "1", "--num-iters", "2"),
         # transformers' continuous batching takes ~45 s to start on the CI machine's CPU; the
         # comparison itself is tested in tests/test_bench_offline.py.

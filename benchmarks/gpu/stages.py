@@ -2,7 +2,8 @@
 process of its own with what is left of the stage's time, and leaves `<stage>.json` (its steps,
 their statuses and parsed results) and `<stage>.txt` (their output) in the work directory.
 
-1. kernels: `kernels_gpu.py` (HBM bandwidth, correctness with interpret=False, speed vs peers).
+1. kernels: `kernels_gpu.py` (HBM bandwidth, correctness with interpret=False, speed vs peers), then
+   `kv_transfer_bandwidth.py` (host<->device GB/s of the KV host tier's copies vs plain transfers).
 2. startup: `jaxpaged bench startup`, cold (empty compilation cache) then warm (the same cache).
 3. engine_start: `engine_start.py`, the real `LLM(...)` with dummy weights, cold then warm.
 4. latency: `jaxpaged bench latency`, batch 1 (TPOT).
@@ -96,6 +97,9 @@ def run_kernels(stage: Stage) -> None:
     out = stage.path("kernels_result.json")
     stage.step("kernels", [sys.executable, os.path.join(ROOT, "benchmarks", "kernels_gpu.py"), *stage.plan.kernel_flags,
                            "--out", out], out)  # fmt: skip
+    out = stage.path("kv_transfer_result.json")
+    stage.step("kv_transfer", [sys.executable, os.path.join(ROOT, "benchmarks", "kv_transfer_bandwidth.py"),
+                               *stage.plan.kv_transfer_flags, "--json", out], out)  # fmt: skip
 
 
 def run_startup(stage: Stage) -> None:

@@ -24,7 +24,10 @@ def kernels_headline(record: dict) -> dict:
     best = max(decode, key=lambda r: r["frac_of_measured_hbm"], default=None)
     prefill = [r for r in result.get("prefill", []) if r.get("ours_TFLOPs") is not None]
     longest = max(prefill, key=lambda r: r["tokens"], default=None)
+    kv = (_first_result(record, "kv_transfer") or {}).get("GB_per_s", {})
     return {
+        "kv_offload_GBps": _round(kv.get("offload"), 1), "kv_load_GBps": _round(kv.get("load"), 1),
+        "device_get_GBps": _round(kv.get("device_get"), 1), "device_put_GBps": _round(kv.get("device_put"), 1),
         "hbm_copy_GBps": _round(result["hbm_copy_Bps"] / 1e9, 0) if result.get("hbm_copy_Bps") else None,
         "checks": len(errs), "max_rel_err": max(errs, default=None), "complete": result.get("complete"),
         "best_decode": None if best is None else f"b={best['batch']} ctx={best['context']}: {best['ours_GBps']:.0f} GB/s "

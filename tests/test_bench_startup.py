@@ -96,3 +96,25 @@ def test_compilation_cache_is_on_by_default_per_user(tmp_path, monkeypatch):
         assert use_compilation_cache("none") is None and jax.config.jax_compilation_cache_dir is None
     finally:
         use_compilation_cache(before or "none")
+
+
+def test_unrolled_engines_hold_per_layer_arrays_and_give_the_scanned_tokens():
+    """`--no-scan-layers` runs over per-layer arrays split once at start-up (no layer slice in
+    the step program) and generates what the scanned engine generates."""
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.model import LayerArrays
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["In the beginning", "And the LORD said unto Moses"]
+    texts = {}
+    for scan in (True, False):
+        llm = LLM(DEMO_MODEL_DIR, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, scan_layers=scan)
+        texts[scan] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        layers = llm.llm_engine.runner.params["layers"]
+        leaves = jax.tree.leaves(layers, is_leaf=lambda x: isinstance(x, LayerArrays))
+        if scan:
+            assert all(not isinstance(leaf, LayerArrays) and leaf.shape[0] == 4 for leaf in leaves)
+        else:
+            assert all(isinstance(leaf, LayerArrays) and len(leaf.arrays) == 4 for leaf in leaves)
+            assert {a.shape for leaf in leaves for a in leaf.arrays} >= {(256, 4, 64), (4, 64, 256)}  # q_proj, o_proj
+    assert texts[True] == texts[False]

@@ -116,7 +116,7 @@ def _abstract_engine(args):
     from jaxpaged.config.model_config import kv_bytes_per_token
     from jaxpaged.engine.setup import dummy_dtype
     from jaxpaged.functional import DeviceCache, init_cache
-    from jaxpaged.model import Llama, kv_storage_dtype
+    from jaxpaged.model import Llama, kv_storage_dtype, unstack_layers
     from jaxpaged.parallel.mesh import TensorParallel, make_mesh
     from jaxpaged.worker.step_programs import StepPrograms
 
@@ -129,6 +129,8 @@ def _abstract_engine(args):
     graphdef, state = nnx.split(model)
     shardings = parallel.state_shardings(state)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    if not args.scan_layers:  # as the runner holds them (see ModelRunner)
+        params = unstack_layers(params, parallel.layer_sharding)
     device = parallel.layout.device_config
     pool_bytes = args.kv_cache_memory_bytes or DEFAULT_POOL_BYTES
     per_block = kv_bytes_per_token(device, kv_storage_dtype(dtype, parallel.platform).itemsize) * args.block_size

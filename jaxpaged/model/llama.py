@@ -9,7 +9,9 @@ in and goes out as a value: under `jit` with the pool donated the update is in p
 
 The layers are one stacked module (every parameter has a leading layer axis L) run by a
 `lax.scan`: XLA compiles one layer body instead of L copies of it, which is most of what a
-step program costs to compile. The pool `[L * NB, BS, K, H]` is carried through the scan whole;
+step program costs to compile. Unrolled (`scan_layers=False`), the layers run one after another
+over per-layer arrays (`LayerArrays`, split from the stacked ones once, outside the step):
+slicing a layer out of a stacked array inside the step would copy its weights every step. The pool `[L * NB, BS, K, H]` is carried through the scan whole;
 layer l's blocks are `l * NB + block` (see kv_pool.py), so the kernels read and write one
 layer's blocks with offset block ids, and nothing slices a layer's pool out of it (no copy).
 
@@ -30,6 +32,7 @@ import pallas_kernels
 from jaxpaged.config.engine_args import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model.kv_pool import KVPool
+from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
@@ -199,7 +202,8 @@ class Llama(nnx.Module):
       parallel: the mesh and sharding table under tensor parallelism; `config` is then the
         mesh layout (`parallel.layout.mesh_config`, kv heads repeated). None: one device.
       scan_layers: run the layers as a `lax.scan` (one compiled body); False unrolls them (L
-        bodies: the same results, many times the compile time; for comparing step times).
+        bodies: the same results, many times the compile time), best over per-layer arrays
+        (`unstack_layers` of the state, as the runner does).
     """
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, attention: str = "auto",
@@ -239,7 +243,8 @@ class Llama(nnx.Module):
             (x, k, v), _ = jax.lax.scan(one_layer, carry, (layer_params, first_blocks))
         else:  # the same layers unrolled: one copy of the body per layer in the program
             for i in range(num_layers):
-                carry, _ = one_layer(carry, jax.tree.map(lambda a: a[i], (layer_params, first_blocks)))
+                layer = jax.tree.map(lambda a: a[i], (layer_params, first_blocks), is_leaf=lambda a: isinstance(a, LayerArrays))
+                carry, _ = one_layer(carry, layer)
             x, k, v = carry
         return self.final_norm(x), KVPool(k=k, v=v, num_layers=num_layers)
 

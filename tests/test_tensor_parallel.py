@@ -25,7 +25,7 @@ from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import get_preset
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.setup import build_model, device_weight_bytes, plan_cache
-from jaxpaged.model import Llama
+from jaxpaged.model import LayerArrays, Llama
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.planning.plan import make_plan
@@ -85,6 +85,21 @@ def test_host_tier_swaps_per_device_shards_and_tokens_equal_transformers(tmp_pat
     assert stats["num_preemptions"] > 0 and stats["kv_swapped_in_blocks"] > 0 and stats["kv_load_bytes"] > 0
     k = engine.runner.kv_transfer.host.shape[4]  # the host block holds every device's heads
     assert k == TensorParallelLayout(ModelConfig.from_pretrained(path), n).mesh_config.num_kv_heads
+
+
+@pytest.mark.isolated
+def test_unrolled_layers_over_per_layer_shards_equal_transformers(tmp_path):
+    """--no-scan-layers on 4 devices (kv heads repeated): the per-layer arrays split at start-up
+    keep each layer's shards where the table puts them."""
+    path = str(tmp_path)
+    hf = save_hf_model("llama_tp", path)
+    prompts = tp_workload.prompts()
+    engine = make_engine(path, 4, scan_layers=False)
+    outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    [q] = jax.tree.leaves(engine.runner.params["layers"]["attn"]["q_proj"], is_leaf=lambda x: isinstance(x, LayerArrays))
+    assert [a.sharding.spec for a in q.arrays] == [engine.parallel.layer_sharding(("layers", "attn", "q_proj")).spec] * 2
+    assert q.arrays[0].addressable_shards[0].data.shape == (64, 2, 8)  # 8 heads over 4 devices
 
 
 @pytest.mark.isolated

@@ -19,7 +19,8 @@ the first visits (what only the disk tier can serve), and requests/s; the ratio 
 no-prefix-cache's.
 
     python benchmarks/kv_tiers.py [--model DIR] [--num-prefixes 8] [--num-prompts 48] [--json out.json]
-    python benchmarks/kv_tiers.py --model llama-3.1-8b --load-format dummy      # on a GPU
+    python benchmarks/kv_tiers.py --model llama-3.1-8b --load-format dummy \
+        --configs no-prefix-cache,small-pool+host,fresh+disk                    # on a GPU, in one call
 """
 
 import argparse
@@ -47,10 +48,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=16, help="tokens generated per request (default: 16)")
     parser.add_argument("--host-gib", type=float, default=0.25, help="host tier size for small-pool+host (GiB)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds each configuration may take")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated subset of {', '.join(CONFIGS)} (default: all)")  # fmt: skip
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--config", choices=(*CONFIGS, _WARM_DISK), help=argparse.SUPPRESS)  # one, in its process
     parser.add_argument("--kv-cache-dir", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        parser.error(f"--configs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS)}")
+    return args
 
 
 def requests(args, context: int):
@@ -136,7 +143,9 @@ def main(argv=None) -> int:
     results = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__, "args": vars(args), "runs": {}}
     base_argv = [os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
     with tempfile.TemporaryDirectory(prefix="jaxpaged-kv-dir-") as kv_dir:
-        for config in (*CONFIGS[:-1], _WARM_DISK, CONFIGS[-1]):
+        chosen = args.configs.split(",")
+        order = [c for c in CONFIGS[:-1] if c in chosen] + ([_WARM_DISK, CONFIGS[-1]] if CONFIGS[-1] in chosen else [])
+        for config in order:
             print(f"running {config} ...", file=sys.stderr, flush=True)
             command = [sys.executable, *base_argv, "--config", config, "--kv-cache-dir", kv_dir]
             try:
@@ -155,8 +164,8 @@ def main(argv=None) -> int:
 
 
 def table(runs: dict) -> str:
-    """TTFT of repeat and first visits per configuration, with ratios to no-prefix-cache."""
-    base = runs["no-prefix-cache"].get("ttft_repeat_ms", {}).get("mean")
+    """TTFT of repeat and first visits per configuration, with ratios to no-prefix-cache (if run)."""
+    base = runs.get("no-prefix-cache", {}).get("ttft_repeat_ms", {}).get("mean")
     lines = [f"{'configuration':<16} {'TTFT repeat mean/p50/p99 ms':>28} {'vs none':>8} {'first visit mean ms':>20} "
              f"{'vs none':>8} {'req/s':>6}"]  # fmt: skip
     for config, r in runs.items():
@@ -166,7 +175,7 @@ def table(runs: dict) -> str:
             lines.append(f"{config:<16} failed: {r['error'][-300:]}")
             continue
         t, first = r["ttft_repeat_ms"], r["ttft_first_visit_ms"]
-        base_first = runs["no-prefix-cache"].get("ttft_first_visit_ms", {}).get("mean")
+        base_first = runs.get("no-prefix-cache", {}).get("ttft_first_visit_ms", {}).get("mean")
         lines.append(f"{config:<16} {t['mean']:9.1f} {t['p50']:8.1f} {t['p99']:8.1f} "
                      f"{t['mean'] / base if base else 0:7.2f}x {first['mean']:20.1f} "
                      f"{first['mean'] / base_first if base_first else 0:7.2f}x {r['requests_per_second']:6.2f}")  # fmt: skip

@@ -108,3 +108,21 @@ def test_kv_transfer_bandwidth_runs_and_reports_every_path(tmp_path):
     assert set(result["GB_per_s"]) == {"offload", "load", "device_get", "device_put", "to_pinned"}
     assert all(rate > 0 for rate in result["GB_per_s"].values()) and result["memory_kind"] == "pinned_host"
     assert result["bytes"] == 8 * result["block_bytes"]
+
+
+def test_kv_tiers_benchmark_runs_its_configurations_in_processes(tmp_path):
+    """`benchmarks/kv_tiers.py` on tiny prompts: a configuration without the disk and the fresh
+    process over a disk an earlier process filled (which then serves the prefixes' first visits)."""
+    out = tmp_path / "tiers.json"
+    script = os.path.join(ROOT, "benchmarks", "kv_tiers.py")
+    proc = subprocess.run([sys.executable, script, "--configs", "small-pool+host,fresh+disk", "--num-prompts", "6",
+                           "--num-prefixes", "2", "--prefix-len", "64", "--suffix-len", "4,8", "--output-len", "2",
+                           "--json", str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["small-pool+host", "warm-disk", "fresh+disk"]
+    assert runs["warm-disk"]["disk_write_bytes"] > 0
+    assert runs["fresh+disk"]["disk_hit_tokens"] >= 2 * 64  # both prefixes' full blocks at their first visit
+    assert all(r["ttft_repeat_ms"]["mean"] > 0 for r in runs.values())
+    assert "fresh+disk" in proc.stdout

@@ -75,11 +75,17 @@ class _BlockFiles:
             except OSError:
                 pass
 
+    def known(self, block_hash: bytes) -> bool:
+        """Whether the block has a file or a queued write (a file is marked recently used)."""
+        with self.lock:
+            if block_hash in self.index:
+                self.index.move_to_end(block_hash)
+                return True
+            return block_hash in self._pending
+
     def enqueue(self, block_hash: bytes, payload: bytes) -> None:
         with self.lock:
             if block_hash in self.index or block_hash in self._pending:
-                if block_hash in self.index:
-                    self.index.move_to_end(block_hash)
                 return
             if self._pending_bytes + len(payload) > MAX_PENDING_BYTES:
                 self.dropped_writes += 1
@@ -245,7 +251,7 @@ class DiskTier:
     def save(self, block_hash: bytes, slot: int) -> None:
         """Queues writing host slot `slot` (a copy of it, taken now) as the file of `block_hash`;
         nothing if the file exists or is queued already."""
-        if block_hash not in self._files.index:
+        if not self._files.known(block_hash):  # before copying the slot
             self._files.enqueue(block_hash, self.memory[slot].tobytes())
 
     def flush(self, timeout: float = 60.0) -> None:

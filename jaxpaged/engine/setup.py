@@ -69,6 +69,7 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
                                    sized_from=plan.sized_from + " (the smallest of all processes)")  # fmt: skip
     logger.info(plan.summary())
     config = config.with_blocks(plan.num_blocks, host_tier_blocks(config, model, parallel))
+    logger.info("preemption by %s", config.preemption_mode)
     runner = ModelRunner(model, parallel=parallel, config=config)
     seconds = runner.warm_up(args.compile_threads)
     check_step_memory(plan, runner.temp_bytes)
@@ -91,9 +92,8 @@ def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParalle
     if num_blocks < 1:
         raise EngineArgsError("kv_offloading_size", args.kv_offloading_size,
                               f"holds no block of {format_bytes(per_block)}; give at least {per_block / GiB:.6f}")  # fmt: skip
-    logger.info("host KV tier: %d blocks x %d tokens = %d tokens (%s of host memory); preemption by %s", num_blocks,
-                args.block_size, num_blocks * args.block_size, format_bytes(num_blocks * per_block),
-                config.with_blocks(config.num_blocks, num_blocks).preemption_mode)  # fmt: skip
+    logger.info("host KV tier: %d blocks x %d tokens = %d tokens (%s of host memory)", num_blocks, args.block_size,
+                num_blocks * args.block_size, format_bytes(num_blocks * per_block))  # fmt: skip
     return num_blocks
 
 

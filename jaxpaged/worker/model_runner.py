@@ -58,7 +58,7 @@ class ModelRunner:
             self.params = unstack_layers(self.params, parallel.layer_sharding)
         self.params_dtype = model.embed[...].dtype
         self._whole = parallel.sharding()
-        self.cache = self._zero_cache(config.num_blocks, model.embed[...].dtype, self.step_programs.cache_shardings)
+        self.cache = self._zero_cache(config.num_blocks, self.params_dtype, self.step_programs.cache_shardings)
         self.kv_transfer = None  # the host tier's memory and copies
         if config.num_host_blocks:
             k = self.cache.kv.k

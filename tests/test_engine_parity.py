@@ -115,3 +115,24 @@ def test_host_tier_reloads_evicted_blocks_swaps_and_matches_transformers(workloa
     tier = engine.scheduler.block_manager.host_tier
     assert tier.num_slots == 48 and not tier.swapped and tier.num_free + len(tier.cached) == tier.num_slots
     assert len(engine.runner.kv_transfer._compiled) == 8  # every copy program compiled at start-up
+
+
+def test_bfloat16_demo_model_gives_the_same_tokens_through_the_host_tier():
+    """The shipped bfloat16 model: a pool too small for its prompts' prefixes plus a host tier
+    (evictions and host hits) against a pool that never evicts; the same greedy tokens."""
+    from jaxpaged import LLM
+    from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+
+    rng = np.random.default_rng(1)
+    prefixes = [rng.integers(3, 4000, size=70).tolist() for _ in range(3)]
+    prompts = [{"prompt_token_ids": prefixes[i % 3] + rng.integers(3, 4000, size=5).tolist()} for i in range(9)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    common = dict(max_model_len=96, max_num_seqs=1, max_num_batched_tokens=96)  # one at a time: the prefixes rotate
+    big = LLM(DEMO_MODEL_DIR, **common)
+    block_bytes = 2 * 4 * 2 * 64 * 4 * 16  # K and V x layers x kv heads x head_dim x float32 storage x tokens
+    small = LLM(DEMO_MODEL_DIR, **common, kv_cache_memory_bytes=9 * block_bytes, kv_offloading_size=64 * block_bytes / 2**30)
+    assert str(small.llm_engine.runner.params_dtype) == "bfloat16"
+    expected = [o.outputs[0].token_ids for o in big.generate(prompts, greedy, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)] == expected
+    stats = small.get_stats()
+    assert stats["external_prefix_cache_hits"] > 0 and stats["kv_offload_bytes"] > 0

@@ -1,4 +1,5 @@
-"""Helpers shared by the Pallas Triton kernels: backend choice, compiler params, shape checks.
+"""Helpers shared by the Pallas Triton kernels: backend choice, compiler params, shape and dtype
+rules, the online-softmax step.
 
 Everything version-dependent about the Pallas Triton backend lives here, so a kernel file only
 says what it computes. Checked against jax 0.10.2 and 0.11.2.
@@ -20,7 +21,7 @@ except ImportError as e:  # pragma: no cover - a JAX without the Pallas Triton b
         "pallas_kernels.reference holds the pure-jnp path"
     ) from e
 
-from pallas_kernels.reference import MASK_VALUE
+from pallas_kernels.reference import FLOAT8_DTYPES, MASK_VALUE
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 LOG2E = math.log2(math.e)
@@ -46,11 +47,30 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def compute_dtype(q_dtype, pool_dtype) -> jnp.dtype:
+    """The dtype both operands of the kernels' dots are cast to: q's and the pool's, promoted.
+
+    A float8 pool computes in q's dtype (its values are exact in bfloat16, float16 and float32):
+    JAX refuses to promote 8-bit floats implicitly, and casting q to float8 would quantise it.
+    """
+    if jnp.dtype(pool_dtype) in FLOAT8_DTYPES:
+        return jnp.dtype(q_dtype)
+    return jnp.promote_types(q_dtype, pool_dtype)
+
+
+def kv_scales(k_scale, v_scale, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
+    """The `[K]` float32 dequantisation scales the kernels load per kv head (None: ones)."""
+    ones = jnp.ones((num_kv_heads,), jnp.float32)
+    k_scale = ones if k_scale is None else jnp.asarray(k_scale, jnp.float32).reshape(num_kv_heads)
+    v_scale = ones if v_scale is None else jnp.asarray(v_scale, jnp.float32).reshape(num_kv_heads)
+    return k_scale, v_scale
+
+
 def check_shapes(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> tuple[int, int, int]:
     """Validates head layout; returns (num_kv_heads K, group G = N // K, head_dim H).
 
     Raises:
-      ValueError: unsupported head_dim, mismatched pools, or N not a multiple of K.
+      ValueError: unsupported head_dim, mismatched pools (shape or dtype), or N not a multiple of K.
     """
     num_heads, head_dim = q.shape[-2:]
     if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -58,8 +78,11 @@ def check_shapes(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> tuple[in
             f"head_dim={head_dim} is not supported by the Pallas kernels (supported: "
             f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}); use pallas_kernels.reference instead."
         )
-    if k_pool.shape != v_pool.shape or k_pool.ndim != 4:
-        raise ValueError(f"k_pool {k_pool.shape} and v_pool {v_pool.shape} must both be [NB, BS, K, H]")
+    if k_pool.shape != v_pool.shape or k_pool.ndim != 4 or k_pool.dtype != v_pool.dtype:
+        raise ValueError(
+            f"k_pool {k_pool.dtype}{list(k_pool.shape)} and v_pool {v_pool.dtype}{list(v_pool.shape)} "
+            "must both be [NB, BS, K, H] of one dtype"
+        )
     num_kv_heads = k_pool.shape[2]
     if k_pool.shape[3] != head_dim:
         raise ValueError(f"q head_dim={head_dim} but the pools have head_dim={k_pool.shape[3]}")
@@ -98,19 +121,22 @@ def online_softmax_step(q, k_ref, v_ref, slots, kv_head, load_mask, logit_mask, 
     """One flash-attention step over a tile of BK keys for BM packed query rows.
 
     Args:
-      q: [BM, H] queries.
-      k_ref, v_ref: flat pools [NB * BS, K, H].
+      q: [BM, H] queries in the dots' compute dtype (`compute_dtype`).
+      k_ref, v_ref: flat pools [NB * BS, K, H]; each tile is cast to q's dtype once loaded.
       slots: [BK] pool slots of the tile's keys; kv_head: the kv head.
       load_mask: [BK] keys that exist (others are not read and count as zero).
       logit_mask: [BM, BK] or None: which (row, key) pairs attend.
-      carry: (acc [BM, H] f32, m [BM] f32 running max in log2 units, l [BM] f32 running sum).
-      qk_scale: softmax scale times log2(e) (exp2 is cheaper than exp).
+      carry: (acc [BM, H] f32 sum of p @ V as stored (v_scale is applied by the caller, once),
+        m [BM] f32 running max in log2 units, l [BM] f32 running sum).
+      qk_scale: softmax scale times log2(e) (exp2 is cheaper than exp) times the kv head's
+        k_scale (dequantising K in the logits rather than in the tile).
 
     Returns:
       The updated carry.
     """
     acc, m, l = carry
-    k = load(rows_at(k_ref, slots, kv_head), mask=load_mask[:, None], other=0)
+    zero = jnp.zeros((), k_ref.dtype)  # in the pool's dtype: Triton casts no int to float8
+    k = load(rows_at(k_ref, slots, kv_head), mask=load_mask[:, None], other=zero).astype(q.dtype)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * qk_scale
     mask = load_mask[None, :] if logit_mask is None else logit_mask & load_mask[None, :]
@@ -118,8 +144,8 @@ def online_softmax_step(q, k_ref, v_ref, slots, kv_head, load_mask, logit_mask, 
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
-    v = load(rows_at(v_ref, slots, kv_head), mask=load_mask[:, None], other=0)
-    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    v = load(rows_at(v_ref, slots, kv_head), mask=load_mask[:, None], other=zero).astype(q.dtype)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(q.dtype), v, preferred_element_type=jnp.float32)
     return acc, m_new, l * alpha + p.sum(axis=1)
 
 

@@ -7,6 +7,10 @@ h together (GQA packing: each K/V tile is read once for the whole group; rows pa
 BK-token tiles, gathering pool slots from the block table, with an f32 online softmax in base 2.
 It stores its normalised partial output and log-sum-exp; XLA combines the splits.
 
+Quantised (float8) pools are read as they are: each tile is cast to the dots' compute dtype once
+loaded, the kv head's k_scale multiplies the logits and its v_scale the output, so no dequantised
+copy of the pool ever exists.
+
 Dimension letters as in `pallas_kernels.reference`.
 """
 
@@ -44,6 +48,8 @@ def _decode_kernel(
     v_ref,  # [NB * BS, K, H]
     bt_ref,  # [B, P]
     lens_ref,  # [B]
+    k_scale_ref,  # [K]
+    v_scale_ref,  # [K]
     o_ref,  # [B, K, NS, Gp, H]
     lse_ref,  # [B, K, NS, Gp]
     *,
@@ -66,16 +72,17 @@ def _decode_kernel(
     row_ok = g < group
     q = c.load(c.rows_at(q_ref, b, h, jnp.minimum(g, group - 1)), mask=row_ok[:, None], other=0)
     num_pages = bt_ref.shape[1]
+    head_qk_scale = qk_scale * k_scale_ref[h]
 
     def body(j, carry):
         pos = j * block_k + jnp.arange(block_k)
         slots = c.kv_slots(bt_ref, b, pos, block_size, num_pages)
-        return c.online_softmax_step(q, k_ref, v_ref, slots, h, pos < length, None, carry, qk_scale)
+        return c.online_softmax_step(q, k_ref, v_ref, slots, h, pos < length, None, carry, head_qk_scale)
 
     acc, m, l = jax.lax.fori_loop(lo, hi, body, c.init_carry(rows, q.shape[-1]))
     empty = l == 0.0  # this split got no tiles (short or padding sequence)
     l = jnp.where(empty, 1.0, l)
-    c.store(o_ref.at[b, h, s], (acc / l[:, None]).astype(o_ref.dtype))
+    c.store(o_ref.at[b, h, s], (acc * (v_scale_ref[h] / l)[:, None]).astype(o_ref.dtype))
     c.store(lse_ref.at[b, h, s], jnp.where(empty, c.MASK_VALUE, m + jnp.log2(l)))
 
 
@@ -86,6 +93,8 @@ def paged_decode_attention(
     block_tables: Int[Array, "B P"],
     seq_lens: Int[Array, " B"],
     *,
+    k_scale: Float[Array, " K"] | None = None,
+    v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B N H"]:
@@ -93,10 +102,14 @@ def paged_decode_attention(
 
     Args:
       q: the query of each sequence's newest token.
-      k_pool, v_pool: one layer's pools.
+      k_pool, v_pool: one layer's pools (any float dtype, float8 included), holding
+        `K / k_scale` and `V / v_scale`.
       block_tables: pages of each sequence; unused entries point at block 0 (never -1).
       seq_lens: tokens in the pool for each sequence, including the current one; 0 for
         padding rows, which come back as zeros.
+      k_scale, v_scale: `[K]` float32 dequantisation scale per kv head (None: 1): attention
+        reads `k_pool * k_scale[kv head]` and `v_pool * v_scale[kv head]`, never materialised:
+        k_scale multiplies the logits, v_scale the output.
       scale: softmax scale, default `H ** -0.5`.
       interpret: run the kernel in the Pallas interpreter; `None` interprets unless the
         default backend is a GPU.
@@ -137,11 +150,12 @@ def paged_decode_attention(
         interpret=c.resolve_interpret(interpret),
         name="paged_decode_attention",
     )(
-        q.astype(k_pool.dtype).reshape(batch, kh, group, hd),  # dot operands share a dtype
+        q.astype(c.compute_dtype(q.dtype, k_pool.dtype)).reshape(batch, kh, group, hd),
         k_flat,
         v_flat,
         block_tables.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
+        *c.kv_scales(k_scale, v_scale, kh),
     )
     o, lse = o[:, :, :, :group], lse[:, :, :, :group]
     if splits > 1:

@@ -10,6 +10,9 @@ in one Pallas Triton kernel (the GPU counterpart of TPU "ragged paged attention"
 3. Stores are masked to the item's real rows; empty items store nothing. The output starts as
    zeros (aliased), so padding tokens come back as zeros.
 
+Quantised (float8) pools are read as they are, as in `decode_attention`: K/V tiles are cast to
+the dots' compute dtype once loaded, k_scale multiplies the logits and v_scale the output.
+
 GQA packing (rows = query tokens x G heads of one kv head) rather than a loop over heads: each
 K/V tile is then read once per kv head instead of G times, and a decode token (BQ = 1 real
 token) still fills G rows of the matrix unit instead of one.
@@ -58,6 +61,8 @@ def _ragged_kernel(
     q_ref,  # [T, K, G, H]
     k_ref,  # [NB * BS, K, H]
     v_ref,  # [NB * BS, K, H]
+    k_scale_ref,  # [K]
+    v_scale_ref,  # [K]
     zeros_ref,  # [T + 1, K, G, H], aliased to o_ref
     o_ref,  # [T + 1, K, G, H]; token row T takes the masked-off rows
     *,
@@ -86,17 +91,18 @@ def _ragged_kernel(
     num_tiles = c.pl.cdiv(kv_hi, block_k)
     full_tiles = jnp.minimum(jnp.where(nonempty, (first + offset + 1) // block_k, 0), num_tiles)
     num_pages = bt_ref.shape[1]
+    head_qk_scale = qk_scale * k_scale_ref[h]
 
     def body(j, carry, causal: bool):
         pos = j * block_k + jnp.arange(block_k)
         slots = c.kv_slots(bt_ref, seq, pos, block_size, num_pages)
         logit_mask = pos[None, :] <= q_pos[:, None] if causal else None
-        return c.online_softmax_step(q, k_ref, v_ref, slots, h, pos < kv_hi, logit_mask, carry, qk_scale)
+        return c.online_softmax_step(q, k_ref, v_ref, slots, h, pos < kv_hi, logit_mask, carry, head_qk_scale)
 
     carry = c.init_carry(q.shape[0], q.shape[1])
     carry = jax.lax.fori_loop(0, full_tiles, functools.partial(body, causal=False), carry)
     acc, _, l = jax.lax.fori_loop(full_tiles, num_tiles, functools.partial(body, causal=True), carry)
-    out = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    out = (acc * (v_scale_ref[h] / jnp.where(l == 0.0, 1.0, l))[:, None]).astype(o_ref.dtype)
     # Masked-off rows point at the spare token row T: never a real row, so even a store that
     # writes back old values (interpret mode) cannot race with a real one.
     c.store(c.rows_at(o_ref, jnp.where(row_ok, tok, num_tokens), h, g_safe), out, mask=row_ok[:, None])
@@ -111,6 +117,8 @@ def ragged_paged_attention(
     block_tables: Int[Array, "S P"],
     num_seqs: Int[Array, ""],
     *,
+    k_scale: Float[Array, " K"] | None = None,
+    v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "T N H"]:
@@ -121,11 +129,15 @@ def ragged_paged_attention(
 
     Args:
       q: queries of all sequences, concatenated; rows past `cu_q_lens[num_seqs]` are padding.
-      k_pool, v_pool: one layer's pools, already holding this step's K/V (write-then-attend).
+      k_pool, v_pool: one layer's pools (any float dtype, float8 included), already holding this
+        step's K/V (write-then-attend), as `K / k_scale` and `V / v_scale`.
       cu_q_lens: `[S + 1]` cumulative query lengths; entries past `num_seqs` repeat the total.
       kv_lens: context length of each sequence, including this step's tokens.
       block_tables: pages of each sequence; unused entries point at block 0 (never -1).
       num_seqs: number of sequences actually present.
+      k_scale, v_scale: `[K]` float32 dequantisation scale per kv head (None: 1): attention
+        reads `k_pool * k_scale[kv head]` and `v_pool * v_scale[kv head]`, never materialised:
+        k_scale multiplies the logits, v_scale the output.
       scale: softmax scale, default `H ** -0.5`.
       interpret: run the kernel in the Pallas interpreter; `None` interprets unless the
         default backend is a GPU.
@@ -164,7 +176,7 @@ def ragged_paged_attention(
         kernel,
         grid=(max_work, kh),
         out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
-        input_output_aliases={7: 0},
+        input_output_aliases={9: 0},
         compiler_params=c.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=c.resolve_interpret(interpret),
         name="ragged_paged_attention",
@@ -173,9 +185,10 @@ def ragged_paged_attention(
         cu_q_lens,
         kv_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32),
-        q.astype(k_pool.dtype).reshape(num_tokens, kh, group, hd),  # dot operands share a dtype
+        q.astype(c.compute_dtype(q.dtype, k_pool.dtype)).reshape(num_tokens, kh, group, hd),
         k_flat,
         v_flat,
+        *c.kv_scales(k_scale, v_scale, kh),
         zeros,
     )
     return out[:num_tokens].reshape(num_tokens, num_heads, hd)

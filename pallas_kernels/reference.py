@@ -12,6 +12,10 @@ Dimension letters:
 
 Pools are per layer, `[NB, BS, K, H]`. Block 0 is the reserved null block: padding tokens
 write there and unused block-table entries point there, so no index is ever negative.
+
+A float8 KV cache: `write_kv(..., quant_dtype=...)` stores `K / k_scale` and `V / v_scale` (one
+float32 scale per kv head, `[K]`) rounded to float8, and the attention functions, given the same
+scales, attend as if the pools held the dequantised values.
 """
 
 import jax
@@ -22,6 +26,8 @@ from jaxtyping import Array, Float, Int
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Query rows per work item of the ragged reference.
 QUERY_BLOCK = 64
+# The dtypes a quantised KV cache may be stored in (`write_kv(..., quant_dtype=...)`).
+FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def write_kv(
@@ -30,25 +36,66 @@ def write_kv(
     k_new: Float[Array, "T K H"],
     v_new: Float[Array, "T K H"],
     slot_mapping: Int[Array, " T"],
+    *,
+    k_scale: Float[Array, " K"] | None = None,
+    v_scale: Float[Array, " K"] | None = None,
+    quant_dtype=None,
 ) -> tuple[Float[Array, "NB BS K H"], Float[Array, "NB BS K H"]]:
     """Scatters new K/V rows into the pools at `slot = block_id * BS + offset`.
+
+    With `quant_dtype` (a float8 dtype) each row is stored quantised, `quantize(x, scale)`, in the
+    pool's storage dtype (that float8 dtype, or float32 on CPU: the values are float8 either way).
 
     Updated in place when the pools are donated (the scatter aliases its operand). It indexes
     (block, offset) rather than a flattened [NB * BS, K, H] view: with one kv head (one device's
     share under tensor parallelism) XLA's CPU layout assignment gave that reshape another layout
     than the pool's and copied the whole pool on every step.
+
+    Args:
+      k_pool, v_pool: one layer's pools.
+      k_new, v_new: this step's keys and values.
+      slot_mapping: pool slot of each new token; padding tokens write into block 0.
+      k_scale, v_scale: `[K]` float32 dequantisation scale per kv head (None: 1); only with
+        `quant_dtype`.
+      quant_dtype: None (rows are cast to the pool dtype), float8_e4m3fn or float8_e5m2.
+
+    Raises:
+      ValueError: scales without a `quant_dtype`, or a `quant_dtype` that is not float8.
     """
+    if quant_dtype is not None:
+        k_new, v_new = quantize(k_new, k_scale, quant_dtype), quantize(v_new, v_scale, quant_dtype)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale / v_scale need a quant_dtype")
     block, offset = slot_mapping // k_pool.shape[1], slot_mapping % k_pool.shape[1]
     k = k_pool.at[block, offset].set(k_new.astype(k_pool.dtype))
     v = v_pool.at[block, offset].set(v_new.astype(v_pool.dtype))
     return k, v
 
 
+def quantize(x: Float[Array, "T K H"], scale: Float[Array, " K"] | None, dtype) -> Array:
+    """`x / scale[kv head]` in float32, saturated to the finite range of the float8 `dtype` (an
+    out-of-range cast gives NaN in float8_e4m3fn, inf in float8_e5m2), then rounded to `dtype`.
+
+    Raises:
+      ValueError: `dtype` is not float8_e4m3fn or float8_e5m2.
+    """
+    if jnp.dtype(dtype) not in FLOAT8_DTYPES:
+        raise ValueError(f"quant_dtype must be float8_e4m3fn or float8_e5m2, not {jnp.dtype(dtype).name}")
+    x = x.astype(jnp.float32)
+    if scale is not None:
+        x = x / scale[:, None]
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.clip(x, -limit, limit).astype(dtype)
+
+
 def _gather_pages(
-    pool: Float[Array, "NB BS K H"], block_table: Int[Array, " P"]
+    pool: Float[Array, "NB BS K H"], block_table: Int[Array, " P"], scale: Float[Array, " K"] | None
 ) -> Float[Array, "L K H"]:
-    """The contiguous context of one sequence, L = P * BS."""
-    pages = pool[block_table]  # [P, BS, K, H]
+    """The contiguous context of one sequence, L = P * BS, dequantised: the pool's values in
+    float32 times `scale[kv head]` (None: 1)."""
+    pages = pool[block_table].astype(jnp.float32)  # [P, BS, K, H]
+    if scale is not None:
+        pages = pages * scale[:, None]
     return pages.reshape(-1, *pool.shape[2:])
 
 
@@ -59,7 +106,7 @@ def _attend(
     mask: Array,  # bool [T, L]
     scale: float,
 ) -> Float[Array, "T N H"]:
-    """Masked attention of T queries over one sequence's L keys, softmax in float32."""
+    """Masked attention of T queries over one sequence's L float32 keys, softmax in float32."""
     t, n, h = q.shape
     kh = k.shape[1]
     qg = q.reshape(t, kh, n // kh, h)
@@ -67,7 +114,7 @@ def _attend(
     scores = jnp.where(mask[:, None, None, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     # Zero V outside the valid keys: 0 * NaN from a poisoned page would still be NaN.
-    v = jnp.where(mask.any(axis=0)[:, None, None], v, 0).astype(jnp.float32)
+    v = jnp.where(mask.any(axis=0)[:, None, None], v, 0)
     out = jnp.einsum("tkgl,lkh->tkgh", probs, v)
     return out.reshape(t, n, h).astype(q.dtype)
 
@@ -79,6 +126,8 @@ def paged_decode_attention(
     block_tables: Int[Array, "B P"],
     seq_lens: Int[Array, " B"],
     *,
+    k_scale: Float[Array, " K"] | None = None,
+    v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B N H"]:
@@ -86,10 +135,12 @@ def paged_decode_attention(
 
     Args:
       q: the query of each sequence's newest token.
-      k_pool, v_pool: one layer's pools.
+      k_pool, v_pool: one layer's pools, holding `K / k_scale` and `V / v_scale`.
       block_tables: pages of each sequence; unused entries point at block 0.
       seq_lens: tokens in the pool for each sequence, including the current one; 0 for
         padding rows, which come back as zeros.
+      k_scale, v_scale: `[K]` float32 dequantisation scale per kv head (None: 1): attention
+        reads `k_pool * k_scale[kv head]` and `v_pool * v_scale[kv head]`.
       scale: softmax scale, default `H ** -0.5`.
       interpret: unused by the reference (kept for the kernel's signature).
 
@@ -102,7 +153,8 @@ def paged_decode_attention(
 
     def one(qb, table, n):
         mask = (jnp.arange(length) < n)[None, :]
-        return _attend(qb[None], _gather_pages(k_pool, table), _gather_pages(v_pool, table), mask, scale)[0]
+        k, v = _gather_pages(k_pool, table, k_scale), _gather_pages(v_pool, table, v_scale)
+        return _attend(qb[None], k, v, mask, scale)[0]
 
     return jax.vmap(one)(q, block_tables, seq_lens)
 
@@ -116,6 +168,8 @@ def ragged_paged_attention(
     block_tables: Int[Array, "S P"],
     num_seqs: Int[Array, ""],
     *,
+    k_scale: Float[Array, " K"] | None = None,
+    v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "T N H"]:
@@ -126,11 +180,14 @@ def ragged_paged_attention(
 
     Args:
       q: queries of all sequences, concatenated; rows past `cu_q_lens[num_seqs]` are padding.
-      k_pool, v_pool: one layer's pools, already holding this step's K/V (write-then-attend).
+      k_pool, v_pool: one layer's pools, already holding this step's K/V (write-then-attend), as
+        `K / k_scale` and `V / v_scale`.
       cu_q_lens: `[S + 1]` cumulative query lengths; entries past `num_seqs` repeat the total.
       kv_lens: context length of each sequence, including this step's tokens.
       block_tables: pages of each sequence; unused entries point at block 0.
       num_seqs: number of sequences actually present.
+      k_scale, v_scale: `[K]` float32 dequantisation scale per kv head (None: 1): attention
+        reads `k_pool * k_scale[kv head]` and `v_pool * v_scale[kv head]`.
       scale: softmax scale, default `H ** -0.5`.
       interpret: unused by the reference (kept for the kernel's signature).
 
@@ -163,7 +220,8 @@ def ragged_paged_attention(
         mask = row_ok[:, None] & (key_pos[None, :] <= q_pos[:, None])
         q_rows = jax.lax.dynamic_slice_in_dim(q_padded, first, block_q)
         table = block_tables[s]
-        o = _attend(q_rows, _gather_pages(k_pool, table), _gather_pages(v_pool, table), mask, scale)
+        k, v = _gather_pages(k_pool, table, k_scale), _gather_pages(v_pool, table, v_scale)
+        o = _attend(q_rows, k, v, mask, scale)
         current = jax.lax.dynamic_slice_in_dim(out, first, block_q)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], o, current), first, 0), None
 

@@ -125,7 +125,7 @@ def _abstract_engine(args):
     dtype = dummy_dtype(args)
     model = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
                                          attention=args.attention_backend, parallel=parallel,
-                                         scan_layers=args.scan_layers))  # fmt: skip
+                                         scan_layers=args.scan_layers, quantization=config.quantization))  # fmt: skip
     graphdef, state = nnx.split(model)
     shardings = parallel.state_shardings(state)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
@@ -133,13 +133,14 @@ def _abstract_engine(args):
         params = unstack_layers(params, parallel.layer_sharding)
     device = parallel.layout.device_config
     pool_bytes = args.kv_cache_memory_bytes or DEFAULT_POOL_BYTES
-    per_block = kv_bytes_per_token(device, kv_storage_dtype(dtype, parallel.platform).itemsize) * args.block_size
+    kv_dtype = config.kv_dtype(dtype)
+    per_block = kv_bytes_per_token(device, kv_storage_dtype(kv_dtype, parallel.platform).itemsize) * args.block_size
     config = config.with_blocks(pool_bytes // per_block)
-    programs = StepPrograms.for_engine(config, graphdef, parallel)
+    programs = StepPrograms.for_engine(config, graphdef, parallel, kv_dtype)
 
     def cache_for(num_blocks: int) -> DeviceCache:
         shapes = jax.eval_shape(lambda: init_cache(parallel.layout.mesh_config, num_blocks=num_blocks,
-                                                   block_size=args.block_size, dtype=dtype,
+                                                   block_size=args.block_size, dtype=kv_dtype,
                                                    max_num_seqs=args.max_num_seqs, platform=parallel.platform))  # fmt: skip
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                             programs.cache_shardings)  # fmt: skip

@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.parallel.sharding import LAYER_STACK, QUANT_SUFFIX, QUANTIZED_INPUT_AXES, SCALE_SUFFIX
 
 Path = tuple[str, ...]
 
@@ -124,11 +125,33 @@ def optional_hf_keys(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
     return optional
 
 
-def param_shapes(config: ModelConfig) -> dict[Path, tuple[int, ...]]:
-    """Our parameter path -> our shape, for every parameter of `Llama(config)` (stacked
-    parameters `[L, ...]`)."""
-    return {spec.target: spec.shape if spec.layer is None else (config.num_layers, *spec.shape)
-            for spec in hf_key_specs(config)}  # fmt: skip
+def param_shapes(config: ModelConfig, quantization: str | None = None) -> dict[Path, tuple[int, ...]]:
+    """Our parameter path -> our shape, for every parameter of `Llama(config, quantization=...)`
+    (stacked parameters `[L, ...]`; a quantized weight as its pair, see `quantized_paths`)."""
+    shapes = {spec.target: spec.shape if spec.layer is None else (config.num_layers, *spec.shape)
+              for spec in hf_key_specs(config)}  # fmt: skip
+    if quantization is None:
+        return shapes
+    out = {}
+    for path, shape in shapes.items():
+        pair = quantized_paths(path)
+        if pair is None:
+            out[path] = shape
+            continue
+        lead = 1 if path[0] == LAYER_STACK else 0
+        num_in = QUANTIZED_INPUT_AXES[path[-1]]
+        inputs, outputs = shape[lead : lead + num_in], shape[lead + num_in :]
+        out[pair[0]] = (*shape[:lead], *outputs, *inputs)
+        out[pair[1]] = (*shape[:lead], *outputs)
+    return out
+
+
+def quantized_paths(path: Path) -> tuple[Path, Path] | None:
+    """`(weight, scale)` paths that replace the weight at `path` under quantization (None: it
+    is not quantized)."""
+    if path[-1] not in QUANTIZED_INPUT_AXES:
+        return None
+    return path[:-1] + (path[-1] + QUANT_SUFFIX,), path[:-1] + (path[-1] + SCALE_SUFFIX,)
 
 
 def format_names(names, limit: int = 20) -> str:

@@ -28,12 +28,15 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxpaged.checkpoint.format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
-from jaxpaged.checkpoint.hf_keys import Path, check_shape, format_names, hf_key_specs, optional_hf_keys, param_shapes
+from jaxpaged.checkpoint.hf_keys import (Path, check_shape, format_names, hf_key_specs, optional_hf_keys, param_shapes,
+                                         quantized_paths)  # fmt: skip
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.model.llama import Llama
+from jaxpaged.model.quant import quantize_weight
 from jaxpaged.parallel.mesh import TensorParallel, param_path
+from jaxpaged.parallel.sharding import LAYER_STACK, QUANTIZED_INPUT_AXES
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
@@ -207,7 +210,8 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
 
 
 def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str = "auto",
-               parallel: TensorParallel | None = None, scan_layers: bool = True) -> tuple[ModelConfig, Llama]:  # fmt: skip
+               parallel: TensorParallel | None = None, scan_layers: bool = True,
+               quantization: str | None = None) -> tuple[ModelConfig, Llama]:  # fmt: skip
     """Loads a checkpoint into an NNX `Llama` without random-initialising it first.
 
     Each tensor goes straight to its devices as it is read (split by the sharding table under
@@ -219,6 +223,8 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
       attention: attention backend, "auto", "reference" or "pallas".
       parallel: the mesh and sharding table; None puts everything on the default device.
       scan_layers: see `Llama`.
+      quantization: "fp8" or "int8": quantize the decoder layers' weights as they are read
+        (see `jaxpaged.model.quant`); None keeps them in `dtype`.
 
     Returns:
       `(config, model)`: the checkpoint's config, and the model (in the mesh layout, kv heads
@@ -228,13 +234,13 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     model_config = parallel.layout.mesh_config if parallel is not None else config
     abstract = nnx.eval_shape(
         lambda: Llama(model_config, target, rngs=nnx.Rngs(0), attention=attention, parallel=parallel,
-                      scan_layers=scan_layers)
+                      scan_layers=scan_layers, quantization=quantization)
     )
     graphdef, state = nnx.split(abstract)
-    shapes = param_shapes(model_config)
+    shapes = param_shapes(model_config, quantization)
     params: Params = {}
     stacked: dict[Path, jax.Array] = {}
-    for path, layer, array in tensors:
+    for path, layer, array in _quantize_tensors(tensors, quantization):
         if layer is not None:  # one row of a stacked parameter, set in place on its devices
             if path not in stacked:
                 stacked[path] = _zeros_on_mesh(shapes[path], array.dtype, parallel, path)
@@ -253,6 +259,21 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     if leftover:
         raise RuntimeError(f"{len(leftover)} model variables were not filled from the checkpoint")
     return config, model
+
+
+def _quantize_tensors(tensors: Iterator, quantization: str | None) -> Iterator:
+    """The checkpoint's `(path, layer, array)` with every quantizable weight replaced by its
+    quantized pair (`quantize_weight`, computed on the default device, returned as numpy)."""
+    for path, layer, array in tensors:
+        pair = None if quantization is None else quantized_paths(path)
+        if pair is None:
+            yield path, layer, array
+            continue
+        num_lead = 1 if layer is None and path[0] == LAYER_STACK else 0
+        q, scale = quantize_weight(jnp.asarray(array), quantization, QUANTIZED_INPUT_AXES[path[-1]], num_lead)
+        del array
+        yield pair[0], layer, np.asarray(q)
+        yield pair[1], layer, np.asarray(scale)
 
 
 def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: Any,

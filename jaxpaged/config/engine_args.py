@@ -12,6 +12,8 @@ import os
 from jaxpaged.checkpoint.format import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import PRESETS, get_preset, load_config_dict
+from jaxpaged.config.quantization import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, CheckpointQuantizationError,
+                                          resolve_quantization)  # fmt: skip
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -64,6 +66,13 @@ class EngineArgs:
         f"holding only config.json, or a preset ({', '.join(PRESETS)})", metavar="DIR")  # fmt: skip
     tokenizer: str | None = _option(None, "tokenizer directory (default: the model directory)", metavar="DIR")
     dtype: str = _option("auto", "weights and activations dtype; auto is the checkpoint's", choices=DTYPES)
+    kv_cache_dtype: str = _option(
+        "auto", "KV cache dtype: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per element "
+        "(twice the tokens of bfloat16), quantized with a scale per layer and kv head", choices=KV_CACHE_DTYPES)  # fmt: skip
+    quantization: str | None = _option(
+        None, "weight quantization: fp8 (float8 e4m3 weights with a scale per output channel, activations "
+        "quantized per token) or int8 (weight-only, a scale per output channel); a compressed-tensors FP8 "
+        "checkpoint is read as fp8 without it (default: none)", choices=QUANTIZATION_METHODS)  # fmt: skip
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
     gpu_memory_utilization: float = _option(
         0.9, "fraction of GPU memory for weights, activations and the KV cache")
@@ -126,7 +135,7 @@ class EngineArgs:
 
     def __post_init__(self):
         self._check_model()
-        for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
+        for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS), ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("attention_backend", ATTENTION_BACKENDS)):  # fmt: skip
             if getattr(self, name) not in allowed:
                 raise EngineArgsError(name, getattr(self, name), f"must be one of {', '.join(allowed)}")
@@ -143,6 +152,7 @@ class EngineArgs:
         if self.seed is not None:
             self._check_int("seed", 0)
         self._check_offloading()
+        self._check_quantization()
         self._check_tensor_parallel()
         check_block_size(self.block_size)
         utilization = self.gpu_memory_utilization
@@ -187,6 +197,17 @@ class EngineArgs:
         if size is not None and self.nnodes > 1:
             raise EngineArgsError("kv_offloading_size", size, "is not supported across several processes yet "
                                   "(`nnodes` > 1); leave it unset")  # fmt: skip
+
+    def _check_quantization(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise EngineArgsError("quantization", self.quantization, f"must be one of {', '.join(QUANTIZATION_METHODS)} "
+                                  "(or unset)")  # fmt: skip
+        try:
+            resolve_quantization(self.quantization, load_config_dict(self.model)[1])
+        except CheckpointQuantizationError as err:
+            raise EngineArgsError("model", self.model, str(err)) from None
+        except ValueError as err:
+            raise EngineArgsError("quantization", self.quantization, str(err).split(": ", 1)[1]) from None
 
     def _check_tensor_parallel(self) -> None:
         config = ModelConfig.from_hf(load_config_dict(self.model)[1])

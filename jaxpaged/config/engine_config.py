@@ -13,6 +13,7 @@ import numpy as np
 from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
+from jaxpaged.config.quantization import kv_dtype_name, resolve_quantization
 from jaxpaged.core.scheduler import SchedulerConfig
 from jaxpaged.parallel.sharding import TensorParallelLayout
 
@@ -30,6 +31,7 @@ class EngineConfig:
       layout: how the model splits over the tensor-parallel devices.
       num_blocks: KV blocks per device, the null block included (0 until the pool is planned).
       num_host_blocks: blocks of the host tier (0: none; planned with the pool).
+      quantization: the weights' quantization method (`quantization`, or the checkpoint's), or None.
     """
 
     args: EngineArgs
@@ -38,6 +40,7 @@ class EngineConfig:
     layout: TensorParallelLayout
     num_blocks: int = 0
     num_host_blocks: int = 0
+    quantization: str | None = None
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> "EngineConfig":
@@ -50,9 +53,15 @@ class EngineConfig:
         if args.seed is None:
             args = dataclasses.replace(args, seed=int(np.random.SeedSequence().entropy % 2**31))
             logger.info("engine seed: %d (drawn at random)", args.seed)
-        model = ModelConfig.from_hf(load_config_dict(args.model)[1])
+        raw = load_config_dict(args.model)[1]
+        model = ModelConfig.from_hf(raw)
         max_model_len = model.check_max_model_len(args.max_model_len or model.max_context_len)
-        return cls(args, model, max_model_len, TensorParallelLayout(model, args.tensor_parallel_size))
+        return cls(args, model, max_model_len, TensorParallelLayout(model, args.tensor_parallel_size),
+                   quantization=resolve_quantization(args.quantization, raw))  # fmt: skip
+
+    def kv_dtype(self, model_dtype) -> str:
+        """The KV cache's (logical) dtype name: `kv_cache_dtype`, or with "auto" the model's."""
+        return kv_dtype_name(self.args.kv_cache_dtype, str(model_dtype))
 
     def with_blocks(self, num_blocks: int, num_host_blocks: int | None = None) -> "EngineConfig":
         """This configuration with the planned pool size (and host tier, when given)."""

@@ -86,7 +86,7 @@ def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParalle
     args = config.args
     if args.kv_offloading_size is None:
         return 0
-    dtype_bytes = kv_storage_dtype(model.embed[...].dtype, parallel.platform).itemsize
+    dtype_bytes = kv_element_bytes(config, model, parallel)
     per_block = kv_bytes_per_token(parallel.layout.mesh_config, dtype_bytes) * args.block_size
     num_blocks = int(args.kv_offloading_size * GiB) // per_block
     if num_blocks < 1:
@@ -97,13 +97,18 @@ def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParalle
     return num_blocks
 
 
+def kv_element_bytes(config: EngineConfig, model: Llama, parallel: TensorParallel) -> int:
+    """Bytes one element of the KV pool takes on the devices (its storage dtype's)."""
+    return kv_storage_dtype(config.kv_dtype(model.embed[...].dtype), parallel.platform).itemsize
+
+
 def start_disk_tier(config: EngineConfig, runner: ModelRunner) -> DiskTier | None:
     """The disk tier in `kv_cache_dir` (None without one), over the host tier's memory; logged."""
     args = config.args
     if args.kv_cache_dir is None:
         return None
     memory = runner.kv_transfer.host
-    fingerprint = kv_fingerprint(config, str(runner.params_dtype), memory, runner.parallel.platform)
+    fingerprint = kv_fingerprint(config, f"{runner.params_dtype}/{runner.kv_dtype}", memory, runner.parallel.platform)
     disk = DiskTier(args.kv_cache_dir, fingerprint, int(args.kv_cache_dir_size * GiB), memory)
     logger.info("disk KV tier: %s, up to %s (%d blocks of %s), %d blocks there now", disk.directory,
                 format_bytes(disk.capacity_bytes), disk.capacity_bytes // disk.file_bytes, format_bytes(disk.file_bytes),
@@ -113,14 +118,16 @@ def start_disk_tier(config: EngineConfig, runner: ModelRunner) -> DiskTier | Non
 
 def kv_fingerprint(config: EngineConfig, dtype: str, memory, platform: str) -> bytes:
     """What a block's K/V bytes depend on: the model's configuration, its weights' identity, the
-    dtypes, the platform (its matmul precision), the block size and a host block's layout, and
-    what changes the programs computing them (tensor-parallel size, attention backend, layer scan)."""
+    dtypes (the model's / the KV cache's), the platform (its matmul precision), the block size and
+    a host block's layout, and what changes the programs computing them (tensor-parallel size,
+    attention backend, layer scan, weight quantization)."""
     args = config.args
     identity = {
         "format": 1, "model": dataclasses.asdict(config.model), "weights": weights_identity(args),
         "dtype": dtype, "storage": memory.dtype.name, "block": list(memory.shape[1:]), "platform": platform,
         "block_size": args.block_size, "tensor_parallel_size": args.tensor_parallel_size,
         "attention_backend": args.attention_backend, "scan_layers": args.scan_layers,
+        "quantization": config.quantization,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()
 
@@ -164,12 +171,14 @@ def build_model(config: EngineConfig, parallel: TensorParallel) -> Llama:
     the mesh layout."""
     args, model_config = config.args, config.model
     if args.load_format == "dummy":
-        model = _dummy_model(model_config, dummy_dtype(args), args, parallel)
+        model = _dummy_model(model_config, dummy_dtype(args), args, parallel, config.quantization)
     else:
         _, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel,
-                              scan_layers=args.scan_layers)  # fmt: skip
-    logger.info("model %s: %s, %d layers, dtype %s", args.model, model_config.architecture, model_config.num_layers,
-                model.embed[...].dtype)  # fmt: skip
+                              scan_layers=args.scan_layers, quantization=config.quantization)  # fmt: skip
+    logger.info("model %s: %s, %d layers, dtype %s%s, KV cache %s", args.model, model_config.architecture,
+                model_config.num_layers, model.embed[...].dtype,
+                f", {config.quantization} weights" if config.quantization else "",
+                config.kv_dtype(model.embed[...].dtype))  # fmt: skip
     return model
 
 
@@ -179,16 +188,17 @@ def dummy_dtype(args: EngineArgs) -> jnp.dtype:
     return jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
 
 
-def _dummy_model(config: ModelConfig, dtype, args: EngineArgs, parallel: TensorParallel) -> Llama:
+def _dummy_model(config: ModelConfig, dtype, args: EngineArgs, parallel: TensorParallel,
+                 quantization: str | None) -> Llama:  # fmt: skip
     """Random weights of the checkpoint's shapes (the same values for every tensor-parallel size),
-    made on the mesh: every device computes only its shard."""
+    quantized with `quantization`, made on the mesh: every device computes only its shard."""
     abstract = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
                                             attention=args.attention_backend, parallel=parallel,
-                                            scan_layers=args.scan_layers))  # fmt: skip
+                                            scan_layers=args.scan_layers, quantization=quantization))  # fmt: skip
     graphdef, state = nnx.split(abstract)
 
     def init():
-        params = nnx.to_pure_dict(nnx.state(Llama(config, dtype, rngs=nnx.Rngs(args.seed))))
+        params = nnx.to_pure_dict(nnx.state(Llama(config, dtype, rngs=nnx.Rngs(args.seed), quantization=quantization)))
         return jax.tree_util.tree_map_with_path(lambda path, x: parallel.to_mesh_layout(param_path(path), x), params)
 
     params = jax.jit(init, out_shardings=parallel.state_shardings(nnx.to_pure_dict(state)))()
@@ -236,7 +246,7 @@ def plan_cache(engine_config: EngineConfig, model: Llama, parallel: TensorParall
     """
     args, max_model_len = engine_config.args, engine_config.max_model_len
     config = parallel.layout.device_config
-    dtype_bytes = kv_storage_dtype(model.embed[...].dtype, parallel.platform).itemsize
+    dtype_bytes = kv_element_bytes(engine_config, model, parallel)
     common = dict(dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len)
     if args.kv_cache_memory_bytes is not None:
         return plan_kv_cache(config, kv_cache_memory_bytes=args.kv_cache_memory_bytes, **common)

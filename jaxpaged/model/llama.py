@@ -21,6 +21,7 @@ its own heads (`shard_map`), XLA adds the all-reduce after o_proj and down_proj,
 is vocabulary-parallel and the logits are gathered whole for the sampler.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -31,12 +32,14 @@ from jaxtyping import Array, Float, Int
 import pallas_kernels
 from jaxpaged.config.engine_args import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.model.kv_pool import KVPool
+from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
+from jaxpaged.model.quant import matmul, quantize_weight, quantized_matmul
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
-from jaxpaged.parallel.sharding import KEY_VALUE_AXES, KV_POOL_AXES, QUERY_AXES
+from jaxpaged.parallel.sharding import (KEY_VALUE_AXES, KV_HEADS, KV_POOL_AXES, QUANT_SUFFIX, QUANTIZED_INPUT_AXES,
+                                        QUERY_AXES, SCALE_SUFFIX)  # fmt: skip
 from pallas_kernels import reference
 
 INIT_STDDEV = 0.02
@@ -54,6 +57,28 @@ def resolve_attention_backend(name: str) -> str:
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
     return nnx.Param(INIT_STDDEV * jax.random.normal(rngs.params(), shape, dtype))
+
+
+def _weight(module: nnx.Module, name: str, rngs: nnx.Rngs, shape: tuple[int, ...], dtype, stack: tuple[int, ...],
+            quantization: str | None) -> None:  # fmt: skip
+    """Sets the weight `name` of `module` (our layout `[*stack, *in, *out]`): a plain parameter,
+    or with `quantization` its quantized pair `<name>_quant`, `<name>_scale` (see quant.py)."""
+    w = INIT_STDDEV * jax.random.normal(rngs.params(), (*stack, *shape), dtype)
+    if quantization is None:
+        setattr(module, name, nnx.Param(w))
+        return
+    q, scale = quantize_weight(w, quantization, QUANTIZED_INPUT_AXES[name], len(stack))
+    setattr(module, name + QUANT_SUFFIX, nnx.Param(q))
+    setattr(module, name + SCALE_SUFFIX, nnx.Param(scale))
+
+
+def _project(module: nnx.Module, name: str, x: Float[Array, "T ..."]) -> Float[Array, "T ..."]:
+    """`x [T, *in]` through the weight `name` of `module` (plain or quantized) -> `[T, *out]`."""
+    num_in = QUANTIZED_INPUT_AXES[name]
+    if module.quantization is None:
+        return matmul(x, getattr(module, name)[...], num_in)
+    q, scale = getattr(module, name + QUANT_SUFFIX)[...], getattr(module, name + SCALE_SUFFIX)[...]
+    return quantized_matmul(x, q, scale, module.quantization, num_in)
 
 
 class RMSNorm(nnx.Module):
@@ -80,12 +105,14 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, stack: tuple[int, ...],
-                 attention: str = "reference", parallel: TensorParallel | None = None):  # fmt: skip
+                 attention: str = "reference", parallel: TensorParallel | None = None,
+                 quantization: str | None = None):  # fmt: skip
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = _param(rngs, (*stack, d, n, h), dtype)  # DNH
-        self.k_proj = _param(rngs, (*stack, d, k, h), dtype)  # DKH
-        self.v_proj = _param(rngs, (*stack, d, k, h), dtype)  # DKH
-        self.o_proj = _param(rngs, (*stack, n, h, d), dtype)  # NHD
+        self.quantization = quantization
+        _weight(self, "q_proj", rngs, (d, n, h), dtype, stack, quantization)  # DNH
+        _weight(self, "k_proj", rngs, (d, k, h), dtype, stack, quantization)  # DKH
+        _weight(self, "v_proj", rngs, (d, k, h), dtype, stack, quantization)  # DKH
+        _weight(self, "o_proj", rngs, (n, h, d), dtype, stack, quantization)  # NHD
         if config.qkv_bias:
             self.q_bias = nnx.Param(jnp.zeros((*stack, n, h), dtype))
             self.k_bias = nnx.Param(jnp.zeros((*stack, k, h), dtype))
@@ -105,29 +132,40 @@ class Attention(nnx.Module):
         k_pool: Float[Array, "LNB BS K H"],
         v_pool: Float[Array, "LNB BS K H"],
         meta: AttentionMetadata,
+        kv_quant: KVQuant | None = None,
     ) -> tuple[Float[Array, "T D"], Float[Array, "LNB BS K H"], Float[Array, "LNB BS K H"]]:
         """One layer over this step's tokens; `meta` addresses this layer's blocks of the pool
-        (all layers' blocks in a row, `AttentionMetadata.for_layer`)."""
-        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
-        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
-        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
+        (all layers' blocks in a row, `AttentionMetadata.for_layer`); `kv_quant`: this layer's
+        scales of an fp8 pool (None: the pool holds the values as they are)."""
+        q = _project(self, "q_proj", x)
+        k = _project(self, "k_proj", x)
+        v = _project(self, "v_proj", x)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = jnp.asarray(inverse_frequencies(self.rope, self.head_dim))  # a trace-time constant
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        write = pallas_kernels.write_kv
+        scales = (None, None) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
+        quant_dtype = None if kv_quant is None else kv_quant.dtype
+        write = functools.partial(_write_kv, quant_dtype)
         attend = functools.partial(paged_attention, pallas_kernels if self.attention == "pallas" else reference)
-        if self.parallel is not None:  # each device writes and reads its own heads
-            pool = KV_POOL_AXES
-            write = self.parallel.per_head(write, (pool, pool, KEY_VALUE_AXES, KEY_VALUE_AXES, ()), (pool, pool))
-            attend = self.parallel.per_head(attend, (QUERY_AXES, pool, pool, ()), QUERY_AXES)
-        k_pool, v_pool = write(k_pool, v_pool, k, v, meta.slot_mapping)
-        attn = attend(q, k_pool, v_pool, meta)
-        out = jnp.einsum("TNH,NHD->TD", attn, self.o_proj[...])
+        if self.parallel is not None:  # each device writes and reads its own heads (and their scales)
+            pool, sc = KV_POOL_AXES, ((KV_HEADS,), (KV_HEADS,)) if kv_quant is not None else ((), ())
+            write = self.parallel.per_head(write, (pool, pool, KEY_VALUE_AXES, KEY_VALUE_AXES, (), sc), (pool, pool))
+            attend = self.parallel.per_head(attend, (QUERY_AXES, pool, pool, (), sc), QUERY_AXES)
+        k_pool, v_pool = write(k_pool, v_pool, k, v, meta.slot_mapping, scales)
+        attn = attend(q, k_pool, v_pool, meta, scales)
+        out = _project(self, "o_proj", attn)
         if self.has_o_bias:
             out = out + self.o_bias[...]
         return out, k_pool, v_pool
+
+
+def _write_kv(quant_dtype, k_pool, v_pool, k, v, slot_mapping, scales):
+    """The pool write, quantizing to `quant_dtype` with `scales = (k_scale, v_scale)` (or as is)."""
+    k_scale, v_scale = scales
+    return pallas_kernels.write_kv(k_pool, v_pool, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                                   quant_dtype=quant_dtype)  # fmt: skip
 
 
 def paged_attention(
@@ -136,6 +174,7 @@ def paged_attention(
     k_pool: Float[Array, "NB BS K H"],
     v_pool: Float[Array, "NB BS K H"],
     meta: AttentionMetadata,
+    scales: tuple = (None, None),
 ) -> Float[Array, "T N H"]:
     """Attention of this step's queries over the pool (over whichever heads it is given: all of
     them, or one device's share under `shard_map`): the decode kernel for a decode program
@@ -147,29 +186,33 @@ def paged_attention(
 
     Args:
       ops: `pallas_kernels` or `pallas_kernels.reference` (same functions, same results).
+      scales: `(k_scale, v_scale)` `[K]` of an fp8 pool, dequantized inside the kernels (None: 1).
     """
-
+    k_scale, v_scale = scales
     if meta.decode_only:  # token i is sequence i's only query: decode attention, padded to T rows
         num_seqs = meta.kv_lens.shape[0]
-        out = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens)
+        out = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens,
+                                         k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return jnp.pad(out, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
     return ops.ragged_paged_attention(q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables,
-                                      meta.num_seqs)  # fmt: skip
+                                      meta.num_seqs, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (parameters stacked over `stack`)."""
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, stack: tuple[int, ...]):
+    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, stack: tuple[int, ...],
+                 quantization: str | None = None):  # fmt: skip
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _param(rngs, (*stack, d, f), dtype)  # DF
-        self.up_proj = _param(rngs, (*stack, d, f), dtype)  # DF
-        self.down_proj = _param(rngs, (*stack, f, d), dtype)  # FD
+        self.quantization = quantization
+        _weight(self, "gate_proj", rngs, (d, f), dtype, stack, quantization)  # DF
+        _weight(self, "up_proj", rngs, (d, f), dtype, stack, quantization)  # DF
+        _weight(self, "down_proj", rngs, (f, d), dtype, stack, quantization)  # FD
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
-        up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
-        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down_proj[...])
+        gate = _project(self, "gate_proj", x)
+        up = _project(self, "up_proj", x)
+        return _project(self, "down_proj", jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -177,15 +220,16 @@ class DecoderLayer(nnx.Module):
     stacked `[L, ...]`); a call runs the one layer whose slice it is given (inside the scan)."""
 
     def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str,
-                 parallel: TensorParallel | None = None):  # fmt: skip
+                 parallel: TensorParallel | None = None, quantization: str | None = None):  # fmt: skip
         stack = (config.num_layers,)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, stack)
-        self.attn = Attention(config, dtype, rngs=rngs, stack=stack, attention=attention, parallel=parallel)
+        self.attn = Attention(config, dtype, rngs=rngs, stack=stack, attention=attention, parallel=parallel,
+                              quantization=quantization)  # fmt: skip
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, stack)
-        self.mlp = MLP(config, dtype, rngs=rngs, stack=stack)
+        self.mlp = MLP(config, dtype, rngs=rngs, stack=stack, quantization=quantization)
 
-    def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata):
-        attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta)
+    def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata, kv_quant: KVQuant | None = None):
+        attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta, kv_quant)
         x = x + attn
         x = x + self.mlp(self.post_attention_norm(x))
         return x, k_pool, v_pool
@@ -204,16 +248,20 @@ class Llama(nnx.Module):
       scan_layers: run the layers as a `lax.scan` (one compiled body); False unrolls them (L
         bodies: the same results, many times the compile time), best over per-layer arrays
         (`unstack_layers` of the state, as the runner does).
+      quantization: "fp8" or "int8" decoder-layer weights (see quant.py); None: `dtype` weights.
+        The embedding, the norms and the LM head keep `dtype`.
     """
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, attention: str = "auto",
-                 parallel: TensorParallel | None = None, scan_layers: bool = True):  # fmt: skip
+                 parallel: TensorParallel | None = None, scan_layers: bool = True,
+                 quantization: str | None = None):  # fmt: skip
         self.config = config
         self.parallel = parallel
         self.scan_layers = scan_layers
         backend = resolve_attention_backend(attention)
         self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # VD
-        self.layers = DecoderLayer(config, dtype, rngs=rngs, attention=backend, parallel=parallel)  # stacked [L, ...]
+        self.layers = DecoderLayer(config, dtype, rngs=rngs, attention=backend, parallel=parallel,
+                                   quantization=quantization)  # stacked [L, ...]
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), dtype)  # DV
@@ -233,20 +281,21 @@ class Llama(nnx.Module):
 
         def one_layer(carry, per_layer):
             x, k_pool, v_pool = carry
-            params, first_block = per_layer
+            params, first_block, kv_quant = per_layer
             layer = nnx.merge(graphdef, params)
-            return layer(x, k_pool, v_pool, meta.for_layer(first_block, block_size)), None
+            return layer(x, k_pool, v_pool, meta.for_layer(first_block, block_size), kv_quant), None
 
         carry = (x, kv_pool.k, kv_pool.v)
         first_blocks = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks
+        per_layer = (layer_params, first_blocks, kv_pool.quant)  # the pool's scales: [L, K] -> [K] a layer
         if self.scan_layers:
-            (x, k, v), _ = jax.lax.scan(one_layer, carry, (layer_params, first_blocks))
+            (x, k, v), _ = jax.lax.scan(one_layer, carry, per_layer)
         else:  # the same layers unrolled: one copy of the body per layer in the program
             for i in range(num_layers):
-                layer = jax.tree.map(lambda a: a[i], (layer_params, first_blocks), is_leaf=lambda a: isinstance(a, LayerArrays))
+                layer = jax.tree.map(lambda a: a[i], per_layer, is_leaf=lambda a: isinstance(a, LayerArrays))
                 carry, _ = one_layer(carry, layer)
             x, k, v = carry
-        return self.final_norm(x), KVPool(k=k, v=v, num_layers=num_layers)
+        return self.final_norm(x), dataclasses.replace(kv_pool, k=k, v=v)
 
     def compute_logits(self, hidden: Float[Array, "T D"]) -> Float[Array, "T V"]:
         """Float32 logits for the given hidden states (LM head, or the tied embedding)."""

@@ -55,8 +55,22 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "down_proj": (MLP, EMBED),
     "scale": (EMBED,),
 }
+# Weights that weight quantization replaces, with how many of their leading axes are inputs
+# (contracted by the matmul). A quantized weight `<name>_quant` is stored outputs first,
+# `[*out, *in]` (the contracted axes minor, as an fp8 GEMM wants both operands), with one scale
+# per output channel, `<name>_scale` `[*out]`; both are split like the weight's output axes.
+QUANTIZED_INPUT_AXES: dict[str, int] = {
+    "q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1,
+}  # fmt: skip
+QUANT_SUFFIX, SCALE_SUFFIX = "_quant", "_scale"
+for _name, _num_in in QUANTIZED_INPUT_AXES.items():
+    _axes = PARAM_AXES[_name]
+    PARAM_AXES[_name + QUANT_SUFFIX] = _axes[_num_in:] + _axes[:_num_in]
+    PARAM_AXES[_name + SCALE_SUFFIX] = _axes[_num_in:]
 # The K (or V) pool: every layer's blocks in a row.
 KV_POOL_AXES = (BLOCKS, SLOTS, KV_HEADS, HEAD_DIM)
+# Scales of an fp8 KV pool, one per layer and kv head.
+KV_SCALE_AXES = (LAYERS, KV_HEADS)
 # Whole blocks copied to and from the host tier, `[C, 2, L, BS, K, H]`: K and V of every layer.
 KV_BLOCK_AXES = (BLOCKS, None, LAYERS, SLOTS, KV_HEADS, HEAD_DIM)
 # Step activations [T, N, H] of query heads and [T, K, H] of kv heads.

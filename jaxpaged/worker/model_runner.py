@@ -35,8 +35,8 @@ class ModelRunner:
       parallel: the mesh and sharding table (one device: `TensorParallel.create(config)`).
       config: the engine's configuration, planned: the pool's `num_blocks` (the null block
         included), the scheduler's limits, `num_scheduler_steps` decode steps fused into one
-        program when a batch is all decodes (1: no fusing). The pool is stored in
-        `kv_storage_dtype` of the model's dtype.
+        program when a batch is all decodes (1: no fusing). The pool holds `kv_cache_dtype`
+        (the model's dtype with "auto"), stored in its `kv_storage_dtype`.
     """
 
     def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig):
@@ -47,7 +47,9 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_num_seqs = max_num_seqs = args.max_num_seqs
         graphdef, params = nnx.split(model)
-        self.step_programs = StepPrograms.for_engine(config, graphdef, parallel)
+        self.params_dtype = model.embed[...].dtype
+        self.kv_dtype = config.kv_dtype(self.params_dtype)
+        self.step_programs = StepPrograms.for_engine(config, graphdef, parallel, self.kv_dtype)
         self.packer = self.step_programs.packer
         self.pages = self.packer.pages
         self.layouts = self.packer.layouts
@@ -56,9 +58,8 @@ class ModelRunner:
         self.params = parallel.place_state(params)  # no copy when the loader placed them already
         if not model.scan_layers:  # unrolled layers read per-layer arrays (no slice in the step)
             self.params = unstack_layers(self.params, parallel.layer_sharding)
-        self.params_dtype = model.embed[...].dtype
         self._whole = parallel.sharding()
-        self.cache = self._zero_cache(config.num_blocks, self.params_dtype, self.step_programs.cache_shardings)
+        self.cache = self._zero_cache(config.num_blocks, self.kv_dtype, self.step_programs.cache_shardings)
         self.kv_transfer = None  # the host tier's memory and copies
         if config.num_host_blocks:
             k = self.cache.kv.k

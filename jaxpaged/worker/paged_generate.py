@@ -37,11 +37,13 @@ class PagedGenerator:
       block_size: tokens per pool block.
       block_shuffle_seed: when set, sequences get pool blocks in a random order (tests use
         this to prove nothing relies on contiguous blocks); otherwise blocks 1, 2, 3, ...
+      kv_dtype: the pool's dtype (e.g. "float8_e4m3fn"); None: the model's.
     """
 
-    def __init__(self, model: Llama, *, block_size: int = 16, block_shuffle_seed: int | None = None):
+    def __init__(self, model: Llama, *, block_size: int = 16, block_shuffle_seed: int | None = None,
+                 kv_dtype: str | None = None):  # fmt: skip
         self.config = model.config
-        self.dtype = model.embed[...].dtype
+        self.dtype = kv_dtype or model.embed[...].dtype
         self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
         self.block_shuffle_seed = block_shuffle_seed

@@ -20,8 +20,10 @@ import numpy as np
 
 from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.functional import DeviceCache, StepInput, step
-from jaxpaged.model import AttentionMetadata, KVPool
+from jaxpaged.config.quantization import is_fp8
+from jaxpaged.model import AttentionMetadata, KVPool, KVQuant
 from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.parallel.sharding import KV_SCALE_AXES
 from jaxpaged.worker.sampler import SamplingTensors, update_penalty_tables
 from jaxpaged.worker.step_packer import SAMPLING_FIELDS, Layout, StepPacker
 
@@ -147,15 +149,17 @@ class StepPrograms:
         self.seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,), out_shardings=cache_shardings)
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, graphdef, parallel: TensorParallel) -> "StepPrograms":
+    def for_engine(cls, config: EngineConfig, graphdef, parallel: TensorParallel, kv_dtype: str) -> "StepPrograms":
         """The programs of an engine: its packer (buckets from the engine's limits), the cache on
-        the mesh (pool split by the sharding table, penalty tables whole)."""
+        the mesh (pool split by the sharding table, penalty tables whole) of a `kv_dtype` pool."""
         args = config.args
         packer = StepPacker(block_size=args.block_size, max_model_len=config.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, vocab_size=config.model.vocab_size)  # fmt: skip
         whole, pool = parallel.sharding(), parallel.pool_sharding
-        shardings = DeviceCache(kv=KVPool(k=pool, v=pool, num_layers=config.model.num_layers), prompt_mask=whole,
-                                output_counts=whole)  # fmt: skip
+        scales = parallel.logical_sharding(KV_SCALE_AXES)
+        quant = KVQuant(k_scale=scales, v_scale=scales, dtype=kv_dtype) if is_fp8(kv_dtype) else None
+        shardings = DeviceCache(kv=KVPool(k=pool, v=pool, num_layers=config.model.num_layers, quant=quant),
+                                prompt_mask=whole, output_counts=whole)  # fmt: skip
         return cls(graphdef, packer, args.num_scheduler_steps, shardings, whole)
 
     def all(self) -> list[Program]:

@@ -1,0 +1,85 @@
+"""Quantization options, declared once: the KV cache dtype and the weight quantization methods,
+with vLLM's names, and how a pre-quantized checkpoint announces itself. No JAX here.
+
+    kv_cache_dtype   auto (the model's dtype) | fp8 = fp8_e4m3 (float8_e4m3fn) | fp8_e5m2
+    quantization     None | fp8 (float8_e4m3fn weights, per output channel; activations
+                     quantized per token at run time) | int8 (int8 weights, per output channel;
+                     activations stay in the model's dtype)
+
+A checkpoint in the compressed-tensors layout (`quantization_config.quant_method` of
+"compressed-tensors" with 8-bit float weights) is read as `fp8` without being asked.
+"""
+
+from typing import Any
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The dtype each fp8 name stores (JAX/ml_dtypes names).
+FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+QUANTIZATION_METHODS = ("fp8", "int8")
+# The dtype each method stores weights in.
+QUANTIZED_WEIGHT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+# Bytes of one element of every dtype a weight or a KV cache entry may have.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+
+
+class CheckpointQuantizationError(ValueError):
+    """A checkpoint's `quantization_config` this engine cannot read (names the field and value)."""
+
+
+def kv_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The dtype the KV cache holds: the model's for "auto", else the fp8 type named."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return FP8_KV_DTYPES[kv_cache_dtype]
+
+
+def is_fp8(dtype_name: str) -> bool:
+    """Whether a dtype name is one of the 8-bit float types."""
+    return dtype_name.startswith("float8")
+
+
+def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
+    """The method a checkpoint's weights are already quantized with (from its config.json), or
+    None for plain weights.
+
+    Only compressed-tensors 8-bit float weights (the layout of the public FP8 Llama checkpoints:
+    `weight` in float8_e4m3fn and `weight_scale` per tensor or per output channel) are read.
+
+    Raises:
+      CheckpointQuantizationError: any other `quantization_config` (GPTQ, AWQ, int4, ...).
+    """
+    qc = hf_config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise CheckpointQuantizationError(
+            f"quantization_config.quant_method={method!r} is not supported; jaxpaged reads compressed-tensors FP8 "
+            "checkpoints, or quantizes plain bfloat16/float32 weights itself (quantization fp8 or int8)"
+        )
+    for name, group in (qc.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise CheckpointQuantizationError(
+                f"quantization_config.config_groups.{name}.weights={weights!r}: only 8-bit float weights "
+                "(compressed-tensors FP8) are supported"
+            )
+        if weights.get("strategy") not in ("tensor", "channel"):
+            raise CheckpointQuantizationError(
+                f"quantization_config.config_groups.{name}.weights.strategy={weights.get('strategy')!r}: only "
+                "'tensor' and 'channel' weight scales are supported"
+            )
+    return "fp8"
+
+
+def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> str | None:
+    """The weight quantization an engine runs with: the checkpoint's, else the one requested.
+
+    Raises:
+      ValueError: a pre-quantized checkpoint and a different method requested (names both).
+    """
+    stored = checkpoint_quantization(hf_config)
+    if stored is not None and requested not in (None, stored):
+        raise ValueError(f"quantization={requested!r}: the checkpoint is already quantized as {stored!r} "
+                         f"(its config.json says so); leave quantization unset or give {stored!r}")  # fmt: skip
+    return stored or requested

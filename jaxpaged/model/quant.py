@@ -1,0 +1,89 @@
+"""Quantized weights and the matmuls that read them.
+
+A weight in our layout `[*in, *out]` (see `jaxpaged.checkpoint.hf_keys`) is quantized with one
+scale per output channel into `[*out, *in]` (`jaxpaged.parallel.sharding.QUANTIZED_INPUT_AXES`):
+
+    fp8   q = saturate(w / s).astype(float8_e4m3fn), s = max|w| / 448 over the inputs
+          x is quantized the same way per token at run time; y = (xq . q) * sx * s, the dot
+          taking float8 operands into a float32 result (an H100's fp8 GEMM; XLA's CPU
+          backend converts the operands to float32)
+    int8  q = round(w / s).astype(int8), s = max|w| / 127; y = (x . q.astype(x.dtype)) * s
+          (weight-only: activations keep the model's dtype)
+
+Both store the contracted axes minor in both operands, the one layout cuBLASLt's fp8 GEMMs take
+without a transpose. Dimension letters: T tokens; `*in`, `*out` the weight's input and output axes.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _qmax(method: str) -> float:
+    return float(jnp.finfo(FP8).max) if method == "fp8" else 127.0
+
+
+def _to_storage(x: Float[Array, "..."], method: str) -> Array:
+    """Scaled values to the method's storage type: saturated fp8, or rounded and clipped int8."""
+    qmax = _qmax(method)
+    if method == "fp8":
+        return jnp.clip(x, -qmax, qmax).astype(FP8)
+    return jnp.clip(jnp.round(x), -qmax, qmax).astype(jnp.int8)
+
+
+def quantize_weight(w: Float[Array, "..."], method: str, num_in: int, num_lead: int = 0) -> tuple[Array, Array]:
+    """Quantizes a weight with one scale per output channel.
+
+    Args:
+      w: `[*lead, *in, *out]` (lead: e.g. the stacked layers' axis).
+      method: "fp8" or "int8".
+      num_in: how many axes after the lead ones are inputs.
+      num_lead: leading batch axes kept in front.
+
+    Returns:
+      `(q [*lead, *out, *in]` in the method's dtype, `scale [*lead, *out]` float32).
+    """
+    lead = tuple(range(num_lead))
+    inputs = tuple(range(num_lead, num_lead + num_in))
+    outputs = tuple(range(num_lead + num_in, w.ndim))
+    wt = jnp.transpose(w.astype(jnp.float32), lead + outputs + inputs)
+    reduce = tuple(range(wt.ndim - num_in, wt.ndim))
+    amax = jnp.max(jnp.abs(wt), axis=reduce)
+    scale = jnp.where(amax > 0, amax / _qmax(method), 1.0).astype(jnp.float32)
+    return _to_storage(wt / scale.reshape(scale.shape + (1,) * num_in), method), scale
+
+
+def dequantize_weight(q: Array, scale: Float[Array, "..."], num_in: int, num_lead: int = 0) -> Float[Array, "..."]:
+    """The float32 weight `[*lead, *in, *out]` a quantized one stands for (tests, conversion)."""
+    w = q.astype(jnp.float32) * scale.reshape(scale.shape + (1,) * num_in)
+    lead = tuple(range(num_lead))
+    num_out = w.ndim - num_lead - num_in
+    outputs = tuple(range(num_lead, num_lead + num_out))
+    inputs = tuple(range(num_lead + num_out, w.ndim))
+    return jnp.transpose(w, lead + inputs + outputs)
+
+
+def matmul(x: Float[Array, "T ..."], w: Float[Array, "..."], num_in: int) -> Float[Array, "T ..."]:
+    """`x [T, *in] . w [*in, *out] -> [T, *out]` for a plain weight."""
+    contract = tuple(range(1, 1 + num_in)), tuple(range(num_in))
+    return jax.lax.dot_general(x, w, (contract, ((), ())))
+
+
+def quantized_matmul(x: Float[Array, "T ..."], q: Array, scale: Float[Array, "..."], method: str,
+                     num_in: int) -> Float[Array, "T ..."]:  # fmt: skip
+    """`x [T, *in]` times a quantized weight `q [*out, *in]` with `scale [*out]` -> `[T, *out]`
+    in x's dtype, accumulated in float32."""
+    x_in = tuple(range(1, 1 + num_in))
+    w_in = tuple(range(q.ndim - num_in, q.ndim))
+    dims = ((x_in, w_in), ((), ()))
+    if method == "fp8":  # activations quantized per token, dynamically
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=x_in, keepdims=True)
+        x_scale = jnp.where(amax > 0, amax / _qmax(method), 1.0)
+        xq = _to_storage(x.astype(jnp.float32) / x_scale, method)
+        y = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.float32)
+        y = y * x_scale.reshape(x.shape[0], *(1,) * (y.ndim - 1))
+    else:
+        y = jax.lax.dot_general(x, q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)

@@ -36,14 +36,19 @@ TOLERANCE = 4096  # bytes: alignment noise; one pool block is 32 KiB here
 SPLITS = {"1-device": (2, 1), "2-devices": (2, 2), "1-kv-head": (1, 1)}
 
 
-def temporaries(dtype, backend: str, num_blocks: int, split: str) -> dict:
+def temporaries(dtype, backend: str, num_blocks: int, split: str, kv_cache_dtype: str = "auto",
+                quantization: str | None = None) -> dict:  # fmt: skip
     kv_heads, devices = SPLITS[split]
     parallel = TensorParallel.create(dataclasses.replace(CONFIG, num_kv_heads=kv_heads), devices)
-    model = Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0), attention=backend, parallel=parallel)
+    model = Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0), attention=backend, parallel=parallel,
+                  quantization=quantization)  # fmt: skip
     args = EngineArgs(model="llama-3.1-8b", load_format="dummy", skip_tokenizer_init=True, block_size=16, max_num_seqs=4,
-                      max_num_batched_tokens=16, max_model_len=128, num_scheduler_steps=4)  # fmt: skip
-    config = EngineConfig(args, parallel.layout.config, 128, parallel.layout, num_blocks)  # the runner reads args' limits
+                      max_num_batched_tokens=16, max_model_len=128, num_scheduler_steps=4,
+                      kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    config = EngineConfig(args, parallel.layout.config, 128, parallel.layout, num_blocks,
+                          quantization=quantization)  # the runner reads args' limits  # fmt: skip
     runner = ModelRunner(model, parallel=parallel, config=config)
+    assert runner.kv_dtype == (jnp.dtype(dtype).name if kv_cache_dtype == "auto" else "float8_e4m3fn")
     for program in runner.programs():
         runner.compile_program(program)
     return runner.temp_bytes
@@ -55,13 +60,27 @@ def temporaries(dtype, backend: str, num_blocks: int, split: str) -> dict:
 # are left as verified on an H100 until a GPU can check a [NB * BS * K, H] view.
 PALLAS_ONE_KV_HEAD = pytest.mark.xfail(strict=True, reason="Pallas interpret mode copies a one-kv-head pool on CPU")
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-CASES = [(d, "reference", split) for d in DTYPES for split in SPLITS] + [(d, "pallas", "1-device") for d in DTYPES]
-CASES.append(pytest.param(jnp.float32, "pallas", "2-devices", marks=PALLAS_ONE_KV_HEAD))
 
 
-@pytest.mark.parametrize("dtype, backend, split", CASES, ids=lambda v: jnp.dtype(v).name if not isinstance(v, str) else v)
-def test_no_program_temporaries_grow_with_the_pool(dtype, backend, split):
-    small, large = temporaries(dtype, backend, SMALL, split), temporaries(dtype, backend, LARGE, split)
+def case(dtype, backend: str, split: str, kv_cache_dtype: str = "auto", quantization: str | None = None, marks=()):
+    name = "-".join([jnp.dtype(dtype).name, backend, split] + [f"kv-{kv_cache_dtype}"] * (kv_cache_dtype != "auto")
+                    + [f"{quantization}-weights"] * bool(quantization))  # fmt: skip
+    return pytest.param(dtype, backend, split, kv_cache_dtype, quantization, marks=marks, id=name)
+
+
+CASES = [case(d, "reference", split) for d in DTYPES for split in SPLITS] + [case(d, "pallas", "1-device") for d in DTYPES]
+CASES.append(case(jnp.float32, "pallas", "2-devices", marks=PALLAS_ONE_KV_HEAD))
+# An fp8 pool (quantized on write, the scales folded into the attention) in every activation
+# dtype and split, and beside quantized weights (their scales split with them).
+CASES += [case(d, "reference", split, "fp8") for d in DTYPES for split in SPLITS]
+CASES += [case(jnp.bfloat16, "pallas", "1-device", "fp8"), case(jnp.bfloat16, "reference", "2-devices", "fp8", "fp8"),
+          case(jnp.bfloat16, "reference", "2-devices", "auto", "int8")]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, backend, split, kv_cache_dtype, quantization", CASES)
+def test_no_program_temporaries_grow_with_the_pool(dtype, backend, split, kv_cache_dtype, quantization):
+    small = temporaries(dtype, backend, SMALL, split, kv_cache_dtype, quantization)
+    large = temporaries(dtype, backend, LARGE, split, kv_cache_dtype, quantization)
     assert set(small) == set(large) and len(small) == 2  # a mixed step and fused decode steps
     grown = {p: (small[p], large[p]) for p in small if abs(large[p] - small[p]) > TOLERANCE}
     assert not grown, f"temporaries (small pool, large pool) grow with the pool: {grown}"

@@ -17,6 +17,7 @@ import os
 import sys
 
 from jaxpaged.bench.cli import add_bench_parser
+from jaxpaged.config.quantization import QUANTIZATION_METHODS
 from jaxpaged.entrypoints import cli_generate
 from jaxpaged.entrypoints.cli_flags import (
     BYTES_WITH_UNIT,
@@ -25,6 +26,7 @@ from jaxpaged.entrypoints.cli_flags import (
     add_engine_flags,
     describe_error,
 )
+from jaxpaged.planning.plan import PLAN_KV_CACHE_DTYPES
 from jaxpaged.server.cli import add_serve_flags
 
 __all__ = ["DEMO_MODEL_DIR", "build_parser", "main"]
@@ -60,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     plan.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     plan.add_argument("--dtype", default="auto", help="weight dtype: auto (the config's), bfloat16, float16, float32")
-    plan.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                      help="KV cache dtype (auto: the weights')")  # fmt: skip
+    plan.add_argument("--kv-cache-dtype", default="auto", choices=PLAN_KV_CACHE_DTYPES,
+                      help="KV cache dtype (auto: the weights'; fp8 = fp8_e4m3 and fp8_e5m2: 1 byte per element)")  # fmt: skip
+    plan.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                      help="weight quantization (1 byte per quantized weight, plus a float32 scale per output channel)")  # fmt: skip
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(run=_plan)

@@ -145,25 +145,23 @@ class Attention(nnx.Module):
         inv_freq = jnp.asarray(inverse_frequencies(self.rope, self.head_dim))  # a trace-time constant
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        scales = (None, None) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
-        quant_dtype = None if kv_quant is None else kv_quant.dtype
-        write = functools.partial(_write_kv, quant_dtype)
+        k_scale, v_scale = (None, None) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
+        write = functools.partial(_write_kv, None if kv_quant is None else kv_quant.dtype)
         attend = functools.partial(paged_attention, pallas_kernels if self.attention == "pallas" else reference)
         if self.parallel is not None:  # each device writes and reads its own heads (and their scales)
-            pool, sc = KV_POOL_AXES, ((KV_HEADS,), (KV_HEADS,)) if kv_quant is not None else ((), ())
-            write = self.parallel.per_head(write, (pool, pool, KEY_VALUE_AXES, KEY_VALUE_AXES, (), sc), (pool, pool))
-            attend = self.parallel.per_head(attend, (QUERY_AXES, pool, pool, (), sc), QUERY_AXES)
-        k_pool, v_pool = write(k_pool, v_pool, k, v, meta.slot_mapping, scales)
-        attn = attend(q, k_pool, v_pool, meta, scales)
+            pool, sc = KV_POOL_AXES, (KV_HEADS,) if kv_quant is not None else ()
+            write = self.parallel.per_head(write, (pool, pool, KEY_VALUE_AXES, KEY_VALUE_AXES, (), sc, sc), (pool, pool))
+            attend = self.parallel.per_head(attend, (QUERY_AXES, pool, pool, (), sc, sc), QUERY_AXES)
+        k_pool, v_pool = write(k_pool, v_pool, k, v, meta.slot_mapping, k_scale, v_scale)
+        attn = attend(q, k_pool, v_pool, meta, k_scale, v_scale)
         out = _project(self, "o_proj", attn)
         if self.has_o_bias:
             out = out + self.o_bias[...]
         return out, k_pool, v_pool
 
 
-def _write_kv(quant_dtype, k_pool, v_pool, k, v, slot_mapping, scales):
-    """The pool write, quantizing to `quant_dtype` with `scales = (k_scale, v_scale)` (or as is)."""
-    k_scale, v_scale = scales
+def _write_kv(quant_dtype, k_pool, v_pool, k, v, slot_mapping, k_scale, v_scale):
+    """The pool write, quantizing to `quant_dtype` with the `[K]` scales (None: as is)."""
     return pallas_kernels.write_kv(k_pool, v_pool, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale,
                                    quant_dtype=quant_dtype)  # fmt: skip
 
@@ -174,7 +172,8 @@ def paged_attention(
     k_pool: Float[Array, "NB BS K H"],
     v_pool: Float[Array, "NB BS K H"],
     meta: AttentionMetadata,
-    scales: tuple = (None, None),
+    k_scale: Float[Array, " K"] | None = None,
+    v_scale: Float[Array, " K"] | None = None,
 ) -> Float[Array, "T N H"]:
     """Attention of this step's queries over the pool (over whichever heads it is given: all of
     them, or one device's share under `shard_map`): the decode kernel for a decode program
@@ -186,9 +185,8 @@ def paged_attention(
 
     Args:
       ops: `pallas_kernels` or `pallas_kernels.reference` (same functions, same results).
-      scales: `(k_scale, v_scale)` `[K]` of an fp8 pool, dequantized inside the kernels (None: 1).
+      k_scale, v_scale: scales of an fp8 pool, dequantized inside the kernels (None: 1).
     """
-    k_scale, v_scale = scales
     if meta.decode_only:  # token i is sequence i's only query: decode attention, padded to T rows
         num_seqs = meta.kv_lens.shape[0]
         out = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens,

@@ -2,7 +2,9 @@
 
     weights per GPU      = every parameter of our layout (jaxpaged.checkpoint.hf_keys.param_shapes),
                            split over the tensor-parallel GPUs by the engine's sharding table
-                           (jaxpaged.parallel.sharding: heads, MLP width, vocabulary)
+                           (jaxpaged.parallel.sharding: heads, MLP width, vocabulary); with
+                           --quantization the decoder's matrices take 1 byte per weight plus a
+                           float32 scale per output channel
     KV bytes per token   = 2 x layers x KV heads per GPU x head_dim x KV dtype bytes
     KV pool per GPU      = GPU memory x gpu_memory_utilization - weights per GPU
     max concurrency      = pool blocks / blocks of one request of `context` tokens
@@ -19,10 +21,14 @@ from jaxpaged.checkpoint.hf_keys import param_shapes
 from jaxpaged.config.engine_args import check_block_size
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
-from jaxpaged.parallel.sharding import TensorParallelLayout
+from jaxpaged.config.quantization import (DTYPE_BYTES, FP8_KV_DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS,
+                                          QUANTIZED_WEIGHT_DTYPES, resolve_quantization)  # fmt: skip
+from jaxpaged.parallel.sharding import QUANT_SUFFIX, SCALE_SUFFIX, TensorParallelLayout
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# What `--kv-cache-dtype` takes: the engine's names, and a plain dtype to plan for.
+PLAN_KV_CACHE_DTYPES = (*KV_CACHE_DTYPES, *MODEL_DTYPES)
 
 
 def count_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
@@ -36,9 +42,25 @@ def count_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tupl
     return sum(math.prod(s) for s in shapes.values()), layout.device_elements(shapes)
 
 
+def weight_bytes_per_gpu(config: ModelConfig, dtype: str, quantization: str | None, tensor_parallel_size: int) -> int:
+    """Bytes of the parameters on the fullest GPU: `dtype` each, quantized weights 1 byte and
+    their scales float32 (split by the sharding table like their weights)."""
+    layout = TensorParallelLayout(config, tensor_parallel_size)
+    total = 0
+    for path, shape in param_shapes(config, quantization).items():
+        if path[-1].endswith(QUANT_SUFFIX):
+            element = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]
+        elif path[-1].endswith(SCALE_SUFFIX):
+            element = DTYPE_BYTES["float32"]
+        else:
+            element = DTYPE_BYTES[dtype]
+        total += layout.device_elements({path: shape}) * element
+    return total
+
+
 def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_memory_utilization: float = 0.9,
               tensor_parallel_size: int = 1, dtype: str = "auto", kv_cache_dtype: str = "auto",
-              block_size: int = 16) -> dict:  # fmt: skip
+              quantization: str | None = None, block_size: int = 16) -> dict:  # fmt: skip
     """The plan as a JSON-ready dict (bytes are per GPU unless the key says `_all_gpus`).
 
     Raises:
@@ -52,21 +74,30 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
         raise ValueError(f"--context: {err}") from None
     if dtype == "auto":
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").removeprefix("torch.")
-    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    for flag, value in (("--dtype", dtype), ("--kv-cache-dtype", kv_dtype)):
-        if value not in DTYPE_BYTES:
-            raise ValueError(f"{flag} {value!r} is not supported; use auto or one of {sorted(DTYPE_BYTES)}")
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not supported; use auto or one of {', '.join(MODEL_DTYPES)}")
+    if kv_cache_dtype not in PLAN_KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; use one of "
+                         f"{', '.join(PLAN_KV_CACHE_DTYPES)}")  # fmt: skip
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"--quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATION_METHODS)}")
+    try:
+        quantization = resolve_quantization(quantization, raw)
+    except ValueError as err:
+        raise ValueError(f"--quantization: {err}") from None
+    kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
     check_block_size(block_size)
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
     tp = tensor_parallel_size
-    total_params, gpu_params = count_parameters(config, tp)
-    weights = gpu_params * DTYPE_BYTES[dtype]
+    total_params, _ = count_parameters(config, tp)
+    weights = weight_bytes_per_gpu(config, dtype, quantization, tp)
     device_config = TensorParallelLayout(config, tp).device_config
     per_token = kv_bytes_per_token(device_config, DTYPE_BYTES[kv_dtype])
     report = {
         "model": name, "architecture": raw["architectures"][0], "num_parameters": total_params,
-        "dtype": dtype, "kv_cache_dtype": kv_dtype, "tensor_parallel_size": tp, "gpu_memory_bytes": gpu_memory,
+        "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_dtype, "tensor_parallel_size": tp,
+        "gpu_memory_bytes": gpu_memory,
         "gpu_memory_utilization": gpu_memory_utilization, "context": context, "block_size": block_size,
         "weight_bytes_per_gpu": weights,
         "kv_bytes_per_token": per_token,
@@ -86,7 +117,8 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
                 f"{format_bytes(max(budget, 0))} for the KV cache; one request of --context {context} needs "
                 f"{format_bytes(per_token * context)}")  # fmt: skip
         options = dict(gpu_memory=gpu_memory, context=context, gpu_memory_utilization=gpu_memory_utilization,
-                       dtype=dtype, kv_cache_dtype=kv_dtype, block_size=block_size)  # fmt: skip
+                       dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                       block_size=block_size)  # fmt: skip
         fitting = [n for n in (2, 4, 8, 16, 32, 64) if n > tp and _fits(model, n, options)][:1]
         note += "".join(f"; --tensor-parallel-size {n} fits" for n in fitting)
         report.update(fits=False, kv_pool_bytes_per_gpu=0, kv_cache_blocks=0, pool_tokens=0, max_concurrency=0.0,
@@ -118,6 +150,7 @@ def format_plan(r: dict) -> str:
         ("model", f"{r['model']} [{r['architecture']}]"),
         ("parameters", f"{r['num_parameters']:,}"),
         ("dtype / KV cache dtype", f"{r['dtype']} / {r['kv_cache_dtype']}"),
+        ("weight quantization", r["quantization"] or "none"),
         ("tensor parallel", f"{tp} GPU(s), {r['kv_heads_per_gpu']} KV head(s) per GPU"),
         ("GPU memory x utilization", f"{_size(r['gpu_memory_bytes'])} x {r['gpu_memory_utilization']}"),
         ("weights per GPU", _size(r["weight_bytes_per_gpu"])),
@@ -143,7 +176,8 @@ def run(args) -> int:
     report = make_plan(
         args.model, gpu_memory=args.gpu_memory, context=args.context,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+        block_size=args.block_size,
     )  # fmt: skip
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0 if report["fits"] else 1

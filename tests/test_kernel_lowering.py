@@ -1,7 +1,7 @@
 """Every Pallas kernel lowers for CUDA (Pallas -> Triton IR) with real model shapes, on a CPU.
 
-This catches primitives the Triton lowering does not support, non-power-of-two tiles and bad
-shapes without a GPU; only a GPU run (`benchmarks/kernels_gpu.py`) catches wrong results on the
+This catches primitives the Triton lowering does not support (float8 loads and casts included),
+non-power-of-two tiles and bad shapes without a GPU; only a GPU run (`benchmarks/kernels_gpu.py`) catches wrong results on the
 GPU and speed. The target GPU is described with an abstract device: jax 0.11 requires it (it
 reads the compute capability from `device_kind`); jax 0.10.2 accepts it and otherwise assumes
 sm_90. `interpret=False` is forced, since the CPU default would be the interpreter.
@@ -38,19 +38,23 @@ MODELS = {
 CUDA_DEVICE = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
 
 
-def lower_for_cuda(fn, *abstract_args) -> str:
+def lower_for_cuda(fn, *abstract_args, **abstract_kwargs) -> str:
     """StableHLO text of `jax.jit(fn)` lowered for CUDA on whatever machine runs the test."""
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=CUDA_DEVICE)
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",)).as_text()
+        return jax.jit(fn).trace(*abstract_args, **abstract_kwargs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def sds(shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def pools(kv_heads, head_dim):
-    return sds((NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim)), sds((NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim))
+def pools(kv_heads, head_dim, dtype=jnp.bfloat16):
+    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim)
+    return sds(shape, dtype), sds(shape, dtype)
+
+
+FLOAT8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -85,15 +89,47 @@ def test_ragged_lowers_to_triton(model, num_tokens, num_seqs):
     assert TRITON_CALL in text
 
 
-def test_write_kv_lowers_for_cuda_as_an_in_place_scatter():
-    """write_kv is an XLA scatter (no Triton call); donated, its outputs alias the pools."""
+@pytest.mark.parametrize("quant", list(FLOAT8.values()), ids=list(FLOAT8))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_float8_pools_lower_to_triton(model, quant):
+    """float8 pools, bfloat16 queries, per-kv-head scales: fp8 loads and fp8 -> bf16 casts
+    (`tt.fp_to_fp`, named in the Triton module's bytecode) lower. Triton's float8_e4m3fn casts
+    need sm_89+; the abstract device is an H100."""
+    n, k, h = MODELS[model]
+    scales = dict(k_scale=sds((k,), jnp.float32), v_scale=sds((k,), jnp.float32))
+    decode = functools.partial(paged_decode_attention, interpret=False)
+    text = lower_for_cuda(
+        decode, sds((64, n, h)), *pools(k, h, quant), sds((64, MAX_PAGES), jnp.int32), sds((64,), jnp.int32),
+        **scales,
+    )
+    assert TRITON_CALL in text and "fp_to_fp" in text
+    ragged = functools.partial(ragged_paged_attention, interpret=False)
+    text = lower_for_cuda(
+        ragged,
+        sds((2048, n, h)),
+        *pools(k, h, quant),
+        sds((65,), jnp.int32),
+        sds((64,), jnp.int32),
+        sds((64, MAX_PAGES), jnp.int32),
+        sds((), jnp.int32),
+        **scales,
+    )
+    assert TRITON_CALL in text and "fp_to_fp" in text
+
+
+@pytest.mark.parametrize("quant", [None, jnp.float8_e4m3fn], ids=["bf16", "e4m3fn"])
+def test_write_kv_lowers_for_cuda_as_an_in_place_scatter(quant):
+    """write_kv is an XLA scatter (no Triton call); donated, its outputs alias the pools, float8
+    pools (written quantised from bfloat16 K/V) included."""
     _, k, h = MODELS["llama-3.1-8b"]
-    fn = jax.jit(write_kv, donate_argnums=(0, 1))
+    fn = jax.jit(functools.partial(write_kv, quant_dtype=quant), donate_argnums=(0, 1))
+    scales = {} if quant is None else dict(k_scale=sds((k,), jnp.float32), v_scale=sds((k,), jnp.float32))
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=CUDA_DEVICE)
     with jax.sharding.use_abstract_mesh(mesh):
-        lowered = fn.trace(*pools(k, h), sds((2048, k, h)), sds((2048, k, h)), sds((2048,), jnp.int32)).lower(
-            lowering_platforms=("cuda",)
-        )
+        lowered = fn.trace(
+            *pools(k, h, quant or jnp.bfloat16), sds((2048, k, h)), sds((2048, k, h)), sds((2048,), jnp.int32),
+            **scales,
+        ).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "scatter" in text and TRITON_CALL not in text
     assert text.count("tf.aliasing_output") == 2, "both pools must be donated into the outputs"

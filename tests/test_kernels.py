@@ -178,7 +178,7 @@ def test_ragged_no_sequences():
 
 
 def test_float32_queries_over_bfloat16_pools():
-    """Queries are cast to the pool dtype for the dots; the output keeps the query dtype."""
+    """The dots compute in the promoted dtype (float32 here); the output keeps the query dtype."""
     rng = np.random.default_rng(8)
     seqs = [(BS + 1, 1), (40, 40), (37, 21)]
     q, *rest = ragged_inputs(rng, seqs, 4, 64, jnp.bfloat16)
@@ -192,6 +192,64 @@ def test_float32_queries_over_bfloat16_pools():
     out = paged_decode_attention(dq, k_pool, v_pool, tables[:3], lens[:3], interpret=True)
     assert out.dtype == jnp.float32
     assert rel_error(out, reference.paged_decode_attention(dq, k_pool, v_pool, tables[:3], lens[:3])) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# float8 pools (a quantised KV cache): per-kv-head scales, NaN-poisoned like the others
+
+FLOAT8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+K_SCALE = jnp.asarray([0.5, 4.0], jnp.float32)  # one per kv head, different per head
+V_SCALE = jnp.asarray([3.0, 0.25], jnp.float32)
+RAGGED_FP8 = [(1, 1), (BS + 1, 1), (BS, BS), (37, 21), (150, 64)]
+
+
+def quantised(pool, quant, storage):
+    """The NaN-poisoned float32 `pool` rounded to `quant`, stored in float8 itself or in float32
+    (the CPU engine's storage). Poison stays NaN and no value overflows."""
+    stored = pool.astype(quant)
+    stored = stored if storage == "float8" else stored.astype(jnp.float32)
+    assert (np.isnan(np.asarray(stored, np.float32)) == np.isnan(np.asarray(pool))).all()
+    return stored
+
+
+def dequantised(pool, scale):
+    return pool.astype(jnp.float32) * scale[:, None]
+
+
+@pytest.mark.parametrize("storage", ["float8", "float32"])
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["q-f32", "q-bf16"])
+@pytest.mark.parametrize("quant", list(FLOAT8.values()), ids=list(FLOAT8))
+@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+def test_float8_pools_match_reference(kernel, quant, q_dtype, storage):
+    """Kernel == reference over float8 pools with per-head scales, and the reference with scales
+    == the reference over the explicitly dequantised float32 pools.
+
+    Both read the same float8 values, exact in q's dtype, so the kernel's error budget is that of
+    an unquantised pool of q's dtype (`TOLERANCE`): the bfloat16 cast of the probabilities and
+    of the output. The decode table is wide enough for 4 splits (v_scale across the combine).
+    """
+    rng = np.random.default_rng(len(kernel) + 10 * quant.dtype.itemsize + (storage == "float8"))
+    if kernel == "decode":
+        k_pool, v_pool, tables = make_pools(rng, DECODE_LENS, 64, 64, jnp.float32)
+        assert decode_attention.num_splits(len(DECODE_LENS), KV_HEADS, 64, BS, 64) == 4
+        q = jnp.asarray(rng.standard_normal((len(DECODE_LENS), KV_HEADS * 4, 64)), q_dtype)
+        rest = (tables, jnp.asarray(DECODE_LENS, jnp.int32))
+        fn, ref_fn, real = paged_decode_attention, reference.paged_decode_attention, len(DECODE_LENS) - 1
+    else:
+        q, k_pool, v_pool, *rest = ragged_inputs(rng, RAGGED_FP8, 2, 64, jnp.float32)
+        q = q.astype(q_dtype)
+        fn, ref_fn, real = ragged_paged_attention, reference.ragged_paged_attention, sum(n for _, n in RAGGED_FP8)
+    k_pool, v_pool = quantised(k_pool, quant, storage), quantised(v_pool, quant, storage)
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    out = jax.jit(functools.partial(fn, interpret=True, **scales))(q, k_pool, v_pool, *rest)
+    ref = ref_fn(q, k_pool, v_pool, *rest, **scales)
+    explicit = ref_fn(q, dequantised(k_pool, K_SCALE), dequantised(v_pool, V_SCALE), *rest)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_error(ref[:real], explicit[:real]) < 1e-6
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all(), "NaN leaked from an unused page"
+    assert rel_error(out[:real], ref[:real]) < TOLERANCE[q_dtype]
+    assert (out[real:] == 0).all(), "padding rows must be zero"
 
 
 @pytest.mark.parametrize("kernel", ["decode", "ragged"])
@@ -232,19 +290,92 @@ def test_write_kv_writes_exactly_the_slots(dtype):
         np.testing.assert_array_equal(got[BS:], expected[BS:])
 
 
-def test_write_kv_updates_donated_pools_in_place():
-    shape = (256, BS, KV_HEADS, 64)  # 2 MiB per pool
-    pool_bytes = int(np.prod(shape)) * 4
-    k_pool = jnp.ones(shape, jnp.float32)
-    v_pool = jnp.ones(shape, jnp.float32)
+# pool storage dtype, quant_dtype. XLA's CPU backend converts the whole operand of a bfloat16 or
+# float8 scatter to float32 (see jaxpaged.model.kv_pool, which stores such pools in float32 on
+# CPU): there the update still aliases the pool, but its temporaries grow with the pool.
+_CPU_UPCAST = pytest.mark.xfail(
+    jax.default_backend() == "cpu", reason="XLA:CPU converts a bf16/float8 scatter operand to f32", strict=True
+)
+IN_PLACE = [
+    pytest.param(jnp.float32, None, id="f32"),
+    pytest.param(jnp.float32, jnp.float8_e4m3fn, id="e4m3fn-values-in-f32"),
+    pytest.param(jnp.bfloat16, None, id="bf16", marks=_CPU_UPCAST),
+    pytest.param(jnp.float8_e4m3fn, jnp.float8_e4m3fn, id="e4m3fn", marks=_CPU_UPCAST),
+]
+
+
+@pytest.mark.parametrize("storage,quant", IN_PLACE)
+def test_write_kv_updates_donated_pools_in_place(storage, quant):
+    """The donated pools are updated in place, and the temporaries do not grow with the pool."""
+    step = jax.jit(functools.partial(write_kv, quant_dtype=quant), donate_argnums=(0, 1))
     new = jnp.ones((8, KV_HEADS, 64), jnp.float32)
     slots = jnp.arange(8, dtype=jnp.int32) * 5
-    step = jax.jit(write_kv, donate_argnums=(0, 1))
-    compiled = step.lower(k_pool, v_pool, new, new, slots).compile()
-    stats = compiled.memory_analysis()
-    assert stats.temp_size_in_bytes < pool_bytes // 16, stats
-    assert stats.alias_size_in_bytes >= 2 * pool_bytes, stats
-    k_ptr = k_pool.unsafe_buffer_pointer()
-    k_out, _ = step(k_pool, v_pool, new, new, slots)
-    assert k_pool.is_deleted()
-    assert k_out.unsafe_buffer_pointer() == k_ptr, "the K pool was copied instead of updated"
+    temps = []
+    for num_blocks in (256, 1024):  # 2 and 8 MiB per float32 pool
+        shape = (num_blocks, BS, KV_HEADS, 64)
+        pool_bytes = int(np.prod(shape)) * jnp.dtype(storage).itemsize
+        k_pool, v_pool = jnp.ones(shape, storage), jnp.ones(shape, storage)
+        stats = step.lower(k_pool, v_pool, new, new, slots).compile().memory_analysis()
+        assert stats.alias_size_in_bytes >= 2 * pool_bytes, stats
+        k_ptr = k_pool.unsafe_buffer_pointer()
+        k_out, _ = step(k_pool, v_pool, new, new, slots)
+        assert k_pool.is_deleted()
+        assert k_out.unsafe_buffer_pointer() == k_ptr, "the K pool was copied instead of updated"
+        temps.append(stats.temp_size_in_bytes)
+    assert temps[0] == temps[1] and temps[0] < pool_bytes // 64, temps
+
+
+@pytest.mark.parametrize("storage", ["float8", "float32"])
+@pytest.mark.parametrize("quant", list(FLOAT8.values()), ids=list(FLOAT8))
+def test_write_kv_quantises_to_float8(quant, storage):
+    """Each row lands at exactly its slot as saturate(x / scale[kv head]) rounded to float8;
+    out-of-range values saturate to +-max (never NaN or inf); other slots are untouched."""
+    rng = np.random.default_rng(13)
+    shape = (6, BS, KV_HEADS, 64)
+    pool_dtype = quant if storage == "float8" else jnp.float32
+    k_pool = jnp.asarray(rng.standard_normal(shape), quant).astype(pool_dtype)
+    v_pool = jnp.asarray(rng.standard_normal(shape), quant).astype(pool_dtype)
+    slots = np.array([5 * BS + 3, 2 * BS, 1 * BS + 15, 3 * BS + 1, 0, 0], np.int32)
+    k_scale, v_scale = np.float32([0.3, 3.7]), np.float32([1.9, 0.07])
+    limit = float(jnp.finfo(quant).max)
+    k_new = (rng.standard_normal((len(slots), KV_HEADS, 64)) * 50).astype(np.float32)
+    v_new = (rng.standard_normal((len(slots), KV_HEADS, 64)) * 50).astype(np.float32)
+    k_new[0, 0, :4] = [1e30, -1e30, 2 * limit * k_scale[0], np.inf]  # saturate
+    v_new[1, 1, :2] = [limit * v_scale[1] * 1.01, -1e9]
+    step = jax.jit(functools.partial(write_kv, quant_dtype=quant))
+    k_out, v_out = step(k_pool, v_pool, k_new, v_new, slots, k_scale=jnp.asarray(k_scale), v_scale=jnp.asarray(v_scale))
+    assert k_out.dtype == pool_dtype
+    for pool, new, scale, out in ((k_pool, k_new, k_scale, k_out), (v_pool, v_new, v_scale, v_out)):
+        stored = np.clip(new / scale[:, None], -limit, limit).astype(quant.dtype).astype(np.float32)
+        expected = np.asarray(pool, np.float32).reshape(-1, KV_HEADS, 64).copy()
+        expected[slots[:4]] = stored[:4]
+        got = np.asarray(out, np.float32).reshape(-1, KV_HEADS, 64)
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got[BS:], expected[BS:])  # block 0 takes the padding writes
+    assert (np.asarray(k_out, np.float32)[5, 3, 0, :4] == [limit, -limit, limit, limit]).all()
+    assert (np.asarray(v_out, np.float32)[2, 0, 1, :2] == [limit, -limit]).all()
+
+
+@pytest.mark.parametrize("quant", list(FLOAT8.values()), ids=list(FLOAT8))
+def test_write_kv_float8_without_scales_is_scale_one(quant):
+    rng = np.random.default_rng(14)
+    pool = jnp.zeros((4, BS, KV_HEADS, 64), quant)
+    new = jnp.asarray(rng.standard_normal((3, KV_HEADS, 64)) * 100, jnp.float32)
+    slots = jnp.asarray([BS, 2 * BS + 5, 3 * BS + 15], jnp.int32)
+    unscaled = write_kv(pool, pool, new, new, slots, quant_dtype=quant)
+    ones = jnp.ones((KV_HEADS,), jnp.float32)
+    scaled = write_kv(pool, pool, new, new, slots, k_scale=ones, v_scale=ones, quant_dtype=quant)
+    for a, b in zip(unscaled, scaled):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    limit = float(jnp.finfo(quant).max)
+    expected = np.clip(np.asarray(new), -limit, limit).astype(quant.dtype).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(unscaled[0], np.float32).reshape(-1, KV_HEADS, 64)[slots], expected)
+
+
+def test_write_kv_rejects_scales_without_a_float8_dtype():
+    pool = jnp.zeros((2, BS, KV_HEADS, 64), jnp.float32)
+    new, slots, scale = jnp.ones((1, KV_HEADS, 64)), jnp.zeros((1,), jnp.int32), jnp.ones((KV_HEADS,))
+    with pytest.raises(ValueError, match="need a quant_dtype"):
+        write_kv(pool, pool, new, new, slots, k_scale=scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2"):
+        write_kv(pool, pool, new, new, slots, quant_dtype=jnp.bfloat16)

@@ -28,10 +28,12 @@ def dense_attention(q, k, v, q_positions):
     return np.einsum("ntl,lnh->tnh", probs, v)
 
 
-def build_batch(rng, kv_lens, q_lens, num_kv_heads, group, head_dim, dtype):
-    """Random contexts written into a NaN-filled pool with shuffled blocks.
+def build_batch(rng, kv_lens, q_lens, num_kv_heads, group, head_dim, dtype, quant=None, scales=(None, None)):
+    """Random contexts written into a NaN-filled pool of `dtype` with shuffled blocks; with `quant`
+    (float8) they are written quantised with the per-kv-head `scales` (k_scale, v_scale).
 
-    Returns the pool, block tables, per-sequence (q, k, v) in float64 and the padded q."""
+    Returns the pools, block tables and per-sequence (q, k, v) in float64: q rounded to `dtype`
+    (float32 with `quant`), k and v exactly what the pools hold, dequantised."""
     pages = [-(-n // BLOCK_SIZE) for n in kv_lens]
     num_blocks = sum(pages) + 1 + 3  # null block, plus a few blocks nobody owns
     ids = rng.permutation(np.arange(1, num_blocks))
@@ -49,11 +51,19 @@ def build_batch(rng, kv_lens, q_lens, num_kv_heads, group, head_dim, dtype):
         q = rng.standard_normal((q_lens[s], num_kv_heads * group, head_dim))
         pos = np.arange(n)
         slots = tables[s][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        slots = jnp.asarray(slots, jnp.int32)
+        if quant is None:
+            k_pool, v_pool = reference.write_kv(k_pool, v_pool, jnp.asarray(k, dtype), jnp.asarray(v, dtype), slots)
+            # Compare against exactly what the pool holds (rounded to dtype).
+            seqs.append(tuple(np.asarray(jnp.asarray(x, dtype), np.float64) for x in (q, k, v)))
+            continue
         k_pool, v_pool = reference.write_kv(
-            k_pool, v_pool, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(slots, jnp.int32)
+            k_pool, v_pool, jnp.asarray(k), jnp.asarray(v), slots, k_scale=scales[0], v_scale=scales[1],
+            quant_dtype=quant,
         )
-        # Compare against exactly what the pool holds (rounded to dtype).
-        seqs.append(tuple(np.asarray(jnp.asarray(x, dtype), np.float64) for x in (q, k, v)))
+        k, v = (np.asarray(pool, np.float64).reshape(-1, num_kv_heads, head_dim)[slots] for pool in (k_pool, v_pool))
+        k_scale, v_scale = (np.asarray(x)[:, None] for x in scales)
+        seqs.append((np.asarray(q, np.float32).astype(np.float64), k * k_scale, v * v_scale))
     return k_pool, v_pool, tables, seqs
 
 
@@ -99,6 +109,31 @@ def test_decode_matches_dense(dtype, tol):
         expected = dense_attention(sq, sk, sv, [kv_lens[b] - 1])[0]
         err = np.linalg.norm(out[b] - expected) / np.linalg.norm(expected)
         assert err < tol, f"sequence {b}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("storage", ["float8", "float32"])
+@pytest.mark.parametrize("quant", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3fn", "e5m2"])
+def test_float8_pools_match_dense(quant, storage):
+    """K/V written quantised with per-kv-head scales and attended with the same scales equal dense
+    attention over the dequantised values, in float8 pools and float8 values held in float32."""
+    rng = np.random.default_rng(11)
+    scales = jnp.asarray([0.5, 4.0], jnp.float32), jnp.asarray([3.0, 0.25], jnp.float32)
+    kv_lens = [1, BLOCK_SIZE - 1, BLOCK_SIZE + 1, 300, 37]
+    q_lens = [1, BLOCK_SIZE - 1, 3, 1, 21]
+    dtype = quant if storage == "float8" else jnp.float32
+    k_pool, v_pool, tables, seqs = build_batch(rng, kv_lens, q_lens, 2, 4, 64, dtype, quant, scales)
+    assert k_pool.dtype == dtype and np.isnan(np.asarray(k_pool[0], np.float32)).all(), "null block poisoned"
+    q = jnp.asarray(np.concatenate([s[0] for s in seqs]), jnp.float32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens, tables = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables)
+    kw = dict(k_scale=scales[0], v_scale=scales[1])
+    out = reference.ragged_paged_attention(q, k_pool, v_pool, jnp.asarray(cu), lens, tables, jnp.int32(5), **kw)
+    last = reference.paged_decode_attention(q[cu[1:] - 1], k_pool, v_pool, tables, lens, **kw)
+    for s, (sq, sk, sv) in enumerate(seqs):
+        expected = dense_attention(sq, sk, sv, np.arange(kv_lens[s] - q_lens[s], kv_lens[s]))
+        for got, want in ((np.asarray(out[cu[s] : cu[s + 1]]), expected), (np.asarray(last[s]), expected[-1])):
+            err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            assert err < 1e-5, f"sequence {s}: relative error {err:.2e}"
 
 
 def test_write_kv_writes_exactly_the_slots():

@@ -2,12 +2,22 @@
 
 1. `load_params` tells the two apart by the `jaxpaged_format.json` marker the converter writes.
 2. HF: names are validated against the explicit key map (`jaxpaged.checkpoint.hf_keys`) from headers alone
-   (missing, unexpected, duplicate and wrongly shaped tensors fail before any data is read);
-   then tensors are read one at a time, cast to the target dtype and put into our layout.
+   (missing, unexpected, duplicate, wrongly shaped and wrongly typed tensors fail before any data
+   is read); then tensors are read one at a time, cast to the target dtype and put into our layout.
 3. Converted: the Orbax `params/` tree is restored and checked against the same map.
 4. `load_model` builds the NNX `Llama` abstractly (no random init) and fills it tensor by
    tensor, each placed on its devices (split by the sharding table under tensor parallelism);
    a decoder layer's tensor goes into its row of the stacked parameter, in place on the device.
+
+Weight quantization (`quantization` fp8/int8, `jaxpaged.model.quant`) comes two ways:
+
+- a plain checkpoint is quantized by `load_model` as each weight is read (`_quantize_tensors`);
+- a pre-quantized one (compressed-tensors FP8: config.json's `quantization_config`, see
+  `jaxpaged.config.quantization.checkpoint_quantization`) already holds the quantized pairs: its
+  key map targets `<name>_quant` (float8_e4m3fn, bytes kept) and `<name>_scale` (float32) directly
+  (see `hf_keys`), they are exempt from the `dtype` cast, and nothing is quantized again. Its
+  method is the model's whatever `quantization` says (a different one is refused); a converted
+  directory of such a checkpoint keeps its config.json and so reads the same way.
 
 Peak host memory: about one tensor from safetensors; one copy of the model from Orbax (which
 restores the whole tree before placing it). Device memory: the model plus one layer's tensor.
@@ -28,11 +38,12 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxpaged.checkpoint.format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
-from jaxpaged.checkpoint.hf_keys import (Path, check_shape, format_names, hf_key_specs, optional_hf_keys, param_shapes,
-                                         quantized_paths)  # fmt: skip
+from jaxpaged.checkpoint.hf_keys import (Path, check_shape, format_names, hf_key_specs, kept_dtype, optional_hf_keys,
+                                         param_shapes, quantized_paths)  # fmt: skip
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
+from jaxpaged.config.quantization import checkpoint_quantization, resolve_quantization
 from jaxpaged.model.llama import Llama
 from jaxpaged.model.quant import quantize_weight
 from jaxpaged.parallel.mesh import TensorParallel, param_path
@@ -112,54 +123,65 @@ def check_names(expected: AbstractSet, present: AbstractSet, where: str, optiona
 
 
 def iter_hf_params(
-    model_dir: str | os.PathLike, config: ModelConfig, dtype: np.dtype, progress: bool = False
+    model_dir: str | os.PathLike, config: ModelConfig, dtype: np.dtype, progress: bool = False,
+    prequantized: str | None = None,
 ) -> Iterator[tuple[Path, np.ndarray]]:
     """Checks an HF safetensors checkpoint from its headers, then reads it one tensor at a time.
 
     Args:
       model_dir: directory with `model.safetensors` or `model.safetensors.index.json` + shards.
       config: the model configuration (from the same directory's config.json).
-      dtype: target numpy dtype of every parameter.
+      dtype: target numpy dtype of every plain parameter.
       progress: show a tqdm bar over tensors.
+      prequantized: the method the checkpoint is already quantized with
+        (`checkpoint_quantization` of its config.json; None: plain weights). Its quantized
+        weights and their scales keep float8_e4m3fn and float32 whatever `dtype` (see `hf_keys`).
 
     Returns:
       An iterator of `(params path, layer, array in our layout)`; `layer` is the tensor's row
       of a stacked parameter (None for the others); each array is read when reached.
 
     Raises:
-      ValueError: missing, unexpected, duplicate or wrongly shaped tensors, each named (before
-        any data is read).
+      ValueError: missing, unexpected, duplicate, wrongly shaped or wrongly typed tensors, each
+        named (before any data is read).
     """
     ckpt = SafetensorsCheckpoint(model_dir)
-    specs = hf_key_specs(config)
-    optional = optional_hf_keys(config)
-    check_names({s.hf_name for s in specs}, set(ckpt.names), f"checkpoint {os.fspath(model_dir)!r}", set(optional))
+    specs = hf_key_specs(config, prequantized)
+    optional = optional_hf_keys(config, prequantized)
+    try:
+        check_names({s.hf_name for s in specs}, set(ckpt.names), f"checkpoint {os.fspath(model_dir)!r}", set(optional))
+    except ValueError as err:
+        if prequantized is None and any(name.endswith(".weight_scale") for name in ckpt.names):
+            raise ValueError(f"{err} (weight_scale tensors: the weights are quantized, but config.json has no "
+                             "quantization_config saying how)") from None  # fmt: skip
+        raise
     for spec in specs:  # from headers, before reading any data
-        check_shape(spec.hf_name, spec.hf_shape, ckpt.shape(spec.hf_name))
-    for name, shape in optional.items():
-        if shape is not None and name in ckpt.locations:
-            check_shape(name, shape, ckpt.shape(name))
+        spec.check(ckpt.shape(spec.hf_name), ckpt.dtype(spec.hf_name))
+    for name, shapes in optional.items():
+        if shapes is not None and name in ckpt.locations:
+            check_shape(name, shapes[0], ckpt.shape(name), also=shapes[1:])
     by_name = {s.hf_name: s for s in specs}
 
     def tensors():
         with tqdm(total=len(specs), desc="loading tensors", unit="tensor", disable=not progress) as bar:
             for name, array in ckpt.iter_tensors(by_name):
                 spec = by_name[name]
-                yield spec.target, spec.layer, spec.transform(array.astype(dtype, copy=False))
+                yield spec.target, spec.layer, spec.transform(array, dtype)
                 bar.update()
 
     return tensors()
 
 
 def read_hf_params(
-    model_dir: str | os.PathLike, config: ModelConfig, dtype: np.dtype, progress: bool = False
+    model_dir: str | os.PathLike, config: ModelConfig, dtype: np.dtype, progress: bool = False,
+    prequantized: str | None = None,
 ) -> Params:
     """The whole checkpoint as a nested params dict in our layout, decoder layers stacked (see
     `iter_hf_params`)."""
-    shapes = param_shapes(config)
+    shapes = param_shapes(config, prequantized)
     stacked: dict[Path, np.ndarray] = {}
     params: Params = {}
-    for path, layer, array in iter_hf_params(model_dir, config, dtype, progress):
+    for path, layer, array in iter_hf_params(model_dir, config, dtype, progress, prequantized):
         if layer is None:
             _insert(params, path, array)
             continue
@@ -170,17 +192,18 @@ def read_hf_params(
     return params
 
 
-def _checkpoint_tensors(model_dir: str | os.PathLike, dtype: Any,
-                        parallel: TensorParallel | None = None) -> tuple[ModelConfig, np.dtype, Iterator]:  # fmt: skip
-    """`(config, target dtype, iterator of (path, layer, array))` of an HF or a converted
-    directory (arrays are numpy, or already placed `jax.Array`s when Orbax restored them into
-    shards; `layer` is the row of a stacked parameter a tensor fills, None: the whole of it)."""
-    config, raw = read_hf_config(model_dir)
+def _checkpoint_tensors(model_dir: str | os.PathLike, config: ModelConfig, raw: dict[str, Any], dtype: Any,
+                        parallel: TensorParallel | None = None) -> tuple[np.dtype, Iterator]:  # fmt: skip
+    """`(target dtype, iterator of (path, layer, array))` of an HF or a converted directory whose
+    config.json is `(config, raw)` (arrays are numpy, or already placed `jax.Array`s when Orbax
+    restored them into shards; `layer` is the row of a stacked parameter a tensor fills, None:
+    the whole of it). A pre-quantized checkpoint's tensors come as their quantized pairs."""
+    prequantized = checkpoint_quantization(raw)
     if is_converted_dir(model_dir):
-        target, params = _load_converted(model_dir, config, dtype, parallel)
-        return config, target, ((path, None, array) for path, array in _flatten(params).items())
+        target, params = _load_converted(model_dir, config, dtype, parallel, prequantized)
+        return target, ((path, None, array) for path, array in _flatten(params).items())
     target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
-    return config, target, iter_hf_params(model_dir, config, target)
+    return target, iter_hf_params(model_dir, config, target, prequantized=prequantized)
 
 
 def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[ModelConfig, Params]:
@@ -193,16 +216,19 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
 
     Returns:
       `(config, params)`: params is a nested dict (layer indices are int keys) matching
-      `nnx.state(Llama(config)).to_pure_dict()`.
+      `nnx.state(Llama(config)).to_pure_dict()` (of `Llama(config, quantization="fp8")` for a
+      pre-quantized checkpoint: its fp8 weights and float32 scales are not cast to `dtype`).
 
     Raises:
       FileNotFoundError: no config.json or no checkpoint files.
-      ValueError: unsupported config or dtype; missing, unexpected, duplicate or misshaped keys.
+      ValueError: unsupported config, dtype or `quantization_config`; missing, unexpected,
+        duplicate, misshaped or wrongly typed keys.
     """
+    config, raw = read_hf_config(model_dir)
     if not is_converted_dir(model_dir):
-        config, raw = read_hf_config(model_dir)
-        return config, read_hf_params(model_dir, config, resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype")))
-    config, _, tensors = _checkpoint_tensors(model_dir, dtype)
+        target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
+        return config, read_hf_params(model_dir, config, target, prequantized=checkpoint_quantization(raw))
+    _, tensors = _checkpoint_tensors(model_dir, config, raw, dtype)
     params: Params = {}
     for path, _, array in tensors:
         _insert(params, path, array)
@@ -224,13 +250,20 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
       parallel: the mesh and sharding table; None puts everything on the default device.
       scan_layers: see `Llama`.
       quantization: "fp8" or "int8": quantize the decoder layers' weights as they are read
-        (see `jaxpaged.model.quant`); None keeps them in `dtype`.
+        (see `jaxpaged.model.quant`); None keeps them in `dtype`. A pre-quantized checkpoint
+        is read as it is stored (its method, e.g. "fp8", whether this is None or the same).
 
     Returns:
       `(config, model)`: the checkpoint's config, and the model (in the mesh layout, kv heads
       repeated, when `parallel` repeats them).
+
+    Raises:
+      ValueError: as `load_params`; or `quantization` differs from a pre-quantized checkpoint's.
     """
-    config, target, tensors = _checkpoint_tensors(model_dir, dtype, parallel)
+    config, raw = read_hf_config(model_dir)
+    quantization = resolve_quantization(quantization, raw)
+    quantize_at_load = None if checkpoint_quantization(raw) else quantization  # pre-quantized: stored so
+    target, tensors = _checkpoint_tensors(model_dir, config, raw, dtype, parallel)
     model_config = parallel.layout.mesh_config if parallel is not None else config
     abstract = nnx.eval_shape(
         lambda: Llama(model_config, target, rngs=nnx.Rngs(0), attention=attention, parallel=parallel,
@@ -240,7 +273,7 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     shapes = param_shapes(model_config, quantization)
     params: Params = {}
     stacked: dict[Path, jax.Array] = {}
-    for path, layer, array in _quantize_tensors(tensors, quantization):
+    for path, layer, array in _quantize_tensors(tensors, quantize_at_load):
         if layer is not None:  # one row of a stacked parameter, set in place on its devices
             if path not in stacked:
                 stacked[path] = _zeros_on_mesh(shapes[path], array.dtype, parallel, path)
@@ -277,10 +310,12 @@ def _quantize_tensors(tensors: Iterator, quantization: str | None) -> Iterator:
 
 
 def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: Any,
-                    parallel: TensorParallel | None = None) -> tuple[np.dtype, Params]:  # fmt: skip
+                    parallel: TensorParallel | None = None,
+                    prequantized: str | None = None) -> tuple[np.dtype, Params]:  # fmt: skip
     """Restores a converted checkpoint: as numpy arrays, or with `parallel` straight into each
     tensor's shards (each device reads its part; tensors whose kv heads must be repeated come
-    back as numpy for `parallel.place`)."""
+    back as numpy for `parallel.place`). Plain tensors are cast to `dtype`; the quantized pairs
+    of a pre-quantized checkpoint are checked to be stored as they must be and kept so."""
     import orbax.checkpoint as ocp  # only converted checkpoints need Orbax
 
     with open(os.path.join(model_dir, FORMAT_FILE)) as f:
@@ -290,25 +325,35 @@ def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: An
             f"{FORMAT_FILE} in {os.fspath(model_dir)!r} has format_version={marker.get('format_version')!r}; "
             f"this jaxpaged reads version {FORMAT_VERSION}: re-run jaxpaged-convert"
         )
+    if marker.get("quantization") != prequantized:  # markers before quantization hold none
+        raise ValueError(
+            f"{FORMAT_FILE} in {os.fspath(model_dir)!r} says quantization={marker.get('quantization')!r} but its "
+            f"config.json says {prequantized!r} (quantization_config); keep the config.json jaxpaged-convert copied"
+        )
     target = resolve_dtype(dtype, marker.get("dtype"))
     params_dir = os.path.abspath(os.path.join(model_dir, PARAMS_DIR))
     if not os.path.isdir(params_dir):
         raise FileNotFoundError(f"converted checkpoint {os.fspath(model_dir)!r} has no {PARAMS_DIR}/ directory")
-    expected = param_shapes(config)
+    expected = param_shapes(config, prequantized)
     with ocp.PyTreeCheckpointer() as checkpointer:
-        # Names and shapes from the metadata first; then read as numpy, cast while reading.
+        # Names, shapes and dtypes from the metadata first; then read as numpy, cast while reading.
         meta = checkpointer.metadata(params_dir)
         meta = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
         stored = {path: tuple(m.shape) for path, m in _flatten(meta).items()}
         check_names(set(expected), set(stored), f"converted checkpoint {params_dir!r}")
-        for path, shape in stored.items():
-            check_shape(_dotted(path), expected[path], shape)
+        for path, m in _flatten(meta).items():
+            check_shape(_dotted(path), expected[path], tuple(m.shape))
+            kept = kept_dtype(path, prequantized)
+            if kept is not None and np.dtype(m.dtype) != kept:
+                raise ValueError(f"tensor {_dotted(path)!r} in {params_dir!r} is stored as {np.dtype(m.dtype)}, "
+                                 f"expected {kept} (the checkpoint is {prequantized}-quantized)")  # fmt: skip
 
         def restore_args(path, _):
             path = param_path(path)
+            cast = target if kept_dtype(path, prequantized) is None else None  # quantized pairs as stored
             if parallel is None or parallel.repeats(path):
-                return ocp.RestoreArgs(restore_type=np.ndarray, dtype=target)
-            return ocp.ArrayRestoreArgs(sharding=parallel.param_sharding(path), dtype=target)
+                return ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast)
+            return ocp.ArrayRestoreArgs(sharding=parallel.param_sharding(path), dtype=cast)
 
         args = jax.tree_util.tree_map_with_path(restore_args, meta)
         restored = checkpointer.restore(params_dir, restore_args=args)

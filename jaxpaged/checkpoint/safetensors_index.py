@@ -3,20 +3,28 @@
 A checkpoint is either one `model.safetensors` or a `model.safetensors.index.json` whose
 `weight_map` names the shard of every tensor. Only headers are read up front (names, shapes,
 dtypes); tensor data is read when `iter_tensors` reaches it, so a loader holds at most one
-HF tensor beside what it has already converted. bfloat16 arrives as `ml_dtypes.bfloat16`.
+HF tensor beside what it has already converted. bfloat16 arrives as `ml_dtypes.bfloat16`, and
+float8 (`F8_E4M3`, `F8_E5M2`, which safetensors' numpy reader cannot make) as
+`ml_dtypes.float8_e4m3fn` / `float8_e5m2`, read from the file's bytes at the header's offsets.
 """
 
 import collections
 import json
 import os
+import struct
 from collections.abc import Iterable, Iterator
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
 from jaxpaged.checkpoint.format import SAFETENSORS_FILE as SINGLE_FILE
 from jaxpaged.checkpoint.format import SAFETENSORS_INDEX_FILE as INDEX_FILE
 from jaxpaged.checkpoint.hf_keys import format_names
+
+# Safetensors dtypes that `safe_open(framework="np")` cannot return (it looks for them in numpy
+# itself), read as raw bytes and viewed as the ml_dtypes type instead.
+RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2)}
 
 
 class SafetensorsCheckpoint:
@@ -38,11 +46,14 @@ class SafetensorsCheckpoint:
         # Headers only: name -> every file that holds it, to catch duplicates across shards.
         found: dict[str, list[str]] = collections.defaultdict(list)
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
         for path in files:
             with safe_open(path, framework="np") as f:
                 for name in f.keys():
                     found[name].append(os.path.basename(path))
-                    self._shapes[name] = tuple(f.get_slice(name).get_shape())
+                    tensor = f.get_slice(name)
+                    self._shapes[name] = tuple(tensor.get_shape())
+                    self._dtypes[name] = tensor.get_dtype()
         duplicates = {n: fs for n, fs in found.items() if len(fs) > 1}
         if duplicates:
             detail = format_names(f"{n} (in {', '.join(fs)})" for n, fs in duplicates.items())
@@ -83,6 +94,11 @@ class SafetensorsCheckpoint:
         """The stored shape of `name`, from the header (no data read)."""
         return self._shapes[name]
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype of `name` in safetensors' spelling ("F32", "BF16", "F8_E4M3", ...), from
+        the header (no data read)."""
+        return self._dtypes[name]
+
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, np.ndarray]]:
         """Yields `(name, array)` one at a time, file by file, each file opened once.
 
@@ -94,9 +110,37 @@ class SafetensorsCheckpoint:
         for name in wanted:
             by_file[self.locations[name]].append(name)
         for path in sorted(by_file):
+            offsets = None
             with safe_open(path, framework="np") as f:
                 for name in by_file[path]:
-                    yield name, f.get_tensor(name)
+                    if self._dtypes[name] not in RAW_DTYPES:
+                        yield name, f.get_tensor(name)
+                        continue
+                    if offsets is None:
+                        offsets = _data_offsets(path)
+                    yield name, _read_raw(path, offsets[name], RAW_DTYPES[self._dtypes[name]], self._shapes[name])
+
+
+def _data_offsets(path: str) -> dict[str, tuple[int, int]]:
+    """name -> (start, end) byte offsets of every tensor's data in a safetensors file (the
+    format: an 8-byte little-endian header length, the JSON header, then the data)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: (8 + length + entry["data_offsets"][0], 8 + length + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}  # fmt: skip
+
+
+def _read_raw(path: str, span: tuple[int, int], dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor's little-endian bytes viewed as `dtype` (a one-byte type) in `shape`."""
+    start, end = span
+    count = end - start
+    if count != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"{path}: a tensor of shape {list(shape)} and dtype {dtype} spans {count} bytes")
+    data = np.fromfile(path, dtype=np.uint8, count=count, offset=start)
+    if data.size != count:
+        raise ValueError(f"{path} is truncated: a tensor's data ends past the end of the file")
+    return data.view(dtype).reshape(shape)
 
 
 def _read_weight_map(index_path: str) -> dict[str, str]:

@@ -1,6 +1,9 @@
 """`jaxpaged-convert`: Hugging Face safetensors -> jaxpaged (Orbax) checkpoint.
 
 jaxpaged-convert --hf-dir ./Llama-3.1-8B --out ./llama-8b-jax --dtype bfloat16
+
+A compressed-tensors FP8 checkpoint (e.g. a public Llama FP8) is converted with its weights
+still in float8 (see `convert.convert`).
 """
 
 import argparse
@@ -22,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="bfloat16",
         choices=("bfloat16", "float32", "float16", "auto"),
-        help="parameter dtype on disk; 'auto' keeps the checkpoint's (default: bfloat16)",
+        help="parameter dtype on disk; 'auto' keeps the checkpoint's (default: bfloat16); the weights of a "
+        "pre-quantized (compressed-tensors FP8) checkpoint stay float8 with float32 scales",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")

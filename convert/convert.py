@@ -9,9 +9,17 @@ out_dir/
   config.json              copied from the HF directory (the loader reads the config from it)
   generation_config.json   copied when present
   tokenizer files          every one present (tokenizer.json, tokenizer_config.json, ...)
-  jaxpaged_format.json     {"format": "jaxpaged", "format_version", "dtype", "source", ...};
-                           written last, so a half-written directory is never loaded
+  jaxpaged_format.json     {"format": "jaxpaged", "format_version", "dtype", "quantization",
+                           "source", ...}; written last, so a half-written directory is never loaded
 ```
+
+A pre-quantized checkpoint (compressed-tensors FP8, detected from config.json's
+`quantization_config`) stays quantized: its weights are written as the loader reads them,
+`<name>_quant` in float8_e4m3fn (Orbax stores the type natively, bytes unchanged) and
+`<name>_scale` in float32, and `dtype` applies only to the plain tensors (embedding, norms, LM
+head). config.json keeps its `quantization_config`, so the converted directory loads as fp8
+again; the marker's `quantization` ("fp8", or null) records it. Quantizing a plain checkpoint
+while converting is not offered: the engine quantizes plain weights at load (`--quantization`).
 """
 
 import glob
@@ -32,6 +40,7 @@ from jaxpaged.checkpoint.loader import (
     read_hf_params,
     resolve_dtype,
 )
+from jaxpaged.config.quantization import checkpoint_quantization
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
@@ -61,7 +70,8 @@ def convert_checkpoint(
       hf_dir: Hugging Face model directory (config.json + safetensors, tokenizer files).
       out_dir: output directory; created if needed. It must not already hold a checkpoint.
       dtype: parameter dtype on disk: "bfloat16", "float32", "float16" or "auto" (the
-        checkpoint's own dtype).
+        checkpoint's own dtype); a pre-quantized checkpoint's quantized weights and scales
+        keep theirs (float8_e4m3fn, float32).
       overwrite: replace a checkpoint already in `out_dir`.
       progress: show a tqdm bar over tensors.
 
@@ -71,7 +81,8 @@ def convert_checkpoint(
     Raises:
       FileNotFoundError: `hf_dir` lacks config.json or safetensors.
       FileExistsError: `out_dir` already holds a checkpoint and `overwrite` is False.
-      ValueError: unsupported config or dtype; missing, unexpected, duplicate or misshaped keys.
+      ValueError: unsupported config, dtype or `quantization_config`; missing, unexpected,
+        duplicate, misshaped or wrongly typed keys.
     """
     hf_dir, out_dir = os.fspath(hf_dir), os.fspath(out_dir)
     if is_converted_dir(hf_dir):
@@ -80,9 +91,10 @@ def convert_checkpoint(
     if os.path.exists(out_dir) and os.path.samefile(hf_dir, out_dir):
         raise ValueError(f"--out {out_dir!r} is the HF directory itself; pass a different output directory")
     target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
+    prequantized = checkpoint_quantization(raw)
     _prepare_out_dir(out_dir, overwrite)
 
-    params = read_hf_params(hf_dir, config, target, progress=progress)
+    params = read_hf_params(hf_dir, config, target, progress=progress, prequantized=prequantized)
     num_params = _save_params(os.path.join(out_dir, PARAMS_DIR), params)
     del params
 
@@ -96,6 +108,7 @@ def convert_checkpoint(
         "format": "jaxpaged",
         "format_version": FORMAT_VERSION,
         "dtype": dtype_name(target),
+        "quantization": prequantized,
         "source": os.path.abspath(hf_dir),
         "architecture": config.architecture,
         "num_params": num_params,

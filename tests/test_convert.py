@@ -124,6 +124,7 @@ def test_cli_bfloat16_end_to_end(llama_dir, tmp_path, capsys):
         assert (out / name).is_file(), name
     marker = json.loads((out / "jaxpaged_format.json").read_text())
     assert marker["dtype"] == "bfloat16" and marker["format_version"] == 2  # 2: layers stacked
+    assert marker["quantization"] is None  # plain weights (see test_fp8_checkpoint.py for FP8)
 
     _, params = load_params(out)  # "auto": the converted dtype
     _, reference = load_params(hf_dir, "float32")
@@ -132,6 +133,9 @@ def test_cli_bfloat16_end_to_end(llama_dir, tmp_path, capsys):
         np.testing.assert_array_equal(value, leaves(reference)[path].astype(ml_dtypes.bfloat16))
     _, upcast = load_params(out, "float32")
     assert all(v.dtype == np.float32 for v in leaves(upcast).values())
+    # A marker written before the quantization field means plain weights.
+    (out / "jaxpaged_format.json").write_text(json.dumps({k: v for k, v in marker.items() if k != "quantization"}))
+    assert leaves(load_params(out)[1]).keys() == leaves(params).keys()
 
     # An existing checkpoint is refused without --overwrite, replaced with it.
     with pytest.raises(SystemExit) as exc:

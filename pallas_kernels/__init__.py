@@ -1,7 +1,9 @@
 """Paged-attention kernels for NVIDIA GPUs, each beside a pure-jnp reference (`reference`).
 
-Public kernels (same signatures as their references):
-  write_kv                 scatter this step's K/V into the paged pools (XLA, in place)
+Public kernels (same signatures as their references; the attention kernels read float8 pools
+with per-kv-head k_scale / v_scale, dequantising inside the kernel):
+  write_kv                 scatter this step's K/V into the paged pools (XLA, in place), optionally
+                           quantised to float8 with per-kv-head scales
   paged_decode_attention   one query token per sequence (Pallas Triton, flash-decoding)
   ragged_paged_attention   any mix of decodes, prefills and chunks (Pallas Triton)
 """

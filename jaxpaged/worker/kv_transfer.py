@@ -18,6 +18,7 @@ K kv heads (all of them: under tensor parallelism each device copies its own hea
 holds the whole block), H head_dim.
 """
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -77,8 +78,7 @@ def _load(parallel: TensorParallel, num_layers: int, cache: DeviceCache, ids, da
     scatter = parallel.per_head(functools.partial(scatter_blocks, num_layers=num_layers),
                                 (KV_POOL_AXES, KV_POOL_AXES, (), KV_BLOCK_AXES), (KV_POOL_AXES, KV_POOL_AXES))  # fmt: skip
     k, v = scatter(cache.kv.k, cache.kv.v, ids, data)
-    return DeviceCache(kv=KVPool(k=k, v=v, num_layers=num_layers), prompt_mask=cache.prompt_mask,
-                       output_counts=cache.output_counts)  # fmt: skip
+    return dataclasses.replace(cache, kv=dataclasses.replace(cache.kv, k=k, v=v))  # an fp8 pool keeps its scales
 
 
 class KVTransfer:

@@ -1,0 +1,240 @@
+"""What a lent GPU should measure about quantization, in one device call of at most 10 minutes.
+
+    bash benchmarks/run_gpu_quantization.sh "$OUT"              # on the GPU machine (this script, --out "$OUT")
+    python benchmarks/quantization_gpu.py --smoke --out /tmp/q  # the whole run on a CPU: demo model, tiny shapes
+
+Nothing needs preparing or carrying: the 8B engines use dummy weights and random prompts.
+Conventions as in `gpu_run.py` (whose device probe, child environment and console tee this
+reuses, with `gpu/stages.Stage` and `gpu/runner`): the device is probed in a process of its own;
+every step runs in a process group of its own with its own timeout (the smaller of its cap and
+what the stage has left; a stage's unused seconds go to the next); OUT/summary.json,
+OUT/summary.md and OUT/stages.tar.gz are rewritten after every stage; OUT/console.txt holds the
+timestamped console.
+
+Stages, most valuable first (budgets in STAGE_BUDGETS_S; they and the probe sum to 9.5 minutes):
+
+1. hlo: `gpu/quant_hlo.py` compiles the 8B engine's step programs from shapes alone, for fp8
+   weights + fp8 KV, int8 weights, bf16 and fp8 with XLA's dynamic-slice fusion, and counts in
+   the optimised HLO (`gpu/hlo_census.py`) the GEMM custom calls (cuBLASLt's fp8 GEMM is
+   `__cublas$lt$matmul$f8`), the GEMM fusions and the dtypes their dots take, and every
+   weight-sized buffer written to memory: upcasts of a float8/int8 weight, 8-bit transposes or
+   copies of one, per-layer slices copied out of the stacked weights. The HLO text goes in the
+   tarball.
+2. kernels: `gpu/quant_kernels.py`: the decode kernel over a float8_e4m3fn pool with scales vs a
+   bf16 pool (Llama-8B attention shapes, batches x contexts, interpret=False): µs, GB/s over the
+   bytes read, fp8/bf16 time; correctness of the decode and ragged kernels over float8 pools
+   with NaN-poisoned unowned slots against the reference.
+3. engine: `jaxpaged bench latency` (batch 1, TPOT) then `jaxpaged bench throughput` (random
+   prompts, fixed lengths) for bf16, fp8 weights + fp8 KV, fp8 KV, int8 weights, each a process
+   of its own, all with the same engine limits and one persistent compilation cache in the work
+   directory (a mode's throughput run loads the programs its latency run compiled); ratios to bf16.
+"""
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_run.py and the gpu/ helpers
+
+from gpu.plan import DEMO_MODEL_DIR, GPU_ENGINE_LIMITS, PROBE_TIMEOUT_S, ROOT, SMOKE_ENGINE_LIMITS  # noqa: E402
+from gpu.quant_summary import write_summary  # noqa: E402
+from gpu.runner import progress  # noqa: E402
+from gpu.stages import CLI, DYNAMIC_SLICE_FUSION, Stage  # noqa: E402
+from gpu_run import Tee, child_env, probe_device  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Seconds per stage; with the device probe (at most PROBE_TIMEOUT_S) they sum to 9.5 minutes.
+STAGE_BUDGETS_S = {"hlo": 120, "kernels": 90, "engine": 340}
+SMOKE_STAGE_BUDGET_S = 120
+# The engine modes, most valuable first: the flags each adds to the bf16 engine's.
+ENGINE_MODES = {"bf16": (), "fp8_w_kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
+                "fp8_kv": ("--kv-cache-dtype", "fp8"), "int8": ("--quantization", "int8")}  # fmt: skip
+# The HLO steps: (name, engine flags, programs, extra XLA flag).
+HLO_STEPS = (("fp8", ("--quantization", "fp8", "--kv-cache-dtype", "fp8"), "decode:16,decode:256,mixed:2048", None),
+             ("int8", ("--quantization", "int8"), "decode:16,mixed:2048", None),
+             ("bf16", (), "decode:16", None),
+             ("fp8_dynamic_slice_fusion", ("--quantization", "fp8", "--kv-cache-dtype", "fp8"), "decode:16",
+              DYNAMIC_SLICE_FUSION))  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything the stages need to build their commands."""
+
+    smoke: bool
+    model: str
+    weight_flags: tuple[str, ...]
+    engine_limits: tuple[str, ...]
+    hlo_programs: dict  # HLO step name -> programs (overrides HLO_STEPS' under --smoke)
+    kernel_flags: tuple[str, ...]
+    latency_flags: tuple[str, ...]
+    throughput_flags: tuple[str, ...]
+    caps_s: dict  # per-step caps: hlo step name, "kernels", "latency", "throughput"
+    budgets_s: dict
+
+
+def gpu_plan(budgets: dict) -> Plan:
+    """Llama-3.1-8B's shapes with dummy bf16 weights (quantized at init where asked), on the GPU.
+    The engine limits are gpu_run.py's, so its bf16 engine compiles the same programs."""
+    return Plan(
+        smoke=False, model="llama-3.1-8b", weight_flags=("--dtype", "bfloat16", "--load-format", "dummy"),
+        engine_limits=GPU_ENGINE_LIMITS, hlo_programs={name: programs for name, _, programs, _ in HLO_STEPS},
+        kernel_flags=(),
+        latency_flags=("--batch-size", "1", "--input-len", "32", "--output-len", "128", "--num-iters-warmup", "2",
+                       "--num-iters", "5"),
+        throughput_flags=("--dataset-name", "random", "--num-prompts", "256", "--input-len", "512", "--output-len", "128"),
+        # A cold 8B engine (probe + 14 programs) compiles in tens of seconds; a warm one loads them.
+        caps_s={"fp8": 60, "int8": 45, "bf16": 35, "fp8_dynamic_slice_fusion": 35, "latency": 110, "throughput": 80},
+        budgets_s={**STAGE_BUDGETS_S, **budgets},
+    )  # fmt: skip
+
+
+def smoke_plan(budgets: dict) -> Plan:
+    """The demo model, tiny limits and workloads, kernels in interpret mode: the whole run on a CPU."""
+    return Plan(
+        smoke=True, model=DEMO_MODEL_DIR, weight_flags=("--dtype", "bfloat16", "--load-format", "dummy",
+                                                        "--skip-tokenizer-init"), engine_limits=SMOKE_ENGINE_LIMITS,
+        hlo_programs={name: "decode:1" for name, *_ in HLO_STEPS}, kernel_flags=("--smoke",),
+        latency_flags=("--input-len", "8", "--output-len", "4", "--num-iters-warmup", "0", "--num-iters", "1"),
+        throughput_flags=("--dataset-name", "random", "--num-prompts", "2", "--input-len", "8", "--output-len", "4"),
+        caps_s={}, budgets_s={**{name: SMOKE_STAGE_BUDGET_S for name in STAGE_BUDGETS_S}, **budgets},
+    )  # fmt: skip
+
+
+class CappedStage(Stage):
+    """A `gpu.stages.Stage` whose steps may each be capped below what the stage has left."""
+
+    def step(self, step_name: str, cmd: list[str], output_json: str | None = None, cap_s: float | None = None) -> dict:
+        deadline = self.deadline
+        if cap_s is not None:
+            self.deadline = min(deadline, time.monotonic() + cap_s)
+        try:
+            return super().step(step_name, cmd, output_json)
+        finally:
+            self.deadline = deadline
+
+
+def with_xla_flag(stage: Stage, flag: str | None) -> list[str]:
+    """An `env XLA_FLAGS=...` prefix adding `flag` to the run's XLA flags (none without a flag)."""
+    if flag is None:
+        return []
+    return ["env", f"XLA_FLAGS={stage.env.get('XLA_FLAGS', '')} {flag}".strip()]
+
+
+def run_hlo(stage: CappedStage) -> None:
+    plan = stage.plan
+    hlo_dir = stage.path("hlo")
+    for name, flags, _, xla_flag in HLO_STEPS:
+        out = stage.path(f"hlo_{name}.json")
+        cmd = [*with_xla_flag(stage, xla_flag), sys.executable, os.path.join(HERE, "gpu", "quant_hlo.py"),
+               "--model", plan.model, *plan.weight_flags, *flags, *plan.engine_limits, "--programs",
+               plan.hlo_programs[name], "--label", name, "--hlo-dir", hlo_dir, "--output-json", out]  # fmt: skip
+        stage.step(name, cmd, out, plan.caps_s.get(name))
+
+
+def run_kernels(stage: CappedStage) -> None:
+    out = stage.path("quant_kernels.json")
+    stage.step("fp8_vs_bf16", [sys.executable, os.path.join(HERE, "gpu", "quant_kernels.py"), *stage.plan.kernel_flags,
+                               "--out", out], out)  # fmt: skip
+
+
+def run_engine(stage: CappedStage, modes: list[str]) -> None:
+    plan = stage.plan
+    cache = stage.path("engine_xla_cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    base = [*plan.weight_flags, *plan.engine_limits, "--compilation-cache-dir", cache]
+    for mode in modes:
+        flags = ENGINE_MODES[mode]
+        out = stage.path(f"latency_{mode}.json")
+        stage.step(f"latency_{mode}", [*CLI, "bench", "latency", "--model", plan.model, *base, *flags,
+                                       *plan.latency_flags, "--output-json", out], out, plan.caps_s.get("latency"))  # fmt: skip
+        out = stage.path(f"throughput_{mode}.json")
+        stage.step(f"throughput_{mode}", [*CLI, "bench", "throughput", "--model", plan.model, *base, *flags,
+                                          *plan.throughput_flags, "--disable-tqdm", "--output-json", out], out,
+                   plan.caps_s.get("throughput"))  # fmt: skip
+
+
+def run_stages(args, plan: Plan, out_dir: str, work_dir: str, device: dict, env: dict) -> list[dict]:
+    runners = {"hlo": run_hlo, "kernels": run_kernels, "engine": lambda stage: run_engine(stage, args.engine_modes)}
+    chosen = [name for name in STAGE_BUDGETS_S if not args.stages or name in args.stages]
+    plan_info = {"smoke": plan.smoke, "model": plan.model, "engine_limits": plan.engine_limits,
+                 "engine_modes": {mode: " ".join(ENGINE_MODES[mode]) or "(bf16)" for mode in args.engine_modes},
+                 "latency_flags": plan.latency_flags, "throughput_flags": plan.throughput_flags,
+                 "budgets_s": {name: plan.budgets_s[name] for name in chosen}, "caps_s": plan.caps_s}  # fmt: skip
+    records, deadline = [], time.monotonic()
+    for name in chosen:
+        deadline += plan.budgets_s[name]
+        stage = CappedStage(name, plan, work_dir, deadline, env)
+        progress(f"=== stage {name}: up to {stage.remaining():.0f} s ===")
+        try:
+            runners[name](stage)
+        except Exception as err:  # noqa: BLE001 - the orchestrator's own error in one stage must not end the run
+            stage.fail("orchestrator", f"{type(err).__name__}: {err}")
+        stage.save()
+        records.append(stage.record())
+        progress(f"=== stage {name}: {stage.status()} after {records[-1]['elapsed_s']:.0f} s ===")
+        write_summary(out_dir, work_dir, device, records, plan_info)
+    return records
+
+
+def budget(text: str) -> tuple[str, float]:
+    name, _, seconds = text.partition("=")
+    if name not in STAGE_BUDGETS_S or not seconds:
+        raise argparse.ArgumentTypeError(f"{text!r}: STAGE=SECONDS with STAGE one of {', '.join(STAGE_BUDGETS_S)}")
+    return name, float(seconds)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quantization_gpu_run"),
+                        help="where summary.json, summary.md, console.txt and stages.tar.gz go")  # fmt: skip
+    parser.add_argument("--work-dir", help="each stage's files and the compilation cache; new or empty (default: a "
+                        "fresh temporary directory)")  # fmt: skip
+    parser.add_argument("--smoke", action="store_true", help="the demo model and tiny shapes on the CPU")
+    parser.add_argument("--stages", type=lambda t: t.split(","), help=f"run only these ({','.join(STAGE_BUDGETS_S)})")
+    parser.add_argument("--budget", type=budget, action="append", default=[], metavar="STAGE=SECONDS",
+                        help="override a stage's budget")  # fmt: skip
+    parser.add_argument("--engine-modes", type=lambda t: t.split(","), default=list(ENGINE_MODES),
+                        help=f"the engine stage's modes, in order (default {','.join(ENGINE_MODES)}; bf16 is the "
+                        "ratios' base)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if set(args.engine_modes) - set(ENGINE_MODES):
+        parser.error(f"--engine-modes: choose from {', '.join(ENGINE_MODES)}")
+    unknown = set(args.stages or ()) - set(STAGE_BUDGETS_S)
+    if unknown:
+        parser.error(f"--stages: unknown {', '.join(sorted(unknown))}; choose from {', '.join(STAGE_BUDGETS_S)}")
+    if args.work_dir and os.path.isdir(args.work_dir) and os.listdir(args.work_dir):
+        parser.error(f"--work-dir {args.work_dir} is not empty: its files would be packed with this run's")
+    out_dir = os.path.abspath(args.out)
+    work_dir = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix="jaxpaged_quant_gpu_"))
+    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(work_dir, exist_ok=True)
+    sys.stdout = Tee(os.path.join(out_dir, "console.txt"))
+    plan = (smoke_plan if args.smoke else gpu_plan)(dict(args.budget))
+    env = child_env(args.smoke)
+    progress(f"probing the device (smoke={args.smoke}); stage files in {work_dir}")
+    try:
+        device = probe_device(env)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        progress(f"REFUSED: {err}")
+        write_summary(out_dir, work_dir, {"refused": True, "error": str(err)}, [], {"smoke": args.smoke})
+        return 2
+    progress(f"device: {device}")
+    if device["platform"] != "gpu" and not args.smoke:
+        progress(f"REFUSED: JAX's platform is {device['platform']}, not gpu; run on the GPU machine, or pass --smoke")
+        write_summary(out_dir, work_dir, {**device, "refused": True}, [], {"smoke": False})
+        return 2
+    records = run_stages(args, plan, out_dir, work_dir, device, env)
+    for record in records:
+        progress(f"{record['stage']:<8} {record['status']:<9} {record['elapsed_s']:6.0f} s  {record['headline']}")
+    progress(f"wrote {out_dir}/summary.md, summary.json, stages.tar.gz, console.txt")
+    return 0 if all(r["status"] == "ok" for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

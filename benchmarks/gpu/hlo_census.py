@@ -15,7 +15,8 @@ after optimisation) and reports
   dot that reads float8 operands directly is an fp8 GEMM;
 - `weight_sized`: the buffers of a weight's size (element count in `weight_sizes`) that the
   program writes to memory, i.e. made by an instruction outside any fusion (the fusion, copy or
-  custom call itself), classified: `upcasts` (a convert from an 8-bit type inside: the weight
+  custom call itself) from an operand of a weight's size (an activation of a weight's size by
+  chance, e.g. RoPE's halves of 2048 tokens' queries, is left out), classified: `upcasts` (a convert from an 8-bit type inside: the weight
   dequantised in memory, which the fp8 and int8 paths must not do), `relayouts_8bit` (a
   transpose or copy giving an 8-bit weight-sized result: the operand re-laid out for the GEMM),
   `slice_copies` (a dynamic-slice or slice: a layer's weight copied out of the stacked array in
@@ -157,6 +158,25 @@ def is_gemm_fusion(label: str) -> bool:
     return any(word in backend for word in ("gemm", "cudnn", "dot", "matmul"))
 
 
+def _is_upcast(i: Instr, type_of, reads_weight) -> bool:
+    """A convert from an 8-bit weight to a wider type."""
+    return (i.opcode == "convert" and bool(i.operands) and type_of(i.operands[0]).startswith(EIGHT_BIT)
+            and not i.first_type().startswith(EIGHT_BIT))  # fmt: skip
+
+
+def _is_relayout(i: Instr, type_of, reads_weight) -> bool:
+    """A transpose or copy of an 8-bit weight."""
+    return i.opcode in ("transpose", "copy") and i.first_type().startswith(EIGHT_BIT) and reads_weight(i)
+
+
+def _is_slice_copy(i: Instr, type_of, reads_weight) -> bool:
+    """A (dynamic) slice taken out of a weight-sized array (the stacked layers' weight)."""
+    return i.opcode in ("dynamic-slice", "slice") and reads_weight(i)
+
+
+CATEGORIES = {"upcasts": _is_upcast, "relayouts_8bit": _is_relayout, "slice_copies": _is_slice_copy}
+
+
 def _size(dims: tuple[int, ...]) -> int:
     n = 1
     for d in dims:
@@ -206,6 +226,10 @@ def census(hlo_text: str, weight_sizes: set[int] | frozenset[int]) -> dict:
             arrays = arrays[:1]
         return any(_size(dims) in weight_sizes for _, dims in arrays if dims)
 
+    def reads_weight(instr: Instr) -> bool:
+        """Whether an operand has a weight's size (a weight, or a layer's slice of the stacked one)."""
+        return any(name in instrs and weight_sized(instrs[name]) for name in instr.operands)
+
     def inner(instr: Instr) -> list[Instr]:
         """Every instruction of the computations a fusion calls, recursively."""
         out, todo, seen = [], list(_called(instr)), set()
@@ -221,7 +245,7 @@ def census(hlo_text: str, weight_sizes: set[int] | frozenset[int]) -> dict:
 
     custom_calls, fusions, gemms, dots = (collections.Counter() for _ in range(4))
     materialized, inside = collections.Counter(), collections.Counter()
-    kinds = collections.Counter()
+    kinds = collections.Counter()  # materialized buffers per category
     for instr in instrs.values():
         top = not context.get(instr.computation)
         if instr.opcode == "custom-call":
@@ -248,21 +272,16 @@ def census(hlo_text: str, weight_sizes: set[int] | frozenset[int]) -> dict:
         if top and instr.opcode not in PASS_THROUGH:
             ops = [instr, *inner(instr)] if instr.opcode == "fusion" else [instr]
             sized = [i for i in ops if weight_sized(i) and i.opcode not in PASS_THROUGH | {"fusion"}]
+            hits = {kind for kind, test in CATEGORIES.items() if any(test(i, type_of, reads_weight) for i in sized)}
+            if not hits and not reads_weight(instr):  # weight-sized by chance (an activation): not a weight
+                continue
+            kinds.update(hits)
             opcodes = sorted({i.opcode for i in sized}) or [instr.opcode]
             label = _fusion_label(instr) if instr.opcode == "fusion" else instr.opcode
             operand_types = ", ".join(type_of(o) for o in instr.operands[:3])
             materialized[f"{label} [{' '.join(opcodes)}]: ({operand_types}) -> {instr.first_type()} in "
                          f"{location(instr.computation)}"] += 1  # fmt: skip
-            for i in sized:
-                if i.opcode == "convert" and any(type_of(o).startswith(EIGHT_BIT) for o in i.operands[:1]) \
-                        and not i.first_type().startswith(EIGHT_BIT):  # fmt: skip
-                    kinds["upcasts"] += 1
-                    break
-            if any(i.opcode in ("transpose", "copy") and i.first_type().startswith(EIGHT_BIT) for i in sized):
-                kinds["relayouts_8bit"] += 1
-            if any(i.opcode in ("dynamic-slice", "slice") for i in sized):
-                kinds["slice_copies"] += 1
-        elif not top and instr.opcode not in PASS_THROUGH | {"fusion"}:
+        elif not top and instr.opcode not in PASS_THROUGH | {"fusion"} and reads_weight(instr):
             place = where(instr)
             if place == "gemm fusion" or place.startswith("fusion kCustom"):  # read in place, not written
                 inside[f"{instr.opcode} in {place}: ({', '.join(type_of(o) for o in instr.operands[:1])}) -> "

@@ -1,0 +1,65 @@
+"""Speculative decoding on the host: n-gram proposals and who may speculate (no JAX here).
+
+A step verifies a sequence's k proposals as a (k + 1)-token query: its last token and the
+proposals, each at its own position. The device samples a token at every one of those positions
+exactly as a plain decode step would there (the same filtering, the same per-position random
+key) and accepts the proposals up to the first that differs from its sample; the sequence gains
+the accepted proposals and the sample after them. Each emitted token is therefore the token plain
+decoding would have sampled in that context: greedy and seeded outputs are the same, token for
+token, with and without speculation, and the output distribution is the target model's.
+
+The K/V written at rejected positions lie past the sequence's length: nothing reads them, the
+next step overwrites them, and the blocks holding only such slots go back to the pool
+(`BlockManager.trim`). Prefix-cache blocks are registered from the sequence's own tokens only,
+so a rejected proposal never reaches the cache.
+"""
+
+import numpy as np
+
+from jaxpaged.config.speculative import SpeculativeConfig
+from jaxpaged.sampling_params import SamplingParams
+
+
+# Engine counters of speculative decoding (vLLM's metric names without `vllm:`): proposal
+# windows checked, proposed tokens, accepted tokens; and per position (the j-th proposal kept).
+SPEC_DECODE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+SPEC_DECODE_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+
+
+def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a sequence may be given proposals now: not with penalties (they would have to see
+    each proposal as generated before sampling the next position), nor before `min_tokens` (its
+    banned tokens change within the window), nor when the request opted out."""
+    return (
+        params.speculate
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+        and params.repetition_penalty == 1
+        and num_output_tokens >= params.min_tokens
+    )
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens, for n from `prompt_lookup_max` down to `prompt_lookup_min`."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.lookup = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        """Up to `min(k, limit)` proposed next tokens for a sequence of `token_ids` (may be none)."""
+        limit = min(self.k, limit)
+        if limit <= 0:
+            return []
+        tokens = np.asarray(token_ids)
+        for n in self.lookup:
+            if n >= len(tokens):
+                continue
+            # Windows starting before the suffix itself; the latest one equal to it.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return [int(t) for t in tokens[start : start + limit]]
+        return []

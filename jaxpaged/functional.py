@@ -57,7 +57,8 @@ class StepInput:
     Attributes:
       token_ids: `[T]` tokens computed this step (padding 0).
       metadata: where they go in the pool and what each attends to.
-      logits_indices: `[S]` row of each sequence's last token this step.
+      logits_indices: `[S * R]` token rows sampled at: R per sequence, its last token's first
+        (R > 1 with speculative decoding: then also each proposal's, see `StepPacker`).
       sampling: per-sequence sampling parameters (`slot` indexes the penalty tables).
       token_slot: `[T]` penalty-table row of each token's sequence (R for padding).
       token_is_output: `[T]` whether each token was generated (else prompt).
@@ -65,17 +66,20 @@ class StepInput:
       want_logprobs: `[]` whether any sequence asked for top logprobs.
       banned_ids: `[S, B]` token ids each sequence may not sample yet (EOS and stop tokens
         before `min_tokens`); padding is V.
+      num_drafts: `[S]` proposals at the end of each sequence's tokens, checked when R > 1
+        (None: R = 1, none).
     """
 
     token_ids: Int[Array, " T"]
     metadata: AttentionMetadata
-    logits_indices: Int[Array, " S"]
+    logits_indices: Int[Array, " SR"]
     sampling: SamplingTensors
     token_slot: Int[Array, " T"]
     token_is_output: Bool[Array, " T"]
     reset_slots: Int[Array, " S"]
     want_logprobs: Bool[Array, ""]
     banned_ids: Int[Array, "S B"]
+    num_drafts: Int[Array, " S"] | None = None
 
 
 def init_cache(config: ModelConfig, *, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
@@ -109,4 +113,19 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache, inp: Ste
     hidden, kv = model(inp.token_ids, cache.kv, inp.metadata)
     logits = model.compute_logits(hidden[inp.logits_indices])
     result = sample(logits, inp.sampling, prompt_mask, output_counts, inp.want_logprobs, inp.banned_ids)
+    rows_per_seq = 1 if inp.num_drafts is None else inp.logits_indices.shape[0] // inp.num_drafts.shape[0]
+    if rows_per_seq > 1:  # speculative decoding: how many proposals each sequence's samples confirm
+        result = dataclasses.replace(result, num_accepted=accepted_proposals(inp, result.token_ids, rows_per_seq))
     return DeviceCache(kv=kv, prompt_mask=prompt_mask, output_counts=output_counts), result
+
+
+def accepted_proposals(inp: StepInput, sampled: Int[Array, " SR"], rows_per_seq: int) -> Int[Array, " S"]:
+    """Proposals each sequence keeps: those up to the first that differs from the token sampled
+    at its position (row j samples the token after proposal j - 1; proposal j sits at token row
+    `logits_indices[s * R] + 1 + j`)."""
+    sampled = sampled.reshape(-1, rows_per_seq)  # [S, R]
+    first = inp.logits_indices.reshape(-1, rows_per_seq)[:, 0]
+    j = jnp.arange(rows_per_seq - 1)
+    proposals = inp.token_ids[jnp.minimum(first[:, None] + 1 + j, inp.token_ids.shape[0] - 1)]  # [S, R - 1]
+    match = (sampled[:, :-1] == proposals) & (j[None, :] < inp.num_drafts[:, None])
+    return jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)

@@ -84,6 +84,8 @@ class SamplingParams:
       skip_special_tokens: drop special tokens from the text.
       spaces_between_special_tokens: put spaces between special tokens in the text.
       output_kind: CUMULATIVE (default), DELTA (streaming) or FINAL_ONLY (offline batches).
+      speculate: with a `speculative_config`, this request may be given proposals (False: it
+        decodes one token per step). jaxpaged's own option, not vLLM's.
     """
 
     n: int = 1
@@ -105,6 +107,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    speculate: bool = True
 
     def __post_init__(self):
         self.stop = self._normalise_stop(self.stop)
@@ -155,7 +158,8 @@ class SamplingParams:
             raise _bad("stop_token_ids", self.stop_token_ids, f"token ids up to {INT32_MAX}")
         for s in self.stop:
             check_text("SamplingParams.stop", s)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "speculate"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")
         if not isinstance(self.output_kind, RequestOutputKind):

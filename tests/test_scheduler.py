@@ -1,4 +1,6 @@
-"""Scheduler: batching order, chunked prefill, preemption, stops, aborts, and random-workload invariants."""
+"""Scheduler: batching order, chunked prefill, preemption, stops, aborts, and random-workload
+invariants (with host tiers, write-through and speculative proposals: the K/V every step reads
+is what its tokens give, so no rejected proposal is ever read, cached or shared)."""
 
 import itertools
 import random
@@ -7,8 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.block_manager import NULL_BLOCK
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.speculation import NgramProposer
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.sampling_params import SamplingParams
 
@@ -223,6 +227,9 @@ def check_invariants(sched, live):
     for seq in sched.running:
         assert seq.status is SequenceStatus.RUNNING
         assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+        # between steps a sequence holds the blocks of its computed tokens, no more: none is
+        # left holding only rejected proposals
+        assert len(seq.block_table) == -(-seq.num_computed_tokens // bm.block_size)
         for i, b in enumerate(seq.block_table):
             assert b != NULL_BLOCK
             owners.setdefault(b, []).append((seq, i))
@@ -277,20 +284,26 @@ def run_step(sched, pool, rng, host=None, known=None):
     def slot(inp, p):
         return inp.block_table[p // cfg.block_size] * cfg.block_size + p % cfg.block_size
 
-    # What the K/V at position p depends on: the salt and every token up to p.
-    tokens = [seq.all_token_ids for seq, _ in out.scheduled]
+    # What the K/V at position p depends on: the salt and every token fed up to p (a sequence's
+    # own tokens, then the proposals it checks this step).
+    drafts = out.drafts or [[]] * out.num_seqs
+    tokens = [seq.all_token_ids + d for (seq, _), d in zip(out.scheduled, drafts)]
     keys = [[(seq.cache_salt, tuple(toks[: p + 1])) for p in range(len(toks))] for (seq, _), toks in zip(out.scheduled, tokens)]
-    for (seq, n), inp, key, toks in zip(out.scheduled, out.step_inputs, keys, tokens):
+    for (seq, n), inp, key, toks, d in zip(out.scheduled, out.step_inputs, keys, tokens, drafts):
         assert seq.status is SequenceStatus.RUNNING and seq not in out.preempted
-        assert 1 <= n <= seq.num_uncomputed and inp.num_computed == seq.num_computed_tokens
+        assert 1 <= n - len(d) <= seq.num_uncomputed and inp.num_computed == seq.num_computed_tokens
+        assert not d or n == 1 + len(d) and seq.num_uncomputed == 1  # only decoding sequences check proposals
         assert inp.token_ids == toks[inp.num_computed : inp.num_computed + n]
         for p in range(inp.num_computed, inp.num_computed + n):
             pool[slot(inp, p)] = key[p]
     for (seq, n), inp, key in zip(out.scheduled, out.step_inputs, keys):  # attention reads all
         for p in range(inp.num_computed + n):
             assert pool.get(slot(inp, p)) == key[p], f"stale K/V for {seq} at {p}"
-    sampled = [EOS if rng.random() < 0.03 else rng.randrange(2, 8) for _ in out.scheduled]
-    appended = sched.postprocess(out, sampled)
+    sampled = []  # a random number of each entry's proposals kept, then a token of the sampler's
+    for d in drafts:
+        kept = rng.randint(0, len(d))
+        sampled.append(d[:kept] + [EOS if rng.random() < 0.03 else rng.randrange(2, 8)])
+    appended = sched.postprocess(out, sampled if out.num_draft_tokens else [t[-1] for t in sampled])
     move_blocks(sched, pool, {} if host is None else host, stores=True)
     tier = sched.block_manager.host_tier
     if host is not None and tier is not None:  # every cached host block holds the K/V its hash names
@@ -314,6 +327,8 @@ config_st = st.fixed_dictionaries(
         # host tier blocks, preemption mode, write-through (as with a disk tier)
         "host": st.sampled_from([(0, "recompute", False), (3, "recompute", False), (12, "recompute", False),
                                  (3, "swap", False), (40, "swap", False), (12, "swap", True), (4, "recompute", True)]),
+        # speculative decoding: proposals per step (0: off)
+        "speculative_tokens": st.sampled_from([0, 0, 1, 3]),
     }
 )
 add_st = st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 30), st.integers(1, 16), st.integers(0, 3), st.integers(1, 3))
@@ -333,9 +348,11 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     num_blocks = 1 + pool_tokens // config["block_size"]
     budget = config["max_num_seqs"] + extra
     num_host_blocks, mode, write_through = config.pop("host")
+    k = config.pop("speculative_tokens")
+    proposer = NgramProposer(SpeculativeConfig("ngram", k, 3, 1)) if k else None
     cfg = SchedulerConfig(max_model_len=48, max_num_batched_tokens=budget, num_blocks=num_blocks,
                           num_host_blocks=num_host_blocks, preemption_mode=mode, **config)  # fmt: skip
-    sched, rng, pool, host, known = Scheduler(cfg, eos_token_id=EOS), random.Random(seed), {}, {}, {}
+    sched, rng, pool, host, known = Scheduler(cfg, eos_token_id=EOS, proposer=proposer), random.Random(seed), {}, {}, {}
     if write_through:
         sched.block_manager.host_tier.write_through = True
     live, request_ids = [], []

@@ -14,6 +14,7 @@ from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import PRESETS, get_preset, load_config_dict
 from jaxpaged.config.quantization import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, CheckpointQuantizationError,
                                           resolve_quantization)  # fmt: skip
+from jaxpaged.config.speculative import SpeculativeConfig, SpeculativeConfigError
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -128,6 +129,11 @@ class EngineArgs:
         None, "threads compiling the step programs at start-up (default: one per two CPU cores, at most "
         f"{MAX_COMPILE_THREADS}: XLA's compiler already uses about two cores per program; each thread holds one "
         "program's compiler memory)")
+    speculative_config: SpeculativeConfig | dict | str | None = _option(
+        None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} proposes the tokens that followed the latest earlier "
+        "occurrence of a sequence's last tokens, and the model checks them all in one step (default: off)",
+        metavar="JSON")  # fmt: skip
     num_scheduler_steps: int = _option(
         4, "decode steps fused into one device program when every sequence decodes and none waits")
     skip_tokenizer_init: bool = _option(
@@ -153,6 +159,10 @@ class EngineArgs:
             self._check_int("seed", 0)
         self._check_offloading()
         self._check_quantization()
+        try:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        except SpeculativeConfigError as err:
+            raise EngineArgsError("speculative_config", self.speculative_config, str(err)) from None
         self._check_tensor_parallel()
         check_block_size(self.block_size)
         utilization = self.gpu_memory_utilization

@@ -27,12 +27,14 @@ import dataclasses
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 
 from jaxpaged.config.engine_args import PREEMPTION_MODES
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.sequence import Sequence, SequenceStatus
+from jaxpaged.core.speculation import NgramProposer, speculation_allowed
 from jaxpaged.core.step_inputs import ScheduledSequence
 
 
@@ -91,7 +93,10 @@ class SchedulerOutput:
       samples: whether each sequence's last scheduled token yields a sampled token.
       preempted: sequences preempted while scheduling this step.
       num_batched_tokens: tokens computed this step.
-      num_decode_seqs: leading entries that are single decode tokens; the rest are prefills.
+      num_decode_seqs: leading entries that decode (one token of their own, plus any proposals);
+        the rest are prefills.
+      drafts: the proposals each entry checks after its token (speculative decoding; empty
+        lists without it).
     """
 
     scheduled: list[tuple[Sequence, int]]
@@ -100,6 +105,11 @@ class SchedulerOutput:
     preempted: list[Sequence]
     num_batched_tokens: int
     num_decode_seqs: int
+    drafts: list[list[int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.drafts))
 
     @property
     def num_seqs(self) -> int:
@@ -125,12 +135,14 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | list[int] | None = None,
-                 disk_tier: DiskTier | None = None):  # fmt: skip
+                 disk_tier: DiskTier | None = None, proposer: NgramProposer | None = None):  # fmt: skip
         """Args:
         config: the limits.
         eos_token_id: the model's EOS id(s); generation stops there unless `ignore_eos`.
         disk_tier: prefix blocks of earlier runs on disk (needs a host tier: `num_host_blocks`).
+        proposer: proposes tokens for decoding sequences to check (speculative decoding).
         """
+        self.proposer = proposer
         self.config = config
         tier = HostTier(config.num_host_blocks, write_through=disk_tier is not None) if config.num_host_blocks else None
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, tier,
@@ -216,6 +228,7 @@ class Scheduler:
         chosen: set[int] = set()  # seq_ids in `scheduled`
         preempted: list[Sequence] = []
         num_decode_seqs = 0
+        drafts: dict[int, list[int]] = {}  # seq_id -> proposals it checks this step
         # 1. Decodes, then 2. prefill chunks of running sequences, both in admission order.
         for decode in (True, False):
             for seq in list(self.running):
@@ -229,6 +242,10 @@ class Scheduler:
                 if not decode:  # shrink the chunk to the free blocks rather than preempt
                     room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - seq.num_computed_tokens
                     n = max(1, min(n, room))
+                proposal = self._propose(seq, budget - 1) if decode else []
+                if proposal and bm.can_append(seq, 1 + len(proposal)):  # proposals never preempt anyone
+                    n += len(proposal)
+                    drafts[seq.seq_id] = proposal
                 if self._make_room(seq, n, chosen, preempted):
                     bm.may_append(seq, n)
                     scheduled.append((seq, n))
@@ -255,11 +272,13 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
 
-        inputs, samples = [], []
+        inputs, samples, entry_drafts = [], [], []
         for seq, n in scheduled:
-            c = seq.num_computed_tokens
-            inputs.append(ScheduledSequence(seq.token_ids_slice(c, c + n), c, seq.block_table))
-            samples.append(c + n == seq.num_tokens)
+            c, proposal = seq.num_computed_tokens, drafts.get(seq.seq_id, [])
+            own = n - len(proposal)
+            inputs.append(ScheduledSequence(seq.token_ids_slice(c, c + own) + proposal, c, seq.block_table))
+            samples.append(c + own == seq.num_tokens)
+            entry_drafts.append(proposal)
         return SchedulerOutput(
             scheduled=scheduled,
             step_inputs=inputs,
@@ -267,17 +286,34 @@ class Scheduler:
             preempted=preempted,
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
             num_decode_seqs=num_decode_seqs,
+            drafts=entry_drafts,
         )
 
-    def postprocess(self, output: SchedulerOutput,
-                    sampled_token_ids: list[int] | dict[int, int]) -> list[tuple[int, Sequence]]:  # fmt: skip
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Proposals for a decoding sequence: none without a proposer, for sequences that may
+        not speculate, or past `budget` tokens, max_tokens or max_model_len (the sequence
+        gains at most proposals + 1 tokens)."""
+        sp = seq.sampling_params
+        if self.proposer is None or not speculation_allowed(sp, seq.num_output_tokens):
+            return []
+        room = self.config.max_model_len - seq.num_tokens - 1
+        if sp.max_tokens is not None:
+            room = min(room, sp.max_tokens - seq.num_output_tokens - 1)
+        return self.proposer.propose(seq.token_ids_slice(0, seq.num_tokens), min(room, budget))
+
+    def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int] | list[list[int]] | dict[int, int],
+                    on_append: Callable[[int, Sequence, int], None] | None = None) -> list[tuple[int, Sequence]]:  # fmt: skip
         """Takes a computed step's sampled tokens back.
 
         Args:
           output: what `schedule()` returned for the step.
-          sampled_token_ids: either one token per scheduled entry, in batch order (entries
-            whose `samples` is False are ignored), or a dict seq_id -> token for the sampling
-            entries. Python ints (use `.tolist()` on arrays).
+          sampled_token_ids: one token per scheduled entry, in batch order (entries whose
+            `samples` is False are ignored); or, for a step that checked proposals, a list per
+            entry: its accepted proposals and the token sampled after them; or a dict seq_id ->
+            token for the sampling entries. Python ints (use `.tolist()` on arrays).
+          on_append: called as `on_append(batch index, sequence, j)` right after the entry's
+            j-th token is appended (before the next; a sequence that finished on it, e.g. on a
+            stop string, gets no more).
 
         Returns:
           `(batch index, sequence)` of every sequence a token was appended to (its
@@ -286,20 +322,31 @@ class Scheduler:
         """
         now = time.time()
         appended = []
-        for i, ((seq, n), samples) in enumerate(zip(output.scheduled, output.samples)):
+        drafts = output.drafts or [[]] * output.num_seqs
+        for i, ((seq, n), samples, proposal) in enumerate(zip(output.scheduled, output.samples, drafts)):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished since it was scheduled
-            seq.num_computed_tokens += n
             if not samples:
+                seq.num_computed_tokens += n
                 continue
-            token = sampled_token_ids[seq.seq_id] if isinstance(sampled_token_ids, dict) else sampled_token_ids[i]
-            seq.output_token_ids.append(int(token))
-            appended.append((i, seq))
+            tokens = sampled_token_ids[seq.seq_id] if isinstance(sampled_token_ids, dict) else sampled_token_ids[i]
+            tokens = tokens if isinstance(tokens, list) else [tokens]
+            # K/V is right up to the last accepted proposal (its inputs were the sequence's tokens).
+            seq.num_computed_tokens += n - len(proposal) + len(tokens) - 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            stop = self._check_stop(seq)
-            if stop is not None:
-                self.finish_sequence(seq, *stop)
+            appended.append((i, seq))
+            for j, token in enumerate(tokens):
+                seq.output_token_ids.append(int(token))
+                stop = self._check_stop(seq)
+                if stop is not None:
+                    self.finish_sequence(seq, *stop)
+                if on_append is not None:
+                    on_append(i, seq, j)
+                if seq.is_finished:
+                    break
+            if proposal and not seq.is_finished:
+                self.block_manager.trim(seq)  # blocks that held only rejected proposals
         return appended
 
     def reserve_lookahead(self, output: SchedulerOutput, num_steps: int) -> bool:
@@ -310,7 +357,7 @@ class Scheduler:
         still under min_tokens, all have budget for the extra tokens (nothing is written past
         max_tokens or max_model_len), and the pool has the blocks.
         """
-        if output.num_decode_seqs != output.num_seqs or self.waiting:
+        if output.num_decode_seqs != output.num_seqs or self.waiting or output.num_draft_tokens:
             return False
         bs, need = self.config.block_size, 0
         for seq, _ in output.scheduled:

@@ -30,6 +30,7 @@ from jaxpaged.core.request_state import RequestState
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.host_tier import KVTransfers
+from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, NgramProposer
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.parallel.multihost import STOP
@@ -60,9 +61,13 @@ class LLMEngine:
         if self.runner.channel is not None:
             atexit.register(self.shutdown)
         self.disk_tier = start_disk_tier(self.config, self.runner)  # its queued writes are done at exit too
+        spec = args.speculative_config
         self.scheduler = Scheduler(self.config.scheduler_config(),
                                    eos_token_id=sorted(eos_token_ids(args, self.config.model, self.tokenizer)),
-                                   disk_tier=self.disk_tier)  # fmt: skip
+                                   disk_tier=self.disk_tier, proposer=NgramProposer(spec) if spec else None)  # fmt: skip
+        # vLLM's speculative-decoding counters (with a speculative_config only).
+        self.spec_stats = dict.fromkeys(SPEC_DECODE_COUNTERS, 0) if spec else {}
+        self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(args.seed)
         self._rows: dict[int, np.ndarray] = {}
@@ -230,18 +235,32 @@ class LLMEngine:
             rows.append(SequenceRow(seq.seq_id, row, slot, seq.num_prompt_tokens, bool(sp.logprobs), banned))
         steps = self._fused_steps(out)  # may take blocks too: the copies are planned only now
         self._move_kv(self.scheduler.block_manager.take_transfers())
-        result = self.runner.execute(out.step_inputs, rows, resets, steps)
+        num_drafts = [len(d) for d in out.drafts]
+        result = self.runner.execute(out.step_inputs, rows, resets, steps, num_drafts)
         n = out.num_seqs
         want_top = any(r.want_logprobs for r in rows)
         names = ("token_ids", "logprobs") + (("ranks", "top_ids", "top_logprobs") if want_top else ())
-        fetched = {}  # name -> [steps, n, ...]
+        # R rows per sequence: 1 + k in a step that may check k proposals per sequence.
+        r = 1 if result.num_accepted is None else self.config.args.speculative_config.num_speculative_tokens + 1
+        fetched = {}  # name -> [steps, n, R, ...]
         for name in names:
             value = np.asarray(getattr(result, name))
-            fetched[name] = (value if steps > 1 else value[None])[:, :n]
-        for j in range(steps):
-            for i, seq in self.scheduler.postprocess(out, fetched["token_ids"][j].tolist()):
-                sample = {name: values[j, i] for name, values in fetched.items()}
-                self._guarded(seq.request_id, self._record, seq, sample)
+            value = value if steps > 1 else value[None]
+            fetched[name] = value[:, : n * r].reshape(steps, n, r, *value.shape[2:])
+
+        def record(j: int, i: int, seq: Sequence, k: int) -> None:
+            sample = {name: values[j, i, k] for name, values in fetched.items()}
+            self._guarded(seq.request_id, self._record, seq, sample)
+
+        if result.num_accepted is not None:  # each sequence's accepted proposals and the token after them
+            accepted = np.asarray(result.num_accepted)[:n]
+            self._count_speculation(num_drafts, accepted)
+            tokens = [fetched["token_ids"][0, i, : a + 1].tolist() for i, a in enumerate(accepted)]
+            self.scheduler.postprocess(out, tokens, lambda i, seq, k: record(0, i, seq, k))
+        else:
+            for j in range(steps):
+                self.scheduler.postprocess(out, fetched["token_ids"][j, :, 0].tolist(),
+                                           lambda i, seq, k, j=j: record(j, i, seq, 0))  # fmt: skip
         self._move_kv(self.scheduler.block_manager.take_stores())  # write-through of what the step computed
 
     def _move_kv(self, transfers: KVTransfers) -> None:
@@ -262,6 +281,16 @@ class LLMEngine:
         if k > 1 and self.runner.fusable(out.num_seqs) and self.scheduler.reserve_lookahead(out, k):
             return k
         return 1
+
+    def _count_speculation(self, num_drafts: list[int], accepted: np.ndarray) -> None:
+        """Speculative decoding's counters (vLLM's): proposals made and kept, by position."""
+        for k, a in zip(num_drafts, accepted.tolist()):
+            if k:
+                self.spec_stats["spec_decode_num_drafts"] += 1
+                self.spec_stats["spec_decode_num_draft_tokens"] += k
+                self.spec_stats["spec_decode_num_accepted_tokens"] += a
+                for position in range(a):
+                    self.spec_accepted_per_position[position] += 1
 
     def _record(self, seq: Sequence, sample: dict[str, Any]) -> None:
         """Logprobs, detokenization and stop strings for the token just appended to `seq`
@@ -314,6 +343,8 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             **self._host_tier_stats(),
+            **self.spec_stats,
+            **({SPEC_DECODE_PER_POSITION: list(self.spec_accepted_per_position)} if self.spec_stats else {}),
         }
 
     def _host_tier_stats(self) -> dict[str, int]:

@@ -12,6 +12,7 @@ Latency histograms are observed on the engine thread as outputs leave it:
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxpaged.core.speculation import SPEC_DECODE_PER_POSITION
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.server.async_engine import AsyncEngine
 
@@ -52,7 +53,13 @@ _FROM_STATS = (
      "Disk-tier files found truncated, corrupt or of another model, and removed."),
     ("jaxpaged:kv_disk_dropped_writes", "counter", "kv_disk_dropped_writes",
      "Disk-tier writes skipped because too many were pending."),
+    # With a speculative_config only.
+    ("vllm:spec_decode_num_drafts", "counter", "spec_decode_num_drafts", "Proposal windows checked."),
+    ("vllm:spec_decode_num_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Proposed tokens checked."),
+    ("vllm:spec_decode_num_accepted_tokens", "counter", "spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
 )  # fmt: skip
+_PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos", SPEC_DECODE_PER_POSITION,
+                 "Proposed tokens accepted, by position in the proposal window.")  # fmt: skip
 
 
 class _EngineStatsCollector:
@@ -68,6 +75,12 @@ class _EngineStatsCollector:
                 continue
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield family
+        name, key, doc = _PER_POSITION
+        if key in stats:
+            family = CounterMetricFamily(name, doc, labels=["model_name", "position"])
+            for position, count in enumerate(stats[key]):
+                family.add_metric([self.model_name, str(position)], float(count))
             yield family
 
 

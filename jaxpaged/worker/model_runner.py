@@ -157,10 +157,11 @@ class ModelRunner:
             self.cache = self.kv_transfer.run(self.cache, transfers)
 
     def execute(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int],
-                steps: int = 1) -> SampleResult:  # fmt: skip
+                steps: int = 1, num_drafts: list[int] | None = None) -> SampleResult:  # fmt: skip
         """Packs, transfers and runs one step (or `steps` fused decode steps); returns the (not
-        yet fetched) device result, stacked `[steps, ...]` when steps > 1."""
-        t, flat = self.packer.pack(inputs, rows, resets)
+        yet fetched) device result, stacked `[steps, ...]` when steps > 1. `num_drafts`: the
+        proposals ending each sequence's tokens (speculative decoding; rows `[S * R]` then)."""
+        t = self.packer.bucket_for(sum(len(s.token_ids) for s in inputs), len(inputs))
         # A decode batch takes the decode program when there is one of `steps` steps (with fused
         # decoding there is none of 1 step: a single decode step runs as a mixed one).
         program = Program(t, steps, True)
@@ -168,6 +169,7 @@ class ModelRunner:
             program = Program(t, steps, False)
         if program not in self.compiled:
             raise RuntimeError(f"no compiled program {program}: call warm_up() first")
+        t, flat = self.packer.pack(inputs, rows, resets, num_drafts, decode=program.decode)
         if self.channel is not None:
             self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode)), flat)
         return self.run_packed(program, flat)

@@ -64,6 +64,8 @@ class SampleResult:
       logprobs: `[S]` log-probability of the sampled token.
       ranks: `[S]` its rank among all tokens, 1 = likeliest (0 when nobody asked for logprobs).
       top_ids, top_logprobs: `[S, L]` the L likeliest tokens (zeros when nobody asked).
+      num_accepted: with speculative decoding, `[S']` proposals each sequence keeps (the rows
+        are then R per sequence: S = S' * R); None otherwise.
     """
 
     token_ids: Int[Array, " S"]
@@ -71,6 +73,7 @@ class SampleResult:
     ranks: Int[Array, " S"]
     top_ids: Int[Array, "S L"]
     top_logprobs: Float[Array, "S L"]
+    num_accepted: Int[Array, " S2"] | None = None
 
 
 def update_penalty_tables(

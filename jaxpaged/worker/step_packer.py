@@ -41,20 +41,26 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where each field sits in a bucket's flat int32 buffer (hashable: a jit static argument)."""
+    """Where each field sits in a bucket's flat int32 buffer (hashable: a jit static argument).
+
+    `rows_per_seq` (R): tokens sampled per sequence. 1, or with speculative decoding 1 + k: a
+    sequence checking proposals samples at its last token and at each proposal (row j of
+    sequence s is sampling row `s * R + j`); a sequence without proposals uses its first row.
+    """
 
     num_tokens: int  # T
     num_seqs: int  # S
     pages: int  # P
+    rows_per_seq: int = 1  # R
 
     @property
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
-        t, s, p = self.num_tokens, self.num_seqs, self.pages
+        t, s, p, r = self.num_tokens, self.num_seqs, self.pages, self.num_seqs * self.rows_per_seq
         return [
             ("token_ids", (t,)), ("positions", (t,)), ("slot_mapping", (t,)), ("token_slot", (t,)),
-            ("token_is_output", (t,)), ("cu_q_lens", (s + 1,)), ("kv_lens", (s,)), ("logits_indices", (s,)),
-            ("reset_slots", (s,)), ("sampling", (len(SAMPLING_FIELDS), s)), ("block_tables", (s, p)),
-            ("banned_ids", (s, MAX_BANNED)), ("num_seqs", ()), ("want_logprobs", ()),
+            ("token_is_output", (t,)), ("cu_q_lens", (s + 1,)), ("kv_lens", (s,)), ("logits_indices", (r,)),
+            ("num_drafts", (s,)), ("reset_slots", (s,)), ("sampling", (len(SAMPLING_FIELDS), r)),
+            ("block_tables", (s, p)), ("banned_ids", (r, MAX_BANNED)), ("num_seqs", ()), ("want_logprobs", ()),
         ]  # fmt: skip
 
     @property
@@ -119,17 +125,22 @@ class StepPacker:
       max_num_seqs: slots (rows of the block-table matrix and the penalty tables).
       max_num_batched_tokens: the largest token bucket.
       vocab_size: V (padding value of `banned_ids`).
+      rows_per_seq: R of the mixed layouts (1 + the most proposals a sequence checks); the
+        decode layouts (fused decode steps, one token per sequence) always have R = 1.
     """
 
     def __init__(self, *, block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 vocab_size: int):  # fmt: skip
+                 vocab_size: int, rows_per_seq: int = 1):  # fmt: skip
         self.block_size = block_size
         self.pages = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
-        self.layouts = {t: Layout(t, min(t, max_num_seqs), self.pages) for t in token_buckets(max_num_batched_tokens)}
-        self.buffers = {t: np.zeros(layout.size, np.int32) for t, layout in self.layouts.items()}
-        self._views = {t: layout.views(self.buffers[t]) for t, layout in self.layouts.items()}
+        buckets = token_buckets(max_num_batched_tokens)
+        self.layouts = {t: Layout(t, min(t, max_num_seqs), self.pages, rows_per_seq) for t in buckets}
+        self.decode_layouts = {t: dataclasses.replace(layout, rows_per_seq=1) for t, layout in self.layouts.items()}
+        every = set(self.layouts.values()) | set(self.decode_layouts.values())
+        self.buffers = {layout: np.zeros(layout.size, np.int32) for layout in every}
+        self._views = {layout: layout.views(buffer) for layout, buffer in self.buffers.items()}
         self.tables = np.zeros((max_num_seqs, self.pages), np.int32)  # null block 0 where unused
         self._known = np.zeros(max_num_seqs, np.int64)  # entries written per slot
         self._owner = np.full(max_num_seqs, -1, np.int64)
@@ -152,19 +163,25 @@ class StepPacker:
                 self._known[slot] = 0
                 self._owner[slot] = row.seq_id
             known = self._known[slot]
-            if len(table) != known:
-                if len(table) < known or len(table) > self.pages:
-                    raise ValueError(f"block table of sequence {row.seq_id} went from {known} to {len(table)} entries")
+            if len(table) > self.pages:
+                raise ValueError(f"block table of sequence {row.seq_id} has {len(table)} entries, more than {self.pages}")
+            if len(table) < known:  # blocks of rejected proposals went back to the pool
+                self.tables[slot, len(table) : known] = 0
+            else:
                 self.tables[slot, known : len(table)] = table[known:]
-                self._known[slot] = len(table)
+            self._known[slot] = len(table)
 
-    def pack(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int]) -> tuple[int, np.ndarray]:
+    def pack(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int],
+             num_drafts: list[int] | None = None, decode: bool = False) -> tuple[int, np.ndarray]:  # fmt: skip
         """Writes one step into its bucket's buffer.
 
         Args:
           inputs: the scheduled sequences, in batch order.
           rows: their sampling rows and slots, same order.
           resets: penalty-table slots to clear before the step.
+          num_drafts: proposals at the end of each sequence's tokens (None: none), each sampled
+            at (at most R - 1 of them).
+          decode: pack for a decode program (one token per sequence, R = 1).
 
         Returns:
           `(bucket, buffer)`; the buffer is reused by the next step of the same bucket.
@@ -173,9 +190,13 @@ class StepPacker:
         lens = np.fromiter((len(s.token_ids) for s in inputs), np.int64, n)
         total = int(lens.sum())
         t = self.bucket_for(total, n)
-        v = self._views[t]
-        self.buffers[t].fill(0)
+        layout = (self.decode_layouts if decode else self.layouts)[t]
+        v, r = self._views[layout], layout.rows_per_seq
+        self.buffers[layout].fill(0)
         self._sync_tables(inputs, rows)
+        drafts = np.zeros(n, np.int64) if num_drafts is None else np.asarray(num_drafts, np.int64)
+        if drafts.size and drafts.max() > r - 1:
+            raise ValueError(f"a sequence checks {drafts.max()} proposals; this engine samples at most {r - 1}")
 
         computed = np.fromiter((s.num_computed for s in inputs), np.int64, n)
         slots = np.fromiter((r.slot for r in rows), np.int64, n)
@@ -195,19 +216,25 @@ class StepPacker:
         v["cu_q_lens"][:n] = starts
         v["cu_q_lens"][n:] = total
         v["kv_lens"][:n] = computed + lens
-        v["logits_indices"][:n] = starts + lens - 1
+        # Sampling rows: row j of sequence i samples after token `lens - 1 - drafts + j` (its own
+        # last token, then each proposal); rows past its proposals repeat its last row.
+        j = np.minimum(np.arange(r)[None, :], drafts[:, None])  # [n, R]
+        first = starts + lens - 1 - drafts
+        v["logits_indices"][: n * r] = (first[:, None] + j).ravel()
+        v["num_drafts"][:n] = drafts
         v["reset_slots"][:] = self.max_num_seqs
         v["reset_slots"][: len(resets)] = resets
         v["block_tables"][:n] = tables
         sampling = v["sampling"]
         if n:
-            sampling[:, :n] = np.stack([r.sampling for r in rows], axis=1)
-        sampling[_POSITION_ROW, :n] = computed + lens  # position of the token being sampled
-        sampling[_SLOT_ROW, :n] = slots
+            sampling[:, : n * r] = np.repeat(np.stack([row.sampling for row in rows], axis=1), r, axis=1)
+        # position of the token being sampled
+        sampling[_POSITION_ROW, : n * r] = (computed + lens - drafts)[:, None].repeat(r, axis=1).ravel() + j.ravel()
+        sampling[_SLOT_ROW, : n * r] = np.repeat(slots, r)
         v["banned_ids"][:] = self.vocab_size  # out of range: dropped on device
         for i, row in enumerate(rows):
             if row.banned_ids:
-                v["banned_ids"][i, : len(row.banned_ids)] = row.banned_ids
+                v["banned_ids"][i * r : (i + 1) * r, : len(row.banned_ids)] = row.banned_ids
         v["num_seqs"][...] = n
         v["want_logprobs"][...] = any(r.want_logprobs for r in rows)
-        return t, self.buffers[t]
+        return t, self.buffers[layout]

@@ -42,6 +42,7 @@ def unpack(layout: Layout, flat: jax.Array) -> StepInput:
             kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"],
         ),  # fmt: skip
         logits_indices=v["logits_indices"],
+        num_drafts=v["num_drafts"],
         sampling=SamplingTensors(**rows),
         token_slot=v["token_slot"],
         token_is_output=v["token_is_output"] != 0,
@@ -153,8 +154,10 @@ class StepPrograms:
         """The programs of an engine: its packer (buckets from the engine's limits), the cache on
         the mesh (pool split by the sharding table, penalty tables whole) of a `kv_dtype` pool."""
         args = config.args
+        spec = args.speculative_config
         packer = StepPacker(block_size=args.block_size, max_model_len=config.max_model_len, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, vocab_size=config.model.vocab_size)  # fmt: skip
+                            max_num_batched_tokens=args.max_num_batched_tokens, vocab_size=config.model.vocab_size,
+                            rows_per_seq=1 + (spec.num_speculative_tokens if spec else 0))  # fmt: skip
         whole, pool = parallel.sharding(), parallel.pool_sharding
         scales = parallel.logical_sharding(KV_SCALE_AXES)
         quant = KVQuant(k_scale=scales, v_scale=scales, dtype=kv_dtype) if is_fp8(kv_dtype) else None
@@ -177,7 +180,7 @@ class StepPrograms:
 
     def lower(self, program: Program, params, cache: DeviceCache) -> jax.stages.Lowered:
         """Lowers one program for these parameters and this cache (arrays or shapes)."""
-        layout = self.packer.layouts[program.tokens]
+        layout = (self.packer.decode_layouts if program.decode else self.packer.layouts)[program.tokens]
         flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         if program.decode:
             return self._decode_steps.lower(layout, program.steps, self.graphdef, params, cache, flat)

@@ -89,8 +89,8 @@ def save_fp8_checkpoint(variant: str, out_dir: str, strategy: str = "channel", s
                 dequantized = q.to(torch.float32) * scale.to(torch.float32)
                 model.get_submodule(f"model.layers.{i}.{proj}").weight.copy_(dequantized)
             if kv_cache:
-                tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05)
-                tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.04)
+                tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05 + 0.01 * i)
+                tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.04 + 0.01 * i)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     model.config.architectures = [type(model).__name__]

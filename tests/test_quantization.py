@@ -245,3 +245,37 @@ def test_bad_quantization_arguments_name_the_field(field, value, words):
     with pytest.raises(EngineArgsError, match=words) as err:
         EngineArgs(model=DEMO_MODEL, **{field: value})
     assert err.value.field == field
+
+
+def test_fp8_kv_cache_takes_a_checkpoints_kv_scales(tmp_path):
+    """A compressed-tensors checkpoint's per-layer `k_scale` / `v_scale` become the fp8 pool's
+    scales (every kv head of a layer), as in vLLM; without an fp8 pool they are not used, and a
+    checkpoint with some layers' scales but not all is refused."""
+    from fp8_checkpoint import save_fp8_checkpoint
+    from safetensors.numpy import save_file
+    from tiny_tokenizer import save_tokenizer
+
+    from jaxpaged.checkpoint.kv_scales import checkpoint_kv_scales
+
+    path = str(tmp_path / "ckpt")
+    save_fp8_checkpoint("llama_gqa4", path, strategy="tensor", kv_cache=True)
+    save_tokenizer(path, 512)
+    small = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
+    engine = LLMEngine(EngineArgs(model=path, kv_cache_dtype="fp8", **small))
+    quant = engine.runner.cache.kv.quant
+    np.testing.assert_allclose(np.asarray(quant.k_scale), [[0.05] * 2, [0.06] * 2], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(quant.v_scale), [[0.04] * 2, [0.05] * 2], rtol=1e-6)
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0, max_tokens=8))
+    while engine.has_unfinished_requests():
+        engine.step()
+    k = np.asarray(engine.runner.cache.kv.k)
+    assert np.abs(k).max() > 1.0  # stored as k / 0.05: larger than the keys themselves
+    plain = LLMEngine(EngineArgs(model=path, **small))
+    assert plain.runner.cache.kv.quant is None
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    scales = {f"model.layers.{i}.self_attn.{kv}_scale": np.array(0.1, np.float32) for i in range(2) for kv in "kv"}
+    del scales["model.layers.1.self_attn.v_scale"]
+    save_file(scales, str(partial / "model.safetensors"))
+    with pytest.raises(ValueError, match="KV cache scales for 3 of the 4"):
+        checkpoint_kv_scales(str(partial), 2)

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.checkpoint.format import TOKENIZER_FILES
+from jaxpaged.checkpoint.kv_scales import checkpoint_kv_scales
 from jaxpaged.checkpoint.loader import load_model, resolve_dtype
 from jaxpaged.config.engine_args import EngineArgs, EngineArgsError, default_compilation_cache_dir
 from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
+from jaxpaged.config.quantization import is_fp8
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.model import Llama, kv_storage_dtype
 from jaxpaged.parallel import multihost
@@ -70,7 +72,7 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
     logger.info(plan.summary())
     config = config.with_blocks(plan.num_blocks, host_tier_blocks(config, model, parallel))
     logger.info("preemption by %s", config.preemption_mode)
-    runner = ModelRunner(model, parallel=parallel, config=config)
+    runner = ModelRunner(model, parallel=parallel, config=config, kv_scales=fp8_kv_scales(config, model.embed[...].dtype))
     seconds = runner.warm_up(args.compile_threads)
     check_step_memory(plan, runner.temp_bytes)
     if jax.process_count() > 1 and multihost.is_leader():
@@ -95,6 +97,17 @@ def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParalle
     logger.info("host KV tier: %d blocks x %d tokens = %d tokens (%s of host memory)", num_blocks, args.block_size,
                 num_blocks * args.block_size, format_bytes(num_blocks * per_block))  # fmt: skip
     return num_blocks
+
+
+def fp8_kv_scales(config: EngineConfig, model_dtype) -> tuple | None:
+    """An fp8 KV cache's scales: the checkpoint's when it has them (logged), else None (1)."""
+    args = config.args
+    if not is_fp8(config.kv_dtype(model_dtype)):
+        return None
+    scales = None if args.load_format == "dummy" else checkpoint_kv_scales(args.model, config.model.num_layers)
+    logger.info("fp8 KV cache scales: %s", "the checkpoint's, per layer" if scales is not None else "1 (no checkpoint "
+                "scales)")  # fmt: skip
+    return scales
 
 
 def kv_element_bytes(config: EngineConfig, model: Llama, parallel: TensorParallel) -> int:

@@ -5,6 +5,7 @@ The programs (`StepPrograms`: a mixed step per token bucket, fused decode steps 
 bucket) are all compiled by `warm_up`, so nothing compiles while serving.
 """
 
+import dataclasses
 import logging
 import time
 
@@ -37,9 +38,11 @@ class ModelRunner:
         included), the scheduler's limits, `num_scheduler_steps` decode steps fused into one
         program when a batch is all decodes (1: no fusing). The pool holds `kv_cache_dtype`
         (the model's dtype with "auto"), stored in its `kv_storage_dtype`.
+      kv_scales: an fp8 pool's `(k_scale [L], v_scale [L])`, e.g. a checkpoint's; None: 1.
     """
 
-    def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig):
+    def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig,
+                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None):  # fmt: skip
         args = config.args
         self.config = model.config
         self.num_decode_steps = args.num_scheduler_steps
@@ -60,6 +63,8 @@ class ModelRunner:
             self.params = unstack_layers(self.params, parallel.layer_sharding)
         self._whole = parallel.sharding()
         self.cache = self._zero_cache(config.num_blocks, self.kv_dtype, self.step_programs.cache_shardings)
+        if kv_scales is not None and self.cache.kv.quant is not None:
+            self._set_kv_scales(*kv_scales)
         self.kv_transfer = None  # the host tier's memory and copies
         if config.num_host_blocks:
             k = self.cache.kv.k
@@ -77,6 +82,15 @@ class ModelRunner:
         make = lambda: init_cache(self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=kv_dtype,  # noqa: E731
                                   max_num_seqs=self.max_num_seqs, platform=self.parallel.platform)  # fmt: skip
         return jax.jit(make, out_shardings=shardings)()
+
+    def _set_kv_scales(self, k_scale: np.ndarray, v_scale: np.ndarray) -> None:
+        """An fp8 pool's per-layer scales, the same for every kv head of a layer."""
+        quant = self.cache.kv.quant
+        sharding = self.step_programs.cache_shardings.kv.quant.k_scale
+        shape = quant.k_scale.shape  # [L, K]
+        put = lambda s: jax.device_put(np.broadcast_to(np.asarray(s, np.float32)[:, None], shape), sharding)  # noqa: E731
+        quant = dataclasses.replace(quant, k_scale=put(k_scale), v_scale=put(v_scale))
+        self.cache = dataclasses.replace(self.cache, kv=dataclasses.replace(self.cache.kv, quant=quant))
 
     def programs(self) -> list[Program]:
         """Every program this engine compiles (see `StepPrograms.all`)."""

@@ -59,12 +59,12 @@ class StepInput:
       metadata: where they go in the pool and what each attends to.
       logits_indices: `[S * R]` token rows sampled at: R per sequence, its last token's first
         (R > 1 with speculative decoding: then also each proposal's, see `StepPacker`).
-      sampling: per-sequence sampling parameters (`slot` indexes the penalty tables).
+      sampling: per-row sampling parameters (`slot` indexes the penalty tables), `[S * R]`.
       token_slot: `[T]` penalty-table row of each token's sequence (R for padding).
       token_is_output: `[T]` whether each token was generated (else prompt).
       reset_slots: `[S]` rows to clear before this step (sequences starting over), R = none.
       want_logprobs: `[]` whether any sequence asked for top logprobs.
-      banned_ids: `[S, B]` token ids each sequence may not sample yet (EOS and stop tokens
+      banned_ids: `[S * R, B]` token ids each row may not sample yet (EOS and stop tokens
         before `min_tokens`); padding is V.
       num_drafts: `[S]` proposals at the end of each sequence's tokens, checked when R > 1
         (None: R = 1, none).
@@ -78,7 +78,7 @@ class StepInput:
     token_is_output: Bool[Array, " T"]
     reset_slots: Int[Array, " S"]
     want_logprobs: Bool[Array, ""]
-    banned_ids: Int[Array, "S B"]
+    banned_ids: Int[Array, "SR B"]
     num_drafts: Int[Array, " S"] | None = None
 
 
@@ -104,7 +104,8 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache, inp: Ste
       inp: this step's inputs.
 
     Returns:
-      The updated cache and one sampled token (with logprobs) per sequence.
+      The updated cache and one sampled token (with logprobs) per sampling row: one per
+      sequence, or R per sequence with speculative decoding (then also `num_accepted`).
     """
     model = nnx.merge(graphdef, params)
     prompt_mask, output_counts = update_penalty_tables(

@@ -19,6 +19,7 @@ import torch
 import tp_workload
 import transformers
 from engine_fixtures import make_model_dir
+from flax import nnx
 from tiny_models import save_hf_model
 
 from jaxpaged.bench.perplexity import heldout_token_windows, perplexity
@@ -279,3 +280,22 @@ def test_fp8_kv_cache_takes_a_checkpoints_kv_scales(tmp_path):
     save_file(scales, str(partial / "model.safetensors"))
     with pytest.raises(ValueError, match="KV cache scales for 3 of the 4"):
         checkpoint_kv_scales(str(partial), 2)
+
+
+@pytest.mark.isolated
+def test_converted_checkpoint_quantizes_in_its_shards(tmp_path):
+    """A converted (Orbax) checkpoint restored straight into its shards on 2 devices is quantized
+    where it lies: the same float8 weights and scales as on one device, split by the table."""
+    from convert.convert import convert_checkpoint
+    from jaxpaged.parallel.mesh import TensorParallel
+
+    save_hf_model("llama_tp", str(tmp_path / "hf"))
+    convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "converted"), dtype="float32", progress=False)
+    config, single = load_model(str(tmp_path / "converted"), "float32", quantization="fp8")
+    parallel = TensorParallel.create(config, 2)
+    _, split = load_model(str(tmp_path / "converted"), "float32", parallel=parallel, quantization="fp8")
+    ours = dict(jax.tree_util.tree_flatten_with_path(nnx.state(split))[0])
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(single))[0]:
+        name = param_path(path)
+        assert ours[path].sharding.is_equivalent_to(parallel.param_sharding(name), leaf.ndim), name
+        np.testing.assert_array_equal(np.asarray(ours[path]).astype(np.float32), np.asarray(leaf).astype(np.float32))

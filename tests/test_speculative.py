@@ -230,3 +230,42 @@ def test_tensor_parallel_speculation_gives_the_unsharded_tokens(tmp_path):
     # proposals checked on 4 devices (this random model rejects them; acceptance is the same
     # host and sampler code as on one device, tested above)
     assert spec == plain and stats["spec_decode_num_draft_tokens"] > 0
+
+
+def test_prefix_hits_on_blocks_written_around_rejected_proposals_match_plain():
+    """A request whose prompt is an earlier request's prompt and output reads that request's
+    cached blocks, written over steps whose rejected proposals' blocks went back to the pool:
+    its tokens and logprobs (float32) are plain decoding's. After every step the packer's copy
+    of each running sequence's block table is that table."""
+    results = {}
+    for name, extra in (("plain", {}), ("spec", {"speculative_config": NGRAM})):
+        engine = LLMEngine(EngineArgs(model=DEMO_MODEL, dtype="float32", max_model_len=256, max_num_seqs=4,
+                                      max_num_batched_tokens=64, **extra))  # fmt: skip
+        prompts = [engine.tokenizer.encode(t) for t in KJV[:2]]
+        greedy = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        outputs = {}
+
+        def run_all():
+            packer = engine.runner.packer
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        outputs[out.request_id] = out.outputs[0]
+                for seq in engine.scheduler.running:
+                    slot = engine.runner._slot_of.get(seq.seq_id)
+                    if slot is not None and seq.block_table:
+                        assert list(packer.tables[slot, : len(seq.block_table)]) == seq.block_table
+
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, greedy)
+        run_all()
+        follow = prompts[1] + list(outputs["1"].token_ids[:90])
+        engine.add_request("c", {"prompt_token_ids": follow}, SamplingParams(temperature=0, max_tokens=20, logprobs=0))
+        run_all()
+        c = outputs["c"]
+        results[name] = ([list(outputs[k].token_ids) for k in ("0", "1", "c")],
+                         [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], engine.get_stats())  # fmt: skip
+    assert results["spec"][0] == results["plain"][0]
+    np.testing.assert_allclose(results["spec"][1], results["plain"][1], atol=1e-4)
+    stats = results["spec"][2]
+    assert stats["prefix_cache_hits"] >= 90 and stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0

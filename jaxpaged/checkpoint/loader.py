@@ -273,7 +273,7 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     shapes = param_shapes(model_config, quantization)
     params: Params = {}
     stacked: dict[Path, jax.Array] = {}
-    for path, layer, array in _quantize_tensors(tensors, quantize_at_load):
+    for path, layer, array in _quantize_tensors(tensors, quantize_at_load, parallel):
         if layer is not None:  # one row of a stacked parameter, set in place on its devices
             if path not in stacked:
                 stacked[path] = _zeros_on_mesh(shapes[path], array.dtype, parallel, path)
@@ -294,19 +294,27 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     return config, model
 
 
-def _quantize_tensors(tensors: Iterator, quantization: str | None) -> Iterator:
+def _quantize_tensors(tensors: Iterator, quantization: str | None, parallel: TensorParallel | None) -> Iterator:
     """The checkpoint's `(path, layer, array)` with every quantizable weight replaced by its
-    quantized pair (`quantize_weight`, computed on the default device, returned as numpy)."""
+    quantized pair (`quantize_weight`). A numpy tensor is quantized on the default device and
+    comes back as numpy; one Orbax restored into its shards is quantized where it lies, into
+    the shards of its pair (nothing gathered, so also across processes)."""
     for path, layer, array in tensors:
         pair = None if quantization is None else quantized_paths(path)
         if pair is None:
             yield path, layer, array
             continue
         num_lead = 1 if layer is None and path[0] == LAYER_STACK else 0
-        q, scale = quantize_weight(jnp.asarray(array), quantization, QUANTIZED_INPUT_AXES[path[-1]], num_lead)
+        quantize = functools.partial(quantize_weight, method=quantization, num_in=QUANTIZED_INPUT_AXES[path[-1]],
+                                     num_lead=num_lead)  # fmt: skip
+        if isinstance(array, jax.Array) and parallel is not None and layer is None:
+            shardings = (parallel.param_sharding(pair[0]), parallel.param_sharding(pair[1]))
+            q, scale = jax.jit(quantize, out_shardings=shardings)(array)
+        else:
+            q, scale = (np.asarray(x) for x in quantize(jnp.asarray(array)))
         del array
-        yield pair[0], layer, np.asarray(q)
-        yield pair[1], layer, np.asarray(scale)
+        yield pair[0], layer, q
+        yield pair[1], layer, scale
 
 
 def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: Any,

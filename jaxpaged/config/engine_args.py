@@ -69,7 +69,8 @@ class EngineArgs:
     dtype: str = _option("auto", "weights and activations dtype; auto is the checkpoint's", choices=DTYPES)
     kv_cache_dtype: str = _option(
         "auto", "KV cache dtype: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per element "
-        "(twice the tokens of bfloat16), quantized with a scale per layer and kv head", choices=KV_CACHE_DTYPES)  # fmt: skip
+        "(twice the tokens of bfloat16), quantized with a scale per layer and kv head: a compressed-tensors checkpoint's "
+        "k_scale/v_scale, else 1", choices=KV_CACHE_DTYPES)  # fmt: skip
     quantization: str | None = _option(
         None, "weight quantization: fp8 (float8 e4m3 weights with a scale per output channel, activations "
         "quantized per token) or int8 (weight-only, a scale per output channel); a compressed-tensors FP8 "

@@ -308,17 +308,27 @@ class BlockManager:
             full = min(seq.num_computed_tokens + num_new_tokens, seq.num_tokens) // self.block_size
             self._register(seq, full)
 
+    def can_append_from_free(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether `may_append(seq, num_new_tokens)` finds its blocks among the free ones alone,
+        evicting no cached block (what speculative proposals may take)."""
+        return self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) <= len(self.free_block_ids)
+
     def trim(self, seq: Sequence) -> None:
         """Frees the blocks of `seq.block_table` past its computed tokens: after a step that
         checked proposals, those held only rejected ones. They were never registered (a block is
-        registered from the sequence's own tokens only) and nobody else holds them."""
+        registered from the sequence's own tokens only) and nobody else holds them.
+
+        When it frees any, `seq.block_table` becomes a new list: whoever mirrors a table (the
+        step packer) sees by its identity that entries it already copied changed."""
         keep = self._blocks_for(seq.num_computed_tokens)
+        if keep == len(seq.block_table):
+            return
         for block in seq.block_table[keep:]:
             if self.ref_counts[block] != 1 or self.block_hash[block] is not None:
                 raise RuntimeError(f"block {block} past {seq}'s computed tokens is shared or cached")
             self.ref_counts[block] = 0
             self.free_block_ids.append(block)
-        del seq.block_table[keep:]
+        seq.block_table = seq.block_table[:keep]
 
     def deallocate(self, seq: Sequence) -> None:
         """Releases `seq`'s blocks; those left unreferenced stay cached if they have a hash.

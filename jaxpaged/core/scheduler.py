@@ -1,8 +1,9 @@
 """Continuous-batching scheduler with chunked prefill and preemption (host only, no JAX here).
 
 Each engine step:
-  1. `schedule()` picks what runs: first one decode token for each running sequence in decode,
-     then prefill chunks of running sequences that are still prefilling (including ones resumed
+  1. `schedule()` picks what runs: first one decode token for each running sequence in decode
+     (with a proposer, speculative decoding, each then gets proposals to check from the budget
+     and the free blocks the decodes left: see `jaxpaged.core.speculation`), then prefill chunks of running sequences that are still prefilling (including ones resumed
      after preemption; a chunk shrinks to the free blocks before anything is preempted), then
      waiting sequences in FCFS order; all under `max_num_seqs` running sequences and
      `max_num_batched_tokens` tokens per step. Blocks come from the
@@ -17,7 +18,8 @@ Each engine step:
      (`block_manager.take_transfers()`), then computes the step
      (`SchedulerOutput.step_inputs` -> `pack_step`).
   3. `postprocess(output, sampled_token_ids)` advances `num_computed_tokens`, appends the
-     sampled token of every sequence whose step reached its last token (a prefill chunk short
+     sampled token (or the accepted proposals and the token after them) of every sequence whose
+     step reached its last token (a prefill chunk short
      of the end of the prompt samples nothing), checks token-id stop rules and frees finished
      sequences. String stops are the detokenizer's: the engine calls `finish_sequence`.
 Call `schedule` and `postprocess` alternately, once each per step.
@@ -34,7 +36,7 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.sequence import Sequence, SequenceStatus
-from jaxpaged.core.speculation import NgramProposer, speculation_allowed
+from jaxpaged.core.speculation import NGRAM_LOOKBACK, NgramProposer, speculation_allowed
 from jaxpaged.core.step_inputs import ScheduledSequence
 
 
@@ -117,7 +119,7 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.num_batched_tokens - self.num_decode_seqs
+        return self.num_batched_tokens - self.num_decode_seqs - self.num_draft_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -242,10 +244,6 @@ class Scheduler:
                 if not decode:  # shrink the chunk to the free blocks rather than preempt
                     room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - seq.num_computed_tokens
                     n = max(1, min(n, room))
-                proposal = self._propose(seq, budget - 1) if decode else []
-                if proposal and bm.can_append(seq, 1 + len(proposal)):  # proposals never preempt anyone
-                    n += len(proposal)
-                    drafts[seq.seq_id] = proposal
                 if self._make_room(seq, n, chosen, preempted):
                     bm.may_append(seq, n)
                     scheduled.append((seq, n))
@@ -253,6 +251,7 @@ class Scheduler:
                     budget -= n
             if decode:
                 num_decode_seqs = len(scheduled)
+                budget = self._add_proposals(scheduled, drafts, budget)
 
         # 3. Waiting sequences, FCFS; the queue's head blocks the rest.
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
@@ -289,17 +288,33 @@ class Scheduler:
             drafts=entry_drafts,
         )
 
+    def _add_proposals(self, scheduled: list[tuple[Sequence, int]], drafts: dict[int, list[int]], budget: int) -> int:
+        """Gives the decoding entries of `scheduled` proposals to check, in order, from what the
+        decodes left: the token budget and the free blocks (never a cached block, never
+        preempting anyone). Returns the budget left."""
+        if self.proposer is None:
+            return budget
+        for i, (seq, n) in enumerate(scheduled):
+            proposal = self._propose(seq, budget)
+            if proposal and self.block_manager.can_append_from_free(seq, n + len(proposal)):
+                self.block_manager.may_append(seq, n + len(proposal))
+                scheduled[i] = (seq, n + len(proposal))
+                drafts[seq.seq_id] = proposal
+                budget -= len(proposal)
+        return budget
+
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Proposals for a decoding sequence: none without a proposer, for sequences that may
-        not speculate, or past `budget` tokens, max_tokens or max_model_len (the sequence
-        gains at most proposals + 1 tokens)."""
+        """Proposals for a decoding sequence: none for sequences that may not speculate, and
+        none past `budget` tokens, max_tokens or max_model_len (the sequence gains at most
+        proposals + 1 tokens)."""
         sp = seq.sampling_params
-        if self.proposer is None or not speculation_allowed(sp, seq.num_output_tokens):
+        if not speculation_allowed(sp, seq.num_output_tokens):
             return []
         room = self.config.max_model_len - seq.num_tokens - 1
         if sp.max_tokens is not None:
             room = min(room, sp.max_tokens - seq.num_output_tokens - 1)
-        return self.proposer.propose(seq.token_ids_slice(0, seq.num_tokens), min(room, budget))
+        start = max(0, seq.num_tokens - NGRAM_LOOKBACK)
+        return self.proposer.propose(seq.token_ids_slice(start, seq.num_tokens), min(room, budget))
 
     def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int] | list[list[int]] | dict[int, int],
                     on_append: Callable[[int, Sequence, int], None] | None = None) -> list[tuple[int, Sequence]]:  # fmt: skip

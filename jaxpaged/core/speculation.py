@@ -8,10 +8,14 @@ the accepted proposals and the sample after them. Each emitted token is therefor
 decoding would have sampled in that context: greedy and seeded outputs are the same, token for
 token, with and without speculation, and the output distribution is the target model's.
 
-The K/V written at rejected positions lie past the sequence's length: nothing reads them, the
-next step overwrites them, and the blocks holding only such slots go back to the pool
-(`BlockManager.trim`). Prefix-cache blocks are registered from the sequence's own tokens only,
-so a rejected proposal never reaches the cache.
+The K/V written at rejected positions lie past the sequence's length: attention never reads
+past it, the next step overwrites them, and the blocks holding only such slots go back to the
+pool (`BlockManager.trim`, which gives the sequence a new table list so the step packer rewrites
+its copy). Prefix-cache blocks are registered from the sequence's own tokens only, so a rejected
+proposal never reaches the cache.
+
+Proposals are handed out after every decode has its own token, from the token budget and the
+free blocks left: they never preempt a sequence or evict a cached block.
 """
 
 import numpy as np
@@ -39,9 +43,15 @@ def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
     )
 
 
+# How far back the lookup searches: the cost per sequence and step stays bounded (a few
+# microseconds) however long the sequence grows.
+NGRAM_LOOKBACK = 1024
+
+
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
-    last n tokens, for n from `prompt_lookup_max` down to `prompt_lookup_min`."""
+    last n tokens (within its last `NGRAM_LOOKBACK` tokens), for n from `prompt_lookup_max`
+    down to `prompt_lookup_min`."""
 
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
@@ -52,7 +62,7 @@ class NgramProposer:
         limit = min(self.k, limit)
         if limit <= 0:
             return []
-        tokens = np.asarray(token_ids)
+        tokens = np.asarray(token_ids[-NGRAM_LOOKBACK:])  # the scheduler passes no more
         for n in self.lookup:
             if n >= len(tokens):
                 continue

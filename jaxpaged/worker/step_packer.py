@@ -144,6 +144,7 @@ class StepPacker:
         self.tables = np.zeros((max_num_seqs, self.pages), np.int32)  # null block 0 where unused
         self._known = np.zeros(max_num_seqs, np.int64)  # entries written per slot
         self._owner = np.full(max_num_seqs, -1, np.int64)
+        self._lists: list[list[int] | None] = [None] * max_num_seqs  # the table list each row mirrors
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> int:
         for t, layout in self.layouts.items():
@@ -154,21 +155,23 @@ class StepPacker:
     def release(self, slot: int) -> None:
         """Forgets a slot's block-table row (its sequence finished or was preempted)."""
         self._owner[slot] = -1
+        self._lists[slot] = None
 
     def _sync_tables(self, inputs: list[ScheduledSequence], rows: list[SequenceRow]) -> None:
+        """Copies the entries each slot's row lacks. A table only grows, except that trimming
+        it (blocks of rejected proposals freed, `BlockManager.trim`) makes it a new list: a row
+        is rewritten whole when its sequence or its table's list changed."""
         for seq, row in zip(inputs, rows):
             slot, table = row.slot, seq.block_table
-            if self._owner[slot] != row.seq_id:
+            if self._owner[slot] != row.seq_id or self._lists[slot] is not table:
                 self.tables[slot] = 0
                 self._known[slot] = 0
                 self._owner[slot] = row.seq_id
+                self._lists[slot] = table  # held, so its identity stays its own
             known = self._known[slot]
-            if len(table) > self.pages:
-                raise ValueError(f"block table of sequence {row.seq_id} has {len(table)} entries, more than {self.pages}")
-            if len(table) < known:  # blocks of rejected proposals went back to the pool
-                self.tables[slot, len(table) : known] = 0
-            else:
-                self.tables[slot, known : len(table)] = table[known:]
+            if len(table) < known or len(table) > self.pages:
+                raise ValueError(f"block table of sequence {row.seq_id} went from {known} to {len(table)} entries")
+            self.tables[slot, known : len(table)] = table[known:]
             self._known[slot] = len(table)
 
     def pack(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int],

@@ -419,3 +419,25 @@ def test_lookahead_blocks_are_reserved_only_when_fusing_is_safe():
     held.add(c)
     step(held)
     assert not held.reserve_lookahead(held.schedule(), 2)  # under min_tokens: EOS must stay banned per step
+
+
+def test_proposals_take_only_what_decodes_leave():
+    """Every decode gets its own token before any sequence gets proposals, and proposals use
+    free blocks only: with one free block, three decodes run and nobody is preempted for a
+    proposal (which then waits for a step with room)."""
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, 3, 1))
+    sched = Scheduler(SchedulerConfig(max_model_len=64, block_size=4, num_blocks=8, enable_prefix_caching=False),
+                      proposer=proposer)  # fmt: skip
+    prompts = ([1, 2, 3, 1, 2, 3, 1], [9, 8, 7, 6, 5, 4, 3, 2], [5, 5, 6, 6, 7, 7, 8])
+    seqs = [make_seq(p, max_tokens=8, ignore_eos=True) for p in prompts]
+    for seq in seqs:
+        sched.add(seq)
+    sched.postprocess(sched.schedule(), [2, 11, 13])  # prefills; "a" now ends "... 3 1 2": its lookup matches
+    assert sched.block_manager.num_free_blocks == 1
+    out = sched.schedule()
+    assert [n for _, n in out.scheduled] == [1, 1, 1] and not out.preempted
+    assert out.drafts == [[], [], []]  # "a"'s proposals would need a second free block
+    sched.postprocess(out, [[3], [12], [14]])
+    sched.abort(seqs[2].request_id)  # room appears: "a" checks its proposals now
+    out = sched.schedule()
+    assert out.drafts[0] and out.scheduled[0][1] == 1 + len(out.drafts[0]) and not out.preempted

@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram proposals): the same tokens as plain decoding, greedy and seeded,
-through prefix hits, chunked prefill, preemption by recompute and by swap, stop strings, streaming
-and tensor parallelism; the same distribution; vLLM's counters; bad options named.
+"""Speculative decoding (n-gram and draft-model proposals): the same tokens as plain decoding,
+greedy and seeded, through prefix hits, chunked prefill, preemption by recompute and by swap,
+stop strings, streaming and tensor parallelism; the same distribution; vLLM's counters; bad
+options named.
 
 (That no rejected proposal's block is ever kept, cached or shared is the scheduler's property
 test, `test_scheduler.py::test_random_workloads_keep_invariants_and_finish`, which runs with
@@ -42,7 +43,9 @@ def test_ngram_proposals_follow_the_latest_longest_match():
 
 @pytest.mark.parametrize("config, words", [
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported"),
-    ({"model": "small", "num_speculative_tokens": 2}, "unknown key.*model.*draft model is not supported yet"),
+    ({"model": "/no/such/dir", "num_speculative_tokens": 2}, "the draft model: is not a directory"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft's directory as \"model\""),
+    ({"method": "ngram", "model": DEMO_MODEL, "num_speculative_tokens": 2}, "only it takes one"),
     ({"method": "ngram"}, "num_speculative_tokens=None must be an integer in"),
     ({"num_speculative_tokens": 99}, r"num_speculative_tokens=99 must be an integer in \[1, 16\]"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min=5 exceeds"),
@@ -269,3 +272,86 @@ def test_prefix_hits_on_blocks_written_around_rejected_proposals_match_plain():
     np.testing.assert_allclose(results["spec"][1], results["plain"][1], atol=1e-4)
     stats = results["spec"][2]
     assert stats["prefix_cache_hits"] >= 90 and stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+
+
+# -- a draft model ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, tiny_dir):
+    """Another model with the tiny target's vocabulary (other heads, other weights)."""
+    path = str(tmp_path_factory.mktemp("draft_model"))
+    save_hf_model("llama_mha", path, seed=7)
+    return path
+
+
+def test_draft_model_refusals_name_the_field(tmp_path, tiny_dir):
+    save_hf_model("qwen2_tp", str(tmp_path))  # a vocabulary of 500, the target's is 512
+    with pytest.raises(EngineArgsError, match=r"vocabulary \(500\) must be the target's \(512\)"):
+        EngineArgs(model=tiny_dir, speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
+    with pytest.raises(EngineArgsError, match="does not work with the host tier yet"):
+        EngineArgs(model=tiny_dir, kv_offloading_size=0.01, speculative_config={"model": tiny_dir, "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("engine", ["roomy", "preempting", "chunked"])
+def test_draft_model_gives_plain_greedy_tokens(tiny_dir, draft_dir, engine):
+    """Another model's proposals (mostly rejected) and the target's own as the draft (all
+    accepted): the target's greedy tokens either way, the draft's pool kept in step through
+    prefix hits, chunked prefill and preemption."""
+    prompts = repetitive_prompts(12, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
+              for m in np.random.default_rng(2).integers(4, 30, size=len(prompts))]  # fmt: skip
+    plain, _ = run(tiny_dir, prompts, params, **ENGINES[engine])
+    target_block = 2 * 2 * 2 * 16 * 16 * 4  # bytes of a block: K and V, 2 layers, 2 kv heads of 16, 16 tokens
+    for draft, accepted_all, draft_block in ((draft_dir, False, 2 * target_block), (tiny_dir, True, target_block)):
+        spec = {"model": draft, "num_speculative_tokens": 3}
+        options = dict(ENGINES[engine])
+        if "kv_cache_memory_bytes" in options:  # 16 blocks (preemptions with these prompts), each with its twin in the draft's pool
+            options["kv_cache_memory_bytes"] = 16 * (target_block + draft_block)
+        outputs, engine_ = run(tiny_dir, prompts, params, speculative_config=spec, **options)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain], draft
+        stats = engine_.get_stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+        if accepted_all:  # the same model proposes exactly what the target samples
+            assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+        if engine == "preempting":
+            assert stats["num_preemptions"] > 0
+
+
+def test_draft_model_sampling_keeps_seeded_tokens_and_couples_its_samples(tiny_dir):
+    """Seeded sampling: the target's tokens with a draft model; a draft that is the target
+    samples with the same per-position keys, so every proposal is accepted even at temperature 1."""
+    prompts = repetitive_prompts(6, seed=6)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(6)]
+    plain, _ = run(tiny_dir, prompts, params)
+    spec, engine = run(tiny_dir, prompts, params, speculative_config={"model": tiny_dir, "num_speculative_tokens": 4})
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    stats = engine.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.isolated
+def test_tensor_parallel_draft_model_gives_the_unsharded_tokens(tmp_path):
+    path, draft = str(tmp_path / "target"), str(tmp_path / "draft")
+    save_hf_model("llama_tp", path)
+    save_hf_model("llama_tp", draft, seed=3)
+    prompts = tp_workload.prompts()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens(n: int, **kwargs):
+        options = tp_workload.engine_options(path, n)
+        if kwargs:  # the same blocks per device, each with its twin in the (equal-sized) draft's pool
+            options["kv_cache_memory_bytes"] *= 2
+        engine = LLMEngine(EngineArgs(**options, **kwargs))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        return [done[i] for i in range(len(prompts))], engine.get_stats()
+
+    plain, _ = tokens(1)
+    for draft_dir_, n in ((draft, 4), (path, 2)):
+        spec, stats = tokens(n, speculative_config={"model": draft_dir_, "num_speculative_tokens": 2})
+        assert spec == plain and stats["spec_decode_num_draft_tokens"] > 0 and stats["num_preemptions"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]  # the target as its draft

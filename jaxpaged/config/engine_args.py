@@ -164,6 +164,8 @@ class EngineArgs:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except SpeculativeConfigError as err:
             raise EngineArgsError("speculative_config", self.speculative_config, str(err)) from None
+        if self.speculative_config is not None and self.speculative_config.model is not None:
+            self._check_draft_model()
         self._check_tensor_parallel()
         check_block_size(self.block_size)
         utilization = self.gpu_memory_utilization
@@ -219,6 +221,27 @@ class EngineArgs:
             raise EngineArgsError("model", self.model, str(err)) from None
         except ValueError as err:
             raise EngineArgsError("quantization", self.quantization, str(err).split(": ", 1)[1]) from None
+
+    def _check_draft_model(self) -> None:
+        """A draft model: readable like the target, the target's vocabulary, split over the same
+        devices; not with the host tier (its blocks would need the draft's K/V too) or several
+        processes."""
+        spec, field = self.speculative_config, "speculative_config"
+        draft = spec.model
+        try:
+            dataclasses.replace(self, model=draft, speculative_config=None, tokenizer=self.tokenizer or self.model)
+            draft_config = ModelConfig.from_hf(load_config_dict(draft)[1])
+        except (EngineArgsError, ValueError, OSError) as err:
+            raise EngineArgsError(field, spec, f"the draft model: {getattr(err, 'reason', err)}") from None
+        target = ModelConfig.from_hf(load_config_dict(self.model)[1])
+        if draft_config.vocab_size != target.vocab_size:
+            raise EngineArgsError(field, spec, f"the draft model's vocabulary ({draft_config.vocab_size}) must be the "
+                                  f"target's ({target.vocab_size}): it proposes the target's token ids")  # fmt: skip
+        if self.kv_offloading_size is not None:
+            raise EngineArgsError(field, spec, "a draft model does not work with the host tier yet; leave "
+                                  "`kv_offloading_size` unset")  # fmt: skip
+        if self.nnodes > 1:
+            raise EngineArgsError(field, spec, "a draft model does not work across several processes yet (`nnodes`)")
 
     def _check_tensor_parallel(self) -> None:
         config = ModelConfig.from_hf(load_config_dict(self.model)[1])

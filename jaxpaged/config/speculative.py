@@ -2,17 +2,20 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
+    {"model": "/models/small", "num_speculative_tokens": 4}        (method "draft_model")
+
 "ngram" (prompt lookup) proposes, for a sequence whose last n tokens (n from
 `prompt_lookup_max` down to `prompt_lookup_min`) occurred earlier in its prompt or output, the up
-to `num_speculative_tokens` tokens that followed that occurrence. The target model checks every
-proposal of every sequence in one step (see `jaxpaged.core.speculation`).
+to `num_speculative_tokens` tokens that followed that occurrence. "draft_model" runs a smaller
+model with the same vocabulary for k decode steps. The target model checks every proposal of
+every sequence in one step (see `jaxpaged.core.speculation`).
 """
 
 import dataclasses
 import json
 from typing import Any
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -27,13 +30,16 @@ class SpeculativeConfig:
     Attributes:
       method: "ngram" (prompt lookup).
       num_speculative_tokens: proposals checked per sequence and step (k).
-      prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix looked up.
+      prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix looked up (ngram).
+      model: the draft model's directory or preset (draft_model: a smaller model with the
+        target's vocabulary, run on the same devices with a KV pool of its own).
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: "dict[str, Any] | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -52,14 +58,19 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise SpeculativeConfigError("must be a JSON object such as "
                                          '{"method": "ngram", "num_speculative_tokens": 4}')  # fmt: skip
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
         unknown = sorted(set(value) - known)
         if unknown:
-            hint = " (a draft model is not supported yet)" if "model" in unknown else ""
-            raise SpeculativeConfigError(f"unknown key(s) {', '.join(unknown)}{hint}; known: {', '.join(sorted(known))}")
-        method = value.get("method", "ngram")
+            raise SpeculativeConfigError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        method = value.get("method", "draft_model" if "model" in value else "ngram")
         if method not in SPECULATIVE_METHODS:
             raise SpeculativeConfigError(f"method {method!r} is not supported; use one of {', '.join(SPECULATIVE_METHODS)}")
+        model = value.get("model")
+        if (method == "draft_model") != (model is not None):
+            raise SpeculativeConfigError("method 'draft_model' needs the draft's directory as \"model\" (and only it "
+                                         "takes one)")  # fmt: skip
+        if model is not None and (not isinstance(model, str) or not model):
+            raise SpeculativeConfigError(f"model={model!r} must be a model directory (or a preset with dummy weights)")
         k = value.get("num_speculative_tokens")
         lookup_max = value.get("prompt_lookup_max", 4)
         lookup_min = value.get("prompt_lookup_min", min(2, lookup_max) if isinstance(lookup_max, int) else 2)
@@ -69,4 +80,4 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(f"{name}={number!r} must be an integer in [{low}, {high}]")
         if lookup_min > lookup_max:
             raise SpeculativeConfigError(f"prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
-        return cls(method, k, lookup_max, lookup_min)
+        return cls(method, k, lookup_max, lookup_min, model)

@@ -36,7 +36,7 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.sequence import Sequence, SequenceStatus
-from jaxpaged.core.speculation import NGRAM_LOOKBACK, NgramProposer, speculation_allowed
+from jaxpaged.core.speculation import NGRAM_LOOKBACK, DraftModelSlots, NgramProposer, speculation_allowed
 from jaxpaged.core.step_inputs import ScheduledSequence
 
 
@@ -137,12 +137,13 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | list[int] | None = None,
-                 disk_tier: DiskTier | None = None, proposer: NgramProposer | None = None):  # fmt: skip
+                 disk_tier: DiskTier | None = None, proposer: NgramProposer | DraftModelSlots | None = None):  # fmt: skip
         """Args:
         config: the limits.
         eos_token_id: the model's EOS id(s); generation stops there unless `ignore_eos`.
         disk_tier: prefix blocks of earlier runs on disk (needs a host tier: `num_host_blocks`).
-        proposer: proposes tokens for decoding sequences to check (speculative decoding).
+        proposer: proposes tokens for decoding sequences to check (speculative decoding; a
+          draft model's are placeholders the engine fills before the step).
         """
         self.proposer = proposer
         self.config = config

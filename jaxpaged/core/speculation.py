@@ -53,6 +53,8 @@ class NgramProposer:
     last n tokens (within its last `NGRAM_LOOKBACK` tokens), for n from `prompt_lookup_max`
     down to `prompt_lookup_min`."""
 
+    needs_model = False
+
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.lookup = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
@@ -73,3 +75,25 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return [int(t) for t in tokens[start : start + limit]]
         return []
+
+
+class DraftModelSlots:
+    """Proposal slots for a draft model: the scheduler reserves k positions (placeholder tokens)
+    for each decoding sequence with room for all k, and the engine fills them with the draft
+    model's tokens before the step (`jaxpaged.worker.draft_runner`)."""
+
+    needs_model = True
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        """k placeholder tokens, or none without room for all k (the draft always runs k steps)."""
+        return [0] * self.k if limit >= self.k else []
+
+
+def make_proposer(config: SpeculativeConfig | None) -> "NgramProposer | DraftModelSlots | None":
+    """The scheduler's proposer for a `speculative_config` (None: speculation off)."""
+    if config is None:
+        return None
+    return DraftModelSlots(config) if config.method == "draft_model" else NgramProposer(config)

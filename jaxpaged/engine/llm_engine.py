@@ -30,7 +30,8 @@ from jaxpaged.core.request_state import RequestState
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.host_tier import KVTransfers
-from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, NgramProposer
+from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, make_proposer
+from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.parallel.multihost import STOP
@@ -57,14 +58,14 @@ class LLMEngine:
         self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         worker = start_device_worker(config)
         self.config, self.plan, self.parallel = worker.config, worker.plan, worker.parallel
-        self.runner, self.compile_seconds = worker.runner, worker.compile_seconds
+        self.runner, self.compile_seconds, self.draft = worker.runner, worker.compile_seconds, worker.draft
         if self.runner.channel is not None:
             atexit.register(self.shutdown)
         self.disk_tier = start_disk_tier(self.config, self.runner)  # its queued writes are done at exit too
         spec = args.speculative_config
         self.scheduler = Scheduler(self.config.scheduler_config(),
                                    eos_token_id=sorted(eos_token_ids(args, self.config.model, self.tokenizer)),
-                                   disk_tier=self.disk_tier, proposer=NgramProposer(spec) if spec else None)  # fmt: skip
+                                   disk_tier=self.disk_tier, proposer=make_proposer(spec))  # fmt: skip
         # vLLM's speculative-decoding counters (with a speculative_config only).
         self.spec_stats = dict.fromkeys(SPEC_DECODE_COUNTERS, 0) if spec else {}
         self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
@@ -235,8 +236,12 @@ class LLMEngine:
             rows.append(SequenceRow(seq.seq_id, row, slot, seq.num_prompt_tokens, bool(sp.logprobs), banned))
         steps = self._fused_steps(out)  # may take blocks too: the copies are planned only now
         self._move_kv(self.scheduler.block_manager.take_transfers())
+        if self.draft is not None:
+            self._draft_proposals(out, rows)
         num_drafts = [len(d) for d in out.drafts]
         result = self.runner.execute(out.step_inputs, rows, resets, steps, num_drafts)
+        if self.draft is not None:  # the draft's pool gets the K/V of what the target computed
+            self.draft.mirror(*self.runner.last_step)
         n = out.num_seqs
         want_top = any(r.want_logprobs for r in rows)
         names = ("token_ids", "logprobs") + (("ranks", "top_ids", "top_logprobs") if want_top else ())
@@ -278,9 +283,23 @@ class LLMEngine:
         """How many decode steps to fuse into this step's program (1 = no fusing): the runner
         must have the program and the scheduler must reserve the blocks."""
         k = self.args.num_scheduler_steps
+        if self.draft is not None:  # the draft could not mirror steps whose tokens it never sees
+            return 1
         if k > 1 and self.runner.fusable(out.num_seqs) and self.scheduler.reserve_lookahead(out, k):
             return k
         return 1
+
+    def _draft_proposals(self, out: SchedulerOutput, rows: list[SequenceRow]) -> None:
+        """Fills the proposal slots the scheduler reserved with the draft model's tokens."""
+        drafting = [i for i, d in enumerate(out.drafts) if d]
+        if not drafting:
+            return
+        inputs = [ScheduledSequence(out.step_inputs[i].token_ids[:1], out.step_inputs[i].num_computed,
+                                    out.step_inputs[i].block_table) for i in drafting]  # fmt: skip
+        tokens = self.draft.propose(inputs, [rows[i] for i in drafting])
+        for i, proposal in zip(drafting, tokens.tolist()):
+            out.drafts[i] = proposal
+            out.step_inputs[i] = dataclasses.replace(out.step_inputs[i], token_ids=inputs[drafting.index(i)].token_ids + proposal)
 
     def _count_speculation(self, num_drafts: list[int], accepted: np.ndarray) -> None:
         """Speculative decoding's counters (vLLM's): proposals made and kept, by position."""

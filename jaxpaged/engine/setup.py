@@ -23,7 +23,9 @@ from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.model import Llama, kv_storage_dtype
 from jaxpaged.parallel import multihost
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
+from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.planning.memory import GiB, KVCachePlan, format_bytes, plan_kv_cache
+from jaxpaged.worker.draft_runner import DraftRunner, draft_engine_config
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.step_programs import Program
 
@@ -46,7 +48,8 @@ class DeviceWorker:
       plan: the KV plan (per device; the same on every process).
       runner: the warmed-up runner; on the leader of several processes its `channel` sends each
         step to the followers.
-      compile_seconds: how long warm-up compiled.
+      compile_seconds: how long warm-up compiled (the draft model's programs included).
+      draft: the draft model's runner (speculative decoding with a draft model), or None.
     """
 
     config: EngineConfig
@@ -54,6 +57,7 @@ class DeviceWorker:
     plan: KVCachePlan
     runner: ModelRunner
     compile_seconds: float
+    draft: DraftRunner | None = None
 
 
 def start_device_worker(config: EngineConfig) -> DeviceWorker:
@@ -64,7 +68,8 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
     use_compilation_cache(args.compilation_cache_dir)
     parallel = TensorParallel(config.layout, make_mesh(config.layout.size))
     model = build_model(config, parallel)
-    plan = plan_cache(config, model, parallel)
+    draft_model, draft_parallel = build_draft_model(config, parallel)
+    plan = plan_cache(config, model, parallel, draft=draft_model)
     agreed = multihost.agree_on_blocks(plan.num_blocks)
     if agreed != plan.num_blocks:
         plan = dataclasses.replace(plan, num_blocks=agreed, pool_bytes=agreed * plan.bytes_per_token * plan.block_size,
@@ -75,9 +80,30 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
     runner = ModelRunner(model, parallel=parallel, config=config, kv_scales=fp8_kv_scales(config, model.embed[...].dtype))
     seconds = runner.warm_up(args.compile_threads)
     check_step_memory(plan, runner.temp_bytes)
+    draft = None
+    if draft_model is not None:
+        draft = DraftRunner(draft_model, parallel=draft_parallel, target_decode_steps=args.num_scheduler_steps,
+                            config=draft_engine_config(config, draft_parallel.layout))  # fmt: skip
+        logger.info("draft model %s: %d layers, proposing %d tokens a step", args.speculative_config.model,
+                    draft.config.num_layers, draft.num_proposals)  # fmt: skip
+        seconds += draft.warm_up(args.compile_threads)
     if jax.process_count() > 1 and multihost.is_leader():
         runner.channel = multihost.StepChannel()  # from now on every device call is announced
-    return DeviceWorker(config, parallel, plan, runner, seconds)
+    return DeviceWorker(config, parallel, plan, runner, seconds, draft)
+
+
+def build_draft_model(config: EngineConfig, parallel: TensorParallel) -> tuple[Llama | None, TensorParallel | None]:
+    """The draft model of speculative decoding (None without one), loaded like the target (or
+    dummy weights with `load_format` dummy) onto the same devices, split by its own layout."""
+    spec = config.args.speculative_config
+    if spec is None or spec.model is None:
+        return None, None
+    draft_config = ModelConfig.from_hf(load_config_dict(spec.model)[1])
+    draft_parallel = TensorParallel(TensorParallelLayout(draft_config, config.layout.size), parallel.mesh)
+    args = dataclasses.replace(config.args, model=spec.model, speculative_config=None, tokenizer=config.args.tokenizer
+                               or config.args.model)  # fmt: skip
+    draft_engine = dataclasses.replace(config, args=args, model=draft_config, layout=draft_parallel.layout, quantization=None)
+    return build_model(draft_engine, draft_parallel), draft_parallel
 
 
 def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParallel) -> int:
@@ -251,22 +277,30 @@ def device_memory_bytes(parallel: TensorParallel) -> int | None:
 
 
 def plan_cache(engine_config: EngineConfig, model: Llama, parallel: TensorParallel,
-               memory_bytes: int | None = None) -> KVCachePlan:  # fmt: skip
+               memory_bytes: int | None = None, draft: Llama | None = None) -> KVCachePlan:  # fmt: skip
     """Sizes one device's KV pool from its memory (or the explicit budget, or on a CPU the job).
 
     Args:
       memory_bytes: the allocator's limit per device; default `device_memory_bytes(parallel)`.
+      draft: a draft model: its weights come out of the memory too, and every block of the pool
+        has a twin in the draft's pool (its bytes counted with the block's).
     """
     args, max_model_len = engine_config.args, engine_config.max_model_len
     config = parallel.layout.device_config
     dtype_bytes = kv_element_bytes(engine_config, model, parallel)
-    common = dict(dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len)
+    extra = 0
+    if draft is not None:
+        draft_device = TensorParallelLayout(draft.config, parallel.size).device_config
+        extra = kv_bytes_per_token(draft_device, kv_storage_dtype(engine_config.kv_dtype(draft.embed[...].dtype),
+                                                                  parallel.platform).itemsize)  # fmt: skip
+    common = dict(dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len,
+                  extra_bytes_per_token=extra)  # fmt: skip
     if args.kv_cache_memory_bytes is not None:
         return plan_kv_cache(config, kv_cache_memory_bytes=args.kv_cache_memory_bytes, **common)
     limit = memory_bytes if memory_bytes is not None else device_memory_bytes(parallel)
     if limit is None:
-        return plan_kv_cache(config, **common, **_cpu_budget(args, config, dtype_bytes, max_model_len))
-    weights = device_weight_bytes(model)
+        return plan_kv_cache(config, **common, **_cpu_budget(args, config, dtype_bytes, max_model_len, extra))
+    weights = device_weight_bytes(model) + (device_weight_bytes(draft) if draft is not None else 0)
     activations = _peak_activation_bytes(engine_config, model, parallel)
     # The allocator's limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (see jaxpaged/__init__.py).
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
@@ -282,10 +316,10 @@ def plan_cache(engine_config: EngineConfig, model: Llama, parallel: TensorParall
     )  # fmt: skip
 
 
-def _cpu_budget(args: EngineArgs, config: ModelConfig, dtype_bytes: int, max_model_len: int) -> dict:
+def _cpu_budget(args: EngineArgs, config: ModelConfig, dtype_bytes: int, max_model_len: int, extra: int = 0) -> dict:
     """A CPU has no device memory figure: room for `max_num_seqs` requests of `max_model_len`
     (what the job can use at once), capped at a share of the machine's memory."""
-    per_block = kv_bytes_per_token(config, dtype_bytes) * args.block_size
+    per_block = (kv_bytes_per_token(config, dtype_bytes) + extra) * args.block_size
     want = (args.max_num_seqs * -(-max_model_len // args.block_size) + 1) * per_block  # + the null block
     cap = int(host_memory_bytes() * CPU_KV_CACHE_SHARE)
     if want <= cap:

@@ -73,6 +73,7 @@ def plan_kv_cache(
     weight_bytes: int = 0,
     activation_bytes: int = 0,
     sized_from: str | None = None,
+    extra_bytes_per_token: int = 0,
 ) -> KVCachePlan:
     """Sizes the KV pool.
 
@@ -86,13 +87,15 @@ def plan_kv_cache(
       gpu_memory_utilization: fraction of device memory the engine may use.
       weight_bytes, activation_bytes: what weights and the largest step's temporaries take.
       sized_from: why the budget is what it is (default: the arithmetic above).
+      extra_bytes_per_token: bytes each token also takes elsewhere, block for block (a draft
+        model's pool).
 
     Raises:
       ValueError: when not even one `max_model_len` request fits, with the numbers and knobs.
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-    per_token = kv_bytes_per_token(config, dtype_bytes)
+    per_token = kv_bytes_per_token(config, dtype_bytes) + extra_bytes_per_token
     per_block = per_token * block_size
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes

@@ -75,6 +75,7 @@ class ModelRunner:
         self.compiled: dict[Program, object] = {}  # executables
         self.temp_bytes: dict[Program, int] = {}  # temporaries of each
         self._seed = None  # the compiled penalty-row seeding
+        self.last_step: tuple[Program, np.ndarray] | None = None  # the latest executed program and buffer
 
     def _zero_cache(self, num_blocks: int, kv_dtype, shardings: DeviceCache) -> DeviceCache:
         """The cache made where it lives: the pool split over kv heads (no device ever holds the
@@ -184,6 +185,7 @@ class ModelRunner:
         if program not in self.compiled:
             raise RuntimeError(f"no compiled program {program}: call warm_up() first")
         t, flat = self.packer.pack(inputs, rows, resets, num_drafts, decode=program.decode)
+        self.last_step = (program, flat)  # a draft model mirrors it
         if self.channel is not None:
             self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode)), flat)
         return self.run_packed(program, flat)

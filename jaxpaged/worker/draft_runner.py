@@ -1,0 +1,71 @@
+"""The draft model of speculative decoding (`speculative_config` with a "model"): a smaller model
+with the target's vocabulary, on the same devices, with a KV pool of its own.
+
+Its pool mirrors the target's block for block: it has as many blocks, and every step the target
+computes is run on it too (`mirror`: the same program on the same packed buffer, so the draft
+writes its K/V for exactly the tokens, positions and blocks the target wrote). A block therefore
+holds both models' K/V of the same tokens, and the block manager, the prefix cache and
+preemption serve both without knowing of the draft.
+
+Before a step that checks proposals, `propose` runs the draft's fused decode program for k steps
+from each drafting sequence's pending token, sampling with the request's own parameters and the
+same per-position keys the target's sampler uses (so when the two models agree on a position's
+distribution they draw the same token, and the target accepts it).
+"""
+
+import dataclasses
+
+import numpy as np
+
+from jaxpaged.config.engine_config import EngineConfig
+from jaxpaged.core.step_inputs import ScheduledSequence
+from jaxpaged.model import Llama
+from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.step_packer import SequenceRow
+from jaxpaged.worker.step_programs import Program
+
+
+class DraftRunner(ModelRunner):
+    """A `ModelRunner` for the draft model: the target's step programs (to mirror them) and its
+    own k-step decode programs (to propose).
+
+    Args:
+      model: the draft model on the mesh.
+      parallel: its sharding table on the target's mesh.
+      config: the draft's engine configuration: the target's limits and pool size, the
+        draft's model, `num_scheduler_steps` = k (see `draft_engine_config`).
+      target_decode_steps: the steps of the target's decode programs (mirrored too).
+    """
+
+    def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig, target_decode_steps: int):
+        super().__init__(model, parallel=parallel, config=config)
+        self.num_proposals = config.args.num_scheduler_steps
+        self.target_decode_steps = target_decode_steps
+
+    def programs(self) -> list[Program]:
+        """The target's mixed programs, decode programs of k steps (proposing), and of the
+        target's decode steps (mirroring), each once."""
+        own = super().programs()
+        mirrored = [Program(p.tokens, self.target_decode_steps, True) for p in own if p.decode]
+        return own + [p for p in mirrored if p not in own]
+
+    def propose(self, inputs: list[ScheduledSequence], rows: list[SequenceRow]) -> np.ndarray:
+        """k proposed tokens `[n, k]` for `n` decoding sequences (`inputs`: each one's pending token
+        at its computed length; `rows`: their sampling rows and slots, as the target packs them)."""
+        rows = [dataclasses.replace(r, want_logprobs=False) for r in rows]
+        result = self.execute(inputs, rows, [], self.num_proposals)
+        return np.asarray(result.token_ids).reshape(self.num_proposals, -1)[:, : len(inputs)].T
+
+    def mirror(self, program: Program, flat: np.ndarray) -> None:
+        """Runs the target's step (`program` over its packed buffer) on the draft's pool."""
+        self.run_packed(program, flat)
+
+
+def draft_engine_config(config: EngineConfig, layout) -> EngineConfig:
+    """The draft runner's configuration: the target's (planned pool size included) with the
+    draft's model (`layout`: its split over the mesh) and `num_scheduler_steps` = k (its
+    proposing programs), no host tier, unquantized weights."""
+    args = dataclasses.replace(config.args, num_scheduler_steps=config.args.speculative_config.num_speculative_tokens)
+    return dataclasses.replace(config, args=args, model=layout.config, layout=layout, num_host_blocks=0,
+                               quantization=None)  # fmt: skip

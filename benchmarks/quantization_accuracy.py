@@ -13,7 +13,6 @@ same as on a GPU, where an fp8 pool is stored in float8 instead of float8 values
 """
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -23,6 +22,8 @@ import jax
 import numpy as np
 import torch
 import transformers
+
+from results_files import save_results
 
 from jaxpaged.bench.perplexity import heldout_token_windows, perplexity
 from jaxpaged.checkpoint.loader import load_model
@@ -139,10 +140,7 @@ def main() -> None:
     table = markdown(report)
     print(table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
-            f.write(table + "\n")
+        save_results(args.json, report, table)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 import json
 import os
-import shutil
 
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from checkpoint_edits import copy_checkpoint, edit_tensors
 from safetensors.numpy import load_file, save_file
 from tiny_models import save_hf_model
 
@@ -48,20 +48,6 @@ def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf") / "llama"
     save_hf_model("llama_gqa4", str(path))
     return path
-
-
-def copy_checkpoint(src, tmp_path):
-    dst = tmp_path / "hf"
-    shutil.copytree(src, dst)
-    return dst
-
-
-def edit_tensors(model_dir, edit):
-    """Rewrites model.safetensors with `edit(dict)` applied."""
-    path = os.path.join(model_dir, "model.safetensors")
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("variant,shard_size", VARIANT_CASES)
@@ -115,7 +101,7 @@ def test_hf_and_converted_params_match_torch(variant, shard_size, tmp_path):
 
 
 def test_cli_bfloat16_end_to_end(llama_dir, tmp_path, capsys):
-    hf_dir = copy_checkpoint(llama_dir, tmp_path)
+    hf_dir = copy_checkpoint(llama_dir, tmp_path / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         (hf_dir / name).write_text("{}")
     out = tmp_path / "out"
@@ -149,7 +135,7 @@ def test_cli_bfloat16_end_to_end(llama_dir, tmp_path, capsys):
 
 
 def test_cli_reports_bad_checkpoint_in_one_line(llama_dir, tmp_path, capsys):
-    hf_dir = copy_checkpoint(llama_dir, tmp_path)
+    hf_dir = copy_checkpoint(llama_dir, tmp_path / "hf")
     edit_tensors(hf_dir, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(SystemExit) as exc:
         main(["--hf-dir", str(hf_dir), "--out", str(tmp_path / "out")])
@@ -164,21 +150,21 @@ def test_cli_reports_bad_checkpoint_in_one_line(llama_dir, tmp_path, capsys):
 
 
 def test_missing_key_is_named(llama_dir, tmp_path):
-    hf_dir = copy_checkpoint(llama_dir, tmp_path)
+    hf_dir = copy_checkpoint(llama_dir, tmp_path / "hf")
     edit_tensors(hf_dir, lambda t: (t.pop("model.layers.1.mlp.up_proj.weight"), t.pop("model.norm.weight")))
     with pytest.raises(ValueError, match="missing keys: model.layers.1.mlp.up_proj.weight, model.norm.weight"):
         load_params(hf_dir)
 
 
 def test_unexpected_key_is_named(llama_dir, tmp_path):
-    hf_dir = copy_checkpoint(llama_dir, tmp_path)
+    hf_dir = copy_checkpoint(llama_dir, tmp_path / "hf")
     edit_tensors(hf_dir, lambda t: t.update({"model.layers.0.self_attn.extra.weight": np.zeros(3, np.float32)}))
     with pytest.raises(ValueError, match=r"unexpected keys: model\.layers\.0\.self_attn\.extra\.weight"):
         load_params(hf_dir)
 
 
 def test_wrong_shape_is_named(llama_dir, tmp_path):
-    hf_dir = copy_checkpoint(llama_dir, tmp_path)
+    hf_dir = copy_checkpoint(llama_dir, tmp_path / "hf")
     name = "model.layers.0.self_attn.k_proj.weight"
 
     def shrink(tensors):
@@ -190,7 +176,7 @@ def test_wrong_shape_is_named(llama_dir, tmp_path):
 
 
 def test_duplicate_key_across_shards_is_named(llama_dir, tmp_path):
-    hf_dir = copy_checkpoint(llama_dir, tmp_path)
+    hf_dir = copy_checkpoint(llama_dir, tmp_path / "hf")
     tensors = load_file(str(hf_dir / "model.safetensors"))
     os.remove(hf_dir / "model.safetensors")
     names = sorted(tensors)
@@ -213,7 +199,7 @@ def test_unsupported_dtype_is_named(llama_dir):
 
 
 def test_unsupported_architecture_is_named(llama_dir, tmp_path):
-    hf_dir = copy_checkpoint(llama_dir, tmp_path)
+    hf_dir = copy_checkpoint(llama_dir, tmp_path / "hf")
     config = json.loads((hf_dir / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (hf_dir / "config.json").write_text(json.dumps(config))

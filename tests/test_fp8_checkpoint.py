@@ -8,7 +8,6 @@ and survive `jaxpaged-convert`.
 
 import json
 import os
-import shutil
 
 import jax
 import ml_dtypes
@@ -16,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from checkpoint_edits import copy_checkpoint, edit_tensors
 from fp8_checkpoint import PROJECTIONS, save_fp8_checkpoint
 from safetensors.torch import load_file, save_file
+from shard_checks import check_loaded_into_shards
 from tiny_models import save_hf_model
 from tiny_tokenizer import save_tokenizer
 
@@ -57,19 +58,6 @@ def dirs(tmp_path_factory):
                                  scale_dtype=torch.bfloat16)  # fmt: skip
     return {"plain": (root / "plain", plain), "channel": (root / "channel", channel),
             "tensor": (root / "tensor", tensor)}  # fmt: skip
-
-
-def copy_checkpoint(src, tmp_path):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(src, dst)
-    return dst
-
-
-def edit_tensors(model_dir, edit):
-    path = os.path.join(model_dir, "model.safetensors")
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def state(model) -> dict:
@@ -221,7 +209,7 @@ def test_missing_scale_fails_from_headers(dirs, tmp_path, monkeypatch):
     """(d) A checkpoint lacking a weight_scale, holding a wrongly shaped scale, a bf16 weight
     where fp8 belongs, a misshaped input_scale or a stray quantization tensor fails naming it,
     before any tensor data is read."""
-    path = copy_checkpoint(dirs["tensor"][0], tmp_path)
+    path = copy_checkpoint(dirs["tensor"][0], tmp_path / "ckpt")
 
     def no_data(*args, **kwargs):
         raise AssertionError("tensor data read before the headers were checked")
@@ -255,19 +243,19 @@ def test_config_and_weights_must_agree(dirs, tmp_path):
     """Plain weights under a compressed-tensors config.json are refused naming the missing
     scales; fp8 weights under a config.json without quantization_config naming the scales they
     hold and the missing config, and the fp8 type where a plain one belongs."""
-    plain = copy_checkpoint(dirs["plain"][0], tmp_path / "plain")
+    plain = copy_checkpoint(dirs["plain"][0], tmp_path / "plain" / "ckpt")
     config = json.loads((plain / "config.json").read_text())
     fp8_config = json.loads((dirs["channel"][0] / "config.json").read_text())
     (plain / "config.json").write_text(json.dumps({**config, "quantization_config": fp8_config["quantization_config"]}))
     with pytest.raises(ValueError, match=r"missing keys: model\.layers\.0\.mlp\.down_proj\.weight_scale"):
         load_params(plain)
 
-    fp8 = copy_checkpoint(dirs["channel"][0], tmp_path / "fp8")
+    fp8 = copy_checkpoint(dirs["channel"][0], tmp_path / "fp8" / "ckpt")
     (fp8 / "config.json").write_text(json.dumps({k: v for k, v in fp8_config.items() if k != "quantization_config"}))
     with pytest.raises(ValueError, match=r"unexpected keys: model\.layers\.0\.mlp\.down_proj\.weight_scale.*"
                                          r"no quantization_config"):  # fmt: skip
         load_params(fp8)
-    edit_tensors(fp8, lambda t: [t.pop(name) for name in list(t) if name.endswith("_scale")])
+    edit_tensors(fp8, lambda t: [t.pop(name) for name in list(t) if name.endswith("_scale")], framework="torch")
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj\.weight.*stored as F8_E4M3, expected F32"):
         load_params(fp8)
 
@@ -310,7 +298,7 @@ def test_convert_keeps_fp8(dirs, tmp_path, dtype):
 def test_other_quantization_methods_are_refused(dirs, tmp_path):
     """(f) A GPTQ checkpoint (or any quant_method but compressed-tensors FP8) is refused at
     argument time, naming the field and its value."""
-    path = copy_checkpoint(dirs["channel"][0], tmp_path)
+    path = copy_checkpoint(dirs["channel"][0], tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
     (path / "config.json").write_text(json.dumps(config))
@@ -339,17 +327,9 @@ def test_fp8_checkpoint_loads_into_its_shards(tmp_path):
     convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
     config = ModelConfig.from_pretrained(hf_dir)
     _, single = load_model(hf_dir, "float32")
-    reference = dict(jax.tree_util.tree_flatten_with_path(nnx.state(single))[0])
     parallel = TensorParallel.create(config, 4)
     assert parallel.layout.kv_replicas == 2
-    for source in (hf_dir, converted):
-        _, model = load_model(source, "float32", parallel=parallel)
-        leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
-        assert len(leaves) == len(reference)
-        for path, leaf in leaves:
-            name = param_path(path)
-            assert leaf.sharding.is_equivalent_to(parallel.param_sharding(name), leaf.ndim), (source, name)
-            assert_same(leaf, parallel.to_mesh_layout(name, np.asarray(reference[path])), f"{source}: {name}")
+    check_loaded_into_shards((hf_dir, converted), parallel, single, assert_same)
 
 
 def _leaves(tree, prefix=()):

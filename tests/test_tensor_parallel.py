@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tp_workload
 from engine_fixtures import hf_greedy
+from shard_checks import check_loaded_into_shards
 from flax import nnx
 from tiny_models import save_hf_model
 
@@ -220,17 +221,10 @@ def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
     convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
     config = ModelConfig.from_pretrained(hf_dir)
     _, single = load_model(hf_dir, "float32")
-    reference = dict(jax.tree_util.tree_flatten_with_path(nnx.state(single))[0])
     parallel = TensorParallel.create(config, n)
-    for source in (hf_dir, converted):
-        _, model = load_model(source, "float32", parallel=parallel)
-        leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
-        assert len(leaves) == len(reference)
-        for path, leaf in leaves:
-            name = param_path(path)
-            assert leaf.sharding.is_equivalent_to(parallel.param_sharding(name), leaf.ndim), (source, name)
-            expected = parallel.to_mesh_layout(name, np.asarray(reference[path]))
-            np.testing.assert_array_equal(np.asarray(leaf), expected, err_msg=f"{source}: {name}")
+    check_loaded_into_shards((hf_dir, converted), parallel, single,
+                             lambda leaf, expected, message: np.testing.assert_array_equal(np.asarray(leaf), expected,
+                                                                                           err_msg=message))  # fmt: skip
 
 
 @pytest.mark.isolated

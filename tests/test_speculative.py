@@ -156,14 +156,37 @@ def test_seeded_sampling_and_logprobs_are_the_same_with_speculation():
         assert all(len(la) >= 2 for la in a.logprobs)
 
 
-def test_sampled_tokens_follow_the_plain_distribution():
+@pytest.fixture(scope="module")
+def demo_draft(tmp_path_factory) -> str:
+    """A draft for the demo model: the demo model with noise on every matrix (the same
+    vocabulary; it agrees with the demo model often, not always)."""
+    import torch
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("demo_draft"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL, torch_dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.add_(0.3 * param.float().std() * torch.randn(param.shape, generator=generator).to(param.dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def methods(demo_draft: str) -> dict:
+    return {"ngram": NGRAM, "draft": {"model": demo_draft, "num_speculative_tokens": 3}}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_tokens_follow_the_plain_distribution(demo_draft, method):
     """300 unseeded requests (the engine seed gives each its own) of one prompt: the histograms
     of the 2nd to 6th generated tokens with and without speculation pass a chi-square test of
     homogeneity at about the 0.1% level (and here are equal: each position samples as plain
     decoding does)."""
     params = [SamplingParams(temperature=0.8, top_k=8, max_tokens=6, ignore_eos=True)] * 300
     plain, _ = run_demo(KJV[:1] * 300, params)
-    spec, engine = run_demo(KJV[:1] * 300, params, speculative_config=NGRAM)
+    spec, engine = run_demo(KJV[:1] * 300, params, speculative_config=methods(demo_draft)[method])
     assert engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
     for position in range(1, 6):
         a = np.array([o.token_ids[position] for o in plain])
@@ -176,14 +199,16 @@ def test_sampled_tokens_follow_the_plain_distribution():
         assert chi2 < dof + 3.1 * np.sqrt(2 * dof) + 10, (position, chi2, dof)
 
 
-def test_stop_strings_max_tokens_and_streaming_match_plain():
-    """The demo model on King James prompts (real repetition for the lookup): text, finish reasons,
-    max_tokens exactly, and streamed deltas that add up to the final output."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_stop_strings_max_tokens_and_streaming_match_plain(demo_draft, method):
+    """The demo model on King James prompts (real repetition for the lookup; a noisy copy of the
+    demo model as the draft): text, finish reasons, max_tokens exactly, and streamed deltas that
+    add up to the final output."""
     prompts = KJV
     stops = [SamplingParams(temperature=0, max_tokens=60, stop=["Israel"]),
              SamplingParams(temperature=0, max_tokens=33, ignore_eos=True), SamplingParams(temperature=0, max_tokens=48, stop=[", and"])]  # fmt: skip
     plain, _ = run_demo(prompts, stops)
-    spec, engine = run_demo(prompts, stops, speculative_config=NGRAM)
+    spec, engine = run_demo(prompts, stops, speculative_config=methods(demo_draft)[method])
     for a, b in zip(spec, plain):
         assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
     assert len(spec[1].token_ids) == 33 and spec[0].finish_reason == "stop"

@@ -1,0 +1,115 @@
+"""The summary of `benchmarks/speculative_gpu.py`, rewritten after every stage: `summary.json`
+(the device, the plan, the notes, every stage's record with its headline), `summary.md` (the
+stages' statuses, then one table: per configuration and batch size, TPOT, output tokens/s,
+acceptance and the ratios to plain decoding) and `stages.tar.gz` (each stage's JSON and log)."""
+
+import json
+import os
+import tarfile
+
+from gpu.summary import _round
+
+BASE = "plain"
+NOTES = (
+    "Dummy (random) weights: acceptance is not representative of a real model. A random model decoding greedily "
+    "often falls into short cycles of repeated tokens (see the distinct-output-token fraction), which an n-gram lookup "
+    "predicts perfectly; real text repeats itself less, so the n-gram rows show what lookup costs and what it can gain "
+    "when its proposals are accepted, not what it gains on real prompts.",
+    "The draft model (Llama-3.2-1B's shapes, 8B's vocabulary) has random weights of its own: its proposals are "
+    "near-random and almost never accepted, so the draft row measures the overhead of proposing k tokens and mirroring "
+    "every target step on the draft, not a realistic speedup.",
+    "TPOT = (latency of the full generate - latency of a max_tokens=1 generate of the same prompts) / (output_len - 1); "
+    "e2e TPOT = latency / output_len (`jaxpaged bench latency`'s definition). Speedup = plain's TPOT / this TPOT. "
+    "Greedy; every prompt repeats a random phrase of its own (lengths in the table's heading), the same prompts for "
+    "every engine; prefix caching off.",
+    "'same tokens as plain': the fraction of sequences whose greedy output equals plain decoding's. Speculation is exact "
+    "in exact arithmetic; in bf16 the verify step (a mixed program) and plain decode programs may round differently, so "
+    "a random model's near-tied logits can diverge. Informational, not a check.",
+)
+
+
+def _result(record: dict) -> dict:
+    return next((s["result"] for s in record["steps"] if s["result"]), None) or {}
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def rows(record: dict, base: dict) -> dict:
+    """Per batch size: TPOT, throughput, acceptance, ratios to `base` (plain's result)."""
+    out = {}
+    for batch, row in (_result(record).get("batches") or {}).items():
+        plain = (base.get("batches") or {}).get(batch) or {}
+        spec = row.get("spec") or {}
+        same = None
+        if record["stage"] != BASE and plain.get("token_ids") and row.get("token_ids"):
+            pairs = list(zip(plain["token_ids"], row["token_ids"]))
+            same = sum(a == b for a, b in pairs) / len(pairs)
+        out[f"batch {batch}"] = {
+            "tpot_ms": _round(row["tpot_ms"]), "e2e_tpot_ms": _round(row["e2e_tpot_ms"]),
+            "output_tok_s": _round(row["output_tok_s"], 1),
+            "speedup_vs_plain": _round(plain["tpot_ms"] / row["tpot_ms"], 3) if plain.get("tpot_ms") else None,
+            "throughput_vs_plain": _round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain.get("output_tok_s") else None,
+            "acceptance": _round(spec.get("acceptance_rate"), 3), "accepted_per_draft": _round(spec.get("accepted_per_draft")),
+            "same_tokens_as_plain": _round(same, 3),
+            "distinct_output_tokens": _round(_mean(row.get("distinct_output_token_frac") or []), 3),
+        }  # fmt: skip
+    return out
+
+
+def write_summary(out_dir: str, work_dir: str, device: dict, records: list[dict], plan: dict) -> None:
+    """summary.json, summary.md and stages.tar.gz (the work directory without compilation caches)."""
+    base = next((_result(r) for r in records if r["stage"] == BASE), {})
+    for record in records:
+        try:
+            record["headline"] = rows(record, base)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:  # a partial result: say so, go on
+            record["headline"] = {"error": f"{type(err).__name__}: {err}"}
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump({"device": device, "plan": plan, "notes": NOTES, "stages": records}, f, indent=1)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(markdown(device, records, plan))
+    with tarfile.open(os.path.join(out_dir, "stages.tar.gz"), "w:gz") as tar:
+        for name in sorted(os.listdir(work_dir)):
+            if not name.endswith("_xla_cache"):
+                tar.add(os.path.join(work_dir, name), arcname=os.path.join("stages", name))
+
+
+def _cell(value) -> str:
+    return "-" if value is None else str(value)
+
+
+COLUMNS = (("tpot_ms", "TPOT ms"), ("e2e_tpot_ms", "e2e TPOT ms"), ("output_tok_s", "output tok/s"),
+           ("speedup_vs_plain", "speedup vs plain (TPOT)"), ("throughput_vs_plain", "tok/s vs plain"),
+           ("acceptance", "acceptance"), ("accepted_per_draft", "accepted per proposal"),
+           ("same_tokens_as_plain", "same tokens as plain"), ("distinct_output_tokens", "distinct output tokens"))  # fmt: skip
+
+
+def markdown(device: dict, records: list[dict], plan: dict) -> str:
+    lines = [f"# Speculative decoding GPU run: {device.get('name') or device.get('device_kind')}", "",
+             f"jax {device.get('jax_version')}, platform {device.get('platform')}; {device.get('nvidia_smi') or ''}", "",
+             "| stage | status | seconds | steps |", "|---|---|---|---|"]  # fmt: skip
+    if device.get("refused"):
+        why = device.get("error") or f"JAX's platform is {device.get('platform')}, not gpu"
+        lines[3:3] = [f"REFUSED: {why}; nothing was measured.", ""]
+    for record in records:
+        steps = ", ".join(f"{s['name']} {s['status']}" for s in record["steps"])
+        lines.append(f"| {record['stage']} | {record['status']} | {record['elapsed_s']:.0f} | {steps} |")
+    table = []
+    for record in records:
+        headline = record.get("headline") or {}
+        if "error" in headline:
+            lines += ["", f"{record['stage']}: headline error {headline['error']}"]
+            continue
+        for batch, row in headline.items():
+            table.append(f"| {record['stage']} | {batch.split()[-1]} | " + " | ".join(_cell(row[k]) for k, _ in COLUMNS) + " |")
+    if table:
+        lines += ["", f"## {plan.get('model')} (dummy {plan.get('dtype', 'bf16')} weights), greedy, "
+                  f"{plan.get('workload', '')}", "",
+                  "| config | batch | " + " | ".join(name for _, name in COLUMNS) + " |",
+                  "|---|---|" + "---|" * len(COLUMNS), *table]  # fmt: skip
+    if records:
+        lines += ["", "Notes:", "", *(f"- {note}" for note in NOTES)]
+    return "\n".join(lines) + "\n"

@@ -8,6 +8,8 @@ test, `test_scheduler.py::test_random_workloads_keep_invariants_and_finish`, whi
 proposals too.)
 """
 
+import json
+
 import numpy as np
 import pytest
 import tp_workload
@@ -316,6 +318,12 @@ def test_draft_model_refusals_name_the_field(tmp_path, tiny_dir):
         EngineArgs(model=tiny_dir, speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
     with pytest.raises(EngineArgsError, match="does not work with the host tier yet"):
         EngineArgs(model=tiny_dir, kv_offloading_size=0.01, speculative_config={"model": tiny_dir, "num_speculative_tokens": 2})
+    short = tmp_path / "short"
+    save_hf_model("llama_mha", str(short))
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    with pytest.raises(EngineArgsError, match=r"the draft model: max_model_len=128 .*64"):
+        EngineArgs(model=tiny_dir, max_model_len=128, speculative_config={"model": str(short), "num_speculative_tokens": 2})
 
 
 @pytest.mark.parametrize("engine", ["roomy", "preempting", "chunked"])

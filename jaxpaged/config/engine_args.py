@@ -79,8 +79,8 @@ class EngineArgs:
     gpu_memory_utilization: float = _option(
         0.9, "fraction of GPU memory for weights, activations and the KV cache")
     kv_cache_memory_bytes: int | None = _option(
-        None, "exact KV cache size, e.g. 4GiB or 4294967296 (default: sized from the device's memory, or on a "
-        "CPU from max_num_seqs x max_model_len)", metavar="BYTES")  # fmt: skip
+        None, "exact KV cache size, e.g. 4GiB or 4294967296, a draft model's pool included (default: sized from the "
+        "device's memory, or on a CPU from max_num_seqs x max_model_len)", metavar="BYTES")  # fmt: skip
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     max_num_seqs: int = _option(256, "most sequences running at once")
     max_num_batched_tokens: int | None = _option(
@@ -237,6 +237,11 @@ class EngineArgs:
         if draft_config.vocab_size != target.vocab_size:
             raise EngineArgsError(field, spec, f"the draft model's vocabulary ({draft_config.vocab_size}) must be the "
                                   f"target's ({target.vocab_size}): it proposes the target's token ids")  # fmt: skip
+        try:
+            draft_config.check_max_model_len(self.max_model_len or target.max_context_len)
+        except ValueError as err:
+            raise EngineArgsError(field, spec, f"the draft model: {err}; lower `max_model_len` or use a draft with "
+                                  "the target's context") from None  # fmt: skip
         if self.kv_offloading_size is not None:
             raise EngineArgsError(field, spec, "a draft model does not work with the host tier yet; leave "
                                   "`kv_offloading_size` unset")  # fmt: skip

@@ -28,7 +28,7 @@ class SpeculativeConfig:
     """Resolved speculative decoding options.
 
     Attributes:
-      method: "ngram" (prompt lookup).
+      method: "ngram" (prompt lookup) or "draft_model".
       num_speculative_tokens: proposals checked per sequence and step (k).
       prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix looked up (ngram).
       model: the draft model's directory or preset (draft_model: a smaller model with the

@@ -314,7 +314,7 @@ class Scheduler:
         room = self.config.max_model_len - seq.num_tokens - 1
         if sp.max_tokens is not None:
             room = min(room, sp.max_tokens - seq.num_output_tokens - 1)
-        start = max(0, seq.num_tokens - NGRAM_LOOKBACK)
+        start = seq.num_tokens if self.proposer.needs_model else max(0, seq.num_tokens - NGRAM_LOOKBACK)
         return self.proposer.propose(seq.token_ids_slice(start, seq.num_tokens), min(room, budget))
 
     def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int] | list[list[int]] | dict[int, int],

@@ -241,7 +241,8 @@ class LLMEngine:
         num_drafts = [len(d) for d in out.drafts]
         result = self.runner.execute(out.step_inputs, rows, resets, steps, num_drafts)
         if self.draft is not None:  # the draft's pool gets the K/V of what the target computed
-            self.draft.mirror(*self.runner.last_step)
+            program, flat = self.runner.last_step  # a copy: the next step repacks that buffer while
+            self.draft.mirror(program, flat.copy())  # the draft may still read it (CPU puts alias)
         n = out.num_seqs
         want_top = any(r.want_logprobs for r in rows)
         names = ("token_ids", "logprobs") + (("ranks", "top_ids", "top_logprobs") if want_top else ())
@@ -282,9 +283,7 @@ class LLMEngine:
     def _fused_steps(self, out: SchedulerOutput) -> int:
         """How many decode steps to fuse into this step's program (1 = no fusing): the runner
         must have the program and the scheduler must reserve the blocks."""
-        k = self.args.num_scheduler_steps
-        if self.draft is not None:  # the draft could not mirror steps whose tokens it never sees
-            return 1
+        k = self.args.num_scheduler_steps  # 1 with a draft model (see EngineConfig.resolve)
         if k > 1 and self.runner.fusable(out.num_seqs) and self.scheduler.reserve_lookahead(out, k):
             return k
         return 1
@@ -297,9 +296,9 @@ class LLMEngine:
         inputs = [ScheduledSequence(out.step_inputs[i].token_ids[:1], out.step_inputs[i].num_computed,
                                     out.step_inputs[i].block_table) for i in drafting]  # fmt: skip
         tokens = self.draft.propose(inputs, [rows[i] for i in drafting])
-        for i, proposal in zip(drafting, tokens.tolist()):
+        for i, own, proposal in zip(drafting, inputs, tokens.tolist()):
             out.drafts[i] = proposal
-            out.step_inputs[i] = dataclasses.replace(out.step_inputs[i], token_ids=inputs[drafting.index(i)].token_ids + proposal)
+            out.step_inputs[i] = dataclasses.replace(out.step_inputs[i], token_ids=own.token_ids + proposal)
 
     def _count_speculation(self, num_drafts: list[int], accepted: np.ndarray) -> None:
         """Speculative decoding's counters (vLLM's): proposals made and kept, by position."""

@@ -87,6 +87,7 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
         logger.info("draft model %s: %d layers, proposing %d tokens a step", args.speculative_config.model,
                     draft.config.num_layers, draft.num_proposals)  # fmt: skip
         seconds += draft.warm_up(args.compile_threads)
+        check_step_memory(plan, draft.temp_bytes)  # run one after another: each within the reserve
     if jax.process_count() > 1 and multihost.is_leader():
         runner.channel = multihost.StepChannel()  # from now on every device call is announced
     return DeviceWorker(config, parallel, plan, runner, seconds, draft)

@@ -98,6 +98,16 @@ def run(path: str, prompts, params: list[SamplingParams], **kwargs):
     return [done[i] for i in range(len(prompts))], engine
 
 
+def token_ids_and_stats(engine: LLMEngine, prompts, params: SamplingParams):
+    """Every prompt (token ids) run to the end with `params`: their output token ids, and the stats."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return [done[i] for i in range(len(prompts))], engine.get_stats()
+
+
 ENGINES = {
     "roomy": dict(max_num_seqs=8, max_num_batched_tokens=128),
     "preempting": dict(kv_cache_memory_bytes=24 * 2 * 2 * 2 * 16 * 16 * 4, max_num_seqs=8, max_num_batched_tokens=64),
@@ -247,13 +257,7 @@ def test_tensor_parallel_speculation_gives_the_unsharded_tokens(tmp_path):
 
     def tokens(n: int, **kwargs):
         options = {**tp_workload.engine_options(path, n), "max_model_len": 64, **kwargs}
-        engine = LLMEngine(EngineArgs(**options))
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": p}, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
-        return [done[i] for i in range(len(prompts))], engine.get_stats()
+        return token_ids_and_stats(LLMEngine(EngineArgs(**options)), prompts, params)
 
     plain, _ = tokens(1)
     spec, stats = tokens(4, speculative_config=NGRAM)
@@ -375,13 +379,7 @@ def test_tensor_parallel_draft_model_gives_the_unsharded_tokens(tmp_path):
         options = tp_workload.engine_options(path, n)
         if kwargs:  # the same blocks per device, each with its twin in the (equal-sized) draft's pool
             options["kv_cache_memory_bytes"] *= 2
-        engine = LLMEngine(EngineArgs(**options, **kwargs))
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": p}, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
-        return [done[i] for i in range(len(prompts))], engine.get_stats()
+        return token_ids_and_stats(LLMEngine(EngineArgs(**options, **kwargs)), prompts, params)
 
     plain, _ = tokens(1)
     for draft_dir_, n in ((draft, 4), (path, 2)):

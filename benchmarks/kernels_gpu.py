@@ -406,6 +406,31 @@ def save(results: dict, path: str) -> None:
         json.dump(results, f, indent=1)
 
 
+def run_phases(cfg, results: dict, phases: list, report=None, gap: str = "") -> int:
+    """Measures the HBM copy bandwidth, then runs each phase (a callable) in order, saving `results`
+    to cfg.out after each. A Mismatch ends the run (exit 1, what was measured saved); otherwise
+    `report(results)` where given, the checks' count and worst error, and results marked complete
+    (exit 0). `gap` goes before the last two lines printed."""
+    try:
+        results["hbm_copy_Bps"] = measure_hbm_bandwidth(cfg)
+        save(results, cfg.out)
+        for phase in phases:
+            phase()
+            save(results, cfg.out)
+    except Mismatch as err:
+        save(results, cfg.out)
+        print(f"\nFAILED: {err}", file=sys.stderr)
+        return 1
+    if report is not None:
+        report(results)
+    errs = [c["rel_err"] for c in results["checks"] if c["rel_err"] is not None]
+    print(f"{gap}all {len(errs)} checks passed; max relative error {max(errs, default=0.0):.2e}")
+    results["complete"] = True
+    save(results, cfg.out)
+    print(f"{gap}wrote {cfg.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     cfg = parse(argv)
     device = jax.devices()[0]
@@ -415,27 +440,11 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__} on {kind}; interpret={cfg.interpret}")
     results = dict(device=kind, jax=jax.__version__, smoke=cfg.smoke, complete=False, peak_hbm_Bps=peak,
                    hbm_copy_Bps=None, checks=[], decode=[], prefill=[])  # fmt: skip
-    try:
-        results["hbm_copy_Bps"] = measure_hbm_bandwidth(cfg)
-        save(results, cfg.out)
-        if cfg.only in (None, "correctness"):
-            correctness(cfg, results["checks"])
-            save(results, cfg.out)
-        if cfg.only in (None, "decode"):
-            bench_decode(cfg, results["checks"], results)
-        if cfg.only in (None, "prefill"):
-            bench_prefill(cfg, results["checks"], results)
-    except Mismatch as e:
-        save(results, cfg.out)
-        print(f"\nFAILED: {e}", file=sys.stderr)
-        return 1
-    report(results)
-    errs = [c["rel_err"] for c in results["checks"] if c["rel_err"] is not None]
-    print(f"\nall {len(errs)} checks passed; max relative error {max(errs, default=0.0):.2e}")
-    results["complete"] = True
-    save(results, cfg.out)
-    print(f"\nwrote {cfg.out}")
-    return 0
+    phases = {"correctness": lambda: correctness(cfg, results["checks"]),
+              "decode": lambda: bench_decode(cfg, results["checks"], results),
+              "prefill": lambda: bench_prefill(cfg, results["checks"], results)}  # fmt: skip
+    chosen = [phase for name, phase in phases.items() if cfg.only in (None, name)]
+    return run_phases(cfg, results, chosen, report=report, gap="\n")
 
 
 if __name__ == "__main__":

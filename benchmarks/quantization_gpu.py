@@ -4,7 +4,7 @@
     python benchmarks/quantization_gpu.py --smoke --out /tmp/q  # the whole run on a CPU: demo model, tiny shapes
 
 Nothing needs preparing or carrying: the 8B engines use dummy weights and random prompts.
-Conventions as in `gpu_run.py` (whose device probe, child environment and console tee this
+Conventions as in `gpu_run.py` (whose probe, stage loop and console tee, in `gpu/orchestrate.py`, this
 reuses, with `gpu/stages.Stage` and `gpu/runner`): the device is probed in a process of its own;
 every step runs in a process group of its own with its own timeout (the smaller of its cap and
 what the stage has left; a stage's unused seconds go to the next); OUT/summary.json,
@@ -34,18 +34,15 @@ import argparse
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_run.py and the gpu/ helpers
 
+from gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop  # noqa: E402
 from gpu.plan import DEMO_MODEL_DIR, GPU_ENGINE_LIMITS, PROBE_TIMEOUT_S, ROOT, SMOKE_ENGINE_LIMITS  # noqa: E402
 from gpu.quant_summary import write_summary  # noqa: E402
-from gpu.runner import progress  # noqa: E402
 from gpu.stages import CLI, DYNAMIC_SLICE_FUSION, Stage  # noqa: E402
-from gpu_run import Tee, child_env, probe_device  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Seconds per stage; with the device probe (at most PROBE_TIMEOUT_S) they sum to 9.5 minutes.
@@ -161,79 +158,27 @@ def run_engine(stage: CappedStage, modes: list[str]) -> None:
 
 def run_stages(args, plan: Plan, out_dir: str, work_dir: str, device: dict, env: dict) -> list[dict]:
     runners = {"hlo": run_hlo, "kernels": run_kernels, "engine": lambda stage: run_engine(stage, args.engine_modes)}
-    chosen = [name for name in STAGE_BUDGETS_S if not args.stages or name in args.stages]
+    chosen = chosen_stages(args, STAGE_BUDGETS_S)
     plan_info = {"smoke": plan.smoke, "model": plan.model, "engine_limits": plan.engine_limits,
                  "engine_modes": {mode: " ".join(ENGINE_MODES[mode]) or "(bf16)" for mode in args.engine_modes},
                  "latency_flags": plan.latency_flags, "throughput_flags": plan.throughput_flags,
                  "budgets_s": {name: plan.budgets_s[name] for name in chosen}, "caps_s": plan.caps_s}  # fmt: skip
-    records, deadline = [], time.monotonic()
-    for name in chosen:
-        deadline += plan.budgets_s[name]
-        stage = CappedStage(name, plan, work_dir, deadline, env)
-        progress(f"=== stage {name}: up to {stage.remaining():.0f} s ===")
-        try:
-            runners[name](stage)
-        except Exception as err:  # noqa: BLE001 - the orchestrator's own error in one stage must not end the run
-            stage.fail("orchestrator", f"{type(err).__name__}: {err}")
-        stage.save()
-        records.append(stage.record())
-        progress(f"=== stage {name}: {stage.status()} after {records[-1]['elapsed_s']:.0f} s ===")
-        write_summary(out_dir, work_dir, device, records, plan_info)
-    return records
-
-
-def budget(text: str) -> tuple[str, float]:
-    name, _, seconds = text.partition("=")
-    if name not in STAGE_BUDGETS_S or not seconds:
-        raise argparse.ArgumentTypeError(f"{text!r}: STAGE=SECONDS with STAGE one of {', '.join(STAGE_BUDGETS_S)}")
-    return name, float(seconds)
+    return run_stage_loop(chosen, plan, work_dir, env, CappedStage, lambda name, stage: runners[name](stage),
+                          lambda records: write_summary(out_dir, work_dir, device, records, plan_info))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quantization_gpu_run"),
-                        help="where summary.json, summary.md, console.txt and stages.tar.gz go")  # fmt: skip
-    parser.add_argument("--work-dir", help="each stage's files and the compilation cache; new or empty (default: a "
-                        "fresh temporary directory)")  # fmt: skip
-    parser.add_argument("--smoke", action="store_true", help="the demo model and tiny shapes on the CPU")
-    parser.add_argument("--stages", type=lambda t: t.split(","), help=f"run only these ({','.join(STAGE_BUDGETS_S)})")
-    parser.add_argument("--budget", type=budget, action="append", default=[], metavar="STAGE=SECONDS",
-                        help="override a stage's budget")  # fmt: skip
+    add_run_args(parser, STAGE_BUDGETS_S, os.path.join(ROOT, "benchmarks", "results", "quantization_gpu_run"),
+                 "each stage's files and the compilation cache; new or empty (default: a fresh temporary directory)")
     parser.add_argument("--engine-modes", type=lambda t: t.split(","), default=list(ENGINE_MODES),
                         help=f"the engine stage's modes, in order (default {','.join(ENGINE_MODES)}; bf16 is the "
                         "ratios' base)")  # fmt: skip
     args = parser.parse_args(argv)
     if set(args.engine_modes) - set(ENGINE_MODES):
         parser.error(f"--engine-modes: choose from {', '.join(ENGINE_MODES)}")
-    unknown = set(args.stages or ()) - set(STAGE_BUDGETS_S)
-    if unknown:
-        parser.error(f"--stages: unknown {', '.join(sorted(unknown))}; choose from {', '.join(STAGE_BUDGETS_S)}")
-    if args.work_dir and os.path.isdir(args.work_dir) and os.listdir(args.work_dir):
-        parser.error(f"--work-dir {args.work_dir} is not empty: its files would be packed with this run's")
-    out_dir = os.path.abspath(args.out)
-    work_dir = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix="jaxpaged_quant_gpu_"))
-    os.makedirs(out_dir, exist_ok=True)
-    os.makedirs(work_dir, exist_ok=True)
-    sys.stdout = Tee(os.path.join(out_dir, "console.txt"))
-    plan = (smoke_plan if args.smoke else gpu_plan)(dict(args.budget))
-    env = child_env(args.smoke)
-    progress(f"probing the device (smoke={args.smoke}); stage files in {work_dir}")
-    try:
-        device = probe_device(env)
-    except (RuntimeError, subprocess.TimeoutExpired) as err:
-        progress(f"REFUSED: {err}")
-        write_summary(out_dir, work_dir, {"refused": True, "error": str(err)}, [], {"smoke": args.smoke})
-        return 2
-    progress(f"device: {device}")
-    if device["platform"] != "gpu" and not args.smoke:
-        progress(f"REFUSED: JAX's platform is {device['platform']}, not gpu; run on the GPU machine, or pass --smoke")
-        write_summary(out_dir, work_dir, {**device, "refused": True}, [], {"smoke": False})
-        return 2
-    records = run_stages(args, plan, out_dir, work_dir, device, env)
-    for record in records:
-        progress(f"{record['stage']:<8} {record['status']:<9} {record['elapsed_s']:6.0f} s  {record['headline']}")
-    progress(f"wrote {out_dir}/summary.md, summary.json, stages.tar.gz, console.txt")
-    return 0 if all(r["status"] == "ok" for r in records) else 1
+    check_run_args(parser, args, STAGE_BUDGETS_S)
+    return orchestrate(args, "jaxpaged_quant_gpu_", smoke_plan if args.smoke else gpu_plan, run_stages, write_summary, 8)
 
 
 if __name__ == "__main__":

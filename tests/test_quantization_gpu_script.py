@@ -12,16 +12,14 @@ transpose).
 
 import json
 import os
-import subprocess
 import sys
 import tarfile
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from gpu.hlo_census import census  # noqa: E402
+from gpu_script_smoke import run_script, smoke_run_fixture  # noqa: E402
 
 STAGES = ("hlo", "kernels", "engine")
 HLO_STEPS = ("fp8", "int8", "bf16", "fp8_dynamic_slice_fusion")
@@ -30,17 +28,7 @@ HLO_KEYS = {"fp8_gemm_custom_calls", "gemm_custom_calls", "gemm_fusions", "fp8_d
             "weight_relayouts_8bit", "weight_slice_copies", "converts_in_gemm_fusions", "compile_s"}  # fmt: skip
 
 
-def run_script(*argv: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "quantization_gpu.py"), *argv], cwd=ROOT,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=timeout)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out, work = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("work") / "stages"
-    proc = run_script("--smoke", "--out", str(out), "--work-dir", str(work), timeout=400)
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
-    return out, work, json.loads((out / "summary.json").read_text())
+smoke_run = smoke_run_fixture("quantization_gpu.py", timeout=400)
 
 
 def test_smoke_runs_every_stage_and_step(smoke_run):
@@ -107,7 +95,7 @@ def test_smoke_kernels_and_engine_headlines(smoke_run):
 
 
 def test_refuses_without_a_gpu(tmp_path):
-    proc = run_script("--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
+    proc = run_script("quantization_gpu.py", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
     assert proc.returncode == 2 and "REFUSED" in proc.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["device"]["refused"] is True
 

@@ -24,7 +24,6 @@ The JSON is rewritten after every section and every shape.
 import argparse
 import functools
 import gc
-import json
 import os
 import sys
 
@@ -36,8 +35,8 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(BENCH))  # run uninstalled
 sys.path.insert(0, BENCH)  # kernels_gpu.py, whose helpers this reuses
 
-from kernels_gpu import (BS, HBM_COPY_BYTES, PEAK_HBM, Mismatch, check, measure_hbm_bandwidth, paged_batch,  # noqa: E402
-                         ragged_args, reference_or_none, time_loop)  # fmt: skip
+from kernels_gpu import (BS, HBM_COPY_BYTES, PEAK_HBM, Mismatch, check, paged_batch, ragged_args,  # noqa: E402
+                         reference_or_none, run_phases, save, time_loop)  # fmt: skip
 from pallas_kernels import paged_decode_attention, ragged_paged_attention, reference  # noqa: E402
 
 FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
@@ -159,12 +158,6 @@ def fmt_ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def save(results: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
-
-
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (a CPU check of the script)")
@@ -204,23 +197,8 @@ def main(argv=None) -> int:
                    peak_hbm_Bps=next((v for k, v in PEAK_HBM.items() if k in kind), None), hbm_copy_Bps=None,
                    shapes=dict(heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, block_size=BS),
                    checks=[], decode=[])  # fmt: skip
-    try:
-        results["hbm_copy_Bps"] = measure_hbm_bandwidth(cfg)
-        save(results, cfg.out)
-        correctness(cfg, results["checks"])
-        save(results, cfg.out)
-        bench_decode(cfg, results["checks"], results)
-    except Mismatch as err:
-        save(results, cfg.out)
-        print(f"\nFAILED: {err}", file=sys.stderr)
-        return 1
-    errs = [c["rel_err"] for c in results["checks"] if c["rel_err"] is not None]
-    print(f"all {len(errs)} checks passed; max relative error {max(errs, default=0.0):.2e}")
-    results["complete"] = True
-    save(results, cfg.out)
-    print(f"wrote {cfg.out}")
-    return 0
-
+    return run_phases(cfg, results, [lambda: correctness(cfg, results["checks"]),
+                                     lambda: bench_decode(cfg, results["checks"], results)])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,11 +3,8 @@
 statuses, then one table per stage: the HLO census, fp8 vs bf16 decode kernel, engine modes vs
 bf16), and `stages.tar.gz` (each stage's JSON and log, the HLO text files)."""
 
-import json
-import os
-import tarfile
 
-from gpu.summary import _round
+from gpu.summary import _round, markdown_head, set_headlines, steps_cell, write_files
 
 
 def _result(record: dict, step_name: str) -> dict | None:
@@ -67,19 +64,8 @@ HEADLINES = {"hlo": hlo_headline, "kernels": kernels_headline, "engine": engine_
 
 def write_summary(out_dir: str, work_dir: str, device: dict, records: list[dict], plan: dict) -> None:
     """summary.json, summary.md and stages.tar.gz (the work directory without compilation caches)."""
-    for record in records:
-        try:
-            record["headline"] = HEADLINES[record["stage"]](record)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:  # a partial result: say so, go on
-            record["headline"] = {"error": f"{type(err).__name__}: {err}"}
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump({"device": device, "plan": plan, "stages": records}, f, indent=1)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(markdown(device, records))
-    with tarfile.open(os.path.join(out_dir, "stages.tar.gz"), "w:gz") as tar:
-        for name in sorted(os.listdir(work_dir)):
-            if not name.endswith("_xla_cache"):
-                tar.add(os.path.join(work_dir, name), arcname=os.path.join("stages", name))
+    set_headlines(records, lambda record: HEADLINES[record["stage"]](record))
+    write_files(out_dir, work_dir, {"device": device, "plan": plan, "stages": records}, markdown(device, records))
 
 
 def _cell(value) -> str:
@@ -89,15 +75,7 @@ def _cell(value) -> str:
 
 
 def markdown(device: dict, records: list[dict]) -> str:
-    lines = [f"# Quantization GPU run: {device.get('name') or device.get('device_kind')}", "",
-             f"jax {device.get('jax_version')}, platform {device.get('platform')}; {device.get('nvidia_smi') or ''}", "",
-             "| stage | status | seconds | steps |", "|---|---|---|---|"]  # fmt: skip
-    if device.get("refused"):
-        why = device.get("error") or f"JAX's platform is {device.get('platform')}, not gpu"
-        lines[3:3] = [f"REFUSED: {why}; nothing was measured.", ""]
-    for record in records:
-        steps = ", ".join(f"{s['name']} {s['status']}" for s in record["steps"])
-        lines.append(f"| {record['stage']} | {record['status']} | {record['elapsed_s']:.0f} | {steps} |")
+    lines = markdown_head("Quantization GPU run", device, records, "steps", steps_cell)
     for record in records:
         headline = record.get("headline") or {}
         if "error" in headline:

@@ -3,11 +3,8 @@
 stages' statuses, then one table: per configuration and batch size, TPOT, output tokens/s,
 acceptance and the ratios to plain decoding) and `stages.tar.gz` (each stage's JSON and log)."""
 
-import json
-import os
-import tarfile
 
-from gpu.summary import _round
+from gpu.summary import _round, markdown_head, set_headlines, steps_cell, write_files
 
 BASE = "plain"
 NOTES = (
@@ -62,19 +59,9 @@ def rows(record: dict, base: dict) -> dict:
 def write_summary(out_dir: str, work_dir: str, device: dict, records: list[dict], plan: dict) -> None:
     """summary.json, summary.md and stages.tar.gz (the work directory without compilation caches)."""
     base = next((_result(r) for r in records if r["stage"] == BASE), {})
-    for record in records:
-        try:
-            record["headline"] = rows(record, base)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:  # a partial result: say so, go on
-            record["headline"] = {"error": f"{type(err).__name__}: {err}"}
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump({"device": device, "plan": plan, "notes": NOTES, "stages": records}, f, indent=1)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(markdown(device, records, plan))
-    with tarfile.open(os.path.join(out_dir, "stages.tar.gz"), "w:gz") as tar:
-        for name in sorted(os.listdir(work_dir)):
-            if not name.endswith("_xla_cache"):
-                tar.add(os.path.join(work_dir, name), arcname=os.path.join("stages", name))
+    set_headlines(records, lambda record: rows(record, base))
+    write_files(out_dir, work_dir, {"device": device, "plan": plan, "notes": NOTES, "stages": records},
+                markdown(device, records, plan))
 
 
 def _cell(value) -> str:
@@ -88,15 +75,7 @@ COLUMNS = (("tpot_ms", "TPOT ms"), ("e2e_tpot_ms", "e2e TPOT ms"), ("output_tok_
 
 
 def markdown(device: dict, records: list[dict], plan: dict) -> str:
-    lines = [f"# Speculative decoding GPU run: {device.get('name') or device.get('device_kind')}", "",
-             f"jax {device.get('jax_version')}, platform {device.get('platform')}; {device.get('nvidia_smi') or ''}", "",
-             "| stage | status | seconds | steps |", "|---|---|---|---|"]  # fmt: skip
-    if device.get("refused"):
-        why = device.get("error") or f"JAX's platform is {device.get('platform')}, not gpu"
-        lines[3:3] = [f"REFUSED: {why}; nothing was measured.", ""]
-    for record in records:
-        steps = ", ".join(f"{s['name']} {s['status']}" for s in record["steps"])
-        lines.append(f"| {record['stage']} | {record['status']} | {record['elapsed_s']:.0f} | {steps} |")
+    lines = markdown_head("Speculative decoding GPU run", device, records, "steps", steps_cell)
     table = []
     for record in records:
         headline = record.get("headline") or {}

@@ -77,33 +77,56 @@ HEADLINES = {"kernels": kernels_headline, "startup": startup_headline, "engine_s
              "latency": latency_headline, "throughput": throughput_headline, "serve": serve_headline}  # fmt: skip
 
 
-def write_summary(out_dir: str, work_dir: str, device: dict, records: list[dict], plan: dict) -> None:
-    """Writes summary.json and summary.md, and packs the work directory's stage files into
-    stages.tar.gz (a device call returns at most 8 files)."""
+def set_headlines(records: list[dict], headline_of) -> None:
+    """Sets each record's headline to `headline_of(record)`; a partial result's error becomes its headline."""
     for record in records:
         try:
-            record["headline"] = HEADLINES[record["stage"]](record)
+            record["headline"] = headline_of(record)
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:  # a partial result: say so, go on
             record["headline"] = {"error": f"{type(err).__name__}: {err}"}
-    summary = {"device": device, "plan": plan, "stages": records}
+
+
+def write_files(out_dir: str, work_dir: str, summary: dict, markdown_text: str) -> None:
+    """Writes OUT/summary.json and OUT/summary.md, and packs the work directory's stage files (not
+    the compilation caches) into OUT/stages.tar.gz (a device call returns at most 8 files)."""
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(markdown(device, records))
+        f.write(markdown_text)
     with tarfile.open(os.path.join(out_dir, "stages.tar.gz"), "w:gz") as tar:
         for name in sorted(os.listdir(work_dir)):
             if not name.endswith("_xla_cache"):
                 tar.add(os.path.join(work_dir, name), arcname=os.path.join("stages", name))
 
 
-def markdown(device: dict, records: list[dict]) -> str:
-    lines = [f"# GPU run: {device.get('name') or device.get('device_kind')}", "",
+def markdown_head(title: str, device: dict, records: list[dict], column: str, cell) -> list[str]:
+    """The summary.md lines every run starts with: `title` and the device, REFUSED and why where the
+    run was refused, then one table row per stage (status, seconds, `column` = `cell(record)`)."""
+    lines = [f"# {title}: {device.get('name') or device.get('device_kind')}", "",
              f"jax {device.get('jax_version')}, platform {device.get('platform')}; {device.get('nvidia_smi') or ''}", "",
-             "| stage | status | seconds | headline |", "|---|---|---|---|"]  # fmt: skip
+             f"| stage | status | seconds | {column} |", "|---|---|---|---|"]  # fmt: skip
     if device.get("refused"):
         why = device.get("error") or f"JAX's platform is {device.get('platform')}, not gpu"
         lines[3:3] = [f"REFUSED: {why}; nothing was measured.", ""]
     for record in records:
-        headline = "; ".join(f"{k} {v}" for k, v in record.get("headline", {}).items() if v is not None)
-        lines.append(f"| {record['stage']} | {record['status']} | {record['elapsed_s']:.0f} | {headline} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| {record['stage']} | {record['status']} | {record['elapsed_s']:.0f} | {cell(record)} |")
+    return lines
+
+
+def steps_cell(record: dict) -> str:
+    """A stage's steps and how each ended, for a summary table's cell."""
+    return ", ".join(f"{s['name']} {s['status']}" for s in record["steps"])
+
+
+def write_summary(out_dir: str, work_dir: str, device: dict, records: list[dict], plan: dict) -> None:
+    """Writes summary.json and summary.md, and packs the work directory's stage files into
+    stages.tar.gz (a device call returns at most 8 files)."""
+    set_headlines(records, lambda record: HEADLINES[record["stage"]](record))
+    write_files(out_dir, work_dir, {"device": device, "plan": plan, "stages": records}, markdown(device, records))
+
+
+def markdown(device: dict, records: list[dict]) -> str:
+    def headline(record: dict) -> str:
+        return "; ".join(f"{k} {v}" for k, v in record.get("headline", {}).items() if v is not None)
+
+    return "\n".join(markdown_head("GPU run", device, records, "headline", headline)) + "\n"

@@ -47,7 +47,7 @@ def rows(record: dict, base: dict) -> dict:
         out[f"batch {batch}"] = {
             "tpot_ms": _round(row["tpot_ms"]), "e2e_tpot_ms": _round(row["e2e_tpot_ms"]),
             "output_tok_s": _round(row["output_tok_s"], 1),
-            "speedup_vs_plain": _round(plain["tpot_ms"] / row["tpot_ms"], 3) if plain.get("tpot_ms") else None,
+            "speedup_vs_plain": _round(plain["tpot_ms"] / row["tpot_ms"], 3) if plain.get("tpot_ms") and row["tpot_ms"] else None,
             "throughput_vs_plain": _round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain.get("output_tok_s") else None,
             "acceptance": _round(spec.get("acceptance_rate"), 3), "accepted_per_draft": _round(spec.get("accepted_per_draft")),
             "same_tokens_as_plain": _round(same, 3),

@@ -370,20 +370,26 @@ def report(results):
         )
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<device>.json)")
-    p.add_argument("--only", choices=["correctness", "decode", "prefill"], default=None)
+def parse_timing(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Adds the timing flags every kernel benchmark takes, parses, and sets the device facts
+    (`gpu`, `interpret`, `rotate_bytes`, `hbm_bytes`)."""
     p.add_argument("--reps", type=int, default=20, help="calls per timed loop")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5, help="timed loops; the median is reported")
     p.add_argument("--rotate-mb", type=int, default=256, help="decode KV data rotated through per loop")
     cfg = p.parse_args(argv)
     cfg.gpu = jax.default_backend() == "gpu"
-    cfg.rotate_bytes = cfg.rotate_mb << 20
-    cfg.hbm_bytes = HBM_COPY_BYTES
     cfg.interpret = not cfg.gpu
+    cfg.rotate_bytes, cfg.hbm_bytes = cfg.rotate_mb << 20, HBM_COPY_BYTES
+    return cfg
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<device>.json)")
+    p.add_argument("--only", choices=["correctness", "decode", "prefill"], default=None)
+    cfg = parse_timing(p, argv)
     cfg.heads, cfg.kv_heads, cfg.head_dim = 32, 8, 128  # Llama-3.1-8B attention
     cfg.batches, cfg.contexts, cfg.prompts = [1, 8, 64, 256], [512, 2048, 8192], [512, 2048, 8192]
     cfg.decode_lens, cfg.decode_width = [1, BS - 1, BS, BS + 1, 300, 2000, 0], 160

@@ -35,7 +35,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(BENCH))  # run uninstalled
 sys.path.insert(0, BENCH)  # kernels_gpu.py, whose helpers this reuses
 
-from kernels_gpu import (BS, HBM_COPY_BYTES, PEAK_HBM, Mismatch, check, paged_batch, ragged_args,  # noqa: E402
+from kernels_gpu import (BS, PEAK_HBM, Mismatch, check, paged_batch, parse_timing, ragged_args,  # noqa: E402
                          reference_or_none, run_phases, save, time_loop)  # fmt: skip
 from pallas_kernels import paged_decode_attention, ragged_paged_attention, reference  # noqa: E402
 
@@ -164,14 +164,7 @@ def parse(argv=None):
     p.add_argument("--out", required=True, help="the JSON file")
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--contexts", default="2048,8192")
-    p.add_argument("--reps", type=int, default=20, help="calls per timed loop")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5, help="timed loops; the median is reported")
-    p.add_argument("--rotate-mb", type=int, default=256, help="decode KV data rotated through per loop")
-    cfg = p.parse_args(argv)
-    cfg.gpu = jax.default_backend() == "gpu"
-    cfg.interpret = not cfg.gpu
-    cfg.rotate_bytes, cfg.hbm_bytes = cfg.rotate_mb << 20, HBM_COPY_BYTES
+    cfg = parse_timing(p, argv)
     cfg.heads, cfg.kv_heads, cfg.head_dim = 32, 8, 128  # Llama-3.1-8B attention
     cfg.batches = [int(x) for x in cfg.batches.split(",")]
     cfg.contexts = [int(x) for x in cfg.contexts.split(",")]

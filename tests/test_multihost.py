@@ -20,11 +20,10 @@ from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 MAX_TOKENS = 10
 PROCESS = r"""
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # two devices per process
 from jaxpaged.config.engine_args import EngineArgs
 
 rank, port, options, prompts = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
-args = EngineArgs(**options, nnodes=2, node_rank=rank, master_port=port)
+args = EngineArgs(**options, nnodes=int(os.environ.get("NNODES", 2)), node_rank=rank, master_port=port)
 if rank:
     from jaxpaged.engine.follower import run_follower
 
@@ -51,20 +50,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_processes(options: list[dict], prompts: list[list[int]], devices: int = 2) -> list[tuple[int, str, str]]:
+    """Runs PROCESS once per entry of `options` (that process's engine options; rank = index),
+    each with `devices` CPU devices; returns each one's (exit code, stdout, stderr)."""
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NNODES": str(len(options)),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(rank), str(port), json.dumps(options[rank]),
+                               json.dumps(prompts), str(MAX_TOKENS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for rank in reversed(range(len(options)))]  # fmt: skip
+    done = [proc.communicate(timeout=600) for proc in procs]
+    return [(proc.returncode, *out_err) for proc, out_err in zip(procs, done)][::-1]
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def test_two_processes_give_transformers_tokens(tmp_path):
     hf = save_hf_model("llama_tp", str(tmp_path))
     prompts = tp_workload.prompts(seed=1)
     options = tp_workload.engine_options(str(tmp_path), 4)
-    port = free_port()
-    argv = [json.dumps(options), json.dumps(prompts), str(MAX_TOKENS)]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(rank), str(port), *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for rank in (1, 0)]  # fmt: skip
     results = {}
-    for rank, proc in zip((1, 0), procs):
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"process {rank} failed:\n{err[-4000:]}"
-        results[rank] = json.loads(out.strip().splitlines()[-1])
+    for rank, (code, out, err) in enumerate(run_processes([options, options], prompts)):
+        assert code == 0, f"process {rank} failed:\n{err[-4000:]}"
+        results[rank] = last_json(out)
     assert results[0]["tokens"] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     stats = results[0]["stats"]
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
@@ -133,3 +143,28 @@ def test_bad_multi_process_arguments_are_named():
         LLMEngine(EngineArgs(**demo, nnodes=2, node_rank=1))
     with pytest.raises(EngineArgsError, match="node_rank=0: process 0 runs the engine"):
         run_follower(EngineArgs(**demo))
+
+
+def test_processes_started_with_different_settings_are_refused_by_name(tmp_path):
+    """A follower started with another --max-num-seqs and --no-scan-layers would compile other
+    programs and hang the leader at its first step: every process refuses to start, naming both."""
+    save_hf_model("llama_tp", str(tmp_path))
+    options = tp_workload.engine_options(str(tmp_path), 4)
+    other = {**options, "max_num_seqs": 2, "scan_layers": False, "compile_threads": 1}  # the last one may differ
+    for code, _, err in run_processes([options, other], [[5, 6, 7]]):
+        assert code != 0 and "EngineArgsError" in err, err[-4000:]
+        assert "different from process 0: max_num_seqs on process(es) 1; scan_layers on process(es) 1" in err
+        assert "compile_threads" not in err.splitlines()[-1]
+
+
+def test_every_process_takes_the_leaders_seed(tmp_path):
+    """Dummy weights come from the seed: a follower started with another seed (or none) makes its
+    shards from process 0's, so the two processes compute what one process with 4 devices does."""
+    save_hf_model("llama_tp", str(tmp_path))
+    prompts = tp_workload.prompts(seed=2)[:3]
+    options = {**tp_workload.engine_options(str(tmp_path), 4), "load_format": "dummy", "seed": 3}
+    leader, follower = run_processes([options, {**options, "seed": None}], prompts)
+    assert leader[0] == 0 and follower[0] == 0, leader[2][-3000:] + follower[2][-3000:]
+    (code, out, err), = run_processes([options], prompts, devices=4)
+    assert code == 0, err[-4000:]
+    assert last_json(leader[1])["tokens"] == last_json(out)["tokens"]

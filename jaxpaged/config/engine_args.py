@@ -50,8 +50,12 @@ def default_compilation_cache_dir() -> str:
     return os.path.join(root, "jaxpaged", "xla")
 
 
-def _option(default, help: str, *, choices: tuple | None = None, metavar: str | None = None):
-    return dataclasses.field(default=default, metadata=dict(help=help, choices=choices, metavar=metavar))
+def _option(default, help: str, *, choices: tuple | None = None, metavar: str | None = None,
+            per_process: bool = False):
+    """A field: its default, its `--help` text, and `per_process` when the processes of one
+    multi-process engine may set it differently (paths, local resources); the others must agree."""
+    return dataclasses.field(default=default, metadata=dict(help=help, choices=choices, metavar=metavar,
+                                                            per_process=per_process))
 
 
 @dataclasses.dataclass
@@ -64,8 +68,9 @@ class EngineArgs:
 
     model: str = _option(
         None, "model directory (Hugging Face or jaxpaged-convert); with --load-format dummy also a directory "
-        f"holding only config.json, or a preset ({', '.join(PRESETS)})", metavar="DIR")  # fmt: skip
-    tokenizer: str | None = _option(None, "tokenizer directory (default: the model directory)", metavar="DIR")
+        f"holding only config.json, or a preset ({', '.join(PRESETS)})", metavar="DIR", per_process=True)  # fmt: skip
+    tokenizer: str | None = _option(None, "tokenizer directory (default: the model directory)", metavar="DIR",
+                                     per_process=True)  # fmt: skip
     dtype: str = _option("auto", "weights and activations dtype; auto is the checkpoint's", choices=DTYPES)
     kv_cache_dtype: str = _option(
         "auto", "KV cache dtype: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per element "
@@ -77,10 +82,10 @@ class EngineArgs:
         "checkpoint is read as fp8 without it (default: none)", choices=QUANTIZATION_METHODS)  # fmt: skip
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
     gpu_memory_utilization: float = _option(
-        0.9, "fraction of GPU memory for weights, activations and the KV cache")
+        0.9, "fraction of GPU memory for weights, activations and the KV cache", per_process=True)
     kv_cache_memory_bytes: int | None = _option(
         None, "exact KV cache size, e.g. 4GiB or 4294967296, a draft model's pool included (default: sized from the "
-        "device's memory, or on a CPU from max_num_seqs x max_model_len)", metavar="BYTES")  # fmt: skip
+        "device's memory, or on a CPU from max_num_seqs x max_model_len)", metavar="BYTES", per_process=True)  # fmt: skip
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     max_num_seqs: int = _option(256, "most sequences running at once")
     max_num_batched_tokens: int | None = _option(
@@ -111,14 +116,16 @@ class EngineArgs:
     nnodes: int = _option(
         1, "processes (machines) the engine spans; each runs jaxpaged serve with its own --node-rank")
     node_rank: int = _option(
-        0, "this process among --nnodes: 0 schedules and serves, the others run its steps on their devices")
+        0, "this process among --nnodes: 0 schedules and serves, the others run its steps on their devices",
+        per_process=True)  # fmt: skip
     master_addr: str = _option("127.0.0.1", "address of process 0, where the processes meet (with --nnodes > 1)",
-                               metavar="HOST")  # fmt: skip
-    master_port: int = _option(29501, "port of process 0 where the processes meet (with --nnodes > 1)", metavar="PORT")
+                               metavar="HOST", per_process=True)  # fmt: skip
+    master_port: int = _option(29501, "port of process 0 where the processes meet (with --nnodes > 1)", metavar="PORT",
+                                 per_process=True)  # fmt: skip
     compilation_cache_dir: str = _option(
         "auto", "persistent compilation cache: later start-ups load the compiled step programs from it; auto is "
         "JAX's own cache directory when one is set, else $XDG_CACHE_HOME/jaxpaged/xla (~/.cache/jaxpaged/xla); "
-        "none turns it off", metavar="DIR|auto|none")  # fmt: skip
+        "none turns it off", metavar="DIR|auto|none", per_process=True)  # fmt: skip
     attention_backend: str = _option(
         "auto", "auto is the Pallas kernels on a GPU and the jnp reference elsewhere; pallas on a CPU "
         "interprets the kernels (slow)", choices=ATTENTION_BACKENDS)  # fmt: skip
@@ -129,7 +136,7 @@ class EngineArgs:
     compile_threads: int | None = _option(
         None, "threads compiling the step programs at start-up (default: one per two CPU cores, at most "
         f"{MAX_COMPILE_THREADS}: XLA's compiler already uses about two cores per program; each thread holds one "
-        "program's compiler memory)")
+        "program's compiler memory)", per_process=True)
     speculative_config: SpeculativeConfig | dict | str | None = _option(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} proposes the tokens that followed the latest earlier "
@@ -138,7 +145,7 @@ class EngineArgs:
     num_scheduler_steps: int = _option(
         4, "decode steps fused into one device program when every sequence decodes and none waits")
     skip_tokenizer_init: bool = _option(
-        False, "run without a tokenizer: token-id prompts in, token ids out, no stop strings")
+        False, "run without a tokenizer: token-id prompts in, token ids out, no stop strings", per_process=True)
 
     def __post_init__(self):
         self._check_model()

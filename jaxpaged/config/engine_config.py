@@ -65,6 +65,17 @@ class EngineConfig:
         return cls(args, model, max_model_len, TensorParallelLayout(model, args.tensor_parallel_size),
                    quantization=resolve_quantization(args.quantization, raw))  # fmt: skip
 
+    def shared_settings(self) -> dict[str, str]:
+        """What every process of a multi-process engine must run with, each as text: the options
+        not marked `per_process` (the seed aside: the processes take the leader's) and the
+        checkpoint's configuration (model paths may differ between machines; the model may not)."""
+        settings = {f.name: repr(getattr(self.args, f.name)) for f in dataclasses.fields(EngineArgs)
+                    if not f.metadata["per_process"] and f.name != "seed"}  # fmt: skip
+        settings["model configuration"] = repr(self.model)
+        settings["max_model_len"] = repr(self.max_model_len)
+        settings["quantization"] = repr(self.quantization)
+        return settings
+
     def kv_dtype(self, model_dtype) -> str:
         """The KV cache's (logical) dtype name: `kv_cache_dtype`, or with "auto" the model's."""
         return kv_dtype_name(self.args.kv_cache_dtype, str(model_dtype))

@@ -65,6 +65,11 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
     plans the pool, and compiles every step program."""
     args = config.args
     multihost.initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    seed = multihost.agree_on_settings(config.shared_settings(), args.seed)
+    if seed != args.seed:  # the leader's (a follower's own only seeds dummy weights, which must match)
+        logger.info("engine seed: %d (process 0's)", seed)
+        args = dataclasses.replace(args, seed=seed)
+        config = dataclasses.replace(config, args=args)
     use_compilation_cache(args.compilation_cache_dir)
     parallel = TensorParallel(config.layout, make_mesh(config.layout.size))
     model = build_model(config, parallel)

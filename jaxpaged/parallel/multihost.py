@@ -11,11 +11,14 @@ transport beyond the one `jax.distributed` sets up is needed.
     follower (node_rank k): jaxpaged serve --node-rank k     -> follow(runner, StepChannel())
 """
 
+import hashlib
 import logging
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+from jaxpaged.config.engine_args import EngineArgsError
 
 logger = logging.getLogger("jaxpaged")
 
@@ -62,6 +65,39 @@ class StepChannel:
         if size:
             payload = np.asarray(multihost_utils.broadcast_one_to_all(payload))
         return int(header[0]), tuple(int(x) for x in header[1:-1]), payload
+
+
+def agree_on_settings(settings: dict[str, str], seed: int) -> int:
+    """Checks that every process was started with the same `settings` (see
+    `EngineConfig.shared_settings`) and returns the leader's seed, which every process takes.
+
+    Raises:
+      EngineArgsError: on every process, naming each setting that differs from process 0's and
+        the processes that differ (a mismatch would otherwise fail, or hang, at the first step).
+    """
+    if jax.process_count() == 1:
+        return seed
+    names = sorted(settings)
+    digests = np.array([_digest(settings[name]) for name in names], np.int64)
+    header = np.array([len(names), _digest(",".join(names)), seed], np.int64)
+    headers = np.asarray(multihost_utils.process_allgather(header))  # [P, 3]
+    if (headers[:, :2] != headers[0, :2]).any():
+        raise RuntimeError("the processes run different versions of jaxpaged (their engine settings differ in "
+                           "kind): install the same version on every machine")  # fmt: skip
+    everyone = np.asarray(multihost_utils.process_allgather(digests))  # [P, settings]
+    differ = [(name, np.flatnonzero(everyone[:, i] != everyone[0, i])) for i, name in enumerate(names)]
+    differ = [(name, ranks) for name, ranks in differ if ranks.size]
+    if differ:
+        name, _ = differ[0]
+        listed = "; ".join(f"{n} on process(es) {', '.join(map(str, ranks))}" for n, ranks in differ)
+        raise EngineArgsError(name, settings[name], f"the processes of one engine must agree on every setting but "
+                              f"the per-process ones; different from process 0: {listed}. Start every process "
+                              "with the same flags and model (only --node-rank and local paths may differ)")  # fmt: skip
+    return int(headers[0, 2])
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
 def agree_on_blocks(num_blocks: int) -> int:

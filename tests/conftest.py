@@ -1,6 +1,7 @@
 """Test-wide setup: JAX on CPU with 8 fake devices (for sharding tests), tiny models importable,
 the engines' default compilation cache in a directory of this run (`$XDG_CACHE_HOME` points
 there, shared by the run's subprocesses, never the user's ~/.cache), and the `isolated` marker.
+tests/gpu_compile/ is collected where the gpu-compile extra is installed (CI stage 2).
 
 `isolated` tests run in a fresh Python process of their own (`python -m pytest NODEID`). The
 tensor-parallel engine tests compile many 8-device programs; at the end of the full suite, in a
@@ -9,6 +10,7 @@ process that has compiled several hundred programs before, XLA's CPU compiler cr
 those tests alone), taking the whole suite down with it.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -24,6 +26,11 @@ if "JAXPAGED_TEST_CACHE_HOME" not in os.environ:  # set once per run; subprocess
 os.environ["XDG_CACHE_HOME"] = os.environ["JAXPAGED_TEST_CACHE_HOME"]
 
 IN_ISOLATION = "JAXPAGED_TEST_IN_ISOLATION"
+
+# Programs compiled for an H100 on this machine need JAX's CUDA plugin (the gpu-compile extra;
+# CI's stage 2 installs it): without it there is nothing to compile them with.
+if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    collect_ignore = ["gpu_compile"]
 
 
 @pytest.hookimpl(tryfirst=True)

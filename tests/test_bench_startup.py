@@ -23,7 +23,7 @@ LIMITS = ["--max-num-seqs", "2", "--max-model-len", "64", "--max-num-batched-tok
 def test_bench_startup_compiles_and_reports_every_program(tmp_path, capsys, scan):
     out = tmp_path / "startup.json"
     flags = ["--model", DEMO_MODEL_DIR, *LIMITS, "--num-scheduler-steps", "4", "--compile-threads", "2"]
-    assert main(["bench", "startup", *flags, "--output-json", str(out)] + ([] if scan else ["--no-scan-layers"])) == 0
+    assert main(["bench", "startup", *flags, "--output-json", str(out), "--scan-layers" if scan else "--no-scan-layers"]) == 0
     report = json.loads(out.read_text())
     names = [row["program"] for row in report["programs"]]
     # token buckets 16 and 32 (2 seqs each) -> 2 mixed steps; decode bucket 16 -> 1 fused program

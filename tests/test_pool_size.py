@@ -5,8 +5,8 @@ the operand of a page gather is a layer's whole pool: a bfloat16 pool made every
 layer's pool (1 GiB of temporaries for a 512 MiB pool, per-token time x36). The pool is stored
 in float32 on CPU for such dtypes (jaxpaged/model/kv_pool.py). Here every program the runner
 compiles, in every dtype, on both attention paths, on one device and tensor-parallel, is compiled with a small and a 20x larger
-pool and must report the same temporaries. The CUDA-lowered programs are checked for
-pool-sized conversions in test_step_lowering.py (compiling for CUDA needs a GPU).
+pool and must report the same temporaries, with the layers unrolled (the default) or scanned.
+The same holds for the programs compiled for an H100 (tests/gpu_compile/).
 """
 
 import dataclasses
@@ -37,11 +37,11 @@ SPLITS = {"1-device": (2, 1), "2-devices": (2, 2), "1-kv-head": (1, 1)}
 
 
 def temporaries(dtype, backend: str, num_blocks: int, split: str, kv_cache_dtype: str = "auto",
-                quantization: str | None = None) -> dict:  # fmt: skip
+                quantization: str | None = None, scan_layers: bool = False) -> dict:  # fmt: skip
     kv_heads, devices = SPLITS[split]
     parallel = TensorParallel.create(dataclasses.replace(CONFIG, num_kv_heads=kv_heads), devices)
     model = Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0), attention=backend, parallel=parallel,
-                  quantization=quantization)  # fmt: skip
+                  quantization=quantization, scan_layers=scan_layers)  # fmt: skip
     args = EngineArgs(model="llama-3.1-8b", load_format="dummy", skip_tokenizer_init=True, block_size=16, max_num_seqs=4,
                       max_num_batched_tokens=16, max_model_len=128, num_scheduler_steps=4,
                       kv_cache_dtype=kv_cache_dtype)  # fmt: skip
@@ -56,16 +56,17 @@ def temporaries(dtype, backend: str, num_blocks: int, split: str, kv_cache_dtype
 
 # Known, CPU only: the Pallas kernels view the pool as [NB * BS, K, H]; with K = 1 XLA's CPU
 # layout assignment gives that view of the interpreted kernel's operand another layout and copies
-# the pool. A GPU passes the view to the Triton call as a bitcast (default layouts); the kernels
-# are left as verified on an H100 until a GPU can check a [NB * BS * K, H] view.
+# the pool. Compiled for two H100s (one kv head each), the same programs do not copy it
+# (tests/gpu_compile/test_h100_programs.py, "bfloat16-2-gpus").
 PALLAS_ONE_KV_HEAD = pytest.mark.xfail(strict=True, reason="Pallas interpret mode copies a one-kv-head pool on CPU")
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
-def case(dtype, backend: str, split: str, kv_cache_dtype: str = "auto", quantization: str | None = None, marks=()):
+def case(dtype, backend: str, split: str, kv_cache_dtype: str = "auto", quantization: str | None = None,
+         scan_layers: bool = False, marks=()):  # fmt: skip
     name = "-".join([jnp.dtype(dtype).name, backend, split] + [f"kv-{kv_cache_dtype}"] * (kv_cache_dtype != "auto")
-                    + [f"{quantization}-weights"] * bool(quantization))  # fmt: skip
-    return pytest.param(dtype, backend, split, kv_cache_dtype, quantization, marks=marks, id=name)
+                    + [f"{quantization}-weights"] * bool(quantization) + ["scanned"] * scan_layers)  # fmt: skip
+    return pytest.param(dtype, backend, split, kv_cache_dtype, quantization, scan_layers, marks=marks, id=name)
 
 
 CASES = [case(d, "reference", split) for d in DTYPES for split in SPLITS] + [case(d, "pallas", "1-device") for d in DTYPES]
@@ -75,12 +76,17 @@ CASES.append(case(jnp.float32, "pallas", "2-devices", marks=PALLAS_ONE_KV_HEAD))
 CASES += [case(d, "reference", split, "fp8") for d in DTYPES for split in SPLITS]
 CASES += [case(jnp.bfloat16, "pallas", "1-device", "fp8"), case(jnp.bfloat16, "reference", "2-devices", "fp8", "fp8"),
           case(jnp.bfloat16, "reference", "2-devices", "auto", "int8")]  # fmt: skip
+# The layers scanned over stacked weights (--scan-layers; the rest run unrolled, the default).
+CASES += [case(d, "reference", "1-device", scan_layers=True) for d in DTYPES]
+CASES += [case(jnp.float32, "reference", "2-devices", scan_layers=True),
+          case(jnp.bfloat16, "pallas", "1-device", scan_layers=True),
+          case(jnp.bfloat16, "reference", "1-kv-head", "fp8", scan_layers=True)]  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype, backend, split, kv_cache_dtype, quantization", CASES)
-def test_no_program_temporaries_grow_with_the_pool(dtype, backend, split, kv_cache_dtype, quantization):
-    small = temporaries(dtype, backend, SMALL, split, kv_cache_dtype, quantization)
-    large = temporaries(dtype, backend, LARGE, split, kv_cache_dtype, quantization)
+@pytest.mark.parametrize("dtype, backend, split, kv_cache_dtype, quantization, scan_layers", CASES)
+def test_no_program_temporaries_grow_with_the_pool(dtype, backend, split, kv_cache_dtype, quantization, scan_layers):
+    small = temporaries(dtype, backend, SMALL, split, kv_cache_dtype, quantization, scan_layers)
+    large = temporaries(dtype, backend, LARGE, split, kv_cache_dtype, quantization, scan_layers)
     assert set(small) == set(large) and len(small) == 2  # a mixed step and fused decode steps
     grown = {p: (small[p], large[p]) for p in small if abs(large[p] - small[p]) > TOLERANCE}
     assert not grown, f"temporaries (small pool, large pool) grow with the pool: {grown}"

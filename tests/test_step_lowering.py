@@ -5,7 +5,7 @@ compiles on a GPU lower too: the fused decode steps sit inside `lax.scan`, next 
 sort and top-k, and under tensor parallelism inside `shard_map`. Here the real step
 programs are lowered for CUDA with Llama-3.1-8B's attention shapes (2 layers to keep it quick)
 and the Triton calls of both kernels must be in them. On a CPU the kernels would default to
-interpret mode, so the test makes `interpret=None` mean "compile", as on a GPU.
+interpret mode, so the tests trace inside `pallas_kernels.compiling_for("gpu")`, as on a GPU.
 """
 
 import functools
@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from test_kernel_lowering import CUDA_DEVICE, TRITON_CALL, lower_for_cuda
 
+import pallas_kernels
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.functional import DeviceCache, init_cache
 from jaxpaged.model import KVPool, Llama
@@ -23,7 +24,6 @@ from jaxpaged.parallel.mesh import TensorParallel, param_path
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.worker.step_packer import StepPacker
 from jaxpaged.worker.step_programs import _packed_decode_steps, _packed_step
-from pallas_kernels import _common
 
 pytestmark = [
     pytest.mark.lowering,
@@ -35,9 +35,15 @@ LLAMA_8B_2_LAYERS = ModelConfig(architecture="llama", vocab_size=128256, hidden_
                                 num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def for_a_gpu():
+    """Traces as for a GPU: the kernels compiled, not interpreted."""
+    with pallas_kernels.compiling_for("gpu"):
+        yield
+
+
 @pytest.fixture
-def abstract_engine(monkeypatch):
-    monkeypatch.setattr(_common, "resolve_interpret", lambda interpret: bool(interpret))
+def abstract_engine():
     model = nnx.eval_shape(lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas"))
     graphdef, params = nnx.split(model)
     cache = jax.eval_shape(
@@ -81,9 +87,8 @@ def assert_no_pool_sized_conversion(text: str) -> None:
 
 
 @pytest.fixture
-def abstract_two_gpu_engine(monkeypatch):
+def abstract_two_gpu_engine():
     """The 8B-shaped engine split over two abstract H100s: sharded parameter, pool and input specs."""
-    monkeypatch.setattr(_common, "resolve_interpret", lambda interpret: bool(interpret))
     # Auto axes, as the engine's concrete mesh has (jax 0.11 makes abstract meshes Explicit by default)
     mesh = jax.sharding.AbstractMesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=CUDA_DEVICE)
     parallel = TensorParallel(TensorParallelLayout(LLAMA_8B_2_LAYERS, 2), mesh)

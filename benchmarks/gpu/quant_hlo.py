@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # run uninstalled
 sys.path.insert(0, os.path.dirname(HERE))  # the gpu/ helpers
 
 from gpu.hlo_census import census  # noqa: E402
-from jaxpaged.bench.startup import _abstract_engine, add_startup_flags  # noqa: E402
+from jaxpaged.bench.startup import abstract_engine, add_startup_flags  # noqa: E402
 from jaxpaged.entrypoints.cli_flags import engine_args  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     label = args.label or engine.quantization or "bf16"
     print(f"imports {time.perf_counter() - STARTED:.1f} s; jax {jax.__version__} on {jax.devices()[0].device_kind}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)  # fmt: skip
-    config, parallel, params, programs, cache_for = _abstract_engine(engine)
+    config, parallel, params, programs, cache_for = abstract_engine(engine)
     sizes = weight_sizes(params, engine.scan_layers)
     all_sizes = {s for found in sizes.values() for s in found}
     print(f"{label}: weight dtypes {sorted({str(x.dtype) for x in jax.tree.leaves(params)})}; projection sizes {sizes}",

@@ -10,16 +10,23 @@ for this machine's backend, as the engine does at start-up:
 - the program that seeds a penalty-table row.
 
     jaxpaged bench startup --model llama-3.1-8b [--no-scan-layers] [--output-json startup.json]
+    jaxpaged bench startup --target h100    # the programs an H100 runs, compiled here (no GPU needed)
+
+With `--target` the programs are compiled for that GPU from its description (see gpu_targets.py:
+the kernels compiled by Triton, the executables an H100 would load), on whatever machine this
+is; without autotuning, which needs the device.
 
 The compilation cache is off unless `--compilation-cache-dir DIR` is given: the first run with
 an empty DIR measures a cold start, a second run with the same DIR a warm one.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import time
 
+from jaxpaged.bench.gpu_targets import GPU_TARGETS, compiling_for_target, prepare_environment
 from jaxpaged.entrypoints.cli_flags import add_engine_flags, engine_args
 
 logger = logging.getLogger("jaxpaged")
@@ -35,12 +42,16 @@ def add_startup_flags(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser, defaults=dict(model="llama-3.1-8b", load_format="dummy", skip_tokenizer_init=True,
                                            compilation_cache_dir="none"))  # fmt: skip
     parser.add_argument("--output-json", metavar="FILE", help="write the per-program and total seconds as JSON")
+    parser.add_argument("--target", choices=sorted(GPU_TARGETS), help="compile for this GPU on this machine "
+                        "(deviceless; needs pip install 'jaxpaged[gpu-compile]') instead of for this machine's devices")
 
 
 def run(args: argparse.Namespace) -> int:
     """Compiles every program, printing each as it finishes; writes `--output-json`."""
     engine = engine_args(args)  # every flag is checked before JAX loads
-    report = measure_startup(engine)
+    if args.target:
+        prepare_environment()
+    report = measure_startup(engine, args.target)
     print(format_report(report))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -49,21 +60,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_startup(args) -> dict:
-    """Lowers and compiles the engine's programs for `args` (an `EngineArgs`) from shapes alone.
+def measure_startup(args, target: str | None = None) -> dict:
+    """Lowers and compiles the engine's programs for `args` (an `EngineArgs`) from shapes alone,
+    for this machine's devices or for the GPU `target` (a key of `GPU_TARGETS`).
 
     Returns:
       A JSON-ready report: the model and limits, each program's lowering and compile seconds,
       their totals and the number of programs.
     """
-    import jax
-
+    from jaxpaged.config.engine_config import EngineConfig
     from jaxpaged.engine.setup import use_compilation_cache
-    from jaxpaged.worker.step_programs import Program, compile_all
 
     cache_dir = use_compilation_cache(args.compilation_cache_dir)
+    with contextlib.ExitStack() as stack:
+        devices = None
+        if target:
+            devices = stack.enter_context(compiling_for_target(target, EngineConfig.resolve(args).layout.size))
+        return _measure(args, devices, cache_dir)
+
+
+def _measure(args, devices: list | None, cache_dir: str | None) -> dict:
+    import jax
+
+    from jaxpaged.worker.step_programs import Program, compile_all
+
     began = time.perf_counter()
-    config, parallel, params, programs, cache_for = _abstract_engine(args)
+    config, parallel, params, programs, cache_for = abstract_engine(args, devices)
     dtype = str(jax.tree.leaves(params)[0].dtype)
     setup_seconds = time.perf_counter() - began
     largest = max(programs.packer.layouts)
@@ -85,6 +107,7 @@ def measure_startup(args) -> dict:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": config.max_model_len, "num_scheduler_steps": args.num_scheduler_steps,
         "num_blocks": config.num_blocks, "platform": parallel.platform, "jax_version": jax.__version__,
+        "device": parallel.mesh.devices.flat[0].device_kind, "deviceless": devices is not None,
         "compilation_cache_dir": cache_dir, "compile_threads": args.compile_threads, "num_programs": len(rows),
         "setup_s": round(setup_seconds, 3), "total_lower_s": round(sum(r["lower_s"] for r in rows), 3),
         "total_compile_s": round(sum(r["compile_s"] for r in rows), 3), "wall_s": round(wall, 3),
@@ -105,7 +128,7 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _abstract_engine(args):
+def abstract_engine(args, devices: list | None = None):
     """`(config with the pool planned, parallel, abstract params, StepPrograms, cache_for)`:
     everything as `jax.ShapeDtypeStruct`s with the engine's shardings; `cache_for(num_blocks)`
     is the abstract cache of a pool of that many blocks."""
@@ -121,7 +144,7 @@ def _abstract_engine(args):
     from jaxpaged.worker.step_programs import StepPrograms
 
     config = EngineConfig.resolve(args)
-    parallel = TensorParallel(config.layout, make_mesh(config.layout.size))
+    parallel = TensorParallel(config.layout, make_mesh(config.layout.size, devices))
     dtype = dummy_dtype(args)
     model = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
                                          attention=args.attention_backend, parallel=parallel,

@@ -130,9 +130,10 @@ class EngineArgs:
         "auto", "auto is the Pallas kernels on a GPU and the jnp reference elsewhere; pallas on a CPU "
         "interprets the kernels (slow)", choices=ATTENTION_BACKENDS)  # fmt: skip
     scan_layers: bool = _option(
-        True, "compile the decoder layers as one loop body (start-up in seconds); --no-scan-layers unrolls them "
-        "into every step program over per-layer arrays (the same results, many times the compile time; on a CPU "
-        "a decode step about a third faster)")
+        False, "compile the decoder layers as one loop body over stacked weights: programs compile several times "
+        "faster, but every step copies each layer's weights out of the stack before its matmuls (XLA does on a CPU "
+        "and, with its Triton GEMMs, on an H100), so decoding is slower; default: the layers unrolled over "
+        "per-layer arrays, each weight read where it lies")
     compile_threads: int | None = _option(
         None, "threads compiling the step programs at start-up (default: one per two CPU cores, at most "
         f"{MAX_COMPILE_THREADS}: XLA's compiler already uses about two cores per program; each thread holds one "

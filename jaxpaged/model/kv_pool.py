@@ -27,23 +27,23 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxpaged.config.quantization import is_fp8
-
+import pallas_kernels
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.quantization import is_fp8
 
 # Dtypes XLA's CPU backend cannot gather without converting the whole operand to float32.
 _CPU_UPCAST = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def kv_storage_dtype(dtype, platform: str | None = None) -> jnp.dtype:
-    """The dtype a KV pool of `dtype` is stored in on `platform` (default: JAX's default backend).
+    """The dtype a KV pool of `dtype` is stored in on `platform`.
 
     Args:
       dtype: the model's (logical) KV dtype.
-      platform: "cpu", "gpu", "cuda", ...; None asks `jax.default_backend()`.
+      platform: "cpu", "gpu", "cuda", ...; None: `pallas_kernels.target_platform()`.
     """
     dtype = jnp.dtype(dtype)
-    platform = platform or jax.default_backend()
+    platform = platform or pallas_kernels.target_platform()
     if platform == "cpu" and dtype.name in _CPU_UPCAST:
         return jnp.dtype(jnp.float32)
     return dtype

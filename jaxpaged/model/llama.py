@@ -51,7 +51,7 @@ def resolve_attention_backend(name: str) -> str:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if pallas_kernels.target_platform() == "gpu" else "reference"
     return name
 
 

@@ -1,0 +1,114 @@
+"""The step programs an H100 runs, compiled here for it (XLA's deviceless compilation, see
+jaxpaged/bench/gpu_targets.py), and what their memory analysis says on the product's platform:
+
+- no program's temporaries grow with the KV pool, in every dtype, KV cache dtype and split, with
+  the layers unrolled or scanned (the pool-size defect, checked where it would cost most);
+- unrolled over per-layer arrays (the default), a step reads every weight where it lies; scanned,
+  XLA copies each layer's weights out of the stack before its Triton GEMMs, every step (why
+  scanning is not the default: the temporaries hold a layer's weights);
+- `jaxpaged bench startup --target h100` compiles an engine's whole program set for an H100.
+
+Needs JAX's CUDA plugin (`pip install -e '.[gpu-compile]'`); CI runs these with the GPU
+machines' JAX (stage 2). No GPU is used.
+"""
+
+import copy
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpaged.bench.gpu_targets import GPU_TARGETS, compiling_for_target, prepare_environment
+from jaxpaged.bench.startup import abstract_engine
+from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.config.presets import get_preset
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+
+prepare_environment()
+
+MiB = 2**20
+SMALL_POOL, LARGE_POOL = 64 * MiB, 1280 * MiB  # 20x
+TOLERANCE = 64 * 1024  # bytes of alignment noise
+
+
+def model_dir(tmp_path, name: str, **config) -> str:
+    """A directory holding `name`'s published config.json with `config` changed."""
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**copy.deepcopy(get_preset(name)), **config}))
+    return str(path)
+
+
+def tiny_dir(tmp_path) -> str:
+    """Llama-shaped and small (head_dim 64, the kernels' smallest), for compiling many programs."""
+    return model_dir(tmp_path, "llama-3.1-8b", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                     num_key_value_heads=2, num_hidden_layers=2, vocab_size=512, max_position_embeddings=2048)  # fmt: skip
+
+
+def compile_for_h100(model: str, pool_bytes: int, **options) -> tuple[dict, object]:
+    """Every step program of an engine over `model` with `options`, compiled for H100s:
+    `({program: its memory analysis}, abstract params)`."""
+    args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, compilation_cache_dir="none",
+                      max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=pool_bytes,
+                      **options)  # fmt: skip
+    with compiling_for_target("h100", args.tensor_parallel_size) as devices:
+        config, parallel, params, programs, cache_for = abstract_engine(args, devices)
+        assert parallel.mesh.devices.flat[0].device_kind == GPU_TARGETS["h100"].description
+        pool = cache_for(config.num_blocks)
+        analyses = {programs.describe(p): programs.lower(p, params, pool).compile().memory_analysis()
+                    for p in programs.all()}  # fmt: skip
+    return analyses, params
+
+
+CASES = [
+    pytest.param(dict(dtype="bfloat16"), id="bfloat16"),
+    pytest.param(dict(dtype="float16"), id="float16"),
+    pytest.param(dict(dtype="float32"), id="float32"),
+    pytest.param(dict(dtype="bfloat16", kv_cache_dtype="fp8"), id="bfloat16-kv-fp8"),
+    pytest.param(dict(dtype="bfloat16", kv_cache_dtype="fp8", quantization="fp8"), id="fp8-weights-kv-fp8"),
+    pytest.param(dict(dtype="bfloat16", quantization="int8"), id="int8-weights"),
+    pytest.param(dict(dtype="bfloat16", tensor_parallel_size=2), id="bfloat16-2-gpus"),
+    pytest.param(dict(dtype="bfloat16", scan_layers=True), id="bfloat16-scanned"),
+    pytest.param(dict(dtype="bfloat16", kv_cache_dtype="fp8", scan_layers=True, tensor_parallel_size=2),
+                 id="kv-fp8-scanned-2-gpus"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options", CASES)
+def test_no_h100_program_temporaries_grow_with_the_pool(tmp_path, options):
+    model = tiny_dir(tmp_path)
+    small, _ = compile_for_h100(model, SMALL_POOL, **options)
+    large, _ = compile_for_h100(model, LARGE_POOL, **options)
+    assert set(small) == set(large) and len(small) == 2  # a mixed step and fused decode steps
+    grown = {p: (small[p].temp_size_in_bytes, large[p].temp_size_in_bytes) for p in small
+             if abs(large[p].temp_size_in_bytes - small[p].temp_size_in_bytes) > TOLERANCE}  # fmt: skip
+    assert not grown, f"temporaries (small pool, large pool) grow with the pool: {grown}"
+    for p, analysis in large.items():  # the pool is donated and updated in place, not copied out
+        assert analysis.alias_size_in_bytes >= LARGE_POOL * 0.95, (p, analysis)
+
+
+def test_unrolled_steps_read_weights_in_place_and_scanned_steps_copy_them(tmp_path):
+    """Llama-3.1-8B's shapes, two layers: one layer's weights are 416 MiB in bfloat16."""
+    model = model_dir(tmp_path, "llama-3.1-8b", num_hidden_layers=2)
+    unrolled, params = compile_for_h100(model, SMALL_POOL, dtype="bfloat16")
+    scanned, _ = compile_for_h100(model, SMALL_POOL, dtype="bfloat16", scan_layers=True)
+    layer_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers"])) // 2
+    assert 400 * MiB < layer_bytes < 440 * MiB
+    temps = {p: (unrolled[p].temp_size_in_bytes // MiB, scanned[p].temp_size_in_bytes // MiB) for p in unrolled}
+    print("temporaries (MiB, unrolled vs scanned):", temps)
+    assert all(u.temp_size_in_bytes < layer_bytes / 4 for u in unrolled.values()), temps
+    assert all(s.temp_size_in_bytes >= layer_bytes for s in scanned.values()), temps
+
+
+def test_bench_startup_compiles_the_demo_engine_for_an_h100(tmp_path):
+    from jaxpaged.entrypoints.cli import main
+
+    out = tmp_path / "startup.json"
+    assert main(["bench", "startup", "--target", "h100", "--model", DEMO_MODEL_DIR, "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "32", "--max-model-len", "256", "--output-json", str(out)]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["device"] == "NVIDIA H100 80GB HBM3" and report["deviceless"] is True
+    assert report["platform"] == "gpu" and report["scan_layers"] is False
+    assert report["num_programs"] == len(report["programs"]) == 5  # probe, 2 mixed, 1 decode, seeding
+    assert np.isclose(report["total_compile_s"], sum(p["compile_s"] for p in report["programs"]), atol=0.01)

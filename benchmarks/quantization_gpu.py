@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_run.py and
 from gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop  # noqa: E402
 from gpu.plan import DEMO_MODEL_DIR, GPU_ENGINE_LIMITS, PROBE_TIMEOUT_S, ROOT, SMOKE_ENGINE_LIMITS  # noqa: E402
 from gpu.quant_summary import write_summary  # noqa: E402
-from gpu.stages import CLI, DYNAMIC_SLICE_FUSION, Stage  # noqa: E402
+from gpu.stages import CLI, SCANNED_IN_PLACE, Stage  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Seconds per stage; with the device probe (at most PROBE_TIMEOUT_S) they sum to 9.5 minutes.
@@ -55,8 +55,8 @@ ENGINE_MODES = {"bf16": (), "fp8_w_kv": ("--quantization", "fp8", "--kv-cache-dt
 HLO_STEPS = (("fp8", ("--quantization", "fp8", "--kv-cache-dtype", "fp8"), "decode:16,decode:256,mixed:2048", None),
              ("int8", ("--quantization", "int8"), "decode:16,mixed:2048", None),
              ("bf16", (), "decode:16", None),
-             ("fp8_dynamic_slice_fusion", ("--quantization", "fp8", "--kv-cache-dtype", "fp8"), "decode:16",
-              DYNAMIC_SLICE_FUSION))  # fmt: skip
+             ("fp8_scanned_cublas_in_place", ("--quantization", "fp8", "--kv-cache-dtype", "fp8", "--scan-layers"),
+              "decode:16", SCANNED_IN_PLACE))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ def gpu_plan(budgets: dict) -> Plan:
                        "--num-iters", "5"),
         throughput_flags=("--dataset-name", "random", "--num-prompts", "256", "--input-len", "512", "--output-len", "128"),
         # A cold 8B engine (probe + 14 programs) compiles in tens of seconds; a warm one loads them.
-        caps_s={"fp8": 75, "int8": 45, "bf16": 30, "fp8_dynamic_slice_fusion": 30, "latency": 110, "throughput": 80},
+        caps_s={"fp8": 75, "int8": 45, "bf16": 30, "fp8_scanned_cublas_in_place": 30, "latency": 110, "throughput": 80},
         budgets_s={**STAGE_BUDGETS_S, **budgets},
     )  # fmt: skip
 

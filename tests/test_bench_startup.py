@@ -44,6 +44,20 @@ def test_bench_startup_names_a_bad_flag(capsys):
     assert "--compile-threads" in capsys.readouterr().err
 
 
+def test_bench_startup_for_a_gpu_says_what_to_install_without_the_cuda_plugin(capsys, monkeypatch):
+    """Where JAX has no CUDA plugin (as in the test venv), `--target h100` cannot describe an H100
+    (tests/gpu_compile/ runs the real thing where the gpu-compile extra is installed)."""
+    from jax.experimental import topologies
+
+    def no_plugin(**kwargs):
+        raise NotImplementedError("topology not implemented for cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+    assert main(["bench", "startup", "--target", "h100", "--model", DEMO_MODEL_DIR, *LIMITS]) == 2
+    err = capsys.readouterr().err
+    assert "--target h100" in err and "pip install 'jax[cuda12-local]==" in err and "topology not implemented" in err
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_scanned_and_unrolled_layers_give_the_same_logits_and_pool(dtype):
     """Three layers over a mixed batch (a 5-token prompt chunk and a decode): the scan over the

@@ -22,7 +22,7 @@ from gpu.hlo_census import census  # noqa: E402
 from gpu_script_smoke import run_script, smoke_run_fixture  # noqa: E402
 
 STAGES = ("hlo", "kernels", "engine")
-HLO_STEPS = ("fp8", "int8", "bf16", "fp8_dynamic_slice_fusion")
+HLO_STEPS = ("fp8", "int8", "bf16", "fp8_scanned_cublas_in_place")
 ENGINE_MODES = ("bf16", "fp8_w_kv", "fp8_kv", "int8")
 HLO_KEYS = {"fp8_gemm_custom_calls", "gemm_custom_calls", "gemm_fusions", "fp8_dots_in_gemm_fusions", "weight_upcasts",
             "weight_relayouts_8bit", "weight_slice_copies", "converts_in_gemm_fusions", "compile_s"}  # fmt: skip
@@ -67,7 +67,7 @@ def test_smoke_hlo_census_per_step_and_program(smoke_run):
     assert {f"stages/hlo/hlo_{step}_decode1.txt" for step in HLO_STEPS} <= names
     assert {f"stages/{name}.{ext}" for name in STAGES for ext in ("json", "txt")} <= names
     assert not any("xla_cache" in name for name in names)
-    dsf = next(s for s in hlo["steps"] if s["name"] == "fp8_dynamic_slice_fusion")
+    dsf = next(s for s in hlo["steps"] if s["name"] == "fp8_scanned_cublas_in_place")
     assert dsf["cmd"][0] == "env" and "--xla_gpu_enable_dynamic_slice_fusion=true" in dsf["cmd"][1]
 
 

@@ -11,7 +11,8 @@ pool, nothing materialised), compiled for this machine's backend, and their opti
 of the decoder's projection weights (one layer's and the stacked array's) as "weight-sized".
 `decode:N` is the decode program of the N-sequence bucket (batch-1 decode runs in the smallest),
 `mixed:N` the mixed (prefill) program of the N-token bucket. The programs compile in parallel;
-the JSON is rewritten as each is counted.
+the JSON is rewritten as each is counted. `--target h100` compiles them for an H100 on any
+machine (deviceless, see jaxpaged/bench/gpu_targets.py: no autotuning).
 """
 
 import argparse
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # run uninstalled
 sys.path.insert(0, os.path.dirname(HERE))  # the gpu/ helpers
 
 from gpu.hlo_census import census  # noqa: E402
+from jaxpaged.bench.gpu_targets import compiling_for_target, prepare_environment  # noqa: E402
 from jaxpaged.bench.startup import abstract_engine, add_startup_flags  # noqa: E402
 from jaxpaged.entrypoints.cli_flags import engine_args  # noqa: E402
 
@@ -90,13 +92,22 @@ def main(argv=None) -> int:
     parser.add_argument("--hlo-dir", default=".", help="where the HLO text files go")
     args = parser.parse_args(argv)
     engine = engine_args(args)
+    if not args.target:
+        return census_programs(args, engine)
+    prepare_environment()
+    with compiling_for_target(args.target, engine.tensor_parallel_size) as devices:
+        return census_programs(args, engine, devices)
 
+
+def census_programs(args, engine, devices: list | None = None) -> int:
+    """Compiles the chosen programs (for `devices`, or this machine's) and counts their HLO."""
     import jax
 
     label = args.label or engine.quantization or "bf16"
-    print(f"imports {time.perf_counter() - STARTED:.1f} s; jax {jax.__version__} on {jax.devices()[0].device_kind}; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)  # fmt: skip
-    config, parallel, params, programs, cache_for = abstract_engine(engine)
+    config, parallel, params, programs, cache_for = abstract_engine(engine, devices)
+    device = parallel.mesh.devices.flat[0]
+    print(f"imports {time.perf_counter() - STARTED:.1f} s; jax {jax.__version__} on {device.device_kind}"
+          f"{' (deviceless)' if devices else ''}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)  # fmt: skip
     sizes = weight_sizes(params, engine.scan_layers)
     all_sizes = {s for found in sizes.values() for s in found}
     print(f"{label}: weight dtypes {sorted({str(x.dtype) for x in jax.tree.leaves(params)})}; projection sizes {sizes}",
@@ -105,7 +116,8 @@ def main(argv=None) -> int:
     pool = cache_for(config.num_blocks)
     result = {"label": label, "model": engine.model, "quantization": engine.quantization,
               "kv_cache_dtype": engine.kv_cache_dtype, "scan_layers": engine.scan_layers,
-              "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax_version": jax.__version__,
+              "device": device.device_kind, "platform": parallel.platform, "deviceless": devices is not None,
+              "jax_version": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "num_blocks": config.num_blocks,
               "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(params)}), "weight_sizes": sizes,
               "programs": {}, "complete": False}  # fmt: skip

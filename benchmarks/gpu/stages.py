@@ -125,24 +125,25 @@ def shared_cache(stage: Stage) -> str:
     return stage.path("engine_xla_cache")
 
 
-# XLA's flag that lets cuBLAS read a layer's weights out of the stacked array in the scan over
-# layers, instead of copying each layer's slice first (the copy costs the CPU's step 37%).
-DYNAMIC_SLICE_FUSION = "--xla_gpu_enable_dynamic_slice_fusion=true"
+# XLA's flags under which a scanned step reads each layer's weights out of the stacked array in
+# place: dynamic-slice fusion, which feeds cuBLAS GEMMs only (with Triton GEMMs, XLA's default,
+# every layer's slice is copied first: tests/gpu_compile/test_h100_programs.py).
+SCANNED_IN_PLACE = "--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_triton_gemm=false"
 
 
 def run_latency(stage: Stage) -> None:
-    """Batch-1 TPOT of the engine as it runs by default (layers scanned), then the same with XLA's
-    dynamic-slice fusion and with the layers unrolled (job-sized engines, no shared cache): does
-    the scan over layers cost the steady-state step on this GPU?"""
+    """Batch-1 TPOT of the engine as it runs by default (layers unrolled over per-layer arrays),
+    then scanned (each layer's weights copied every step), and scanned with the weights read in
+    place by cuBLAS (job-sized engines, no shared cache): what do the scan's copies cost on
+    this GPU, and would cuBLAS GEMMs win them back?"""
     out = stage.path("latency_result.json")
     command = [*CLI, "bench", "latency", "--model", stage.plan.model, *stage.plan.latency_flags]
     stage.step("batch1", [*command, *engine_flags(stage.plan, shared_cache(stage)), "--output-json", out], out)
-    flags = [*stage.plan.weight_flags, "--compilation-cache-dir", "none"]
-    xla_flags = f"XLA_FLAGS={stage.env.get('XLA_FLAGS', '')} {DYNAMIC_SLICE_FUSION}".strip()
-    for name, prefix, extra in (("batch1_scanned_dynamic_slice_fusion", ["env", xla_flags], []),
-                                ("batch1_unrolled", [], ["--no-scan-layers"])):  # fmt: skip
+    flags = [*stage.plan.weight_flags, "--compilation-cache-dir", "none", "--scan-layers"]
+    xla_flags = f"XLA_FLAGS={stage.env.get('XLA_FLAGS', '')} {SCANNED_IN_PLACE}".strip()
+    for name, prefix in (("batch1_scanned", []), ("batch1_scanned_cublas_in_place", ["env", xla_flags])):
         out = stage.path(f"latency_{name}.json")
-        stage.step(name, [*prefix, *command, *flags, *extra, "--output-json", out], out)
+        stage.step(name, [*prefix, *command, *flags, "--output-json", out], out)
 
 
 def run_throughput(stage: Stage, dataset_path: str) -> None:

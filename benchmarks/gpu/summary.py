@@ -52,7 +52,7 @@ def engine_start_headline(record: dict) -> dict:
 def latency_headline(record: dict) -> dict:
     result = _first_result(record, "batch1") or {}
     tpot = {name: _round((_first_result(record, f"batch1_{name}") or {}).get("avg_time_per_output_token_ms"))
-            for name in ("scanned_dynamic_slice_fusion", "unrolled")}  # fmt: skip
+            for name in ("scanned", "scanned_cublas_in_place")}  # fmt: skip
     return {"tpot_ms": _round(result.get("avg_time_per_output_token_ms")), "avg_latency_s": _round(result.get("avg_latency"), 3),
             **{f"tpot_ms_{name}": value for name, value in tpot.items()}}  # fmt: skip
 

@@ -63,8 +63,8 @@ GPU_TARGETS = {
 }  # fmt: skip
 
 
-class GpuTargetError(RuntimeError):
-    """Deviceless compilation is unavailable here; the message says what to install."""
+class GpuTargetError(ValueError):
+    """Deviceless compilation is unavailable in this installation; the message says what to install."""
 
 
 def prepare_environment() -> None:
@@ -100,9 +100,9 @@ def compiling_for_target(name: str, count: int):
                                                 target_config=spec.target_config())  # fmt: skip
     except (NotImplementedError, RuntimeError) as err:
         raise GpuTargetError(
-            f"compiling for --target {name} needs JAX's CUDA plugin, registered without a GPU ({err}). Install it "
-            f"with pip install 'jax[cuda12-local]=={jax.__version__}' (no CUDA libraries needed); JAX's backends "
-            "must not have started before `prepare_environment()`"
+            f"--target {name}: compiling for a GPU this machine lacks needs JAX's CUDA plugin ({err}); install it "
+            f"with pip install 'jax[cuda12-local]=={jax.__version__}' (no CUDA libraries needed), or "
+            "pip install -e '.[gpu-compile]'"
         ) from None
     devices = list(topology.devices)
     with pallas_kernels.compiling_for("gpu"), jax.default_device(devices[0]):

@@ -288,10 +288,12 @@ class Llama(nnx.Module):
         per_layer = (layer_params, first_blocks, kv_pool.quant)  # the pool's scales: [L, K] -> [K] a layer
         if self.scan_layers:
             (x, k, v), _ = jax.lax.scan(one_layer, carry, per_layer)
-        else:  # the same layers unrolled: one copy of the body per layer in the program
+        else:  # the same layers unrolled: one copy of the body per layer in the program, traced once
+            # (every call of the jitted body hits its trace cache; XLA inlines the calls)
+            traced_once = jax.jit(one_layer)
             for i in range(num_layers):
                 layer = jax.tree.map(lambda a: a[i], per_layer, is_leaf=lambda a: isinstance(a, LayerArrays))
-                carry, _ = one_layer(carry, layer)
+                carry, _ = traced_once(carry, layer)
             x, k, v = carry
         return self.final_norm(x), dataclasses.replace(kv_pool, k=k, v=v)
 

@@ -132,3 +132,27 @@ def test_unrolled_engines_hold_per_layer_arrays_and_give_the_scanned_tokens():
             assert all(isinstance(leaf, LayerArrays) and len(leaf.arrays) == 4 for leaf in leaves)
             assert {a.shape for leaf in leaves for a in leaf.arrays} >= {(256, 4, 64), (4, 64, 256)}  # q_proj, o_proj
     assert texts[True] == texts[False]
+
+
+def test_splitting_a_models_layers_releases_each_stacked_array():
+    """The engine splits a loaded model's stacked layer weights in place (unrolled layers, the
+    default): each stacked array is deleted once split, so start-up never holds every weight twice."""
+    from jaxpaged.model import LayerArrays, split_layers_in_place
+    from jaxpaged.parallel.mesh import TensorParallel
+
+    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+    parallel = TensorParallel.create(config, 2)
+    model = Llama(config, jnp.float32, rngs=nnx.Rngs(0), attention="reference", parallel=parallel, scan_layers=False)
+    stacked = model.layers.attn.q_proj.value
+    expected = np.asarray(stacked)
+    embed = model.embed.value
+    split_layers_in_place(model, parallel.layer_sharding)
+    assert stacked.is_deleted() and not embed.is_deleted()
+    layers = model.layers.attn.q_proj.value
+    assert isinstance(layers, LayerArrays) and len(layers.arrays) == 3
+    for i, array in enumerate(layers.arrays):
+        np.testing.assert_array_equal(np.asarray(array), expected[i])
+        assert array.sharding.is_equivalent_to(parallel.layer_sharding(("layers", "attn", "q_proj")), array.ndim)
+    split_layers_in_place(model, parallel.layer_sharding)  # already split: unchanged
+    assert model.layers.attn.q_proj.value.arrays == layers.arrays

@@ -20,7 +20,7 @@ from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import is_fp8
 from jaxpaged.core.disk_tier import DiskTier
-from jaxpaged.model import Llama, kv_storage_dtype
+from jaxpaged.model import Llama, kv_storage_dtype, split_layers_in_place
 from jaxpaged.parallel import multihost
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
 from jaxpaged.parallel.sharding import TensorParallelLayout
@@ -213,13 +213,15 @@ def use_compilation_cache(setting: str) -> str | None:
 
 def build_model(config: EngineConfig, parallel: TensorParallel) -> Llama:
     """Loads (or, with load_format="dummy", randomly initialises) the model onto its mesh, in
-    the mesh layout."""
+    the mesh layout; for unrolled layers, with its layers' weights split into per-layer arrays."""
     args, model_config = config.args, config.model
     if args.load_format == "dummy":
         model = _dummy_model(model_config, dummy_dtype(args), args, parallel, config.quantization)
     else:
         _, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel,
                               scan_layers=args.scan_layers, quantization=config.quantization)  # fmt: skip
+    if not args.scan_layers:  # before planning: the stacked arrays go as their layers are split
+        split_layers_in_place(model, parallel.layer_sharding)
     logger.info("model %s: %s, %d layers, dtype %s%s, KV cache %s", args.model, model_config.architecture,
                 model_config.num_layers, model.embed[...].dtype,
                 f", {config.quantization} weights" if config.quantization else "",

@@ -1,8 +1,9 @@
 """The Llama-family model in Flax NNX and its paged-attention metadata."""
 
 from jaxpaged.model.kv_pool import KVPool, KVQuant, init_kv_pool, kv_storage_dtype
-from jaxpaged.model.layer_arrays import LayerArrays, unstack_layers
+from jaxpaged.model.layer_arrays import LayerArrays, split_layers_in_place, unstack_layers
 from jaxpaged.model.llama import Llama
 from jaxpaged.model.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "KVPool", "KVQuant", "LayerArrays", "Llama", "init_kv_pool", "kv_storage_dtype", "unstack_layers"]
+__all__ = ["AttentionMetadata", "KVPool", "KVQuant", "LayerArrays", "Llama", "init_kv_pool", "kv_storage_dtype",
+           "split_layers_in_place", "unstack_layers"]

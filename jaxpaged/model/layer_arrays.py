@@ -3,13 +3,14 @@
 The layers' parameters are stacked (`[L, ...]`, see llama.py). A scan over the layers reads one
 layer's slice per iteration; unrolled layers would slice a stacked array L times in every step,
 and XLA on a CPU copies each slice before the matmuls that read it. So for unrolled layers the
-runner splits every stacked parameter once, at start-up, into `LayerArrays`: layer l's weights are
-an array of their own, and the step program indexes a Python tuple instead of slicing.
+engine splits every stacked parameter once, right after loading, into `LayerArrays`: layer l's
+weights are an array of their own, and the step program indexes a Python tuple instead of slicing.
 """
 
 from collections.abc import Callable
 
 import jax
+from flax import nnx
 
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.parallel.sharding import LAYER_STACK
@@ -33,18 +34,49 @@ class LayerArrays:
         return cls(arrays)
 
 
-def unstack_layers(state, layer_sharding: Callable[[tuple[str, ...]], jax.sharding.Sharding]):
+def unstack_layers(state, layer_sharding: Callable[[tuple[str, ...]], jax.sharding.Sharding], *,
+                   release: bool = False):  # fmt: skip
     """`state` (placed arrays, or `jax.ShapeDtypeStruct`s) with every stacked layer parameter
     split into `LayerArrays`, each array placed with `layer_sharding(path)` (one layer's share).
-    The stacked arrays are released once nothing else holds them."""
+    Parameters already split stay as they are.
+
+    Args:
+      release: delete each stacked array as soon as it is split (the caller owns them), so the
+        device never holds two copies of every weight; else they go once nothing holds them.
+    """
 
     def split(path, x):
         path = param_path(path)
-        if not path or path[0] != LAYER_STACK:
+        if not path or path[0] != LAYER_STACK or isinstance(x, LayerArrays):
             return x
         sharding = layer_sharding(path)
         if isinstance(x, jax.ShapeDtypeStruct):
             return LayerArrays(jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding) for _ in range(x.shape[0]))
-        return LayerArrays(jax.device_put(x[i], sharding) for i in range(x.shape[0]))
+        layers = LayerArrays(jax.device_put(x[i], sharding) for i in range(x.shape[0]))
+        if release:
+            x.delete()
+        return layers
 
-    return jax.tree_util.tree_map_with_path(split, state)
+    return jax.tree_util.tree_map_with_path(split, state, is_leaf=lambda x: isinstance(x, LayerArrays))
+
+
+def split_layers_in_place(model: nnx.Module, layer_sharding: Callable[[tuple[str, ...]], jax.sharding.Sharding]) -> None:
+    """Gives `model`'s stacked layer parameters as `LayerArrays` (for unrolled layers), deleting
+    each stacked array once split: start-up then holds the weights plus one stacked parameter's
+    split at most, where splitting a copy (as a runner does for a model it does not own) would
+    hold every weight twice until the model is dropped."""
+    nnx.update(model, unstack_layers(nnx.state(model), layer_sharding, release=True))
+
+
+def place_params(state, parallel):
+    """`state` on the mesh of `parallel` (a `TensorParallel`), each array with its table sharding,
+    each of a `LayerArrays`' arrays with one layer's (no copy where an array is there already)."""
+
+    def place(path, x):
+        path = param_path(path)
+        if isinstance(x, LayerArrays):
+            sharding = parallel.layer_sharding(path)
+            return LayerArrays(jax.device_put(a, sharding) for a in x.arrays)
+        return jax.device_put(x, parallel.param_sharding(path))
+
+    return jax.tree_util.tree_map_with_path(place, state, is_leaf=lambda x: isinstance(x, LayerArrays))

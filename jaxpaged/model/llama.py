@@ -7,13 +7,16 @@ Each layer projects q/k/v, rotates q/k, writes this step's K/V into its pool slo
 attends over everything the pool holds for each sequence (write-then-attend). The pool comes
 in and goes out as a value: under `jit` with the pool donated the update is in place.
 
-The layers are one stacked module (every parameter has a leading layer axis L) run by a
-`lax.scan`: XLA compiles one layer body instead of L copies of it, which is most of what a
-step program costs to compile. Unrolled (`scan_layers=False`), the layers run one after another
-over per-layer arrays (`LayerArrays`, split from the stacked ones once, outside the step):
-slicing a layer out of a stacked array inside the step would copy its weights every step. The pool `[L * NB, BS, K, H]` is carried through the scan whole;
-layer l's blocks are `l * NB + block` (see kv_pool.py), so the kernels read and write one
-layer's blocks with offset block ids, and nothing slices a layer's pool out of it (no copy).
+The layers are one stacked module (every parameter has a leading layer axis L). The engine runs
+them unrolled (`scan_layers=False`, its default) over per-layer arrays (`LayerArrays`, split from
+the stacked ones once, outside the step), the layer body traced once and called per layer, so
+every matmul reads its weight where it lies. `scan_layers=True` runs them as a `lax.scan` over
+the stacked arrays: XLA compiles one layer body instead of L (programs compile several times
+faster), but slices each layer's weights out of the stack every step, and those slices are
+copies (on a CPU, and on an H100 before its Triton GEMMs: tests/gpu_compile). The pool
+`[L * NB, BS, K, H]` is carried through the layers whole; layer l's blocks are `l * NB + block`
+(see kv_pool.py), so the kernels read and write one layer's blocks with offset block ids, and
+nothing slices a layer's pool out of it (no copy).
 
 Under tensor parallelism (`parallel`, see jaxpaged.parallel) the parameters arrive split over
 the mesh by the sharding table; the pool write and the attention each run on every device over
@@ -243,9 +246,9 @@ class Llama(nnx.Module):
       attention: "auto", "reference" or "pallas" (see `resolve_attention_backend`).
       parallel: the mesh and sharding table under tensor parallelism; `config` is then the
         mesh layout (`parallel.layout.mesh_config`, kv heads repeated). None: one device.
-      scan_layers: run the layers as a `lax.scan` (one compiled body); False unrolls them (L
-        bodies: the same results, many times the compile time), best over per-layer arrays
-        (`unstack_layers` of the state, as the runner does).
+      scan_layers: run the layers as a `lax.scan` (one compiled body, each layer's weights sliced
+        out of the stack: copied); False unrolls them (L bodies: the same results, longer to
+        compile), best over per-layer arrays (`unstack_layers` of the state, as the runner does).
       quantization: "fp8" or "int8" decoder-layer weights (see quant.py); None: `dtype` weights.
         The embedding, the norms and the LM head keep `dtype`.
     """

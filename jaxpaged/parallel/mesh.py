@@ -128,11 +128,6 @@ class TensorParallel:
         sharding = self.layer_sharding(path) if one_layer else self.param_sharding(path)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
-    def place_state(self, state):
-        """`jax.device_put` of a whole model state (pure dict or `nnx.State`) already in the mesh
-        layout (kv heads repeated), each leaf with its table sharding."""
-        return jax.device_put(state, self.state_shardings(state))
-
     def state_shardings(self, state):
         """The table sharding of every leaf of a model state (for `jit` out_shardings)."""
         return jax.tree_util.tree_map_with_path(lambda path, _: self.param_sharding(param_path(path)), state)

@@ -18,6 +18,7 @@ from jaxpaged.core.host_tier import KVTransfers
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.functional import DeviceCache, init_cache
 from jaxpaged.model import Llama, unstack_layers
+from jaxpaged.model.layer_arrays import place_params
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
 from jaxpaged.worker.kv_transfer import KVTransfer
@@ -58,8 +59,8 @@ class ModelRunner:
         self.layouts = self.packer.layouts
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._slot_of: dict[int, int] = {}  # seq_id -> its penalty-table row and block-table row
-        self.params = parallel.place_state(params)  # no copy when the loader placed them already
-        if not model.scan_layers:  # unrolled layers read per-layer arrays (no slice in the step)
+        self.params = place_params(params, parallel)  # no copy when the loader placed them already
+        if not model.scan_layers:  # unrolled layers read per-layer arrays (the engine's model comes split)
             self.params = unstack_layers(self.params, parallel.layer_sharding)
         self._whole = parallel.sharding()
         self.cache = self._zero_cache(config.num_blocks, self.kv_dtype, self.step_programs.cache_shardings)

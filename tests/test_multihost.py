@@ -146,11 +146,11 @@ def test_bad_multi_process_arguments_are_named():
 
 
 def test_processes_started_with_different_settings_are_refused_by_name(tmp_path):
-    """A follower started with another --max-num-seqs and --no-scan-layers would compile other
+    """A follower started with another --max-num-seqs and --scan-layers would compile other
     programs and hang the leader at its first step: every process refuses to start, naming both."""
     save_hf_model("llama_tp", str(tmp_path))
     options = tp_workload.engine_options(str(tmp_path), 4)
-    other = {**options, "max_num_seqs": 2, "scan_layers": False, "compile_threads": 1}  # the last one may differ
+    other = {**options, "max_num_seqs": 2, "scan_layers": True, "compile_threads": 1}  # the last one may differ
     for code, _, err in run_processes([options, other], [[5, 6, 7]]):
         assert code != 0 and "EngineArgsError" in err, err[-4000:]
         assert "different from process 0: max_num_seqs on process(es) 1; scan_layers on process(es) 1" in err

@@ -26,6 +26,7 @@ from jaxpaged.bench.perplexity import heldout_token_windows, perplexity
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.model import LayerArrays
 from jaxpaged.model.quant import FP8, dequantize_weight, quantize_weight, quantized_matmul
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.planning.plan import make_plan
@@ -215,11 +216,18 @@ def test_tensor_parallel_fp8_gives_the_unsharded_tokens_with_scales_beside_their
     single, _ = tokens(1)
     split, engine = tokens(n)
     assert split == single
-    for path_, leaf in jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]:
+    def layer0(entry):  # a parameter's per-layer arrays (the layers run unrolled): layer 0's array
+        [arrays] = jax.tree.leaves(entry, is_leaf=lambda x: isinstance(x, LayerArrays))
+        return arrays.arrays[0]
+
+    layers, checked = engine.runner.params["layers"], 0
+    for path_, leaf in jax.tree_util.tree_flatten_with_path(layers, is_leaf=lambda x: isinstance(x, LayerArrays))[0]:
         name = param_path(path_)[-1]
         if name.endswith("_scale"):  # split over the tensor axis exactly like its weight's outputs
-            weight = engine.runner.params["layers"][param_path(path_)[1]][name.removesuffix("_scale") + "_quant"][...]
-            assert leaf.sharding.spec[: leaf.ndim] == weight.sharding.spec[: leaf.ndim], name
+            scale, weight = layer0(leaf), layer0(layers[param_path(path_)[0]][name.removesuffix("_scale") + "_quant"])
+            assert scale.sharding.spec[: scale.ndim] == weight.sharding.spec[: scale.ndim], name
+            checked += 1
+    assert checked == 7  # q, k, v, o, gate, up, down
     kv = engine.runner.cache.kv
     assert kv.quant.k_scale.shape[1] == kv.k.shape[2] and kv.quant.k_scale.sharding.spec[1] == "tp"
 

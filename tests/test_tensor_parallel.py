@@ -90,12 +90,12 @@ def test_host_tier_swaps_per_device_shards_and_tokens_equal_transformers(tmp_pat
 
 @pytest.mark.isolated
 def test_unrolled_layers_over_per_layer_shards_equal_transformers(tmp_path):
-    """--no-scan-layers on 4 devices (kv heads repeated): the per-layer arrays split at start-up
+    """The default layout on 4 devices (kv heads repeated): the per-layer arrays split at start-up
     keep each layer's shards where the table puts them."""
     path = str(tmp_path)
     hf = save_hf_model("llama_tp", path)
     prompts = tp_workload.prompts()
-    engine = make_engine(path, 4, scan_layers=False)
+    engine = make_engine(path, 4)
     outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     [q] = jax.tree.leaves(engine.runner.params["layers"]["attn"]["q_proj"], is_leaf=lambda x: isinstance(x, LayerArrays))
@@ -135,8 +135,13 @@ EXPECTED_SHARDS = {  # one device's shard (2 layers)
 
 @pytest.mark.isolated
 def test_every_parameter_and_the_pool_are_split_as_the_table_says(tmp_path):
-    save_hf_model("llama_tp", str(tmp_path))
-    engine = make_engine(str(tmp_path), 8)
+    """--scan-layers on 8 devices: the stacked parameters are split as the table says, and the
+    scan slicing each layer out of its shards gives transformers' tokens."""
+    hf = save_hf_model("llama_tp", str(tmp_path))
+    engine = make_engine(str(tmp_path), 8, scan_layers=True)
+    prompts = tp_workload.prompts()
+    outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     leaves = jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]
     assert len(leaves) == 9 + 3  # every parameter is checked
     for path, leaf in leaves:

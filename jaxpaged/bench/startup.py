@@ -9,7 +9,7 @@ for this machine's backend, as the engine does at start-up:
 - a mixed step (ragged attention) per token bucket and fused decode steps per decode bucket;
 - the program that seeds a penalty-table row.
 
-    jaxpaged bench startup --model llama-3.1-8b [--no-scan-layers] [--output-json startup.json]
+    jaxpaged bench startup --model llama-3.1-8b [--scan-layers] [--output-json startup.json]
     jaxpaged bench startup --target h100    # the programs an H100 runs, compiled here (no GPU needed)
 
 With `--target` the programs are compiled for that GPU from its description (see gpu_targets.py:

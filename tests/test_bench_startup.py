@@ -56,6 +56,8 @@ def test_bench_startup_for_a_gpu_says_what_to_install_without_the_cuda_plugin(ca
     assert main(["bench", "startup", "--target", "h100", "--model", DEMO_MODEL_DIR, *LIMITS]) == 2
     err = capsys.readouterr().err
     assert "--target h100" in err and "pip install 'jax[cuda12-local]==" in err and "topology not implemented" in err
+    assert main(["bench", "startup", "--target", "h100", "--compilation-cache-dir", "/tmp/cc"]) == 2
+    assert "--compilation-cache-dir" in capsys.readouterr().err  # a warm start needs the GPU itself
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -27,6 +27,7 @@ import logging
 import time
 
 from jaxpaged.bench.gpu_targets import GPU_TARGETS, compiling_for_target, prepare_environment
+from jaxpaged.config.engine_args import EngineArgsError
 from jaxpaged.entrypoints.cli_flags import add_engine_flags, engine_args
 
 logger = logging.getLogger("jaxpaged")
@@ -49,6 +50,10 @@ def add_startup_flags(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Compiles every program, printing each as it finishes; writes `--output-json`."""
     engine = engine_args(args)  # every flag is checked before JAX loads
+    if args.target and engine.compilation_cache_dir != "none":
+        # JAX finds the cached programs (their keys match) but cannot load them without the GPU
+        raise EngineArgsError("compilation_cache_dir", engine.compilation_cache_dir, "a warm start loads the "
+                              "programs onto the GPU, which --target only describes: measure it on the GPU")  # fmt: skip
     if args.target:
         prepare_environment()
     report = measure_startup(engine, args.target)

@@ -5,7 +5,7 @@ XLA can compile a program for a GPU it is only told about: a topology of describ
 memory, caches, bandwidth). Lowering and compiling over such devices gives the executable the
 GPU would run (PTX compiled to cubin), its optimised HLO and its memory analysis, on a CPU:
 what `jaxpaged bench startup --target h100` measures, and what the GPU-program tests inspect.
-It needs JAX's CUDA plugin without the CUDA libraries (`pip install 'jaxpaged[gpu-compile]'`,
+It needs JAX's CUDA plugin without the CUDA libraries (the gpu-compile extra,
 i.e. `jax[cuda12-local]`), and no autotuning runs (that needs the device), so a compile on a
 real GPU can take longer and pick other GEMM tilings.
 """

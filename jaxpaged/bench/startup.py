@@ -43,8 +43,8 @@ def add_startup_flags(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser, defaults=dict(model="llama-3.1-8b", load_format="dummy", skip_tokenizer_init=True,
                                            compilation_cache_dir="none"))  # fmt: skip
     parser.add_argument("--output-json", metavar="FILE", help="write the per-program and total seconds as JSON")
-    parser.add_argument("--target", choices=sorted(GPU_TARGETS), help="compile for this GPU on this machine "
-                        "(deviceless; needs pip install 'jaxpaged[gpu-compile]') instead of for this machine's devices")
+    parser.add_argument("--target", choices=sorted(GPU_TARGETS), help="compile for this GPU, on this machine and "
+                        "without one (deviceless; needs the gpu-compile extra), instead of for this machine's devices")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,11 @@ IN_ISOLATION = "JAXPAGED_TEST_IN_ISOLATION"
 
 # Programs compiled for an H100 on this machine need JAX's CUDA plugin (the gpu-compile extra;
 # CI's stage 2 installs it): without it there is nothing to compile them with.
-if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+try:
+    _cuda_plugin = importlib.util.find_spec("jax_plugins.xla_cuda12")
+except ModuleNotFoundError:  # no jax_plugins package at all
+    _cuda_plugin = None
+if _cuda_plugin is None:
     collect_ignore = ["gpu_compile"]
 
 

@@ -50,6 +50,9 @@ def default_compilation_cache_dir() -> str:
     return os.path.join(root, "jaxpaged", "xla")
 
 
+MAX_SEED = 2**62  # the processes of a multi-process engine pass the seed as two 31-bit words
+
+
 def _option(default, help: str, *, choices: tuple | None = None, metavar: str | None = None,
             per_process: bool = False):
     """A field: its default, its `--help` text, and `per_process` when the processes of one
@@ -166,6 +169,8 @@ class EngineArgs:
                 self._check_int(name, 1)
         if self.seed is not None:
             self._check_int("seed", 0)
+            if self.seed >= MAX_SEED:
+                raise EngineArgsError("seed", self.seed, f"must be below 2**62 ({MAX_SEED})")
         self._check_offloading()
         self._check_quantization()
         try:

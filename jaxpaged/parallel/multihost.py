@@ -77,10 +77,11 @@ def agree_on_settings(settings: dict[str, str], seed: int) -> int:
     """
     if jax.process_count() == 1:
         return seed
+    # int32 words: JAX (64-bit types off) would narrow int64 silently. The seed travels in two.
     names = sorted(settings)
-    digests = np.array([_digest(settings[name]) for name in names], np.int64)
-    header = np.array([len(names), _digest(",".join(names)), seed], np.int64)
-    headers = np.asarray(multihost_utils.process_allgather(header))  # [P, 3]
+    digests = np.array([_digest(settings[name]) for name in names], np.int32)
+    header = np.array([len(names), _digest(",".join(names)), seed >> 31, seed & 0x7FFFFFFF], np.int32)
+    headers = np.asarray(multihost_utils.process_allgather(header))  # [P, 4]
     if (headers[:, :2] != headers[0, :2]).any():
         raise RuntimeError("the processes run different versions of jaxpaged (their engine settings differ in "
                            "kind): install the same version on every machine")  # fmt: skip
@@ -93,11 +94,12 @@ def agree_on_settings(settings: dict[str, str], seed: int) -> int:
         raise EngineArgsError(name, settings[name], f"the processes of one engine must agree on every setting but "
                               f"the per-process ones; different from process 0: {listed}. Start every process "
                               "with the same flags and model (only --node-rank and local paths may differ)")  # fmt: skip
-    return int(headers[0, 2])
+    return (int(headers[0, 2]) << 31) | int(headers[0, 3])
 
 
 def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+    """31 bits of `text`'s SHA-256."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
 def agree_on_blocks(num_blocks: int) -> int:

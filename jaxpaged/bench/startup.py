@@ -73,14 +73,13 @@ def measure_startup(args, target: str | None = None) -> dict:
       A JSON-ready report: the model and limits, each program's lowering and compile seconds,
       their totals and the number of programs.
     """
-    from jaxpaged.config.engine_config import EngineConfig
     from jaxpaged.engine.setup import use_compilation_cache
 
     cache_dir = use_compilation_cache(args.compilation_cache_dir)
     with contextlib.ExitStack() as stack:
         devices = None
         if target:
-            devices = stack.enter_context(compiling_for_target(target, EngineConfig.resolve(args).layout.size))
+            devices = stack.enter_context(compiling_for_target(target, args.tensor_parallel_size))
         return _measure(args, devices, cache_dir)
 
 

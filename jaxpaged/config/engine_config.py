@@ -72,6 +72,8 @@ class EngineConfig:
         settings = {f.name: repr(getattr(self.args, f.name)) for f in dataclasses.fields(EngineArgs)
                     if not f.metadata["per_process"] and f.name != "seed"}  # fmt: skip
         settings["model configuration"] = repr(self.model)
+        # resolved values replace the options: a limit or method the checkpoint supplies may be
+        # given on one process and left to the checkpoint on another
         settings["max_model_len"] = repr(self.max_model_len)
         settings["quantization"] = repr(self.quantization)
         return settings

@@ -69,6 +69,7 @@ CASES = [
     pytest.param(dict(dtype="bfloat16", kv_cache_dtype="fp8", quantization="fp8"), id="fp8-weights-kv-fp8"),
     pytest.param(dict(dtype="bfloat16", quantization="int8"), id="int8-weights"),
     pytest.param(dict(dtype="bfloat16", tensor_parallel_size=2), id="bfloat16-2-gpus"),
+    pytest.param(dict(dtype="bfloat16", tensor_parallel_size=4), id="bfloat16-4-gpus-kv-heads-repeated"),
     pytest.param(dict(dtype="bfloat16", scan_layers=True), id="bfloat16-scanned"),
     pytest.param(dict(dtype="bfloat16", kv_cache_dtype="fp8", scan_layers=True, tensor_parallel_size=2),
                  id="kv-fp8-scanned-2-gpus"),

@@ -29,7 +29,7 @@ def greedy_sampling(num_seqs: int, position) -> SamplingTensors:
     return SamplingTensors(
         temperature=0 * ones, top_k=zeros, top_p=ones, min_p=0 * ones, presence_penalty=0 * ones,
         frequency_penalty=0 * ones, repetition_penalty=ones, seed=zeros, index=zeros,
-        position=jnp.broadcast_to(position, (num_seqs,)).astype(jnp.int32), slot=zeros,
+        position=jnp.broadcast_to(position, (num_seqs,)).astype(jnp.int32), slot=zeros, ban_until=zeros,
     )  # fmt: skip
 
 
@@ -49,8 +49,9 @@ def step_input(token_ids, positions, block_table, kv_len, vocab_size: int, reset
         token_slot=jnp.zeros(n, jnp.int32),
         token_is_output=jnp.full(n, not reset),
         reset_slots=jnp.array([0 if reset else 1], jnp.int32),  # row 1 is out of range: no reset
-        want_logprobs=jnp.bool_(False),
         banned_ids=jnp.full((1, 1), vocab_size, jnp.int32),
+        from_last=jnp.zeros(n, bool),  # every token given here (none read from cache.last_tokens)
+        last_slot=jnp.zeros(1, jnp.int32),
     )
 
 

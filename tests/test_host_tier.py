@@ -31,8 +31,9 @@ class FakeMemory:
             want = (seq.cache_salt, tuple(seq.token_ids_slice(0, p + 1)))
             assert self.pool.get((seq.block_table[p // BS], p % BS)) == want, f"position {p} of {seq}"
 
-    def move(self) -> tuple[int, int]:
-        t = self.bm.take_transfers()
+    def move(self, transfers=None) -> tuple[int, int]:
+        """Runs `transfers` (a `SchedulerOutput`'s), else the block manager's planned copies."""
+        t = self.bm.take_transfers() if transfers is None else transfers
         for block, slot in t.offloads:
             self.host[slot] = [self.pool.get((block, o)) for o in range(BS)]
         for slot, block in t.loads:
@@ -188,7 +189,7 @@ def test_scheduler_preempts_by_swap_and_resumes_without_recompute(mode):
     resumed = None
     for _ in range(40):
         out = sched.schedule()
-        mem.move()
+        mem.move(out.transfers)
         for (seq, n), inp in zip(out.scheduled, out.step_inputs):
             mem.write(seq, inp.num_computed, inp.num_computed + n)
             mem.check(seq, inp.num_computed + n)

@@ -223,7 +223,7 @@ def test_compilation_cache_dir_keeps_the_step_programs(model_dir, tmp_path):
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     names = os.listdir(cache)
-    assert any("_packed_step" in n for n in names) and any("_packed_decode_steps" in n for n in names)
+    assert all(any(f"_{kind}" in n for n in names) for kind in ("model_program", "sampler_program", "fused_decode_steps"))
 
 
 def test_skip_tokenizer_init_runs_token_ids_from_a_config_only_directory(tmp_path, model_dir):

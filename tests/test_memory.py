@@ -65,7 +65,7 @@ def test_start_up_fails_when_a_step_needs_more_temporaries_than_planned():
     mixed, decode = Program(2048, 1, False), Program(256, 4, True)
     check_step_memory(plan, {mixed: GiB, decode: GiB // 2})
     check_step_memory(plan, {mixed: GiB + TEMP_SLACK_BYTES})
-    with pytest.raises(RuntimeError, match=r"\(decode step, 256 tokens x 4 step\(s\)\) needs 2.000 GiB .* reserved 1.000 GiB"):
+    with pytest.raises(RuntimeError, match=r"\(decode step, 256 tokens x 4 step\(s\), sampler plain\) needs 2.000 GiB .* reserved 1.000 GiB"):
         check_step_memory(plan, {mixed: GiB, decode: 2 * GiB})
     unmeasured = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, kv_cache_memory_bytes=GiB)
     check_step_memory(unmeasured, {mixed: 2 * GiB})  # an exact budget: nothing was reserved to check

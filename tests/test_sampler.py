@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.worker.sampler import MAX_LOGPROBS, SamplingTensors, sample, update_penalty_tables
+from jaxpaged.worker.sampler import MAX_LOGPROBS, SamplerOptions, SamplingTensors, sample, update_penalty_tables
 
 V = 64
 ROWS = 8
@@ -24,6 +24,7 @@ def tensors(s, **overrides):
         index=np.zeros(s, np.int32),
         position=np.zeros(s, np.int32),
         slot=np.arange(s, dtype=np.int32),
+        ban_until=np.full(s, 1 << 30, np.int32),
     )
     base.update({k: np.asarray(v, base[k].dtype) for k, v in overrides.items()})
     return SamplingTensors(**{k: jnp.asarray(v) for k, v in base.items()})
@@ -33,11 +34,15 @@ def empty_tables():
     return jnp.zeros((ROWS, V), bool), jnp.zeros((ROWS, V), jnp.int32)
 
 
-def run(logits, params, tables=None, want_logprobs=False, banned=None):
+def run(logits, params, tables=None, want_logprobs=False, banned=None, filter=None):
+    """The sampler as the engine runs it: the filtering path on when a row filters (or `filter`)."""
     prompt_mask, counts = tables or empty_tables()
     banned = np.full((len(logits), 2), V, np.int32) if banned is None else np.asarray(banned, np.int32)
-    return jax.jit(sample)(
-        jnp.asarray(logits, jnp.float32), params, prompt_mask, counts, jnp.bool_(want_logprobs), jnp.asarray(banned)
+    if filter is None:
+        filter = bool(np.any(np.asarray(params.top_k) > 0) or np.any(np.asarray(params.top_p) < 1))
+    options = SamplerOptions(filter=filter, logprobs=want_logprobs)
+    return jax.jit(sample, static_argnums=5)(
+        jnp.asarray(logits, jnp.float32), params, prompt_mask, counts, jnp.asarray(banned), options
     )
 
 
@@ -145,3 +150,25 @@ def test_banned_ids_are_never_sampled():
     banned = [[best[0], V], [V, V]]
     out = run(logits, tensors(2, temperature=[0, 0]), banned=banned)
     assert int(out.token_ids[0]) != best[0] and int(out.token_ids[1]) == best[1]
+
+
+def test_banned_ids_apply_only_before_ban_until():
+    """min_tokens on the device: a row's banned ids hold while the sampled position is below its
+    `ban_until` (a fused window crosses it mid-way)."""
+    logits = np.repeat(random_logits(1, seed=12), 3, axis=0)
+    best = int(logits[0].argmax())
+    banned = [[best, V]] * 3
+    out = run(logits, tensors(3, temperature=[0] * 3, position=[9, 10, 11], ban_until=[10] * 3), banned=banned)
+    assert np.asarray(out.token_ids).tolist()[1:] == [best, best] and int(out.token_ids[0]) != best
+
+
+def test_the_filtering_path_leaves_unfiltered_rows_exactly_as_they_are():
+    """A row without top-k / top-p samples the same token whether or not its batch takes the
+    filtering path (another row filters), seeded and sampled alike; so do the logprobs paths."""
+    logits = random_logits(64, seed=13)
+    params = tensors(64, temperature=np.full(64, 0.9), position=np.arange(64), slot=np.zeros(64))
+    plain = run(logits, params, filter=False)
+    filtered = run(logits, params, filter=True, want_logprobs=True)
+    np.testing.assert_array_equal(plain.token_ids, filtered.token_ids)
+    np.testing.assert_array_equal(plain.logprobs, filtered.logprobs)
+    assert plain.top_ids.shape == (64, 0) and filtered.top_ids.shape == (64, MAX_LOGPROBS)

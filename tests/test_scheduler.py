@@ -35,7 +35,7 @@ def step(sched, token=7):
     """One engine step with a fake sampler that always returns `token`."""
     out = sched.schedule()
     appended = sched.postprocess(out, [token] * out.num_seqs)
-    return out, [seq for _, seq in appended if seq.is_finished]
+    return out, [seq for _, seq, _ in appended if seq.is_finished]
 
 
 def batch(out):
@@ -135,8 +135,8 @@ def test_stop_conditions():
     out = sched.schedule()
     tokens = {"eos": EOS, "ignore": EOS, "stop_id": 7, "min": EOS, "none": 3}
     appended = sched.postprocess(out, {s.seq_id: tokens[k] for k, s in seqs.items()})
-    assert {s for _, s in appended} == set(seqs.values())
-    finished = [s for _, s in appended if s.is_finished]
+    assert {s for _, s, _ in appended} == set(seqs.values())
+    finished = [s for _, s, _ in appended if s.is_finished]
     assert set(finished) == {seqs["eos"], seqs["stop_id"]}
     assert seqs["eos"].status is SequenceStatus.FINISHED_STOPPED and seqs["eos"].stop_reason is None
     assert seqs["stop_id"].stop_reason == 7 and seqs["stop_id"].status.finish_reason == "stop"
@@ -258,25 +258,25 @@ def check_invariants(sched, live):
         assert sorted(held) == list(range(tier.num_slots))
 
 
-def move_blocks(sched, pool, host, stores=False):
+def move_blocks(transfers, pool, host, block_size):
     """The runner's device<->host copies on the fake pool: offloads, then loads (before a step),
     or the write-through copies of what the step computed (`stores`, after it)."""
-    bm, bs = sched.block_manager, sched.config.block_size
-    transfers = bm.take_stores() if stores else bm.take_transfers()
     for block, slot in transfers.offloads:
-        host[slot] = [pool.get(block * bs + o) for o in range(bs)]
+        host[slot] = [pool.get(block * block_size + o) for o in range(block_size)]
     for slot, block in transfers.loads:
         for o, key in enumerate(host[slot]):
-            pool[block * bs + o] = key
+            pool[block * block_size + o] = key
 
 
-def run_step(sched, pool, rng, host=None, known=None):
-    """schedule + fake device (host copies, then write-then-attend on a model pool) + postprocess."""
+def device_step(sched, out, pool, rng, host=None, device_tokens=None, known=None):
+    """The fake device for one scheduled step: the host copies, then write-then-attend on a
+    model pool, then a sampler. `device_tokens` (seq_id -> outputs) holds every sequence's
+    tokens as the device knows them, pending ones included (async scheduling feeds them before
+    the host has them). Returns each entry's sampled tokens (accepted proposals, then one)."""
     cfg = sched.config
-    out = sched.schedule()
-    move_blocks(sched, pool, {} if host is None else host)
-    if sched.has_unfinished():
-        assert not out.is_empty, "unfinished requests but nothing scheduled"
+    host = {} if host is None else host
+    device_tokens = {} if device_tokens is None else device_tokens
+    move_blocks(out.transfers, pool, host, cfg.block_size)
     assert out.num_batched_tokens == sum(n for _, n in out.scheduled) <= cfg.max_num_batched_tokens
     assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
     assert len({s.seq_id for s, _ in out.scheduled}) == len(out.scheduled)
@@ -285,28 +285,33 @@ def run_step(sched, pool, rng, host=None, known=None):
         return inp.block_table[p // cfg.block_size] * cfg.block_size + p % cfg.block_size
 
     # What the K/V at position p depends on: the salt and every token fed up to p (a sequence's
-    # own tokens, then the proposals it checks this step).
+    # own tokens, as the device has them, then the proposals it checks this step).
     drafts = out.drafts or [[]] * out.num_seqs
-    tokens = [seq.all_token_ids + d for (seq, _), d in zip(out.scheduled, drafts)]
+    tokens = [seq.prompt_token_ids + device_tokens.get(seq.seq_id, []) + d for (seq, _), d in zip(out.scheduled, drafts)]
     keys = [[(seq.cache_salt, tuple(toks[: p + 1])) for p in range(len(toks))] for (seq, _), toks in zip(out.scheduled, tokens)]
     for (seq, n), inp, key, toks, d in zip(out.scheduled, out.step_inputs, keys, tokens, drafts):
         assert seq.status is SequenceStatus.RUNNING and seq not in out.preempted
-        assert 1 <= n - len(d) <= seq.num_uncomputed and inp.num_computed == seq.num_computed_tokens
-        assert not d or n == 1 + len(d) and seq.num_uncomputed == 1  # only decoding sequences check proposals
-        assert inp.token_ids == toks[inp.num_computed : inp.num_computed + n]
+        assert seq.num_computed_tokens == inp.num_computed + n  # counted as computed once scheduled
+        assert 1 <= n - len(d) <= len(toks) - len(d) - inp.num_computed
+        assert not d or n == 1 + len(d) and not inp.from_last  # only decoding sequences check proposals
+        if inp.from_last:  # the token the previous step sampled, not yet on the host
+            assert n == 1 and inp.num_computed == seq.num_tokens and seq.num_pending_tokens
+        else:
+            assert inp.token_ids == toks[inp.num_computed : inp.num_computed + n]
         for p in range(inp.num_computed, inp.num_computed + n):
             pool[slot(inp, p)] = key[p]
     for (seq, n), inp, key in zip(out.scheduled, out.step_inputs, keys):  # attention reads all
         for p in range(inp.num_computed + n):
             assert pool.get(slot(inp, p)) == key[p], f"stale K/V for {seq} at {p}"
     sampled = []  # a random number of each entry's proposals kept, then a token of the sampler's
-    for d in drafts:
+    for (seq, _), inp, d in zip(out.scheduled, out.step_inputs, drafts):
         kept = rng.randint(0, len(d))
         sampled.append(d[:kept] + [EOS if rng.random() < 0.03 else rng.randrange(2, 8)])
-    appended = sched.postprocess(out, sampled if out.num_draft_tokens else [t[-1] for t in sampled])
-    move_blocks(sched, pool, {} if host is None else host, stores=True)
+        if inp.samples:
+            device_tokens.setdefault(seq.seq_id, []).extend(sampled[-1])
+    move_blocks(out.stores, pool, host, cfg.block_size)
     tier = sched.block_manager.host_tier
-    if host is not None and tier is not None:  # every cached host block holds the K/V its hash names
+    if tier is not None:  # every cached host block holds the K/V its hash names
         bs, known = cfg.block_size, {} if known is None else known
         for seq, _ in out.scheduled:
             for i, block_hash in enumerate(seq.block_hashes):
@@ -314,6 +319,20 @@ def run_step(sched, pool, rng, host=None, known=None):
         for block_hash, slot in tier.cached.items():
             salt, last = known[block_hash]
             assert host[slot] == [(salt, last[: len(last) - bs + 1 + o]) for o in range(bs)], f"host slot {slot} is stale"
+    return sampled if out.num_draft_tokens else [t[-1] for t in sampled]
+
+
+def run_step(sched, pool, rng, host=None, known=None, device_tokens=None, in_flight=None):
+    """schedule + fake device + postprocess; with `in_flight` (a list: async scheduling) the
+    step is scheduled and run before the previous one's results are postprocessed."""
+    out = sched.schedule()
+    if sched.has_unfinished() and not in_flight:
+        assert not out.is_empty, "unfinished requests but nothing scheduled"
+    sampled = device_step(sched, out, pool, rng, host, device_tokens, known)
+    if in_flight is None:
+        return sched.postprocess(out, sampled)
+    appended = sched.postprocess(*in_flight.pop()) if in_flight else []
+    in_flight.append((out, sampled))
     return appended
 
 
@@ -329,6 +348,9 @@ config_st = st.fixed_dictionaries(
                                  (3, "swap", False), (40, "swap", False), (12, "swap", True), (4, "recompute", True)]),
         # speculative decoding: proposals per step (0: off)
         "speculative_tokens": st.sampled_from([0, 0, 1, 3]),
+        # async scheduling: each step scheduled before the previous one's tokens are back
+        # (as the engine does it, without proposals)
+        "async_scheduling": st.booleans(),
     }
 )
 add_st = st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 30), st.integers(1, 16), st.integers(0, 3), st.integers(1, 3))
@@ -349,6 +371,8 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     budget = config["max_num_seqs"] + extra
     num_host_blocks, mode, write_through = config.pop("host")
     k = config.pop("speculative_tokens")
+    in_flight = [] if config.pop("async_scheduling") and not k else None
+    device_tokens = {}
     proposer = NgramProposer(SpeculativeConfig("ngram", k, 3, 1)) if k else None
     cfg = SchedulerConfig(max_model_len=48, max_num_batched_tokens=budget, num_blocks=num_blocks,
                           num_host_blocks=num_host_blocks, preemption_mode=mode, **config)  # fmt: skip
@@ -376,17 +400,18 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
             request_ids.append(rid)
         elif op[0] == "step":
             for _ in range(op[1]):
-                run_step(sched, pool, rng, host, known)
+                run_step(sched, pool, rng, host, known, device_tokens, in_flight)
         else:  # most ids are unknown or finished: aborting them is a no-op
             aborted = sched.abort(f"r{op[1]}")
             assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in aborted)
         check_invariants(sched, live)
     for _ in range(3000):
-        if not sched.has_unfinished():
+        if not (sched.has_unfinished() or in_flight):
             break
-        run_step(sched, pool, rng, host, known)
+        run_step(sched, pool, rng, host, known, device_tokens, in_flight)
         check_invariants(sched, live)
     assert not sched.has_unfinished() and all(s.is_finished for s in live)
+    assert not any(s.num_pending_tokens for s in live)
     for s in live:
         if s.status is not SequenceStatus.FINISHED_ABORTED:
             assert 1 <= s.num_output_tokens <= s.sampling_params.max_tokens
@@ -397,28 +422,61 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
         assert not tier.swapped and tier.num_free + len(tier.cached) == tier.num_slots
 
 
-def test_lookahead_blocks_are_reserved_only_when_fusing_is_safe():
-    sched = make_sched()
-    a, b = make_seq([1, 2, 3], max_tokens=8), make_seq([4, 5, 6, 7], max_tokens=8)
+def test_fused_decode_windows_reserve_their_blocks_and_stop_at_max_tokens():
+    """A decode-only batch fuses `num_scheduler_steps` steps when nobody waits; a sequence whose
+    max_tokens falls inside the window takes part for its own steps only (no block reserved and
+    no token kept past it); min_tokens no longer stops fusing (the device bans by position)."""
+    sched = make_sched(num_scheduler_steps=4)
+    a = make_seq([1, 2, 3], max_tokens=8, min_tokens=6)
+    b = make_seq([4, 5, 6, 7], max_tokens=3)
     sched.add(a)
     sched.add(b)
     out, _ = step(sched)  # prefill: not a decode batch
-    assert not sched.reserve_lookahead(out, 4)
-    out = sched.schedule()  # both decode one token now
-    assert out.num_decode_seqs == out.num_seqs == 2
-    assert sched.reserve_lookahead(out, 4)
-    # a's 3 prompt + 1 output tokens fill its first block of 4; 4 more tokens need a second one
+    assert out.num_steps == 1
+    out = sched.schedule()  # both decode now: fused
+    assert out.num_steps == 4 and [i.live_steps for i in out.step_inputs] == [4, 2]
+    # a: 3 prompt + 1 output tokens and 3 more of its window: 2 blocks of 4; b: 4 + 1 + 1
     assert len(a.block_table) == 2 and len(b.block_table) == 2
-    sched.postprocess(out, [7, 7])
-    out = sched.schedule()
-    assert not sched.reserve_lookahead(out, 7)  # 2 + 7 > max_tokens 8: would write past the budget
+    assert a.num_computed_tokens == 3 + 4 and b.num_computed_tokens == 4 + 2
+    appended = sched.postprocess(out, [[10, 11, 12, 13], [20, 21]])
+    assert a.output_token_ids == [7, 10, 11, 12, 13] and b.output_token_ids == [7, 20, 21]
+    assert b.status is SequenceStatus.FINISHED_LENGTH and [(i, n) for i, _, n in appended] == [(0, 4), (1, 2)]
     sched.add(make_seq([9]))
-    assert not sched.reserve_lookahead(out, 2)  # a prompt waits: it must not be held back
-    held = make_sched()
-    c = make_seq([1, 2], max_tokens=8, min_tokens=4)
-    held.add(c)
-    step(held)
-    assert not held.reserve_lookahead(held.schedule(), 2)  # under min_tokens: EOS must stay banned per step
+    assert sched.schedule().num_steps == 1  # a prompt waits: it must not be held back
+
+
+def test_async_schedule_reads_pending_tokens_on_the_device():
+    """Scheduled before the previous step's tokens are back, a decoding sequence's token is the
+    device's (`from_last`), a sequence whose pending token is its last gets nothing, and a
+    finished sequence's runner slot is released at the next schedule."""
+    sched = make_sched(max_num_seqs=2)
+    a, b = make_seq([1, 2, 3, 4, 5], max_tokens=4, ignore_eos=True), make_seq([6, 7, 8], max_tokens=1)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # both prefill
+    assert first.samples == [True, True] and a.num_pending_tokens == b.num_pending_tokens == 1
+    second = sched.schedule()  # before the first step's tokens are back
+    assert batch(second) == [(a.request_id, 1)] and second.step_inputs[0].from_last  # b's pending token ends it
+    assert a.num_computed_tokens == 6 and a.num_tokens == 5 and a.num_pending_tokens == 2
+    sched.postprocess(first, [9, 9])
+    assert a.output_token_ids == [9] and b.status is SequenceStatus.FINISHED_LENGTH
+    assert sched.schedule().released_seq_ids == [b.seq_id]  # its runner slot is free again
+    sched.postprocess(second, [11])
+    assert a.output_token_ids == [9, 11] and a.num_pending_tokens == 1
+
+
+def test_a_sequence_preempted_with_a_token_in_flight_gets_it_before_it_returns():
+    sched = make_sched(num_blocks=4, max_num_seqs=2, enable_prefix_caching=False)  # 3 blocks of 4 tokens
+    a, b = make_seq([1, 2, 3, 4], max_tokens=8, ignore_eos=True), make_seq([5, 6, 7, 8], max_tokens=8, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # 2 blocks; both sample
+    second = sched.schedule()  # each needs a second block: one is left, so b (newest) is preempted
+    assert batch(second) == [(a.request_id, 1)] and second.preempted == [b] and b.num_pending_tokens == 1
+    assert b.seq_id in second.released_seq_ids and b.block_table == []
+    assert sched.schedule().scheduled == [(a, 1)]  # b waits for its token (and a block)
+    sched.postprocess(first, [20, 30])
+    assert b.output_token_ids == [30] and b.num_pending_tokens == 0 and b.status is SequenceStatus.WAITING
 
 
 def test_proposals_take_only_what_decodes_leave():

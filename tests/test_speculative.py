@@ -286,7 +286,7 @@ def test_prefix_hits_on_blocks_written_around_rejected_proposals_match_plain():
                     if out.finished:
                         outputs[out.request_id] = out.outputs[0]
                 for seq in engine.scheduler.running:
-                    slot = engine.runner._slot_of.get(seq.seq_id)
+                    slot = engine.runner.input_batch.slot_of(seq.seq_id)
                     if slot is not None and seq.block_table:
                         assert list(packer.tables[slot, : len(seq.block_table)]) == seq.block_table
 

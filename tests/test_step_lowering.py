@@ -23,7 +23,8 @@ from jaxpaged.model import KVPool, Llama
 from jaxpaged.parallel.mesh import TensorParallel, param_path
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.worker.step_packer import StepPacker
-from jaxpaged.worker.step_programs import _packed_decode_steps, _packed_step
+from jaxpaged.worker.sampler import SamplerOptions
+from jaxpaged.worker.step_programs import _fused_decode_steps, _model_program
 
 pytestmark = [
     pytest.mark.lowering,
@@ -59,7 +60,7 @@ def test_mixed_step_lowers_with_the_ragged_kernel(abstract_engine):
     graphdef, params, cache, packer = abstract_engine
     layout = packer.layouts[512]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-    text = lower_for_cuda(functools.partial(_packed_step, layout, graphdef), params, cache, flat)
+    text = lower_for_cuda(functools.partial(_model_program, layout, False, graphdef), params, cache, flat)
     # One Triton call, the ragged kernel's, in the one (scanned) layer body: the runner picks the
     # decode program for decode batches instead of a per-layer `lax.cond` holding both kernels.
     assert text.count(TRITON_CALL) == 1
@@ -70,7 +71,7 @@ def test_fused_decode_steps_lower_with_the_decode_kernel(abstract_engine):
     graphdef, params, cache, packer = abstract_engine
     layout = packer.layouts[packer.bucket_for(64, 64)]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-    text = lower_for_cuda(functools.partial(_packed_decode_steps, layout, 4, graphdef), params, cache, flat)
+    text = lower_for_cuda(functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), graphdef), params, cache, flat)
     assert text.count(TRITON_CALL) == 1  # the decode kernel, in the layer body of the step body
     assert_no_pool_sized_conversion(text)
 
@@ -108,6 +109,7 @@ def abstract_two_gpu_engine():
     cache = DeviceCache(
         kv=KVPool(k=placed(cache.kv.k, pool), v=placed(cache.kv.v, pool), num_layers=cache.kv.num_layers),
         prompt_mask=placed(cache.prompt_mask, whole), output_counts=placed(cache.output_counts, whole),
+        last_tokens=placed(cache.last_tokens, whole),
     )  # fmt: skip
     packer = StepPacker(block_size=16, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512,
                         vocab_size=LLAMA_8B_2_LAYERS.vocab_size)  # fmt: skip
@@ -123,8 +125,8 @@ def test_tensor_parallel_steps_lower_with_the_kernels_under_shard_map(abstract_t
     mesh, graphdef, params, cache, packer, whole = abstract_two_gpu_engine
     layout = packer.layouts[packer.bucket_for(64, 64) if decode else 512]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=whole)
-    step_fn = functools.partial(_packed_decode_steps, layout, 4, graphdef) if decode else functools.partial(
-        _packed_step, layout, graphdef)  # fmt: skip
+    step_fn = functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), graphdef) if decode else functools.partial(
+        _model_program, layout, False, graphdef)  # fmt: skip
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(step_fn).trace(params, cache, flat).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()

@@ -6,7 +6,9 @@ for this machine's backend, as the engine does at start-up:
 
 - the memory probe: the largest mixed step over a small pool, compiled when the pool is sized
   from the device's memory (on a GPU; its temporaries are the activations the plan reserves);
-- a mixed step (ragged attention) per token bucket and fused decode steps per decode bucket;
+- a mixed step (ragged attention) per token bucket, and a decode step and fused decode steps
+  per decode bucket;
+- the samplers: each option set (filtering, top logprobs) for each sequence bucket;
 - the program that seeds a penalty-table row.
 
     jaxpaged bench startup --model llama-3.1-8b [--scan-layers] [--output-json startup.json]
@@ -100,7 +102,9 @@ def _measure(args, devices: list | None, cache_dir: str | None) -> dict:
     results = compile_all([("memory probe: " + programs.describe(probe),
                             lambda: programs.lower(probe, params, cache_for(pages + 1)))], 1, logger.info)  # fmt: skip
     pool = cache_for(config.num_blocks)
-    jobs = [(programs.describe(p), lambda p=p: programs.lower(p, params, pool)) for p in programs.all()]
+    every = programs.all()
+    every += programs.samplers(every)
+    jobs = [(programs.describe(p), lambda p=p: programs.lower(p, params, pool)) for p in every]
     jobs.append(("penalty-row seeding", lambda: programs.lower_seed(pool)))
     results += compile_all(jobs, args.compile_threads, logger.info)
     wall = time.perf_counter() - began

@@ -147,7 +147,12 @@ class EngineArgs:
         "occurrence of a sequence's last tokens, and the model checks them all in one step (default: off)",
         metavar="JSON")  # fmt: skip
     num_scheduler_steps: int = _option(
-        4, "decode steps fused into one device program when every sequence decodes and none waits")
+        4, "decode steps fused into one device program when every sequence decodes and none waits (and none "
+        "filters with top-k/top-p or asks for top logprobs); 1: none")  # fmt: skip
+    async_scheduling: bool = _option(
+        True, "schedule and dispatch each step before the previous one's tokens reach the host, which the device "
+        "passes from step to step, so host work overlaps the device's (the same tokens as without it); with "
+        "speculative decoding each step waits for the previous one (proposals are made from its tokens)")  # fmt: skip
     skip_tokenizer_init: bool = _option(
         False, "run without a tokenizer: token-id prompts in, token ids out, no stop strings", per_process=True)
 

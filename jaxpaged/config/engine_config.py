@@ -98,4 +98,5 @@ class EngineConfig:
         return SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                max_model_len=self.max_model_len, block_size=a.block_size, num_blocks=self.num_blocks,
                                enable_prefix_caching=a.enable_prefix_caching, num_host_blocks=self.num_host_blocks,
-                               preemption_mode=self.preemption_mode)  # fmt: skip
+                               preemption_mode=self.preemption_mode,
+                               num_scheduler_steps=a.num_scheduler_steps)  # fmt: skip

@@ -3,26 +3,31 @@
 Each engine step:
   1. `schedule()` picks what runs: first one decode token for each running sequence in decode
      (with a proposer, speculative decoding, each then gets proposals to check from the budget
-     and the free blocks the decodes left: see `jaxpaged.core.speculation`), then prefill chunks of running sequences that are still prefilling (including ones resumed
-     after preemption; a chunk shrinks to the free blocks before anything is preempted), then
-     waiting sequences in FCFS order; all under `max_num_seqs` running sequences and
-     `max_num_batched_tokens` tokens per step. Blocks come from the
-     `BlockManager`; when a running sequence cannot get one, the most recently admitted running
-     sequence not yet scheduled this step is preempted: by recompute, its blocks are freed (they
-     stay in the prefix cache while nobody needs them), `num_computed_tokens` drops to 0, and it
-     goes back to the FRONT of the waiting queue; on resume it recomputes prompt + outputs so
-     far and samples its next token. By swap (`preemption_mode`, with a host tier that has
-     room), its computed blocks are copied to host memory first and copied back on resume,
-     so it recomputes nothing. No waiting sequence is admitted in a step that preempted.
-  2. The runner carries out the device<->host copies the block manager planned
-     (`block_manager.take_transfers()`), then computes the step
-     (`SchedulerOutput.step_inputs` -> `pack_step`).
-  3. `postprocess(output, sampled_token_ids)` advances `num_computed_tokens`, appends the
-     sampled token (or the accepted proposals and the token after them) of every sequence whose
-     step reached its last token (a prefill chunk short
-     of the end of the prompt samples nothing), checks token-id stop rules and frees finished
-     sequences. String stops are the detokenizer's: the engine calls `finish_sequence`.
-Call `schedule` and `postprocess` alternately, once each per step.
+     and the free blocks the decodes left: see `jaxpaged.core.speculation`), then prefill
+     chunks of running sequences that are still prefilling (including ones resumed after
+     preemption; a chunk shrinks to the free blocks before anything is preempted), then waiting
+     sequences in FCFS order; all under `max_num_seqs` running sequences and
+     `max_num_batched_tokens` tokens per step. Blocks come from the `BlockManager`; when a
+     running sequence cannot get one, the most recently admitted running sequence not yet
+     scheduled this step is preempted: by recompute, its blocks are freed (they stay in the
+     prefix cache while nobody needs them), `num_computed_tokens` drops to 0, and it goes back
+     to the FRONT of the waiting queue; on resume it recomputes prompt + outputs so far and
+     samples its next token. By swap (`preemption_mode`, with a host tier that has room), its
+     computed blocks are copied to host memory first and copied back on resume, so it
+     recomputes nothing. No waiting sequence is admitted in a step that preempted. A batch of
+     decodes alone runs `num_scheduler_steps` fused decode steps when nobody waits.
+     Scheduling counts the step's tokens as computed (`num_computed_tokens` advances now), so
+     the next step can be scheduled before this one's results are back (async scheduling):
+     the token a step samples is then the sequence's pending token, which the next step reads on
+     the device. The `SchedulerOutput` carries everything the runner needs: the sequences'
+     inputs, the host tier's copies to run first, the fused steps, the sequences whose runner
+     slots are free again.
+  2. The runner carries out the copies, then computes the step.
+  3. `postprocess(output, sampled_token_ids)` appends the sampled token of every entry whose
+     step reached its last token (or the accepted proposals and the token after them, or a
+     fused window's tokens), checks token-id stop rules and frees finished sequences. String
+     stops are the detokenizer's: the engine calls `finish_sequence`.
+Every `schedule` is followed by its `postprocess`, at most one other `schedule` in between.
 """
 
 import dataclasses
@@ -34,7 +39,7 @@ from collections.abc import Callable
 from jaxpaged.config.engine_args import PREEMPTION_MODES
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
-from jaxpaged.core.host_tier import HostTier
+from jaxpaged.core.host_tier import HostTier, KVTransfers
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.speculation import NGRAM_LOOKBACK, DraftModelSlots, NgramProposer, speculation_allowed
 from jaxpaged.core.step_inputs import ScheduledSequence
@@ -55,6 +60,8 @@ class SchedulerConfig:
       num_host_blocks: blocks of the host tier (0: none); see host_tier.py.
       preemption_mode: "recompute", or "swap" (needs a host tier; a sequence it has no room
         for is recomputed).
+      num_scheduler_steps: decode steps fused into one step when every scheduled sequence
+        decodes and nobody waits (1: no fusing).
     """
 
     max_num_seqs: int = 256
@@ -65,9 +72,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0
     preemption_mode: str = "recompute"
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_blocks < 2:
@@ -87,11 +95,11 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    """What one step computes, in batch order.
+    """What one step computes, in batch order, and what must happen before it.
 
     Attributes:
       scheduled: (sequence, number of tokens it computes this step).
-      step_inputs: the matching `ScheduledSequence`s for `pack_step`.
+      step_inputs: the matching `ScheduledSequence`s for the runner.
       samples: whether each sequence's last scheduled token yields a sampled token.
       preempted: sequences preempted while scheduling this step.
       num_batched_tokens: tokens computed this step.
@@ -99,6 +107,11 @@ class SchedulerOutput:
         the rest are prefills.
       drafts: the proposals each entry checks after its token (speculative decoding; empty
         lists without it).
+      num_steps: fused decode steps (1: a single step).
+      transfers: the host tier's copies to run before the step.
+      stores: the host tier's write-through copies, to run after the step (see host_tier.py).
+      released_seq_ids: sequences finished or preempted since the previous schedule (the
+        runner frees their slots before this step takes any).
     """
 
     scheduled: list[tuple[Sequence, int]]
@@ -108,6 +121,10 @@ class SchedulerOutput:
     num_batched_tokens: int
     num_decode_seqs: int
     drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    num_steps: int = 1
+    transfers: KVTransfers = KVTransfers([], [])
+    stores: KVTransfers = KVTransfers([], [])
+    released_seq_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -155,6 +172,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._released: list[int] = []  # seq_ids finished or preempted since the last schedule
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -217,6 +235,17 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
         seq.status, seq.stop_reason, seq.finish_time = status, stop_reason, time.time()
+        self._released.append(seq.seq_id)
+
+    def stop_on_string(self, seq: Sequence, num_output_tokens: int, stop: str) -> None:
+        """Finishes `seq` on a stop string ending at its `num_output_tokens`-th output token: later
+        tokens (of the same step) are dropped, and the stop string wins over a length or EOS
+        finish of the same step (as in vLLM)."""
+        del seq.output_token_ids[num_output_tokens:]
+        if seq.is_finished:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        else:
+            self.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED, stop)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -232,13 +261,14 @@ class Scheduler:
         preempted: list[Sequence] = []
         num_decode_seqs = 0
         drafts: dict[int, list[int]] = {}  # seq_id -> proposals it checks this step
+        admitted: set[int] = set()  # seq_ids admitted from the waiting queue this step
         # 1. Decodes, then 2. prefill chunks of running sequences, both in admission order.
         for decode in (True, False):
             for seq in list(self.running):
                 if budget == 0:
                     break
-                if seq.status is not SequenceStatus.RUNNING or seq.seq_id in chosen:
-                    continue  # preempted above, or already scheduled
+                if seq.status is not SequenceStatus.RUNNING or seq.seq_id in chosen or self._ends_pending(seq):
+                    continue  # preempted above, already scheduled, or its pending tokens end it
                 if (seq.num_uncomputed == 1) != decode:
                     continue
                 n = min(seq.num_uncomputed, budget)
@@ -254,9 +284,12 @@ class Scheduler:
                 num_decode_seqs = len(scheduled)
                 budget = self._add_proposals(scheduled, drafts, budget)
 
-        # 3. Waiting sequences, FCFS; the queue's head blocks the rest.
+        # 3. Waiting sequences, FCFS; the queue's head blocks the rest (also while it waits for
+        # a pending token: it was preempted with a step in flight).
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break
             parent = self._fork_parent(seq)
             if parent is None:
                 bm.promote_from_disk(seq)
@@ -270,15 +303,21 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
+            admitted.add(seq.seq_id)
             budget -= n
 
+        num_steps = self._fused_steps(scheduled, num_decode_seqs, drafts)
         inputs, samples, entry_drafts = [], [], []
         for seq, n in scheduled:
-            c, proposal = seq.num_computed_tokens, drafts.get(seq.seq_id, [])
-            own = n - len(proposal)
-            inputs.append(ScheduledSequence(seq.token_ids_slice(c, c + own) + proposal, c, seq.block_table))
-            samples.append(c + own == seq.num_tokens)
-            entry_drafts.append(proposal)
+            inp = self._step_input(seq, n, drafts.get(seq.seq_id, []), num_steps, seq.seq_id in admitted)
+            inputs.append(inp)
+            samples.append(inp.samples)
+            entry_drafts.append(drafts.get(seq.seq_id, []))
+            # the step's tokens count as computed from now on; what it samples is pending
+            seq.num_computed_tokens += inp.live_steps if num_steps > 1 else n
+            if inp.samples:
+                seq.num_pending_tokens += inp.live_steps if num_steps > 1 else 1 + len(entry_drafts[-1])
+        released, self._released = self._released, []
         return SchedulerOutput(
             scheduled=scheduled,
             step_inputs=inputs,
@@ -287,7 +326,71 @@ class Scheduler:
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
             num_decode_seqs=num_decode_seqs,
             drafts=entry_drafts,
+            num_steps=num_steps,
+            transfers=bm.take_transfers(),
+            stores=bm.take_stores(),
+            released_seq_ids=released,
         )
+
+    def _step_input(self, seq: Sequence, n: int, proposal: list[int], num_steps: int, admitted: bool) -> ScheduledSequence:
+        """The runner's view of `seq` computing `n` tokens (its own, then `proposal`) this step."""
+        c, own = seq.num_computed_tokens, n - len(proposal)
+        known = seq.token_ids_slice(c, min(c + own, seq.num_tokens))
+        from_last = len(known) < own  # its token is still pending: the device reads it
+        if from_last and (own != 1 or proposal):
+            raise RuntimeError(f"{seq} would compute {own - len(known)} pending tokens; only a decode reads one")
+        sp = seq.sampling_params
+        live = self._live_steps(seq, num_steps) if num_steps > 1 else 1
+        prefix = None
+        if admitted and c and _has_penalties(sp):
+            prefix = seq.token_ids_slice(0, c)
+        return ScheduledSequence(
+            token_ids=(known or [0]) + proposal, num_computed=c, block_table=seq.block_table, seq_id=seq.seq_id,
+            from_last=from_last, samples=c + own == seq.num_tokens + seq.num_pending_tokens, live_steps=live,
+            params=sp, index=seq.index, prompt_len=seq.num_prompt_tokens, admitted=admitted, prefix_token_ids=prefix,
+        )  # fmt: skip
+
+    def _live_steps(self, seq: Sequence, num_steps: int) -> int:
+        """Of `num_steps` fused decode steps, those before `seq` reaches max_tokens or max_model_len."""
+        total = seq.num_tokens + seq.num_pending_tokens
+        live = min(num_steps, self.config.max_model_len - total)
+        mt = seq.sampling_params.max_tokens
+        if mt is not None:
+            live = min(live, mt - seq.num_output_tokens - seq.num_pending_tokens)
+        return live
+
+    def _ends_pending(self, seq: Sequence) -> bool:
+        """Whether the tokens `seq` has pending take it to max_tokens or max_model_len (its last
+        step is in flight: there is nothing more to compute for it)."""
+        if not seq.num_pending_tokens:
+            return False
+        mt = seq.sampling_params.max_tokens
+        total = seq.num_tokens + seq.num_pending_tokens
+        return total >= self.config.max_model_len or (mt is not None and seq.num_output_tokens + seq.num_pending_tokens >= mt)
+
+    def _fused_steps(self, scheduled: list[tuple[Sequence, int]], num_decode_seqs: int, drafts: dict) -> int:
+        """How many decode steps this step fuses (1: none), with their blocks reserved.
+
+        Fused when `num_scheduler_steps` > 1, every scheduled sequence decodes without proposals,
+        nobody waits to be admitted, no sequence needs the sampler's filtering or top logprobs
+        (the fused program samples without them) and the pool has the blocks. A sequence that
+        reaches max_tokens or max_model_len inside the window takes part for its own steps only.
+        """
+        k = self.config.num_scheduler_steps
+        if k == 1 or not scheduled or num_decode_seqs != len(scheduled) or drafts or self.waiting:
+            return 1
+        if any(not fusable(seq.sampling_params) for seq, _ in scheduled):
+            return 1
+        bs, need, live = self.config.block_size, 0, []
+        for seq, _ in scheduled:
+            steps = self._live_steps(seq, k)
+            live.append(steps)
+            need += max(0, -(-(seq.num_computed_tokens + steps) // bs) - len(seq.block_table))
+        if need > self.block_manager.num_free_blocks or max(live) < 2:
+            return 1
+        for (seq, _), steps in zip(scheduled, live):
+            self.block_manager.may_append(seq, steps)
+        return k
 
     def _add_proposals(self, scheduled: list[tuple[Sequence, int]], drafts: dict[int, list[int]], budget: int) -> int:
         """Gives the decoding entries of `scheduled` proposals to check, in order, from what the
@@ -309,85 +412,59 @@ class Scheduler:
         none past `budget` tokens, max_tokens or max_model_len (the sequence gains at most
         proposals + 1 tokens)."""
         sp = seq.sampling_params
-        if not speculation_allowed(sp, seq.num_output_tokens):
-            return []
+        if seq.num_pending_tokens or not speculation_allowed(sp, seq.num_output_tokens):
+            return []  # proposals follow the sequence's tokens: all must be on the host
         room = self.config.max_model_len - seq.num_tokens - 1
         if sp.max_tokens is not None:
             room = min(room, sp.max_tokens - seq.num_output_tokens - 1)
         start = seq.num_tokens if self.proposer.needs_model else max(0, seq.num_tokens - NGRAM_LOOKBACK)
         return self.proposer.propose(seq.token_ids_slice(start, seq.num_tokens), min(room, budget))
 
-    def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int] | list[list[int]] | dict[int, int],
-                    on_append: Callable[[int, Sequence, int], None] | None = None) -> list[tuple[int, Sequence]]:  # fmt: skip
+    def postprocess(self, output: SchedulerOutput,
+                    sampled_token_ids: list[int] | list[list[int]] | dict[int, int]) -> list[tuple[int, Sequence, int]]:  # fmt: skip
         """Takes a computed step's sampled tokens back.
 
         Args:
           output: what `schedule()` returned for the step.
           sampled_token_ids: one token per scheduled entry, in batch order (entries whose
-            `samples` is False are ignored); or, for a step that checked proposals, a list per
-            entry: its accepted proposals and the token sampled after them; or a dict seq_id ->
-            token for the sampling entries. Python ints (use `.tolist()` on arrays).
-          on_append: called as `on_append(batch index, sequence, j)` right after the entry's
-            j-th token is appended (before the next; a sequence that finished on it, e.g. on a
-            stop string, gets no more).
+            `samples` is False are ignored); or a list per entry: its accepted proposals and the
+            token sampled after them, or a fused window's tokens (its `live_steps` of them); or a
+            dict seq_id -> token for the sampling entries. Python ints (use `.tolist()` on arrays).
 
         Returns:
-          `(batch index, sequence)` of every sequence a token was appended to (its
-          `last_token_id`). Those that finished on a token-id rule (EOS, stop_token_ids,
-          max_tokens, max_model_len) are `is_finished`, their blocks already freed.
+          `(batch index, sequence, number of tokens appended)` of every sequence tokens were
+          appended to (the last that many of its `output_token_ids`). Those that finished on a
+          token-id rule (EOS, stop_token_ids, max_tokens, max_model_len) are `is_finished`,
+          their blocks already freed; a sequence finished or aborted while its step was in
+          flight gets nothing (its tokens are surplus).
         """
         now = time.time()
         appended = []
         drafts = output.drafts or [[]] * output.num_seqs
-        for i, ((seq, n), samples, proposal) in enumerate(zip(output.scheduled, output.samples, drafts)):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted or finished since it was scheduled
-            if not samples:
-                seq.num_computed_tokens += n
+        for i, ((seq, n), inp, proposal) in enumerate(zip(output.scheduled, output.step_inputs, drafts)):
+            if not inp.samples:
                 continue
+            seq.num_pending_tokens -= inp.live_steps if output.num_steps > 1 else 1 + len(proposal)
+            if seq.is_finished:
+                continue  # aborted or finished while the step was in flight: its tokens are surplus
             tokens = sampled_token_ids[seq.seq_id] if isinstance(sampled_token_ids, dict) else sampled_token_ids[i]
             tokens = tokens if isinstance(tokens, list) else [tokens]
-            # K/V is right up to the last accepted proposal (its inputs were the sequence's tokens).
-            seq.num_computed_tokens += n - len(proposal) + len(tokens) - 1
+            if proposal and seq.status is SequenceStatus.RUNNING:  # K/V is right up to the last accepted proposal
+                seq.num_computed_tokens -= len(proposal) - (len(tokens) - 1)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            appended.append((i, seq))
-            for j, token in enumerate(tokens):
+            count = 0
+            for token in tokens:
                 seq.output_token_ids.append(int(token))
+                count += 1
                 stop = self._check_stop(seq)
                 if stop is not None:
                     self.finish_sequence(seq, *stop)
-                if on_append is not None:
-                    on_append(i, seq, j)
-                if seq.is_finished:
                     break
-            if proposal and not seq.is_finished:
+            appended.append((i, seq, count))
+            if proposal and not seq.is_finished and seq.status is SequenceStatus.RUNNING:
                 self.block_manager.trim(seq)  # blocks that held only rejected proposals
         return appended
-
-    def reserve_lookahead(self, output: SchedulerOutput, num_steps: int) -> bool:
-        """Gives this step's sequences the blocks for `num_steps` decode steps run as one device
-        program (fused decode), if that is safe; otherwise reserves nothing.
-
-        Safe when every scheduled sequence is decoding, nobody waits to be prefilled, none is
-        still under min_tokens, all have budget for the extra tokens (nothing is written past
-        max_tokens or max_model_len), and the pool has the blocks.
-        """
-        if output.num_decode_seqs != output.num_seqs or self.waiting or output.num_draft_tokens:
-            return False
-        bs, need = self.config.block_size, 0
-        for seq, _ in output.scheduled:
-            sp = seq.sampling_params
-            if seq.num_output_tokens < sp.min_tokens or seq.num_output_tokens + num_steps > sp.max_tokens:
-                return False
-            if seq.num_tokens + num_steps > self.config.max_model_len:
-                return False
-            need += max(0, -(-(seq.num_computed_tokens + num_steps) // bs) - len(seq.block_table))
-        if need > self.block_manager.num_free_blocks:
-            return False
-        for seq, _ in output.scheduled:
-            self.block_manager.may_append(seq, num_steps)
-        return True
 
     # -- stats ------------------------------------------------------------------------------
 
@@ -426,6 +503,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._released.append(seq.seq_id)
         if not (self.config.preemption_mode == "swap" and self.block_manager.swap_out(seq)):
             self.block_manager.deallocate(seq)  # by recompute
         seq.status = SequenceStatus.WAITING
@@ -452,3 +530,13 @@ class Scheduler:
         ):
             return SequenceStatus.FINISHED_LENGTH, None
         return None
+
+
+def _has_penalties(sp) -> bool:
+    return sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
+
+
+def fusable(sp) -> bool:
+    """Whether a sequence's sampling runs in fused decode steps, which sample without top-k /
+    top-p filtering and top logprobs (see `jaxpaged.worker.sampler.SamplerOptions`)."""
+    return not sp.logprobs and sp.top_k <= 0 and sp.top_p >= 1

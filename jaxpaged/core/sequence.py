@@ -1,10 +1,13 @@
 """One generated sequence's host state (no JAX here).
 
 A request with `n` samples becomes `n` sequences sharing a `request_id`, told apart by
-`index`. A sequence's tokens are its prompt followed by what it has generated; the pool holds
-K/V for the first `num_computed_tokens` of them. A running sequence in decode has exactly one
-uncomputed token: the one it sampled last step, fed back in this step. After a preemption by
-recompute `num_computed_tokens` is 0 and all tokens (prompt and outputs so far) are uncomputed.
+`index`. A sequence's tokens are its prompt followed by what it has generated; the pool holds (or the
+steps in flight are writing) K/V for the first `num_computed_tokens` of them. With async
+scheduling a step is scheduled before the previous one's tokens reach the host: those are the
+sequence's `num_pending_tokens`, counted as its tokens when scheduling. A running sequence in
+decode has exactly one uncomputed token: the one it sampled last, fed back in this step (read
+on the device while it is still pending). After a preemption by recompute
+`num_computed_tokens` is 0 and all tokens (prompt and outputs so far) are uncomputed.
 """
 
 import enum
@@ -51,7 +54,8 @@ class Sequence:
       output_token_ids: tokens generated so far.
       sampling_params: how to sample it.
       status: a `SequenceStatus`.
-      num_computed_tokens: leading tokens whose K/V are in the pool (or written this step).
+      num_computed_tokens: leading tokens whose K/V are in the pool or written by scheduled steps.
+      num_pending_tokens: tokens sampled by steps whose results the host has not read yet.
       num_cached_tokens: tokens served by the prefix cache (or a fork) at the last admission.
       block_table: pool block ids holding its positions, in order (never the null block 0).
       block_hashes: prefix-cache hashes of its full blocks, filled lazily by the block manager.
@@ -89,6 +93,7 @@ class Sequence:
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
@@ -121,8 +126,9 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        """Tokens whose K/V the pool does not hold yet (1 for a sequence in decode)."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens, pending ones included, whose K/V no scheduled step writes (1 for a sequence in
+        decode)."""
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

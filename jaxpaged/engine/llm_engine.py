@@ -3,15 +3,21 @@
 How a request flows:
   1. `add_request` tokenizes the prompt, validates its `SamplingParams`, resolves its seed
      and queues `n` `Sequence`s with the `Scheduler` (which rejects what can never fit).
-  2. `step()` asks the scheduler for this step's batch: one decode token per running
-     sequence, then prefill chunks, under `max_num_seqs` and `max_num_batched_tokens`;
-     blocks come from the `BlockManager` (prefix-cached blocks are reused; when the pool is
-     full the newest sequence is preempted and later recomputed).
-  3. The `ModelRunner` packs the batch into one padded buffer, transfers it once and runs
-     the compiled step (model + sampler) with the cache donated.
-  4. The sampled tokens come back; `Scheduler.postprocess` appends them and applies token
-     stop rules; each completion's detokenizer turns tokens into text and matches stop
-     strings; finished sequences give their blocks and penalty-table slots back.
+  2. `step()` is schedule -> execute -> postprocess -> outputs. The scheduler picks this
+     step's batch: one decode token per running sequence, then prefill chunks, under
+     `max_num_seqs` and `max_num_batched_tokens`; blocks come from the `BlockManager`
+     (prefix-cached blocks are reused; when the pool is full the newest sequence is preempted
+     and later recomputed or swapped back in).
+  3. The `ModelRunner` runs the host tier's copies, packs the batch into one padded buffer,
+     transfers it once and dispatches the compiled model and sampler programs with the cache
+     donated; it returns at once, with the results' copy to the host under way.
+  4. With async scheduling (the default) the previous step's results are read only now, while
+     this step runs on the device: its sampled tokens reached this step on the device.
+     `Scheduler.postprocess` appends them and applies token stop rules; the `OutputProcessor`
+     records logprobs, detokenizes and matches stop strings; finished sequences give their
+     blocks back (and, at the next step, their runner slots). Without async scheduling (and
+     with speculative decoding, whose proposals follow the newest tokens) each step's results
+     are read before the next is scheduled.
   5. `step()` returns a `RequestOutput` for every request that changed.
 """
 
@@ -28,16 +34,16 @@ from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.core.request_state import RequestState
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
-from jaxpaged.core.sequence import Sequence, SequenceStatus
-from jaxpaged.core.host_tier import KVTransfers
+from jaxpaged.core.sequence import Sequence
 from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, make_proposer
-from jaxpaged.core.step_inputs import ScheduledSequence
+from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import SamplingParams, check_text
+from jaxpaged.worker.model_runner import StepHandle
 from jaxpaged.worker.sampler import MAX_LOGPROBS
-from jaxpaged.worker.step_packer import MAX_BANNED, SequenceRow, sampling_row
+from jaxpaged.worker.step_packer import MAX_BANNED
 
 logger = logging.getLogger("jaxpaged")
 
@@ -56,26 +62,28 @@ class LLMEngine:
         config = EngineConfig.resolve(args)
         self.args = args = config.args
         self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-        worker = start_device_worker(config)
+        eos = frozenset(eos_token_ids(args, config.model, self.tokenizer))
+        worker = start_device_worker(config, eos)
         self.config, self.plan, self.parallel = worker.config, worker.plan, worker.parallel
         self.runner, self.compile_seconds, self.draft = worker.runner, worker.compile_seconds, worker.draft
         if self.runner.channel is not None:
             atexit.register(self.shutdown)
         self.disk_tier = start_disk_tier(self.config, self.runner)  # its queued writes are done at exit too
         spec = args.speculative_config
-        self.scheduler = Scheduler(self.config.scheduler_config(),
-                                   eos_token_id=sorted(eos_token_ids(args, self.config.model, self.tokenizer)),
-                                   disk_tier=self.disk_tier, proposer=make_proposer(spec))  # fmt: skip
+        self.scheduler = Scheduler(self.config.scheduler_config(), eos_token_id=sorted(eos), disk_tier=self.disk_tier,
+                                   proposer=make_proposer(spec))  # fmt: skip
         # vLLM's speculative-decoding counters (with a speculative_config only).
         self.spec_stats = dict.fromkeys(SPEC_DECODE_COUNTERS, 0) if spec else {}
         self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(args.seed)
-        self._rows: dict[int, np.ndarray] = {}
-        self._changed: set[str] = set()
         self._failed: dict[str, str] = {}  # request id -> why, until its output is returned
+        self.output_processor = OutputProcessor(self.requests, self.scheduler, self._fail)
+        # Steps overlap (one in flight while the next is scheduled) unless every step must see the
+        # previous one's tokens on the host: speculative decoding proposes from them.
+        self.async_scheduling = args.async_scheduling and spec is None
+        self._in_flight: StepHandle | None = None
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -161,27 +169,50 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        """Aborts unfinished requests; their blocks return to the pool at once."""
+        """Aborts unfinished requests; their blocks return to the pool at once (a step in flight
+        still computes their tokens, which are dropped)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for seq in self.scheduler.abort(ids):
-            self._release(seq)
+        self.scheduler.abort(ids)
         self._changed.update(i for i in ids if i in self.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return self.output_processor.num_generation_tokens
+
+    @property
+    def _changed(self) -> set[str]:
+        return self.output_processor.changed
 
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the outputs of requests that changed (for
-        `RequestOutputKind.FINAL_ONLY` requests, only once they finish)."""
-        out = self.scheduler.schedule()
-        for seq in out.preempted:
-            self._release(seq)
-        if not out.is_empty:
-            self._run(out)
-        else:  # copies planned while preempting are due before any later step
-            self._move_kv(self.scheduler.block_manager.take_transfers())
+        """Runs one engine step: schedule -> execute -> postprocess -> outputs. With async
+        scheduling the step postprocesses the previous step's results, read while this one runs.
+        Returns the outputs of requests that changed (for `RequestOutputKind.FINAL_ONLY`
+        requests, only once they finish)."""
+        output = self.scheduler.schedule()
+        handle = self.runner.execute(output)
+        self._queue_disk_writes(output)
+        previous, self._in_flight = self._in_flight, handle
+        if previous is not None:
+            self._postprocess(previous)
+        if self._in_flight is not None and not self.async_scheduling:
+            self._postprocess(self._in_flight)
+            self._in_flight = None
+        return self._outputs()
+
+    def _postprocess(self, handle: StepHandle) -> None:
+        """Reads a step's results (waiting for the device), appends its tokens and records them."""
+        result = self.runner.fetch(handle)
+        if result.num_accepted is not None:
+            self._count_speculation(result.num_drafts, result.num_accepted)
+        appended = self.scheduler.postprocess(handle.output, result.tokens)
+        self.output_processor.process(appended, result)
+
+    def _outputs(self) -> list[RequestOutput]:
         outputs = []
         for request_id in sorted(self._changed, key=lambda r: self.requests[r].completions[0].seq.seq_id):
             state = self.requests[request_id]
@@ -205,11 +236,14 @@ class LLMEngine:
             return fn(*args)
         except Exception as err:
             logger.exception("request %s failed; the engine goes on without it", request_id)
-            self._failed[request_id] = f"processing the request failed ({type(err).__name__})"
-            for seq in self.scheduler.abort(request_id):
-                self._release(seq)
-            self._changed.add(request_id)
+            self._fail(request_id, err)
             return None
+
+    def _fail(self, request_id: str, err: Exception) -> None:
+        """Fails one request (its host work raised): it is aborted and its output says why."""
+        self._failed[request_id] = f"processing the request failed ({type(err).__name__})"
+        self.scheduler.abort(request_id)
+        self._changed.add(request_id)
 
     def _failed_output(self, request_id: str) -> RequestOutput:
         state = self.requests[request_id]
@@ -218,91 +252,21 @@ class LLMEngine:
         return RequestOutput(request_id, state.prompt, state.prompt_token_ids, outs, finished=True,
                              error=self._failed[request_id])  # fmt: skip
 
-    def _run(self, out: SchedulerOutput) -> None:
-        rows, resets = [], []
-        for seq, _ in out.scheduled:
-            slot, new = self.runner.acquire_slot(seq.seq_id)
-            sp = seq.sampling_params
-            if new:
-                if seq.num_computed_tokens and _has_penalties(sp):
-                    computed = seq.token_ids_slice(0, seq.num_computed_tokens)
-                    self.runner.seed_penalty_slot(slot, computed, seq.num_prompt_tokens)
-                else:
-                    resets.append(slot)
-            row = self._rows.get(seq.seq_id)
-            if row is None:
-                row = self._rows[seq.seq_id] = sampling_row(sp, seq.index)
-            banned = self._banned_ids(sp) if seq.num_output_tokens < sp.min_tokens else ()
-            rows.append(SequenceRow(seq.seq_id, row, slot, seq.num_prompt_tokens, bool(sp.logprobs), banned))
-        steps = self._fused_steps(out)  # may take blocks too: the copies are planned only now
-        self._move_kv(self.scheduler.block_manager.take_transfers())
-        if self.draft is not None:
-            self._draft_proposals(out, rows)
-        num_drafts = [len(d) for d in out.drafts]
-        result = self.runner.execute(out.step_inputs, rows, resets, steps, num_drafts)
-        if self.draft is not None:  # the draft's pool gets the K/V of what the target computed
-            program, flat = self.runner.last_step  # a copy: the next step repacks that buffer while
-            self.draft.mirror(program, flat.copy())  # the draft may still read it (CPU puts alias)
-        n = out.num_seqs
-        want_top = any(r.want_logprobs for r in rows)
-        names = ("token_ids", "logprobs") + (("ranks", "top_ids", "top_logprobs") if want_top else ())
-        # R rows per sequence: 1 + k in a step that may check k proposals per sequence.
-        r = 1 if result.num_accepted is None else self.config.args.speculative_config.num_speculative_tokens + 1
-        fetched = {}  # name -> [steps, n, R, ...]
-        for name in names:
-            value = np.asarray(getattr(result, name))
-            value = value if steps > 1 else value[None]
-            fetched[name] = value[:, : n * r].reshape(steps, n, r, *value.shape[2:])
-
-        def record(j: int, i: int, seq: Sequence, k: int) -> None:
-            sample = {name: values[j, i, k] for name, values in fetched.items()}
-            self._guarded(seq.request_id, self._record, seq, sample)
-
-        if result.num_accepted is not None:  # each sequence's accepted proposals and the token after them
-            accepted = np.asarray(result.num_accepted)[:n]
-            self._count_speculation(num_drafts, accepted)
-            tokens = [fetched["token_ids"][0, i, : a + 1].tolist() for i, a in enumerate(accepted)]
-            self.scheduler.postprocess(out, tokens, lambda i, seq, k: record(0, i, seq, k))
-        else:
-            for j in range(steps):
-                self.scheduler.postprocess(out, fetched["token_ids"][j, :, 0].tolist(),
-                                           lambda i, seq, k, j=j: record(j, i, seq, 0))  # fmt: skip
-        self._move_kv(self.scheduler.block_manager.take_stores())  # write-through of what the step computed
-
-    def _move_kv(self, transfers: KVTransfers) -> None:
-        """Runs the host tier's copies; with a disk tier, queues the blocks that reached host slots
-        under a prefix hash for writing to disk."""
-        self.runner.move_kv(transfers)
-        if self.disk_tier is not None:
-            tier = self.scheduler.block_manager.host_tier
+    def _queue_disk_writes(self, output: SchedulerOutput) -> None:
+        """With a disk tier, queues the blocks that the step's copies brought into host slots under
+        a prefix hash for writing to disk."""
+        if self.disk_tier is None:
+            return
+        tier = self.scheduler.block_manager.host_tier
+        for transfers in (output.transfers, output.stores):
             for _, slot in transfers.offloads:
                 block_hash = tier.hash_of(slot)
                 if block_hash is not None:  # a swapped-out sequence's slots have none
                     self.disk_tier.save(block_hash, slot)
 
-    def _fused_steps(self, out: SchedulerOutput) -> int:
-        """How many decode steps to fuse into this step's program (1 = no fusing): the runner
-        must have the program and the scheduler must reserve the blocks."""
-        k = self.args.num_scheduler_steps  # 1 with a draft model (see EngineConfig.resolve)
-        if k > 1 and self.runner.fusable(out.num_seqs) and self.scheduler.reserve_lookahead(out, k):
-            return k
-        return 1
-
-    def _draft_proposals(self, out: SchedulerOutput, rows: list[SequenceRow]) -> None:
-        """Fills the proposal slots the scheduler reserved with the draft model's tokens."""
-        drafting = [i for i, d in enumerate(out.drafts) if d]
-        if not drafting:
-            return
-        inputs = [ScheduledSequence(out.step_inputs[i].token_ids[:1], out.step_inputs[i].num_computed,
-                                    out.step_inputs[i].block_table) for i in drafting]  # fmt: skip
-        tokens = self.draft.propose(inputs, [rows[i] for i in drafting])
-        for i, own, proposal in zip(drafting, inputs, tokens.tolist()):
-            out.drafts[i] = proposal
-            out.step_inputs[i] = dataclasses.replace(out.step_inputs[i], token_ids=own.token_ids + proposal)
-
-    def _count_speculation(self, num_drafts: list[int], accepted: np.ndarray) -> None:
+    def _count_speculation(self, num_drafts: list[int], accepted: list[int]) -> None:
         """Speculative decoding's counters (vLLM's): proposals made and kept, by position."""
-        for k, a in zip(num_drafts, accepted.tolist()):
+        for k, a in zip(num_drafts, accepted):
             if k:
                 self.spec_stats["spec_decode_num_drafts"] += 1
                 self.spec_stats["spec_decode_num_draft_tokens"] += k
@@ -310,38 +274,10 @@ class LLMEngine:
                 for position in range(a):
                     self.spec_accepted_per_position[position] += 1
 
-    def _record(self, seq: Sequence, sample: dict[str, Any]) -> None:
-        """Logprobs, detokenization and stop strings for the token just appended to `seq`
-        (`sample` holds this token's entries of the fetched step results)."""
-        state = self.requests[seq.request_id]
-        completion = state.completions[seq.index]
-        token = seq.output_token_ids[-1]
-        self.num_generation_tokens += 1
-        if "top_ids" in sample:
-            state.record_logprobs(completion, token, float(sample["logprobs"]), int(sample["ranks"]),
-                                  sample["top_ids"], sample["top_logprobs"])  # fmt: skip
-        else:
-            state.record_logprobs(completion, token, float(sample["logprobs"]), 0, (), ())
-        if completion.detokenizer.add_token(token):
-            stop = completion.detokenizer.stop_reason
-            if seq.is_finished:  # finished on length too: the stop string wins, as in vLLM
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-            else:
-                self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED, stop)
-        if seq.is_finished:
-            self._release(seq)
-        self._changed.add(seq.request_id)
-
     def _banned_ids(self, sp: SamplingParams) -> tuple[int, ...]:
         """Before min_tokens, EOS (unless ignored) and the stop token ids cannot be sampled."""
         eos = () if sp.ignore_eos else tuple(self.scheduler.eos_token_ids)
         return tuple(sorted(set(eos) | set(sp.stop_token_ids)))
-
-    def _release(self, seq: Sequence) -> None:
-        """Gives back a sequence's penalty-table slot (finished, aborted or preempted)."""
-        self.runner.release_slot(seq.seq_id)
-        if seq.is_finished:
-            self._rows.pop(seq.seq_id, None)
 
     # -- stats ------------------------------------------------------------------------------
 
@@ -396,8 +332,4 @@ class LLMEngine:
             "kv_disk_rejected_files": disk.rejected,
             "kv_disk_dropped_writes": disk.dropped_writes,
         }
-
-
-def _has_penalties(sp: SamplingParams) -> bool:
-    return sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
 

@@ -60,9 +60,10 @@ class DeviceWorker:
     draft: DraftRunner | None = None
 
 
-def start_device_worker(config: EngineConfig) -> DeviceWorker:
+def start_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()) -> DeviceWorker:
     """Joins the other processes (with nnodes > 1), builds the mesh, loads the model onto it,
-    plans the pool, and compiles every step program."""
+    plans the pool, and compiles every step program (`eos_token_ids`: banned before a request's
+    `min_tokens`; followers, which pack nothing, need none)."""
     args = config.args
     multihost.initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     seed = multihost.agree_on_settings(config.shared_settings(), args.seed)
@@ -82,13 +83,14 @@ def start_device_worker(config: EngineConfig) -> DeviceWorker:
     logger.info(plan.summary())
     config = config.with_blocks(plan.num_blocks, host_tier_blocks(config, model, parallel))
     logger.info("preemption by %s", config.preemption_mode)
-    runner = ModelRunner(model, parallel=parallel, config=config, kv_scales=fp8_kv_scales(config, model.embed[...].dtype))
+    runner = ModelRunner(model, parallel=parallel, config=config, kv_scales=fp8_kv_scales(config, model.embed[...].dtype),
+                         eos_token_ids=eos_token_ids)  # fmt: skip
     seconds = runner.warm_up(args.compile_threads)
     check_step_memory(plan, runner.temp_bytes)
     draft = None
     if draft_model is not None:
-        draft = DraftRunner(draft_model, parallel=draft_parallel, target_decode_steps=args.num_scheduler_steps,
-                            config=draft_engine_config(config, draft_parallel.layout))  # fmt: skip
+        draft = runner.draft = DraftRunner(draft_model, parallel=draft_parallel,
+                                           config=draft_engine_config(config, draft_parallel.layout))  # fmt: skip
         logger.info("draft model %s: %d layers, proposing %d tokens a step", args.speculative_config.model,
                     draft.config.num_layers, draft.num_proposals)  # fmt: skip
         seconds += draft.warm_up(args.compile_threads)

@@ -119,7 +119,8 @@ def follow(runner, channel: StepChannel) -> int:
             logger.info("the leader stopped after %d steps", steps)
             return steps
         if command == EXECUTE:
-            runner.run_packed(runner.program_from_fields(fields), payload)
+            program, options = runner.program_from_fields(fields)
+            runner.run_packed(program, options, payload)
             steps += 1
         elif command == SEED:
             slot, prompt_len, length = fields[:3]

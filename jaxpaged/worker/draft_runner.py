@@ -22,44 +22,61 @@ from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.model import Llama
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.sampler import SamplerOptions
 from jaxpaged.worker.step_packer import SequenceRow
 from jaxpaged.worker.step_programs import Program
 
 
 class DraftRunner(ModelRunner):
     """A `ModelRunner` for the draft model: the target's step programs (to mirror them) and its
-    own k-step decode programs (to propose).
+    own k-step decode programs (to propose), which sample with top-k / top-p filtering.
 
     Args:
       model: the draft model on the mesh.
       parallel: its sharding table on the target's mesh.
       config: the draft's engine configuration: the target's limits and pool size, the
         draft's model, `num_scheduler_steps` = k (see `draft_engine_config`).
-      target_decode_steps: the steps of the target's decode programs (mirrored too).
     """
 
-    def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig, target_decode_steps: int):
-        super().__init__(model, parallel=parallel, config=config)
+    def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig):
+        super().__init__(model, parallel=parallel, config=config, fused_options=SamplerOptions(filter=True))
         self.num_proposals = config.args.num_scheduler_steps
-        self.target_decode_steps = target_decode_steps
 
-    def programs(self) -> list[Program]:
-        """The target's mixed programs, decode programs of k steps (proposing), and of the
-        target's decode steps (mirroring), each once."""
-        own = super().programs()
-        mirrored = [Program(p.tokens, self.target_decode_steps, True) for p in own if p.decode]
-        return own + [p for p in mirrored if p not in own]
+    def fill_proposals(self, inputs: list[ScheduledSequence], drafts: list[list[int]],
+                       rows: list[SequenceRow]) -> tuple[list[ScheduledSequence], list[list[int]]]:  # fmt: skip
+        """The step's inputs with the draft model's k tokens in the proposal slots the scheduler
+        reserved (`drafts`: placeholders), and the proposals."""
+        drafting = [i for i, d in enumerate(drafts) if d]
+        own = [dataclasses.replace(inputs[i], token_ids=inputs[i].token_ids[:1]) for i in drafting]
+        tokens = self.propose(own, [rows[i] for i in drafting])
+        inputs, drafts = list(inputs), list(drafts)
+        for i, mine, proposal in zip(drafting, own, tokens.tolist()):
+            drafts[i] = proposal
+            inputs[i] = dataclasses.replace(inputs[i], token_ids=mine.token_ids + proposal)
+        return inputs, drafts
 
     def propose(self, inputs: list[ScheduledSequence], rows: list[SequenceRow]) -> np.ndarray:
         """k proposed tokens `[n, k]` for `n` decoding sequences (`inputs`: each one's pending token
         at its computed length; `rows`: their sampling rows and slots, as the target packs them)."""
-        rows = [dataclasses.replace(r, want_logprobs=False) for r in rows]
-        result = self.execute(inputs, rows, [], self.num_proposals)
-        return np.asarray(result.token_ids).reshape(self.num_proposals, -1)[:, : len(inputs)].T
+        k = self.num_proposals
+        t = self.packer.bucket_for(len(inputs), len(inputs))
+        program = Program(t, k, True, self.step_programs.fused_options if k > 1 else SamplerOptions())
+        live = [k] * len(inputs) if k > 1 else None
+        t, flat = self.packer.pack(inputs, rows, [], decode=True, live_steps=live)
+        options = SamplerOptions(filter=True)
+        values = self.step_programs_result(program, options, flat)
+        return values.reshape(k, -1)[:, : len(inputs)].T
+
+    def step_programs_result(self, program: Program, options: SamplerOptions, flat: np.ndarray) -> np.ndarray:
+        """The sampled token ids `[steps, rows]` of a program run on `flat`."""
+        layout = self.step_programs.layout(program)
+        rows = layout.num_seqs * layout.rows_per_seq
+        packed = np.asarray(self.run_packed(program, options, flat))
+        return packed[..., :rows].reshape(program.steps, rows)
 
     def mirror(self, program: Program, flat: np.ndarray) -> None:
         """Runs the target's step (`program` over its packed buffer) on the draft's pool."""
-        self.run_packed(program, flat)
+        self.run_model(program, flat)
 
 
 def draft_engine_config(config: EngineConfig, layout) -> EngineConfig:

@@ -1,12 +1,19 @@
 """The device side of the engine: parameters, the cache, the compiled step programs, one
-transfer per step.
+transfer per step in and one copy of its results out.
 
-The programs (`StepPrograms`: a mixed step per token bucket, fused decode steps per decode
-bucket) are all compiled by `warm_up`, so nothing compiles while serving.
+`execute` carries out a `SchedulerOutput`: the host tier's copies, the slots it frees and takes
+(`InputBatch`), the packed step, the model and sampler programs dispatched, the results' copy
+to the host started; it returns a `StepHandle` at once, without waiting for the device. `fetch`
+waits for a handle's results. Between the two the host is free: the engine schedules and
+dispatches the next step before it fetches this one (async scheduling).
+
+The programs (`StepPrograms`: a mixed step per token bucket, decode steps and fused decode steps
+per decode bucket, the samplers) are all compiled by `warm_up`, so nothing compiles while serving.
 """
 
 import dataclasses
 import logging
+import typing
 import time
 
 import jax
@@ -15,18 +22,63 @@ from flax import nnx
 
 from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.core.host_tier import KVTransfers
+from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.functional import DeviceCache, init_cache
 from jaxpaged.model import Llama, unstack_layers
 from jaxpaged.model.layer_arrays import place_params
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
+from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_transfer import KVTransfer
-from jaxpaged.worker.sampler import SampleResult
+from jaxpaged.worker.sampler import SamplerOptions
 from jaxpaged.worker.step_packer import SequenceRow
-from jaxpaged.worker.step_programs import Program, StepPrograms, compile_all
+from jaxpaged.worker.step_programs import Program, ResultLayout, SamplerProgram, StepPrograms, compile_all, sampler_for
 
 logger = logging.getLogger("jaxpaged")
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step: its schedule and its results, still on the device (being copied).
+
+    Attributes:
+      output: what the scheduler planned.
+      packed: the results, one int32 vector (`[steps, N]` for fused steps).
+      layout: how to read them.
+      drafts: the proposals each entry checked (a draft model's, filled in by `execute`).
+    """
+
+    output: SchedulerOutput
+    packed: jax.Array
+    layout: ResultLayout
+    drafts: list[list[int]]
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step's results on the host, per scheduled entry.
+
+    Attributes:
+      tokens: each entry's sampled tokens: one, or the accepted proposals and the token after
+        them, or a fused window's (its `live_steps`); empty for entries that sample nothing.
+      values: the fetched arrays by name (`ResultLayout.unpack`), `[steps, rows, ...]`.
+      rows_per_seq: R (sampling rows per sequence).
+      num_drafts: proposals checked per entry.
+      num_accepted: proposals kept per entry (speculative decoding), else None.
+    """
+
+    tokens: list[list[int]]
+    values: dict[str, np.ndarray]
+    rows_per_seq: int
+    num_drafts: list[int]
+    num_accepted: list[int] | None
+
+    def sample(self, i: int, j: int) -> dict[str, typing.Any]:
+        """Entry i's j-th token's entries of every fetched array."""
+        if self.num_accepted is not None:  # one step, R rows per sequence
+            return {k: v[0, i * self.rows_per_seq + j] for k, v in self.values.items() if k != "num_accepted"}
+        return {k: v[j, i * self.rows_per_seq] for k, v in self.values.items()}
 
 
 class ModelRunner:
@@ -40,10 +92,13 @@ class ModelRunner:
         program when a batch is all decodes (1: no fusing). The pool holds `kv_cache_dtype`
         (the model's dtype with "auto"), stored in its `kv_storage_dtype`.
       kv_scales: an fp8 pool's `(k_scale [L], v_scale [L])`, e.g. a checkpoint's; None: 1.
+      eos_token_ids: the ids banned before a request's `min_tokens`.
+      fused_options: the sampler paths of the fused decode programs.
     """
 
     def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig,
-                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None):  # fmt: skip
+                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None, eos_token_ids: frozenset[int] = frozenset(),
+                 fused_options: SamplerOptions = SamplerOptions()):  # fmt: skip
         args = config.args
         self.config = model.config
         self.num_decode_steps = args.num_scheduler_steps
@@ -53,12 +108,12 @@ class ModelRunner:
         graphdef, params = nnx.split(model)
         self.params_dtype = model.embed[...].dtype
         self.kv_dtype = config.kv_dtype(self.params_dtype)
-        self.step_programs = StepPrograms.for_engine(config, graphdef, parallel, self.kv_dtype)
+        self.step_programs = StepPrograms.for_engine(config, graphdef, parallel, self.kv_dtype, fused_options)
         self.packer = self.step_programs.packer
         self.pages = self.packer.pages
         self.layouts = self.packer.layouts
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self._slot_of: dict[int, int] = {}  # seq_id -> its penalty-table row and block-table row
+        self.input_batch = InputBatch(self.packer, max_num_seqs, eos_token_ids)
+        self.draft = None  # the draft model's runner (speculative decoding with a draft model)
         self.params = place_params(params, parallel)  # no copy when the loader placed them already
         if not model.scan_layers:  # unrolled layers read per-layer arrays (the engine's model comes split)
             self.params = unstack_layers(self.params, parallel.layer_sharding)
@@ -73,10 +128,9 @@ class ModelRunner:
                                           num_host_blocks=config.num_host_blocks, block_shape=k.shape[1:],
                                           dtype=k.dtype)  # fmt: skip
         self.channel: StepChannel | None = None  # set on the leader of several processes
-        self.compiled: dict[Program, object] = {}  # executables
-        self.temp_bytes: dict[Program, int] = {}  # temporaries of each
+        self.compiled: dict[Program | SamplerProgram, object] = {}  # executables
+        self.temp_bytes: dict[Program | SamplerProgram, int] = {}  # temporaries of each
         self._seed = None  # the compiled penalty-row seeding
-        self.last_step: tuple[Program, np.ndarray] | None = None  # the latest executed program and buffer
 
     def _zero_cache(self, num_blocks: int, kv_dtype, shardings: DeviceCache) -> DeviceCache:
         """The cache made where it lives: the pool split over kv heads (no device ever holds the
@@ -94,16 +148,17 @@ class ModelRunner:
         quant = dataclasses.replace(quant, k_scale=put(k_scale), v_scale=put(v_scale))
         self.cache = dataclasses.replace(self.cache, kv=dataclasses.replace(self.cache.kv, quant=quant))
 
-    def programs(self) -> list[Program]:
-        """Every program this engine compiles (see `StepPrograms.all`)."""
-        return self.step_programs.all()
+    def programs(self) -> list[Program | SamplerProgram]:
+        """Every program this engine compiles (see `StepPrograms.all` and `samplers`)."""
+        models = self.step_programs.all()
+        return models + self.step_programs.samplers(models)
 
-    def compile_program(self, program: Program):
+    def compile_program(self, program: Program | SamplerProgram):
         """Compiles (and keeps) one program; records its temporaries (XLA's memory analysis) in
         `temp_bytes`."""
         return self._keep(program, self.step_programs.lower(program, self.params, self.cache).compile())
 
-    def _keep(self, program: Program, compiled):
+    def _keep(self, program: Program | SamplerProgram, compiled):
         self.compiled[program] = compiled
         analysis = compiled.memory_analysis()
         self.temp_bytes[program] = int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
@@ -131,27 +186,6 @@ class ModelRunner:
         logger.info("compiled %d step programs in %.1f s", len(self.compiled), seconds)
         return seconds
 
-    def fusable(self, num_seqs: int) -> bool:
-        """Whether a decode-only batch of `num_seqs` sequences has a fused-steps program."""
-        t = self.packer.bucket_for(num_seqs, num_seqs)
-        return self.num_decode_steps > 1 and Program(t, self.num_decode_steps, True) in self.compiled
-
-    def acquire_slot(self, seq_id: int) -> tuple[int, bool]:
-        """The penalty-table (and block-table) row of a running sequence: `(slot, new)`, a free
-        one when it has none (new: the caller resets or seeds it)."""
-        slot = self._slot_of.get(seq_id)
-        if slot is not None:
-            return slot, False
-        slot = self._slot_of[seq_id] = self._free_slots.pop()
-        return slot, True
-
-    def release_slot(self, seq_id: int) -> None:
-        """Gives a sequence's row back (finished, aborted or preempted); no-op if it has none."""
-        slot = self._slot_of.pop(seq_id, None)
-        if slot is not None:
-            self.packer.release(slot)
-            self._free_slots.append(slot)
-
     def seed_penalty_slot(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         """Resets penalty row `slot` and records tokens a sequence got from the prefix cache
         (the steps only see tokens they compute)."""
@@ -172,32 +206,96 @@ class ModelRunner:
         if transfers:
             self.cache = self.kv_transfer.run(self.cache, transfers)
 
-    def execute(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int],
-                steps: int = 1, num_drafts: list[int] | None = None) -> SampleResult:  # fmt: skip
-        """Packs, transfers and runs one step (or `steps` fused decode steps); returns the (not
-        yet fetched) device result, stacked `[steps, ...]` when steps > 1. `num_drafts`: the
-        proposals ending each sequence's tokens (speculative decoding; rows `[S * R]` then)."""
+    def execute(self, output: SchedulerOutput) -> StepHandle | None:
+        """Carries out one scheduled step: the host tier's copies, the slots freed and taken, then
+        the step (or its fused steps) dispatched and its results' copy to the host started; the
+        write-through copies after it. Returns without waiting for the device (None: the
+        schedule computes nothing)."""
+        self.input_batch.release(output.released_seq_ids)
+        self.move_kv(output.transfers)
+        if output.is_empty:
+            return None
+        prepared = self.input_batch.prepare(output.step_inputs)
+        for slot, tokens, prompt_len in prepared.seeds:
+            self.seed_penalty_slot(slot, tokens, prompt_len)
+        inputs, drafts = output.step_inputs, output.drafts
+        if self.draft is not None and any(drafts):  # the draft model fills the proposal slots
+            inputs, drafts = self.draft.fill_proposals(inputs, drafts, prepared.rows)
+        num_drafts = [len(d) for d in drafts]
+        program, layout, flat = self._pack(inputs, prepared, output.num_steps, num_drafts)
+        packed = self.run_packed(program, prepared.options, flat)
+        if self.draft is not None:  # the draft's pool gets the K/V of what the target computed
+            self.draft.mirror(program, flat.copy())  # a copy: the next step repacks this buffer (CPU puts alias)
+        self.move_kv(output.stores)  # write-through of what the step computed
+        packed.copy_to_host_async()
+        rows = layout.num_seqs * layout.rows_per_seq
+        speculative = program.steps == 1 and layout.rows_per_seq > 1
+        logprobs = prepared.options.logprobs if program.steps == 1 else program.options.logprobs
+        return StepHandle(output, packed, ResultLayout(rows, layout.num_seqs, logprobs, speculative), drafts)
+
+    def _pack(self, inputs: list[ScheduledSequence], prepared, steps: int, num_drafts: list[int]):
+        """The step's program, layout and packed buffer (sent to the other processes first)."""
         t = self.packer.bucket_for(sum(len(s.token_ids) for s in inputs), len(inputs))
-        # A decode batch takes the decode program when there is one of `steps` steps (with fused
-        # decoding there is none of 1 step: a single decode step runs as a mixed one).
-        program = Program(t, steps, True)
-        if program not in self.compiled or any(len(s.token_ids) != 1 for s in inputs):
-            program = Program(t, steps, False)
+        decode = all(len(s.token_ids) == 1 for s in inputs)
+        program = Program(t, steps, decode, self.step_programs.fused_options if steps > 1 else SamplerOptions())
         if program not in self.compiled:
             raise RuntimeError(f"no compiled program {program}: call warm_up() first")
-        t, flat = self.packer.pack(inputs, rows, resets, num_drafts, decode=program.decode)
-        self.last_step = (program, flat)  # a draft model mirrors it
+        live = [s.live_steps for s in inputs] if steps > 1 else None
+        t, flat = self.packer.pack(inputs, prepared.rows, prepared.resets, num_drafts, decode=decode, live_steps=live)
         if self.channel is not None:
-            self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode)), flat)
-        return self.run_packed(program, flat)
+            options = prepared.options if steps == 1 else program.options
+            self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode), _option_bits(options)), flat)
+        return program, self.step_programs.layout(program), flat
 
-    def run_packed(self, program: Program, flat: np.ndarray) -> SampleResult:
-        """Runs a compiled program on a packed step buffer (the followers of a multi-process
-        engine get both from the leader)."""
-        self.cache, result = self.compiled[program](self.params, self.cache, jax.device_put(flat, self._whole))
-        return result
+    def run_packed(self, program: Program, options: SamplerOptions, flat: np.ndarray) -> jax.Array:
+        """Runs a compiled program (and, for one step, the sampler with `options`) on a packed step
+        buffer; returns the packed results (the followers of a multi-process engine get the same
+        arguments from the leader)."""
+        flat = jax.device_put(flat, self._whole)
+        if program.steps > 1:
+            self.cache, packed = self.compiled[program](self.params, self.cache, flat)
+            return packed
+        self.cache, logits, sampler_input = self.compiled[program](self.params, self.cache, flat)
+        sampler = self.compiled[sampler_for(self.step_programs.layout(program), options)]
+        last_tokens, packed = sampler(self.cache.prompt_mask, self.cache.output_counts, self.cache.last_tokens, logits,
+                                      sampler_input)  # fmt: skip
+        self.cache = dataclasses.replace(self.cache, last_tokens=last_tokens)
+        return packed
+
+    def run_model(self, program: Program, flat: np.ndarray) -> None:
+        """Runs only the model program of a 1-step program (its K/V written; a draft model mirrors
+        the target's steps this way)."""
+        self.cache, _, _ = self.compiled[program](self.params, self.cache, jax.device_put(flat, self._whole))
+
+    def fetch(self, handle: StepHandle) -> StepResult:
+        """Waits for a step's results; returns them per scheduled entry."""
+        out = handle.output
+        values = handle.layout.unpack(np.asarray(handle.packed))
+        steps = out.num_steps
+        if steps == 1:
+            values = {k: v[None] for k, v in values.items()}
+        r = handle.layout.rows // handle.layout.num_seqs
+        token_ids = values["token_ids"]
+        num_drafts = [len(d) for d in handle.drafts]
+        accepted = None
+        tokens = []
+        if handle.layout.speculative:
+            accepted = values["num_accepted"][0, : out.num_seqs].tolist()
+            for i, (a, samples) in enumerate(zip(accepted, out.samples)):
+                tokens.append(token_ids[0, i * r : i * r + a + 1].tolist() if samples else [])
+        else:
+            for i, (inp, samples) in enumerate(zip(out.step_inputs, out.samples)):
+                n = inp.live_steps if steps > 1 else 1
+                tokens.append(token_ids[:n, i * r].tolist() if samples else [])
+        return StepResult(tokens, values, r, num_drafts, accepted)
 
     @staticmethod
-    def program_from_fields(fields: tuple[int, ...]) -> Program:
-        """The program the leader named in a step-channel header."""
-        return Program(fields[0], fields[1], bool(fields[2]))
+    def program_from_fields(fields: tuple[int, ...]) -> tuple[Program, SamplerOptions]:
+        """The program (and sampler options) the leader named in a step-channel header."""
+        options = SamplerOptions(filter=bool(fields[3] & 1), logprobs=bool(fields[3] & 2))
+        steps = fields[1]
+        return Program(fields[0], steps, bool(fields[2]), options if steps > 1 else SamplerOptions()), options
+
+
+def _option_bits(options: SamplerOptions) -> int:
+    return int(options.filter) | int(options.logprobs) << 1

@@ -7,8 +7,14 @@ Every sequence carries its own seed; its key for a token is `fold_in(fold_in(key
 index), position)`, so a seeded request yields the same tokens whatever shares its batch.
 Penalties read per-slot tables kept on device between steps (see `update_penalty_tables`):
 `prompt_mask[R, V]` marks tokens seen in the prompt, `output_counts[R, V]` counts generated
-tokens. The expensive paths (sorting for top-k/top-p, top-L logprobs) run under `lax.cond`,
-so one compiled step serves every mix of requests.
+tokens.
+
+No branch depends on a device value: on a GPU, XLA runs a `lax.cond` by copying its predicate to
+the host and waiting for the stream, a host sync inside the step. What every batch needs
+(temperature, min-p, penalties, banned ids) is computed branch-free (neutral parameters leave the
+logits exactly as they are); the two expensive paths, sorting for top-k / top-p and the top-L
+logprobs search, are static `SamplerOptions` that the runner picks per step from its requests
+(one compiled sampler per option set and row bucket).
 """
 
 import dataclasses
@@ -19,6 +25,25 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 MAX_LOGPROBS = 20
+
+
+class SamplerOptions(typing.NamedTuple):
+    """The sampler's static paths (a jit static argument: one program per combination).
+
+    Attributes:
+      filter: top-k / top-p filtering (a sort over the vocabulary); off when no row filters.
+      logprobs: the top-L alternatives and the sampled token's rank; off when no row asks.
+    """
+
+    filter: bool = False
+    logprobs: bool = False
+
+    def describe(self) -> str:
+        return "+".join(name for name, on in zip(self._fields, self) if on) or "plain"
+
+
+# Every option set, in compile order.
+ALL_SAMPLER_OPTIONS = tuple(SamplerOptions(f, lp) for f in (False, True) for lp in (False, True))
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
@@ -38,6 +63,8 @@ class SamplingTensors:
       index: `[S]` completion index within its request (n > 1 samples differ).
       position: `[S]` absolute position of the token being sampled.
       slot: `[S]` row of the penalty tables owned by the sequence.
+      ban_until: `[S]` the row's banned ids apply while `position < ban_until` (the prompt's
+        length plus min_tokens; 0: never).
     """
 
     temperature: Float[Array, " S"]
@@ -51,6 +78,7 @@ class SamplingTensors:
     index: Int[Array, " S"]
     position: Int[Array, " S"]
     slot: Int[Array, " S"]
+    ban_until: Int[Array, " S"]
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
@@ -62,8 +90,8 @@ class SampleResult:
     Attributes:
       token_ids: `[S]` sampled token per sequence.
       logprobs: `[S]` log-probability of the sampled token.
-      ranks: `[S]` its rank among all tokens, 1 = likeliest (0 when nobody asked for logprobs).
-      top_ids, top_logprobs: `[S, L]` the L likeliest tokens (zeros when nobody asked).
+      ranks: `[S]` its rank among all tokens, 1 = likeliest (0 without the logprobs option).
+      top_ids, top_logprobs: `[S, L]` the L likeliest tokens (L = 0 without the logprobs option).
       num_accepted: with speculative decoding, `[S']` proposals each sequence keeps (the rows
         are then R per sequence: S = S' * R); None otherwise.
     """
@@ -121,20 +149,17 @@ def _top_k_top_p(logits, top_k, top_p):
     probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # The nucleus: the smallest prefix whose mass reaches top_p (its last token included).
-    in_nucleus = (mass_before < top_p[:, None]) & in_top_k
+    # (top_p 1 keeps every token exactly: a cumulative sum may reach 1 early by rounding)
+    in_nucleus = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)) & in_top_k
     pth = jnp.min(jnp.where(in_nucleus, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where((logits < kth) | (logits < pth), -jnp.inf, logits)
 
 
-def _sample_filtered(logits, params: SamplingTensors):
-    """Tempered sampling after top-k / top-p / min-p filtering (Gumbel-max with per-row keys)."""
+def _sample_filtered(logits, params: SamplingTensors, top_k_top_p: bool):
+    """Tempered sampling after top-k / top-p (with `top_k_top_p`) and min-p filtering (Gumbel-max
+    with per-row keys)."""
     scaled = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    filtered = jax.lax.cond(
-        jnp.any((params.top_k > 0) | (params.top_p < 1)),
-        lambda x: _top_k_top_p(x, params.top_k, params.top_p),
-        lambda x: x,
-        scaled,
-    )
+    filtered = _top_k_top_p(scaled, params.top_k, params.top_p) if top_k_top_p else scaled
     max_logit = jnp.max(filtered, axis=-1, keepdims=True)
     # min_p: keep tokens whose probability is at least min_p times the top token's.
     min_logit = jnp.where(params.min_p > 0, jnp.log(jnp.maximum(params.min_p, 1e-30)), -jnp.inf)
@@ -156,45 +181,47 @@ def sample(
     params: SamplingTensors,
     prompt_mask: Bool[Array, "R V"],
     output_counts: Int[Array, "R V"],
-    want_logprobs: Bool[Array, ""],
     banned_ids: Int[Array, "S B"],
+    options: SamplerOptions = SamplerOptions(),
 ) -> SampleResult:
-    """Samples one token per row of float32 logits.
+    """Samples one token per row of float32 logits, with no branch on a device value.
 
     Args:
       logits: raw model logits.
       params: per-row sampling parameters.
       prompt_mask, output_counts: the penalty tables (already holding this step's inputs).
-      want_logprobs: whether any row asked for top logprobs (skips the top-L search if not).
-      banned_ids: token ids each row may not sample now (padding: V, out of range).
+      banned_ids: token ids each row may not sample while `position < ban_until` (padding: V).
+      options: the static paths: top-k / top-p filtering (rows with top_k 0 and top_p 1 are
+        left as they are by it), the top-L logprobs. Static: pass it as a jit static argument.
     """
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    logits = logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
-    penalised = jnp.any(
-        (params.presence_penalty != 0) | (params.frequency_penalty != 0) | (params.repetition_penalty != 1)
-    )
-    logits = jax.lax.cond(
-        penalised, lambda x: _apply_penalties(x, params, prompt_mask, output_counts), lambda x: x, logits
-    )
+    banned = jnp.where((params.position < params.ban_until)[:, None], banned_ids, logits.shape[-1])
+    logits = logits.at[jnp.arange(logits.shape[0])[:, None], banned].set(-jnp.inf, mode="drop")
+    logits = _apply_penalties(logits, params, prompt_mask, output_counts)  # neutral rows: unchanged
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    token_ids = jax.lax.cond(
-        jnp.any(params.temperature > 0),  # all-greedy batches skip filtering and the noise
-        lambda x: jnp.where(params.temperature > 0, _sample_filtered(x, params), greedy_ids),
-        lambda x: greedy_ids,
-        logits,
-    )
+    sampled_ids = _sample_filtered(logits, params, options.filter)
+    token_ids = jnp.where(params.temperature > 0, sampled_ids, greedy_ids)
     chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
     rows = logits.shape[0]
-
-    def top(x):
-        values, ids = jax.lax.top_k(x, MAX_LOGPROBS)
-        ranks = 1 + jnp.sum(x > chosen[:, None], axis=-1)
-        return values, ids.astype(jnp.int32), ranks.astype(jnp.int32)
-
-    def nothing(x):
-        zeros = jnp.zeros((rows, MAX_LOGPROBS), jnp.int32)
-        return zeros.astype(x.dtype), zeros, jnp.zeros((rows,), jnp.int32)
-
-    top_logprobs, top_ids, ranks = jax.lax.cond(want_logprobs, top, nothing, raw_logprobs)
+    if options.logprobs:
+        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
+        ranks = 1 + jnp.sum(raw_logprobs > chosen[:, None], axis=-1)
+        top_ids, ranks = top_ids.astype(jnp.int32), ranks.astype(jnp.int32)
+    else:
+        top_logprobs, top_ids = jnp.zeros((rows, 0), raw_logprobs.dtype), jnp.zeros((rows, 0), jnp.int32)
+        ranks = jnp.zeros((rows,), jnp.int32)
     return SampleResult(token_ids=token_ids, logprobs=chosen, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def pack_result(result: SampleResult) -> Int[Array, " N"]:
+    """One int32 vector of a step's results (floats bit-cast), so they come back in one copy:
+    token_ids, logprobs, ranks, top_ids, top_logprobs (each flattened), then num_accepted."""
+    parts = [result.token_ids, _bits(result.logprobs), result.ranks, result.top_ids.ravel(),
+             _bits(result.top_logprobs).ravel()]  # fmt: skip
+    if result.num_accepted is not None:
+        parts.append(result.num_accepted)
+    return jnp.concatenate([p.astype(jnp.int32) for p in parts])
+
+
+def _bits(x):
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)

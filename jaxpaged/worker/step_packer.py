@@ -25,7 +25,7 @@ MAX_BANNED = 16
 SAMPLING_FIELDS = (
     ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("min_p", np.float32),
     ("presence_penalty", np.float32), ("frequency_penalty", np.float32), ("repetition_penalty", np.float32),
-    ("seed", np.int32), ("index", np.int32), ("position", np.int32), ("slot", np.int32),
+    ("seed", np.int32), ("index", np.int32), ("position", np.int32), ("slot", np.int32), ("ban_until", np.int32),
 )  # fmt: skip
 _POSITION_ROW = [name for name, _ in SAMPLING_FIELDS].index("position")
 _SLOT_ROW = [name for name, _ in SAMPLING_FIELDS].index("slot")
@@ -58,9 +58,10 @@ class Layout:
         t, s, p, r = self.num_tokens, self.num_seqs, self.pages, self.num_seqs * self.rows_per_seq
         return [
             ("token_ids", (t,)), ("positions", (t,)), ("slot_mapping", (t,)), ("token_slot", (t,)),
-            ("token_is_output", (t,)), ("cu_q_lens", (s + 1,)), ("kv_lens", (s,)), ("logits_indices", (r,)),
-            ("num_drafts", (s,)), ("reset_slots", (s,)), ("sampling", (len(SAMPLING_FIELDS), r)),
-            ("block_tables", (s, p)), ("banned_ids", (r, MAX_BANNED)), ("num_seqs", ()), ("want_logprobs", ()),
+            ("token_is_output", (t,)), ("from_last", (t,)), ("cu_q_lens", (s + 1,)), ("kv_lens", (s,)),
+            ("logits_indices", (r,)), ("num_drafts", (s,)), ("reset_slots", (s,)), ("last_slot", (s,)),
+            ("live_steps", (s,)), ("sampling", (len(SAMPLING_FIELDS), r)), ("block_tables", (s, p)),
+            ("banned_ids", (r, MAX_BANNED)), ("num_seqs", ()),
         ]  # fmt: skip
 
     @property
@@ -86,20 +87,19 @@ class SequenceRow:
       sampling: int32 `[len(SAMPLING_FIELDS)]` sampling row (see `sampling_row`).
       slot: its row in the block-table matrix and the penalty tables (< max_num_seqs).
       prompt_len: tokens of its prompt (later positions are generated tokens).
-      want_logprobs: whether it asked for top logprobs.
-      banned_ids: token ids it may not sample this step.
+      banned_ids: token ids it may not sample before its row's `ban_until` position.
     """
 
     seq_id: int
     sampling: np.ndarray
     slot: int
     prompt_len: int
-    want_logprobs: bool = False
     banned_ids: tuple[int, ...] = ()
 
 
-def sampling_row(params, index: int) -> np.ndarray:
-    """The int32 sampling row of a `SamplingParams` (its seed resolved) for completion `index`."""
+def sampling_row(params, index: int, prompt_len: int = 0) -> np.ndarray:
+    """The int32 sampling row of a `SamplingParams` (its seed resolved) for completion `index` of
+    a prompt of `prompt_len` tokens (banned ids apply before `prompt_len + min_tokens`)."""
     values = {
         "temperature": 0.0 if params.greedy else params.temperature,
         "top_k": max(params.top_k, 0),
@@ -112,6 +112,7 @@ def sampling_row(params, index: int) -> np.ndarray:
         "index": index,
         "position": 0,
         "slot": 0,
+        "ban_until": prompt_len + params.min_tokens if params.min_tokens else 0,
     }
     return np.array([np.array(values[n], d).view(np.int32) for n, d in SAMPLING_FIELDS], np.int32)
 
@@ -139,8 +140,12 @@ class StepPacker:
         self.layouts = {t: Layout(t, min(t, max_num_seqs), self.pages, rows_per_seq) for t in buckets}
         self.decode_layouts = {t: dataclasses.replace(layout, rows_per_seq=1) for t, layout in self.layouts.items()}
         every = set(self.layouts.values()) | set(self.decode_layouts.values())
-        self.buffers = {layout: np.zeros(layout.size, np.int32) for layout in every}
-        self._views = {layout: layout.views(buffer) for layout, buffer in self.buffers.items()}
+        # Two buffers per layout, used in turn: a step's buffer must stay as it is until the step
+        # has run (a CPU device_put aliases it), and with async scheduling the next step is
+        # packed before this one has run; the one after it only once this one's results are read.
+        self.buffers = {(layout, turn): np.zeros(layout.size, np.int32) for layout in every for turn in (0, 1)}
+        self._views = {key: key[0].views(buffer) for key, buffer in self.buffers.items()}
+        self._turn = 0
         self.tables = np.zeros((max_num_seqs, self.pages), np.int32)  # null block 0 where unused
         self._known = np.zeros(max_num_seqs, np.int64)  # entries written per slot
         self._owner = np.full(max_num_seqs, -1, np.int64)
@@ -175,7 +180,8 @@ class StepPacker:
             self._known[slot] = len(table)
 
     def pack(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int],
-             num_drafts: list[int] | None = None, decode: bool = False) -> tuple[int, np.ndarray]:  # fmt: skip
+             num_drafts: list[int] | None = None, decode: bool = False,
+             live_steps: list[int] | None = None) -> tuple[int, np.ndarray]:  # fmt: skip
         """Writes one step into its bucket's buffer.
 
         Args:
@@ -185,17 +191,21 @@ class StepPacker:
           num_drafts: proposals at the end of each sequence's tokens (None: none), each sampled
             at (at most R - 1 of them).
           decode: pack for a decode program (one token per sequence, R = 1).
+          live_steps: of fused decode steps, how many are each sequence's own (the rest write
+            nothing and are discarded); None: all.
 
         Returns:
-          `(bucket, buffer)`; the buffer is reused by the next step of the same bucket.
+          `(bucket, buffer)`; the buffer is reused two packs later.
         """
         n = len(inputs)
         lens = np.fromiter((len(s.token_ids) for s in inputs), np.int64, n)
         total = int(lens.sum())
         t = self.bucket_for(total, n)
         layout = (self.decode_layouts if decode else self.layouts)[t]
-        v, r = self._views[layout], layout.rows_per_seq
-        self.buffers[layout].fill(0)
+        self._turn ^= 1
+        key = (layout, self._turn)
+        v, r = self._views[key], layout.rows_per_seq
+        self.buffers[key].fill(0)
         self._sync_tables(inputs, rows)
         drafts = np.zeros(n, np.int64) if num_drafts is None else np.asarray(num_drafts, np.int64)
         if drafts.size and drafts.max() > r - 1:
@@ -216,6 +226,12 @@ class StepPacker:
         v["token_slot"][:] = self.max_num_seqs  # out of range: dropped on device
         v["token_slot"][:total] = slots[seq_of_token]
         v["token_is_output"][:total] = positions >= prompt_lens[seq_of_token]
+        from_last = np.fromiter((s.from_last for s in inputs), bool, n)
+        v["from_last"][:total] = from_last[seq_of_token] & (positions == computed[seq_of_token])
+        samples = np.fromiter((s.samples for s in inputs), bool, n)
+        v["last_slot"][:] = self.max_num_seqs  # out of range: nothing recorded
+        v["last_slot"][:n] = np.where(samples, slots, self.max_num_seqs)
+        v["live_steps"][:n] = 1 << 30 if live_steps is None else live_steps
         v["cu_q_lens"][:n] = starts
         v["cu_q_lens"][n:] = total
         v["kv_lens"][:n] = computed + lens
@@ -239,5 +255,4 @@ class StepPacker:
             if row.banned_ids:
                 v["banned_ids"][i * r : (i + 1) * r, : len(row.banned_ids)] = row.banned_ids
         v["num_seqs"][...] = n
-        v["want_logprobs"][...] = any(r.want_logprobs for r in rows)
-        return t, self.buffers[layout]
+        return t, self.buffers[key]

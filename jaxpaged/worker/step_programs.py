@@ -1,10 +1,21 @@
 """The engine's step programs: which exist for a packer's buckets, and how each is lowered.
 
 Each step arrives as one flat int32 buffer packed by `StepPacker` (see step_packer.py for the
-layout and buckets); a compiled step slices it back into a `StepInput` (`unpack`) and runs the
-pure `functional.step` with the cache (KV pool + penalty tables) donated and rebound. A program
-lowers from real arrays or from shapes alone (`jax.ShapeDtypeStruct`s with shardings), so
-`jaxpaged bench startup` compiles an 8B engine's programs with nothing materialised.
+layout and buckets); a compiled program slices it back into a `StepInput` (`unpack`). A step
+is two programs run back to back on the device, with no host work between them:
+
+- the model program of its token bucket (`functional.forward`: K/V written, penalty tables
+  updated, logits at the sampling rows out), the cache donated;
+- the sampler program of its row count and `SamplerOptions` (`functional.sample_tokens`),
+  `last_tokens` donated; its results come back as one int32 vector (`sampler.pack_result`).
+
+Splitting them keeps the (expensive) model programs independent of which sampler paths a batch
+needs, with no `lax.cond` anywhere: on a GPU a conditional waits for its predicate on the host.
+Fused decode steps (`steps` > 1) are one program: each step feeds back what the previous
+sampled, with the sampler inside the loop (plain options: batches that filter or want top
+logprobs do not fuse). A program lowers from real arrays or from shapes alone
+(`jax.ShapeDtypeStruct`s with shardings), so `jaxpaged bench startup` compiles an 8B engine's
+programs with nothing materialised.
 """
 
 import concurrent.futures
@@ -19,13 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config.engine_config import EngineConfig
-from jaxpaged.functional import DeviceCache, StepInput, step
 from jaxpaged.config.quantization import is_fp8
+from jaxpaged.functional import DeviceCache, SamplerInput, StepInput, forward, sample_tokens, sampler_input, step
 from jaxpaged.model import AttentionMetadata, KVPool, KVQuant
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import KV_SCALE_AXES
-from jaxpaged.worker.sampler import SamplingTensors, update_penalty_tables
-from jaxpaged.worker.step_packer import SAMPLING_FIELDS, Layout, StepPacker
+from jaxpaged.worker.sampler import (ALL_SAMPLER_OPTIONS, MAX_LOGPROBS, SamplerOptions, SamplingTensors, pack_result,
+                                     update_penalty_tables)  # fmt: skip
+from jaxpaged.worker.step_packer import MAX_BANNED, SAMPLING_FIELDS, Layout, StepPacker
 
 
 def unpack(layout: Layout, flat: jax.Array) -> StepInput:
@@ -42,62 +54,76 @@ def unpack(layout: Layout, flat: jax.Array) -> StepInput:
             kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"],
         ),  # fmt: skip
         logits_indices=v["logits_indices"],
-        num_drafts=v["num_drafts"],
+        num_drafts=v["num_drafts"] if layout.rows_per_seq > 1 else None,
         sampling=SamplingTensors(**rows),
         token_slot=v["token_slot"],
         token_is_output=v["token_is_output"] != 0,
         reset_slots=v["reset_slots"],
-        want_logprobs=v["want_logprobs"] != 0,
         banned_ids=v["banned_ids"],
+        from_last=v["from_last"] != 0,
+        last_slot=v["last_slot"],
     )
 
 
-def _packed_step(layout: Layout, graphdef, params, cache: DeviceCache, flat: jax.Array):
-    return step(graphdef, params, cache, unpack(layout, flat))
+def _model_program(layout: Layout, decode: bool, graphdef, params, cache: DeviceCache, flat: jax.Array):
+    """One step's model: the cache, the logits and the sampler's inputs (`decode`: the decode
+    kernel, every sequence has one token)."""
+    inp = unpack(layout, flat)
+    if decode:
+        inp = dataclasses.replace(inp, metadata=dataclasses.replace(inp.metadata, decode_only=True))
+    cache, logits = forward(graphdef, params, cache, inp)
+    return cache, logits, sampler_input(inp)
 
 
-def _packed_decode_steps(layout: Layout, num_steps: int, graphdef, params, cache: DeviceCache, flat: jax.Array):
+def _sampler_program(options: SamplerOptions, prompt_mask, output_counts, last_tokens, logits, inp: SamplerInput):
+    last_tokens, result = sample_tokens(prompt_mask, output_counts, last_tokens, logits, inp, options)
+    return last_tokens, pack_result(result)
+
+
+def _fused_decode_steps(layout: Layout, num_steps: int, options: SamplerOptions, graphdef, params,
+                        cache: DeviceCache, flat: jax.Array):  # fmt: skip
     """`num_steps` decode steps in one program: each feeds back the tokens the previous sampled.
 
-    Only for decode-only batches (token i belongs to sequence i) whose sequences all have
-    blocks and budget for `num_steps` more tokens. Results are stacked `[num_steps, S, ...]`
-    (unstacked for one step).
+    Only for decode-only batches (token i belongs to sequence i) whose sequences have blocks
+    for their `live_steps`: a sequence's steps past those (it reached max_tokens or
+    max_model_len inside the window) write into the null block and attend over its own tokens
+    only; the host drops what they sample. Results are packed per step, stacked `[num_steps, N]`.
     """
     inp = unpack(layout, flat)
     inp = dataclasses.replace(inp, metadata=dataclasses.replace(inp.metadata, decode_only=True))
-    if num_steps == 1:
-        return step(graphdef, params, cache, inp)
-    meta = inp.metadata
     num_seqs, num_tokens = layout.num_seqs, layout.num_tokens
     bs = cache.kv.block_size
-    live_token = jnp.arange(num_tokens) < meta.num_seqs
-    live_seq = jnp.arange(num_seqs) < meta.num_seqs
+    live_steps = layout.views(flat)["live_steps"]
+    seq_of_token = jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)
+    real_token = jnp.arange(num_tokens) < inp.metadata.num_seqs
     no_reset = jnp.full_like(inp.reset_slots, cache.prompt_mask.shape[0])  # out of range: nothing reset
 
-    def body(carry, _):
+    def body(carry, j):
         cache, inp = carry
-        cache, result = step(graphdef, params, cache, inp)
+        cache, result = step(graphdef, params, cache, inp, options)
         m = inp.metadata
-        positions = jnp.where(live_token, m.positions + 1, 0)
-        seq_of_token = jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)
+        live_seq = (j + 1 < live_steps) & (jnp.arange(num_seqs) < m.num_seqs)  # the next step is its own
+        live_token = real_token & live_seq[seq_of_token]
+        positions = jnp.where(live_token, m.positions + 1, m.positions)
         blocks = m.block_tables[seq_of_token, positions // bs]
         next_tokens = jnp.zeros(num_tokens, jnp.int32).at[:num_seqs].set(result.token_ids)
         next_inp = dataclasses.replace(
             inp,
-            token_ids=jnp.where(live_token, next_tokens, 0),
+            token_ids=jnp.where(real_token, next_tokens, 0),
             metadata=dataclasses.replace(
                 m,
                 positions=positions,
-                slot_mapping=jnp.where(live_token, blocks * bs + positions % bs, 0),
-                kv_lens=jnp.where(live_seq, m.kv_lens + 1, 0),
+                slot_mapping=jnp.where(live_token, blocks * bs + positions % bs, 0),  # else the null block
+                kv_lens=jnp.where(live_seq, m.kv_lens + 1, m.kv_lens),
             ),
             sampling=dataclasses.replace(inp.sampling, position=inp.sampling.position + 1),
             token_is_output=live_token,
+            from_last=jnp.zeros_like(inp.from_last),  # the tokens are the ones just sampled
             reset_slots=no_reset,
         )
-        return (cache, next_inp), result
+        return (cache, next_inp), pack_result(result)
 
-    (cache, _), results = jax.lax.scan(body, (cache, inp), None, length=num_steps)
+    (cache, _), results = jax.lax.scan(body, (cache, inp), jnp.arange(num_steps))
     return cache, results
 
 
@@ -105,7 +131,7 @@ def _seed_penalty_rows(cache: DeviceCache, token_ids, token_slot, token_is_outpu
     prompt_mask, output_counts = update_penalty_tables(
         cache.prompt_mask, cache.output_counts, token_ids, token_slot, token_is_output, reset_slots
     )
-    return DeviceCache(kv=cache.kv, prompt_mask=prompt_mask, output_counts=output_counts)
+    return dataclasses.replace(cache, prompt_mask=prompt_mask, output_counts=output_counts)
 
 
 class Program(typing.NamedTuple):
@@ -113,17 +139,64 @@ class Program(typing.NamedTuple):
 
     Attributes:
       tokens: the token bucket (its layout fixes the sequence bucket too).
-      steps: steps run in one call (fused decode steps feed back what they sample).
+      steps: steps run in one call (fused decode steps feed back what they sample, with the
+        sampler inside); 1: the model alone, a sampler program follows it.
       decode: every sequence has one token: the decode kernel, no ragged attention. A mixed
         program runs the ragged kernel, which also serves decode-only batches.
+      options: the sampler paths of fused steps (1-step programs have their own samplers).
     """
 
     tokens: int
     steps: int
     decode: bool
+    options: SamplerOptions = SamplerOptions()
 
     def describe(self) -> str:
-        return f"{'decode' if self.decode else 'mixed'} step, {self.tokens} tokens x {self.steps} step(s)"
+        kind = "decode" if self.decode else "mixed"
+        sampler = f", sampler {self.options.describe()}" if self.steps > 1 else ""
+        return f"{kind} step, {self.tokens} tokens x {self.steps} step(s){sampler}"
+
+
+class SamplerProgram(typing.NamedTuple):
+    """One compiled sampler: `num_seqs` sequences of `rows_per_seq` rows, with `options`."""
+
+    num_seqs: int
+    rows_per_seq: int
+    options: SamplerOptions
+
+    def describe(self) -> str:
+        return f"sampler {self.options.describe()}, {self.num_seqs} seqs x {self.rows_per_seq} row(s)"
+
+
+def sampler_for(layout: Layout, options: SamplerOptions) -> SamplerProgram:
+    return SamplerProgram(layout.num_seqs, layout.rows_per_seq, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultLayout:
+    """Where each result sits in a packed result vector (see `sampler.pack_result`)."""
+
+    rows: int
+    num_seqs: int
+    logprobs: bool
+    speculative: bool
+
+    def unpack(self, packed: np.ndarray) -> dict[str, np.ndarray]:
+        """`packed` `[..., N]` into named arrays `[..., rows(, L)]` (and `num_accepted [..., S]`)."""
+        r, lead = self.rows, packed.shape[:-1]
+        top = MAX_LOGPROBS if self.logprobs else 0
+        sizes = [("token_ids", r, ()), ("logprobs", r, ()), ("ranks", r, ()), ("top_ids", r * top, (r, top)),
+                 ("top_logprobs", r * top, (r, top))]  # fmt: skip
+        if self.speculative:
+            sizes.append(("num_accepted", self.num_seqs, ()))
+        out, start = {}, 0
+        for name, n, shape in sizes:
+            value = packed[..., start : start + n].reshape(*lead, *(shape or (n,)))
+            if name in ("logprobs", "top_logprobs"):
+                value = value.view(np.float32)
+            out[name] = value
+            start += n
+        return out
 
 
 class StepPrograms:
@@ -136,21 +209,28 @@ class StepPrograms:
       num_decode_steps: decode steps fused into one decode program (1: no fusing).
       cache_shardings: where the cache lives (`DeviceCache` of shardings).
       whole: the replicated sharding of the mesh.
+      fused_options: the sampler paths of the fused decode programs.
     """
 
-    def __init__(self, graphdef, packer: StepPacker, num_decode_steps: int, cache_shardings: DeviceCache, whole):
+    def __init__(self, graphdef, packer: StepPacker, num_decode_steps: int, cache_shardings: DeviceCache, whole,
+                 fused_options: SamplerOptions = SamplerOptions()):  # fmt: skip
         self.graphdef = graphdef
         self.packer = packer
         self.num_decode_steps = num_decode_steps
         self.cache_shardings = cache_shardings
-        self._step = jax.jit(_packed_step, static_argnums=(0, 1), donate_argnums=(3,),
-                             out_shardings=(cache_shardings, whole))  # fmt: skip
-        self._decode_steps = jax.jit(_packed_decode_steps, static_argnums=(0, 1, 2), donate_argnums=(4,),
-                                     out_shardings=(cache_shardings, whole))  # fmt: skip
+        self.fused_options = fused_options
+        self.whole = whole
+        self._model = jax.jit(_model_program, static_argnums=(0, 1, 2), donate_argnums=(4,),
+                              out_shardings=(cache_shardings, whole, whole))  # fmt: skip
+        self._sampler = jax.jit(_sampler_program, static_argnums=(0,), donate_argnums=(3,),
+                                out_shardings=(cache_shardings.last_tokens, whole))  # fmt: skip
+        self._fused = jax.jit(_fused_decode_steps, static_argnums=(0, 1, 2, 3), donate_argnums=(5,),
+                              out_shardings=(cache_shardings, whole))  # fmt: skip
         self.seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,), out_shardings=cache_shardings)
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, graphdef, parallel: TensorParallel, kv_dtype: str) -> "StepPrograms":
+    def for_engine(cls, config: EngineConfig, graphdef, parallel: TensorParallel, kv_dtype: str,
+                   fused_options: SamplerOptions = SamplerOptions()) -> "StepPrograms":  # fmt: skip
         """The programs of an engine: its packer (buckets from the engine's limits), the cache on
         the mesh (pool split by the sharding table, penalty tables whole) of a `kv_dtype` pool."""
         args = config.args
@@ -162,29 +242,57 @@ class StepPrograms:
         scales = parallel.logical_sharding(KV_SCALE_AXES)
         quant = KVQuant(k_scale=scales, v_scale=scales, dtype=kv_dtype) if is_fp8(kv_dtype) else None
         shardings = DeviceCache(kv=KVPool(k=pool, v=pool, num_layers=config.model.num_layers, quant=quant),
-                                prompt_mask=whole, output_counts=whole)  # fmt: skip
-        return cls(graphdef, packer, args.num_scheduler_steps, shardings, whole)
+                                prompt_mask=whole, output_counts=whole, last_tokens=whole)  # fmt: skip
+        return cls(graphdef, packer, args.num_scheduler_steps, shardings, whole, fused_options)
 
     def all(self) -> list[Program]:
-        """Every program: a mixed step (ragged attention) for each token bucket, and decode steps
-        (the decode kernel, `num_decode_steps` of them fused) for each bucket a decode-only batch
-        uses (one token per sequence)."""
+        """Every model program: a mixed step (ragged attention) for each token bucket, and for each
+        bucket a decode-only batch uses (one token per sequence) a decode step (the decode
+        kernel) and, with `num_decode_steps` > 1, fused decode steps."""
         mixed = [Program(t, 1, False) for t in self.packer.layouts]
         max_num_seqs = self.packer.max_num_seqs
         decode_buckets = sorted({self.packer.bucket_for(n, n) for n in range(1, max_num_seqs + 1)})
-        return mixed + [Program(t, self.num_decode_steps, True) for t in decode_buckets]
+        decode = [Program(t, 1, True) for t in decode_buckets]
+        if self.num_decode_steps > 1:
+            decode += [Program(t, self.num_decode_steps, True, self.fused_options) for t in decode_buckets]
+        return mixed + decode
 
-    def describe(self, program: Program) -> str:
+    def samplers(self, programs: list[Program] | None = None) -> list[SamplerProgram]:
+        """The sampler programs the 1-step model programs need, every option set of each."""
+        layouts = {self.layout(p) for p in (programs or self.all()) if p.steps == 1}
+        shapes = sorted({(lay.num_seqs, lay.rows_per_seq) for lay in layouts})
+        return [SamplerProgram(s, r, o) for s, r in shapes for o in ALL_SAMPLER_OPTIONS]
+
+    def layout(self, program: Program) -> Layout:
+        return (self.packer.decode_layouts if program.decode else self.packer.layouts)[program.tokens]
+
+    def describe(self, program: Program | SamplerProgram) -> str:
         """E.g. "mixed step, 64 tokens x 1 step(s), 8 seqs"."""
+        if isinstance(program, SamplerProgram):
+            return program.describe()
         return f"{program.describe()}, {self.packer.layouts[program.tokens].num_seqs} seqs"
 
-    def lower(self, program: Program, params, cache: DeviceCache) -> jax.stages.Lowered:
+    def lower(self, program: Program | SamplerProgram, params, cache: DeviceCache) -> jax.stages.Lowered:
         """Lowers one program for these parameters and this cache (arrays or shapes)."""
-        layout = (self.packer.decode_layouts if program.decode else self.packer.layouts)[program.tokens]
+        if isinstance(program, SamplerProgram):
+            return self._lower_sampler(program, cache)
+        layout = self.layout(program)
         flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        if program.decode:
-            return self._decode_steps.lower(layout, program.steps, self.graphdef, params, cache, flat)
-        return self._step.lower(layout, self.graphdef, params, cache, flat)
+        if program.steps > 1:
+            return self._fused.lower(layout, program.steps, program.options, self.graphdef, params, cache, flat)
+        return self._model.lower(layout, program.decode, self.graphdef, params, cache, flat)
+
+    def _lower_sampler(self, program: SamplerProgram, cache: DeviceCache) -> jax.stages.Lowered:
+        s, r = program.num_seqs, program.rows_per_seq
+        rows = s * r
+        vocab = cache.prompt_mask.shape[1]
+        ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.whole)  # noqa: E731
+        floats = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.whole)  # noqa: E731
+        sampling = SamplingTensors(**{name: (floats if dtype == np.float32 else ints)(rows) for name, dtype in SAMPLING_FIELDS})
+        inp = SamplerInput(sampling=sampling, banned_ids=ints(rows, MAX_BANNED), last_slot=ints(s),
+                           proposals=ints(s, r - 1) if r > 1 else None, num_drafts=ints(s) if r > 1 else None)  # fmt: skip
+        return self._sampler.lower(program.options, cache.prompt_mask, cache.output_counts, cache.last_tokens,
+                                   floats(rows, vocab), inp)  # fmt: skip
 
     def lower_seed(self, cache: DeviceCache) -> jax.stages.Lowered:
         """Lowers the program that seeds a penalty-table row (see `ModelRunner.seed_penalty_slot`)."""

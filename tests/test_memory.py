@@ -4,7 +4,7 @@ import pytest
 from test_config import LLAMA_31_8B
 
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
-from jaxpaged.planning.memory import GiB, plan_kv_cache
+from jaxpaged.planning.memory import GiB, plan_kv_cache, sequence_state_bytes
 
 LLAMA_8B = ModelConfig.from_hf(LLAMA_31_8B)
 LLAMA_70B = ModelConfig.from_hf({**LLAMA_31_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64})
@@ -26,9 +26,12 @@ def test_exact_budget():
 
 def test_device_memory_budget():
     weights, activations = 16 * GiB, 2 * GiB
+    state = sequence_state_bytes(256, LLAMA_8B.vocab_size)
+    assert state == 256 * (128256 * 5 + 4) and 156 * 2**20 < state < 157 * 2**20  # penalty tables, last tokens
     plan = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=8192, device_memory_bytes=80 * GiB,
-                         gpu_memory_utilization=0.9, weight_bytes=weights, activation_bytes=activations)  # fmt: skip
-    budget = int(80 * GiB * 0.9) - weights - activations
+                         gpu_memory_utilization=0.9, weight_bytes=weights, activation_bytes=activations,
+                         state_bytes=state)  # fmt: skip
+    budget = int(80 * GiB * 0.9) - weights - activations - state
     assert plan.num_blocks == budget // (131_072 * 16)
     assert plan.pool_bytes <= budget
 
@@ -69,3 +72,18 @@ def test_start_up_fails_when_a_step_needs_more_temporaries_than_planned():
         check_step_memory(plan, {mixed: GiB, decode: 2 * GiB})
     unmeasured = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, kv_cache_memory_bytes=GiB)
     check_step_memory(unmeasured, {mixed: 2 * GiB})  # an exact budget: nothing was reserved to check
+
+
+def test_the_plan_counts_every_per_sequence_array_of_the_cache():
+    """Everything the cache holds beside the pool is per sequence, and `sequence_state_bytes`
+    counts all of it (a new per-sequence array left out of the plan fails here)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.functional import init_cache
+
+    for max_num_seqs in (4, 256):
+        cache = jax.eval_shape(lambda: init_cache(LLAMA_8B, num_blocks=3, block_size=16, dtype=jnp.bfloat16,
+                                                  max_num_seqs=max_num_seqs))  # fmt: skip
+        beside_pool = [x for name, x in vars(cache).items() if name != "kv"]
+        assert sum(x.size * x.dtype.itemsize for x in beside_pool) == sequence_state_bytes(max_num_seqs, 128256)

@@ -144,7 +144,9 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict | str | None = _option(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} proposes the tokens that followed the latest earlier "
-        "occurrence of a sequence's last tokens, and the model checks them all in one step (default: off)",
+        "occurrence of a sequence's last tokens, and the model checks them all in one step; a step speculates only "
+        "while that has been faster than plain decoding at its batch size (measured), and never with more than "
+        "\"disable_by_batch_size\" sequences running (default: off)",
         metavar="JSON")  # fmt: skip
     num_scheduler_steps: int = _option(
         4, "decode steps fused into one device program when every sequence decodes and none waits (and none "

@@ -33,6 +33,8 @@ class SpeculativeConfig:
       prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix looked up (ngram).
       model: the draft model's directory or preset (draft_model: a smaller model with the
         target's vocabulary, run on the same devices with a KV pool of its own).
+      disable_by_batch_size: no proposals while more sequences than this run (vLLM's option;
+        None: no such limit; the measured rule of `jaxpaged.core.speculation` still applies).
     """
 
     method: str
@@ -40,6 +42,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: "dict[str, Any] | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -58,7 +61,8 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise SpeculativeConfigError("must be a JSON object such as "
                                          '{"method": "ngram", "num_speculative_tokens": 4}')  # fmt: skip
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                 "disable_by_batch_size"}  # fmt: skip
         unknown = sorted(set(value) - known)
         if unknown:
             raise SpeculativeConfigError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -80,4 +84,7 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(f"{name}={number!r} must be an integer in [{low}, {high}]")
         if lookup_min > lookup_max:
             raise SpeculativeConfigError(f"prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
-        return cls(method, k, lookup_max, lookup_min, model)
+        limit = value.get("disable_by_batch_size")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise SpeculativeConfigError(f"disable_by_batch_size={limit!r} must be a positive integer (or absent)")
+        return cls(method, k, lookup_max, lookup_min, model, limit)

@@ -252,8 +252,9 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Picks this step's sequences and token counts and gives them blocks (see module doc)."""
+    def schedule(self, propose: bool = True) -> SchedulerOutput:
+        """Picks this step's sequences and token counts and gives them blocks (see module doc);
+        with a proposer, decoding sequences get proposals unless `propose` is False."""
         cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
@@ -282,7 +283,7 @@ class Scheduler:
                     budget -= n
             if decode:
                 num_decode_seqs = len(scheduled)
-                budget = self._add_proposals(scheduled, drafts, budget)
+                budget = self._add_proposals(scheduled, drafts, budget) if propose else budget
 
         # 3. Waiting sequences, FCFS; the queue's head blocks the rest (also while it waits for
         # a pending token: it was preempted with a step in flight).

@@ -16,7 +16,15 @@ proposal never reaches the cache.
 
 Proposals are handed out after every decode has its own token, from the token budget and the
 free blocks left: they never preempt a sequence or evict a cached block.
+
+Whether a step speculates at all is the `SpeculationGovernor`'s call: checking proposals costs
+compute (k + 1 tokens per sequence instead of 1) and, with async scheduling, the overlap of host
+and device (proposals follow the newest tokens, so the step waits for the previous one). At a
+batch size where the device is compute-bound, or with proposals that are rarely accepted, that
+costs more than the accepted tokens save; the governor measures both modes and keeps the faster.
 """
+
+import collections
 
 import numpy as np
 
@@ -90,6 +98,55 @@ class DraftModelSlots:
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """k placeholder tokens, or none without room for all k (the draft always runs k steps)."""
         return [0] * self.k if limit >= self.k else []
+
+
+class SpeculationGovernor:
+    """Decides, step by step, whether decoding sequences get proposals.
+
+    Off while more than `disable_by_batch_size` sequences run (vLLM's rule). Otherwise the mode
+    that has delivered more output tokens per second of engine step (host and device, as the
+    caller times `step()`) at this batch size (its power-of-two bucket) over the recent steps:
+    acceptance and the cost of checking proposals are both in that figure. A mode not yet
+    measured at a bucket is tried first, and every `explore_every`-th step of a bucket runs the
+    other mode once, so a change (a new mix of requests, acceptance going up or down) is seen.
+
+    Args:
+      disable_by_batch_size: see `SpeculativeConfig`.
+      explore_every: steps between two runs of the mode that is not in use.
+      window: how many recent steps of a mode its figure averages (exponentially).
+    """
+
+    def __init__(self, disable_by_batch_size: int | None = None, explore_every: int = 16, window: int = 8):
+        self.disable_by_batch_size = disable_by_batch_size
+        self.explore_every = explore_every
+        self.weight = 2 / (window + 1)
+        self._rate: dict[tuple[int, bool], float] = {}  # (bucket, speculating) -> tokens per second
+        self._steps: collections.Counter = collections.Counter()  # bucket -> decisions made
+
+    @staticmethod
+    def bucket(num_running: int) -> int:
+        return 1 << max(0, num_running - 1).bit_length()
+
+    def speculate(self, num_running: int) -> bool:
+        """Whether this step, with `num_running` running sequences, should check proposals."""
+        if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
+            return False
+        b = self.bucket(num_running)
+        self._steps[b] += 1
+        plain, spec = self._rate.get((b, False)), self._rate.get((b, True))
+        if spec is None or plain is None:
+            return spec is None  # try what is not measured yet, speculation first
+        best = spec >= plain
+        return not best if self._steps[b] % self.explore_every == 0 else best
+
+    def record(self, num_running: int, speculated: bool, seconds: float, tokens: int) -> None:
+        """One step's figure: `tokens` output tokens appended in `seconds` of `step()`."""
+        if seconds <= 0:
+            return
+        key = (self.bucket(num_running), speculated)
+        rate = tokens / seconds
+        old = self._rate.get(key)
+        self._rate[key] = rate if old is None else old + self.weight * (rate - old)
 
 
 def make_proposer(config: SpeculativeConfig | None) -> "NgramProposer | DraftModelSlots | None":

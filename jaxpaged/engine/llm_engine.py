@@ -35,7 +35,7 @@ from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.core.request_state import RequestState
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.core.sequence import Sequence
-from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, make_proposer
+from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, SpeculationGovernor, make_proposer
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
 from jaxpaged.outputs import CompletionOutput, RequestOutput
@@ -79,9 +79,11 @@ class LLMEngine:
         self._rng = np.random.default_rng(args.seed)
         self._failed: dict[str, str] = {}  # request id -> why, until its output is returned
         self.output_processor = OutputProcessor(self.requests, self.scheduler, self._fail)
-        # Steps overlap (one in flight while the next is scheduled) unless every step must see the
-        # previous one's tokens on the host: speculative decoding proposes from them.
-        self.async_scheduling = args.async_scheduling and spec is None
+        # Steps overlap (one in flight while the next is scheduled); a step that checks proposals
+        # waits for the previous one (proposals follow the newest tokens), and with a draft model
+        # every step does (its pool mirrors each target step's tokens, which it never samples).
+        self.async_scheduling = args.async_scheduling and (spec is None or spec.model is None)
+        self.governor = SpeculationGovernor(spec.disable_by_batch_size) if spec else None
         self._in_flight: StepHandle | None = None
         self.num_prompt_tokens = 0
 
@@ -193,16 +195,25 @@ class LLMEngine:
         scheduling the step postprocesses the previous step's results, read while this one runs.
         Returns the outputs of requests that changed (for `RequestOutputKind.FINAL_ONLY`
         requests, only once they finish)."""
-        output = self.scheduler.schedule()
+        start, tokens, running = time.perf_counter(), self.num_generation_tokens, self.scheduler.num_running
+        propose = self.governor is not None and self.governor.speculate(running)
+        if propose and self._in_flight is not None:  # proposals follow the newest tokens
+            self._postprocess(self._take_in_flight())
+        output = self.scheduler.schedule(propose=propose)
         handle = self.runner.execute(output)
         self._queue_disk_writes(output)
         previous, self._in_flight = self._in_flight, handle
         if previous is not None:
             self._postprocess(previous)
-        if self._in_flight is not None and not self.async_scheduling:
-            self._postprocess(self._in_flight)
-            self._in_flight = None
+        if self._in_flight is not None and (not self.async_scheduling or output.num_draft_tokens):
+            self._postprocess(self._take_in_flight())
+        if self.governor is not None and output.num_decode_seqs:
+            self.governor.record(running, propose, time.perf_counter() - start, self.num_generation_tokens - tokens)
         return self._outputs()
+
+    def _take_in_flight(self) -> StepHandle:
+        handle, self._in_flight = self._in_flight, None
+        return handle
 
     def _postprocess(self, handle: StepHandle) -> None:
         """Reads a step's results (waiting for the device), appends its tokens and records them."""

@@ -24,7 +24,7 @@ from jaxpaged.model import Llama, kv_storage_dtype, split_layers_in_place
 from jaxpaged.parallel import multihost
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
 from jaxpaged.parallel.sharding import TensorParallelLayout
-from jaxpaged.planning.memory import GiB, KVCachePlan, format_bytes, plan_kv_cache
+from jaxpaged.planning.memory import GiB, KVCachePlan, format_bytes, plan_kv_cache, sequence_state_bytes
 from jaxpaged.worker.draft_runner import DraftRunner, draft_engine_config
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.step_programs import Program
@@ -323,6 +323,7 @@ def plan_cache(engine_config: EngineConfig, model: Llama, parallel: TensorParall
     return plan_kv_cache(
         config, device_memory_bytes=int(total), gpu_memory_utilization=utilization,
         weight_bytes=weights, activation_bytes=activations, **common,
+        state_bytes=sequence_state_bytes(args.max_num_seqs, engine_config.model.vocab_size),
     )  # fmt: skip
 
 
@@ -364,11 +365,18 @@ def check_step_memory(plan: KVCachePlan, temp_bytes: dict[Program, int]) -> None
 
 
 def _peak_activation_bytes(config: EngineConfig, model: Llama, parallel: TensorParallel) -> int:
-    """Temporaries of the largest step bucket, from XLA's memory analysis (pool kept tiny)."""
+    """Device memory of the largest step beyond its donated state, from XLA's memory analysis
+    (pool kept tiny): the model program's temporaries and its outputs that alias nothing (the
+    logits handed to the sampler), then the largest sampler's temporaries."""
     pages = -(-config.max_model_len // config.args.block_size)
     probe = ModelRunner(model, parallel=parallel, config=config.with_blocks(pages + 1))
     program = Program(max(probe.layouts), 1, False)
-    probe.compile_program(program)
-    temp = probe.temp_bytes[program]
-    logger.info("peak activation memory of the largest step: %.2f GiB", temp / 2**30)
+    analysis = probe.compile_program(program).memory_analysis()
+    handed_over = max(0, int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes))
+    sampler = max(probe.step_programs.samplers([program]), key=lambda p: (p.num_seqs * p.rows_per_seq, p.options))
+    probe.compile_program(sampler)
+    temp = probe.temp_bytes[program] + handed_over + probe.temp_bytes[sampler]
+    logger.info("peak activation memory of the largest step: %.2f GiB (model %.2f, logits %.2f, sampler %.2f)",
+                temp / 2**30, probe.temp_bytes[program] / 2**30, handed_over / 2**30,
+                probe.temp_bytes[sampler] / 2**30)  # fmt: skip
     return temp

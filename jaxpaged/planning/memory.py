@@ -61,6 +61,13 @@ class KVCachePlan:
         )
 
 
+def sequence_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """Device bytes of the per-sequence state beside the pool, one row per slot: the penalty
+    tables (a bool prompt mask and int32 output counts over the vocabulary) and the newest
+    sampled token (int32). Llama-3.1-8B at 256 sequences: 157 MiB."""
+    return max_num_seqs * (vocab_size * (1 + 4) + 4)
+
+
 def plan_kv_cache(
     config: ModelConfig,
     *,
@@ -74,6 +81,7 @@ def plan_kv_cache(
     activation_bytes: int = 0,
     sized_from: str | None = None,
     extra_bytes_per_token: int = 0,
+    state_bytes: int = 0,
 ) -> KVCachePlan:
     """Sizes the KV pool.
 
@@ -89,6 +97,8 @@ def plan_kv_cache(
       sized_from: why the budget is what it is (default: the arithmetic above).
       extra_bytes_per_token: bytes each token also takes elsewhere, block for block (a draft
         model's pool).
+      state_bytes: the per-sequence device state (`sequence_state_bytes`), out of the device's
+        memory like the weights.
 
     Raises:
       ValueError: when not even one `max_model_len` request fits, with the numbers and knobs.
@@ -103,10 +113,11 @@ def plan_kv_cache(
     else:
         if device_memory_bytes is None:
             raise ValueError("device_memory_bytes is required when kv_cache_memory_bytes is not given")
-        budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - activation_bytes
+        budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - activation_bytes - state_bytes
         source = (
             f"{device_memory_bytes / GiB:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization} - "
-            f"weights {weight_bytes / GiB:.2f} GiB - activations {activation_bytes / GiB:.2f} GiB"
+            f"weights {weight_bytes / GiB:.2f} GiB - activations {activation_bytes / GiB:.2f} GiB - "
+            f"per-sequence state {state_bytes / GiB:.2f} GiB"
         )
     num_blocks = max(budget, 0) // per_block  # the null block comes out of the budget too
     needed = -(-max_model_len // block_size) + 1

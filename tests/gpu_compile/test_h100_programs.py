@@ -14,6 +14,7 @@ machines' JAX (stage 2). No GPU is used.
 
 import copy
 import json
+import re
 
 import jax
 import numpy as np
@@ -46,9 +47,9 @@ def tiny_dir(tmp_path) -> str:
                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=512, max_position_embeddings=2048)  # fmt: skip
 
 
-def compile_for_h100(model: str, pool_bytes: int, **options) -> tuple[dict, object]:
-    """Every step program of an engine over `model` with `options`, compiled for H100s:
-    `({program: its memory analysis}, abstract params)`."""
+def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, **options) -> tuple[dict, object]:
+    """Every step program (and, with `samplers`, every sampler) of an engine over `model` with
+    `options`, compiled for H100s: `({program: its compiled executable}, abstract params)`."""
     args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, compilation_cache_dir="none",
                       max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=pool_bytes,
                       **options)  # fmt: skip
@@ -56,9 +57,10 @@ def compile_for_h100(model: str, pool_bytes: int, **options) -> tuple[dict, obje
         config, parallel, params, programs, cache_for = abstract_engine(args, devices)
         assert parallel.mesh.devices.flat[0].device_kind == GPU_TARGETS["h100"].description
         pool = cache_for(config.num_blocks)
-        analyses = {programs.describe(p): programs.lower(p, params, pool).compile().memory_analysis()
-                    for p in programs.all()}  # fmt: skip
-    return analyses, params
+        every = programs.all()
+        every += programs.samplers(every) if samplers else []
+        compiled = {programs.describe(p): programs.lower(p, params, pool).compile() for p in every}
+    return compiled, params
 
 
 CASES = [
@@ -81,7 +83,9 @@ def test_no_h100_program_temporaries_grow_with_the_pool(tmp_path, options):
     model = tiny_dir(tmp_path)
     small, _ = compile_for_h100(model, SMALL_POOL, **options)
     large, _ = compile_for_h100(model, LARGE_POOL, **options)
-    assert set(small) == set(large) and len(small) == 2  # a mixed step and fused decode steps
+    small = {p: c.memory_analysis() for p, c in small.items()}
+    large = {p: c.memory_analysis() for p, c in large.items()}
+    assert set(small) == set(large) and len(small) == 3  # a mixed step, a decode step, fused decode steps
     grown = {p: (small[p].temp_size_in_bytes, large[p].temp_size_in_bytes) for p in small
              if abs(large[p].temp_size_in_bytes - small[p].temp_size_in_bytes) > TOLERANCE}  # fmt: skip
     assert not grown, f"temporaries (small pool, large pool) grow with the pool: {grown}"
@@ -94,6 +98,8 @@ def test_unrolled_steps_read_weights_in_place_and_scanned_steps_copy_them(tmp_pa
     model = model_dir(tmp_path, "llama-3.1-8b", num_hidden_layers=2)
     unrolled, params = compile_for_h100(model, SMALL_POOL, dtype="bfloat16")
     scanned, _ = compile_for_h100(model, SMALL_POOL, dtype="bfloat16", scan_layers=True)
+    unrolled = {p: c.memory_analysis() for p, c in unrolled.items()}
+    scanned = {p: c.memory_analysis() for p, c in scanned.items()}
     layer_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers"])) // 2
     assert 400 * MiB < layer_bytes < 440 * MiB
     temps = {p: (unrolled[p].temp_size_in_bytes // MiB, scanned[p].temp_size_in_bytes // MiB) for p in unrolled}
@@ -111,5 +117,27 @@ def test_bench_startup_compiles_the_demo_engine_for_an_h100(tmp_path):
     report = json.loads(out.read_text())
     assert report["device"] == "NVIDIA H100 80GB HBM3" and report["deviceless"] is True
     assert report["platform"] == "gpu" and report["scan_layers"] is False
-    assert report["num_programs"] == len(report["programs"]) == 5  # probe, 2 mixed, 1 decode, seeding
+    # probe, 2 mixed, a decode and fused decode steps, 4 samplers, seeding
+    assert report["num_programs"] == len(report["programs"]) == 10
     assert np.isclose(report["total_compile_s"], sum(p["compile_s"] for p in report["programs"]), atol=0.01)
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(dtype="bfloat16"), id="bfloat16"),
+    pytest.param(dict(dtype="bfloat16", kv_cache_dtype="fp8", tensor_parallel_size=2), id="kv-fp8-2-gpus"),
+    pytest.param(dict(dtype="bfloat16", scan_layers=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                 id="scanned-speculative"),
+])  # fmt: skip
+def test_no_h100_step_program_waits_on_the_host(tmp_path, options):
+    """XLA:GPU runs a `conditional` by copying its predicate to the host and waiting for the stream,
+    and a `while` without a known trip count the same way every iteration: the optimised HLO of
+    every step program and sampler an H100 runs has no conditional, no host callback, and only
+    loops of known trip count (the fused decode steps, the layer scan)."""
+    compiled, _ = compile_for_h100(tiny_dir(tmp_path), SMALL_POOL, samplers=True, **options)
+    assert any("sampler filter+logprobs" in p for p in compiled)
+    for program, executable in compiled.items():
+        text = executable.as_text()
+        assert not re.findall(r"\bconditional\(", text), f"{program}: a conditional"
+        assert "callback" not in text and "xla_python" not in text, f"{program}: a host callback"
+        for loop in re.findall(r"\bwhile\([^\n]*", text):
+            assert "known_trip_count" in loop, f"{program}: a while loop of unknown trip count"

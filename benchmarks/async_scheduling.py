@@ -9,8 +9,9 @@ that async scheduling removed per step (sync wait - async wait), at most the hos
 
     python benchmarks/async_scheduling.py [--batches 1 16 64 256] [--steps 1 4] [--output FILE]
 
-Models: the shipped demo model (4 layers, d 256) and a wider one with random weights
-(`--wide`: 8 layers, d 1024, vocab 32000). Results: benchmarks/results/async_scheduling_cpu.json.
+Models: the shipped demo model (4 layers, d 256) and a wider one with random weights (`wide`:
+4 layers, d 768, vocab 16,000: 53M parameters against the demo's 6M).
+Results: benchmarks/results/async_scheduling_cpu.json.
 """
 
 import argparse
@@ -25,8 +26,8 @@ from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import SamplingParams
 
 PROMPT_LEN, OUTPUT_LEN = 32, 64
-WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
-        "num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 8, "vocab_size": 32000,
+WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 768, "intermediate_size": 2048,
+        "num_attention_heads": 12, "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 16000,
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32"}  # fmt: skip
 
 

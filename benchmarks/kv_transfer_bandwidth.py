@@ -67,10 +67,11 @@ def main(argv=None) -> int:
     key_k, key_v = jax.random.split(jax.random.key(0))
     whole = parallel.sharding()
     shardings = DeviceCache(kv=KVPool(k=parallel.pool_sharding, v=parallel.pool_sharding, num_layers=config.num_layers),
-                            prompt_mask=whole, output_counts=whole)  # fmt: skip
+                            prompt_mask=whole, output_counts=whole, last_tokens=whole)  # fmt: skip
     cache = DeviceCache(kv=KVPool(k=jax.random.normal(key_k, shape, dtype), v=jax.random.normal(key_v, shape, dtype),
                                   num_layers=config.num_layers),
-                        prompt_mask=jnp.zeros((1, 8), bool), output_counts=jnp.zeros((1, 8), jnp.int32))  # fmt: skip
+                        prompt_mask=jnp.zeros((1, 8), bool), output_counts=jnp.zeros((1, 8), jnp.int32),
+                        last_tokens=jnp.zeros(1, jnp.int32))  # fmt: skip
     transfer = KVTransfer(parallel, shardings, num_layers=config.num_layers, num_host_blocks=args.blocks,
                           block_shape=block_shape, dtype=dtype)  # fmt: skip
     nbytes = args.blocks * transfer.block_bytes

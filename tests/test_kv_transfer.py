@@ -28,9 +28,10 @@ def setup(dtype, devices: int, num_blocks: int = 50, host_blocks: int = 80, seed
     k, v = (rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(2))
     whole = parallel.sharding()
     shardings = DeviceCache(kv=KVPool(k=parallel.pool_sharding, v=parallel.pool_sharding, num_layers=CONFIG.num_layers),
-                            prompt_mask=whole, output_counts=whole)  # fmt: skip
+                            prompt_mask=whole, output_counts=whole, last_tokens=whole)  # fmt: skip
     cache = DeviceCache(kv=KVPool(k=jnp.asarray(k), v=jnp.asarray(v), num_layers=CONFIG.num_layers),
-                        prompt_mask=jnp.zeros((2, 64), bool), output_counts=jnp.zeros((2, 64), jnp.int32))  # fmt: skip
+                        prompt_mask=jnp.zeros((2, 64), bool), output_counts=jnp.zeros((2, 64), jnp.int32),
+                        last_tokens=jnp.zeros(2, jnp.int32))  # fmt: skip
     cache = jax.device_put(cache, shardings)
     transfer = KVTransfer(parallel, shardings, num_layers=CONFIG.num_layers, num_host_blocks=host_blocks,
                           block_shape=shape[1:], dtype=dtype)  # fmt: skip

@@ -84,7 +84,8 @@ class InputBatch:
             filtering |= sp.top_k > 0 or sp.top_p < 1
             logprobs |= bool(sp.logprobs)
             rows.append(row)
-        return PreparedStep(rows, resets, seeds, SamplerOptions(filter=filtering, logprobs=logprobs))
+        full = filtering or logprobs  # one sampler takes both paths (see ENGINE_SAMPLER_OPTIONS)
+        return PreparedStep(rows, resets, seeds, SamplerOptions(filter=full, logprobs=full))
 
     def _new_row(self, inp: ScheduledSequence) -> SequenceRow:
         sp = inp.params

@@ -14,7 +14,7 @@ the host and waiting for the stream, a host sync inside the step. What every bat
 (temperature, min-p, penalties, banned ids) is computed branch-free (neutral parameters leave the
 logits exactly as they are); the two expensive paths, sorting for top-k / top-p and the top-L
 logprobs search, are static `SamplerOptions` that the runner picks per step from its requests
-(one compiled sampler per option set and row bucket).
+(one compiled sampler per option set and row bucket: `ENGINE_SAMPLER_OPTIONS`).
 """
 
 import dataclasses
@@ -42,8 +42,10 @@ class SamplerOptions(typing.NamedTuple):
         return "+".join(name for name, on in zip(self._fields, self) if on) or "plain"
 
 
-# Every option set, in compile order.
-ALL_SAMPLER_OPTIONS = tuple(SamplerOptions(f, lp) for f in (False, True) for lp in (False, True))
+# The option sets an engine compiles: plain, and both paths at once (a batch that needs either
+# takes both: two samplers to compile per row count instead of four, at the cost of a top-L
+# search when only filtering was needed, or a sort when only logprobs were).
+ENGINE_SAMPLER_OPTIONS = (SamplerOptions(), SamplerOptions(filter=True, logprobs=True))
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)

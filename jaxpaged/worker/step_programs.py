@@ -35,7 +35,7 @@ from jaxpaged.functional import DeviceCache, SamplerInput, StepInput, forward, s
 from jaxpaged.model import AttentionMetadata, KVPool, KVQuant
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import KV_SCALE_AXES
-from jaxpaged.worker.sampler import (ALL_SAMPLER_OPTIONS, MAX_LOGPROBS, SamplerOptions, SamplingTensors, pack_result,
+from jaxpaged.worker.sampler import (ENGINE_SAMPLER_OPTIONS, MAX_LOGPROBS, SamplerOptions, SamplingTensors, pack_result,
                                      update_penalty_tables)  # fmt: skip
 from jaxpaged.worker.step_packer import MAX_BANNED, SAMPLING_FIELDS, Layout, StepPacker
 
@@ -258,10 +258,10 @@ class StepPrograms:
         return mixed + decode
 
     def samplers(self, programs: list[Program] | None = None) -> list[SamplerProgram]:
-        """The sampler programs the 1-step model programs need, every option set of each."""
+        """The sampler programs the 1-step model programs need, each of `ENGINE_SAMPLER_OPTIONS`."""
         layouts = {self.layout(p) for p in (programs or self.all()) if p.steps == 1}
         shapes = sorted({(lay.num_seqs, lay.rows_per_seq) for lay in layouts})
-        return [SamplerProgram(s, r, o) for s, r in shapes for o in ALL_SAMPLER_OPTIONS]
+        return [SamplerProgram(s, r, o) for s, r in shapes for o in ENGINE_SAMPLER_OPTIONS]
 
     def layout(self, program: Program) -> Layout:
         return (self.packer.decode_layouts if program.decode else self.packer.layouts)[program.tokens]

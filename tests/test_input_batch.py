@@ -1,0 +1,33 @@
+"""The runner's input batch (numpy only): slots taken by admitted sequences and given back by
+released ones, penalty rows reset or seeded, banned ids, and the sampler options of a step."""
+
+import pytest
+
+from jaxpaged.core.step_inputs import ScheduledSequence
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.input_batch import InputBatch
+from jaxpaged.worker.sampler import SamplerOptions
+from jaxpaged.worker.step_packer import StepPacker
+
+
+def entry(seq_id, admitted=False, prefix=None, **params):
+    return ScheduledSequence([5], 3, [1], seq_id=seq_id, params=SamplingParams(**params), prompt_len=3, admitted=admitted,
+                             prefix_token_ids=prefix)  # fmt: skip
+
+
+def test_slots_follow_admissions_and_releases():
+    packer = StepPacker(block_size=4, max_model_len=16, max_num_seqs=2, max_num_batched_tokens=16, vocab_size=32)
+    batch = InputBatch(packer, 2, frozenset({1}))
+    step = batch.prepare([entry(10, admitted=True), entry(11, admitted=True, prefix=[7, 8, 9], presence_penalty=0.5)])
+    assert [r.slot for r in step.rows] == [0, 1] and step.resets == [0] and step.seeds == [(1, [7, 8, 9], 3)]
+    assert step.options == SamplerOptions() and batch.num_free_slots == 0
+    step = batch.prepare([entry(10), entry(11, top_p=0.5)])
+    assert [r.slot for r in step.rows] == [0, 1] and not step.resets and not step.seeds
+    assert step.options == SamplerOptions(filter=True, logprobs=True)  # one sampler takes both paths
+    assert batch.prepare([entry(10), entry(11, logprobs=0)]).options == SamplerOptions()  # the chosen token's only
+    batch.release([10, 99])  # finished (99: never had a slot)
+    assert batch.num_free_slots == 1 and batch.slot_of(10) is None
+    step = batch.prepare([entry(12, admitted=True, min_tokens=2, stop_token_ids=[4])])
+    assert step.rows[0].slot == 0 and step.rows[0].banned_ids == (1, 4)  # EOS and the stop ids, before min_tokens
+    with pytest.raises(RuntimeError, match="holds no slot"):
+        batch.prepare([entry(13)])

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # the gpu/ helpers
 
 from gpu.hlo_census import census  # noqa: E402
 from jaxpaged.bench.gpu_targets import compiling_for_target, prepare_environment  # noqa: E402
-from jaxpaged.bench.startup import abstract_engine, add_startup_flags  # noqa: E402
+from jaxpaged.bench.startup import abstract_worker, add_startup_flags  # noqa: E402
 from jaxpaged.entrypoints.cli_flags import engine_args  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -104,7 +104,9 @@ def census_programs(args, engine, devices: list | None = None) -> int:
     import jax
 
     label = args.label or engine.quantization or "bf16"
-    config, parallel, params, programs, cache_for = abstract_engine(engine, devices)
+    worker = abstract_worker(engine, devices)
+    config, parallel, params = worker.config, worker.parallel, worker.runner.params
+    programs, pool = worker.runner.step_programs, worker.runner.cache
     device = parallel.mesh.devices.flat[0]
     print(f"imports {time.perf_counter() - STARTED:.1f} s; jax {jax.__version__} on {device.device_kind}"
           f"{' (deviceless)' if devices else ''}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)  # fmt: skip
@@ -113,7 +115,6 @@ def census_programs(args, engine, devices: list | None = None) -> int:
     print(f"{label}: weight dtypes {sorted({str(x.dtype) for x in jax.tree.leaves(params)})}; projection sizes {sizes}",
           flush=True)  # fmt: skip
     chosen = {spec: pick(programs, spec) for spec in args.programs.split(",")}
-    pool = cache_for(config.num_blocks)
     result = {"label": label, "model": engine.model, "quantization": engine.quantization,
               "kv_cache_dtype": engine.kv_cache_dtype, "scan_layers": engine.scan_layers,
               "device": device.device_kind, "platform": parallel.platform, "deviceless": devices is not None,

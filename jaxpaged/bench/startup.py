@@ -91,26 +91,20 @@ def _measure(args, devices: list | None, cache_dir: str | None) -> dict:
     from jaxpaged.worker.step_programs import Program, compile_all
 
     began = time.perf_counter()
-    config, parallel, params, programs, cache_for = abstract_engine(args, devices)
-    dtype = str(jax.tree.leaves(params)[0].dtype)
+    worker = abstract_worker(args, devices)
+    config, parallel, runner = worker.config, worker.parallel, worker.runner
     setup_seconds = time.perf_counter() - began
-    largest = max(programs.packer.layouts)
-    pages = programs.packer.pages
-    # The probe runs alone before the pool is sized; the engine then compiles the rest together.
-    probe = Program(largest, 1, False)
+    # An engine that sizes its pool from the GPU's memory compiles this probe first.
+    probe = Program(max(runner.layouts), 1, False)
     began = time.perf_counter()
-    results = compile_all([("memory probe: " + programs.describe(probe),
-                            lambda: programs.lower(probe, params, cache_for(pages + 1)))], 1, logger.info)  # fmt: skip
-    pool = cache_for(config.num_blocks)
-    every = programs.all()
-    every += programs.samplers(every)
-    jobs = [(programs.describe(p), lambda p=p: programs.lower(p, params, pool)) for p in every]
-    jobs.append(("penalty-row seeding", lambda: programs.lower_seed(pool)))
-    results += compile_all(jobs, args.compile_threads, logger.info)
+    results = compile_all([("memory probe: " + runner.step_programs.describe(probe),
+                            lambda: runner.step_programs.lower(probe, runner.params, runner.cache))], 1, logger.info)  # fmt: skip
+    runner.warm_up(args.compile_threads)
+    results += runner.compile_report
     wall = time.perf_counter() - began
     rows = [{"program": r.name, "lower_s": round(r.lower_s, 3), "compile_s": round(r.compile_s, 3)} for r in results]
     return {
-        "model": args.model, "dtype": dtype, "num_layers": config.model.num_layers,
+        "model": args.model, "dtype": str(runner.params_dtype), "num_layers": config.model.num_layers,
         "scan_layers": args.scan_layers, "tensor_parallel_size": args.tensor_parallel_size,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": config.max_model_len, "num_scheduler_steps": args.num_scheduler_steps,
@@ -121,6 +115,19 @@ def _measure(args, devices: list | None, cache_dir: str | None) -> dict:
         "total_compile_s": round(sum(r["compile_s"] for r in rows), 3), "wall_s": round(wall, 3),
         "programs": rows,
     }  # fmt: skip
+
+
+def abstract_worker(args, devices: list | None = None):
+    """The engine's own start-up (`prepare_device_worker`) run on shapes: weights and pool as
+    `jax.ShapeDtypeStruct`s with the engine's shardings, on `devices` (default: this machine's),
+    the pool `kv_cache_memory_bytes` or `DEFAULT_POOL_BYTES`; nothing compiled yet."""
+    import dataclasses
+
+    from jaxpaged.config.engine_config import EngineConfig
+    from jaxpaged.engine.setup import prepare_device_worker
+
+    args = dataclasses.replace(args, kv_cache_memory_bytes=args.kv_cache_memory_bytes or DEFAULT_POOL_BYTES)
+    return prepare_device_worker(EngineConfig.resolve(args), devices=devices, abstract=True)
 
 
 def format_report(report: dict) -> str:
@@ -134,46 +141,3 @@ def format_report(report: dict) -> str:
         f"{report['total_compile_s']:.1f} s (summed over programs); ready after {report['wall_s']:.1f} s"
     )
     return "\n".join(lines)
-
-
-def abstract_engine(args, devices: list | None = None):
-    """`(config with the pool planned, parallel, abstract params, StepPrograms, cache_for)`:
-    everything as `jax.ShapeDtypeStruct`s with the engine's shardings; `cache_for(num_blocks)`
-    is the abstract cache of a pool of that many blocks."""
-    import jax
-    from flax import nnx
-
-    from jaxpaged.config.engine_config import EngineConfig
-    from jaxpaged.config.model_config import kv_bytes_per_token
-    from jaxpaged.engine.setup import dummy_dtype
-    from jaxpaged.functional import DeviceCache, init_cache
-    from jaxpaged.model import Llama, kv_storage_dtype, unstack_layers
-    from jaxpaged.parallel.mesh import TensorParallel, make_mesh
-    from jaxpaged.worker.step_programs import StepPrograms
-
-    config = EngineConfig.resolve(args)
-    parallel = TensorParallel(config.layout, make_mesh(config.layout.size, devices))
-    dtype = dummy_dtype(args)
-    model = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
-                                         attention=args.attention_backend, parallel=parallel,
-                                         scan_layers=args.scan_layers, quantization=config.quantization))  # fmt: skip
-    graphdef, state = nnx.split(model)
-    shardings = parallel.state_shardings(state)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-    if not args.scan_layers:  # as the runner holds them (see ModelRunner)
-        params = unstack_layers(params, parallel.layer_sharding)
-    device = parallel.layout.device_config
-    pool_bytes = args.kv_cache_memory_bytes or DEFAULT_POOL_BYTES
-    kv_dtype = config.kv_dtype(dtype)
-    per_block = kv_bytes_per_token(device, kv_storage_dtype(kv_dtype, parallel.platform).itemsize) * args.block_size
-    config = config.with_blocks(pool_bytes // per_block)
-    programs = StepPrograms.for_engine(config, graphdef, parallel, kv_dtype)
-
-    def cache_for(num_blocks: int) -> DeviceCache:
-        shapes = jax.eval_shape(lambda: init_cache(parallel.layout.mesh_config, num_blocks=num_blocks,
-                                                   block_size=args.block_size, dtype=kv_dtype,
-                                                   max_num_seqs=args.max_num_seqs, platform=parallel.platform))  # fmt: skip
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
-                            programs.cache_shardings)  # fmt: skip
-
-    return config, parallel, params, programs, cache_for

@@ -60,10 +60,39 @@ class DeviceWorker:
     draft: DraftRunner | None = None
 
 
-def start_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()) -> DeviceWorker:
+def start_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
+                        devices: list | None = None, abstract: bool = False) -> DeviceWorker:  # fmt: skip
     """Joins the other processes (with nnodes > 1), builds the mesh, loads the model onto it,
     plans the pool, and compiles every step program (`eos_token_ids`: banned before a request's
-    `min_tokens`; followers, which pack nothing, need none)."""
+    `min_tokens`; followers, which pack nothing, need none).
+
+    `devices`: the mesh's devices (default: this process's). With `abstract` the same start-up
+    runs on shapes alone: the model is made of shapes, nothing is loaded or allocated, the pool is
+    `kv_cache_memory_bytes`, and every program is compiled, e.g. for GPUs described for deviceless
+    compilation (`jaxpaged.bench.gpu_targets`: `jaxpaged bench startup --target`,
+    tests/gpu_compile); the runner runs nothing.
+
+    Raises:
+      EngineArgsError: `abstract` without `kv_cache_memory_bytes` (no memory to size the pool from).
+    """
+    worker = prepare_device_worker(config, eos_token_ids, devices, abstract)
+    runner, draft, plan, threads = worker.runner, worker.draft, worker.plan, worker.config.args.compile_threads
+    seconds = runner.warm_up(threads)
+    check_step_memory(plan, runner.temp_bytes)
+    if draft is not None:
+        seconds += draft.warm_up(threads)
+        check_step_memory(plan, draft.temp_bytes)  # run one after another: each within the reserve
+    if jax.process_count() > 1 and multihost.is_leader():
+        runner.channel = multihost.StepChannel()  # from now on every device call is announced
+    return dataclasses.replace(worker, compile_seconds=seconds)
+
+
+def prepare_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
+                          devices: list | None = None, abstract: bool = False) -> DeviceWorker:  # fmt: skip
+    """`start_device_worker` up to compiling: the model on its mesh, the planned pool, the runners
+    (their programs not compiled yet; `compile_seconds` 0)."""
+    if abstract and config.args.kv_cache_memory_bytes is None:
+        raise EngineArgsError("kv_cache_memory_bytes", None, "an engine of shapes needs the pool's size")
     args = config.args
     multihost.initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     seed = multihost.agree_on_settings(config.shared_settings(), args.seed)
@@ -72,9 +101,9 @@ def start_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = fr
         args = dataclasses.replace(args, seed=seed)
         config = dataclasses.replace(config, args=args)
     use_compilation_cache(args.compilation_cache_dir)
-    parallel = TensorParallel(config.layout, make_mesh(config.layout.size))
-    model = build_model(config, parallel)
-    draft_model, draft_parallel = build_draft_model(config, parallel)
+    parallel = TensorParallel(config.layout, make_mesh(config.layout.size, devices))
+    model = build_model(config, parallel, abstract)
+    draft_model, draft_parallel = build_draft_model(config, parallel, abstract)
     plan = plan_cache(config, model, parallel, draft=draft_model)
     agreed = multihost.agree_on_blocks(plan.num_blocks)
     if agreed != plan.num_blocks:
@@ -83,24 +112,19 @@ def start_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = fr
     logger.info(plan.summary())
     config = config.with_blocks(plan.num_blocks, host_tier_blocks(config, model, parallel))
     logger.info("preemption by %s", config.preemption_mode)
-    runner = ModelRunner(model, parallel=parallel, config=config, kv_scales=fp8_kv_scales(config, model.embed[...].dtype),
-                         eos_token_ids=eos_token_ids)  # fmt: skip
-    seconds = runner.warm_up(args.compile_threads)
-    check_step_memory(plan, runner.temp_bytes)
+    kv_scales = None if abstract else fp8_kv_scales(config, model.dtype)
+    runner = ModelRunner(model, parallel=parallel, config=config, kv_scales=kv_scales, eos_token_ids=eos_token_ids)
     draft = None
     if draft_model is not None:
         draft = runner.draft = DraftRunner(draft_model, parallel=draft_parallel,
                                            config=draft_engine_config(config, draft_parallel.layout))  # fmt: skip
         logger.info("draft model %s: %d layers, proposing %d tokens a step", args.speculative_config.model,
                     draft.config.num_layers, draft.num_proposals)  # fmt: skip
-        seconds += draft.warm_up(args.compile_threads)
-        check_step_memory(plan, draft.temp_bytes)  # run one after another: each within the reserve
-    if jax.process_count() > 1 and multihost.is_leader():
-        runner.channel = multihost.StepChannel()  # from now on every device call is announced
-    return DeviceWorker(config, parallel, plan, runner, seconds, draft)
+    return DeviceWorker(config, parallel, plan, runner, 0.0, draft)
 
 
-def build_draft_model(config: EngineConfig, parallel: TensorParallel) -> tuple[Llama | None, TensorParallel | None]:
+def build_draft_model(config: EngineConfig, parallel: TensorParallel,
+                      abstract: bool = False) -> tuple[Llama | None, TensorParallel | None]:  # fmt: skip
     """The draft model of speculative decoding (None without one), loaded like the target (or
     dummy weights with `load_format` dummy) onto the same devices, split by its own layout."""
     spec = config.args.speculative_config
@@ -111,7 +135,7 @@ def build_draft_model(config: EngineConfig, parallel: TensorParallel) -> tuple[L
     args = dataclasses.replace(config.args, model=spec.model, speculative_config=None, tokenizer=config.args.tokenizer
                                or config.args.model)  # fmt: skip
     draft_engine = dataclasses.replace(config, args=args, model=draft_config, layout=draft_parallel.layout, quantization=None)
-    return build_model(draft_engine, draft_parallel), draft_parallel
+    return build_model(draft_engine, draft_parallel, abstract), draft_parallel
 
 
 def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParallel) -> int:
@@ -146,7 +170,7 @@ def fp8_kv_scales(config: EngineConfig, model_dtype) -> tuple | None:
 
 def kv_element_bytes(config: EngineConfig, model: Llama, parallel: TensorParallel) -> int:
     """Bytes one element of the KV pool takes on the devices (its storage dtype's)."""
-    return kv_storage_dtype(config.kv_dtype(model.embed[...].dtype), parallel.platform).itemsize
+    return kv_storage_dtype(config.kv_dtype(model.dtype), parallel.platform).itemsize
 
 
 def start_disk_tier(config: EngineConfig, runner: ModelRunner) -> DiskTier | None:
@@ -213,26 +237,32 @@ def use_compilation_cache(setting: str) -> str | None:
     return directory
 
 
-def build_model(config: EngineConfig, parallel: TensorParallel) -> Llama:
+def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool = False) -> Llama:
     """Loads (or, with load_format="dummy", randomly initialises) the model onto its mesh, in
-    the mesh layout; for unrolled layers, with its layers' weights split into per-layer arrays."""
+    the mesh layout; for unrolled layers, with its layers' weights split into per-layer arrays.
+    `abstract`: the model's shapes only (`nnx.eval_shape`), its layers stacked."""
     args, model_config = config.args, config.model
+    if abstract:
+        dtype = model_dtype(args)
+        return nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
+                                            attention=args.attention_backend, parallel=parallel,
+                                            scan_layers=args.scan_layers, quantization=config.quantization))  # fmt: skip
     if args.load_format == "dummy":
-        model = _dummy_model(model_config, dummy_dtype(args), args, parallel, config.quantization)
+        model = _dummy_model(model_config, model_dtype(args), args, parallel, config.quantization)
     else:
         _, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel,
                               scan_layers=args.scan_layers, quantization=config.quantization)  # fmt: skip
     if not args.scan_layers:  # before planning: the stacked arrays go as their layers are split
         split_layers_in_place(model, parallel.layer_sharding)
     logger.info("model %s: %s, %d layers, dtype %s%s, KV cache %s", args.model, model_config.architecture,
-                model_config.num_layers, model.embed[...].dtype,
+                model_config.num_layers, model.dtype,
                 f", {config.quantization} weights" if config.quantization else "",
-                config.kv_dtype(model.embed[...].dtype))  # fmt: skip
+                config.kv_dtype(model.dtype))  # fmt: skip
     return model
 
 
-def dummy_dtype(args: EngineArgs) -> jnp.dtype:
-    """The dtype of random weights: `dtype`, or with "auto" the config's (float32 if it names none)."""
+def model_dtype(args: EngineArgs) -> jnp.dtype:
+    """The model's dtype: `dtype`, or with "auto" the config's (float32 if it names none)."""
     raw = load_config_dict(args.model)[1]
     return jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
 
@@ -301,7 +331,7 @@ def plan_cache(engine_config: EngineConfig, model: Llama, parallel: TensorParall
     extra = 0
     if draft is not None:
         draft_device = TensorParallelLayout(draft.config, parallel.size).device_config
-        extra = kv_bytes_per_token(draft_device, kv_storage_dtype(engine_config.kv_dtype(draft.embed[...].dtype),
+        extra = kv_bytes_per_token(draft_device, kv_storage_dtype(engine_config.kv_dtype(draft.dtype),
                                                                   parallel.platform).itemsize)  # fmt: skip
     common = dict(dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len,
                   extra_bytes_per_token=extra)  # fmt: skip

@@ -300,6 +300,11 @@ class Llama(nnx.Module):
             x, k, v = carry
         return self.final_norm(x), dataclasses.replace(kv_pool, k=k, v=v)
 
+    @property
+    def dtype(self):
+        """The parameters' (and activations') dtype; also of a model of shapes (`nnx.eval_shape`)."""
+        return self.embed.get_value().dtype
+
     def compute_logits(self, hidden: Float[Array, "T D"]) -> Float[Array, "T V"]:
         """Float32 logits for the given hidden states (LM head, or the tied embedding)."""
         if self.config.tie_word_embeddings:

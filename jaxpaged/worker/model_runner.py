@@ -106,7 +106,7 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_num_seqs = max_num_seqs = args.max_num_seqs
         graphdef, params = nnx.split(model)
-        self.params_dtype = model.embed[...].dtype
+        self.params_dtype = model.dtype
         self.kv_dtype = config.kv_dtype(self.params_dtype)
         self.step_programs = StepPrograms.for_engine(config, graphdef, parallel, self.kv_dtype, fused_options)
         self.packer = self.step_programs.packer
@@ -114,7 +114,13 @@ class ModelRunner:
         self.layouts = self.packer.layouts
         self.input_batch = InputBatch(self.packer, max_num_seqs, eos_token_ids)
         self.draft = None  # the draft model's runner (speculative decoding with a draft model)
-        self.params = place_params(params, parallel)  # no copy when the loader placed them already
+        # A model of shapes (`nnx.eval_shape`): the runner holds shapes, compiles, and runs nothing.
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        if self.abstract:
+            self.params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                                       parallel.state_shardings(params))  # fmt: skip
+        else:
+            self.params = place_params(params, parallel)  # no copy when the loader placed them already
         if not model.scan_layers:  # unrolled layers read per-layer arrays (the engine's model comes split)
             self.params = unstack_layers(self.params, parallel.layer_sharding)
         self._whole = parallel.sharding()
@@ -131,12 +137,16 @@ class ModelRunner:
         self.compiled: dict[Program | SamplerProgram, object] = {}  # executables
         self.temp_bytes: dict[Program | SamplerProgram, int] = {}  # temporaries of each
         self._seed = None  # the compiled penalty-row seeding
+        self.compile_report = []  # warm-up's `CompiledProgram`s: names and seconds
 
     def _zero_cache(self, num_blocks: int, kv_dtype, shardings: DeviceCache) -> DeviceCache:
         """The cache made where it lives: the pool split over kv heads (no device ever holds the
         whole pool), the penalty tables whole on every device."""
         make = lambda: init_cache(self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=kv_dtype,  # noqa: E731
                                   max_num_seqs=self.max_num_seqs, platform=self.parallel.platform)  # fmt: skip
+        if self.abstract:
+            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(make),
+                                shardings)  # fmt: skip
         return jax.jit(make, out_shardings=shardings)()
 
     def _set_kv_scales(self, k_scale: np.ndarray, v_scale: np.ndarray) -> None:
@@ -176,7 +186,7 @@ class ModelRunner:
         jobs.append(("penalty-row seeding", lambda: self.step_programs.lower_seed(self.cache)))
         if self.kv_transfer is not None:
             jobs += self.kv_transfer.lower(self.cache)
-        results = compile_all(jobs, threads, logger.info)
+        results = self.compile_report = compile_all(jobs, threads, logger.info)
         for program, result in zip(programs, results):
             self._keep(program, result.executable)
         self._seed = results[len(programs)].executable

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.bench.gpu_targets import GPU_TARGETS, compiling_for_target, prepare_environment
-from jaxpaged.bench.startup import abstract_engine
+from jaxpaged.bench.startup import abstract_worker
 from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.config.presets import get_preset
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
@@ -48,19 +48,19 @@ def tiny_dir(tmp_path) -> str:
 
 
 def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, **options) -> tuple[dict, object]:
-    """Every step program (and, with `samplers`, every sampler) of an engine over `model` with
-    `options`, compiled for H100s: `({program: its compiled executable}, abstract params)`."""
+    """An engine over `model` with `options` started on shapes for H100s, through the engine's own
+    start-up (`prepare_device_worker`): its step programs (and, with `samplers`, its samplers)
+    compiled, `({program: its compiled executable}, the runner's abstract params)`."""
     args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, compilation_cache_dir="none",
                       max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=pool_bytes,
                       **options)  # fmt: skip
     with compiling_for_target("h100", args.tensor_parallel_size) as devices:
-        config, parallel, params, programs, cache_for = abstract_engine(args, devices)
-        assert parallel.mesh.devices.flat[0].device_kind == GPU_TARGETS["h100"].description
-        pool = cache_for(config.num_blocks)
-        every = programs.all()
-        every += programs.samplers(every) if samplers else []
-        compiled = {programs.describe(p): programs.lower(p, params, pool).compile() for p in every}
-    return compiled, params
+        runner = abstract_worker(args, devices).runner
+        assert runner.parallel.mesh.devices.flat[0].device_kind == GPU_TARGETS["h100"].description
+        every = runner.step_programs.all()
+        every += runner.step_programs.samplers(every) if samplers else []
+        compiled = {runner.step_programs.describe(p): runner.compile_program(p) for p in every}
+    return compiled, runner.params
 
 
 CASES = [

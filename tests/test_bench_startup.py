@@ -26,14 +26,18 @@ def test_bench_startup_compiles_and_reports_every_program(tmp_path, capsys, scan
     assert main(["bench", "startup", *flags, "--output-json", str(out), "--scan-layers" if scan else "--no-scan-layers"]) == 0
     report = json.loads(out.read_text())
     names = [row["program"] for row in report["programs"]]
-    # token buckets 16 and 32 (2 seqs each) -> 2 mixed steps; decode bucket 16 -> 1 fused program
+    # token buckets 16 and 32 (2 seqs each) -> 2 mixed steps; decode bucket 16 -> a decode step and
+    # fused steps; 2 seqs of 1 row -> two samplers
     assert names == ["memory probe: mixed step, 32 tokens x 1 step(s), 2 seqs",
                      "mixed step, 16 tokens x 1 step(s), 2 seqs", "mixed step, 32 tokens x 1 step(s), 2 seqs",
-                     "decode step, 16 tokens x 4 step(s), 2 seqs", "penalty-row seeding"]  # fmt: skip
-    assert report["num_programs"] == 5 and report["scan_layers"] is scan and report["compile_threads"] == 2
+                     "decode step, 16 tokens x 1 step(s), 2 seqs", "decode step, 16 tokens x 4 step(s), sampler plain, 2 seqs",
+                     "sampler plain, 2 seqs x 1 row(s)", "sampler filter+logprobs, 2 seqs x 1 row(s)",
+                     "penalty-row seeding"]  # fmt: skip
+    assert report["num_programs"] == 8 and report["scan_layers"] is scan and report["compile_threads"] == 2
     assert report["num_layers"] == 4 and report["platform"] == "cpu" and report["compilation_cache_dir"] is None
-    # (the seeding program is the same in both cases: JAX may reuse it from memory within a process)
-    assert all(row["compile_s"] > 0 and row["lower_s"] > 0 for row in report["programs"][:-1])
+    # (the samplers and the seeding program are the same in both cases: JAX may reuse them from
+    # memory within a process)
+    assert all(row["compile_s"] > 0 and row["lower_s"] > 0 for row in report["programs"] if " step" in row["program"])
     assert report["total_compile_s"] == pytest.approx(sum(r["compile_s"] for r in report["programs"]), abs=0.01)
     assert 0 < report["wall_s"] <= report["total_lower_s"] + report["total_compile_s"] + 5
     assert f"ready after {report['wall_s']:.1f} s" in capsys.readouterr().out

@@ -30,6 +30,7 @@ from jaxpaged.model import LayerArrays, Llama
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.planning.plan import make_plan
+from jaxpaged.planning.memory import sequence_state_bytes
 from jaxpaged.sampling_params import SamplingParams
 
 SIZES = (1, 2, 4, 8)
@@ -163,7 +164,7 @@ def test_every_parameter_and_the_pool_are_split_as_the_table_says(tmp_path):
 @pytest.mark.isolated
 def test_per_device_bytes_shrink_and_match_jaxpaged_plan(tmp_path):
     """Weights and KV bytes per device shrink with the size and equal `jaxpaged plan`'s numbers;
-    the engine's pool is plan's pool less the activations it measures."""
+    the engine's pool is plan's pool less the activations it measures and the per-sequence state."""
     save_hf_model("llama_tp", str(tmp_path))
     memory = 64 * 2**20  # a pretend device: 64 MiB
     weights, kv_per_token = [], []
@@ -182,7 +183,9 @@ def test_per_device_bytes_shrink_and_match_jaxpaged_plan(tmp_path):
         assert len(on_devices) == n and max(on_devices.values()) == min(on_devices.values())  # an even split
         assert engine_plan.bytes_per_token == report["kv_bytes_per_token"]
         per_block = engine_plan.bytes_per_token * engine_plan.block_size
-        gap = report["kv_pool_bytes_per_gpu"] - (engine_plan.pool_bytes + engine_plan.activation_bytes)
+        # the engine also holds the per-sequence state (penalty tables, last tokens), which plan leaves out
+        state = sequence_state_bytes(args.max_num_seqs, config.model.vocab_size)
+        gap = report["kv_pool_bytes_per_gpu"] - (engine_plan.pool_bytes + engine_plan.activation_bytes + state)
         assert engine_plan.activation_bytes > 0 and abs(gap) < per_block, (n, gap)
         weights.append(report["weight_bytes_per_gpu"])
         kv_per_token.append(report["kv_bytes_per_token"])

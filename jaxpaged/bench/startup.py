@@ -97,8 +97,9 @@ def _measure(args, devices: list | None, cache_dir: str | None) -> dict:
     # An engine that sizes its pool from the GPU's memory compiles this probe first.
     probe = Program(max(runner.layouts), 1, False)
     began = time.perf_counter()
+    small_pool = runner.zero_cache(runner.pages + 1)  # as the engine's probe has it
     results = compile_all([("memory probe: " + runner.step_programs.describe(probe),
-                            lambda: runner.step_programs.lower(probe, runner.params, runner.cache))], 1, logger.info)  # fmt: skip
+                            lambda: runner.step_programs.lower(probe, runner.params, small_pool))], 1, logger.info)  # fmt: skip
     runner.warm_up(args.compile_threads)
     results += runner.compile_report
     wall = time.perf_counter() - began

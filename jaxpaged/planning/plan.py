@@ -127,7 +127,8 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
     report.update(
         fits=True, kv_pool_bytes_per_gpu=plan.pool_bytes, kv_cache_blocks=plan.num_blocks - 1,
         pool_tokens=plan.num_tokens, max_concurrency=round(plan.max_concurrency, 2),
-        note="activation memory is not counted (the engine measures it at start-up); leave headroom",
+        note="activation memory and the per-sequence state (penalty tables: max_num_seqs x vocabulary x 5 bytes) "
+        "are not counted (the engine measures and counts them at start-up); leave headroom",
     )  # fmt: skip
     return report
 

@@ -124,7 +124,7 @@ class ModelRunner:
         if not model.scan_layers:  # unrolled layers read per-layer arrays (the engine's model comes split)
             self.params = unstack_layers(self.params, parallel.layer_sharding)
         self._whole = parallel.sharding()
-        self.cache = self._zero_cache(config.num_blocks, self.kv_dtype, self.step_programs.cache_shardings)
+        self.cache = self.zero_cache(config.num_blocks)
         if kv_scales is not None and self.cache.kv.quant is not None:
             self._set_kv_scales(*kv_scales)
         self.kv_transfer = None  # the host tier's memory and copies
@@ -139,9 +139,11 @@ class ModelRunner:
         self._seed = None  # the compiled penalty-row seeding
         self.compile_report = []  # warm-up's `CompiledProgram`s: names and seconds
 
-    def _zero_cache(self, num_blocks: int, kv_dtype, shardings: DeviceCache) -> DeviceCache:
-        """The cache made where it lives: the pool split over kv heads (no device ever holds the
-        whole pool), the penalty tables whole on every device."""
+    def zero_cache(self, num_blocks: int) -> DeviceCache:
+        """A cache of `num_blocks` pool blocks made where it lives: the pool split over kv heads (no
+        device ever holds the whole pool), the penalty tables whole on every device (shapes only
+        for a runner of shapes)."""
+        kv_dtype, shardings = self.kv_dtype, self.step_programs.cache_shardings
         make = lambda: init_cache(self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=kv_dtype,  # noqa: E731
                                   max_num_seqs=self.max_num_seqs, platform=self.parallel.platform)  # fmt: skip
         if self.abstract:

@@ -15,6 +15,8 @@ from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.core.speculation import NgramProposer
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.input_batch import InputBatch
+from jaxpaged.worker.step_packer import StepPacker
 
 EOS = 1
 _ids = itertools.count()
@@ -322,10 +324,14 @@ def device_step(sched, out, pool, rng, host=None, device_tokens=None, known=None
     return sampled if out.num_draft_tokens else [t[-1] for t in sampled]
 
 
-def run_step(sched, pool, rng, host=None, known=None, device_tokens=None, in_flight=None):
+def run_step(sched, pool, rng, host=None, known=None, device_tokens=None, in_flight=None, slots=None):
     """schedule + fake device + postprocess; with `in_flight` (a list: async scheduling) the
-    step is scheduled and run before the previous one's results are postprocessed."""
+    step is scheduled and run before the previous one's results are postprocessed; with `slots`
+    (an `InputBatch`) the runner's slots are released and taken as the engine's runner does."""
     out = sched.schedule()
+    if slots is not None:
+        slots.release(out.released_seq_ids)
+        slots.prepare(out.step_inputs)  # every scheduled sequence holds a slot, none twice
     if sched.has_unfinished() and not in_flight:
         assert not out.is_empty, "unfinished requests but nothing scheduled"
     sampled = device_step(sched, out, pool, rng, host, device_tokens, known)
@@ -373,6 +379,8 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     k = config.pop("speculative_tokens")
     in_flight = [] if config.pop("async_scheduling") and not k else None
     device_tokens = {}
+    slots = InputBatch(StepPacker(block_size=config["block_size"], max_model_len=48, max_num_seqs=config["max_num_seqs"],
+                                  max_num_batched_tokens=64, vocab_size=64), config["max_num_seqs"])  # fmt: skip
     proposer = NgramProposer(SpeculativeConfig("ngram", k, 3, 1)) if k else None
     cfg = SchedulerConfig(max_model_len=48, max_num_batched_tokens=budget, num_blocks=num_blocks,
                           num_host_blocks=num_host_blocks, preemption_mode=mode, **config)  # fmt: skip
@@ -400,7 +408,7 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
             request_ids.append(rid)
         elif op[0] == "step":
             for _ in range(op[1]):
-                run_step(sched, pool, rng, host, known, device_tokens, in_flight)
+                run_step(sched, pool, rng, host, known, device_tokens, in_flight, slots)
         else:  # most ids are unknown or finished: aborting them is a no-op
             aborted = sched.abort(f"r{op[1]}")
             assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in aborted)
@@ -408,10 +416,12 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     for _ in range(3000):
         if not (sched.has_unfinished() or in_flight):
             break
-        run_step(sched, pool, rng, host, known, device_tokens, in_flight)
+        run_step(sched, pool, rng, host, known, device_tokens, in_flight, slots)
         check_invariants(sched, live)
     assert not sched.has_unfinished() and all(s.is_finished for s in live)
     assert not any(s.num_pending_tokens for s in live)
+    slots.release(sched.schedule().released_seq_ids)  # the last finished sequences' slots come back
+    assert slots.num_free_slots == cfg.max_num_seqs
     for s in live:
         if s.status is not SequenceStatus.FINISHED_ABORTED:
             assert 1 <= s.num_output_tokens <= s.sampling_params.max_tokens

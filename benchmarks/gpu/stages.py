@@ -6,7 +6,7 @@ their statuses and parsed results) and `<stage>.txt` (their output) in the work 
    `kv_transfer_bandwidth.py` (host<->device GB/s of the KV host tier's copies vs plain transfers).
 2. startup: `jaxpaged bench startup`, cold (empty compilation cache) then warm (the same cache).
 3. engine_start: `engine_start.py`, the real `LLM(...)` with dummy weights, cold then warm.
-4. latency: `jaxpaged bench latency`, batch 1 (TPOT).
+4. latency: `jaxpaged bench latency`, batch 1 (TPOT), with and without async scheduling.
 5. throughput: `jaxpaged bench throughput`, ShareGPT, against transformers on the same GPU.
 6. serve: `serve_load.py`, `jaxpaged bench serve` against `jaxpaged serve` at three rates, plotted.
 """
@@ -132,13 +132,16 @@ SCANNED_IN_PLACE = "--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_
 
 
 def run_latency(stage: Stage) -> None:
-    """Batch-1 TPOT of the engine as it runs by default (layers unrolled over per-layer arrays),
-    then scanned (each layer's weights copied every step), and scanned with the weights read in
+    """Batch-1 TPOT of the engine as it runs by default (layers unrolled over per-layer arrays,
+    async scheduling), then without async scheduling, then scanned (each layer's weights copied every step), and scanned with the weights read in
     place by cuBLAS (job-sized engines, no shared cache): what do the scan's copies cost on
     this GPU, and would cuBLAS GEMMs win them back?"""
     out = stage.path("latency_result.json")
     command = [*CLI, "bench", "latency", "--model", stage.plan.model, *stage.plan.latency_flags]
     stage.step("batch1", [*command, *engine_flags(stage.plan, shared_cache(stage)), "--output-json", out], out)
+    out = stage.path("latency_batch1_sync.json")  # the same programs, each step waiting for the one before
+    stage.step("batch1_sync", [*command, *engine_flags(stage.plan, shared_cache(stage)), "--no-async-scheduling",
+                               "--output-json", out], out)  # fmt: skip
     flags = [*stage.plan.weight_flags, "--compilation-cache-dir", "none", "--scan-layers"]
     xla_flags = f"XLA_FLAGS={stage.env.get('XLA_FLAGS', '')} {SCANNED_IN_PLACE}".strip()
     for name, prefix in (("batch1_scanned", []), ("batch1_scanned_cublas_in_place", ["env", xla_flags])):

@@ -30,3 +30,13 @@ def test_the_faster_mode_wins_at_each_batch_size_and_the_other_is_retried():
     for _ in range(30):  # speculation at 8 gets better (acceptance rose): it takes over
         governor.record(8, True, seconds=1.0, tokens=40)
     assert sum(governor.speculate(8) for _ in range(8)) == 6
+
+
+def test_adaptive_false_speculates_in_every_step_that_can():
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "adaptive": False})
+    governor = SpeculationGovernor(config.disable_by_batch_size, adaptive=config.adaptive)
+    governor.record(4, True, seconds=1.0, tokens=1)
+    governor.record(4, False, seconds=1.0, tokens=100)
+    assert all(governor.speculate(4) for _ in range(40))
+    with pytest.raises(SpeculativeConfigError, match="adaptive='no'"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "no"})

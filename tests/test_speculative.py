@@ -24,7 +24,9 @@ from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 DEMO_MODEL = "jaxpaged/demo_model"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Every step that can speculates ("adaptive": False): these tests check what speculation does
+# (tests/test_speculation_governor.py checks when it is turned off).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
 
 
 # -- proposals and options ----------------------------------------------------------------------
@@ -187,7 +189,7 @@ def demo_draft(tmp_path_factory) -> str:
 
 
 def methods(demo_draft: str) -> dict:
-    return {"ngram": NGRAM, "draft": {"model": demo_draft, "num_speculative_tokens": 3}}
+    return {"ngram": NGRAM, "draft": {"model": demo_draft, "num_speculative_tokens": 3, "adaptive": False}}
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -341,7 +343,7 @@ def test_draft_model_gives_plain_greedy_tokens(tiny_dir, draft_dir, engine):
     plain, _ = run(tiny_dir, prompts, params, **ENGINES[engine])
     target_block = 2 * 2 * 2 * 16 * 16 * 4  # bytes of a block: K and V, 2 layers, 2 kv heads of 16, 16 tokens
     for draft, accepted_all, draft_block in ((draft_dir, False, 2 * target_block), (tiny_dir, True, target_block)):
-        spec = {"model": draft, "num_speculative_tokens": 3}
+        spec = {"model": draft, "num_speculative_tokens": 3, "adaptive": False}
         options = dict(ENGINES[engine])
         if "kv_cache_memory_bytes" in options:  # 16 blocks (preemptions with these prompts), each with its twin in the draft's pool
             options["kv_cache_memory_bytes"] = 16 * (target_block + draft_block)
@@ -361,7 +363,8 @@ def test_draft_model_sampling_keeps_seeded_tokens_and_couples_its_samples(tiny_d
     prompts = repetitive_prompts(6, seed=6)
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(6)]
     plain, _ = run(tiny_dir, prompts, params)
-    spec, engine = run(tiny_dir, prompts, params, speculative_config={"model": tiny_dir, "num_speculative_tokens": 4})
+    spec, engine = run(tiny_dir, prompts, params,
+                       speculative_config={"model": tiny_dir, "num_speculative_tokens": 4, "adaptive": False})
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
@@ -383,6 +386,6 @@ def test_tensor_parallel_draft_model_gives_the_unsharded_tokens(tmp_path):
 
     plain, _ = tokens(1)
     for draft_dir_, n in ((draft, 4), (path, 2)):
-        spec, stats = tokens(n, speculative_config={"model": draft_dir_, "num_speculative_tokens": 2})
+        spec, stats = tokens(n, speculative_config={"model": draft_dir_, "num_speculative_tokens": 2, "adaptive": False})
         assert spec == plain and stats["spec_decode_num_draft_tokens"] > 0 and stats["num_preemptions"] > 0
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]  # the target as its draft

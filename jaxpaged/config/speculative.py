@@ -35,6 +35,8 @@ class SpeculativeConfig:
         target's vocabulary, run on the same devices with a KV pool of its own).
       disable_by_batch_size: no proposals while more sequences than this run (vLLM's option;
         None: no such limit; the measured rule of `jaxpaged.core.speculation` still applies).
+      adaptive: speculate only while that has been measured faster than plain decoding at the
+        batch size (`SpeculationGovernor`); False: in every step that can (jaxpaged's key).
     """
 
     method: str
@@ -43,6 +45,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     model: str | None = None
     disable_by_batch_size: int | None = None
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, value: "dict[str, Any] | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -62,7 +65,7 @@ class SpeculativeConfig:
             raise SpeculativeConfigError("must be a JSON object such as "
                                          '{"method": "ngram", "num_speculative_tokens": 4}')  # fmt: skip
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                 "disable_by_batch_size"}  # fmt: skip
+                 "disable_by_batch_size", "adaptive"}  # fmt: skip
         unknown = sorted(set(value) - known)
         if unknown:
             raise SpeculativeConfigError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -87,4 +90,7 @@ class SpeculativeConfig:
         limit = value.get("disable_by_batch_size")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise SpeculativeConfigError(f"disable_by_batch_size={limit!r} must be a positive integer (or absent)")
-        return cls(method, k, lookup_max, lookup_min, model, limit)
+        adaptive = value.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise SpeculativeConfigError(f"adaptive={adaptive!r} must be true or false")
+        return cls(method, k, lookup_max, lookup_min, model, limit, adaptive)

@@ -112,12 +112,15 @@ class SpeculationGovernor:
 
     Args:
       disable_by_batch_size: see `SpeculativeConfig`.
+      adaptive: False: every step speculates (below `disable_by_batch_size`).
       explore_every: steps between two runs of the mode that is not in use.
       window: how many recent steps of a mode its figure averages (exponentially).
     """
 
-    def __init__(self, disable_by_batch_size: int | None = None, explore_every: int = 16, window: int = 8):
+    def __init__(self, disable_by_batch_size: int | None = None, explore_every: int = 16, window: int = 8,
+                 adaptive: bool = True):  # fmt: skip
         self.disable_by_batch_size = disable_by_batch_size
+        self.adaptive = adaptive
         self.explore_every = explore_every
         self.weight = 2 / (window + 1)
         self._rate: dict[tuple[int, bool], float] = {}  # (bucket, speculating) -> tokens per second
@@ -131,6 +134,8 @@ class SpeculationGovernor:
         """Whether this step, with `num_running` running sequences, should check proposals."""
         if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
             return False
+        if not self.adaptive:
+            return True
         b = self.bucket(num_running)
         self._steps[b] += 1
         plain, spec = self._rate.get((b, False)), self._rate.get((b, True))

@@ -83,7 +83,7 @@ class LLMEngine:
         # waits for the previous one (proposals follow the newest tokens), and with a draft model
         # every step does (its pool mirrors each target step's tokens, which it never samples).
         self.async_scheduling = args.async_scheduling and (spec is None or spec.model is None)
-        self.governor = SpeculationGovernor(spec.disable_by_batch_size) if spec else None
+        self.governor = SpeculationGovernor(spec.disable_by_batch_size, adaptive=spec.adaptive) if spec else None
         self._in_flight: StepHandle | None = None
         self.num_prompt_tokens = 0
 

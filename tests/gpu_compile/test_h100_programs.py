@@ -49,7 +49,7 @@ def tiny_dir(tmp_path) -> str:
 
 def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, **options) -> tuple[dict, object]:
     """An engine over `model` with `options` started on shapes for H100s, through the engine's own
-    start-up (`prepare_device_worker`): its step programs (and, with `samplers`, its samplers)
+    start-up (`prepare_device_worker`): its step programs (or, with `samplers`, its samplers)
     compiled, `({program: its compiled executable}, the runner's abstract params)`."""
     args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, compilation_cache_dir="none",
                       max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=pool_bytes,
@@ -58,7 +58,7 @@ def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, **opti
         runner = abstract_worker(args, devices).runner
         assert runner.parallel.mesh.devices.flat[0].device_kind == GPU_TARGETS["h100"].description
         every = runner.step_programs.all()
-        every += runner.step_programs.samplers(every) if samplers else []
+        every = runner.step_programs.samplers(every) if samplers else every
         compiled = {runner.step_programs.describe(p): runner.compile_program(p) for p in every}
     return compiled, runner.params
 
@@ -83,6 +83,7 @@ def test_no_h100_program_temporaries_grow_with_the_pool(tmp_path, options):
     model = tiny_dir(tmp_path)
     small, _ = compile_for_h100(model, SMALL_POOL, **options)
     large, _ = compile_for_h100(model, LARGE_POOL, **options)
+    assert_no_host_waits(large)
     small = {p: c.memory_analysis() for p, c in small.items()}
     large = {p: c.memory_analysis() for p, c in large.items()}
     assert set(small) == set(large) and len(small) == 3  # a mixed step, a decode step, fused decode steps
@@ -122,22 +123,27 @@ def test_bench_startup_compiles_the_demo_engine_for_an_h100(tmp_path):
     assert np.isclose(report["total_compile_s"], sum(p["compile_s"] for p in report["programs"]), atol=0.01)
 
 
-@pytest.mark.parametrize("options", [
-    pytest.param(dict(dtype="bfloat16"), id="bfloat16"),
-    pytest.param(dict(dtype="bfloat16", kv_cache_dtype="fp8", tensor_parallel_size=2), id="kv-fp8-2-gpus"),
-    pytest.param(dict(dtype="bfloat16", scan_layers=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-                 id="scanned-speculative"),
-])  # fmt: skip
-def test_no_h100_step_program_waits_on_the_host(tmp_path, options):
-    """XLA:GPU runs a `conditional` by copying its predicate to the host and waiting for the stream,
-    and a `while` without a known trip count the same way every iteration: the optimised HLO of
-    every step program and sampler an H100 runs has no conditional, no host callback, and only
-    loops of known trip count (the fused decode steps, the layer scan)."""
-    compiled, _ = compile_for_h100(tiny_dir(tmp_path), SMALL_POOL, samplers=True, **options)
-    assert any("sampler filter+logprobs" in p for p in compiled)
+def assert_no_host_waits(compiled: dict) -> None:
+    """XLA:GPU runs a `conditional` by copying its predicate to the host and waiting for the
+    stream, and a `while` without a known trip count the same way every iteration: no compiled
+    program may hold a conditional, a host callback, or a loop of unknown trip count (the fused
+    decode steps and the layer scan have known ones)."""
     for program, executable in compiled.items():
         text = executable.as_text()
         assert not re.findall(r"\bconditional\(", text), f"{program}: a conditional"
         assert "callback" not in text and "xla_python" not in text, f"{program}: a host callback"
         for loop in re.findall(r"\bwhile\([^\n]*", text):
             assert "known_trip_count" in loop, f"{program}: a while loop of unknown trip count"
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(dtype="bfloat16"), id="bfloat16"),
+    pytest.param(dict(dtype="bfloat16", speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                 id="speculative"),
+])  # fmt: skip
+def test_no_h100_sampler_waits_on_the_host(tmp_path, options):
+    """The samplers an H100 runs (both variants; with proposals, R rows per sequence) wait on
+    nothing (the step programs are checked with the pool sizes above, in every configuration)."""
+    compiled, _ = compile_for_h100(tiny_dir(tmp_path), SMALL_POOL, samplers=True, **options)
+    assert any("sampler filter+logprobs" in p for p in compiled) and all("sampler" in p for p in compiled)
+    assert_no_host_waits(compiled)

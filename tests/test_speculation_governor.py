@@ -17,19 +17,34 @@ def test_disable_by_batch_size_is_vllms_option():
 
 def test_the_faster_mode_wins_at_each_batch_size_and_the_other_is_retried():
     governor = SpeculationGovernor(explore_every=4)
-    assert governor.speculate(8)  # nothing measured: speculation first
-    governor.record(8, True, seconds=1.0, tokens=8)  # 8 tokens/s speculating
-    assert not governor.speculate(8)  # then plain decoding
-    governor.record(8, False, seconds=1.0, tokens=16)  # 16 tokens/s plain: it wins at 8
-    decisions = [governor.speculate(8) for _ in range(8)]
-    assert decisions.count(True) == 2 and decisions[1] is True  # every 4th step tries the other mode
-    assert governor.speculate(1)  # another batch size is measured on its own
-    governor.record(1, True, seconds=1.0, tokens=3)
-    governor.record(1, False, seconds=1.0, tokens=1)
-    assert [governor.speculate(1) for _ in range(3)] == [True, True, False]  # the 4th decision explores
-    for _ in range(30):  # speculation at 8 gets better (acceptance rose): it takes over
-        governor.record(8, True, seconds=1.0, tokens=40)
-    assert sum(governor.speculate(8) for _ in range(8)) == 6
+
+    def steps(num_running, tokens_per_s, n):
+        """`n` steps as the engine runs them: decide, then record the decided mode's figure."""
+        decisions = []
+        for _ in range(n):
+            speculated = governor.speculate(num_running)
+            governor.record(num_running, speculated, seconds=1.0, tokens=tokens_per_s[speculated])
+            decisions.append(speculated)
+        return decisions
+
+    # nothing measured: speculation first, then plain decoding (its first step, right after the
+    # switch, is not counted), then the faster: plain, 16 tokens/s against 8; every 4 decisions
+    # (the 4th and 5th of each 4) two steps of the other mode
+    assert steps(8, {True: 8, False: 16}, 4) == [True, False, False, True]
+    assert steps(8, {True: 8, False: 16}, 8) == [True, False, False, True, True, False, False, True]
+    assert steps(1, {True: 3, False: 1}, 6) == [True, False, False, False, False, True]  # its own figures
+    steps(8, {True: 40, False: 16}, 40)  # speculation at 8 gets better (acceptance rose): it takes over
+    assert steps(8, {True: 40, False: 16}, 8) == [False, True, True, False, False, True, True, False]
+
+
+def test_the_first_step_after_a_switch_is_not_counted():
+    """With async scheduling a step reads the previous step's tokens: the first step of a mode
+    after the other carries the other's figure (or none), so it is not counted."""
+    governor = SpeculationGovernor()
+    governor.record(4, True, seconds=1.0, tokens=10)
+    governor.record(4, False, seconds=1.0, tokens=0)  # reads nothing: the step before finished itself
+    governor.record(4, False, seconds=1.0, tokens=30)
+    assert governor._rate == {(4, True): 10.0, (4, False): 30.0}
 
 
 def test_adaptive_false_speculates_in_every_step_that_can():

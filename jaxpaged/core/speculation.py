@@ -107,8 +107,9 @@ class SpeculationGovernor:
     that has delivered more output tokens per second of engine step (host and device, as the
     caller times `step()`) at this batch size (its power-of-two bucket) over the recent steps:
     acceptance and the cost of checking proposals are both in that figure. A mode not yet
-    measured at a bucket is tried first, and every `explore_every`-th step of a bucket runs the
-    other mode once, so a change (a new mix of requests, acceptance going up or down) is seen.
+    measured at a bucket is tried first, and every `explore_every` steps of a bucket the other
+    mode runs for two steps, so a change (a new mix of requests, acceptance going up or down)
+    is seen.
 
     Args:
       disable_by_batch_size: see `SpeculativeConfig`.
@@ -125,6 +126,7 @@ class SpeculationGovernor:
         self.weight = 2 / (window + 1)
         self._rate: dict[tuple[int, bool], float] = {}  # (bucket, speculating) -> tokens per second
         self._steps: collections.Counter = collections.Counter()  # bucket -> decisions made
+        self._previous: bool | None = None  # the mode of the step recorded last
 
     @staticmethod
     def bucket(num_running: int) -> int:
@@ -142,11 +144,15 @@ class SpeculationGovernor:
         if spec is None or plain is None:
             return spec is None  # try what is not measured yet, speculation first
         best = spec >= plain
-        return not best if self._steps[b] % self.explore_every == 0 else best
+        # the other mode for two steps: the first after a switch is not measured (see `record`)
+        return not best if self._steps[b] % self.explore_every in (0, 1) else best
 
     def record(self, num_running: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """One step's figure: `tokens` output tokens appended in `seconds` of `step()`."""
-        if seconds <= 0:
+        """One step's figure: `tokens` output tokens appended in `seconds` of `step()`. The first
+        step of a mode after the other is not counted: with async scheduling a step reads the
+        previous step's tokens, so its figure is the other mode's (or none)."""
+        switched, self._previous = self._previous is not None and speculated != self._previous, speculated
+        if seconds <= 0 or switched:
             return
         key = (self.bucket(num_running), speculated)
         rate = tokens / seconds

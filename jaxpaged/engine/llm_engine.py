@@ -41,6 +41,7 @@ from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import SamplingParams, check_text
+from jaxpaged.worker.input_batch import banned_ids
 from jaxpaged.worker.model_runner import StepHandle
 from jaxpaged.worker.sampler import MAX_LOGPROBS
 from jaxpaged.worker.step_packer import MAX_BANNED
@@ -121,7 +122,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
-        if params.min_tokens and len(self._banned_ids(params)) > MAX_BANNED:
+        if params.min_tokens and len(banned_ids(params, self.scheduler.eos_token_ids)) > MAX_BANNED:
             raise ValueError(
                 f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported; "
                 f"got {len(params.stop_token_ids)} stop_token_ids"
@@ -284,11 +285,6 @@ class LLMEngine:
                 self.spec_stats["spec_decode_num_accepted_tokens"] += a
                 for position in range(a):
                     self.spec_accepted_per_position[position] += 1
-
-    def _banned_ids(self, sp: SamplingParams) -> tuple[int, ...]:
-        """Before min_tokens, EOS (unless ignored) and the stop token ids cannot be sampled."""
-        eos = () if sp.ignore_eos else tuple(self.scheduler.eos_token_ids)
-        return tuple(sorted(set(eos) | set(sp.stop_token_ids)))
 
     # -- stats ------------------------------------------------------------------------------
 

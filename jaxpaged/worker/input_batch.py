@@ -17,6 +17,13 @@ from jaxpaged.worker.sampler import SamplerOptions
 from jaxpaged.worker.step_packer import MAX_BANNED, SequenceRow, StepPacker, sampling_row
 
 
+def banned_ids(params, eos_token_ids) -> tuple[int, ...]:
+    """What a sequence may not sample before its `min_tokens`: EOS (unless ignored) and its stop
+    token ids."""
+    eos = () if params.ignore_eos else eos_token_ids
+    return tuple(sorted(set(eos) | set(params.stop_token_ids)))
+
+
 @dataclasses.dataclass
 class PreparedStep:
     """What packing and running one step needs besides its `ScheduledSequence`s.
@@ -90,10 +97,7 @@ class InputBatch:
     def _new_row(self, inp: ScheduledSequence) -> SequenceRow:
         sp = inp.params
         slot = self._free.pop()
-        banned = ()
-        if sp.min_tokens:  # EOS (unless ignored) and the stop token ids, before min_tokens
-            eos = () if sp.ignore_eos else self.eos_token_ids
-            banned = tuple(sorted(set(eos) | set(sp.stop_token_ids)))
-            if len(banned) > MAX_BANNED:
-                raise ValueError(f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported")
+        banned = banned_ids(sp, self.eos_token_ids) if sp.min_tokens else ()
+        if len(banned) > MAX_BANNED:  # add_request refuses these first
+            raise ValueError(f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported")
         return SequenceRow(inp.seq_id, sampling_row(sp, inp.index, inp.prompt_len), slot, inp.prompt_len, banned)

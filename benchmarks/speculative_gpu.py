@@ -48,11 +48,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STAGE_BUDGETS_S = {"plain": 150, "ngram_k2": 120, "ngram_k4": 120, "draft": 160}
 SMOKE_STAGE_BUDGET_S = 120
 # The speculative_config of each stage (None: plain decoding; "DRAFT" stands for the draft's directory).
+# "adaptive": False makes every step speculate: these stages measure what speculation itself costs
+# and gains on the GPU (the data the engine's SpeculationGovernor decides from), not the governor's
+# choice, which on a fast plain step may be to not speculate at all.
 SPEC_CONFIGS = {
     "plain": None,
-    "ngram_k2": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
-    "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
-    "draft": {"model": "DRAFT", "num_speculative_tokens": 4},
+    "ngram_k2": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                 "adaptive": False},
+    "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                 "adaptive": False},
+    "draft": {"model": "DRAFT", "num_speculative_tokens": 4, "adaptive": False},
 }
 # Llama-3.2-1B's public shapes (its config.json on the Hub), with Llama-3.1-8B's vocabulary.
 LLAMA_32_1B_OVERRIDES = {

@@ -1,8 +1,9 @@
 """Async scheduling (each step dispatched before the previous one's tokens are read, which reach
 it on the device) gives exactly the outputs of synchronous steps: greedy and seeded sampling,
 n > 1, filters, penalties, min_tokens, logprobs, stop strings and stop token ids, max_tokens
-exactly, fused decode windows that end mid-way, preemption by recompute and by swap, host-tier
-hits, tensor parallelism; and every block and runner slot comes back."""
+exactly, n-gram speculation switched on and off, fused decode windows that end mid-way,
+preemption by recompute and by swap, host-tier hits, tensor parallelism; and every block and
+runner slot comes back."""
 
 import numpy as np
 import pytest
@@ -122,6 +123,21 @@ def test_async_equals_sync_under_tensor_parallelism(model_path, n):
     sync, asyn = engines(model_path, tensor_parallel_size=n, kv_cache_memory_bytes=24 * BLOCK_BYTES // n)
     requests = workload(*stop_rules(sync))
     assert run(asyn, requests) == run(sync, requests)
+
+
+def test_async_equals_sync_when_steps_switch_between_speculating_and_not(model_path):
+    """n-gram speculation under async scheduling: a step that checks proposals reads the step in
+    flight first, a plain step after it overlaps again. The governor's choice (timed, so not
+    repeatable) is replaced by a fixed pattern that switches every two steps."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    sync, asyn = engines(model_path, num_scheduler_steps=4, speculative_config=spec)
+    assert asyn.async_scheduling
+    for engine in (sync, asyn):
+        calls = iter(range(10**6))
+        engine.governor.speculate = lambda running, calls=calls: next(calls) // 2 % 2 == 0
+    requests = workload(*stop_rules(sync))
+    assert run(asyn, requests) == run(sync, requests)
+    assert asyn.spec_stats["spec_decode_num_draft_tokens"] > 0
 
 
 def test_aborts_in_flight_leave_nothing_behind(model_path):

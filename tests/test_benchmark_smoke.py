@@ -6,7 +6,9 @@ The real runs need a GPU; these keep the scripts from rotting:
   run), table and JSON;
 - `benchmarks/gpu_run.py`: the ShareGPT preparation, then every stage in its own processes, each
   stage's JSON and log, the summary after every stage, and a stage out of time recorded as such
-  while the later stages still run.
+  while the later stages still run;
+- `benchmarks/throughput_steps.py` (a CPU analysis, not a GPU script): `bench throughput` with
+  its steps timed by program.
 """
 
 import json
@@ -126,3 +128,24 @@ def test_kv_tiers_benchmark_runs_its_configurations_in_processes(tmp_path):
     assert runs["fresh+disk"]["disk_hit_tokens"] >= 2 * 64  # both prefixes' full blocks at their first visit
     assert all(r["ttft_repeat_ms"]["mean"] > 0 for r in runs.values())
     assert "fresh+disk" in proc.stdout
+
+
+def test_throughput_steps_reports_every_step_by_program(tmp_path):
+    """`benchmarks/throughput_steps.py`: `bench throughput` with every engine step timed, grouped by
+    the program that ran it; the steps' tokens add up to the workload's."""
+    out = tmp_path / "steps.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "throughput_steps.py"), "--output", str(out),
+                           "--", "bench", "throughput", "--dataset-name", "random", "--num-prompts", "3",
+                           "--input-len", "20", "--output-len", "9", "--max-model-len", "48", "--num-scheduler-steps",
+                           "4", "--disable-tqdm"], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["command"][:3] == ["jaxpaged", "bench", "throughput"]
+    rows = {r["program"]: r for r in summary["programs"]}
+    assert "mixed 64 tokens x 1" in rows and any(p.startswith("decode") and p.endswith("x 4") for p in rows)
+    assert sum(r["steps"] for r in rows.values()) == summary["steps"]
+    # the 3 prompts' 20 tokens each go through mixed steps, every later token through decode ones
+    prefill = sum(r["tokens_per_step"] * r["steps"] for p, r in rows.items() if p.startswith("mixed"))
+    assert prefill == 60
+    assert 0 < summary["wait_seconds"] <= summary["step_seconds"]

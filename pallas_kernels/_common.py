@@ -5,7 +5,6 @@ Everything version-dependent about the Pallas Triton backend lives here, so a ke
 says what it computes. Checked against jax 0.10.2 and 0.11.2.
 """
 
-import contextlib
 import math
 
 import jax
@@ -22,6 +21,7 @@ except ImportError as e:  # pragma: no cover - a JAX without the Pallas Triton b
         "pallas_kernels.reference holds the pure-jnp path"
     ) from e
 
+from pallas_kernels.platform import target_platform
 from pallas_kernels.reference import FLOAT8_DTYPES, MASK_VALUE
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -36,26 +36,6 @@ def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-_compile_target: str | None = None  # set by `compiling_for`
-
-
-def target_platform() -> str:
-    """The platform the programs being traced are for: JAX's default backend, or the platform
-    `compiling_for` names while it is active."""
-    return _compile_target or jax.default_backend()
-
-
-@contextlib.contextmanager
-def compiling_for(platform: str):
-    """Traces inside this block are for `platform` ("gpu", "cpu"), whatever this machine's
-    backend is: the kernels are compiled rather than interpreted for "gpu". For lowering, or
-    compiling deviceless, for a GPU the machine lacks (process-wide: compile threads see it)."""
-    global _compile_target
-    previous, _compile_target = _compile_target, platform
-    try:
-        yield
-    finally:
-        _compile_target = previous
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

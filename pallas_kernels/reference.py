@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.platform import target_platform
+
 # A large finite negative for masked logits: -inf would turn fully masked rows into NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Query rows per work item of the ragged reference.
@@ -200,22 +202,22 @@ def ragged_paged_attention(
     length = block_tables.shape[1] * k_pool.shape[1]
     block_q = min(num_tokens, QUERY_BLOCK)
     # Work items: blocks of up to block_q consecutive tokens of one sequence. Each gathers its
-    # sequence's pages once and attends for its rows only: O(T x L) work, not O(S x T x L).
+    # sequence's pages once and attends for its rows only: O(T x L) work, not O(S x T x L). On a
+    # CPU (where this reference serves the engine) only the live items run, a loop of
+    # data-dependent length, so a step's padding (its bucket's unused rows and sequence slots)
+    # costs nothing; for a GPU, where such a loop waits on the host every iteration, every item
+    # of the bucket runs (dead ones masked).
     q_lens = jnp.where(jnp.arange(num_slots) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
     blocks = (q_lens + block_q - 1) // block_q
     ends = jnp.cumsum(blocks)
-    max_items = -(-num_tokens // block_q) + num_slots
-    item = jnp.arange(max_items)
-    item_seq = jnp.minimum(jnp.searchsorted(ends, item, side="right"), num_slots - 1)
-    item_first = cu_q_lens[item_seq] + (item - (ends[item_seq] - blocks[item_seq])) * block_q
-    item_live = item < ends[-1]
     q_padded = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
     key_pos = jnp.arange(length)
 
-    def one_item(out, w):
-        s, first = item_seq[w], item_first[w]
+    def one_item(w, out):
+        s = jnp.minimum(jnp.searchsorted(ends, w, side="right"), num_slots - 1)
+        first = cu_q_lens[s] + (w - (ends[s] - blocks[s])) * block_q
         rows = first + jnp.arange(block_q)
-        row_ok = item_live[w] & (rows < cu_q_lens[s + 1])
+        row_ok = (w < ends[-1]) & (rows < cu_q_lens[s + 1])
         q_pos = kv_lens[s] - cu_q_lens[s + 1] + rows  # absolute position of each row
         mask = row_ok[:, None] & (key_pos[None, :] <= q_pos[:, None])
         q_rows = jax.lax.dynamic_slice_in_dim(q_padded, first, block_q)
@@ -223,7 +225,9 @@ def ragged_paged_attention(
         k, v = _gather_pages(k_pool, table, k_scale), _gather_pages(v_pool, table, v_scale)
         o = _attend(q_rows, k, v, mask, scale)
         current = jax.lax.dynamic_slice_in_dim(out, first, block_q)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], o, current), first, 0), None
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], o, current), first, 0)
 
-    out, _ = jax.lax.scan(one_item, jnp.zeros_like(q_padded), item)
+    max_items = -(-num_tokens // block_q) + num_slots
+    num_items = ends[-1] if target_platform() == "cpu" else max_items
+    out = jax.lax.fori_loop(0, num_items, one_item, jnp.zeros_like(q_padded))
     return out[:num_tokens]

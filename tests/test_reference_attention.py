@@ -4,11 +4,12 @@ Every block not owned by a sequence (the null block included) is filled with NaN
 anywhere poisons the output.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import reference
+from pallas_kernels import compiling_for, reference
 
 BLOCK_SIZE = 16
 
@@ -69,7 +70,13 @@ def build_batch(rng, kv_lens, q_lens, num_kv_heads, group, head_dim, dtype, quan
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_ragged_matches_dense(dtype, tol, group):
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])  # the live work items only / every item of the bucket
+def test_ragged_matches_dense(dtype, tol, group, platform):
+    with compiling_for(platform):
+        ragged_matches_dense(dtype, tol, group)
+
+
+def ragged_matches_dense(dtype, tol, group):
     rng = np.random.default_rng(group)
     # decode token, fresh prompt, prefix-cached prompt, chunk ending mid-block, block edges
     kv_lens = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300, 40, 37]
@@ -93,6 +100,18 @@ def test_ragged_matches_dense(dtype, tol, group):
         err = np.linalg.norm(rows - expected) / np.linalg.norm(expected)
         assert err < tol, f"sequence {s}: relative error {err:.2e}"
     assert (out[cu[len(kv_lens)] :] == 0).all(), "padding rows must be zero"
+
+
+def test_ragged_loops_over_live_items_on_a_cpu_and_a_fixed_count_for_a_gpu():
+    """On a CPU a step's padding costs nothing (a loop to the live items' count); a GPU program
+    must not wait on the host, so there every item of the bucket runs (a fixed trip count)."""
+    # each its own shapes: JAX caches traces by shapes, not by the platform they are for
+    for platform, data_dependent, tokens in (("cpu", True, 64), ("gpu", False, 32)):
+        args = (jnp.zeros((tokens, 4, 64)), jnp.zeros((9, BLOCK_SIZE, 2, 64)), jnp.zeros((9, BLOCK_SIZE, 2, 64)),
+                jnp.zeros(9, jnp.int32), jnp.zeros(8, jnp.int32), jnp.zeros((8, 4), jnp.int32), jnp.int32(1))  # fmt: skip
+        with compiling_for(platform):
+            text = str(jax.make_jaxpr(reference.ragged_paged_attention)(*args))
+        assert ("while[" in text) == data_dependent, platform  # a fixed-count loop traces as a scan
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])

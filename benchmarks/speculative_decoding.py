@@ -12,6 +12,9 @@ engines report vLLM's counters (proposed and accepted tokens).
 
     python benchmarks/speculative_decoding.py --part ngram --json benchmarks/results/speculative_cpu_demo.json
     python benchmarks/speculative_decoding.py --part draft --json benchmarks/results/speculative_cpu_draft.json
+
+By default the engine's `SpeculationGovernor` decides when a step speculates; `--every-step`
+speculates whenever a sequence has proposals (what speculation itself costs and gains).
 """
 
 import argparse
@@ -114,12 +117,15 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=list(BATCHES))
     parser.add_argument("--part", choices=sorted(CONFIGS), default="ngram", help="which comparison (see above)")
+    parser.add_argument("--every-step", action="store_true",
+                        help='speculate in every step that can ("adaptive": false), not as the governor decides')
     parser.add_argument("--json", default=None, help="write the results here (and a .md table beside it)")
     args = parser.parse_args()
     texts = prompts(max(args.batches), args.prompt_tokens)
     target = DEMO_MODEL if args.part == "ngram" else build_larger_target(tempfile.mkdtemp(prefix="demo_x2_"))
     rows = []
     for name, spec in CONFIGS[args.part].items():
+        spec = {**spec, "adaptive": False} if spec is not None and args.every_step else spec
         llm = LLM(model=target, max_num_seqs=max(args.batches), max_model_len=args.prompt_tokens * 2 + args.max_tokens,
                   speculative_config=spec)  # fmt: skip
         measure(llm, texts[:2], 0.0, 8)  # warm-up: every program is compiled, this runs them once

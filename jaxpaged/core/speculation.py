@@ -107,25 +107,34 @@ class SpeculationGovernor:
     that has delivered more output tokens per second of engine step (host and device, as the
     caller times `step()`) at this batch size (its power-of-two bucket) over the recent steps:
     acceptance and the cost of checking proposals are both in that figure. A mode not yet
-    measured at a bucket is tried first, and every `explore_every` steps of a bucket the other
-    mode runs for two steps, so a change (a new mix of requests, acceptance going up or down)
-    is seen.
+    measured at a bucket is tried first; after that the other mode runs for two steps (the first
+    after a switch is not counted, see `record`) once the better one has run
+    `explore_every * r**2` steps, r being how many times faster the better one is (at most
+    `max_explore_every` steps; `explore_every` until each mode's figure has `settle_steps` steps
+    in it, so one noisy first step does not shut a mode out for long): a change (a new mix of requests, acceptance going up or down) is
+    seen, and exploring a mode r times slower costs 2 (r - 1) / (explore_every r**2) of the time,
+    at most 1 / (2 explore_every) (3% by default, at r = 2).
 
     Args:
       disable_by_batch_size: see `SpeculativeConfig`.
       adaptive: False: every step speculates (below `disable_by_batch_size`).
-      explore_every: steps between two runs of the mode that is not in use.
+      explore_every: steps of the better mode between two runs of the other when both are as fast.
+      max_explore_every: the most steps of the better mode between two runs of the other.
       window: how many recent steps of a mode its figure averages (exponentially).
+      settle_steps: steps counted in both figures before the slower mode is explored less often.
     """
 
     def __init__(self, disable_by_batch_size: int | None = None, explore_every: int = 16, window: int = 8,
-                 adaptive: bool = True):  # fmt: skip
+                 adaptive: bool = True, max_explore_every: int = 256, settle_steps: int = 3):  # fmt: skip
         self.disable_by_batch_size = disable_by_batch_size
         self.adaptive = adaptive
         self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
+        self.settle_steps = settle_steps
         self.weight = 2 / (window + 1)
         self._rate: dict[tuple[int, bool], float] = {}  # (bucket, speculating) -> tokens per second
-        self._steps: collections.Counter = collections.Counter()  # bucket -> decisions made
+        self._counted: collections.Counter = collections.Counter()  # (bucket, speculating) -> steps in its rate
+        self._since: collections.Counter = collections.Counter()  # bucket -> decisions since it last explored
         self._previous: bool | None = None  # the mode of the step recorded last
 
     @staticmethod
@@ -139,13 +148,19 @@ class SpeculationGovernor:
         if not self.adaptive:
             return True
         b = self.bucket(num_running)
-        self._steps[b] += 1
         plain, spec = self._rate.get((b, False)), self._rate.get((b, True))
         if spec is None or plain is None:
             return spec is None  # try what is not measured yet, speculation first
         best = spec >= plain
-        # the other mode for two steps: the first after a switch is not measured (see `record`)
-        return not best if self._steps[b] % self.explore_every in (0, 1) else best
+        ratio = max(spec, plain) / max(min(spec, plain), 1e-9)
+        settled = min(self._counted[b, False], self._counted[b, True]) >= self.settle_steps
+        interval = min(self.max_explore_every, round(self.explore_every * ratio**2)) if settled else self.explore_every
+        self._since[b] += 1
+        if self._since[b] <= interval:
+            return best
+        if self._since[b] >= interval + 2:  # the second step of the other mode: the next is the better's
+            self._since[b] = 0
+        return not best
 
     def record(self, num_running: int, speculated: bool, seconds: float, tokens: int) -> None:
         """One step's figure: `tokens` output tokens appended in `seconds` of `step()`. The first
@@ -158,6 +173,7 @@ class SpeculationGovernor:
         rate = tokens / seconds
         old = self._rate.get(key)
         self._rate[key] = rate if old is None else old + self.weight * (rate - old)
+        self._counted[key] += 1
 
 
 def make_proposer(config: SpeculativeConfig | None) -> "NgramProposer | DraftModelSlots | None":

@@ -10,7 +10,6 @@ process that has compiled several hundred programs before, XLA's CPU compiler cr
 those tests alone), taking the whole suite down with it.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -26,15 +25,6 @@ if "JAXPAGED_TEST_CACHE_HOME" not in os.environ:  # set once per run; subprocess
 os.environ["XDG_CACHE_HOME"] = os.environ["JAXPAGED_TEST_CACHE_HOME"]
 
 IN_ISOLATION = "JAXPAGED_TEST_IN_ISOLATION"
-
-# Programs compiled for an H100 on this machine need JAX's CUDA plugin (the gpu-compile extra;
-# CI's stage 2 installs it): without it there is nothing to compile them with.
-try:
-    _cuda_plugin = importlib.util.find_spec("jax_plugins.xla_cuda12")
-except ModuleNotFoundError:  # no jax_plugins package at all
-    _cuda_plugin = None
-if _cuda_plugin is None:
-    collect_ignore = ["gpu_compile"]
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,7 +1,11 @@
 """HF safetensors -> params: the key map, the converter, the CLI and every rejection."""
 
+import fnmatch
 import json
 import os
+import subprocess
+import sys
+import tomllib
 
 import jax
 import ml_dtypes
@@ -12,10 +16,10 @@ from checkpoint_edits import copy_checkpoint, edit_tensors
 from safetensors.numpy import load_file, save_file
 from tiny_models import save_hf_model
 
-from convert.cli import main
-from convert.convert import convert_checkpoint
+from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.hf_keys import hf_key_specs, param_shapes
 from jaxpaged.checkpoint.loader import load_model, load_params
+from jaxpaged.entrypoints.convert_cli import main
 from jaxpaged.model.llama import Llama
 
 VARIANT_CASES = [
@@ -252,3 +256,20 @@ def test_converted_dir_checked_against_its_config(llama_dir, tmp_path):
     (out / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
     with pytest.raises(ValueError, match=r"layers\.mlp\.down_proj.*\[2, 128, 64\].*\[2, 64, 64\]"):
         load_params(out)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_installing_adds_no_top_level_module_but_jaxpaged_and_its_kernels():
+    """`pip install jaxpaged` puts `jaxpaged` and `pallas_kernels` into site-packages, no module
+    named `convert` (the converter is `jaxpaged.checkpoint.convert`; `convert/` in a checkout is
+    `python convert`, the same command line as `jaxpaged-convert`)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    include = setuptools["packages"]["find"]["include"]
+    packages = {name for name in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, name, "__init__.py"))}
+    assert {p for p in packages if any(fnmatch.fnmatch(p, pattern) for pattern in include)} == {"jaxpaged",
+                                                                                                 "pallas_kernels"}
+    proc = subprocess.run([sys.executable, "convert", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: jaxpaged-convert" in proc.stdout and "--hf-dir" in proc.stdout, proc.stderr

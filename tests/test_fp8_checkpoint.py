@@ -22,8 +22,8 @@ from shard_checks import check_loaded_into_shards
 from tiny_models import save_hf_model
 from tiny_tokenizer import save_tokenizer
 
-from convert.cli import main as convert_main
-from convert.convert import convert_checkpoint
+from jaxpaged.entrypoints.convert_cli import main as convert_main
+from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.hf_keys import param_shapes
 from jaxpaged.checkpoint.loader import load_model, load_params
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint

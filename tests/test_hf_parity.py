@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import VARIANTS, save_hf_model
 
-from convert.convert import convert_checkpoint
+from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.worker.paged_generate import PagedGenerator
 

@@ -294,7 +294,7 @@ def test_fp8_kv_cache_takes_a_checkpoints_kv_scales(tmp_path):
 def test_converted_checkpoint_quantizes_in_its_shards(tmp_path):
     """A converted (Orbax) checkpoint restored straight into its shards on 2 devices is quantized
     where it lies: the same float8 weights and scales as on one device, split by the table."""
-    from convert.convert import convert_checkpoint
+    from jaxpaged.checkpoint.convert import convert_checkpoint
     from jaxpaged.parallel.mesh import TensorParallel
 
     save_hf_model("llama_tp", str(tmp_path / "hf"))

@@ -18,7 +18,7 @@ from shard_checks import check_loaded_into_shards
 from flax import nnx
 from tiny_models import save_hf_model
 
-from convert.convert import convert_checkpoint
+from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.config.engine_config import EngineConfig

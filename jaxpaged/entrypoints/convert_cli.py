@@ -3,7 +3,7 @@
 jaxpaged-convert --hf-dir ./Llama-3.1-8B --out ./llama-8b-jax --dtype bfloat16
 
 A compressed-tensors FP8 checkpoint (e.g. a public Llama FP8) is converted with its weights
-still in float8 (see `convert.convert`).
+still in float8 (see `jaxpaged.checkpoint.convert`).
 """
 
 import argparse
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    from convert.convert import convert_checkpoint  # after parsing: --help stays fast
+    from jaxpaged.checkpoint.convert import convert_checkpoint  # after parsing: --help stays fast
 
     try:
         out = convert_checkpoint(

@@ -151,14 +151,14 @@ def test_prefix_caching_off():
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_fork_shares_full_prompt_blocks(caching):
+def test_a_sibling_shares_its_parents_full_prompt_blocks(caching):
     bm = BlockManager(num_blocks=32, block_size=BS, enable_prefix_caching=caching)
     parent = make_seq(range(10), request_id="req")
     compute(parent, admit(bm, parent))
     parent.output_token_ids.append(77)  # parent already decoding: its outputs are never shared
     child = make_seq(range(10), request_id="req")
     assert bm.can_allocate(child, 2, parent=parent)
-    bm.fork(parent, child)
+    bm.allocate(child, parent)  # n > 1: the child shares the parent's computed full prompt blocks
     assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 8
     assert child.num_cached_tokens == 8
     bm.may_append(child, 2)  # the child recomputes the partial tail into its own block
@@ -170,13 +170,13 @@ def test_fork_shares_full_prompt_blocks(caching):
     check_accounting(bm, [])
 
 
-def test_fork_from_unfinished_parent_shares_only_computed_blocks():
+def test_a_sibling_of_an_unfinished_parent_shares_only_computed_blocks():
     bm = BlockManager(num_blocks=32, block_size=BS)
     parent = make_seq(range(20), request_id="req")
     admit(bm, parent, 6)
     compute(parent, 6)  # one chunk of 6: one full computed block
     child = make_seq(range(20), request_id="req")
-    bm.fork(parent, child)
+    bm.allocate(child, parent)  # n > 1: the child shares the parent's computed full prompt blocks
     assert child.block_table == parent.block_table[:1] and child.num_computed_tokens == 4
 
 

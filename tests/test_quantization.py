@@ -27,7 +27,7 @@ from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.model import LayerArrays
-from jaxpaged.model.quant import FP8, dequantize_weight, quantize_weight, quantized_matmul
+from jaxpaged.model.quant import FP8, quantize_weight, quantized_matmul
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
@@ -46,6 +46,15 @@ MODES = {
 
 
 # -- weights ----------------------------------------------------------------------------------
+
+
+def dequantize_weight(q, scale, num_in: int, num_lead: int = 0) -> np.ndarray:
+    """The float32 weight `[*lead, *in, *out]` a quantized one `[*lead, *out, *in]` with per-output
+    `scale` stands for (the reference the rounding bounds are checked against)."""
+    w = np.asarray(q, np.float32) * np.asarray(scale).reshape(scale.shape + (1,) * num_in)
+    num_out = w.ndim - num_lead - num_in
+    lead, outputs = tuple(range(num_lead)), tuple(range(num_lead, num_lead + num_out))
+    return np.transpose(w, lead + tuple(range(num_lead + num_out, w.ndim)) + outputs)
 
 
 @pytest.mark.parametrize("method, step", [("fp8", 2.0**-4), ("int8", 1 / 254)])

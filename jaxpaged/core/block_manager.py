@@ -279,14 +279,6 @@ class BlockManager:
         # A swapped-in sequence registers its full blocks again as `may_append` reaches them.
         self._num_registered[seq.seq_id] = 0 if swapped else len(table)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Shares `parent`'s computed full prompt blocks with `child` (n > 1 sampling).
-
-        The child's partial tail block is not shared: the child recomputes it into its own
-        block (`may_append`), so shared blocks are only ever read.
-        """
-        self.allocate(child, parent)
-
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether `may_append(seq, num_new_tokens)` would find enough free blocks."""
         return self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) <= self.num_free_blocks

@@ -477,18 +477,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def stats(self) -> dict[str, int | float]:
-        """Gauges and counters under vLLM's metric names (without the `vllm:` prefix)."""
-        bm = self.block_manager
-        return {
-            "num_requests_running": self.num_running,
-            "num_requests_waiting": self.num_waiting,
-            "kv_cache_usage_perc": bm.usage,
-            "num_preemptions": self.num_preemptions,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-        }
-
     # -- internals --------------------------------------------------------------------------
 
     def _make_room(self, seq: Sequence, n: int, chosen: set[int], preempted: list[Sequence]) -> bool:

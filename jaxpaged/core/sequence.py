@@ -131,11 +131,6 @@ class Sequence:
         return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt followed by generated tokens (a new list)."""
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
@@ -144,7 +139,7 @@ class Sequence:
         return self.status.is_finished
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """Tokens `[start, end)` of `all_token_ids`, without building the whole list."""
+        """Tokens `[start, end)` of the prompt followed by the outputs, without building that list."""
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

@@ -55,16 +55,6 @@ def quantize_weight(w: Float[Array, "..."], method: str, num_in: int, num_lead: 
     return _to_storage(wt / scale.reshape(scale.shape + (1,) * num_in), method), scale
 
 
-def dequantize_weight(q: Array, scale: Float[Array, "..."], num_in: int, num_lead: int = 0) -> Float[Array, "..."]:
-    """The float32 weight `[*lead, *in, *out]` a quantized one stands for (tests, conversion)."""
-    w = q.astype(jnp.float32) * scale.reshape(scale.shape + (1,) * num_in)
-    lead = tuple(range(num_lead))
-    num_out = w.ndim - num_lead - num_in
-    outputs = tuple(range(num_lead, num_lead + num_out))
-    inputs = tuple(range(num_lead + num_out, w.ndim))
-    return jnp.transpose(w, lead + inputs + outputs)
-
-
 def matmul(x: Float[Array, "T ..."], w: Float[Array, "..."], num_in: int) -> Float[Array, "T ..."]:
     """`x [T, *in] . w [*in, *out] -> [T, *out]` for a plain weight."""
     contract = tuple(range(1, 1 + num_in)), tuple(range(num_in))

@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 
+from call_timing import time_calls
 from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
@@ -32,16 +33,9 @@ WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 
 
 def timed_fetch(engine: LLMEngine) -> list[float]:
-    """Wraps the runner's `fetch` to record the seconds each call waits for a step's results."""
-    waits, fetch = [], engine.runner.fetch
-
-    def fetch_and_time(handle):
-        start = time.perf_counter()
-        result = fetch(handle)
-        waits.append(time.perf_counter() - start)
-        return result
-
-    engine.runner.fetch = fetch_and_time
+    """Times the runner's `fetch`: the list of the seconds each call waits for a step's results."""
+    waits = []
+    time_calls(engine.runner, "fetch", waits.append)
     return waits
 
 

@@ -14,6 +14,8 @@ import collections
 import json
 import time
 
+from call_timing import time_calls
+
 from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.llm_engine import LLMEngine
@@ -33,19 +35,10 @@ STAGES = {  # stage: the method whose time it is
 
 
 def time_stages() -> collections.Counter:
-    """Wraps every stage's method to add its seconds to the returned counter."""
+    """Times every stage's method; returns the counter of each stage's seconds."""
     seconds = collections.Counter()
     for stage, (cls, name) in STAGES.items():
-        method = getattr(cls, name)
-
-        def timed(*args, _method=method, _stage=stage, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                seconds[_stage] += time.perf_counter() - start
-
-        setattr(cls, name, timed)
+        time_calls(cls, name, lambda s, stage=stage: seconds.update({stage: s}))
     return seconds
 
 

@@ -53,11 +53,11 @@ SMOKE_STAGE_BUDGET_S = 120
 # choice, which on a fast plain step may be to not speculate at all.
 SPEC_CONFIGS = {
     "plain": None,
-    "ngram_k2": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
-                 "adaptive": False},
-    "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
-                 "adaptive": False},
-    "draft": {"model": "DRAFT", "num_speculative_tokens": 4, "adaptive": False},
+    **{name: {**spec, "adaptive": False} for name, spec in {
+        "ngram_k2": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+        "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+        "draft": {"model": "DRAFT", "num_speculative_tokens": 4},
+    }.items()},
 }
 # Llama-3.2-1B's public shapes (its config.json on the Hub), with Llama-3.1-8B's vocabulary.
 LLAMA_32_1B_OVERRIDES = {

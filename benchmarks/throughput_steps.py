@@ -13,8 +13,8 @@ import argparse
 import collections
 import json
 import sys
-import time
 
+from call_timing import time_calls
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.entrypoints.cli import main as jaxpaged_main
 from jaxpaged.worker.model_runner import ModelRunner
@@ -24,14 +24,14 @@ def instrument() -> list[dict]:
     """Wraps `LLMEngine.step`, `ModelRunner._pack` and `ModelRunner.fetch`; returns the list each
     step's record is appended to."""
     records, current = [], {}
-    step, pack, fetch = LLMEngine.step, ModelRunner._pack, ModelRunner.fetch
+    time_calls(LLMEngine, "step", lambda s: current.update(wall_s=s))
+    time_calls(ModelRunner, "fetch", lambda s: current.update(wait_s=current["wait_s"] + s))
+    step, pack = LLMEngine.step, ModelRunner._pack
 
-    def timed_step(self):
+    def recorded_step(self):
         current.clear()
         current["wait_s"] = 0.0
-        start = time.perf_counter()
         outputs = step(self)
-        current["wall_s"] = time.perf_counter() - start
         records.append(dict(current))
         return outputs
 
@@ -43,13 +43,7 @@ def instrument() -> list[dict]:
         current["seqs"] = len(inputs)
         return packed
 
-    def timed_fetch(self, handle):
-        start = time.perf_counter()
-        result = fetch(self, handle)
-        current["wait_s"] += time.perf_counter() - start
-        return result
-
-    LLMEngine.step, ModelRunner._pack, ModelRunner.fetch = timed_step, recorded_pack, timed_fetch
+    LLMEngine.step, ModelRunner._pack = recorded_step, recorded_pack
     return records
 
 

@@ -36,8 +36,6 @@ def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-
-
 def resolve_interpret(interpret: bool | None) -> bool:
     """`None` means: run the real kernel on GPU, interpret it anywhere else (CPU tests); see
     `target_platform`."""

@@ -37,6 +37,8 @@ VARIANTS = {
     "llama_linear_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
     "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "qwen2_bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    # q and k RMS-normed per head (head_dim 16 explicit, as Qwen3 configs give it)
+    "qwen3_qk_norm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=16)),
     # head_dim 64, as the Pallas kernels require
     "llama_hd64": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_key_value_heads=2, head_dim=32, sliding_window=None)),

@@ -1,8 +1,9 @@
 """The explicit map from Hugging Face tensor names to jaxpaged parameters.
 
-Every expected HF tensor is spelled out per layer from the `ModelConfig` (no regex guessing),
-with its target path in `nnx.state(Llama).to_pure_dict()` (and, for a decoder layer's tensor,
-its index in that stacked parameter), its HF shape and the transform to our einsum-ready layout.
+Every expected HF tensor is spelled out per layer from the architecture's parameter table
+(`jaxpaged.params`: names, layouts and shapes are declared there; no regex guessing), with its
+target path in `nnx.state(Llama).to_pure_dict()` (and, for a decoder layer's tensor, its index in
+that stacked parameter), its HF shape and the transform to our einsum-ready layout.
 Dimension letters: D hidden, N query heads, K kv heads, H head_dim, F MLP width, V vocabulary.
 
 HF stores a linear layer as `weight[out, in]` (`y = x @ W.T`); we store `[in, ...out]` with the
@@ -23,16 +24,14 @@ Embedding, norms and LM head stay plain.
 """
 
 import dataclasses
-import math
 
 import ml_dtypes
 import numpy as np
 
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.quantization import QUANTIZED_WEIGHT_DTYPES
-from jaxpaged.parallel.sharding import LAYER_STACK, QUANT_SUFFIX, QUANTIZED_INPUT_AXES, SCALE_SUFFIX
-
-Path = tuple[str, ...]
+from jaxpaged.params.spec import ParamSpec, Path
+from jaxpaged.params.tables import find_state_param, param_specs, state_shapes
 Shapes = tuple[tuple[int, ...], ...]  # the shapes a tensor may have
 
 # The dtype a pre-quantized tensor keeps whatever the model's dtype, and the safetensors dtypes it
@@ -130,7 +129,9 @@ def check_shape(name: str, expected: tuple[int, ...], actual: tuple[int, ...],
 
 
 def hf_key_specs(config: ModelConfig, prequantized: str | None = None) -> list[KeySpec]:
-    """Every tensor a checkpoint of this config must hold, in a stable order.
+    """Every tensor a checkpoint of this config must hold, in a stable order (the parameters
+    before the decoder layers, the layers one after another, then the rest), from the
+    architecture's parameter table.
 
     Args:
       config: the model configuration (from the checkpoint's config.json).
@@ -139,54 +140,31 @@ def hf_key_specs(config: ModelConfig, prequantized: str | None = None) -> list[K
         None for plain weights.
 
     Returns:
-      One `KeySpec` per parameter of `Llama(config, quantization=prequantized)`; their targets
-      are exactly the leaves of its state pure dict.
+      One `KeySpec` per parameter of `Llama(config, quantization=prequantized)` (per layer for a
+      decoder layer's); their targets are exactly the leaves of its state pure dict.
     """
-    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
-    specs = [KeySpec("model.embed_tokens.weight", ("embed",), (v, d), (v, d), False)]
-    at = ("layers", "attn")
-    for i in range(config.num_layers):
-        hf = f"model.layers.{i}."
-        layer = [
-            (hf + "input_layernorm.weight", ("layers", "input_norm", "scale"), (d,), (d,), False),
-            (hf + "self_attn.q_proj.weight", at + ("q_proj",), (n * h, d), (d, n, h), True),
-            (hf + "self_attn.k_proj.weight", at + ("k_proj",), (k * h, d), (d, k, h), True),
-            (hf + "self_attn.v_proj.weight", at + ("v_proj",), (k * h, d), (d, k, h), True),
-            (hf + "self_attn.o_proj.weight", at + ("o_proj",), (d, n * h), (n, h, d), True),
-        ]
-        if config.qkv_bias:
-            layer += [
-                (hf + "self_attn.q_proj.bias", at + ("q_bias",), (n * h,), (n, h), False),
-                (hf + "self_attn.k_proj.bias", at + ("k_bias",), (k * h,), (k, h), False),
-                (hf + "self_attn.v_proj.bias", at + ("v_bias",), (k * h,), (k, h), False),
-            ]
-        if config.o_bias:
-            layer.append((hf + "self_attn.o_proj.bias", at + ("o_bias",), (d,), (d,), False))
-        layer += [
-            (hf + "post_attention_layernorm.weight", ("layers", "post_attention_norm", "scale"), (d,), (d,), False),
-            (hf + "mlp.gate_proj.weight", ("layers", "mlp", "gate_proj"), (f, d), (d, f), True),
-            (hf + "mlp.up_proj.weight", ("layers", "mlp", "up_proj"), (f, d), (d, f), True),
-            (hf + "mlp.down_proj.weight", ("layers", "mlp", "down_proj"), (d, f), (f, d), True),
-        ]
-        for fields in layer:
-            spec = KeySpec(*fields, layer=i)
-            quantized = prequantized is not None and quantized_paths(spec.target) is not None
-            specs += _prequantized(spec, prequantized) if quantized else [spec]
-    specs.append(KeySpec("model.norm.weight", ("final_norm", "scale"), (d,), (d,), False))
-    if not config.tie_word_embeddings:
-        specs.append(KeySpec("lm_head.weight", ("lm_head",), (v, d), (d, v), True))
+    params = param_specs(config)
+    first_layer = next(i for i, p in enumerate(params) if p.per_layer)
+    before = [p for p in params[:first_layer] if not p.per_layer]
+    after = [p for p in params[first_layer:] if not p.per_layer]
+    per_layer = [p for p in params if p.per_layer]
+    order = [(p, None) for p in before]
+    order += [(p, i) for i in range(config.num_layers) for p in per_layer]
+    order += [(p, None) for p in after]
+    specs = []
+    for param, layer in order:
+        spec = KeySpec(param.hf_key(layer), param.path, param.hf_shape(config), param.shape(config),
+                       param.hf_layout == "linear", layer)  # fmt: skip
+        specs += _prequantized(spec, param, prequantized) if prequantized is not None and param.quantize else [spec]
     return specs
 
 
-def _prequantized(spec: KeySpec, method: str) -> list[KeySpec]:
+def _prequantized(spec: KeySpec, param: ParamSpec, method: str) -> list[KeySpec]:
     """The pair a pre-quantized checkpoint stores for a plain weight's spec: the quantized
     `weight` `[out, in]` reshaped to `<name>_quant` `[*out, *in]`, and `weight_scale` (`[out, 1]`,
     or one number) to `<name>_scale` `[*out]`."""
-    quant, scale = quantized_paths(spec.target)
-    num_in = QUANTIZED_INPUT_AXES[spec.target[-1]]
-    inputs, outputs = spec.shape[:num_in], spec.shape[num_in:]
-    assert spec.transpose and spec.hf_shape == (math.prod(outputs), math.prod(inputs)), spec
+    quant, scale = param.quantized_paths
+    inputs, outputs = spec.shape[: param.num_in], spec.shape[param.num_in :]
     return [
         KeySpec(spec.hf_name, quant, spec.hf_shape, (*outputs, *inputs), False, spec.layer,
                 dtype=QUANTIZED_WEIGHT_DTYPES[method]),  # fmt: skip
@@ -227,44 +205,25 @@ def optional_hf_keys(config: ModelConfig, prequantized: str | None = None) -> di
 
 def param_shapes(config: ModelConfig, quantization: str | None = None) -> dict[Path, tuple[int, ...]]:
     """Our parameter path -> our shape, for every parameter of `Llama(config, quantization=...)`
-    (stacked parameters `[L, ...]`; a quantized weight as its pair, see `quantized_paths`)."""
-    shapes = {spec.target: spec.shape if spec.layer is None else (config.num_layers, *spec.shape)
-              for spec in hf_key_specs(config)}  # fmt: skip
-    if quantization is None:
-        return shapes
-    out = {}
-    for path, shape in shapes.items():
-        pair = quantized_paths(path)
-        if pair is None:
-            out[path] = shape
-            continue
-        lead = 1 if path[0] == LAYER_STACK else 0
-        num_in = QUANTIZED_INPUT_AXES[path[-1]]
-        inputs, outputs = shape[lead : lead + num_in], shape[lead + num_in :]
-        out[pair[0]] = (*shape[:lead], *outputs, *inputs)
-        out[pair[1]] = (*shape[:lead], *outputs)
-    return out
+    (stacked parameters `[L, ...]`; a quantized weight as its pair)."""
+    return state_shapes(config, quantization)
 
 
-def quantized_paths(path: Path) -> tuple[Path, Path] | None:
-    """`(weight, scale)` paths that replace the weight at `path` under quantization (None: it
-    is not quantized)."""
-    if path[-1] not in QUANTIZED_INPUT_AXES:
-        return None
-    return path[:-1] + (path[-1] + QUANT_SUFFIX,), path[:-1] + (path[-1] + SCALE_SUFFIX,)
+def quantizable(config: ModelConfig, path: Path) -> ParamSpec | None:
+    """The declaration of the weight at `path` when weight quantization replaces it by a pair
+    (None: a parameter that stays as it is)."""
+    param = find_state_param(config, path)
+    return param.spec if param.role == "plain" and param.spec.quantize else None
 
 
-def kept_dtype(path: Path, prequantized: str | None) -> np.dtype | None:
+def kept_dtype(config: ModelConfig, path: Path, prequantized: str | None) -> np.dtype | None:
     """The dtype the parameter at `path` keeps whatever the model's dtype when the checkpoint is
     pre-quantized with `prequantized`: a quantized weight its storage type, its scale float32;
     None: a plain parameter, or a plain checkpoint."""
     if prequantized is None:
         return None
-    name = path[-1]
-    for suffix, dtype in ((QUANT_SUFFIX, QUANTIZED_WEIGHT_DTYPES[prequantized]), (SCALE_SUFFIX, "float32")):
-        if isinstance(name, str) and name.endswith(suffix) and name.removesuffix(suffix) in QUANTIZED_INPUT_AXES:
-            return KEPT_DTYPES[dtype]
-    return None
+    role = find_state_param(config, path).role
+    return {"quant": KEPT_DTYPES[QUANTIZED_WEIGHT_DTYPES[prequantized]], "scale": KEPT_DTYPES["float32"]}.get(role)
 
 
 def format_names(names, limit: int = 20) -> str:

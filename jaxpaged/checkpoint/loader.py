@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from jaxpaged.checkpoint.format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
 from jaxpaged.checkpoint.hf_keys import (Path, check_shape, format_names, hf_key_specs, kept_dtype, optional_hf_keys,
-                                         param_shapes, quantized_paths)  # fmt: skip
+                                         param_shapes, quantizable)  # fmt: skip
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
@@ -47,7 +47,6 @@ from jaxpaged.config.quantization import checkpoint_quantization, resolve_quanti
 from jaxpaged.model.llama import Llama
 from jaxpaged.model.quant import quantize_weight
 from jaxpaged.parallel.mesh import TensorParallel, param_path
-from jaxpaged.parallel.sharding import LAYER_STACK, QUANTIZED_INPUT_AXES
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
@@ -273,7 +272,7 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     shapes = param_shapes(model_config, quantization)
     params: Params = {}
     stacked: dict[Path, jax.Array] = {}
-    for path, layer, array in _quantize_tensors(tensors, quantize_at_load, parallel):
+    for path, layer, array in _quantize_tensors(tensors, config, quantize_at_load, parallel):
         if layer is not None:  # one row of a stacked parameter, set in place on its devices
             if path not in stacked:
                 stacked[path] = _zeros_on_mesh(shapes[path], array.dtype, parallel, path)
@@ -294,19 +293,20 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     return config, model
 
 
-def _quantize_tensors(tensors: Iterator, quantization: str | None, parallel: TensorParallel | None) -> Iterator:
+def _quantize_tensors(tensors: Iterator, config: ModelConfig, quantization: str | None,
+                      parallel: TensorParallel | None) -> Iterator:  # fmt: skip
     """The checkpoint's `(path, layer, array)` with every quantizable weight replaced by its
     quantized pair (`quantize_weight`). A numpy tensor is quantized on the default device and
     comes back as numpy; one Orbax restored into its shards is quantized where it lies, into
     the shards of its pair (nothing gathered, so also across processes)."""
     for path, layer, array in tensors:
-        pair = None if quantization is None else quantized_paths(path)
-        if pair is None:
+        spec = None if quantization is None else quantizable(config, path)
+        if spec is None:
             yield path, layer, array
             continue
-        num_lead = 1 if layer is None and path[0] == LAYER_STACK else 0
-        quantize = functools.partial(quantize_weight, method=quantization, num_in=QUANTIZED_INPUT_AXES[path[-1]],
-                                     num_lead=num_lead)  # fmt: skip
+        pair = spec.quantized_paths
+        num_lead = 1 if layer is None and spec.per_layer else 0
+        quantize = functools.partial(quantize_weight, method=quantization, num_in=spec.num_in, num_lead=num_lead)
         if isinstance(array, jax.Array) and parallel is not None and layer is None:
             shardings = (parallel.param_sharding(pair[0]), parallel.param_sharding(pair[1]))
             q, scale = jax.jit(quantize, out_shardings=shardings)(array)
@@ -351,14 +351,14 @@ def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: An
         check_names(set(expected), set(stored), f"converted checkpoint {params_dir!r}")
         for path, m in _flatten(meta).items():
             check_shape(_dotted(path), expected[path], tuple(m.shape))
-            kept = kept_dtype(path, prequantized)
+            kept = kept_dtype(config, path, prequantized)
             if kept is not None and np.dtype(m.dtype) != kept:
                 raise ValueError(f"tensor {_dotted(path)!r} in {params_dir!r} is stored as {np.dtype(m.dtype)}, "
                                  f"expected {kept} (the checkpoint is {prequantized}-quantized)")  # fmt: skip
 
         def restore_args(path, _):
             path = param_path(path)
-            cast = target if kept_dtype(path, prequantized) is None else None  # quantized pairs as stored
+            cast = target if kept_dtype(config, path, prequantized) is None else None  # quantized pairs as stored
             if parallel is None or parallel.repeats(path):
                 return ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast)
             return ocp.ArrayRestoreArgs(sharding=parallel.param_sharding(path), dtype=cast)

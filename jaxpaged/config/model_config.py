@@ -1,7 +1,7 @@
 """Model configuration: the static description of a Llama-family network.
 
-`ModelConfig.from_hf` reads a Hugging Face `config.json` dictionary (Llama, Mistral and
-Qwen2 causal LMs) and refuses anything this engine would compute differently from
+`ModelConfig.from_hf` reads a Hugging Face `config.json` dictionary (Llama, Mistral, Qwen2 and
+Qwen3 causal LMs) and refuses anything this engine would compute differently from
 transformers, naming the field, its value and what would fix it.
 """
 
@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -42,7 +43,7 @@ class ModelConfig:
     """Static configuration of a decoder-only Llama-family model (hashable, jit-static).
 
     Attributes:
-      architecture: "llama", "mistral" or "qwen2".
+      architecture: "llama", "mistral", "qwen2" or "qwen3" (its parameter table: `jaxpaged.params`).
       vocab_size: V, rows of the embedding table.
       hidden_size: D, the residual width.
       intermediate_size: F, the MLP width.
@@ -206,8 +207,8 @@ def _sliding_window_from_hf(arch: str, hf: dict[str, Any]) -> int | None:
     window = hf.get("sliding_window")
     if window is None:
         return None
-    if arch == "qwen2":
-        # Qwen2 applies the window only when use_sliding_window is set (and then per layer).
+    if arch in ("qwen2", "qwen3"):
+        # Qwen2 and Qwen3 apply the window only when use_sliding_window is set (and then per layer).
         layer_types = hf.get("layer_types") or []
         if not hf.get("use_sliding_window", False) and "sliding_attention" not in layer_types:
             return None

@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from jaxpaged.parallel.mesh import param_path
-from jaxpaged.parallel.sharding import LAYER_STACK
+from jaxpaged.params.spec import LAYER_STACK
 
 
 @jax.tree_util.register_pytree_node_class

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in Flax NNX over a block-paged KV pool.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in Flax NNX over a block-paged KV pool.
 
 Dimension letters: T tokens in the step, D hidden, N query heads, K kv heads, H head_dim,
 F MLP width, V vocabulary, NB pool blocks, BS block size.
@@ -41,8 +41,9 @@ from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.quant import matmul, quantize_weight, quantized_matmul
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
-from jaxpaged.parallel.sharding import (KEY_VALUE_AXES, KV_HEADS, KV_POOL_AXES, QUANT_SUFFIX, QUANTIZED_INPUT_AXES,
-                                        QUERY_AXES, SCALE_SUFFIX)  # fmt: skip
+from jaxpaged.params.spec import KV_HEADS, QUANT_SUFFIX, SCALE_SUFFIX, Path
+from jaxpaged.params.tables import param_specs
+from jaxpaged.parallel.sharding import KEY_VALUE_AXES, KV_POOL_AXES, QUERY_AXES
 from pallas_kernels import reference
 
 INIT_STDDEV = 0.02
@@ -58,74 +59,96 @@ def resolve_attention_backend(name: str) -> str:
     return name
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
-    return nnx.Param(INIT_STDDEV * jax.random.normal(rngs.params(), shape, dtype))
+class ParamDeclarer:
+    """Creates a model's parameters from its architecture's table (`jaxpaged.params`) while its
+    modules are built: each module asks for the parameters under its own path.
 
+    Args:
+      config: the model's configuration (the mesh layout's under tensor parallelism).
+      dtype: the parameters' dtype (a quantized pair keeps its own).
+      rngs: random initialisation of the "normal" parameters.
+      quantization: "fp8" or "int8": quantizable weights become their quantized pairs.
+    """
 
-def _weight(module: nnx.Module, name: str, rngs: nnx.Rngs, shape: tuple[int, ...], dtype, stack: tuple[int, ...],
-            quantization: str | None) -> None:  # fmt: skip
-    """Sets the weight `name` of `module` (our layout `[*stack, *in, *out]`): a plain parameter,
-    or with `quantization` its quantized pair `<name>_quant`, `<name>_scale` (see quant.py)."""
-    w = INIT_STDDEV * jax.random.normal(rngs.params(), (*stack, *shape), dtype)
-    if quantization is None:
-        setattr(module, name, nnx.Param(w))
-        return
-    q, scale = quantize_weight(w, quantization, QUANTIZED_INPUT_AXES[name], len(stack))
-    setattr(module, name + QUANT_SUFFIX, nnx.Param(q))
-    setattr(module, name + SCALE_SUFFIX, nnx.Param(scale))
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str | None):
+        self.config, self.dtype, self.rngs, self.quantization = config, dtype, rngs, quantization
+        self.specs = param_specs(config)
+        self.declared: set[Path] = set()
+
+    def declare(self, module: nnx.Module, prefix: Path) -> None:
+        """Sets on `module` every parameter of the table whose path is `prefix` and one name:
+        per-layer ones stacked `[L, ...]`, quantizable ones as their pair under quantization."""
+        for spec in self.specs:
+            if spec.path[:-1] != prefix:
+                continue
+            stack = (self.config.num_layers,) if spec.per_layer else ()
+            shape = (*stack, *spec.shape(self.config))
+            if spec.init == "normal":
+                value = INIT_STDDEV * jax.random.normal(self.rngs.params(), shape, self.dtype)
+            else:
+                value = (jnp.ones if spec.init == "ones" else jnp.zeros)(shape, self.dtype)
+            if self.quantization is not None and spec.quantize:
+                q, scale = quantize_weight(value, self.quantization, spec.num_in, len(stack))
+                quant_path, scale_path = spec.quantized_paths
+                setattr(module, quant_path[-1], nnx.Param(q))
+                setattr(module, scale_path[-1], nnx.Param(scale))
+            else:
+                setattr(module, spec.name, nnx.Param(value))
+            self.declared.add(spec.path)
+
+    def check_all_declared(self) -> None:
+        """Raises naming every parameter of the table no module asked for."""
+        missing = [".".join(s.path) for s in self.specs if s.path not in self.declared]
+        if missing:
+            raise ValueError(f"the {self.config.architecture} parameter table declares {missing}, which no module "
+                             "of the model holds: add them to the model or remove them from the table")  # fmt: skip
 
 
 def _project(module: nnx.Module, name: str, x: Float[Array, "T ..."]) -> Float[Array, "T ..."]:
     """`x [T, *in]` through the weight `name` of `module` (plain or quantized) -> `[T, *out]`."""
-    num_in = QUANTIZED_INPUT_AXES[name]
+    num_in = x.ndim - 1
     if module.quantization is None:
         return matmul(x, getattr(module, name)[...], num_in)
     q, scale = getattr(module, name + QUANT_SUFFIX)[...], getattr(module, name + SCALE_SUFFIX)[...]
     return quantized_matmul(x, q, scale, module.quantization, num_in)
 
 
+def rms_norm(x: Float[Array, "... D"], scale: Float[Array, " D"], eps: float) -> Float[Array, "... D"]:
+    """`x / rms(x) * scale` over the last axis, normalised in float32 and cast back before the
+    scale (as HF does)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * normed.astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
-    """`x / rms(x) * scale`, normalised in float32 and cast back before the scale (as HF does).
+    """`rms_norm` with the table's `scale` under `prefix` (stacked `[L, D]` in the layers)."""
 
-    Args:
-      stack: leading axes of the scale (`(L,)` in the stacked layers).
-    """
-
-    def __init__(self, dim: int, eps: float, dtype, stack: tuple[int, ...] = ()):
-        self.scale = nnx.Param(jnp.ones((*stack, dim), dtype))
+    def __init__(self, params: ParamDeclarer, prefix: Path, eps: float):
+        params.declare(self, prefix)
         self.eps = eps
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...] * normed.astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
 
 
 class Attention(nnx.Module):
     """Grouped-query self-attention reading and writing one layer's blocks of the paged pool.
 
-    Parameters are stacked over `stack` (the layers); a call sees one layer's slice.
+    Parameters are stacked over the layers; a call sees one layer's slice.
     """
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, stack: tuple[int, ...],
-                 attention: str = "reference", parallel: TensorParallel | None = None,
-                 quantization: str | None = None):  # fmt: skip
-        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.quantization = quantization
-        _weight(self, "q_proj", rngs, (d, n, h), dtype, stack, quantization)  # DNH
-        _weight(self, "k_proj", rngs, (d, k, h), dtype, stack, quantization)  # DKH
-        _weight(self, "v_proj", rngs, (d, k, h), dtype, stack, quantization)  # DKH
-        _weight(self, "o_proj", rngs, (n, h, d), dtype, stack, quantization)  # NHD
-        if config.qkv_bias:
-            self.q_bias = nnx.Param(jnp.zeros((*stack, n, h), dtype))
-            self.k_bias = nnx.Param(jnp.zeros((*stack, k, h), dtype))
-            self.v_bias = nnx.Param(jnp.zeros((*stack, k, h), dtype))
-        if config.o_bias:
-            self.o_bias = nnx.Param(jnp.zeros((*stack, d), dtype))
-        self.qkv_bias = config.qkv_bias
-        self.has_o_bias = config.o_bias
+    def __init__(self, config: ModelConfig, params: ParamDeclarer, *, attention: str = "reference",
+                 parallel: TensorParallel | None = None):  # fmt: skip
+        params.declare(self, ("layers", "attn"))  # q/k/v/o projections, biases, q/k norms (see the table)
+        self.quantization = params.quantization
+        # the optional parameters the table gave this architecture and config
+        self.qkv_bias = hasattr(self, "q_bias")
+        self.has_o_bias = hasattr(self, "o_bias")
+        self.qk_norm = hasattr(self, "q_norm")  # Qwen3: an RMSNorm over each head's q and k before RoPE
+        self.eps = config.rms_norm_eps
         self.rope = config.rope
-        self.head_dim = h
+        self.head_dim = config.head_dim
         self.attention = attention  # "reference" or "pallas" (resolved)
         self.parallel = parallel
 
@@ -145,6 +168,8 @@ class Attention(nnx.Module):
         v = _project(self, "v_proj", x)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.qk_norm:
+            q, k = rms_norm(q, self.q_norm[...], self.eps), rms_norm(k, self.k_norm[...], self.eps)
         inv_freq = jnp.asarray(inverse_frequencies(self.rope, self.head_dim))  # a trace-time constant
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
@@ -200,15 +225,11 @@ def paged_attention(
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (parameters stacked over `stack`)."""
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (parameters stacked over the layers)."""
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, stack: tuple[int, ...],
-                 quantization: str | None = None):  # fmt: skip
-        d, f = config.hidden_size, config.intermediate_size
-        self.quantization = quantization
-        _weight(self, "gate_proj", rngs, (d, f), dtype, stack, quantization)  # DF
-        _weight(self, "up_proj", rngs, (d, f), dtype, stack, quantization)  # DF
-        _weight(self, "down_proj", rngs, (f, d), dtype, stack, quantization)  # FD
+    def __init__(self, params: ParamDeclarer):
+        params.declare(self, ("layers", "mlp"))  # gate_proj [D, F], up_proj [D, F], down_proj [F, D]
+        self.quantization = params.quantization
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         gate = _project(self, "gate_proj", x)
@@ -220,14 +241,12 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention, then MLP. Built once for all layers (every parameter
     stacked `[L, ...]`); a call runs the one layer whose slice it is given (inside the scan)."""
 
-    def __init__(self, config: ModelConfig, dtype, *, rngs: nnx.Rngs, attention: str,
-                 parallel: TensorParallel | None = None, quantization: str | None = None):  # fmt: skip
-        stack = (config.num_layers,)
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, stack)
-        self.attn = Attention(config, dtype, rngs=rngs, stack=stack, attention=attention, parallel=parallel,
-                              quantization=quantization)  # fmt: skip
-        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, stack)
-        self.mlp = MLP(config, dtype, rngs=rngs, stack=stack, quantization=quantization)
+    def __init__(self, config: ModelConfig, params: ParamDeclarer, *, attention: str,
+                 parallel: TensorParallel | None = None):  # fmt: skip
+        self.input_norm = RMSNorm(params, ("layers", "input_norm"), config.rms_norm_eps)
+        self.attn = Attention(config, params, attention=attention, parallel=parallel)
+        self.post_attention_norm = RMSNorm(params, ("layers", "post_attention_norm"), config.rms_norm_eps)
+        self.mlp = MLP(params)
 
     def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata, kv_quant: KVQuant | None = None):
         attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta, kv_quant)
@@ -260,12 +279,11 @@ class Llama(nnx.Module):
         self.parallel = parallel
         self.scan_layers = scan_layers
         backend = resolve_attention_backend(attention)
-        self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # VD
-        self.layers = DecoderLayer(config, dtype, rngs=rngs, attention=backend, parallel=parallel,
-                                   quantization=quantization)  # stacked [L, ...]
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        if not config.tie_word_embeddings:
-            self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), dtype)  # DV
+        params = ParamDeclarer(config, dtype, rngs, quantization)
+        params.declare(self, ())  # the embedding [V, D] and, unless tied, the LM head [D, V]
+        self.layers = DecoderLayer(config, params, attention=backend, parallel=parallel)  # stacked [L, ...]
+        self.final_norm = RMSNorm(params, ("final_norm",), config.rms_norm_eps)
+        params.check_all_declared()
 
     def __call__(
         self, token_ids: Int[Array, " T"], kv_pool: KVPool, meta: AttentionMetadata

@@ -1,7 +1,7 @@
 """Quantized weights and the matmuls that read them.
 
-A weight in our layout `[*in, *out]` (see `jaxpaged.checkpoint.hf_keys`) is quantized with one
-scale per output channel into `[*out, *in]` (`jaxpaged.parallel.sharding.QUANTIZED_INPUT_AXES`):
+A weight in our layout `[*in, *out]` (see `jaxpaged.params.spec`) is quantized with one scale per
+output channel into `[*out, *in]` (its quantized pair, declared with it there):
 
     fp8   q = saturate(w / s).astype(float8_e4m3fn), s = max|w| / 448 over the inputs
           x is quantized the same way per token at run time; y = (xq . q) * sx * s, the dot

@@ -1,4 +1,5 @@
-"""The sharding table: every parameter's logical axes and the rules that put them on the mesh.
+"""The sharding rules: how the parameters' logical axes (declared in their architecture's
+parameter table, `jaxpaged.params`) and the KV pool's are put on the mesh.
 
 Megatron-style tensor parallelism over the mesh axis `TENSOR_AXIS`:
 
@@ -8,15 +9,15 @@ Megatron-style tensor parallelism over the mesh axis `TENSOR_AXIS`:
     norms, o_bias                  replicated
     KV pool [L * NB, BS, K, H]     split over kv heads
 
-The decoder layers are stacked: every parameter under `LAYER_STACK` has a leading `LAYERS` axis
-(one array per parameter for all layers, scanned over by the model; never split). The pool holds
-every layer's blocks in a row.
+Layer parameters stacked over the decoder layers (`[L, ...]`) lead with a `LAYERS` axis that is
+never split; the engine's per-layer arrays are one layer's slice with one layer's sharding. The
+pool holds every layer's blocks in a row.
 
 With more devices than kv heads (Llama-3.1-70B has 8, Qwen2.5-7B 4), each kv head is repeated
 `kv_replicas = N / K` times before splitting, so every device holds one kv head next to the
 query heads that read it (device i's query heads belong to original kv head i // kv_replicas).
 
-The runner's placement, the weight loader and `jaxpaged plan` all read this table (no JAX here),
+The runner's placement, the weight loader and `jaxpaged plan` all read these rules (no JAX here),
 so what `plan` counts per GPU is what the engine puts there. A data-parallel mesh axis would be a
 second entry of `MESH_AXES` that no parameter maps to.
 """
@@ -25,48 +26,16 @@ import dataclasses
 import math
 
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.params.spec import HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB, axis_sizes
+from jaxpaged.params.tables import find_state_param
 
 # Mesh axis names: declared once here.
 TENSOR_AXIS = "tp"
 MESH_AXES = (TENSOR_AXIS,)
 
-# Logical axes.
-LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+# Logical axes of the KV pool (the parameters' are declared with them, in jaxpaged.params.spec).
 BLOCKS, SLOTS = "blocks", "slots"
 
-# The module whose parameters are stacked over layers (the first key of their paths).
-LAYER_STACK = "layers"
-
-# Each parameter (by the last element of its path in `nnx.state(Llama)`) and its logical axes
-# (of one layer: stacked parameters gain a leading LAYERS axis).
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": (VOCAB, EMBED),
-    "lm_head": (EMBED, VOCAB),
-    "q_proj": (EMBED, HEADS, HEAD_DIM),
-    "k_proj": (EMBED, KV_HEADS, HEAD_DIM),
-    "v_proj": (EMBED, KV_HEADS, HEAD_DIM),
-    "o_proj": (HEADS, HEAD_DIM, EMBED),
-    "q_bias": (HEADS, HEAD_DIM),
-    "k_bias": (KV_HEADS, HEAD_DIM),
-    "v_bias": (KV_HEADS, HEAD_DIM),
-    "o_bias": (EMBED,),
-    "gate_proj": (EMBED, MLP),
-    "up_proj": (EMBED, MLP),
-    "down_proj": (MLP, EMBED),
-    "scale": (EMBED,),
-}
-# Weights that weight quantization replaces, with how many of their leading axes are inputs
-# (contracted by the matmul). A quantized weight `<name>_quant` is stored outputs first,
-# `[*out, *in]` (the contracted axes minor, as an fp8 GEMM wants both operands), with one scale
-# per output channel, `<name>_scale` `[*out]`; both are split like the weight's output axes.
-QUANTIZED_INPUT_AXES: dict[str, int] = {
-    "q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1,
-}  # fmt: skip
-QUANT_SUFFIX, SCALE_SUFFIX = "_quant", "_scale"
-for _name, _num_in in QUANTIZED_INPUT_AXES.items():
-    _axes = PARAM_AXES[_name]
-    PARAM_AXES[_name + QUANT_SUFFIX] = _axes[_num_in:] + _axes[:_num_in]
-    PARAM_AXES[_name + SCALE_SUFFIX] = _axes[_num_in:]
 # The K (or V) pool: every layer's blocks in a row.
 KV_POOL_AXES = (BLOCKS, SLOTS, KV_HEADS, HEAD_DIM)
 # Scales of an fp8 KV pool, one per layer and kv head.
@@ -135,9 +104,7 @@ class TensorParallelLayout:
 
     def axis_size(self, logical: str) -> int:
         """The global size of a logical axis in the mesh layout."""
-        c = self.mesh_config
-        return {LAYERS: c.num_layers, VOCAB: c.vocab_size, EMBED: c.hidden_size, HEADS: c.num_heads, KV_HEADS: c.num_kv_heads,
-                HEAD_DIM: c.head_dim, MLP: c.intermediate_size}[logical]  # fmt: skip
+        return axis_sizes(self.mesh_config)[logical]
 
     def mesh_axes(self, axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
         """The mesh axis each logical axis is split over (None: whole on every device); the
@@ -152,15 +119,13 @@ class TensorParallelLayout:
 
     def param_axes(self, path: tuple[str, ...]) -> tuple[str, ...]:
         """Logical axes of the parameter at `path` (its string keys in the model state, e.g.
-        `("layers", "attn", "q_proj")`).
+        `("layers", "attn", "q_proj")`; per-layer parameters lead with `LAYERS`, stacked), from
+        the architecture's parameter table.
 
         Raises:
           KeyError: a parameter the table does not know (every parameter must be in it).
         """
-        name = path[-1]
-        if name not in PARAM_AXES:
-            raise KeyError(f"parameter {name!r} has no entry in the sharding table (jaxpaged.parallel.sharding)")
-        return (LAYERS, *PARAM_AXES[name]) if path[0] == LAYER_STACK else PARAM_AXES[name]
+        return find_state_param(self.config, path).axes
 
     def param_mesh_axes(self, path: tuple[str, ...]) -> tuple[str | None, ...]:
         return self.mesh_axes(self.param_axes(path))

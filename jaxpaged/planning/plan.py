@@ -1,7 +1,7 @@
 """`jaxpaged plan`: what a model needs on a GPU (weights, KV cache, concurrency), without a GPU.
 
-    weights per GPU      = every parameter of our layout (jaxpaged.checkpoint.hf_keys.param_shapes),
-                           split over the tensor-parallel GPUs by the engine's sharding table
+    weights per GPU      = every parameter of the architecture's table (jaxpaged.params),
+                           split over the tensor-parallel GPUs by the engine's sharding rules
                            (jaxpaged.parallel.sharding: heads, MLP width, vocabulary); with
                            --quantization the decoder's matrices take 1 byte per weight plus a
                            float32 scale per output channel
@@ -17,13 +17,13 @@ headroom in `gpu_memory_utilization`.
 import json
 import math
 
-from jaxpaged.checkpoint.hf_keys import param_shapes
 from jaxpaged.config.engine_args import check_block_size
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (DTYPE_BYTES, FP8_KV_DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS,
                                           QUANTIZED_WEIGHT_DTYPES, resolve_quantization)  # fmt: skip
-from jaxpaged.parallel.sharding import QUANT_SUFFIX, SCALE_SUFFIX, TensorParallelLayout
+from jaxpaged.params.tables import state_params, state_shapes
+from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -37,7 +37,7 @@ def count_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tupl
     Raises:
       TensorParallelError: the model does not split over `tensor_parallel_size` GPUs.
     """
-    shapes = param_shapes(config)
+    shapes = state_shapes(config)
     layout = TensorParallelLayout(config, tensor_parallel_size)
     return sum(math.prod(s) for s in shapes.values()), layout.device_elements(shapes)
 
@@ -46,16 +46,12 @@ def weight_bytes_per_gpu(config: ModelConfig, dtype: str, quantization: str | No
     """Bytes of the parameters on the fullest GPU: `dtype` each, quantized weights 1 byte and
     their scales float32 (split by the sharding table like their weights)."""
     layout = TensorParallelLayout(config, tensor_parallel_size)
-    total = 0
-    for path, shape in param_shapes(config, quantization).items():
-        if path[-1].endswith(QUANT_SUFFIX):
-            element = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]
-        elif path[-1].endswith(SCALE_SUFFIX):
-            element = DTYPE_BYTES["float32"]
-        else:
-            element = DTYPE_BYTES[dtype]
-        total += layout.device_elements({path: shape}) * element
-    return total
+    element = {"plain": DTYPE_BYTES[dtype], "scale": DTYPE_BYTES["float32"]}
+    if quantization is not None:
+        element["quant"] = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]
+    roles = {path: p.role for path, p in state_params(config, quantization is not None).items()}
+    return sum(layout.device_elements({path: shape}) * element[roles[path]]
+               for path, shape in state_shapes(config, quantization).items())  # fmt: skip
 
 
 def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_memory_utilization: float = 0.9,

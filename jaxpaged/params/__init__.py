@@ -1,0 +1,9 @@
+"""Parameter tables: every parameter of an architecture declared once (no JAX here).
+
+A table (`ParamSpec`s, see `table.py`) says of each parameter its path in the model state, its
+logical axes (its shape follows from the model config), its checkpoint name and layout, whether
+weight quantization replaces it, and how it is initialised. The model creates its parameters
+from it (`jaxpaged.model`), the sharding rules split them by their axes (`jaxpaged.parallel`),
+the checkpoint key map reads them (`jaxpaged.checkpoint.hf_keys`), and `jaxpaged plan` counts
+their bytes (`jaxpaged.planning`). `tables.py` says which table an architecture uses.
+"""

@@ -1,0 +1,117 @@
+"""One parameter's declaration (`ParamSpec`) and the logical axes its shape is written in.
+
+A parameter's shape is never written out: it is its logical axes' sizes in the model config
+(`axis_sizes`), so one declaration serves the model, the sharding rules, the checkpoint map and
+the memory plan. Parameters under `LAYER_STACK` exist once per decoder layer; their axes are
+one layer's (the model and the sharding table add a leading `LAYERS` axis where layers are
+stacked).
+
+How a Hugging Face checkpoint stores a parameter (`hf_layout`):
+
+    "same"    our shape as it is (the embedding table `[V, D]`)
+    "flat"    our shape flattened to one axis (norm scales, biases: q_bias `[N, H]` <- `[N*H]`)
+    "linear"  a linear layer's `weight[out, in]` (`y = x @ W.T`) of our `[*in, *out]`, head axes
+              split out: q_proj `[D, N, H]` <- `[N*H, D]` transposed; the first `num_in` axes
+              are the inputs, which the matmul contracts
+
+A `quantize` parameter (a decoder layer's projection) is replaced under weight quantization by
+its pair `<name>_quant` `[*out, *in]` (outputs first, as the fp8 GEMM wants it) and
+`<name>_scale` `[*out]` (one float32 scale per output channel; see `jaxpaged.model.quant`).
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from jaxpaged.config.model_config import ModelConfig
+
+Path = tuple[str, ...]
+
+# Logical axes: declared once here; `jaxpaged.parallel.sharding` maps them onto the mesh.
+LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+
+# The module whose parameters exist once per decoder layer (the first key of their paths).
+LAYER_STACK = "layers"
+# The names of a quantized weight's pair: `<name>_quant`, `<name>_scale`.
+QUANT_SUFFIX, SCALE_SUFFIX = "_quant", "_scale"
+
+HF_LAYOUTS = ("same", "flat", "linear")
+INITS = ("normal", "ones", "zeros")  # normal: the model's INIT_STDDEV (random weights, dummy loads)
+
+
+def axis_sizes(config: ModelConfig) -> dict[str, int]:
+    """Each logical axis' size in `config`."""
+    return {LAYERS: config.num_layers, VOCAB: config.vocab_size, EMBED: config.hidden_size, HEADS: config.num_heads,
+            KV_HEADS: config.num_kv_heads, HEAD_DIM: config.head_dim, MLP: config.intermediate_size}  # fmt: skip
+
+
+def always(_: ModelConfig) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of an architecture.
+
+    Attributes:
+      path: its path in the model state, e.g. `("layers", "attn", "q_proj")`.
+      axes: its logical axes (of one layer for a per-layer parameter).
+      hf_name: its checkpoint name; `{layer}` stands for the decoder layer's index.
+      hf_layout: how the checkpoint stores it, one of `HF_LAYOUTS` (see the module docstring).
+      num_in: for "linear": how many leading axes are inputs.
+      quantize: weight quantization replaces it by its quantized pair.
+      init: its random initialisation, one of `INITS`.
+      exists: whether a model of the given config has it (e.g. biases only with `qkv_bias`).
+    """
+
+    path: Path
+    axes: tuple[str, ...]
+    hf_name: str
+    hf_layout: str = "flat"
+    num_in: int = 0
+    quantize: bool = False
+    init: str = "normal"
+    exists: Callable[[ModelConfig], bool] = always
+
+    def __post_init__(self):
+        assert self.hf_layout in HF_LAYOUTS and self.init in INITS, self
+        assert (self.hf_layout == "linear") == (self.num_in > 0) and 0 <= self.num_in < len(self.axes) + 1, self
+        assert not self.quantize or self.hf_layout == "linear", self
+        assert self.per_layer == ("{layer}" in self.hf_name), self
+
+    @property
+    def name(self) -> str:
+        return self.path[-1]
+
+    @property
+    def per_layer(self) -> bool:
+        """The parameter exists once per decoder layer."""
+        return self.path[0] == LAYER_STACK
+
+    def shape(self, config: ModelConfig) -> tuple[int, ...]:
+        """Our shape (of one layer)."""
+        sizes = axis_sizes(config)
+        return tuple(sizes[a] for a in self.axes)
+
+    def hf_shape(self, config: ModelConfig) -> tuple[int, ...]:
+        """The shape the checkpoint stores."""
+        shape = self.shape(config)
+        if self.hf_layout == "same":
+            return shape
+        if self.hf_layout == "flat":
+            return (math.prod(shape),)
+        return math.prod(shape[self.num_in :]), math.prod(shape[: self.num_in])
+
+    def hf_key(self, layer: int | None) -> str:
+        return self.hf_name.format(layer=layer) if self.per_layer else self.hf_name
+
+    @property
+    def quantized_axes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The logical axes of the quantized pair: `<name>_quant` `[*out, *in]`, `<name>_scale`
+        `[*out]`."""
+        inputs, outputs = self.axes[: self.num_in], self.axes[self.num_in :]
+        return outputs + inputs, outputs
+
+    @property
+    def quantized_paths(self) -> tuple[Path, Path]:
+        return self.path[:-1] + (self.name + QUANT_SUFFIX,), self.path[:-1] + (self.name + SCALE_SUFFIX,)

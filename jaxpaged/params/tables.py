@@ -1,0 +1,82 @@
+"""Which parameter table an architecture uses, and what follows from it: every parameter of a
+model state with its shape and logical axes (quantized pairs included), looked up by path.
+
+The model state holds per-layer parameters stacked, `[L, ...]` under `LAYER_STACK` (and the
+engine may split them into per-layer arrays of one layer's shape and axes).
+"""
+
+import dataclasses
+
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.params import llama, qwen3
+from jaxpaged.params.spec import LAYERS, ParamSpec, Path, axis_sizes
+
+# `ModelConfig.architecture` -> its table.
+TABLES: dict[str, tuple[ParamSpec, ...]] = {
+    "llama": llama.PARAMS,
+    "mistral": llama.PARAMS,
+    "qwen2": llama.PARAMS,
+    "qwen3": qwen3.PARAMS,
+}
+
+ROLES = ("plain", "quant", "scale")  # a parameter as declared, or one half of its quantized pair
+
+
+@dataclasses.dataclass(frozen=True)
+class StateParam:
+    """One array of a model state.
+
+    Attributes:
+      path: its path in the state (a quantized weight's pair: `<name>_quant`, `<name>_scale`).
+      axes: its logical axes (per-layer parameters lead with `LAYERS`: stacked).
+      spec: the declaration it comes from.
+      role: one of `ROLES`.
+    """
+
+    path: Path
+    axes: tuple[str, ...]
+    spec: ParamSpec
+    role: str = "plain"
+
+
+def param_specs(config: ModelConfig) -> tuple[ParamSpec, ...]:
+    """The parameters a model of `config` has, in the table's order."""
+    if config.architecture not in TABLES:
+        raise KeyError(f"architecture {config.architecture!r} has no parameter table (jaxpaged.params.tables)")
+    return tuple(spec for spec in TABLES[config.architecture] if spec.exists(config))
+
+
+def state_params(config: ModelConfig, quantized: bool = False) -> dict[Path, StateParam]:
+    """Every array of the state of a model of `config` (with `quantized`: its quantizable weights
+    replaced by their pairs), by path, in the table's order."""
+    out = {}
+    for spec in param_specs(config):
+        lead = (LAYERS,) if spec.per_layer else ()
+        if quantized and spec.quantize:
+            (quant, scale), (quant_axes, scale_axes) = spec.quantized_paths, spec.quantized_axes
+            out[quant] = StateParam(quant, lead + quant_axes, spec, "quant")
+            out[scale] = StateParam(scale, lead + scale_axes, spec, "scale")
+        else:
+            out[spec.path] = StateParam(spec.path, lead + spec.axes, spec)
+    return out
+
+
+def find_state_param(config: ModelConfig, path: Path) -> StateParam:
+    """The state array at `path`, plain or one half of a quantized pair.
+
+    Raises:
+      KeyError: naming a path no parameter of the table has.
+    """
+    path = tuple(path)
+    found = state_params(config).get(path) or state_params(config, quantized=True).get(path)
+    if found is not None:
+        return found
+    raise KeyError(f"parameter {'.'.join(path)!r} is not in the {config.architecture} parameter table "
+                   "(jaxpaged.params)")  # fmt: skip
+
+
+def state_shapes(config: ModelConfig, quantization: str | None = None) -> dict[Path, tuple[int, ...]]:
+    """Path -> shape of every array of the state (per-layer parameters stacked, `[L, ...]`; a
+    quantized weight as its pair when `quantization` is set)."""
+    sizes = axis_sizes(config)
+    return {path: tuple(sizes[a] for a in p.axes) for path, p in state_params(config, quantization is not None).items()}

@@ -17,42 +17,9 @@ from transformers import AutoTokenizer
 
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.entrypoints.cli import DEMO_MODEL_DIR
-from jaxpaged.functional import StepInput, init_cache, step
-from jaxpaged.model import AttentionMetadata
-from jaxpaged.worker.sampler import SamplingTensors
+from jaxpaged.functional import init_cache, make_step_input, step
 
 BLOCK_SIZE = 16
-
-
-def greedy_sampling(num_seqs: int, position) -> SamplingTensors:
-    ones, zeros = jnp.ones(num_seqs, jnp.float32), jnp.zeros(num_seqs, jnp.int32)
-    return SamplingTensors(
-        temperature=0 * ones, top_k=zeros, top_p=ones, min_p=0 * ones, presence_penalty=0 * ones,
-        frequency_penalty=0 * ones, repetition_penalty=ones, seed=zeros, index=zeros,
-        position=jnp.broadcast_to(position, (num_seqs,)).astype(jnp.int32), slot=zeros, ban_until=zeros,
-    )  # fmt: skip
-
-
-def step_input(token_ids, positions, block_table, kv_len, vocab_size: int, reset: bool) -> StepInput:
-    """Inputs for one sequence computing `token_ids` at `positions` (its pages in `block_table`)."""
-    n = token_ids.shape[0]
-    slots = block_table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    return StepInput(
-        token_ids=token_ids,
-        metadata=AttentionMetadata(
-            positions=positions, slot_mapping=slots, cu_q_lens=jnp.array([0, n], jnp.int32),
-            kv_lens=jnp.reshape(kv_len, (1,)).astype(jnp.int32), block_tables=block_table[None],
-            num_seqs=jnp.int32(1),
-        ),  # fmt: skip
-        logits_indices=jnp.array([n - 1], jnp.int32),
-        sampling=greedy_sampling(1, kv_len),
-        token_slot=jnp.zeros(n, jnp.int32),
-        token_is_output=jnp.full(n, not reset),
-        reset_slots=jnp.array([0 if reset else 1], jnp.int32),  # row 1 is out of range: no reset
-        banned_ids=jnp.full((1, 1), vocab_size, jnp.int32),
-        from_last=jnp.zeros(n, bool),  # every token given here (none read from cache.last_tokens)
-        last_slot=jnp.zeros(1, jnp.int32),
-    )
 
 
 def main():
@@ -71,16 +38,18 @@ def main():
     cache = init_cache(config, num_blocks=pages + 1, block_size=BLOCK_SIZE, dtype=jnp.float32, max_num_seqs=1)
     block_table = jnp.arange(1, pages + 1, dtype=jnp.int32)  # block 0 is the null block
 
+    n = jnp.array([prompt.shape[0]])
+    one_sequence = dict(prompt_lens=n, block_tables=block_table[None], block_size=BLOCK_SIZE,
+                        vocab_size=config.vocab_size, max_num_seqs=1)  # fmt: skip
     jitted_step = jax.jit(step, static_argnums=0, donate_argnums=2)
-    positions = jnp.arange(prompt.shape[0], dtype=jnp.int32)
-    inp = step_input(prompt, positions, block_table, prompt.shape[0], config.vocab_size, reset=True)
+    inp = make_step_input(prompt, query_lens=n, kv_lens=n, **one_sequence)  # the prompt, in one step
     cache, first = jitted_step(graphdef, params, cache, inp)
 
     @jax.jit
     def decode(params, cache, token, position):
         def body(carry, _):
             cache, token, position = carry
-            inp = step_input(token[None], position[None], block_table, position + 1, config.vocab_size, reset=False)
+            inp = make_step_input(token[None], query_lens=jnp.ones(1), kv_lens=(position + 1)[None], **one_sequence)
             cache, result = step(graphdef, params, cache, inp)
             return (cache, result.token_ids[0], position + 1), result.token_ids[0]
 

@@ -24,7 +24,11 @@ Example (see examples/step_function.py for a full loop)::
     graphdef, params = nnx.split(model)
     cache = init_cache(model.config, num_blocks=64, block_size=16, dtype=jnp.bfloat16, max_num_seqs=8)
     step_fn = jax.jit(step, static_argnums=0, donate_argnums=2)
-    cache, result = step_fn(graphdef, params, cache, make_step_input(packed, sampling))
+    n = len(prompt)  # one sequence's prompt (token ids), its pages blocks 1..8
+    inp = make_step_input(prompt, query_lens=jnp.array([n]), kv_lens=jnp.array([n]), prompt_lens=jnp.array([n]),
+                          block_tables=jnp.arange(1, 9)[None], block_size=16, vocab_size=model.config.vocab_size,
+                          max_num_seqs=8)
+    cache, result = step_fn(graphdef, params, cache, inp)
 """
 
 import dataclasses
@@ -130,6 +134,66 @@ def init_cache(config: ModelConfig, *, num_blocks: int, block_size: int, dtype, 
         prompt_mask=jnp.zeros((max_num_seqs, config.vocab_size), bool),
         output_counts=jnp.zeros((max_num_seqs, config.vocab_size), jnp.int32),
         last_tokens=jnp.zeros((max_num_seqs,), jnp.int32),
+    )
+
+
+def make_step_input(token_ids: Int[Array, " T"], *, query_lens: Int[Array, " S"], kv_lens: Int[Array, " S"],
+                    prompt_lens: Int[Array, " S"], block_tables: Int[Array, "S P"], block_size: int, vocab_size: int,
+                    max_num_seqs: int, slots: Int[Array, " S"] | None = None,
+                    sampling: SamplingTensors | None = None) -> StepInput:  # fmt: skip
+    """One step's inputs for a ragged batch described per sequence (jnp only: call it inside
+    `jit` or `lax.scan`; the arguments' shapes are the step's buckets).
+
+    Sequence s computes `query_lens[s]` tokens, the next ones of `token_ids` (sequence after
+    sequence; entries after the last are padding), ending at its context length `kv_lens[s]`;
+    one token is sampled at its last. A row with `query_lens[s] == 0` is padding (padding rows
+    come last). A sequence whose tokens start at position 0 starts over: its penalty-table rows
+    are cleared first.
+
+    Args:
+      token_ids: `[T]` this step's tokens.
+      query_lens: `[S]` tokens each sequence computes this step.
+      kv_lens: `[S]` each sequence's context length including this step's tokens.
+      prompt_lens: `[S]` each sequence's prompt length (tokens at later positions count as
+        generated, for the frequency and presence penalties).
+      block_tables: `[S, P]` each sequence's pool blocks in order (block 0 is the null block).
+      block_size, vocab_size, max_num_seqs: the cache's (as given to `init_cache`).
+      slots: `[S]` each sequence's penalty-table row (default: row s).
+      sampling: `[S]` per-sequence sampling parameters (default: greedy; `position` and `slot`
+        must be the sampled token's position, `kv_lens`, and `slots`).
+    """
+    num_tokens, num_seqs = token_ids.shape[0], query_lens.shape[0]
+    query_lens, kv_lens = query_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    slots = jnp.arange(num_seqs, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
+    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(query_lens, dtype=jnp.int32)])
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    real = t < cu_q_lens[-1]
+    seq = jnp.minimum(jnp.sum(t[:, None] >= cu_q_lens[None, 1:], axis=1), num_seqs - 1)  # [T] each token's
+    positions = jnp.where(real, kv_lens[seq] - query_lens[seq] + t - cu_q_lens[seq], 0)
+    blocks = block_tables[seq, positions // block_size]
+    live = query_lens > 0
+    none = jnp.int32(max_num_seqs)  # the out-of-range penalty row: dropped
+    if sampling is None:
+        ones = jnp.ones(num_seqs, jnp.float32)
+        zeros = jnp.zeros(num_seqs, jnp.int32)
+        sampling = SamplingTensors(temperature=0 * ones, top_k=zeros, top_p=ones, min_p=0 * ones,
+                                   presence_penalty=0 * ones, frequency_penalty=0 * ones, repetition_penalty=ones,
+                                   seed=zeros, index=zeros, position=kv_lens, slot=slots, ban_until=zeros)  # fmt: skip
+    return StepInput(
+        token_ids=token_ids.astype(jnp.int32),
+        metadata=AttentionMetadata(
+            positions=positions, slot_mapping=jnp.where(real, blocks * block_size + positions % block_size, 0),
+            cu_q_lens=cu_q_lens, kv_lens=jnp.where(live, kv_lens, 0), block_tables=block_tables.astype(jnp.int32),
+            num_seqs=jnp.sum(live, dtype=jnp.int32),
+        ),  # fmt: skip
+        logits_indices=jnp.maximum(cu_q_lens[1:] - 1, 0),
+        sampling=sampling,
+        token_slot=jnp.where(real, slots[seq], none),
+        token_is_output=real & (positions >= prompt_lens[seq]),
+        reset_slots=jnp.where(live & (kv_lens == query_lens), slots, none),
+        banned_ids=jnp.full((num_seqs, 1), vocab_size, jnp.int32),
+        from_last=jnp.zeros(num_tokens, bool),
+        last_slot=jnp.where(live, slots, none),
     )
 
 

@@ -21,8 +21,8 @@ import tempfile
 import time
 
 from call_timing import time_calls
-from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import SamplingParams
 

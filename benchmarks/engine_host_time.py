@@ -16,10 +16,10 @@ import time
 
 from call_timing import time_calls
 
-from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.worker.model_runner import ModelRunner

@@ -15,8 +15,8 @@ import json
 import sys
 
 from call_timing import time_calls
+from jaxpaged.cli import main as jaxpaged_main
 from jaxpaged.engine.llm_engine import LLMEngine
-from jaxpaged.entrypoints.cli import main as jaxpaged_main
 from jaxpaged.worker.model_runner import ModelRunner
 
 

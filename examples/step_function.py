@@ -16,10 +16,10 @@ from flax import nnx
 from transformers import AutoTokenizer
 
 from jaxpaged.checkpoint.loader import load_model
-from jaxpaged.entrypoints.cli import DEMO_MODEL_DIR
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.functional import StepInput, init_cache, step
 from jaxpaged.model import AttentionMetadata
-from jaxpaged.worker.sampler import SamplingTensors
+from jaxpaged.model.sampler import SamplingTensors
 
 BLOCK_SIZE = 16
 

@@ -32,7 +32,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # run uninstalled
-CLI = (sys.executable, "-m", "jaxpaged.entrypoints.cli")
+CLI = (sys.executable, "-m", "jaxpaged.cli")
 SERVER_MODULES = ("fastapi", "uvicorn", "pydantic", "starlette")
 WHEEL_DIR = os.path.join(ROOT, ".whl")
 PRIVATE_SITE = "/tmp/jaxpaged-server-site"
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     try:
         summary["server_ready_s"] = round(wait_healthy(url, server), 1)
         print(f"jaxpaged serve ready at {url} after {summary['server_ready_s']} s", flush=True)
-        from jaxpaged.entrypoints.cli import main as jaxpaged_cli
+        from jaxpaged.cli import main as jaxpaged_cli
 
         paths = []
         for rate in summary["rates"]:

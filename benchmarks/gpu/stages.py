@@ -20,7 +20,7 @@ import time
 from gpu.plan import ROOT, THROUGHPUT_JAXPAGED_RESERVE_S, Plan
 from gpu.runner import progress, run_step
 
-CLI = (sys.executable, "-m", "jaxpaged.entrypoints.cli")
+CLI = (sys.executable, "-m", "jaxpaged.cli")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

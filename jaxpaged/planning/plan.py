@@ -18,11 +18,11 @@ import json
 import math
 
 from jaxpaged.checkpoint.hf_keys import param_shapes
-from jaxpaged.config.engine_args import check_block_size
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (DTYPE_BYTES, FP8_KV_DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS,
                                           QUANTIZED_WEIGHT_DTYPES, resolve_quantization)  # fmt: skip
+from jaxpaged.engine_args import check_block_size
 from jaxpaged.parallel.sharding import QUANT_SUFFIX, SCALE_SUFFIX, TensorParallelLayout
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
 

@@ -4,7 +4,7 @@ and output processing (logprobs, detokenization, stop strings, then one `Request
 changed request). Streaming requests (DELTA, what the server asks for) and FINAL_ONLY ones (what
 `LLM.generate` asks for) in turn, synchronous steps, the demo model:
 
-    python benchmarks/engine_host_time.py [--num-seqs 256] [--output-len 64] [--json FILE]
+    python -m benchmarks.engine_host_time [--num-seqs 256] [--output-len 64] [--json FILE]
 
 Results: benchmarks/results/engine_host_time_cpu_demo.json.
 """
@@ -14,7 +14,7 @@ import collections
 import json
 import time
 
-from call_timing import time_calls
+from benchmarks.call_timing import time_calls
 
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.llm_engine import LLMEngine

@@ -7,7 +7,7 @@ per step, and of those the host's (everything but waiting for a step's results) 
 With steps overlapped, host work the device's time covers is hidden: `hidden_ms` is the wait
 that async scheduling removed per step (sync wait - async wait), at most the host's time.
 
-    python benchmarks/async_scheduling.py [--batches 1 16 64 256] [--steps 1 4] [--output FILE]
+    python -m benchmarks.async_scheduling [--batches 1 16 64 256] [--steps 1 4] [--output FILE]
 
 Models: the shipped demo model (4 layers, d 256) and a wider one with random weights (`wide`:
 4 layers, d 768, vocab 16,000: 53M parameters against the demo's 6M).
@@ -20,9 +20,9 @@ import os
 import tempfile
 import time
 
-from call_timing import time_calls
-from jaxpaged.config.engine_args import EngineArgs
+from benchmarks.call_timing import time_calls
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import SamplingParams
 

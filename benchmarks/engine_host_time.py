@@ -4,7 +4,7 @@ and output processing (logprobs, detokenization, stop strings, then one `Request
 changed request). Streaming requests (DELTA, what the server asks for) and FINAL_ONLY ones (what
 `LLM.generate` asks for) in turn, synchronous steps, the demo model:
 
-    python benchmarks/engine_host_time.py [--num-seqs 256] [--output-len 64] [--json FILE]
+    python -m benchmarks.engine_host_time [--num-seqs 256] [--output-len 64] [--json FILE]
 
 Results: benchmarks/results/engine_host_time_cpu_demo.json.
 """
@@ -14,12 +14,12 @@ import collections
 import json
 import time
 
-from call_timing import time_calls
+from benchmarks.call_timing import time_calls
 
-from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.worker.model_runner import ModelRunner

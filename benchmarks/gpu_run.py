@@ -1,8 +1,8 @@
 """Everything a lent GPU should measure, in one device call of at most 10 minutes.
 
     bash benchmarks/run_gpu.sh "$OUT"                      # on the GPU machine (this script, --out "$OUT")
-    python benchmarks/gpu_run.py --prepare-dataset --prepare-wheels   # first, here (see gpu/prepare.py)
-    python benchmarks/gpu_run.py --smoke --out /tmp/smoke  # the whole run on a CPU: demo model, tiny shapes
+    python -m benchmarks.gpu_run --prepare-dataset --prepare-wheels   # first, here (see gpu/prepare.py)
+    python -m benchmarks.gpu_run --smoke --out /tmp/smoke  # the whole run on a CPU: demo model, tiny shapes
 
 1. Probe the device in a process of its own (the orchestrator never holds the GPU) and refuse
    unless JAX's platform is gpu (under --smoke: JAX runs on the CPU).
@@ -19,18 +19,16 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the gpu/ helpers
-
-from gpu import prepare, stages  # noqa: E402
-from gpu.plan import (  # noqa: E402
+from benchmarks.gpu import prepare, stages
+from benchmarks.gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop
+from benchmarks.gpu.plan import (
     DEFAULT_DATASET,
     ROOT,
     STAGE_BUDGETS_S,
     gpu_plan,
     smoke_plan,
 )
-from gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop  # noqa: E402
-from gpu.summary import write_summary  # noqa: E402
+from benchmarks.gpu.summary import write_summary
 
 DATASET_MIN_PASSING = 1200  # ShareGPT pairs the trimmed file must hold for --num-prompts 1000 (any shuffle)
 

@@ -6,7 +6,7 @@ the engine does around every step, without device work, and compares it with the
 "schedule + pack" is paid once per device program, so fused decode steps
 (num_scheduler_steps=K) divide it by K; postprocess and detokenization are paid per token.
 
-    python benchmarks/host_overhead.py [--num-seqs 256] [--steps 200] [--json out.json]
+    python -m benchmarks.host_overhead [--num-seqs 256] [--steps 200] [--json out.json]
 """
 
 import argparse

@@ -23,8 +23,8 @@ The JSON is rewritten after every section and every timed shape, so a run stoppe
 keeps what it measured.
 
 Usage (H100/H200, jax 0.11.2 with CUDA, no network needed):
-  python benchmarks/kernels_gpu.py --out benchmarks/results/kernels_h100.json
-  python benchmarks/kernels_gpu.py --smoke    # tiny shapes, interpret mode: checks the script on CPU
+  python -m benchmarks.kernels_gpu --out benchmarks/results/kernels_h100.json
+  python -m benchmarks.kernels_gpu --smoke    # tiny shapes, interpret mode: checks the script on CPU
 """
 
 import argparse
@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run uninstalled
 from pallas_kernels import paged_decode_attention, ragged_paged_attention, reference, write_kv
 
 BS = 16

@@ -18,14 +18,13 @@ Reports TTFT (mean, p50, p99) over the repeat visits (a prefix's second and late
 the first visits (what only the disk tier can serve), and requests/s; the ratio of each TTFT to
 no-prefix-cache's.
 
-    python benchmarks/kv_tiers.py [--model DIR] [--num-prefixes 8] [--num-prompts 48] [--json out.json]
-    python benchmarks/kv_tiers.py --model llama-3.1-8b --load-format dummy \
+    python -m benchmarks.kv_tiers [--model DIR] [--num-prefixes 8] [--num-prompts 48] [--json out.json]
+    python -m benchmarks.kv_tiers --model llama-3.1-8b --load-format dummy \
         --configs no-prefix-cache,small-pool+host,fresh+disk                    # on a GPU, in one call
 """
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -141,7 +140,7 @@ def main(argv=None) -> int:
     import jax
 
     results = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__, "args": vars(args), "runs": {}}
-    base_argv = [os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
+    base_argv = ["-m", "benchmarks.kv_tiers", *(argv if argv is not None else sys.argv[1:])]
     with tempfile.TemporaryDirectory(prefix="jaxpaged-kv-dir-") as kv_dir:
         chosen = args.configs.split(",")
         order = [c for c in CONFIGS[:-1] if c in chosen] + ([_WARM_DISK, CONFIGS[-1]] if CONFIGS[-1] in chosen else [])

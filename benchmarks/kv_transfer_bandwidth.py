@@ -14,7 +14,7 @@ first device and times, best of `--repeats`:
 
 and prints GB/s and each copy's ratio to the plain transfer in its direction.
 
-    python benchmarks/kv_transfer_bandwidth.py [--model llama-3.1-8b] [--blocks 256] [--json out.json]
+    python -m benchmarks.kv_transfer_bandwidth [--model llama-3.1-8b] [--blocks 256] [--json out.json]
 """
 
 import argparse

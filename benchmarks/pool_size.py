@@ -4,7 +4,7 @@ Builds the demo model (or `--model`) with a small and a large KV pool in the sam
 times one greedy request per pool, with one decode step per program and with fused steps.
 Prints ms per output token and the large/small ratio (goal: <= 1.2).
 
-    python benchmarks/pool_size.py [--pools-mib 8 512] [--dtype auto] [--json out.json]
+    python -m benchmarks.pool_size [--pools-mib 8 512] [--dtype auto] [--json out.json]
 """
 
 import argparse

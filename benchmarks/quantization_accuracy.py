@@ -9,7 +9,7 @@ same as on a GPU, where an fp8 pool is stored in float8 instead of float8 values
 2. The demo model (bfloat16) on held-out King James text: perplexity of each mode against
    bfloat16 (`jaxpaged.bench.perplexity`).
 
-    python benchmarks/quantization_accuracy.py --json benchmarks/results/quantization_accuracy_cpu.json
+    python -m benchmarks.quantization_accuracy --json benchmarks/results/quantization_accuracy_cpu.json
 """
 
 import argparse
@@ -23,8 +23,7 @@ import numpy as np
 import torch
 import transformers
 
-from results_files import save_results
-
+from benchmarks.results_files import save_results
 from jaxpaged.bench.perplexity import heldout_token_windows, perplexity
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.worker.paged_generate import PagedGenerator

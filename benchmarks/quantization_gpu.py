@@ -1,7 +1,7 @@
 """What a lent GPU should measure about quantization, in one device call of at most 10 minutes.
 
     bash benchmarks/run_gpu_quantization.sh "$OUT"              # on the GPU machine (this script, --out "$OUT")
-    python benchmarks/quantization_gpu.py --smoke --out /tmp/q  # the whole run on a CPU: demo model, tiny shapes
+    python -m benchmarks.quantization_gpu --smoke --out /tmp/q  # the whole run on a CPU: demo model, tiny shapes
 
 Nothing needs preparing or carrying: the 8B engines use dummy weights and random prompts.
 Conventions as in `gpu_run.py` (whose probe, stage loop and console tee, in `gpu/orchestrate.py`, this
@@ -37,14 +37,11 @@ import shutil
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_run.py and the gpu/ helpers
+from benchmarks.gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop
+from benchmarks.gpu.plan import DEMO_MODEL_DIR, GPU_ENGINE_LIMITS, PROBE_TIMEOUT_S, ROOT, SMOKE_ENGINE_LIMITS
+from benchmarks.gpu.quant_summary import write_summary
+from benchmarks.gpu.stages import CLI, SCANNED_IN_PLACE, Stage
 
-from gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop  # noqa: E402
-from gpu.plan import DEMO_MODEL_DIR, GPU_ENGINE_LIMITS, PROBE_TIMEOUT_S, ROOT, SMOKE_ENGINE_LIMITS  # noqa: E402
-from gpu.quant_summary import write_summary  # noqa: E402
-from gpu.stages import CLI, SCANNED_IN_PLACE, Stage  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 # Seconds per stage; with the device probe (at most PROBE_TIMEOUT_S) they sum to 9.5 minutes.
 STAGE_BUDGETS_S = {"hlo": 120, "kernels": 90, "engine": 340}
 SMOKE_STAGE_BUDGET_S = 120
@@ -128,7 +125,7 @@ def run_hlo(stage: CappedStage) -> None:
     hlo_dir = stage.path("hlo")
     for name, flags, _, xla_flag in HLO_STEPS:
         out = stage.path(f"hlo_{name}.json")
-        cmd = [*with_xla_flag(stage, xla_flag), sys.executable, os.path.join(HERE, "gpu", "quant_hlo.py"),
+        cmd = [*with_xla_flag(stage, xla_flag), sys.executable, "-m", "benchmarks.gpu.quant_hlo",
                "--model", plan.model, *plan.weight_flags, *flags, *plan.engine_limits, "--programs",
                plan.hlo_programs[name], "--label", name, "--hlo-dir", hlo_dir, "--output-json", out]  # fmt: skip
         stage.step(name, cmd, out, plan.caps_s.get(name))
@@ -136,7 +133,7 @@ def run_hlo(stage: CappedStage) -> None:
 
 def run_kernels(stage: CappedStage) -> None:
     out = stage.path("quant_kernels.json")
-    stage.step("fp8_vs_bf16", [sys.executable, os.path.join(HERE, "gpu", "quant_kernels.py"), *stage.plan.kernel_flags,
+    stage.step("fp8_vs_bf16", [sys.executable, "-m", "benchmarks.gpu.quant_kernels", *stage.plan.kernel_flags,
                                "--out", out], out)  # fmt: skip
 
 

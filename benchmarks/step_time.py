@@ -1,7 +1,8 @@
 """Decode time per step through the `LLM` API only, so the same script times any commit.
 
 Runs batch 1 and batch 8 (128-token prompts, 64 greedy tokens, EOS ignored, best of 3 after a
-warm-up) and prints one JSON line. Compare commits by running it with each tree on PYTHONPATH:
+warm-up) and prints one JSON line. Compare commits by running it with each tree on PYTHONPATH
+(by its path, not with -m: it imports only jaxpaged, and -m would put this checkout first):
 
     PYTHONPATH=/path/to/old/tree python benchmarks/step_time.py MODEL_DIR "before"
     python benchmarks/step_time.py MODEL_DIR "scanned" '{"scan_layers": true, "compilation_cache_dir": "none"}'

@@ -3,7 +3,7 @@ with the engine's step, the runner's packing and its result reads timed, and pri
 per step program: steps, milliseconds per step, the part spent waiting for the device, and the
 real tokens and sequences per step (the rest of the program's bucket is padding).
 
-    python benchmarks/throughput_steps.py --output FILE -- bench throughput --dataset-name sharegpt \\
+    python -m benchmarks.throughput_steps --output FILE -- bench throughput --dataset-name sharegpt \\
         --num-prompts 200 --max-model-len 512 --dtype float32
 
 Everything after `--` is `jaxpaged`'s command line. Results: benchmarks/results/throughput_cpu_demo_sharegpt_steps.json.
@@ -14,9 +14,9 @@ import collections
 import json
 import sys
 
-from call_timing import time_calls
+from benchmarks.call_timing import time_calls
+from jaxpaged.cli import main as jaxpaged_main
 from jaxpaged.engine.llm_engine import LLMEngine
-from jaxpaged.entrypoints.cli import main as jaxpaged_main
 from jaxpaged.worker.model_runner import ModelRunner
 
 

@@ -6,7 +6,7 @@
 import argparse
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.entrypoints.cli import DEMO_MODEL_DIR
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
 PROMPTS = [
     "In the beginning",

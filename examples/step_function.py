@@ -16,7 +16,7 @@ from flax import nnx
 from transformers import AutoTokenizer
 
 from jaxpaged.checkpoint.loader import load_model
-from jaxpaged.entrypoints.cli import DEMO_MODEL_DIR
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.functional import init_cache, make_step_input, step
 
 BLOCK_SIZE = 16

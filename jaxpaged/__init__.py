@@ -24,7 +24,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 _EXPORTS = {
     "LLM": "jaxpaged.entrypoints.llm",
     "LLMEngine": "jaxpaged.engine.llm_engine",
-    "EngineArgs": "jaxpaged.config.engine_args",
+    "EngineArgs": "jaxpaged.engine_args",
     "ModelConfig": "jaxpaged.config.model_config",
     "SamplingParams": "jaxpaged.sampling_params",
     "RequestOutputKind": "jaxpaged.sampling_params",

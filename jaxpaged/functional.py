@@ -41,7 +41,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model import AttentionMetadata, KVPool, init_kv_pool
-from jaxpaged.worker.sampler import SampleResult, SamplerOptions, SamplingTensors, sample, update_penalty_tables
+from jaxpaged.model.sampler import SampleResult, SamplerOptions, SamplingTensors, sample, update_penalty_tables
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)

@@ -1,6 +1,6 @@
 """What the tests of the one-call GPU run scripts (`benchmarks/quantization_gpu.py`,
 `benchmarks/speculative_gpu.py`) share: running a script in a process of its own with JAX on the
-CPU, and a module-scoped fixture holding one `--smoke` run (OUT, the work directory, summary.json).
+CPU (`python -m benchmarks.NAME` from the repository's root), and a module-scoped fixture holding one `--smoke` run (OUT, the work directory, summary.json).
 """
 
 import json
@@ -14,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_script(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess:
-    """Runs benchmarks/`script` with `argv`, JAX on the CPU, capturing its output."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *argv], cwd=ROOT,
+    """Runs the module benchmarks.`script` with `argv`, JAX on the CPU, capturing its output."""
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *argv], cwd=ROOT,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 

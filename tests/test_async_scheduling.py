@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from engine_fixtures import make_model_dir
 
-from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 96

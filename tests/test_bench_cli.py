@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from jaxpaged.bench.cli import COMMANDS
-from jaxpaged.entrypoints.cli import build_parser, main
+from jaxpaged.cli import build_parser, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +34,7 @@ def test_bad_input_is_named_by_its_flag_before_jax_loads():
     # One interpreter for all cases: each must fail with exit 2 and its message, JAX never imported.
     code = (
         "import contextlib, io, json, sys\n"
-        "from jaxpaged.entrypoints.cli import main\n"
+        "from jaxpaged.cli import main\n"
         "out = []\n"
         "for argv in json.loads(sys.argv[1]):\n"
         "    err = io.StringIO()\n"

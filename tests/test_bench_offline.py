@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxpaged.entrypoints.cli import main
+from jaxpaged.cli import main
 
 # The same engine shapes in both tests: the second can load its programs from a compilation cache.
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128", "--dtype", "float32"]

@@ -25,7 +25,7 @@ def server_url(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log_path = tmp_path_factory.mktemp("bench_serve") / "serve.log"
-    cmd = [sys.executable, "-m", "jaxpaged.entrypoints.cli", "serve", "--port", str(port), "--dtype", "float32",
+    cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
            "--uvicorn-log-level", "warning"]  # fmt: skip
     with open(log_path, "w+") as log:
@@ -54,7 +54,7 @@ def server_url(tmp_path_factory):
 
 def bench_serve(*argv: str) -> tuple[subprocess.CompletedProcess, bool]:
     """`jaxpaged bench serve ARGV` in a fresh interpreter; also whether it imported JAX."""
-    code = ("import sys; from jaxpaged.entrypoints.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from jaxpaged.cli import main; rc = main(sys.argv[1:]); "
             "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX', file=sys.stderr); sys.exit(rc)")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code, "bench", "serve", "--disable-tqdm", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)  # fmt: skip

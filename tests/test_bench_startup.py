@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpaged.config.engine_args import EngineArgs, default_compilation_cache_dir
+from jaxpaged.cli import main
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.setup import use_compilation_cache
-from jaxpaged.entrypoints.cli import main
+from jaxpaged.engine_args import EngineArgs, default_compilation_cache_dir
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.model import AttentionMetadata, Llama, init_kv_pool
 

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_gpu_script(*argv: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_run.py"), *argv], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_run", *argv], cwd=ROOT,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
@@ -102,9 +102,9 @@ def test_gpu_run_refuses_without_a_gpu(tmp_path):
 def test_kv_transfer_bandwidth_runs_and_reports_every_path(tmp_path):
     """`benchmarks/kv_transfer_bandwidth.py` (for the GPU run's host-tier figures) on tiny shapes."""
     out = tmp_path / "bw.json"
-    script = os.path.join(ROOT, "benchmarks", "kv_transfer_bandwidth.py")
-    proc = subprocess.run([sys.executable, script, "--model", os.path.join(ROOT, "jaxpaged", "demo_model"), "--blocks", "8",
-                           "--repeats", "1", "--json", str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kv_transfer_bandwidth", "--model",
+                           os.path.join(ROOT, "jaxpaged", "demo_model"), "--blocks", "8", "--repeats", "1", "--json",
+                           str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -117,10 +117,9 @@ def test_kv_tiers_benchmark_runs_its_configurations_in_processes(tmp_path):
     """`benchmarks/kv_tiers.py` on tiny prompts: a configuration without the disk and the fresh
     process over a disk an earlier process filled (which then serves the prefixes' first visits)."""
     out = tmp_path / "tiers.json"
-    script = os.path.join(ROOT, "benchmarks", "kv_tiers.py")
-    proc = subprocess.run([sys.executable, script, "--configs", "small-pool+host,fresh+disk", "--num-prompts", "6",
-                           "--num-prefixes", "2", "--prefix-len", "64", "--suffix-len", "4,8", "--output-len", "2",
-                           "--json", str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kv_tiers", "--configs", "small-pool+host,fresh+disk",
+                           "--num-prompts", "6", "--num-prefixes", "2", "--prefix-len", "64", "--suffix-len", "4,8",
+                           "--output-len", "2", "--json", str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
@@ -135,7 +134,7 @@ def test_throughput_steps_reports_every_step_by_program(tmp_path):
     """`benchmarks/throughput_steps.py`: `bench throughput` with every engine step timed, grouped by
     the program that ran it; the steps' tokens add up to the workload's."""
     out = tmp_path / "steps.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "throughput_steps.py"), "--output", str(out),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.throughput_steps", "--output", str(out),
                            "--", "bench", "throughput", "--dataset-name", "random", "--num-prompts", "3",
                            "--input-len", "20", "--output-len", "9", "--max-model-len", "48", "--num-scheduler-steps",
                            "4", "--disable-tqdm"], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxpaged.entrypoints.cli import build_parser, main
+from jaxpaged.cli import build_parser, main
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     """`jaxpaged ARGV` in a fresh interpreter that reports whether JAX got imported."""
-    code = ("import sys; from jaxpaged.entrypoints.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from jaxpaged.cli import main; rc = main(sys.argv[1:]); "
             "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX', file=sys.stderr); sys.exit(rc)")  # fmt: skip
     return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT)
 

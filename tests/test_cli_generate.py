@@ -3,7 +3,8 @@
 import json
 import os
 
-from jaxpaged.entrypoints.cli import DEMO_MODEL_DIR, main
+from jaxpaged.cli import main
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
 
 def test_demo_model_is_small_and_complete():

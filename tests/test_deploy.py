@@ -29,7 +29,7 @@ import yaml
 
 import jaxpaged.server.app
 import jaxpaged.server.metrics
-from jaxpaged.entrypoints.cli import _subparser, build_parser
+from jaxpaged.cli import _subparser, build_parser
 from jaxpaged.server.cli import API_KEY_ENV
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

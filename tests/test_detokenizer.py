@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxpaged.core.detokenizer import IncrementalDetokenizer
-from jaxpaged.entrypoints.cli import DEMO_MODEL_DIR
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
 TEXT = "In the beginning naïve café — ✓ 日本語 😀 and the earth"
 

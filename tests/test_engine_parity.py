@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from engine_fixtures import hf_greedy, make_model_dir
 
-from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.sampling_params import SamplingParams
 
 NUM_REQUESTS = 200

@@ -22,14 +22,14 @@ from shard_checks import check_loaded_into_shards
 from tiny_models import save_hf_model
 from tiny_tokenizer import save_tokenizer
 
-from jaxpaged.entrypoints.convert_cli import main as convert_main
 from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.hf_keys import param_shapes
 from jaxpaged.checkpoint.loader import load_model, load_params
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
-from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.quantization import CheckpointQuantizationError
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.entrypoints.convert_cli import main as convert_main
 from jaxpaged.parallel.mesh import TensorParallel, param_path
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.paged_generate import PagedGenerator

@@ -11,7 +11,8 @@ import jaxpaged
 HOST_PACKAGES = ("config", "core", "params", "planning")
 HOST_MODULES = [
     "jaxpaged", "jaxpaged.engine", "jaxpaged.sampling_params", "jaxpaged.outputs", "jaxpaged.worker.step_packer",
-    "jaxpaged.checkpoint.format", "jaxpaged.checkpoint.hf_keys", "jaxpaged.parallel.sharding",
+    "jaxpaged.checkpoint.format", "jaxpaged.checkpoint.hf_keys", "jaxpaged.parallel.sharding", "jaxpaged.engine_args",
+    "jaxpaged.engine_config",
 ]  # fmt: skip
 
 

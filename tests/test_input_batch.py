@@ -4,9 +4,9 @@ released ones, penalty rows reset or seeded, banned ids, and the sampler options
 import pytest
 
 from jaxpaged.core.step_inputs import ScheduledSequence
+from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.input_batch import InputBatch
-from jaxpaged.worker.sampler import SamplerOptions
 from jaxpaged.worker.step_packer import StepPacker
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from engine_fixtures import hf_greedy, make_model_dir
 
-from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 

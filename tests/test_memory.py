@@ -43,7 +43,7 @@ def test_too_small_fails_with_the_numbers_and_knobs():
 
 
 def test_cpu_pool_is_sized_from_the_job_and_capped_by_host_memory(monkeypatch):
-    from jaxpaged.config.engine_args import EngineArgs
+    from jaxpaged.engine_args import EngineArgs
     from jaxpaged.engine import setup as engine_setup
     from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 

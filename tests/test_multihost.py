@@ -20,7 +20,7 @@ from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 MAX_TOKENS = 10
 PROCESS = r"""
 import json, os, sys
-from jaxpaged.config.engine_args import EngineArgs
+from jaxpaged.engine_args import EngineArgs
 
 rank, port, options, prompts = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 args = EngineArgs(**options, nnodes=int(os.environ.get("NNODES", 2)), node_rank=rank, master_port=port)
@@ -95,7 +95,7 @@ def test_serve_spans_two_processes_and_the_follower_leaves_with_the_leader(tmp_p
 
     def start(*extra: str) -> tuple[subprocess.Popen, str]:
         log = tmp_path / f"process{len(extra)}.log"
-        script = f"import sys\nfrom jaxpaged.entrypoints.cli import main\nsys.exit(main({flags + list(extra)!r}))"
+        script = f"import sys\nfrom jaxpaged.cli import main\nsys.exit(main({flags + list(extra)!r}))"
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
         return proc, log
 
@@ -131,7 +131,7 @@ def test_bad_multi_process_arguments_are_named():
     import pytest
 
     from jaxpaged import LLMEngine
-    from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
+    from jaxpaged.engine_args import EngineArgs, EngineArgsError
     from jaxpaged.engine.follower import run_follower
 
     demo = dict(model=DEMO_MODEL_DIR)

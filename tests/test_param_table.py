@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from jaxpaged.checkpoint.hf_keys import hf_key_specs
-from jaxpaged.config.engine_args import EngineArgs
-from jaxpaged.config.engine_config import EngineConfig
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.config.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxpaged.engine.setup import build_model
 from jaxpaged.model import LayerArrays, Llama

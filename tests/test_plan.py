@@ -7,9 +7,9 @@ import sys
 import pytest
 from tiny_models import build_hf_model
 
+from jaxpaged.cli import main
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import PRESETS, get_preset
-from jaxpaged.entrypoints.cli import main
 from jaxpaged.entrypoints.cli_flags import parse_bytes
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 from jaxpaged.planning.memory import plan_kv_cache
@@ -113,7 +113,7 @@ def test_parse_bytes_and_kv_head_split():
 
 
 def test_plan_needs_no_jax():
-    code = ("import sys; from jaxpaged.entrypoints.cli import main; main(['plan', '--model', 'llama-3.1-8b', '--json']); "
+    code = ("import sys; from jaxpaged.cli import main; main(['plan', '--model', 'llama-3.1-8b', '--json']); "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'torch')], 'JAX was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

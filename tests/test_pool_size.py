@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpaged.config.engine_args import EngineArgs
-from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import Llama, init_kv_pool, kv_storage_dtype
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.worker.model_runner import ModelRunner

@@ -24,8 +24,8 @@ from tiny_models import save_hf_model
 
 from jaxpaged.bench.perplexity import heldout_token_windows, perplexity
 from jaxpaged.checkpoint.loader import load_model
-from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.model import LayerArrays
 from jaxpaged.model.quant import FP8, quantize_weight, quantized_matmul
 from jaxpaged.parallel.mesh import param_path

@@ -12,14 +12,11 @@ transpose).
 
 import json
 import os
-import sys
 import tarfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from gpu_script_smoke import run_script, smoke_run_fixture
 
-from gpu.hlo_census import census  # noqa: E402
-from gpu_script_smoke import run_script, smoke_run_fixture  # noqa: E402
+from benchmarks.gpu.hlo_census import census
 
 STAGES = ("hlo", "kernels", "engine")
 HLO_STEPS = ("fp8", "int8", "bf16", "fp8_scanned_cublas_in_place")
@@ -28,7 +25,7 @@ HLO_KEYS = {"fp8_gemm_custom_calls", "gemm_custom_calls", "gemm_fusions", "fp8_d
             "weight_relayouts_8bit", "weight_slice_copies", "converts_in_gemm_fusions", "compile_s"}  # fmt: skip
 
 
-smoke_run = smoke_run_fixture("quantization_gpu.py", timeout=400)
+smoke_run = smoke_run_fixture("quantization_gpu", timeout=400)
 
 
 def test_smoke_runs_every_stage_and_step(smoke_run):
@@ -95,7 +92,7 @@ def test_smoke_kernels_and_engine_headlines(smoke_run):
 
 
 def test_refuses_without_a_gpu(tmp_path):
-    proc = run_script("quantization_gpu.py", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
+    proc = run_script("quantization_gpu", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
     assert proc.returncode == 2 and "REFUSED" in proc.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["device"]["refused"] is True
 

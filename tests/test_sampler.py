@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.worker.sampler import MAX_LOGPROBS, SamplerOptions, SamplingTensors, sample, update_penalty_tables
+from jaxpaged.model.sampler import MAX_LOGPROBS, SamplerOptions, SamplingTensors, sample, update_penalty_tables
 
 V = 64
 ROWS = 8

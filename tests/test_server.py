@@ -375,7 +375,7 @@ def _free_port() -> int:
 def test_jaxpaged_serve_with_api_key(server, tmp_path):
     model_dir = server.engine.args.model
     port = _free_port()
-    cmd = [sys.executable, "-m", "jaxpaged.entrypoints.cli", "serve", model_dir, "--port", str(port), "--api-key", "sk-test",
+    cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", model_dir, "--port", str(port), "--api-key", "sk-test",
            "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "16", "--uvicorn-log-level", "warning"]  # fmt: skip
     log = open(tmp_path / "serve.log", "w+")

@@ -220,7 +220,7 @@ def _serve(tmp_path, *extra: str, code: str = "") -> tuple[subprocess.Popen, str
     log = tmp_path / "serve.log"
     argv = ["serve", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "32", "--num-scheduler-steps", "1", "--uvicorn-log-level", "warning", *extra]
-    script = f"import sys; {code}\nfrom jaxpaged.entrypoints.cli import main; sys.exit(main({argv!r}))"
+    script = f"import sys; {code}\nfrom jaxpaged.cli import main; sys.exit(main({argv!r}))"
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     url = f"http://127.0.0.1:{port}"

@@ -17,10 +17,10 @@ from engine_fixtures import make_model_dir
 from tiny_models import save_hf_model
 
 from jaxpaged import LLM
-from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.speculation import NgramProposer
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 DEMO_MODEL = "jaxpaged/demo_model"
@@ -62,7 +62,7 @@ def test_bad_speculative_configs_are_named(config, words):
 
 
 def test_cli_flag_takes_json_and_names_itself(capsys):
-    from jaxpaged.entrypoints.cli import main
+    from jaxpaged.cli import main
 
     code = main(["generate", "--speculative-config", '{"method": "ngram"}', "hello"])
     assert code != 0 and "--speculative-config" in capsys.readouterr().err

@@ -11,22 +11,19 @@ Llama-3.2-1B-shaped draft config the GPU plan writes.
 import json
 import math
 import os
-import sys
 import tarfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from gpu_script_smoke import run_script, smoke_run_fixture
 
-import speculative_gpu  # noqa: E402
-from gpu.spec_latency import repetitive_prompts, spec_delta, sum_deltas  # noqa: E402
-from gpu_script_smoke import run_script, smoke_run_fixture  # noqa: E402
+from benchmarks import speculative_gpu
+from benchmarks.gpu.spec_latency import repetitive_prompts, spec_delta, sum_deltas
 
 STAGES = ("plain", "ngram_k2", "ngram_k4", "draft")
 HEADLINE_KEYS = {"tpot_ms", "e2e_tpot_ms", "output_tok_s", "speedup_vs_plain", "throughput_vs_plain", "acceptance",
                  "accepted_per_draft", "same_tokens_as_plain", "distinct_output_tokens"}  # fmt: skip
 
 
-smoke_run = smoke_run_fixture("speculative_gpu.py", timeout=300)
+smoke_run = smoke_run_fixture("speculative_gpu", timeout=300)
 
 
 def test_smoke_runs_every_stage(smoke_run):
@@ -93,7 +90,7 @@ def test_smoke_results_and_headlines(smoke_run):
 
 
 def test_refuses_without_a_gpu(tmp_path):
-    proc = run_script("speculative_gpu.py", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
+    proc = run_script("speculative_gpu", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
     assert proc.returncode == 2 and "REFUSED" in proc.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["device"]["refused"] is True
 

@@ -20,10 +20,10 @@ import pallas_kernels
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.functional import DeviceCache, init_cache
 from jaxpaged.model import KVPool, Llama
+from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.mesh import TensorParallel, param_path
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.worker.step_packer import StepPacker
-from jaxpaged.worker.sampler import SamplerOptions
 from jaxpaged.worker.step_programs import _fused_decode_steps, _model_program
 
 pytestmark = [

@@ -20,17 +20,17 @@ from tiny_models import save_hf_model
 
 from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.loader import load_model
-from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
-from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import get_preset
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.setup import build_model, device_weight_bytes, plan_cache
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import LayerArrays, Llama
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
-from jaxpaged.parallel.sharding import TensorParallelLayout
-from jaxpaged.planning.plan import make_plan
+from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 from jaxpaged.planning.memory import sequence_state_bytes
+from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
 
 SIZES = (1, 2, 4, 8)
@@ -200,7 +200,7 @@ def test_sizes_that_do_not_split_are_named(tmp_path):
         EngineArgs(model=str(tmp_path), tensor_parallel_size=3, skip_tokenizer_init=True)
     with pytest.raises(EngineArgsError, match="tensor_parallel_size=16: must divide num_attention_heads=8"):
         EngineArgs(model=str(tmp_path), tensor_parallel_size=16, skip_tokenizer_init=True)
-    with pytest.raises(EngineArgsError, match="tensor_parallel_size=16: needs as many devices, but JAX sees 8"):
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size=16 needs as many devices, but JAX sees 8"):
         make_mesh(16)
 
 

@@ -1,7 +1,7 @@
 """The real engine's start-up: `LLM(...)` built from the engine flags, timed until it is ready,
 then one short generate (the first token through the compiled programs).
 
-    python benchmarks/gpu/engine_start.py --model llama-3.1-8b --load-format dummy --dtype bfloat16 \\
+    python -m benchmarks.gpu.engine_start --model llama-3.1-8b --load-format dummy --dtype bfloat16 \\
         --compilation-cache-dir DIR --output-json engine_start.json
 
 Run it twice with the same empty DIR for a cold and then a warm start. Prints and writes the
@@ -17,7 +17,6 @@ import sys
 import time
 
 STARTED = time.perf_counter()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run uninstalled
 
 from jaxpaged.checkpoint.format import has_tokenizer  # noqa: E402
 from jaxpaged.entrypoints.cli_flags import add_engine_flags, engine_args  # noqa: E402

@@ -17,8 +17,8 @@ import tempfile
 import time
 from typing import Callable
 
-from gpu.plan import PROBE_TIMEOUT_S, ROOT, SMOKE_XLA_FLAGS
-from gpu.runner import progress
+from benchmarks.gpu.plan import PROBE_TIMEOUT_S, ROOT, SMOKE_XLA_FLAGS
+from benchmarks.gpu.runner import progress
 
 PROBE = ("import json, jax; d = jax.devices()[0]; print('PROBE ' + json.dumps(dict(platform=d.platform, "
          "device_kind=d.device_kind, num_devices=jax.device_count(), jax_version=jax.__version__)))")  # fmt: skip

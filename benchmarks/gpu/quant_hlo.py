@@ -1,7 +1,7 @@
 """The compiled HLO of the engine's step programs under a weight quantization: do the projections
 run as fp8 (or int8) GEMMs, or are the weights converted, re-laid out or copied first?
 
-    python benchmarks/gpu/quant_hlo.py --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 \\
+    python -m benchmarks.gpu.quant_hlo --model llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 \\
         --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 \\
         --programs decode:16,mixed:2048 --label fp8 --hlo-dir DIR --output-json hlo_fp8.json
 
@@ -23,11 +23,8 @@ import sys
 import time
 
 STARTED = time.perf_counter()
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # run uninstalled
-sys.path.insert(0, os.path.dirname(HERE))  # the gpu/ helpers
 
-from gpu.hlo_census import census  # noqa: E402
+from benchmarks.gpu.hlo_census import census  # noqa: E402
 from jaxpaged.bench.gpu_targets import compiling_for_target, prepare_environment  # noqa: E402
 from jaxpaged.bench.startup import abstract_worker, add_startup_flags  # noqa: E402
 from jaxpaged.entrypoints.cli_flags import engine_args  # noqa: E402

@@ -1,7 +1,7 @@
 """The decode kernel over a float8 KV pool against the same kernel over a bfloat16 pool.
 
-    python benchmarks/gpu/quant_kernels.py --out quant_kernels.json   # on a GPU (interpret=False)
-    python benchmarks/gpu/quant_kernels.py --smoke --out /tmp/k.json   # tiny shapes, interpret mode
+    python -m benchmarks.gpu.quant_kernels --out quant_kernels.json   # on a GPU (interpret=False)
+    python -m benchmarks.gpu.quant_kernels --smoke --out /tmp/k.json   # tiny shapes, interpret mode
 
 0. HBM bandwidth, measured as `kernels_gpu.py` does (in-place read+write of 2 GiB).
 1. Correctness, interpret=False on a GPU: `paged_decode_attention` and `ragged_paged_attention`
@@ -31,13 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(BENCH))  # run uninstalled
-sys.path.insert(0, BENCH)  # kernels_gpu.py, whose helpers this reuses
-
-from kernels_gpu import (BS, PEAK_HBM, Mismatch, check, paged_batch, parse_timing, ragged_args,  # noqa: E402
-                         reference_or_none, run_phases, save, time_loop)  # fmt: skip
-from pallas_kernels import paged_decode_attention, ragged_paged_attention, reference  # noqa: E402
+from benchmarks.kernels_gpu import (BS, PEAK_HBM, Mismatch, check, paged_batch, parse_timing, ragged_args,
+                                    reference_or_none, run_phases, save, time_loop)  # fmt: skip
+from pallas_kernels import paged_decode_attention, ragged_paged_attention, reference
 
 FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 TOL_FP8 = 2e-2  # both sides read the same float8 values; the kernel's error is its bf16 dots'

@@ -4,7 +4,7 @@ statuses, then one table per stage: the HLO census, fp8 vs bf16 decode kernel, e
 bf16), and `stages.tar.gz` (each stage's JSON and log, the HLO text files)."""
 
 
-from gpu.summary import _round, markdown_head, set_headlines, steps_cell, write_files
+from benchmarks.gpu.summary import _round, markdown_head, set_headlines, steps_cell, write_files
 
 
 def _result(record: dict, step_name: str) -> dict | None:

@@ -1,6 +1,6 @@
 """`jaxpaged bench serve` against a `jaxpaged serve` of its own, at several request rates.
 
-    python benchmarks/gpu/serve_load.py --model llama-3.1-8b --rates 4,16,inf --result-dir DIR \\
+    python -m benchmarks.gpu.serve_load --model llama-3.1-8b --rates 4,16,inf --result-dir DIR \\
         --output-json serve.json --bench-flags "--dataset-name random --num-prompts 200" -- ENGINE FLAGS...
 
 1. Start `jaxpaged serve MODEL ENGINE FLAGS` on a free port (its output is this script's) and wait
@@ -31,8 +31,7 @@ import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)  # run uninstalled
-CLI = (sys.executable, "-m", "jaxpaged.entrypoints.cli")
+CLI = (sys.executable, "-m", "jaxpaged.cli")
 SERVER_MODULES = ("fastapi", "uvicorn", "pydantic", "starlette")
 WHEEL_DIR = os.path.join(ROOT, ".whl")
 PRIVATE_SITE = "/tmp/jaxpaged-server-site"
@@ -54,7 +53,7 @@ def server_env() -> dict:
     wheels = sorted(glob.glob(os.path.join(WHEEL_DIR, "*.whl")))
     if not wheels:
         raise RuntimeError(f"jaxpaged serve needs {', '.join(missing)}, missing here, and {WHEEL_DIR} holds no wheels: run "
-                           "`python benchmarks/gpu_run.py --prepare-wheels` on a machine with network and carry .whl")  # fmt: skip
+                           "`python -m benchmarks.gpu_run --prepare-wheels` on a machine with network and carry .whl")  # fmt: skip
     print(f"installing {len(wheels)} wheels from {WHEEL_DIR} into {PRIVATE_SITE} (missing: {', '.join(missing)})", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--upgrade", "--target", PRIVATE_SITE, *wheels], check=True)  # fmt: skip
@@ -117,7 +116,7 @@ def main(argv=None) -> int:
     try:
         summary["server_ready_s"] = round(wait_healthy(url, server), 1)
         print(f"jaxpaged serve ready at {url} after {summary['server_ready_s']} s", flush=True)
-        from jaxpaged.entrypoints.cli import main as jaxpaged_cli
+        from jaxpaged.cli import main as jaxpaged_cli
 
         paths = []
         for rate in summary["rates"]:

@@ -1,6 +1,6 @@
 """Greedy decoding latency of one engine on repetitive prompts, with or without speculation.
 
-    python benchmarks/gpu/spec_latency.py --model llama-3.1-8b --load-format dummy --dtype bfloat16 \\
+    python -m benchmarks.gpu.spec_latency --model llama-3.1-8b --load-format dummy --dtype bfloat16 \\
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \\
         --batch-sizes 1,8 --input-len 512 --phrase-len 32 --output-len 256 --output-json out.json
 
@@ -32,7 +32,6 @@ import sys
 import time
 
 STARTED = time.perf_counter()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run uninstalled
 
 from jaxpaged.checkpoint.format import has_tokenizer  # noqa: E402
 from jaxpaged.config.presets import load_config_dict  # noqa: E402

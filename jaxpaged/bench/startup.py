@@ -29,7 +29,7 @@ import logging
 import time
 
 from jaxpaged.bench.gpu_targets import GPU_TARGETS, compiling_for_target, prepare_environment
-from jaxpaged.config.engine_args import EngineArgsError
+from jaxpaged.engine_args import EngineArgsError
 from jaxpaged.entrypoints.cli_flags import add_engine_flags, engine_args
 
 logger = logging.getLogger("jaxpaged")
@@ -124,7 +124,7 @@ def abstract_worker(args, devices: list | None = None):
     the pool `kv_cache_memory_bytes` or `DEFAULT_POOL_BYTES`; nothing compiled yet."""
     import dataclasses
 
-    from jaxpaged.config.engine_config import EngineConfig
+    from jaxpaged.engine_config import EngineConfig
     from jaxpaged.engine.setup import prepare_device_worker
 
     args = dataclasses.replace(args, kv_cache_memory_bytes=args.kv_cache_memory_bytes or DEFAULT_POOL_BYTES)

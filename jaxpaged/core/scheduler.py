@@ -36,13 +36,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from jaxpaged.config.engine_args import PREEMPTION_MODES
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier, KVTransfers
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.speculation import NGRAM_LOOKBACK, DraftModelSlots, NgramProposer, speculation_allowed
 from jaxpaged.core.step_inputs import ScheduledSequence
+
+# What a preempted sequence loses: recompute frees its blocks, swap copies them to the host tier.
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -527,5 +529,5 @@ def _has_penalties(sp) -> bool:
 
 def fusable(sp) -> bool:
     """Whether a sequence's sampling runs in fused decode steps, which sample without top-k /
-    top-p filtering and top logprobs (see `jaxpaged.worker.sampler.SamplerOptions`)."""
+    top-p filtering and top logprobs (see `jaxpaged.model.sampler.SamplerOptions`)."""
     return not sp.logprobs and sp.top_k <= 0 and sp.top_p >= 1

@@ -3,9 +3,9 @@ it holds its devices' shards and runs the steps process 0 schedules, and serves 
 
 import logging
 
-from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
-from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.engine.setup import start_device_worker
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.parallel.multihost import StepChannel, follow
 
 logger = logging.getLogger("jaxpaged")

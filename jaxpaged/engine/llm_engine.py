@@ -30,20 +30,20 @@ from typing import Any
 import numpy as np
 from transformers import AutoTokenizer
 
-from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
-from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.core.request_state import RequestState
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, SpeculationGovernor, make_proposer
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.model.sampler import MAX_LOGPROBS
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import SamplingParams, check_text
 from jaxpaged.worker.input_batch import banned_ids
 from jaxpaged.worker.model_runner import StepHandle
-from jaxpaged.worker.sampler import MAX_LOGPROBS
 from jaxpaged.worker.step_packer import MAX_BANNED
 
 logger = logging.getLogger("jaxpaged")

@@ -14,16 +14,16 @@ from flax import nnx
 from jaxpaged.checkpoint.format import TOKENIZER_FILES
 from jaxpaged.checkpoint.kv_scales import checkpoint_kv_scales
 from jaxpaged.checkpoint.loader import load_model, resolve_dtype
-from jaxpaged.config.engine_args import EngineArgs, EngineArgsError, default_compilation_cache_dir
-from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import is_fp8
 from jaxpaged.core.disk_tier import DiskTier
+from jaxpaged.engine_args import EngineArgs, EngineArgsError, default_compilation_cache_dir
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import Llama, kv_storage_dtype, split_layers_in_place
 from jaxpaged.parallel import multihost
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
-from jaxpaged.parallel.sharding import TensorParallelLayout
+from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 from jaxpaged.planning.memory import GiB, KVCachePlan, format_bytes, plan_kv_cache, sequence_state_bytes
 from jaxpaged.worker.draft_runner import DraftRunner, draft_engine_config
 from jaxpaged.worker.model_runner import ModelRunner
@@ -73,7 +73,8 @@ def start_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = fr
     tests/gpu_compile); the runner runs nothing.
 
     Raises:
-      EngineArgsError: `abstract` without `kv_cache_memory_bytes` (no memory to size the pool from).
+      EngineArgsError: `abstract` without `kv_cache_memory_bytes` (no memory to size the pool from),
+        fewer devices than `tensor_parallel_size`, or processes started with different settings.
     """
     worker = prepare_device_worker(config, eos_token_ids, devices, abstract)
     runner, draft, plan, threads = worker.runner, worker.draft, worker.plan, worker.config.args.compile_threads
@@ -95,13 +96,20 @@ def prepare_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = 
         raise EngineArgsError("kv_cache_memory_bytes", None, "an engine of shapes needs the pool's size")
     args = config.args
     multihost.initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port)
-    seed = multihost.agree_on_settings(config.shared_settings(), args.seed)
+    try:
+        seed = multihost.agree_on_settings(config.shared_settings(), args.seed)
+    except multihost.SettingsMismatchError as err:
+        raise EngineArgsError(err.setting, err.value, err.reason) from None
     if seed != args.seed:  # the leader's (a follower's own only seeds dummy weights, which must match)
         logger.info("engine seed: %d (process 0's)", seed)
         args = dataclasses.replace(args, seed=seed)
         config = dataclasses.replace(config, args=args)
     use_compilation_cache(args.compilation_cache_dir)
-    parallel = TensorParallel(config.layout, make_mesh(config.layout.size, devices))
+    try:
+        parallel = TensorParallel(config.layout, make_mesh(config.layout.size, devices))
+    except TensorParallelError as err:  # too few devices
+        reason = str(err).removeprefix(f"tensor_parallel_size={config.layout.size} ")
+        raise EngineArgsError("tensor_parallel_size", config.layout.size, reason) from None
     model = build_model(config, parallel, abstract)
     draft_model, draft_parallel = build_draft_model(config, parallel, abstract)
     plan = plan_cache(config, model, parallel, draft=draft_model)

@@ -9,7 +9,7 @@ import dataclasses
 import os
 import re
 
-from jaxpaged.config.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
 
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")  # jaxpaged/demo_model
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 

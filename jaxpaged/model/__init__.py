@@ -1,4 +1,5 @@
-"""The Llama-family model in Flax NNX and its paged-attention metadata."""
+"""The Llama-family model in Flax NNX, its paged-attention metadata and the token sampler
+(`sampler`): the device functions `jaxpaged.functional.step` is made of."""
 
 from jaxpaged.model.kv_pool import KVPool, KVQuant, init_kv_pool, kv_storage_dtype
 from jaxpaged.model.layer_arrays import LayerArrays, split_layers_in_place, unstack_layers

@@ -33,7 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
-from jaxpaged.config.engine_args import ATTENTION_BACKENDS
+from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxpaged.config.engine_args import EngineArgsError
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.parallel.sharding import (
     KV_HEADS,
@@ -22,6 +21,7 @@ from jaxpaged.parallel.sharding import (
     MESH_AXES,
     TENSOR_AXIS,
     VOCAB,
+    TensorParallelError,
     TensorParallelLayout,
 )
 
@@ -30,12 +30,12 @@ def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
     """A mesh of the first `tensor_parallel_size` devices (all processes' devices, in order).
 
     Raises:
-      EngineArgsError: fewer devices than asked for, with the count.
+      TensorParallelError: fewer devices than asked for, with the count.
     """
     devices = jax.devices() if devices is None else devices
     if tensor_parallel_size > len(devices):
-        raise EngineArgsError("tensor_parallel_size", tensor_parallel_size,
-                              f"needs as many devices, but JAX sees {len(devices)} ({devices[0].platform} devices)")  # fmt: skip
+        raise TensorParallelError(f"tensor_parallel_size={tensor_parallel_size} needs as many devices, but JAX sees "
+                                  f"{len(devices)} ({devices[0].platform} devices)")  # fmt: skip
     # Auto axes: XLA propagates the parameters' shardings through the step (the per-head parts
     # are explicit shard_maps), whatever a JAX version's default axis type is.
     return Mesh(np.array(devices[:tensor_parallel_size]), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

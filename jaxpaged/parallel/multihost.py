@@ -18,13 +18,25 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxpaged.config.engine_args import EngineArgsError
-
 logger = logging.getLogger("jaxpaged")
 
 # Commands of the step channel.
 EXECUTE, SEED, STOP = 1, 2, 3
 HEADER_SIZE = 6  # command, four integer fields, payload length
+
+
+class SettingsMismatchError(ValueError):
+    """The processes of one engine were started with different settings.
+
+    Attributes:
+      setting: the first setting that differs from process 0's (a name of `settings`).
+      value: this process's value of it, as text.
+      reason: which settings differ on which processes, and how to fix it.
+    """
+
+    def __init__(self, setting: str, value: str, reason: str):
+        super().__init__(f"{setting}={value!r}: {reason}")
+        self.setting, self.value, self.reason = setting, value, reason
 
 
 def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
@@ -72,7 +84,7 @@ def agree_on_settings(settings: dict[str, str], seed: int) -> int:
     `EngineConfig.shared_settings`) and returns the leader's seed, which every process takes.
 
     Raises:
-      EngineArgsError: on every process, naming each setting that differs from process 0's and
+      SettingsMismatchError: on every process, naming each setting that differs from process 0's and
         the processes that differ (a mismatch would otherwise fail, or hang, at the first step).
     """
     if jax.process_count() == 1:
@@ -91,9 +103,10 @@ def agree_on_settings(settings: dict[str, str], seed: int) -> int:
     if differ:
         name, _ = differ[0]
         listed = "; ".join(f"{n} on process(es) {', '.join(map(str, ranks))}" for n, ranks in differ)
-        raise EngineArgsError(name, settings[name], f"the processes of one engine must agree on every setting but "
-                              f"the per-process ones; different from process 0: {listed}. Start every process "
-                              "with the same flags and model (only --node-rank and local paths may differ)")  # fmt: skip
+        raise SettingsMismatchError(name, settings[name], "the processes of one engine must agree on every setting "
+                                    f"but the per-process ones; different from process 0: {listed}. Start every "
+                                    "process with the same flags and model (only --node-rank and local paths may "
+                                    "differ)")  # fmt: skip
     return (int(headers[0, 2]) << 31) | int(headers[0, 3])
 
 

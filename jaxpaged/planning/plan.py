@@ -17,11 +17,11 @@ headroom in `gpu_memory_utilization`.
 import json
 import math
 
-from jaxpaged.config.engine_args import check_block_size
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (DTYPE_BYTES, FP8_KV_DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS,
                                           QUANTIZED_WEIGHT_DTYPES, resolve_quantization)  # fmt: skip
+from jaxpaged.engine_args import check_block_size
 from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache

@@ -24,8 +24,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 

@@ -17,12 +17,12 @@ import dataclasses
 
 import numpy as np
 
-from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.core.step_inputs import ScheduledSequence
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import Llama
+from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.worker.model_runner import ModelRunner
-from jaxpaged.worker.sampler import SamplerOptions
 from jaxpaged.worker.step_packer import SequenceRow
 from jaxpaged.worker.step_programs import Program
 

@@ -20,18 +20,18 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.core.host_tier import KVTransfers
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.step_inputs import ScheduledSequence
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.functional import DeviceCache, init_cache
 from jaxpaged.model import Llama, unstack_layers
 from jaxpaged.model.layer_arrays import place_params
+from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_transfer import KVTransfer
-from jaxpaged.worker.sampler import SamplerOptions
 from jaxpaged.worker.step_packer import SequenceRow
 from jaxpaged.worker.step_programs import Program, ResultLayout, SamplerProgram, StepPrograms, compile_all, sampler_for
 

@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.config.engine_config import EngineConfig
 from jaxpaged.config.quantization import is_fp8
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.functional import DeviceCache, SamplerInput, StepInput, forward, sample_tokens, sampler_input, step
 from jaxpaged.model import AttentionMetadata, KVPool, KVQuant
+from jaxpaged.model.sampler import (ENGINE_SAMPLER_OPTIONS, MAX_LOGPROBS, SamplerOptions, SamplingTensors, pack_result,
+                                     update_penalty_tables)  # fmt: skip
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import KV_SCALE_AXES
-from jaxpaged.worker.sampler import (ENGINE_SAMPLER_OPTIONS, MAX_LOGPROBS, SamplerOptions, SamplingTensors, pack_result,
-                                     update_penalty_tables)  # fmt: skip
 from jaxpaged.worker.step_packer import MAX_BANNED, SAMPLING_FIELDS, Layout, StepPacker
 
 

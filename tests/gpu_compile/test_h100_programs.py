@@ -35,8 +35,8 @@ if not _has_cuda_plugin():  # shown as skipped, with why (CI's stage 2 installs 
 
 from jaxpaged.bench.gpu_targets import GPU_TARGETS, compiling_for_target, prepare_environment  # noqa: E402 (after the skip)
 from jaxpaged.bench.startup import abstract_worker  # noqa: E402 (after the skip)
-from jaxpaged.config.engine_args import EngineArgs  # noqa: E402 (after the skip)
 from jaxpaged.config.presets import get_preset  # noqa: E402 (after the skip)
+from jaxpaged.engine_args import EngineArgs  # noqa: E402 (after the skip)
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR  # noqa: E402 (after the skip)
 
 prepare_environment()
@@ -123,7 +123,7 @@ def test_unrolled_steps_read_weights_in_place_and_scanned_steps_copy_them(tmp_pa
 
 
 def test_bench_startup_compiles_the_demo_engine_for_an_h100(tmp_path):
-    from jaxpaged.entrypoints.cli import main
+    from jaxpaged.cli import main
 
     out = tmp_path / "startup.json"
     assert main(["bench", "startup", "--target", "h100", "--model", DEMO_MODEL_DIR, "--max-num-seqs", "4",

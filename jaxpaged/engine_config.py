@@ -10,11 +10,11 @@ import logging
 
 import numpy as np
 
-from jaxpaged.config.engine_args import EngineArgs
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import kv_dtype_name, resolve_quantization
 from jaxpaged.core.scheduler import SchedulerConfig
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.parallel.sharding import TensorParallelLayout
 
 logger = logging.getLogger("jaxpaged")

@@ -19,17 +19,11 @@ import sys
 from jaxpaged.bench.cli import add_bench_parser
 from jaxpaged.config.quantization import QUANTIZATION_METHODS
 from jaxpaged.entrypoints import cli_generate
-from jaxpaged.entrypoints.cli_flags import (
-    BYTES_WITH_UNIT,
-    DEMO_MODEL_DIR,
-    HelpFormatter,
-    add_engine_flags,
-    describe_error,
-)
+from jaxpaged.entrypoints.cli_flags import BYTES_WITH_UNIT, HelpFormatter, add_engine_flags, describe_error
 from jaxpaged.planning.plan import PLAN_KV_CACHE_DTYPES
 from jaxpaged.server.cli import add_serve_flags
 
-__all__ = ["DEMO_MODEL_DIR", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

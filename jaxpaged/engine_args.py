@@ -10,17 +10,17 @@ import dataclasses
 import os
 
 from jaxpaged.checkpoint.format import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
+from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import PRESETS, get_preset, load_config_dict
 from jaxpaged.config.quantization import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, CheckpointQuantizationError,
                                           resolve_quantization)  # fmt: skip
 from jaxpaged.config.speculative import SpeculativeConfig, SpeculativeConfigError
+from jaxpaged.core.scheduler import PREEMPTION_MODES
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
-PREEMPTION_MODES = ("recompute", "swap")
 MAX_COMPILE_THREADS = 8
 
 

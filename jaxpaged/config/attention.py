@@ -1,0 +1,7 @@
+"""The implementations of paged attention the model can run (`attention_backend`).
+
+"auto" is the Pallas kernels on a GPU and the jnp reference elsewhere; "pallas" on a CPU runs
+the kernels in interpret mode (see `jaxpaged.model.llama.resolve_attention_backend`).
+"""
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")

@@ -17,8 +17,8 @@ How a request flows:
      records logprobs, detokenizes and matches stop strings; finished sequences give their
      blocks back (and, at the next step, their runner slots). Without async scheduling (and
      in steps that speculate, whose proposals follow the newest tokens) each step's results
-     are read before the next is scheduled; with a draft model, reading them has the draft
-     propose for the next step).
+     are read before the next is scheduled; with a draft model, reading a speculating step's
+     results has the draft propose for the next step.
   5. `step()` returns a `RequestOutput` for every request that changed.
 """
 

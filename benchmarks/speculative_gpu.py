@@ -22,7 +22,7 @@ run), all with the same engine limits and one persistent compilation cache in th
    tokens/s, acceptance (`get_stats()`' proposed / accepted tokens), ratios to plain.
 3. draft: the 8B target with a Llama-3.2-1B-shaped draft (config.json written into the work
    directory: 8B's vocabulary, dummy weights of its own), k = 4. Its proposals are near-random,
-   so this measures the overhead of proposing and mirroring, not acceptance.
+   so this measures the overhead of catching up and proposing, not acceptance.
 
 With dummy weights acceptance is not representative: a random model decoding greedily often
 repeats a short cycle, which n-gram lookup predicts (the summary's notes say so).

@@ -153,8 +153,8 @@ class EngineArgs:
         "filters with top-k/top-p or asks for top logprobs); 1: none")  # fmt: skip
     async_scheduling: bool = _option(
         True, "schedule and dispatch each step before the previous one's tokens reach the host, which the device "
-        "passes from step to step, so host work overlaps the device's (the same tokens as without it); with "
-        "speculative decoding each step waits for the previous one (proposals are made from its tokens)")  # fmt: skip
+        "passes from step to step, so host work overlaps the device's (the same tokens as without it); a step "
+        "that speculates waits for the previous one (proposals are made from its tokens)")  # fmt: skip
     skip_tokenizer_init: bool = _option(
         False, "run without a tokenizer: token-id prompts in, token ids out, no stop strings", per_process=True)
 

@@ -44,9 +44,8 @@ class EngineConfig:
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> "EngineConfig":
-        """Resolves the seed ("random" draws one, logged so a run can be repeated), turns fused
-        decode steps off with a draft model (logged), reads the model's configuration and
-        checks the context limit against it.
+        """Resolves the seed ("random" draws one, logged so a run can be repeated), reads the
+        model's configuration and checks the context limit against it.
 
         Raises:
           ValueError: max_model_len beyond the model's limit or its sliding window.
@@ -54,11 +53,6 @@ class EngineConfig:
         if args.seed is None:
             args = dataclasses.replace(args, seed=int(np.random.SeedSequence().entropy % 2**31))
             logger.info("engine seed: %d (drawn at random)", args.seed)
-        spec = args.speculative_config
-        if spec is not None and spec.model is not None and args.num_scheduler_steps > 1:
-            # A draft model mirrors every target step; it could not mirror fused steps whose tokens it never sees.
-            args = dataclasses.replace(args, num_scheduler_steps=1)
-            logger.info("fused decode steps: off (num_scheduler_steps=1) with a draft model")
         raw = load_config_dict(args.model)[1]
         model = ModelConfig.from_hf(raw)
         max_model_len = model.check_max_model_len(args.max_model_len or model.max_context_len)

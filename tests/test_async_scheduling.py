@@ -1,7 +1,7 @@
 """Async scheduling (each step dispatched before the previous one's tokens are read, which reach
 it on the device) gives exactly the outputs of synchronous steps: greedy and seeded sampling,
 n > 1, filters, penalties, min_tokens, logprobs, stop strings and stop token ids, max_tokens
-exactly, n-gram speculation switched on and off, fused decode windows that end mid-way,
+exactly, n-gram and draft-model speculation switched on and off, fused decode windows that end mid-way,
 preemption by recompute and by swap, host-tier hits, tensor parallelism; and every block and
 runner slot comes back."""
 
@@ -125,11 +125,15 @@ def test_async_equals_sync_under_tensor_parallelism(model_path, n):
     assert run(asyn, requests) == run(sync, requests)
 
 
-def test_async_equals_sync_when_steps_switch_between_speculating_and_not(model_path):
-    """n-gram speculation under async scheduling: a step that checks proposals reads the step in
-    flight first, a plain step after it overlaps again. The governor's choice (timed, so not
-    repeatable) is replaced by a fixed pattern that switches every two steps."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_async_equals_sync_when_steps_switch_between_speculating_and_not(model_path, method):
+    """Speculation under async scheduling (n-gram lookups, or the model as its own draft): a step
+    that speculates reads the step in flight first (and is read at its end: a draft proposes for
+    the next step from its tokens), a plain step after it overlaps again. The governor's choice
+    (timed, so not repeatable) is replaced by a fixed pattern that switches every two steps."""
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if method == "draft":
+        spec = {"model": model_path, "num_speculative_tokens": 2}
     sync, asyn = engines(model_path, num_scheduler_steps=4, speculative_config=spec)
     assert asyn.async_scheduling
     for engine in (sync, asyn):

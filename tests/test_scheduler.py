@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.block_manager import NULL_BLOCK
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
-from jaxpaged.core.speculation import NgramProposer
+from jaxpaged.core.speculation import DraftModelProposer, NgramProposer
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.input_batch import InputBatch
@@ -509,3 +509,39 @@ def test_proposals_take_only_what_decodes_leave():
     sched.abort(seqs[2].request_id)  # room appears: "a" checks its proposals now
     out = sched.schedule()
     assert out.drafts[0] and out.scheduled[0][1] == 1 + len(out.drafts[0]) and not out.preempted
+
+
+def test_draft_model_proposals_come_from_the_previous_steps_output():
+    """A draft model's proposals follow the n-gram path one step later: a speculating step marks
+    the entries the draft proposes for (`drafting`) and gives them room for its k positions from
+    free blocks; the proposals of that step's output become the sequences' `spec_token_ids`, which
+    the next speculating step checks; the room goes back after the step, and a plain step neither
+    drafts nor checks (its output carries no proposals, so stale ones are dropped)."""
+    k, bs = 3, 4
+    sched = Scheduler(SchedulerConfig(max_model_len=64, block_size=bs, num_blocks=16, num_scheduler_steps=4),
+                      proposer=DraftModelProposer(SpeculativeConfig("draft_model", k, 0, 0, model="draft")))  # fmt: skip
+    seqs = [make_seq([5, 6, 7, 8, 9], max_tokens=20, ignore_eos=True), make_seq([3, 4], max_tokens=20, repetition_penalty=1.2)]
+    for seq in seqs:
+        sched.add(seq)
+    out = sched.schedule(propose=True)  # prefills that sample: the draft proposes after them
+    a, b = seqs
+    assert out.drafting == [True, False]  # b's penalties never speculate
+    assert len(a.block_table) == -(-(5 + k) // bs) and len(b.block_table) == 1
+    sched.postprocess(out, [11, 12], proposals={a.seq_id: [21, 22, 23]})
+    assert a.spec_token_ids == [21, 22, 23] and b.spec_token_ids == []
+    assert len(a.block_table) == -(-5 // bs)  # the draft's room went back
+
+    out = sched.schedule(propose=True)
+    assert out.drafts == [[21, 22, 23], []] and out.drafting == [True, False] and out.num_steps == 1
+    assert len(a.block_table) * bs >= a.num_computed_tokens + k  # the step's 4 tokens, then k for the draft
+    sched.postprocess(out, [[21, 40], [13]], proposals={a.seq_id: [41, 42, 43]})  # one accepted
+    assert a.output_token_ids == [11, 21, 40] and a.spec_token_ids == [41, 42, 43] and a.num_computed_tokens == 7
+
+    out = sched.schedule(propose=False)  # plain: no proposals checked, none made, decode steps fuse
+    assert out.drafts == [[], []] and out.drafting == [False, False] and out.num_steps == 4
+    sched.postprocess(out, [[50, 51, 52, 53], [14, 15, 16, 17]])
+    assert a.spec_token_ids == []  # the proposals were for tokens before these
+    out = sched.schedule(propose=True)
+    assert out.drafts == [[], []] and out.drafting == [True, False]
+    sched.abort([a.request_id, b.request_id])
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks

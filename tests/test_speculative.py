@@ -389,3 +389,58 @@ def test_tensor_parallel_draft_model_gives_the_unsharded_tokens(tmp_path):
         spec, stats = tokens(n, speculative_config={"model": draft_dir_, "num_speculative_tokens": 2, "adaptive": False})
         assert spec == plain and stats["spec_decode_num_draft_tokens"] > 0 and stats["num_preemptions"] > 0
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]  # the target as its draft
+
+
+def count_draft_calls(engine: LLMEngine) -> list[int]:
+    """Wraps every compiled program of the engine's draft model to count its calls (one counter)."""
+    calls = [0]
+    compiled = engine.runner.draft.compiled
+
+    def counting(executable):
+        def call(*args):
+            calls[0] += 1
+            return executable(*args)
+
+        return call
+
+    for program, executable in list(compiled.items()):
+        compiled[program] = counting(executable)
+    return calls
+
+
+def test_draft_model_catches_up_after_plain_steps_prefix_hits_and_preemption(tiny_dir):
+    """The target as its own draft, with speculation switched off for stretches of steps (fixed
+    pattern instead of the governor's timing): a plain step calls none of the draft's programs
+    and fuses decode steps; a speculating step's draft first catches up on what it missed
+    (prompts, prefix-cache hits, recomputed preemptions, plain steps' tokens), so its
+    proposals are all accepted; the tokens are plain greedy decoding's, and the draft holds no
+    state for finished sequences."""
+    prompts = repetitive_prompts(12, seed=7)
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
+              for m in np.random.default_rng(3).integers(8, 40, size=len(prompts))]  # fmt: skip
+    options = dict(ENGINES["preempting"], kv_cache_memory_bytes=16 * 2 * (2 * 2 * 2 * 16 * 16 * 4))
+    plain, _ = run(tiny_dir, prompts, params, **options)
+    engine = LLMEngine(EngineArgs(model=tiny_dir, dtype="float32", max_model_len=128, **options,
+                                  speculative_config={"model": tiny_dir, "num_speculative_tokens": 3}))  # fmt: skip
+    assert engine.async_scheduling and engine.scheduler.config.num_scheduler_steps == 4
+    pattern = iter(range(10**6))
+    engine.governor.speculate = lambda running: next(pattern) % 7 < 3  # 3 steps on, 4 off
+    calls = count_draft_calls(engine)
+    schedule, outputs = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda propose: outputs.append(schedule(propose)) or outputs[-1]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+    done, plain_steps = {}, []
+    while engine.has_unfinished_requests():
+        before = calls[0]
+        done.update((int(o.request_id), o.outputs[0]) for o in engine.step() if o.finished)
+        if not any(outputs[-1].drafting):
+            plain_steps.append((outputs[-1].num_steps, calls[0] - before))
+    assert all(n == 0 for _, n in plain_steps) and any(steps > 1 for steps, _ in plain_steps)
+    assert [done[i].token_ids for i in range(len(prompts))] == [o.token_ids for o in plain]
+    stats = engine.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert calls[0] > 0
+    engine.step()  # the next schedule releases the last finished sequences
+    assert engine.runner.draft._held == {} and stats["num_free_blocks"] == stats["num_total_blocks"]

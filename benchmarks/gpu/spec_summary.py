@@ -13,8 +13,8 @@ NOTES = (
     "predicts perfectly; real text repeats itself less, so the n-gram rows show what lookup costs and what it can gain "
     "when its proposals are accepted, not what it gains on real prompts.",
     "The draft model (Llama-3.2-1B's shapes, 8B's vocabulary) has random weights of its own: its proposals are "
-    "near-random and almost never accepted, so the draft row measures the overhead of proposing k tokens and mirroring "
-    "every target step on the draft, not a realistic speedup.",
+    "near-random and almost never accepted, so the draft row measures the overhead of the draft catching up and proposing "
+    "k tokens in every step, not a realistic speedup.",
     "TPOT = (latency of the full generate - latency of a max_tokens=1 generate of the same prompts) / (output_len - 1); "
     "e2e TPOT = latency / output_len (`jaxpaged bench latency`'s definition). Speedup = plain's TPOT / this TPOT. "
     "Greedy; every prompt repeats a random phrase of its own (lengths in the table's heading), the same prompts for "

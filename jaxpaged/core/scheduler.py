@@ -40,7 +40,7 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier, KVTransfers
 from jaxpaged.core.sequence import Sequence, SequenceStatus
-from jaxpaged.core.speculation import NGRAM_LOOKBACK, DraftModelSlots, NgramProposer, speculation_allowed
+from jaxpaged.core.speculation import NGRAM_LOOKBACK, DraftModelProposer, NgramProposer, speculation_allowed
 from jaxpaged.core.step_inputs import ScheduledSequence
 
 # What a preempted sequence loses: recompute frees its blocks, swap copies them to the host tier.
@@ -109,6 +109,8 @@ class SchedulerOutput:
         the rest are prefills.
       drafts: the proposals each entry checks after its token (speculative decoding; empty
         lists without it).
+      drafting: entries a draft model proposes for after the step (their block tables cover k
+        positions past the step's tokens); the runner's output carries the proposals.
       num_steps: fused decode steps (1: a single step).
       transfers: the host tier's copies to run before the step.
       stores: the host tier's write-through copies, to run after the step (see host_tier.py).
@@ -123,6 +125,7 @@ class SchedulerOutput:
     num_batched_tokens: int
     num_decode_seqs: int
     drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    drafting: list[bool] = dataclasses.field(default_factory=list)
     num_steps: int = 1
     transfers: KVTransfers = KVTransfers([], [])
     stores: KVTransfers = KVTransfers([], [])
@@ -156,13 +159,14 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | list[int] | None = None,
-                 disk_tier: DiskTier | None = None, proposer: NgramProposer | DraftModelSlots | None = None):  # fmt: skip
+                 disk_tier: DiskTier | None = None, proposer: NgramProposer | DraftModelProposer | None = None):  # fmt: skip
         """Args:
         config: the limits.
         eos_token_id: the model's EOS id(s); generation stops there unless `ignore_eos`.
         disk_tier: prefix blocks of earlier runs on disk (needs a host tier: `num_host_blocks`).
         proposer: proposes tokens for decoding sequences to check (speculative decoding; a
-          draft model's are placeholders the engine fills before the step).
+          draft model's come from the runner's output of the step before, see
+          `DraftModelProposer`).
         """
         self.proposer = proposer
         self.config = config
@@ -256,7 +260,8 @@ class Scheduler:
 
     def schedule(self, propose: bool = True) -> SchedulerOutput:
         """Picks this step's sequences and token counts and gives them blocks (see module doc);
-        with a proposer, decoding sequences get proposals unless `propose` is False."""
+        with a proposer, decoding sequences get proposals unless `propose` is False (and a draft
+        model proposes after the step for the entries it marks `drafting`)."""
         cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
@@ -309,8 +314,9 @@ class Scheduler:
             admitted.add(seq.seq_id)
             budget -= n
 
-        num_steps = self._fused_steps(scheduled, num_decode_seqs, drafts)
-        inputs, samples, entry_drafts = [], [], []
+        drafting_step = propose and isinstance(self.proposer, DraftModelProposer)
+        num_steps = 1 if drafting_step else self._fused_steps(scheduled, num_decode_seqs, drafts)
+        inputs, samples, entry_drafts, drafting = [], [], [], []
         for seq, n in scheduled:
             inp = self._step_input(seq, n, drafts.get(seq.seq_id, []), num_steps, seq.seq_id in admitted)
             inputs.append(inp)
@@ -320,6 +326,7 @@ class Scheduler:
             seq.num_computed_tokens += inp.live_steps if num_steps > 1 else n
             if inp.samples:
                 seq.num_pending_tokens += inp.live_steps if num_steps > 1 else 1 + len(entry_drafts[-1])
+            drafting.append(drafting_step and inp.samples and self._reserve_draft_room(seq))
         released, self._released = self._released, []
         return SchedulerOutput(
             scheduled=scheduled,
@@ -329,6 +336,7 @@ class Scheduler:
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
             num_decode_seqs=num_decode_seqs,
             drafts=entry_drafts,
+            drafting=drafting,
             num_steps=num_steps,
             transfers=bm.take_transfers(),
             stores=bm.take_stores(),
@@ -410,6 +418,20 @@ class Scheduler:
                 budget -= len(proposal)
         return budget
 
+    def _reserve_draft_room(self, seq: Sequence) -> bool:
+        """Gives a sequence that samples this step blocks for the k positions past its computed
+        tokens, from the free blocks alone (never preempting, never evicting): the draft model's
+        proposing decode writes its K/V there after the step (its proposals' own, and those of
+        the step's tokens it follows). False (no draft proposals for it) without them, or when
+        it may not speculate."""
+        k = self.proposer.k
+        if not speculation_allowed(seq.sampling_params, seq.num_output_tokens + seq.num_pending_tokens):
+            return False
+        if seq.num_computed_tokens + k > self.config.max_model_len or not self.block_manager.can_append_from_free(seq, k):
+            return False
+        self.block_manager.may_append(seq, k)
+        return True
+
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """Proposals for a decoding sequence: none for sequences that may not speculate, and
         none past `budget` tokens, max_tokens or max_model_len (the sequence gains at most
@@ -420,12 +442,14 @@ class Scheduler:
         room = self.config.max_model_len - seq.num_tokens - 1
         if sp.max_tokens is not None:
             room = min(room, sp.max_tokens - seq.num_output_tokens - 1)
-        start = seq.num_tokens if self.proposer.needs_model else max(0, seq.num_tokens - NGRAM_LOOKBACK)
+        if self.proposer.needs_model:  # the draft's, from the previous step's output
+            return seq.spec_token_ids[: max(0, min(room, budget))]
+        start = max(0, seq.num_tokens - NGRAM_LOOKBACK)
         return self.proposer.propose(seq.token_ids_slice(start, seq.num_tokens), min(room, budget))
 
-    def postprocess(self, output: SchedulerOutput,
-                    sampled_token_ids: list[int] | list[list[int]] | dict[int, int]) -> list[tuple[int, Sequence, int]]:  # fmt: skip
-        """Takes a computed step's sampled tokens back.
+    def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int] | list[list[int]] | dict[int, int],
+                    proposals: dict[int, list[int]] | None = None) -> list[tuple[int, Sequence, int]]:  # fmt: skip
+        """Takes a computed step's sampled tokens (and a draft model's proposals) back.
 
         Args:
           output: what `schedule()` returned for the step.
@@ -433,6 +457,9 @@ class Scheduler:
             `samples` is False are ignored); or a list per entry: its accepted proposals and the
             token sampled after them, or a fused window's tokens (its `live_steps` of them); or a
             dict seq_id -> token for the sampling entries. Python ints (use `.tolist()` on arrays).
+          proposals: a draft model's tokens after each sequence's new ones, by seq_id (the
+            runner's output of a step with `drafting` entries); every sequence tokens are
+            appended to gets its own as `spec_token_ids`, or none.
 
         Returns:
           `(batch index, sequence, number of tokens appended)` of every sequence tokens were
@@ -444,6 +471,8 @@ class Scheduler:
         now = time.time()
         appended = []
         drafts = output.drafts or [[]] * output.num_seqs
+        drafting = output.drafting or [False] * output.num_seqs
+        proposals = proposals or {}
         for i, ((seq, n), inp, proposal) in enumerate(zip(output.scheduled, output.step_inputs, drafts)):
             if not inp.samples:
                 continue
@@ -452,6 +481,7 @@ class Scheduler:
                 continue  # aborted or finished while the step was in flight: its tokens are surplus
             tokens = sampled_token_ids[seq.seq_id] if isinstance(sampled_token_ids, dict) else sampled_token_ids[i]
             tokens = tokens if isinstance(tokens, list) else [tokens]
+            seq.spec_token_ids = proposals.get(seq.seq_id, [])
             if proposal and seq.status is SequenceStatus.RUNNING:  # K/V is right up to the last accepted proposal
                 seq.num_computed_tokens -= len(proposal) - (len(tokens) - 1)
             if seq.first_token_time is None:
@@ -465,8 +495,8 @@ class Scheduler:
                     self.finish_sequence(seq, *stop)
                     break
             appended.append((i, seq, count))
-            if proposal and not seq.is_finished and seq.status is SequenceStatus.RUNNING:
-                self.block_manager.trim(seq)  # blocks that held only rejected proposals
+            if (proposal or drafting[i]) and not seq.is_finished and seq.status is SequenceStatus.RUNNING:
+                self.block_manager.trim(seq)  # blocks that held only rejected proposals or the draft's room
         return appended
 
     # -- stats ------------------------------------------------------------------------------

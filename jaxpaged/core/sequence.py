@@ -63,6 +63,9 @@ class Sequence:
       cache_salt: isolates this sequence's prefix-cache entries from other salts.
       stop_reason: the stop token id or stop string that finished it (None for EOS/length).
       num_preemptions: how often it was preempted.
+      spec_token_ids: a draft model's proposals for the tokens after its current ones (vLLM's
+        name), from the output of the step that appended its newest tokens; the next step may
+        check them (empty: none).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Sequence:
         self.cache_salt = cache_salt
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []
 
     def __repr__(self) -> str:
         return (

@@ -15,13 +15,17 @@ its copy). Prefix-cache blocks are registered from the sequence's own tokens onl
 proposal never reaches the cache.
 
 Proposals are handed out after every decode has its own token, from the token budget and the
-free blocks left: they never preempt a sequence or evict a cached block.
+free blocks left: they never preempt a sequence or evict a cached block. (So is a draft model's
+room: the k positions past a step's tokens where it writes the K/V of its proposing decode.)
 
 Whether a step speculates at all is the `SpeculationGovernor`'s call: checking proposals costs
 compute (k + 1 tokens per sequence instead of 1) and, with async scheduling, the overlap of host
 and device (proposals follow the newest tokens, so the step waits for the previous one). At a
 batch size where the device is compute-bound, or with proposals that are rarely accepted, that
 costs more than the accepted tokens save; the governor measures both modes and keeps the faster.
+With a draft model a speculating step also has the draft propose for the next step (see
+`DraftModelProposer`); a step that does not speculate costs no draft work and may fuse decode
+steps and overlap the host's work like any plain step.
 """
 
 import collections
@@ -85,19 +89,20 @@ class NgramProposer:
         return []
 
 
-class DraftModelSlots:
-    """Proposal slots for a draft model: the scheduler reserves k positions (placeholder tokens)
-    for each decoding sequence with room for all k, and the engine fills them with the draft
-    model's tokens before the step (`jaxpaged.worker.draft_runner`)."""
+class DraftModelProposer:
+    """Proposals of a draft model, which runs on the device (`jaxpaged.worker.draft_runner`).
+
+    They reach the scheduler the way n-gram proposals do, as tokens, one step later: a step
+    scheduled with `propose` marks the entries the draft proposes for after it (`drafting`, with
+    room in their block tables for the draft's k positions); the runner's output of that step
+    carries the draft's k tokens after each one's new tokens, `Scheduler.postprocess` keeps
+    them as the sequence's `spec_token_ids`, and the next `schedule()` checks them.
+    """
 
     needs_model = True
 
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
-
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """k placeholder tokens, or none without room for all k (the draft always runs k steps)."""
-        return [0] * self.k if limit >= self.k else []
 
 
 class SpeculationGovernor:
@@ -176,8 +181,8 @@ class SpeculationGovernor:
         self._counted[key] += 1
 
 
-def make_proposer(config: SpeculativeConfig | None) -> "NgramProposer | DraftModelSlots | None":
+def make_proposer(config: SpeculativeConfig | None) -> "NgramProposer | DraftModelProposer | None":
     """The scheduler's proposer for a `speculative_config` (None: speculation off)."""
     if config is None:
         return None
-    return DraftModelSlots(config) if config.method == "draft_model" else NgramProposer(config)
+    return DraftModelProposer(config) if config.method == "draft_model" else NgramProposer(config)

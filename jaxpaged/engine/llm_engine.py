@@ -16,8 +16,9 @@ How a request flows:
      `Scheduler.postprocess` appends them and applies token stop rules; the `OutputProcessor`
      records logprobs, detokenizes and matches stop strings; finished sequences give their
      blocks back (and, at the next step, their runner slots). Without async scheduling (and
-     with speculative decoding, whose proposals follow the newest tokens) each step's results
-     are read before the next is scheduled.
+     in steps that speculate, whose proposals follow the newest tokens) each step's results
+     are read before the next is scheduled; with a draft model, reading a speculating step's
+     results has the draft propose for the next step.
   5. `step()` returns a `RequestOutput` for every request that changed.
 """
 
@@ -80,10 +81,10 @@ class LLMEngine:
         self._rng = np.random.default_rng(args.seed)
         self._failed: dict[str, str] = {}  # request id -> why, until its output is returned
         self.output_processor = OutputProcessor(self.requests, self.scheduler, self._fail)
-        # Steps overlap (one in flight while the next is scheduled); a step that checks proposals
-        # waits for the previous one (proposals follow the newest tokens), and with a draft model
-        # every step does (its pool mirrors each target step's tokens, which it never samples).
-        self.async_scheduling = args.async_scheduling and (spec is None or spec.model is None)
+        # Steps overlap (one in flight while the next is scheduled); a step that speculates waits
+        # for the previous one (proposals follow the newest tokens) and is read at its end (a
+        # draft model proposes for the next step from its tokens).
+        self.async_scheduling = args.async_scheduling
         self.governor = SpeculationGovernor(spec.disable_by_batch_size, adaptive=spec.adaptive) if spec else None
         self._in_flight: StepHandle | None = None
         self.num_prompt_tokens = 0
@@ -206,7 +207,7 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, handle
         if previous is not None:
             self._postprocess(previous)
-        if self._in_flight is not None and (not self.async_scheduling or output.num_draft_tokens):
+        if self._in_flight is not None and (not self.async_scheduling or output.num_draft_tokens or any(output.drafting)):
             self._postprocess(self._take_in_flight())
         if self.governor is not None and output.num_decode_seqs:
             self.governor.record(running, propose, time.perf_counter() - start, self.num_generation_tokens - tokens)
@@ -221,7 +222,7 @@ class LLMEngine:
         result = self.runner.fetch(handle)
         if result.num_accepted is not None:
             self._count_speculation(result.num_drafts, result.num_accepted)
-        appended = self.scheduler.postprocess(handle.output, result.tokens)
+        appended = self.scheduler.postprocess(handle.output, result.tokens, result.proposals)
         self.output_processor.process(appended, result)
 
     def _outputs(self) -> list[RequestOutput]:

@@ -1,22 +1,29 @@
 """The draft model of speculative decoding (`speculative_config` with a "model"): a smaller model
 with the target's vocabulary, on the same devices, with a KV pool of its own.
 
-Its pool mirrors the target's block for block: it has as many blocks, and every step the target
-computes is run on it too (`mirror`: the same program on the same packed buffer, so the draft
-writes its K/V for exactly the tokens, positions and blocks the target wrote). A block therefore
-holds both models' K/V of the same tokens, and the block manager, the prefix cache and
-preemption serve both without knowing of the draft.
-
-Before a step that checks proposals, `propose` runs the draft's fused decode program for k steps
-from each drafting sequence's pending token, sampling with the request's own parameters and the
-same per-position keys the target's sampler uses (so when the two models agree on a position's
-distribution they draw the same token, and the target accepts it).
+Its pool has as many blocks as the target's and is indexed by the same block tables: position p
+of a sequence sits in the same block and slot in both. It holds only what the draft computed,
+which it computes lazily: a step that does not speculate costs the draft nothing. The draft
+proposes after a speculating step (`ModelRunner.fetch`, for the step's `drafting` entries), and
+for each sequence first catches up: it runs the tokens its pool lacks, from the number it holds
+(tracked per sequence, forgotten when the sequence finishes or is preempted) to the sequence's
+newest one, the step's accepted proposals included. A sequence new to it (a fresh prompt, a
+prefix-cache hit, a resumed preemption) has all its tokens caught up, as a chunked prefill on
+the draft: a prefix hit's blocks are written again with the K/V the draft computes for the same
+tokens. Then it decodes k steps from the newest token (one fused program), sampling with the
+request's own parameters and the same per-position keys the target's sampler uses (so when the
+two models agree on a position's distribution they draw the same token, and the target accepts
+it). Those k steps write their K/V in the room the scheduler reserved past the step's tokens;
+only the tokens before the newest count as held, since the room past the sequence's computed
+tokens goes back to the pool after the step (`BlockManager.trim`).
 """
 
 import dataclasses
 
+import jax
 import numpy as np
 
+from jaxpaged.core.sequence import Sequence
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import Llama
@@ -24,12 +31,15 @@ from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.step_packer import SequenceRow
-from jaxpaged.worker.step_programs import Program
+from jaxpaged.worker.step_programs import Program, SamplerProgram, sampler_for
+
+Entry = tuple[ScheduledSequence, SequenceRow]
+PROPOSE_OPTIONS = SamplerOptions(filter=True)  # proposals sample as the request does, top-k / top-p included
 
 
 class DraftRunner(ModelRunner):
-    """A `ModelRunner` for the draft model: the target's step programs (to mirror them) and its
-    own k-step decode programs (to propose), which sample with top-k / top-p filtering.
+    """A `ModelRunner` for the draft model: mixed step programs (model only) to catch up, and k-step
+    decode programs to propose, which sample with top-k / top-p filtering.
 
     Args:
       model: the draft model on the mesh.
@@ -39,50 +49,102 @@ class DraftRunner(ModelRunner):
     """
 
     def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig):
-        super().__init__(model, parallel=parallel, config=config, fused_options=SamplerOptions(filter=True))
+        super().__init__(model, parallel=parallel, config=config, fused_options=PROPOSE_OPTIONS)
         self.num_proposals = config.args.num_scheduler_steps
+        self._held: dict[int, int] = {}  # seq_id -> leading tokens whose K/V its pool holds
 
-    def fill_proposals(self, inputs: list[ScheduledSequence], drafts: list[list[int]],
-                       rows: list[SequenceRow]) -> tuple[list[ScheduledSequence], list[list[int]]]:  # fmt: skip
-        """The step's inputs with the draft model's k tokens in the proposal slots the scheduler
-        reserved (`drafts`: placeholders), and the proposals."""
-        drafting = [i for i, d in enumerate(drafts) if d]
-        own = [dataclasses.replace(inputs[i], token_ids=inputs[i].token_ids[:1]) for i in drafting]
-        tokens = self.propose(own, [rows[i] for i in drafting])
-        inputs, drafts = list(inputs), list(drafts)
-        for i, mine, proposal in zip(drafting, own, tokens.tolist()):
-            drafts[i] = proposal
-            inputs[i] = dataclasses.replace(inputs[i], token_ids=mine.token_ids + proposal)
-        return inputs, drafts
+    def programs(self) -> list[Program | SamplerProgram]:
+        """What the draft runs: a mixed step per token bucket (catching up; model only) and, per
+        decode bucket, its k-step proposing decode (with k = 1 a decode step and its sampler)."""
+        k = self.num_proposals
+        runs = [p for p in self.step_programs.all() if not p.decode or p.steps == k]
+        if k > 1:
+            return runs
+        return runs + [sampler_for(self.step_programs.layout(p), PROPOSE_OPTIONS) for p in runs if p.decode]
 
-    def propose(self, inputs: list[ScheduledSequence], rows: list[SequenceRow]) -> np.ndarray:
-        """k proposed tokens `[n, k]` for `n` decoding sequences (`inputs`: each one's pending token
-        at its computed length; `rows`: their sampling rows and slots, as the target packs them)."""
+    def release(self, seq_ids: list[int]) -> None:
+        """Forgets sequences that finished or were preempted (their blocks went back)."""
+        for seq_id in seq_ids:
+            self._held.pop(seq_id, None)
+
+    def propose(self, seqs: list[Sequence], new_tokens: list[list[int]],
+                rows: list[SequenceRow]) -> dict[int, list[int]]:  # fmt: skip
+        """k proposed tokens after each sequence's `new_tokens` (a step's, not yet appended), by
+        seq_id: the draft first catches up on what its pool lacks (see the module doc). A
+        sequence whose table has no room for the k positions past its newest token gets none.
+
+        Args:
+          seqs: the sequences, their tokens up to the step's new ones.
+          new_tokens: each one's tokens from the step.
+          rows: their sampling rows and slots, as the target packs them.
+        """
+        catch_up: list[Entry] = []
+        heads: list[Entry] = []
+        k, bs = self.num_proposals, self.block_size
+        for seq, new, row in zip(seqs, new_tokens, rows):
+            held = self._held.get(seq.seq_id, 0)
+            length = seq.num_tokens + len(new)
+            if len(seq.block_table) * bs < length + k - 1:
+                continue
+            tokens = seq.token_ids_slice(held, seq.num_tokens) + new  # [held, length)
+            base = ScheduledSequence(token_ids=tokens[:-1], num_computed=held, block_table=seq.block_table,
+                                     seq_id=seq.seq_id, samples=False, params=seq.sampling_params, index=seq.index,
+                                     prompt_len=seq.num_prompt_tokens)  # fmt: skip
+            if len(tokens) > 1:
+                catch_up.append((base, row))
+            heads.append((dataclasses.replace(base, token_ids=tokens[-1:], num_computed=length - 1, samples=True), row))
+            self._held[seq.seq_id] = length - 1
+        for chunk in self._chunks(catch_up):
+            self._run_model(chunk)
+        if not heads:
+            return {}
+        tokens = self._decode([inp for inp, _ in heads], [row for _, row in heads])
+        return {inp.seq_id: proposal for (inp, _), proposal in zip(heads, tokens.tolist())}
+
+    def _chunks(self, entries: list[Entry]) -> list[list[Entry]]:
+        """`entries` in calls of at most the largest token bucket's tokens and sequences: a long
+        catch-up goes on in the next call from where the previous stopped (calls run in order)."""
+        limit = max(self.packer.layouts)
+        max_seqs = self.packer.layouts[limit].num_seqs
+        chunks, chunk, room = [], [], limit
+        for inp, row in entries:
+            start = 0
+            while start < len(inp.token_ids):
+                if room == 0 or len(chunk) == max_seqs:
+                    chunks.append(chunk)
+                    chunk, room = [], limit
+                n = min(room, len(inp.token_ids) - start)
+                piece = dataclasses.replace(inp, token_ids=inp.token_ids[start : start + n], num_computed=inp.num_computed + start)
+                chunk.append((piece, row))
+                room, start = room - n, start + n
+        return chunks + [chunk] if chunk else chunks
+
+    def _run_model(self, entries: list[Entry]) -> None:
+        """Writes the K/V of `entries`' tokens into the draft's pool (a mixed step's model program;
+        its logits are not read)."""
+        t, flat = self.packer.pack([inp for inp, _ in entries], [row for _, row in entries], [])
+        flat = jax.device_put(flat.copy(), self._whole)  # a copy: a CPU put aliases the buffer, packed again later
+        self.cache, _, _ = self.compiled[Program(t, 1, False)](self.params, self.cache, flat)
+
+    def _decode(self, inputs: list[ScheduledSequence], rows: list[SequenceRow]) -> np.ndarray:
+        """k proposed tokens `[n, k]` for `n` sequences, each decoding from its newest token
+        (`inputs`: that token at its position; `rows`: their sampling rows and slots)."""
         k = self.num_proposals
         t = self.packer.bucket_for(len(inputs), len(inputs))
-        program = Program(t, k, True, self.step_programs.fused_options if k > 1 else SamplerOptions())
+        program = Program(t, k, True, PROPOSE_OPTIONS if k > 1 else SamplerOptions())
         live = [k] * len(inputs) if k > 1 else None
         t, flat = self.packer.pack(inputs, rows, [], decode=True, live_steps=live)
-        options = SamplerOptions(filter=True)
-        values = self.step_programs_result(program, options, flat)
-        return values.reshape(k, -1)[:, : len(inputs)].T
-
-    def step_programs_result(self, program: Program, options: SamplerOptions, flat: np.ndarray) -> np.ndarray:
-        """The sampled token ids `[steps, rows]` of a program run on `flat`."""
         layout = self.step_programs.layout(program)
-        rows = layout.num_seqs * layout.rows_per_seq
-        packed = np.asarray(self.run_packed(program, options, flat))
-        return packed[..., :rows].reshape(program.steps, rows)
-
-    def mirror(self, program: Program, flat: np.ndarray) -> None:
-        """Runs the target's step (`program` over its packed buffer) on the draft's pool."""
-        self.run_model(program, flat)
+        packed = np.asarray(self.run_packed(program, PROPOSE_OPTIONS, flat))
+        values = packed[..., : layout.num_seqs * layout.rows_per_seq].reshape(k, -1)
+        return values[:, : len(inputs)].T
 
 
 def draft_engine_config(config: EngineConfig, layout) -> EngineConfig:
     """The draft runner's configuration: the target's (planned pool size included) with the
-    draft's model (`layout`: its split over the mesh) and `num_scheduler_steps` = k (its
-    proposing programs), no host tier, unquantized weights."""
-    args = dataclasses.replace(config.args, num_scheduler_steps=config.args.speculative_config.num_speculative_tokens)
+    draft's model (`layout`: its split over the mesh), `num_scheduler_steps` = k (its proposing
+    programs) and no proposals of its own to check, no host tier, unquantized weights."""
+    spec = config.args.speculative_config
+    args = dataclasses.replace(config.args, num_scheduler_steps=spec.num_speculative_tokens, speculative_config=None)
     return dataclasses.replace(config, args=args, model=layout.config, layout=layout, num_host_blocks=0,
                                quantization=None)  # fmt: skip

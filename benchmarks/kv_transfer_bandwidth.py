@@ -66,14 +66,30 @@ def main(argv=None) -> int:
     shape = (config.num_layers * num_blocks, *block_shape)
     key_k, key_v = jax.random.split(jax.random.key(0))
     whole = parallel.sharding()
-    shardings = DeviceCache(kv=KVPool(k=parallel.pool_sharding, v=parallel.pool_sharding, num_layers=config.num_layers),
-                            prompt_mask=whole, output_counts=whole, last_tokens=whole)  # fmt: skip
-    cache = DeviceCache(kv=KVPool(k=jax.random.normal(key_k, shape, dtype), v=jax.random.normal(key_v, shape, dtype),
-                                  num_layers=config.num_layers),
-                        prompt_mask=jnp.zeros((1, 8), bool), output_counts=jnp.zeros((1, 8), jnp.int32),
-                        last_tokens=jnp.zeros(1, jnp.int32))  # fmt: skip
-    transfer = KVTransfer(parallel, shardings, num_layers=config.num_layers, num_host_blocks=args.blocks,
-                          block_shape=block_shape, dtype=dtype)  # fmt: skip
+    shardings = DeviceCache(
+        kv=KVPool(k=parallel.pool_sharding, v=parallel.pool_sharding, num_layers=config.num_layers),
+        prompt_mask=whole,
+        output_counts=whole,
+        last_tokens=whole,
+    )
+    cache = DeviceCache(
+        kv=KVPool(
+            k=jax.random.normal(key_k, shape, dtype),
+            v=jax.random.normal(key_v, shape, dtype),
+            num_layers=config.num_layers,
+        ),
+        prompt_mask=jnp.zeros((1, 8), bool),
+        output_counts=jnp.zeros((1, 8), jnp.int32),
+        last_tokens=jnp.zeros(1, jnp.int32),
+    )
+    transfer = KVTransfer(
+        parallel,
+        shardings,
+        num_layers=config.num_layers,
+        num_host_blocks=args.blocks,
+        block_shape=block_shape,
+        dtype=dtype,
+    )
     nbytes = args.blocks * transfer.block_bytes
     offloads = KVTransfers([(b, b - 1) for b in range(1, num_blocks)], [])
     loads = KVTransfers([], [(b - 1, b) for b in range(1, num_blocks)])
@@ -99,16 +115,28 @@ def main(argv=None) -> int:
         seconds["to_pinned"] = best_seconds(lambda: jax.block_until_ready(jax.device_put(flat, pinned)), args.repeats)
     rates = {name: nbytes / s / 1e9 for name, s in seconds.items()}
     result = {
-        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax_version": jax.__version__,
-        "model": args.model, "block_bytes": transfer.block_bytes, "blocks": args.blocks, "bytes": nbytes,
-        "memory_kind": transfer.memory_kind, "seconds": seconds, "GB_per_s": rates,
-        "offload_vs_device_get": rates["offload"] / rates["device_get"], "load_vs_device_put": rates["load"] / rates["device_put"],
-    }  # fmt: skip
-    print(f"{args.blocks} blocks of {transfer.block_bytes / 2**20:.2f} MiB ({nbytes / 2**30:.2f} GiB) on "
-          f"{result['device']} (jax {jax.__version__}), host memory kind {transfer.memory_kind}:")  # fmt: skip
+        "device": jax.devices()[0].device_kind,
+        "platform": jax.default_backend(),
+        "jax_version": jax.__version__,
+        "model": args.model,
+        "block_bytes": transfer.block_bytes,
+        "blocks": args.blocks,
+        "bytes": nbytes,
+        "memory_kind": transfer.memory_kind,
+        "seconds": seconds,
+        "GB_per_s": rates,
+        "offload_vs_device_get": rates["offload"] / rates["device_get"],
+        "load_vs_device_put": rates["load"] / rates["device_put"],
+    }
+    print(
+        f"{args.blocks} blocks of {transfer.block_bytes / 2**20:.2f} MiB ({nbytes / 2**30:.2f} GiB) on "
+        f"{result['device']} (jax {jax.__version__}), host memory kind {transfer.memory_kind}:"
+    )
     for name, rate in rates.items():
         print(f"  {name:<11} {rate:8.2f} GB/s  ({seconds[name] * 1e3:.1f} ms)")
-    print(f"  offload / device_get: {result['offload_vs_device_get']:.2f}x; load / device_put: {result['load_vs_device_put']:.2f}x")
+    print(
+        f"  offload / device_get: {result['offload_vs_device_get']:.2f}x; load / device_put: {result['load_vs_device_put']:.2f}x"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -18,10 +18,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
     parser.add_argument("--dtype", default="auto", help="model dtype (default: auto, the checkpoint's)")
-    parser.add_argument("--pools-mib", type=int, nargs=2, default=[8, 512], metavar=("SMALL", "LARGE"),
-                        help="the two KV pool sizes in MiB (default: 8 512)")  # fmt: skip
+    parser.add_argument(
+        "--pools-mib",
+        type=int,
+        nargs=2,
+        default=[8, 512],
+        metavar=("SMALL", "LARGE"),
+        help="the two KV pool sizes in MiB (default: 8 512)",
+    )
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per timed request (default: 128)")
-    parser.add_argument("--repeats", type=int, default=9, help="timed requests per pool, alternating; the median is kept")
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="timed requests per pool, alternating; the median is kept"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.pools_mib[0] <= 0 or args.pools_mib[1] <= 0:
@@ -49,9 +57,16 @@ def main(argv=None) -> dict:
     rows = []
     for steps in (1, 4):
         engines = {
-            mib: LLM(model, dtype=args.dtype, kv_cache_memory_bytes=mib << 20, max_num_seqs=1,
-                     max_num_batched_tokens=32, max_model_len=len(prompt) + args.output_len,
-                     num_scheduler_steps=steps, skip_tokenizer_init=True)  # fmt: skip
+            mib: LLM(
+                model,
+                dtype=args.dtype,
+                kv_cache_memory_bytes=mib << 20,
+                max_num_seqs=1,
+                max_num_batched_tokens=32,
+                max_model_len=len(prompt) + args.output_len,
+                num_scheduler_steps=steps,
+                skip_tokenizer_init=True,
+            )
             for mib in args.pools_mib
         }
         times: dict[int, list[float]] = {mib: [] for mib in args.pools_mib}
@@ -68,13 +83,23 @@ def main(argv=None) -> dict:
         small, large = (row[f"pool_{m}mib_ms_per_token"] for m in args.pools_mib)
         row["ratio"] = large / small
         rows.append(row)
-        print(f"num_scheduler_steps={steps}: {small:.2f} ms/token with {args.pools_mib[0]} MiB, "
-              f"{large:.2f} ms/token with {args.pools_mib[1]} MiB: ratio {row['ratio']:.2f}", flush=True)  # fmt: skip
+        print(
+            f"num_scheduler_steps={steps}: {small:.2f} ms/token with {args.pools_mib[0]} MiB, "
+            f"{large:.2f} ms/token with {args.pools_mib[1]} MiB: ratio {row['ratio']:.2f}",
+            flush=True,
+        )
     import jax
 
-    result = {"model": model, "dtype": args.dtype, "pools_mib": args.pools_mib, "output_len": args.output_len,
-              "repeats": args.repeats, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "rows": rows}  # fmt: skip
+    result = {
+        "model": model,
+        "dtype": args.dtype,
+        "pools_mib": args.pools_mib,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "rows": rows,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

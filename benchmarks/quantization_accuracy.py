@@ -47,8 +47,17 @@ TINY = {
     "llama-gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "qwen2-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
 }
-TINY_BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+TINY_BASE = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 PROMPT_LENGTHS = (5, 17, 64, 200)
 GREEDY_TOKENS = 32
 
@@ -73,8 +82,12 @@ def tiny_model_rows(name: str, workdir: str) -> list[dict]:
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         ref_logits = [hf(torch.tensor([p])).logits[0].numpy() for p in prompts]
-        ref_greedy = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=GREEDY_TOKENS,
-                                  pad_token_id=0)[0, len(p):].tolist() for p in prompts]  # fmt: skip
+        ref_greedy = [
+            hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=GREEDY_TOKENS, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     rows = []
     for mode, (quantization, kv_dtype) in MODES.items():
         _, model = load_model(workdir, "bfloat16" if mode == "other dtype" else "float32", quantization=quantization)
@@ -82,15 +95,27 @@ def tiny_model_rows(name: str, workdir: str) -> list[dict]:
         errors = [np.abs(generator.prompt_logits(p) - r) for p, r in zip(prompts, ref_logits)]
         argmax = [(generator.prompt_logits(p).argmax(-1) == r.argmax(-1)).mean() for p, r in zip(prompts, ref_logits)]
         greedy = generator.generate(prompts, GREEDY_TOKENS)
-        agree = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), GREEDY_TOKENS) / GREEDY_TOKENS
-                 for g, r in zip(greedy, ref_greedy)]  # fmt: skip
-        rows.append(dict(model=name, mode=mode, max_abs_logit_error=float(max(e.max() for e in errors)),
-                         mean_abs_logit_error=float(np.mean([e.mean() for e in errors])),
-                         logit_scale=float(np.mean([r.std() for r in ref_logits])),
-                         argmax_agreement=float(np.mean(argmax)), greedy_agreement=float(np.mean(agree))))  # fmt: skip
-        print(f"{name:11s} {mode:24s} max {rows[-1]['max_abs_logit_error']:.4f} mean "
-              f"{rows[-1]['mean_abs_logit_error']:.5f} argmax {rows[-1]['argmax_agreement']:.3f} greedy "
-              f"{rows[-1]['greedy_agreement']:.3f}", flush=True)  # fmt: skip
+        agree = [
+            next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), GREEDY_TOKENS) / GREEDY_TOKENS
+            for g, r in zip(greedy, ref_greedy)
+        ]
+        rows.append(
+            dict(
+                model=name,
+                mode=mode,
+                max_abs_logit_error=float(max(e.max() for e in errors)),
+                mean_abs_logit_error=float(np.mean([e.mean() for e in errors])),
+                logit_scale=float(np.mean([r.std() for r in ref_logits])),
+                argmax_agreement=float(np.mean(argmax)),
+                greedy_agreement=float(np.mean(agree)),
+            )
+        )
+        print(
+            f"{name:11s} {mode:24s} max {rows[-1]['max_abs_logit_error']:.4f} mean "
+            f"{rows[-1]['mean_abs_logit_error']:.5f} argmax {rows[-1]['argmax_agreement']:.3f} greedy "
+            f"{rows[-1]['greedy_agreement']:.3f}",
+            flush=True,
+        )
     return rows
 
 
@@ -105,18 +130,25 @@ def demo_perplexity_rows(window: int, max_windows: int | None) -> list[dict]:
         ppl = perplexity(PagedGenerator(model, kv_dtype=kv_dtype), windows)
         base = base or ppl
         rows.append(dict(mode=mode, perplexity=ppl, vs_baseline=ppl / base - 1, tokens=len(windows) * (window - 1)))
-        print(f"demo {mode:24s} perplexity {ppl:.4f} ({ppl / base - 1:+.2%}) in {time.perf_counter() - start:.1f} s",
-              flush=True)  # fmt: skip
+        print(
+            f"demo {mode:24s} perplexity {ppl:.4f} ({ppl / base - 1:+.2%}) in {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
     return rows
 
 
 def markdown(report: dict) -> str:
-    lines = ["| tiny model (float32; logit std) | mode | max abs logit error | mean abs logit error | argmax agreement "
-             "| greedy agreement |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| tiny model (float32; logit std) | mode | max abs logit error | mean abs logit error | argmax agreement "
+        "| greedy agreement |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in report["tiny_models"]:
         mode = "bfloat16" if r["mode"] == "other dtype" else r["mode"]
-        lines.append(f"| {r['model']} ({r['logit_scale']:.2f}) | {mode} | {r['max_abs_logit_error']:.4f} | "
-                     f"{r['mean_abs_logit_error']:.5f} | {r['argmax_agreement']:.1%} | {r['greedy_agreement']:.1%} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} ({r['logit_scale']:.2f}) | {mode} | {r['max_abs_logit_error']:.4f} | "
+            f"{r['mean_abs_logit_error']:.5f} | {r['argmax_agreement']:.1%} | {r['greedy_agreement']:.1%} |"
+        )
     lines += ["", "| demo model (bfloat16) | held-out perplexity | vs bfloat16 |", "|---|---|---|"]
     for r in report["demo_perplexity"]:
         mode = "float32" if r["mode"] == "other dtype" else r["mode"]
@@ -130,8 +162,14 @@ def main() -> None:
     parser.add_argument("--max-windows", type=int, default=None, help="at most this many windows (default: all)")
     parser.add_argument("--json", default=None, help="write the report here (and a .md table beside it)")
     args = parser.parse_args()
-    report = dict(device=platform.processor() or platform.machine(), jax_version=jax.__version__, tiny_models=[],
-                  greedy_tokens=GREEDY_TOKENS, prompt_lengths=list(PROMPT_LENGTHS), window=args.window)  # fmt: skip
+    report = dict(
+        device=platform.processor() or platform.machine(),
+        jax_version=jax.__version__,
+        tiny_models=[],
+        greedy_tokens=GREEDY_TOKENS,
+        prompt_lengths=list(PROMPT_LENGTHS),
+        window=args.window,
+    )
     for name in TINY:
         with tempfile.TemporaryDirectory() as workdir:
             report["tiny_models"] += tiny_model_rows(name, workdir)

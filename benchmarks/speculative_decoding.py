@@ -65,7 +65,9 @@ def build_larger_target(out_dir: str) -> str:
             if name.startswith("model.layers."):
                 layer = int(name.split(".")[2])
                 source = name.replace(f"model.layers.{layer}.", f"model.layers.{layer % n}.", 1)
-                scale = EXTRA_LAYER_SCALE if layer >= n and name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                scale = (
+                    EXTRA_LAYER_SCALE if layer >= n and name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                )
                 value.copy_(state[source] * scale)
             else:
                 value.copy_(state[name])
@@ -74,6 +76,8 @@ def build_larger_target(out_dir: str) -> str:
         if name.startswith("tokenizer") or name.endswith(".jinja"):
             shutil.copy(os.path.join(DEMO_MODEL, name), out_dir)
     return out_dir
+
+
 BATCHES = (1, 8, 64)
 TEMPERATURES = (0.0, 0.8)
 
@@ -94,8 +98,10 @@ def prompts(count: int, tokens: int) -> list[str]:
 
 
 def measure(llm: LLM, texts: list[str], temperature: float, max_tokens: int) -> dict:
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i)
-              for i in range(len(texts))]  # fmt: skip
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        for i in range(len(texts))
+    ]
     engine = llm.llm_engine
     before = dict(engine.spec_stats)
     start = time.perf_counter()
@@ -116,8 +122,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=list(BATCHES))
     parser.add_argument("--part", choices=sorted(CONFIGS), default="ngram", help="which comparison (see above)")
-    parser.add_argument("--every-step", action="store_true",
-                        help='speculate in every step that can ("adaptive": false), not as the governor decides')
+    parser.add_argument(
+        "--every-step",
+        action="store_true",
+        help='speculate in every step that can ("adaptive": false), not as the governor decides',
+    )
     parser.add_argument("--json", default=None, help="write the results here (and a .md table beside it)")
     args = parser.parse_args()
     texts = prompts(max(args.batches), args.prompt_tokens)
@@ -125,13 +134,21 @@ def main() -> None:
     rows = []
     for name, spec in CONFIGS[args.part].items():
         spec = {**spec, "adaptive": False} if spec is not None and args.every_step else spec
-        llm = LLM(model=target, max_num_seqs=max(args.batches), max_model_len=args.prompt_tokens * 2 + args.max_tokens,
-                  speculative_config=spec)  # fmt: skip
+        llm = LLM(
+            model=target,
+            max_num_seqs=max(args.batches),
+            max_model_len=args.prompt_tokens * 2 + args.max_tokens,
+            speculative_config=spec,
+        )
         measure(llm, texts[:2], 0.0, 8)  # warm-up: every program is compiled, this runs them once
         for batch in args.batches:
             for temperature in TEMPERATURES:
-                row = dict(config=name, batch=batch, temperature=temperature,
-                           **measure(llm, texts[:batch], temperature, args.max_tokens))  # fmt: skip
+                row = dict(
+                    config=name,
+                    batch=batch,
+                    temperature=temperature,
+                    **measure(llm, texts[:batch], temperature, args.max_tokens),
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del llm
@@ -141,13 +158,21 @@ def main() -> None:
     lines = ["| config | batch | temperature | output tokens/s | vs plain | acceptance |", "|---|---|---|---|---|---|"]
     for r in rows:
         acceptance = f"{r['acceptance_rate']:.0%}" if "acceptance_rate" in r else ""
-        lines.append(f"| {r['config']} | {r['batch']} | {r['temperature']} | {r['output_tokens_per_s']:.1f} | "
-                     f"{r['speedup_vs_plain']:.2f}x | {acceptance} |")  # fmt: skip
+        lines.append(
+            f"| {r['config']} | {r['batch']} | {r['temperature']} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['speedup_vs_plain']:.2f}x | {acceptance} |"
+        )
     table = "\n".join(lines)
     print(table)
     if args.json:
-        report = dict(device=platform.processor() or platform.machine(), jax_version=jax.__version__, part=args.part,
-                      max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, results=rows)  # fmt: skip
+        report = dict(
+            device=platform.processor() or platform.machine(),
+            jax_version=jax.__version__,
+            part=args.part,
+            max_tokens=args.max_tokens,
+            prompt_tokens=args.prompt_tokens,
+            results=rows,
+        )
         save_results(args.json, report, table)
 
 

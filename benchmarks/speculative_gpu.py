@@ -49,22 +49,52 @@ SMOKE_STAGE_BUDGET_S = 120
 # choice, which on a fast plain step may be to not speculate at all.
 SPEC_CONFIGS = {
     "plain": None,
-    **{name: {**spec, "adaptive": False} for name, spec in {
-        "ngram_k2": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
-        "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
-        "draft": {"model": "DRAFT", "num_speculative_tokens": 4},
-    }.items()},
+    **{
+        name: {**spec, "adaptive": False}
+        for name, spec in {
+            "ngram_k2": {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 1,
+            },
+            "ngram_k4": {
+                "method": "ngram",
+                "num_speculative_tokens": 4,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 1,
+            },
+            "draft": {"model": "DRAFT", "num_speculative_tokens": 4},
+        }.items()
+    },
 }
 # Llama-3.2-1B's public shapes (its config.json on the Hub), with Llama-3.1-8B's vocabulary.
 LLAMA_32_1B_OVERRIDES = {
-    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True,
-    "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-}  # fmt: skip
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "tie_word_embeddings": True,
+    "rope_scaling": {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
 # The smoke run's draft: a smaller model than the demo, with its vocabulary.
-SMOKE_DRAFT_OVERRIDES = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-                         "num_key_value_heads": 1, "head_dim": 64}  # fmt: skip
+SMOKE_DRAFT_OVERRIDES = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,26 +114,62 @@ def gpu_plan(budgets: dict) -> Plan:
     """Llama-3.1-8B's shapes with dummy bf16 weights on the GPU. Limits sized to the workload
     (8 sequences of 512 + 256 tokens): 6 mixed-step programs and 1 fused-decode program per engine."""
     return Plan(
-        smoke=False, model="llama-3.1-8b", weight_flags=("--dtype", "bfloat16", "--load-format", "dummy"),
+        smoke=False,
+        model="llama-3.1-8b",
+        weight_flags=("--dtype", "bfloat16", "--load-format", "dummy"),
         engine_limits=("--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"),
-        measure_flags=("--batch-sizes", "1,8", "--input-len", "512", "--phrase-len", "32", "--output-len", "256",
-                       "--num-iters-warmup", "1", "--num-iters", "3"),
-        draft_overrides=LLAMA_32_1B_OVERRIDES, budgets_s={**STAGE_BUDGETS_S, **budgets},
-    )  # fmt: skip
+        measure_flags=(
+            "--batch-sizes",
+            "1,8",
+            "--input-len",
+            "512",
+            "--phrase-len",
+            "32",
+            "--output-len",
+            "256",
+            "--num-iters-warmup",
+            "1",
+            "--num-iters",
+            "3",
+        ),
+        draft_overrides=LLAMA_32_1B_OVERRIDES,
+        budgets_s={**STAGE_BUDGETS_S, **budgets},
+    )
 
 
 def smoke_plan(budgets: dict) -> Plan:
     """The demo model, tiny limits and workloads: the whole run on a CPU."""
     return Plan(
-        smoke=True, model=DEMO_MODEL_DIR,
+        smoke=True,
+        model=DEMO_MODEL_DIR,
         weight_flags=("--dtype", "bfloat16", "--load-format", "dummy", "--skip-tokenizer-init"),
-        engine_limits=("--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
-                       "--num-scheduler-steps", "1"),
-        measure_flags=("--batch-sizes", "1,2", "--input-len", "16", "--phrase-len", "4", "--output-len", "8",
-                       "--num-iters-warmup", "0", "--num-iters", "1"),
+        engine_limits=(
+            "--max-model-len",
+            "64",
+            "--max-num-seqs",
+            "2",
+            "--max-num-batched-tokens",
+            "16",
+            "--num-scheduler-steps",
+            "1",
+        ),
+        measure_flags=(
+            "--batch-sizes",
+            "1,2",
+            "--input-len",
+            "16",
+            "--phrase-len",
+            "4",
+            "--output-len",
+            "8",
+            "--num-iters-warmup",
+            "0",
+            "--num-iters",
+            "1",
+        ),
         draft_overrides=SMOKE_DRAFT_OVERRIDES,
         budgets_s={**{name: SMOKE_STAGE_BUDGET_S for name in STAGE_BUDGETS_S}, **budgets},
-    )  # fmt: skip
+    )
 
 
 def write_draft_config(plan: Plan, directory: str) -> str:
@@ -123,9 +189,22 @@ def run_config(stage: Stage, name: str) -> None:
     if spec is not None and spec.get("model") == "DRAFT":
         spec = {**spec, "model": write_draft_config(plan, stage.path("draft_model"))}
     out = stage.path(f"{name}.result.json")
-    cmd = [sys.executable, "-m", "benchmarks.gpu.spec_latency", "--model", plan.model, *plan.weight_flags,
-           *plan.engine_limits, "--compilation-cache-dir", stage.path("engine_xla_cache"), *plan.measure_flags,
-           "--label", name, "--output-json", out]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu.spec_latency",
+        "--model",
+        plan.model,
+        *plan.weight_flags,
+        *plan.engine_limits,
+        "--compilation-cache-dir",
+        stage.path("engine_xla_cache"),
+        *plan.measure_flags,
+        "--label",
+        name,
+        "--output-json",
+        out,
+    ]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
     stage.step("latency", cmd, out)
@@ -134,26 +213,44 @@ def run_config(stage: Stage, name: str) -> None:
 def run_stages(args, plan: Plan, out_dir: str, work_dir: str, device: dict, env: dict) -> list[dict]:
     chosen = chosen_stages(args, STAGE_BUDGETS_S)
     values = dict(zip(plan.measure_flags[::2], plan.measure_flags[1::2]))
-    plan_info = {"smoke": plan.smoke, "model": plan.model, "dtype": "bf16", "engine_limits": plan.engine_limits,
-                 "measure_flags": plan.measure_flags, "speculative_configs": {n: SPEC_CONFIGS[n] for n in chosen},
-                 "draft_overrides": plan.draft_overrides,
-                 "workload": f"{values['--input-len']}-token prompts (a random {values['--phrase-len']}-token phrase "
-                             f"repeated), {values['--output-len']} output tokens",
-                 "budgets_s": {name: plan.budgets_s[name] for name in chosen}}  # fmt: skip
+    plan_info = {
+        "smoke": plan.smoke,
+        "model": plan.model,
+        "dtype": "bf16",
+        "engine_limits": plan.engine_limits,
+        "measure_flags": plan.measure_flags,
+        "speculative_configs": {n: SPEC_CONFIGS[n] for n in chosen},
+        "draft_overrides": plan.draft_overrides,
+        "workload": f"{values['--input-len']}-token prompts (a random {values['--phrase-len']}-token phrase "
+        f"repeated), {values['--output-len']} output tokens",
+        "budgets_s": {name: plan.budgets_s[name] for name in chosen},
+    }
     shutil.rmtree(os.path.join(work_dir, "engine_xla_cache"), ignore_errors=True)
-    return run_stage_loop(chosen, plan, work_dir, env, Stage, lambda name, stage: run_config(stage, name),
-                          lambda records: write_summary(out_dir, work_dir, device, records, plan_info))
+    return run_stage_loop(
+        chosen,
+        plan,
+        work_dir,
+        env,
+        Stage,
+        lambda name, stage: run_config(stage, name),
+        lambda records: write_summary(out_dir, work_dir, device, records, plan_info),
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(parser, STAGE_BUDGETS_S, os.path.join(ROOT, "benchmarks", "results", "speculative_gpu_run"),
-                 "each stage's files and the compilation cache; new or empty (default: a fresh temporary directory)",
-                 "; without plain there are no ratios")
+    add_run_args(
+        parser,
+        STAGE_BUDGETS_S,
+        os.path.join(ROOT, "benchmarks", "results", "speculative_gpu_run"),
+        "each stage's files and the compilation cache; new or empty (default: a fresh temporary directory)",
+        "; without plain there are no ratios",
+    )
     args = parser.parse_args(argv)
     check_run_args(parser, args, STAGE_BUDGETS_S)
-    return orchestrate(args, "jaxpaged_spec_gpu_", smoke_plan if args.smoke else gpu_plan, run_stages, write_summary, 9,
-                       json.dumps)
+    return orchestrate(
+        args, "jaxpaged_spec_gpu_", smoke_plan if args.smoke else gpu_plan, run_stages, write_summary, 9, json.dumps
+    )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,16 @@ from jaxpaged import LLM, SamplingParams
 
 
 def main(model_dir: str, label: str, engine_kwargs: dict) -> dict:
-    llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8,
-              max_num_batched_tokens=256, num_scheduler_steps=4, **engine_kwargs)  # fmt: skip
+    llm = LLM(
+        model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        num_scheduler_steps=4,
+        **engine_kwargs,
+    )
     result = {"label": label, **engine_kwargs}
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for batch in (1, 8):

@@ -55,11 +55,17 @@ def summarize(records: list[dict]) -> dict:
     rows = []
     for program, rs in sorted(groups.items(), key=lambda g: -sum(r["wall_s"] for r in g[1])):
         n = len(rs)
-        rows.append({"program": program, "steps": n, "seconds": round(sum(r["wall_s"] for r in rs), 2),
-                     "ms_per_step": round(1000 * sum(r["wall_s"] for r in rs) / n, 1),
-                     "wait_ms_per_step": round(1000 * sum(r["wait_s"] for r in rs) / n, 1),
-                     "tokens_per_step": round(sum(r.get("tokens", 0) for r in rs) / n, 1),
-                     "seqs_per_step": round(sum(r.get("seqs", 0) for r in rs) / n, 1)})  # fmt: skip
+        rows.append(
+            {
+                "program": program,
+                "steps": n,
+                "seconds": round(sum(r["wall_s"] for r in rs), 2),
+                "ms_per_step": round(1000 * sum(r["wall_s"] for r in rs) / n, 1),
+                "wait_ms_per_step": round(1000 * sum(r["wait_s"] for r in rs) / n, 1),
+                "tokens_per_step": round(sum(r.get("tokens", 0) for r in rs) / n, 1),
+                "seqs_per_step": round(sum(r.get("seqs", 0) for r in rs) / n, 1),
+            }
+        )
     total = sum(r["wall_s"] for r in records)
     wait = sum(r["wait_s"] for r in records)
     return {"steps": len(records), "step_seconds": round(total, 2), "wait_seconds": round(wait, 2), "programs": rows}
@@ -77,8 +83,10 @@ def main() -> int:
     except SystemExit as exit_:
         code = exit_.code
     summary = {"command": ["jaxpaged", *command], **summarize(records)}
-    print(f"{summary['steps']} steps, {summary['step_seconds']} s in step(), {summary['wait_seconds']} s of it waiting "
-          "for the device")  # fmt: skip
+    print(
+        f"{summary['steps']} steps, {summary['step_seconds']} s in step(), {summary['wait_seconds']} s of it waiting "
+        "for the device"
+    )
     for row in summary["programs"]:
         print("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
     if args.output:

@@ -1,6 +1,6 @@
 """Offline batch generation with the vLLM-style `LLM` API (the embedded demo model by default).
 
-    python examples/offline_batch.py [--model DIR]
+python examples/offline_batch.py [--model DIR]
 """
 
 import argparse

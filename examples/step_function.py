@@ -39,8 +39,13 @@ def main():
     block_table = jnp.arange(1, pages + 1, dtype=jnp.int32)  # block 0 is the null block
 
     n = jnp.array([prompt.shape[0]])
-    one_sequence = dict(prompt_lens=n, block_tables=block_table[None], block_size=BLOCK_SIZE,
-                        vocab_size=config.vocab_size, max_num_seqs=1)  # fmt: skip
+    one_sequence = dict(
+        prompt_lens=n,
+        block_tables=block_table[None],
+        block_size=BLOCK_SIZE,
+        vocab_size=config.vocab_size,
+        max_num_seqs=1,
+    )
     jitted_step = jax.jit(step, static_argnums=0, donate_argnums=2)
     inp = make_step_input(prompt, query_lens=n, kv_lens=n, **one_sequence)  # the prompt, in one step
     cache, first = jitted_step(graphdef, params, cache, inp)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
 import shutil
@@ -189,9 +188,7 @@ def check_tokenizer(tok) -> None:
         assert tok.decode(tok(s)["input_ids"], skip_special_tokens=True) == s
     for t in SPECIAL_TOKENS:  # each special token is a single id
         assert len(tok(t, add_special_tokens=False)["input_ids"]) == 1, t
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == f"{BOS}<|user|>\nhi{EOS}\n<|assistant|>\n", repr(chat)
     chat_ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys"):  # transformers 5 returns a BatchEncoding
@@ -537,7 +534,11 @@ def show_samples(out_dir: Path, seed: int) -> None:
         print(f"\n===== {mode} continuations =====", flush=True)
         for prompt in SAMPLE_PROMPTS:
             inputs = tok(prompt, return_tensors="pt")
-            kwargs = dict(do_sample=False) if mode == "greedy" else dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0)
+            kwargs = (
+                dict(do_sample=False)
+                if mode == "greedy"
+                else dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0)
+            )
             with torch.no_grad():
                 out = model.generate(**inputs, max_new_tokens=48, **kwargs)
             text = tok.decode(out[0], skip_special_tokens=False)
@@ -548,9 +549,16 @@ def show_samples(out_dir: Path, seed: int) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out-dir", default="jaxpaged/demo_model", help="where to write the model (default: %(default)s)")
-    p.add_argument("--time-budget-min", type=float, default=20.0, help="wall-clock training budget in minutes (default: %(default)s)")
+    p.add_argument(
+        "--time-budget-min",
+        type=float,
+        default=20.0,
+        help="wall-clock training budget in minutes (default: %(default)s)",
+    )
     p.add_argument("--max-steps", type=int, default=0, help="optional cap on optimizer steps (0 = budget only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16)
@@ -563,7 +571,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--no-compile", action="store_true", help="do not use torch.compile")
-    p.add_argument("--no-bf16-autocast", action="store_true", help="train in float32 (slower on CPUs with bf16 support)")
+    p.add_argument(
+        "--no-bf16-autocast", action="store_true", help="train in float32 (slower on CPUs with bf16 support)"
+    )
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--text-file", default=None, help="use this one-verse-per-line text instead of the `bible` reader")
@@ -593,8 +603,10 @@ def main(argv=None) -> None:
     train_verses = [v for i, v in enumerate(verses) if i % 50]
     train_stream = encode_stream(tok, train_verses)
     val_stream = encode_stream(tok, val_verses)
-    log(f"tokens: train {len(train_stream):,}, val {len(val_stream):,} "
-        f"({sum(map(len, verses)) / (len(train_stream) + len(val_stream)):.2f} chars/token incl. BOS/EOS)")
+    log(
+        f"tokens: train {len(train_stream):,}, val {len(val_stream):,} "
+        f"({sum(map(len, verses)) / (len(train_stream) + len(val_stream)):.2f} chars/token incl. BOS/EOS)"
+    )
 
     model = build_model(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     stats = train(model, train_stream, val_stream, args)

@@ -28,38 +28,67 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxpaged` parser with its `generate`, `serve`, `plan` and `bench` subcommands."""
-    parser = argparse.ArgumentParser(prog="jaxpaged", description="PagedAttention LLM inference in JAX.",
-                                     formatter_class=HelpFormatter, allow_abbrev=False)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="jaxpaged",
+        description="PagedAttention LLM inference in JAX.",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+    )
     parser.add_argument("--log-level", default="INFO", help="level of jaxpaged's own log lines (on stderr)")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="offline batch generation", formatter_class=HelpFormatter, allow_abbrev=False,
-                              description=cli_generate.__doc__.split("\n\n")[0])  # fmt: skip
+    gen = commands.add_parser(
+        "generate",
+        help="offline batch generation",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+        description=cli_generate.__doc__.split("\n\n")[0],
+    )
     cli_generate.add_generate_flags(gen)
     # Sequences and batched tokens default to the job's size (fewer step programs to compile).
     add_engine_flags(gen, job_sized=("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
     gen.set_defaults(run=cli_generate.run)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter,
-                                allow_abbrev=False)  # a misspelt flag is an error, never another flag
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter, allow_abbrev=False
+    )  # a misspelt flag is an error, never another flag
     add_serve_flags(serve)
     add_engine_flags(serve)
     serve.set_defaults(run=_serve)
 
-    plan = commands.add_parser("plan", help="weights, KV cache and concurrency of a model on a GPU (no GPU needed)",
-                               formatter_class=HelpFormatter, allow_abbrev=False)  # fmt: skip
-    plan.add_argument("--model", required=True, help="a preset (llama-3.1-8b, llama-3.1-70b, mistral-7b-v0.3, "
-                      "qwen2.5-7b) or a directory with config.json")  # fmt: skip
-    plan.add_argument("--gpu-memory", default=80 * 2**30, type=BYTES_WITH_UNIT,
-                      help="memory of one GPU with its unit, e.g. 80GiB or 141GB")  # fmt: skip
+    plan = commands.add_parser(
+        "plan",
+        help="weights, KV cache and concurrency of a model on a GPU (no GPU needed)",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+    )
+    plan.add_argument(
+        "--model",
+        required=True,
+        help="a preset (llama-3.1-8b, llama-3.1-70b, mistral-7b-v0.3, qwen2.5-7b) or a directory with config.json",
+    )
+    plan.add_argument(
+        "--gpu-memory",
+        default=80 * 2**30,
+        type=BYTES_WITH_UNIT,
+        help="memory of one GPU with its unit, e.g. 80GiB or 141GB",
+    )
     plan.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's limit)")
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     plan.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     plan.add_argument("--dtype", default="auto", help="weight dtype: auto (the config's), bfloat16, float16, float32")
-    plan.add_argument("--kv-cache-dtype", default="auto", choices=PLAN_KV_CACHE_DTYPES,
-                      help="KV cache dtype (auto: the weights'; fp8 = fp8_e4m3 and fp8_e5m2: 1 byte per element)")  # fmt: skip
-    plan.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                      help="weight quantization (1 byte per quantized weight, plus a float32 scale per output channel)")  # fmt: skip
+    plan.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=PLAN_KV_CACHE_DTYPES,
+        help="KV cache dtype (auto: the weights'; fp8 = fp8_e4m3 and fp8_e5m2: 1 byte per element)",
+    )
+    plan.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATION_METHODS,
+        help="weight quantization (1 byte per quantized weight, plus a float32 scale per output channel)",
+    )
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(run=_plan)

@@ -13,8 +13,12 @@ from jaxpaged.checkpoint.format import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILE
 from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import PRESETS, get_preset, load_config_dict
-from jaxpaged.config.quantization import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, CheckpointQuantizationError,
-                                          resolve_quantization)  # fmt: skip
+from jaxpaged.config.quantization import (
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    CheckpointQuantizationError,
+    resolve_quantization,
+)
 from jaxpaged.config.speculative import SpeculativeConfig, SpeculativeConfigError
 from jaxpaged.core.scheduler import PREEMPTION_MODES
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
@@ -53,12 +57,12 @@ def default_compilation_cache_dir() -> str:
 MAX_SEED = 2**62  # the processes of a multi-process engine pass the seed as two 31-bit words
 
 
-def _option(default, help: str, *, choices: tuple | None = None, metavar: str | None = None,
-            per_process: bool = False):
+def _option(default, help: str, *, choices: tuple | None = None, metavar: str | None = None, per_process: bool = False):
     """A field: its default, its `--help` text, and `per_process` when the processes of one
     multi-process engine may set it differently (paths, local resources); the others must agree."""
-    return dataclasses.field(default=default, metadata=dict(help=help, choices=choices, metavar=metavar,
-                                                            per_process=per_process))
+    return dataclasses.field(
+        default=default, metadata=dict(help=help, choices=choices, metavar=metavar, per_process=per_process)
+    )
 
 
 @dataclasses.dataclass
@@ -70,98 +74,160 @@ class EngineArgs:
     """
 
     model: str = _option(
-        None, "model directory (Hugging Face or jaxpaged-convert); with --load-format dummy also a directory "
-        f"holding only config.json, or a preset ({', '.join(PRESETS)})", metavar="DIR", per_process=True)  # fmt: skip
-    tokenizer: str | None = _option(None, "tokenizer directory (default: the model directory)", metavar="DIR",
-                                     per_process=True)  # fmt: skip
+        None,
+        "model directory (Hugging Face or jaxpaged-convert); with --load-format dummy also a directory "
+        f"holding only config.json, or a preset ({', '.join(PRESETS)})",
+        metavar="DIR",
+        per_process=True,
+    )
+    tokenizer: str | None = _option(
+        None, "tokenizer directory (default: the model directory)", metavar="DIR", per_process=True
+    )
     dtype: str = _option("auto", "weights and activations dtype; auto is the checkpoint's", choices=DTYPES)
     kv_cache_dtype: str = _option(
-        "auto", "KV cache dtype: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per element "
+        "auto",
+        "KV cache dtype: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per element "
         "(twice the tokens of bfloat16), quantized with a scale per layer and kv head: a compressed-tensors checkpoint's "
-        "k_scale/v_scale, else 1", choices=KV_CACHE_DTYPES)  # fmt: skip
+        "k_scale/v_scale, else 1",
+        choices=KV_CACHE_DTYPES,
+    )
     quantization: str | None = _option(
-        None, "weight quantization: fp8 (float8 e4m3 weights with a scale per output channel, activations "
+        None,
+        "weight quantization: fp8 (float8 e4m3 weights with a scale per output channel, activations "
         "quantized per token) or int8 (weight-only, a scale per output channel); a compressed-tensors FP8 "
-        "checkpoint is read as fp8 without it (default: none)", choices=QUANTIZATION_METHODS)  # fmt: skip
+        "checkpoint is read as fp8 without it (default: none)",
+        choices=QUANTIZATION_METHODS,
+    )
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
     gpu_memory_utilization: float = _option(
-        0.9, "fraction of GPU memory for weights, activations and the KV cache", per_process=True)
+        0.9, "fraction of GPU memory for weights, activations and the KV cache", per_process=True
+    )
     kv_cache_memory_bytes: int | None = _option(
-        None, "exact KV cache size, e.g. 4GiB or 4294967296, a draft model's pool included (default: sized from the "
-        "device's memory, or on a CPU from max_num_seqs x max_model_len)", metavar="BYTES", per_process=True)  # fmt: skip
+        None,
+        "exact KV cache size, e.g. 4GiB or 4294967296, a draft model's pool included (default: sized from the "
+        "device's memory, or on a CPU from max_num_seqs x max_model_len)",
+        metavar="BYTES",
+        per_process=True,
+    )
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     max_num_seqs: int = _option(256, "most sequences running at once")
     max_num_batched_tokens: int | None = _option(
-        None, "most tokens computed per step (default: max(2048, max_num_seqs))")
+        None, "most tokens computed per step (default: max(2048, max_num_seqs))"
+    )
     enable_prefix_caching: bool = _option(True, "reuse the KV cache of equal prompt prefixes")
     kv_offloading_size: float | None = _option(
-        None, "GiB of host memory for a host tier of the KV cache: blocks evicted from the device prefix cache "
+        None,
+        "GiB of host memory for a host tier of the KV cache: blocks evicted from the device prefix cache "
         "are kept there and copied back on a prefix hit, and preempted sequences are swapped there "
-        "(default: no host tier)", metavar="GIB")  # fmt: skip
+        "(default: no host tier)",
+        metavar="GIB",
+    )
     kv_cache_dir: str | None = _option(
-        None, "directory for a disk tier of the KV cache: prefix blocks are also written there and a later engine "
+        None,
+        "directory for a disk tier of the KV cache: prefix blocks are also written there and a later engine "
         "with the same model, dtype and block size reads them instead of computing them (needs "
-        "--kv-offloading-size; default: no disk tier)", metavar="DIR")  # fmt: skip
+        "--kv-offloading-size; default: no disk tier)",
+        metavar="DIR",
+    )
     kv_cache_dir_size: float = _option(
-        16.0, "GiB of files the disk tier keeps in --kv-cache-dir for this model (least recently used removed first)",
-        metavar="GIB")  # fmt: skip
+        16.0,
+        "GiB of files the disk tier keeps in --kv-cache-dir for this model (least recently used removed first)",
+        metavar="GIB",
+    )
     preemption_mode: str | None = _option(
-        None, "what a preempted sequence loses: recompute frees its blocks and computes them again on resume; "
+        None,
+        "what a preempted sequence loses: recompute frees its blocks and computes them again on resume; "
         "swap copies them to the host tier and back (needs --kv-offloading-size; recompute when the tier is "
-        "full) (default: swap with a host tier, else recompute)", choices=PREEMPTION_MODES)  # fmt: skip
+        "full) (default: swap with a host tier, else recompute)",
+        choices=PREEMPTION_MODES,
+    )
     seed: int | None = _option(
-        0, "engine seed: requests without their own seed draw one from it, so a run repeats; "
-        "'random' (None) draws a fresh seed every run", metavar="N|random")  # fmt: skip
-    load_format: str = _option("auto", "auto reads the weights; dummy makes random weights of the model's shapes",
-                               choices=LOAD_FORMATS)  # fmt: skip
+        0,
+        "engine seed: requests without their own seed draw one from it, so a run repeats; "
+        "'random' (None) draws a fresh seed every run",
+        metavar="N|random",
+    )
+    load_format: str = _option(
+        "auto", "auto reads the weights; dummy makes random weights of the model's shapes", choices=LOAD_FORMATS
+    )
     tensor_parallel_size: int = _option(
-        1, "devices to split the model over (Megatron tensor parallelism); must divide the attention heads")
-    nnodes: int = _option(
-        1, "processes (machines) the engine spans; each runs jaxpaged serve with its own --node-rank")
+        1, "devices to split the model over (Megatron tensor parallelism); must divide the attention heads"
+    )
+    nnodes: int = _option(1, "processes (machines) the engine spans; each runs jaxpaged serve with its own --node-rank")
     node_rank: int = _option(
-        0, "this process among --nnodes: 0 schedules and serves, the others run its steps on their devices",
-        per_process=True)  # fmt: skip
-    master_addr: str = _option("127.0.0.1", "address of process 0, where the processes meet (with --nnodes > 1)",
-                               metavar="HOST", per_process=True)  # fmt: skip
-    master_port: int = _option(29501, "port of process 0 where the processes meet (with --nnodes > 1)", metavar="PORT",
-                                 per_process=True)  # fmt: skip
+        0,
+        "this process among --nnodes: 0 schedules and serves, the others run its steps on their devices",
+        per_process=True,
+    )
+    master_addr: str = _option(
+        "127.0.0.1",
+        "address of process 0, where the processes meet (with --nnodes > 1)",
+        metavar="HOST",
+        per_process=True,
+    )
+    master_port: int = _option(
+        29501, "port of process 0 where the processes meet (with --nnodes > 1)", metavar="PORT", per_process=True
+    )
     compilation_cache_dir: str = _option(
-        "auto", "persistent compilation cache: later start-ups load the compiled step programs from it; auto is "
+        "auto",
+        "persistent compilation cache: later start-ups load the compiled step programs from it; auto is "
         "JAX's own cache directory when one is set, else $XDG_CACHE_HOME/jaxpaged/xla (~/.cache/jaxpaged/xla); "
-        "none turns it off", metavar="DIR|auto|none", per_process=True)  # fmt: skip
+        "none turns it off",
+        metavar="DIR|auto|none",
+        per_process=True,
+    )
     attention_backend: str = _option(
-        "auto", "auto is the Pallas kernels on a GPU and the jnp reference elsewhere; pallas on a CPU "
-        "interprets the kernels (slow)", choices=ATTENTION_BACKENDS)  # fmt: skip
+        "auto",
+        "auto is the Pallas kernels on a GPU and the jnp reference elsewhere; pallas on a CPU "
+        "interprets the kernels (slow)",
+        choices=ATTENTION_BACKENDS,
+    )
     scan_layers: bool = _option(
-        False, "compile the decoder layers as one loop body over stacked weights: programs compile several times "
+        False,
+        "compile the decoder layers as one loop body over stacked weights: programs compile several times "
         "faster, but every step copies each layer's weights out of the stack before its matmuls (XLA does on a CPU "
         "and, with its Triton GEMMs, on an H100), so decoding is slower; default: the layers unrolled over "
-        "per-layer arrays, each weight read where it lies")
+        "per-layer arrays, each weight read where it lies",
+    )
     compile_threads: int | None = _option(
-        None, "threads compiling the step programs at start-up (default: one per two CPU cores, at most "
+        None,
+        "threads compiling the step programs at start-up (default: one per two CPU cores, at most "
         f"{MAX_COMPILE_THREADS}: XLA's compiler already uses about two cores per program; each thread holds one "
-        "program's compiler memory)", per_process=True)
+        "program's compiler memory)",
+        per_process=True,
+    )
     speculative_config: SpeculativeConfig | dict | str | None = _option(
-        None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} proposes the tokens that followed the latest earlier "
+        None,
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} proposes the tokens that followed the latest earlier '
         "occurrence of a sequence's last tokens, and the model checks them all in one step; a step speculates only "
         "while that has been faster than plain decoding at its batch size (measured), and never with more than "
-        "\"disable_by_batch_size\" sequences running (default: off)",
-        metavar="JSON")  # fmt: skip
+        '"disable_by_batch_size" sequences running (default: off)',
+        metavar="JSON",
+    )
     num_scheduler_steps: int = _option(
-        4, "decode steps fused into one device program when every sequence decodes and none waits (and none "
-        "filters with top-k/top-p or asks for top logprobs); 1: none")  # fmt: skip
+        4,
+        "decode steps fused into one device program when every sequence decodes and none waits (and none "
+        "filters with top-k/top-p or asks for top logprobs); 1: none",
+    )
     async_scheduling: bool = _option(
-        True, "schedule and dispatch each step before the previous one's tokens reach the host, which the device "
+        True,
+        "schedule and dispatch each step before the previous one's tokens reach the host, which the device "
         "passes from step to step, so host work overlaps the device's (the same tokens as without it); a step "
-        "that speculates waits for the previous one (proposals are made from its tokens)")  # fmt: skip
+        "that speculates waits for the previous one (proposals are made from its tokens)",
+    )
     skip_tokenizer_init: bool = _option(
-        False, "run without a tokenizer: token-id prompts in, token ids out, no stop strings", per_process=True)
+        False, "run without a tokenizer: token-id prompts in, token ids out, no stop strings", per_process=True
+    )
 
     def __post_init__(self):
         self._check_model()
-        for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS), ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("attention_backend", ATTENTION_BACKENDS)):  # fmt: skip
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("load_format", LOAD_FORMATS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("attention_backend", ATTENTION_BACKENDS),
+        ):
             if getattr(self, name) not in allowed:
                 raise EngineArgsError(name, getattr(self, name), f"must be one of {', '.join(allowed)}")
         for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "nnodes"):
@@ -192,15 +258,19 @@ class EngineArgs:
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise EngineArgsError("gpu_memory_utilization", utilization, "must be a number in (0, 1]")
         if not isinstance(self.compilation_cache_dir, str) or not self.compilation_cache_dir:
-            raise EngineArgsError("compilation_cache_dir", self.compilation_cache_dir,
-                                  "must be a directory, 'auto' or 'none'")  # fmt: skip
+            raise EngineArgsError(
+                "compilation_cache_dir", self.compilation_cache_dir, "must be a directory, 'auto' or 'none'"
+            )
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(2048, self.max_num_seqs)
         if self.compile_threads is None:
             self.compile_threads = max(1, min((os.cpu_count() or 1) // 2, MAX_COMPILE_THREADS))
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise EngineArgsError("max_num_batched_tokens", self.max_num_batched_tokens,
-                                  f"must be at least max_num_seqs ({self.max_num_seqs})")  # fmt: skip
+            raise EngineArgsError(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f"must be at least max_num_seqs ({self.max_num_seqs})",
+            )
 
         if not self.skip_tokenizer_init:
             self._check_tokenizer()
@@ -210,31 +280,43 @@ class EngineArgs:
         if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < 2**20):
             raise EngineArgsError("kv_offloading_size", size, "must be a positive number of GiB")
         if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
-            raise EngineArgsError("preemption_mode", self.preemption_mode, f"must be one of {', '.join(PREEMPTION_MODES)}")
+            raise EngineArgsError(
+                "preemption_mode", self.preemption_mode, f"must be one of {', '.join(PREEMPTION_MODES)}"
+            )
         if self.preemption_mode == "swap" and size is None:
             raise EngineArgsError("preemption_mode", "swap", "swaps to the host tier: set `kv_offloading_size` too")
         if self.kv_cache_dir is not None:
             if not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir:
                 raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "must be a directory")
             if size is None:
-                raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "reads and writes through the host tier: "
-                                      "set `kv_offloading_size` too")  # fmt: skip
+                raise EngineArgsError(
+                    "kv_cache_dir",
+                    self.kv_cache_dir,
+                    "reads and writes through the host tier: set `kv_offloading_size` too",
+                )
             if not self.enable_prefix_caching:
-                raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "keeps prefix-cache blocks: it does nothing "
-                                      "with `enable_prefix_caching` off")  # fmt: skip
+                raise EngineArgsError(
+                    "kv_cache_dir",
+                    self.kv_cache_dir,
+                    "keeps prefix-cache blocks: it does nothing with `enable_prefix_caching` off",
+                )
             if os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir):
                 raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "exists and is not a directory")
         disk = self.kv_cache_dir_size
         if isinstance(disk, bool) or not isinstance(disk, (int, float)) or not 0 < disk < 2**30:
             raise EngineArgsError("kv_cache_dir_size", disk, "must be a positive number of GiB")
         if size is not None and self.nnodes > 1:
-            raise EngineArgsError("kv_offloading_size", size, "is not supported across several processes yet "
-                                  "(`nnodes` > 1); leave it unset")  # fmt: skip
+            raise EngineArgsError(
+                "kv_offloading_size",
+                size,
+                "is not supported across several processes yet (`nnodes` > 1); leave it unset",
+            )
 
     def _check_quantization(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise EngineArgsError("quantization", self.quantization, f"must be one of {', '.join(QUANTIZATION_METHODS)} "
-                                  "(or unset)")  # fmt: skip
+            raise EngineArgsError(
+                "quantization", self.quantization, f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset)"
+            )
         try:
             resolve_quantization(self.quantization, load_config_dict(self.model)[1])
         except CheckpointQuantizationError as err:
@@ -255,16 +337,22 @@ class EngineArgs:
             raise EngineArgsError(field, spec, f"the draft model: {getattr(err, 'reason', err)}") from None
         target = ModelConfig.from_hf(load_config_dict(self.model)[1])
         if draft_config.vocab_size != target.vocab_size:
-            raise EngineArgsError(field, spec, f"the draft model's vocabulary ({draft_config.vocab_size}) must be the "
-                                  f"target's ({target.vocab_size}): it proposes the target's token ids")  # fmt: skip
+            raise EngineArgsError(
+                field,
+                spec,
+                f"the draft model's vocabulary ({draft_config.vocab_size}) must be the "
+                f"target's ({target.vocab_size}): it proposes the target's token ids",
+            )
         try:
             draft_config.check_max_model_len(self.max_model_len or target.max_context_len)
         except ValueError as err:
-            raise EngineArgsError(field, spec, f"the draft model: {err}; lower `max_model_len` or use a draft with "
-                                  "the target's context") from None  # fmt: skip
+            raise EngineArgsError(
+                field, spec, f"the draft model: {err}; lower `max_model_len` or use a draft with the target's context"
+            ) from None
         if self.kv_offloading_size is not None:
-            raise EngineArgsError(field, spec, "a draft model does not work with the host tier yet; leave "
-                                  "`kv_offloading_size` unset")  # fmt: skip
+            raise EngineArgsError(
+                field, spec, "a draft model does not work with the host tier yet; leave `kv_offloading_size` unset"
+            )
         if self.nnodes > 1:
             raise EngineArgsError(field, spec, "a draft model does not work across several processes yet (`nnodes`)")
 
@@ -279,9 +367,13 @@ class EngineArgs:
     def _check_tokenizer(self) -> None:
         field, directory = ("tokenizer", self.tokenizer) if self.tokenizer else ("model", self.model)
         if not os.path.isdir(directory) or not has_tokenizer(directory):
-            raise EngineArgsError(field, directory, f"has no tokenizer files ({', '.join(TOKENIZER_FILES)}); point "
-                                  "`tokenizer` at a directory with them, or set `skip_tokenizer_init` to run on "
-                                  "token ids")  # fmt: skip
+            raise EngineArgsError(
+                field,
+                directory,
+                f"has no tokenizer files ({', '.join(TOKENIZER_FILES)}); point "
+                "`tokenizer` at a directory with them, or set `skip_tokenizer_init` to run on "
+                "token ids",
+            )
 
     def _check_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)
@@ -294,17 +386,29 @@ class EngineArgs:
         dummy = "use `load_format` dummy for random weights of its shapes"
         if os.path.isdir(self.model):
             if not os.path.isfile(os.path.join(self.model, CONFIG_FILE)):
-                raise EngineArgsError("model", self.model, f"the directory has no {CONFIG_FILE}; give a Hugging Face "
-                                      "or jaxpaged-convert model directory")  # fmt: skip
+                raise EngineArgsError(
+                    "model",
+                    self.model,
+                    f"the directory has no {CONFIG_FILE}; give a Hugging Face or jaxpaged-convert model directory",
+                )
             if self.load_format == "auto" and not has_weights(self.model):
-                raise EngineArgsError("model", self.model, f"the directory has no weights ({', '.join(WEIGHT_FILES)}); "
-                                      f"{dummy}")  # fmt: skip
+                raise EngineArgsError(
+                    "model", self.model, f"the directory has no weights ({', '.join(WEIGHT_FILES)}); {dummy}"
+                )
             return
         if get_preset(self.model) is not None:
             if self.load_format != "dummy":
-                raise EngineArgsError("model", self.model, "is a preset: a configuration without weights (nothing "
-                                      f"is downloaded); {dummy}, or give a model directory")  # fmt: skip
+                raise EngineArgsError(
+                    "model",
+                    self.model,
+                    "is a preset: a configuration without weights (nothing "
+                    f"is downloaded); {dummy}, or give a model directory",
+                )
             return
-        raise EngineArgsError("model", self.model, "is not a directory (nothing is downloaded); give a Hugging Face "
-                              f"or jaxpaged-convert model directory, or a preset ({', '.join(PRESETS)}) with "
-                              "`load_format` dummy")  # fmt: skip
+        raise EngineArgsError(
+            "model",
+            self.model,
+            "is not a directory (nothing is downloaded); give a Hugging Face "
+            f"or jaxpaged-convert model directory, or a preset ({', '.join(PRESETS)}) with "
+            "`load_format` dummy",
+        )

@@ -56,15 +56,23 @@ class EngineConfig:
         raw = load_config_dict(args.model)[1]
         model = ModelConfig.from_hf(raw)
         max_model_len = model.check_max_model_len(args.max_model_len or model.max_context_len)
-        return cls(args, model, max_model_len, TensorParallelLayout(model, args.tensor_parallel_size),
-                   quantization=resolve_quantization(args.quantization, raw))  # fmt: skip
+        return cls(
+            args,
+            model,
+            max_model_len,
+            TensorParallelLayout(model, args.tensor_parallel_size),
+            quantization=resolve_quantization(args.quantization, raw),
+        )
 
     def shared_settings(self) -> dict[str, str]:
         """What every process of a multi-process engine must run with, each as text: the options
         not marked `per_process` (the seed aside: the processes take the leader's) and the
         checkpoint's configuration (model paths may differ between machines; the model may not)."""
-        settings = {f.name: repr(getattr(self.args, f.name)) for f in dataclasses.fields(EngineArgs)
-                    if not f.metadata["per_process"] and f.name != "seed"}  # fmt: skip
+        settings = {
+            f.name: repr(getattr(self.args, f.name))
+            for f in dataclasses.fields(EngineArgs)
+            if not f.metadata["per_process"] and f.name != "seed"
+        }
         settings["model configuration"] = repr(self.model)
         # resolved values replace the options: a limit or method the checkpoint supplies may be
         # given on one process and left to the checkpoint on another
@@ -89,8 +97,14 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         """What the scheduler needs (after planning)."""
         a = self.args
-        return SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                               max_model_len=self.max_model_len, block_size=a.block_size, num_blocks=self.num_blocks,
-                               enable_prefix_caching=a.enable_prefix_caching, num_host_blocks=self.num_host_blocks,
-                               preemption_mode=self.preemption_mode,
-                               num_scheduler_steps=a.num_scheduler_steps)  # fmt: skip
+        return SchedulerConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=a.block_size,
+            num_blocks=self.num_blocks,
+            enable_prefix_caching=a.enable_prefix_caching,
+            num_host_blocks=self.num_host_blocks,
+            preemption_mode=self.preemption_mode,
+            num_scheduler_steps=a.num_scheduler_steps,
+        )

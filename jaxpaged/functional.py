@@ -124,8 +124,9 @@ class SamplerInput:
     num_drafts: Int[Array, " S"] | None = None
 
 
-def init_cache(config: ModelConfig, *, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
-               platform: str | None = None) -> DeviceCache:  # fmt: skip
+def init_cache(
+    config: ModelConfig, *, num_blocks: int, block_size: int, dtype, max_num_seqs: int, platform: str | None = None
+) -> DeviceCache:
     """A zeroed cache: `num_blocks` pool blocks (block 0 is the null block) and one penalty-table
     row (and last-token entry) per concurrently running sequence. The pool is stored in
     `kv_storage_dtype(dtype, platform)` (float32 for bfloat16 on CPU, see `jaxpaged.model.kv_pool`)."""
@@ -137,10 +138,19 @@ def init_cache(config: ModelConfig, *, num_blocks: int, block_size: int, dtype, 
     )
 
 
-def make_step_input(token_ids: Int[Array, " T"], *, query_lens: Int[Array, " S"], kv_lens: Int[Array, " S"],
-                    prompt_lens: Int[Array, " S"], block_tables: Int[Array, "S P"], block_size: int, vocab_size: int,
-                    max_num_seqs: int, slots: Int[Array, " S"] | None = None,
-                    sampling: SamplingTensors | None = None) -> StepInput:  # fmt: skip
+def make_step_input(
+    token_ids: Int[Array, " T"],
+    *,
+    query_lens: Int[Array, " S"],
+    kv_lens: Int[Array, " S"],
+    prompt_lens: Int[Array, " S"],
+    block_tables: Int[Array, "S P"],
+    block_size: int,
+    vocab_size: int,
+    max_num_seqs: int,
+    slots: Int[Array, " S"] | None = None,
+    sampling: SamplingTensors | None = None,
+) -> StepInput:
     """One step's inputs for a ragged batch described per sequence (jnp only: call it inside
     `jit` or `lax.scan`; the arguments' shapes are the step's buckets).
 
@@ -176,16 +186,30 @@ def make_step_input(token_ids: Int[Array, " T"], *, query_lens: Int[Array, " S"]
     if sampling is None:
         ones = jnp.ones(num_seqs, jnp.float32)
         zeros = jnp.zeros(num_seqs, jnp.int32)
-        sampling = SamplingTensors(temperature=0 * ones, top_k=zeros, top_p=ones, min_p=0 * ones,
-                                   presence_penalty=0 * ones, frequency_penalty=0 * ones, repetition_penalty=ones,
-                                   seed=zeros, index=zeros, position=kv_lens, slot=slots, ban_until=zeros)  # fmt: skip
+        sampling = SamplingTensors(
+            temperature=0 * ones,
+            top_k=zeros,
+            top_p=ones,
+            min_p=0 * ones,
+            presence_penalty=0 * ones,
+            frequency_penalty=0 * ones,
+            repetition_penalty=ones,
+            seed=zeros,
+            index=zeros,
+            position=kv_lens,
+            slot=slots,
+            ban_until=zeros,
+        )
     return StepInput(
         token_ids=token_ids.astype(jnp.int32),
         metadata=AttentionMetadata(
-            positions=positions, slot_mapping=jnp.where(real, blocks * block_size + positions % block_size, 0),
-            cu_q_lens=cu_q_lens, kv_lens=jnp.where(live, kv_lens, 0), block_tables=block_tables.astype(jnp.int32),
+            positions=positions,
+            slot_mapping=jnp.where(real, blocks * block_size + positions % block_size, 0),
+            cu_q_lens=cu_q_lens,
+            kv_lens=jnp.where(live, kv_lens, 0),
+            block_tables=block_tables.astype(jnp.int32),
             num_seqs=jnp.sum(live, dtype=jnp.int32),
-        ),  # fmt: skip
+        ),
         logits_indices=jnp.maximum(cu_q_lens[1:] - 1, 0),
         sampling=sampling,
         token_slot=jnp.where(real, slots[seq], none),
@@ -203,8 +227,9 @@ def input_token_ids(inp: StepInput, last_tokens: Int[Array, " R"]) -> Int[Array,
     return jnp.where(inp.from_last, last_tokens[slots], inp.token_ids)
 
 
-def forward(graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache,
-            inp: StepInput) -> tuple[DeviceCache, Float[Array, "SR V"]]:  # fmt: skip
+def forward(
+    graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache, inp: StepInput
+) -> tuple[DeviceCache, Float[Array, "SR V"]]:
     """The model over one ragged batch: K/V written into the pool, this step's tokens recorded in
     the penalty tables, float32 logits at the sampling rows.
 
@@ -218,7 +243,9 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache,
     )
     hidden, kv = model(token_ids, cache.kv, inp.metadata)
     logits = model.compute_logits(hidden[inp.logits_indices])
-    return DeviceCache(kv=kv, prompt_mask=prompt_mask, output_counts=output_counts, last_tokens=cache.last_tokens), logits
+    return DeviceCache(
+        kv=kv, prompt_mask=prompt_mask, output_counts=output_counts, last_tokens=cache.last_tokens
+    ), logits
 
 
 def sampler_input(inp: StepInput) -> SamplerInput:
@@ -229,8 +256,13 @@ def sampler_input(inp: StepInput) -> SamplerInput:
     first = inp.logits_indices.reshape(-1, rows_per_seq)[:, 0]
     j = jnp.arange(rows_per_seq - 1)
     proposals = inp.token_ids[jnp.minimum(first[:, None] + 1 + j, inp.token_ids.shape[0] - 1)]  # [S, R - 1]
-    return SamplerInput(sampling=inp.sampling, banned_ids=inp.banned_ids, last_slot=inp.last_slot,
-                        proposals=proposals, num_drafts=inp.num_drafts)  # fmt: skip
+    return SamplerInput(
+        sampling=inp.sampling,
+        banned_ids=inp.banned_ids,
+        last_slot=inp.last_slot,
+        proposals=proposals,
+        num_drafts=inp.num_drafts,
+    )
 
 
 def sample_tokens(
@@ -257,8 +289,13 @@ def sample_tokens(
     return last_tokens.at[inp.last_slot].set(newest, mode="drop"), result
 
 
-def step(graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache, inp: StepInput,
-         options: SamplerOptions = SamplerOptions()) -> tuple[DeviceCache, SampleResult]:  # fmt: skip
+def step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: DeviceCache,
+    inp: StepInput,
+    options: SamplerOptions = SamplerOptions(),
+) -> tuple[DeviceCache, SampleResult]:
     """Runs one engine step: model forward over the ragged batch, then sampling.
 
     Args:
@@ -273,13 +310,15 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache, inp: Ste
       sequence, or R per sequence with speculative decoding (then also `num_accepted`).
     """
     cache, logits = forward(graphdef, params, cache, inp)
-    last_tokens, result = sample_tokens(cache.prompt_mask, cache.output_counts, cache.last_tokens, logits,
-                                        sampler_input(inp), options)  # fmt: skip
+    last_tokens, result = sample_tokens(
+        cache.prompt_mask, cache.output_counts, cache.last_tokens, logits, sampler_input(inp), options
+    )
     return dataclasses.replace(cache, last_tokens=last_tokens), result
 
 
-def accepted_proposals(proposals: Int[Array, "S R1"], num_drafts: Int[Array, " S"],
-                       sampled: Int[Array, " SR"]) -> Int[Array, " S"]:  # fmt: skip
+def accepted_proposals(
+    proposals: Int[Array, "S R1"], num_drafts: Int[Array, " S"], sampled: Int[Array, " SR"]
+) -> Int[Array, " S"]:
     """Proposals each sequence keeps: those up to the first that differs from the token sampled
     at its position (row j samples the token after proposal j - 1)."""
     rows_per_seq = proposals.shape[1] + 1

@@ -158,8 +158,13 @@ class SamplingParams:
             raise _bad("stop_token_ids", self.stop_token_ids, f"token ids up to {INT32_MAX}")
         for s in self.stop:
             check_text("SamplingParams.stop", s)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                     "speculate"):  # fmt: skip
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "speculate",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")
         if not isinstance(self.output_kind, RequestOutputKind):

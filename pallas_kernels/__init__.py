@@ -11,8 +11,8 @@ with per-kv-head k_scale / v_scale, dequantising inside the kernel):
 (lowering, or deviceless compilation); `target_platform()` is the platform traces are for.
 """
 
-from pallas_kernels.platform import compiling_for, target_platform
 from pallas_kernels.decode_attention import paged_decode_attention
+from pallas_kernels.platform import compiling_for, target_platform
 from pallas_kernels.ragged_attention import ragged_paged_attention
 from pallas_kernels.write_kv import write_kv
 

@@ -9,7 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
+from jax.experimental import pallas as pl  # noqa: F401 (the kernels use it as `c.pl`)
 
 # The Triton backend's `CompilerParams`, `load` and `store` live in `jax.experimental.pallas.triton`
 # in every JAX we support (0.10.2 and 0.11.2 checked; upstream deprecates the backend in 0.11).

@@ -32,11 +32,19 @@ def pytest_pyfunc_call(pyfuncitem):
     if pyfuncitem.get_closest_marker("isolated") is None or os.environ.get(IN_ISOLATION):
         return None
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid]
-    result = subprocess.run(command, cwd=pyfuncitem.config.rootpath, env={**os.environ, IN_ISOLATION: "1"},
-                            capture_output=True, text=True, timeout=1800)  # fmt: skip
+    result = subprocess.run(
+        command,
+        cwd=pyfuncitem.config.rootpath,
+        env={**os.environ, IN_ISOLATION: "1"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if result.returncode != 0:
-        pytest.fail(f"{pyfuncitem.nodeid} failed in its own process:\n{result.stdout[-8000:]}\n{result.stderr[-4000:]}",
-                    pytrace=False)  # fmt: skip
+        pytest.fail(
+            f"{pyfuncitem.nodeid} failed in its own process:\n{result.stdout[-8000:]}\n{result.stderr[-4000:]}",
+            pytrace=False,
+        )
     return True
 
 

@@ -15,8 +15,15 @@ from safetensors.torch import save_file
 from tiny_models import build_hf_model
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def quantization_config(strategy: str = "channel", static_input: bool = False, kv_cache: bool = False) -> dict:
@@ -41,8 +48,13 @@ def quantization_config(strategy: str = "channel", static_input: bool = False, k
         "quantization_status": "compressed",
     }
     if kv_cache:
-        config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                                     "symmetric": True}  # fmt: skip
+        config["kv_cache_scheme"] = {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "tensor",
+            "dynamic": False,
+            "symmetric": True,
+        }
     return config
 
 
@@ -55,9 +67,15 @@ def quantize_fp8(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Te
     return q, scale
 
 
-def save_fp8_checkpoint(variant: str, out_dir: str, strategy: str = "channel", seed: int = 0,
-                        static_input: bool = False, kv_cache: bool = False,
-                        scale_dtype: torch.dtype = torch.float32) -> torch.nn.Module:  # fmt: skip
+def save_fp8_checkpoint(
+    variant: str,
+    out_dir: str,
+    strategy: str = "channel",
+    seed: int = 0,
+    static_input: bool = False,
+    kv_cache: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
     """Builds the tiny variant, quantizes its projections to FP8 and saves a compressed-tensors
     checkpoint (model.safetensors + config.json) to `out_dir`.
 

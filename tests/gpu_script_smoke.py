@@ -15,8 +15,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_script(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess:
     """Runs the module benchmarks.`script` with `argv`, JAX on the CPU, capturing its output."""
-    return subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *argv], cwd=ROOT,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{script}", *argv],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def smoke_run_fixture(script: str, timeout: float):

@@ -64,11 +64,16 @@ def run(engine: LLMEngine, requests) -> dict[str, list[tuple]]:
             if out.finished:
                 outputs[out.request_id] = [
                     # logprobs to 1e-3: a batch of other sizes rounds float32 sums differently
-                    (c.token_ids, c.text, c.finish_reason, c.stop_reason,
-                     None if c.cumulative_logprob is None else round(c.cumulative_logprob, 3),
-                     [{t: round(lp.logprob, 3) for t, lp in e.items()} for e in c.logprobs or []])
+                    (
+                        c.token_ids,
+                        c.text,
+                        c.finish_reason,
+                        c.stop_reason,
+                        None if c.cumulative_logprob is None else round(c.cumulative_logprob, 3),
+                        [{t: round(lp.logprob, 3) for t, lp in e.items()} for e in c.logprobs or []],
+                    )
                     for c in out.outputs
-                ]  # fmt: skip
+                ]
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks and not any(bm.ref_counts) and not engine.requests
     assert engine.runner.input_batch.num_free_slots < engine.args.max_num_seqs or not engine.scheduler.running
@@ -78,14 +83,19 @@ def run(engine: LLMEngine, requests) -> dict[str, list[tuple]]:
 
 
 def engines(path: str, **options) -> tuple[LLMEngine, LLMEngine]:
-    common = dict(model=path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64,
-                  **options)  # fmt: skip
-    return LLMEngine(EngineArgs(async_scheduling=False, **common)), LLMEngine(EngineArgs(async_scheduling=True, **common))
+    common = dict(
+        model=path, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64, **options
+    )
+    return LLMEngine(EngineArgs(async_scheduling=False, **common)), LLMEngine(
+        EngineArgs(async_scheduling=True, **common)
+    )
 
 
 def stop_rules(sync: LLMEngine) -> tuple[str, int]:
     """A stop string and a stop token id that the greedy continuation of a prompt does reach."""
-    sync.add_request("probe", {"prompt_token_ids": PROBE}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    sync.add_request(
+        "probe", {"prompt_token_ids": PROBE}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )
     done = None
     while sync.has_unfinished_requests():
         done = [o for o in sync.step() if o.finished] or done

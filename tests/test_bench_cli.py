@@ -27,7 +27,7 @@ BAD_INPUT = [
     (["latency", "--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["latency", "--output-len", "2000"], "more than the model's context of 1024 tokens"),
     (["plot", "/no/such.json"], "/no/such.json: no such file"),
-]  # fmt: skip
+]
 
 
 def test_bad_input_is_named_by_its_flag_before_jax_loads():
@@ -43,8 +43,13 @@ def test_bad_input_is_named_by_its_flag_before_jax_loads():
         "    out.append([rc, err.getvalue()])\n"
         "print(json.dumps([out, 'jax' in sys.modules]))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps([argv for argv, _ in BAD_INPUT])], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps([argv for argv, _ in BAD_INPUT])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results, jax_imported = json.loads(proc.stdout.splitlines()[-1])
     for (argv, message), (rc, stderr) in zip(BAD_INPUT, results):
@@ -69,10 +74,20 @@ def test_every_bench_flag_has_help_with_its_default():
 
 
 def serve_result(rate, throughput: float, ttft: float) -> dict:
-    return {"model_id": "demo", "request_rate": rate, "request_throughput": throughput,
-            "output_throughput": 100 * throughput, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
-            "median_tpot_ms": 5.0, "p99_tpot_ms": 9.0, "median_itl_ms": 5.0, "p90_itl_ms": 7.0, "p99.9_itl_ms": 8.0,
-            "median_e2el_ms": 900.0}  # fmt: skip
+    return {
+        "model_id": "demo",
+        "request_rate": rate,
+        "request_throughput": throughput,
+        "output_throughput": 100 * throughput,
+        "median_ttft_ms": ttft,
+        "p99_ttft_ms": 2 * ttft,
+        "median_tpot_ms": 5.0,
+        "p99_tpot_ms": 9.0,
+        "median_itl_ms": 5.0,
+        "p90_itl_ms": 7.0,
+        "p99.9_itl_ms": 8.0,
+        "median_e2el_ms": 900.0,
+    }
 
 
 def test_plot_draws_saved_results(tmp_path, capsys):
@@ -91,4 +106,3 @@ def test_plot_draws_saved_results(tmp_path, capsys):
     (tmp_path / "bad.json").write_text('{"completed": 3}')
     assert main(["bench", "plot", str(tmp_path / "bad.json")]) == 2
     assert "bad.json: not a bench serve result" in capsys.readouterr().err
-

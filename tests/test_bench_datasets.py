@@ -58,11 +58,13 @@ def test_unreadable_files_are_named(tmp_path):
 
 def test_sampling_keeps_only_pairs_within_vllms_limits_and_the_context():
     kept = [conversation(20, 30), conversation(3, 30), conversation(1000, 500)]  # prompts of 21, 4 and 1001 tokens
-    skipped = [conversation(2, 30),  # prompt of 3 tokens (BOS included)
-               conversation(20, 3),  # reply of 3 tokens
-               conversation(1024, 10),  # prompt of 1025 tokens
-               conversation(900, 1200),  # 2101 tokens in all
-               conversation(800, 900)]  # 1701 tokens: more than the context below  # fmt: skip
+    skipped = [
+        conversation(2, 30),  # prompt of 3 tokens (BOS included)
+        conversation(20, 3),  # reply of 3 tokens
+        conversation(1024, 10),  # prompt of 1025 tokens
+        conversation(900, 1200),  # 2101 tokens in all
+        conversation(800, 900),
+    ]  # 1701 tokens: more than the context below
     pairs = [sharegpt._first_exchange(e) for e in kept + skipped]
     convs = sharegpt.Conversations(pairs, len(pairs), truncated=False)
     requests = sharegpt.sample_sharegpt(convs, WordTokenizer(), 3, seed=0, max_model_len=1600)
@@ -80,7 +82,9 @@ def test_sampling_is_a_seeded_shuffle():
     convs = sharegpt.Conversations(pairs, 50, truncated=False)
 
     def lens(seed):
-        return [r.prompt_len for r in sharegpt.sample_sharegpt(convs, WordTokenizer(), 10, seed=seed, max_model_len=2048)]
+        return [
+            r.prompt_len for r in sharegpt.sample_sharegpt(convs, WordTokenizer(), 10, seed=seed, max_model_len=2048)
+        ]
 
     assert lens(1) == lens(1) and lens(1) != lens(2)
 
@@ -102,22 +106,44 @@ def test_prefix_dataset_shares_one_prefix_and_varies_the_suffix():
     assert len({len(s) for s in suffixes}) > 10  # drawn, not fixed
     assert {r.output_len for r in requests} == {128} and all(r.prompt is None for r in requests)
     assert not {0, 1} & {t for r in requests for t in r.prompt_token_ids}  # no special tokens
-    small = datasets.get_requests(args(dataset_name="prefix", prefix_len=8, suffix_len="2,3", output_len=4),
-                                  tokenizer=None, vocab_size=50, max_model_len=64, seed=0)  # fmt: skip
+    small = datasets.get_requests(
+        args(dataset_name="prefix", prefix_len=8, suffix_len="2,3", output_len=4),
+        tokenizer=None,
+        vocab_size=50,
+        max_model_len=64,
+        seed=0,
+    )
     assert {r.prompt_len for r in small} <= {10, 11} and small[0].prompt_token_ids[:8] == small[1].prompt_token_ids[:8]
-    several = datasets.get_requests(args(dataset_name="prefix", prefix_len=8, suffix_len="2,3", num_prefixes=3, output_len=4,
-                                         num_prompts=9), tokenizer=None, vocab_size=50, max_model_len=64, seed=0)  # fmt: skip
+    several = datasets.get_requests(
+        args(dataset_name="prefix", prefix_len=8, suffix_len="2,3", num_prefixes=3, output_len=4, num_prompts=9),
+        tokenizer=None,
+        vocab_size=50,
+        max_model_len=64,
+        seed=0,
+    )
     heads = [tuple(r.prompt_token_ids[:8]) for r in several]
     assert len(set(heads)) == 3 and heads[:3] * 3 == heads  # taken in turn
 
 
 def test_random_dataset_lengths_and_context_check():
-    requests = datasets.get_requests(args(dataset_name="random", input_len=20, output_len=6), tokenizer=None,
-                                     vocab_size=100, max_model_len=64, seed=3)  # fmt: skip
+    requests = datasets.get_requests(
+        args(dataset_name="random", input_len=20, output_len=6),
+        tokenizer=None,
+        vocab_size=100,
+        max_model_len=64,
+        seed=3,
+    )
     assert len(requests) == 16 and {(r.prompt_len, r.output_len) for r in requests} == {(20, 6)}
-    with pytest.raises(ValueError, match="--input-len 60 plus --output-len 6 is 66 tokens, more than the model context of 64"):
-        datasets.get_requests(args(dataset_name="random", input_len=60, output_len=6), tokenizer=None,
-                              vocab_size=100, max_model_len=64, seed=3)  # fmt: skip
+    with pytest.raises(
+        ValueError, match="--input-len 60 plus --output-len 6 is 66 tokens, more than the model context of 64"
+    ):
+        datasets.get_requests(
+            args(dataset_name="random", input_len=60, output_len=6),
+            tokenizer=None,
+            vocab_size=100,
+            max_model_len=64,
+            seed=3,
+        )
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,9 @@ from jaxpaged.bench.sharegpt import SampleRequest
 
 
 def _done(prompt_len, tokens, ttft, latency, itl=()):
-    return RequestResult(prompt_len=prompt_len, success=True, output_tokens=tokens, ttft=ttft, latency=latency,
-                         itl=list(itl))  # fmt: skip
+    return RequestResult(
+        prompt_len=prompt_len, success=True, output_tokens=tokens, ttft=ttft, latency=latency, itl=list(itl)
+    )
 
 
 # Four successful requests and one failure, over 2 seconds.
@@ -78,16 +79,21 @@ def test_goodput_counts_requests_meeting_every_slo(slos, good):
 
 
 def test_no_successful_request_reports_zeros():
-    s = metrics.summarize([RequestResult(prompt_len=5, error="x")], 1.0, percentile_metrics=["ttft"],
-                          percentiles=[99.0], goodput={})  # fmt: skip
+    s = metrics.summarize(
+        [RequestResult(prompt_len=5, error="x")], 1.0, percentile_metrics=["ttft"], percentiles=[99.0], goodput={}
+    )
     assert s["completed"] == 0 and s["failed"] == 1 and s["mean_ttft_ms"] == 0.0
 
 
 def test_flag_parsers_name_the_flag():
     assert metrics.parse_goodput(["ttft:500", "tpot:50.5"]) == {"ttft": 500.0, "tpot": 50.5}
     assert metrics.parse_goodput(None) == {}
-    for bad, message in ((["ttft"], "write METRIC:MILLISECONDS"), (["itl:5"], "must be one of ttft, tpot, e2el"),
-                         (["ttft:-1"], "non-negative"), (["ttft:nan"], "non-negative")):  # fmt: skip
+    for bad, message in (
+        (["ttft"], "write METRIC:MILLISECONDS"),
+        (["itl:5"], "must be one of ttft, tpot, e2el"),
+        (["ttft:-1"], "non-negative"),
+        (["ttft:nan"], "non-negative"),
+    ):
         with pytest.raises(ValueError, match=message):
             metrics.parse_goodput(bad)
     assert metrics.parse_percentile_metrics("ttft, e2el") == ["ttft", "e2el"]
@@ -138,7 +144,11 @@ def _send(handler) -> RequestResult:
 
 def test_streaming_client_times_chunks_and_reads_usage():
     chunks = [{"choices": [{"text": t}]} for t in ("In", " the", " beginning")]
-    result = _send(lambda request: httpx.Response(200, content=_stream(*chunks, {"choices": [], "usage": {"completion_tokens": 5}})))
+    result = _send(
+        lambda request: httpx.Response(
+            200, content=_stream(*chunks, {"choices": [], "usage": {"completion_tokens": 5}})
+        )
+    )
     assert result.success and result.error == "" and result.prompt_len == 7
     assert result.generated_text == "In the beginning" and result.output_tokens == 5  # the server's count
     assert len(result.itl) == 2 and 0 < result.ttft <= result.latency

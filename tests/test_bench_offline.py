@@ -15,20 +15,39 @@ TINY_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-m
 
 def test_throughput_on_sharegpt_against_transformers(tmp_path, capsys):
     out = tmp_path / "throughput.json"
-    argv = ["bench", "throughput", "--dataset-name", "sharegpt", "--num-prompts", "6", "--output-len", "8",
-            "--compare-transformers", "--disable-tqdm", "--output-json", str(out), *TINY_ENGINE]  # fmt: skip
+    argv = [
+        "bench",
+        "throughput",
+        "--dataset-name",
+        "sharegpt",
+        "--num-prompts",
+        "6",
+        "--output-len",
+        "8",
+        "--compare-transformers",
+        "--disable-tqdm",
+        "--output-json",
+        str(out),
+        *TINY_ENGINE,
+    ]
     start = time.perf_counter()
     assert main(argv) == 0
     wall = time.perf_counter() - start
     result = json.loads(out.read_text())
-    assert result["num_requests"] == 6 and result["total_output_tokens"] == 6 * 8 and result["dataset_name"] == "sharegpt"
+    assert (
+        result["num_requests"] == 6 and result["total_output_tokens"] == 6 * 8 and result["dataset_name"] == "sharegpt"
+    )
     prompt_tokens = result["total_num_tokens"] - result["total_output_tokens"]
     assert 6 * 4 <= prompt_tokens <= 6 * 120  # ShareGPT prompts that fit the 128-token context with 8 out
     # the timed part is inside the command: at least as many requests per second as over the whole call
     assert 0 < result["elapsed_time"] < wall and result["requests_per_second"] >= 6 / wall
     assert result["output_tokens_per_second"] > 0 and result["engine_sizes"] == {"max_model_len": 128}
     theirs = result["transformers"]
-    assert theirs["num_requests"] == 6 and theirs["total_output_tokens"] == 48 and theirs["total_num_tokens"] == result["total_num_tokens"]
+    assert (
+        theirs["num_requests"] == 6
+        and theirs["total_output_tokens"] == 48
+        and theirs["total_num_tokens"] == result["total_num_tokens"]
+    )
     assert "transformers" in theirs["backend"] and theirs["device"] == "cpu"
     # the same 48 output tokens on both sides: the ratio is the inverse ratio of their times
     ratio = result["output_throughput_vs_transformers"]
@@ -39,8 +58,23 @@ def test_throughput_on_sharegpt_against_transformers(tmp_path, capsys):
 
 def test_latency_of_a_fixed_batch(tmp_path, capsys):
     out = tmp_path / "latency.json"
-    argv = ["bench", "latency", "--input-len", "8", "--output-len", "8", "--batch-size", "2", "--num-iters-warmup", "1",
-            "--num-iters", "3", "--output-json", str(out), *TINY_ENGINE]  # fmt: skip
+    argv = [
+        "bench",
+        "latency",
+        "--input-len",
+        "8",
+        "--output-len",
+        "8",
+        "--batch-size",
+        "2",
+        "--num-iters-warmup",
+        "1",
+        "--num-iters",
+        "3",
+        "--output-json",
+        str(out),
+        *TINY_ENGINE,
+    ]
     start = time.perf_counter()
     assert main(argv) == 0
     wall = time.perf_counter() - start
@@ -55,9 +89,25 @@ def test_latency_of_a_fixed_batch(tmp_path, capsys):
 
 def test_throughput_keeps_its_figure_when_transformers_times_out(tmp_path, capsys):
     out = tmp_path / "throughput.json"
-    argv = ["bench", "throughput", "--dataset-name", "random", "--num-prompts", "2", "--input-len", "8", "--output-len",
-            "8", "--compare-transformers", "--transformers-timeout", "0.01", "--disable-tqdm", "--output-json", str(out),
-            *TINY_ENGINE]  # fmt: skip
+    argv = [
+        "bench",
+        "throughput",
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "8",
+        "--compare-transformers",
+        "--transformers-timeout",
+        "0.01",
+        "--disable-tqdm",
+        "--output-json",
+        str(out),
+        *TINY_ENGINE,
+    ]
     assert main(argv) == 1  # the comparison asked for failed ...
     result = json.loads(out.read_text())  # ... and jaxpaged's own run is still measured and saved
     assert result["num_requests"] == 2 and result["total_output_tokens"] == 16 and "transformers" not in result

@@ -23,16 +23,24 @@ LIMITS = ["--max-num-seqs", "2", "--max-model-len", "64", "--max-num-batched-tok
 def test_bench_startup_compiles_and_reports_every_program(tmp_path, capsys, scan):
     out = tmp_path / "startup.json"
     flags = ["--model", DEMO_MODEL_DIR, *LIMITS, "--num-scheduler-steps", "4", "--compile-threads", "2"]
-    assert main(["bench", "startup", *flags, "--output-json", str(out), "--scan-layers" if scan else "--no-scan-layers"]) == 0
+    assert (
+        main(["bench", "startup", *flags, "--output-json", str(out), "--scan-layers" if scan else "--no-scan-layers"])
+        == 0
+    )
     report = json.loads(out.read_text())
     names = [row["program"] for row in report["programs"]]
     # token buckets 16 and 32 (2 seqs each) -> 2 mixed steps; decode bucket 16 -> a decode step and
     # fused steps; 2 seqs of 1 row -> two samplers
-    assert names == ["memory probe: mixed step, 32 tokens x 1 step(s), 2 seqs",
-                     "mixed step, 16 tokens x 1 step(s), 2 seqs", "mixed step, 32 tokens x 1 step(s), 2 seqs",
-                     "decode step, 16 tokens x 1 step(s), 2 seqs", "decode step, 16 tokens x 4 step(s), sampler plain, 2 seqs",
-                     "sampler plain, 2 seqs x 1 row(s)", "sampler filter+logprobs, 2 seqs x 1 row(s)",
-                     "penalty-row seeding"]  # fmt: skip
+    assert names == [
+        "memory probe: mixed step, 32 tokens x 1 step(s), 2 seqs",
+        "mixed step, 16 tokens x 1 step(s), 2 seqs",
+        "mixed step, 32 tokens x 1 step(s), 2 seqs",
+        "decode step, 16 tokens x 1 step(s), 2 seqs",
+        "decode step, 16 tokens x 4 step(s), sampler plain, 2 seqs",
+        "sampler plain, 2 seqs x 1 row(s)",
+        "sampler filter+logprobs, 2 seqs x 1 row(s)",
+        "penalty-row seeding",
+    ]
     assert report["num_programs"] == 8 and report["scan_layers"] is scan and report["compile_threads"] == 2
     assert report["num_layers"] == 4 and report["platform"] == "cpu" and report["compilation_cache_dir"] is None
     # (the samplers and the seeding program are the same in both cases: JAX may reuse them from
@@ -68,23 +76,39 @@ def test_bench_startup_for_a_gpu_says_what_to_install_without_the_cuda_plugin(ca
 def test_scanned_and_unrolled_layers_give_the_same_logits_and_pool(dtype):
     """Three layers over a mixed batch (a 5-token prompt chunk and a decode): the scan over the
     stacked layers and the same layers unrolled write the same pool and give the same logits."""
-    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
-                         num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
     model = Llama(config, dtype, rngs=nnx.Rngs(0), attention="reference")
     graphdef, params = nnx.split(model)
     tables = np.zeros((2, 4), np.int32)
     tables[0, :2], tables[1, :1] = [3, 5], [2]
     positions = np.array([0, 1, 2, 3, 4, 3, 0, 0], np.int32)  # seq 0: 5 prompt tokens; seq 1: its 4th token
     slots = np.array([tables[0, p // 4] * 4 + p % 4 for p in positions[:5]] + [2 * 4 + 3, 0, 0], np.int32)
-    meta = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slots),
-                             cu_q_lens=jnp.array([0, 5, 6], jnp.int32), kv_lens=jnp.array([5, 4], jnp.int32),
-                             block_tables=jnp.asarray(tables), num_seqs=jnp.array(2, jnp.int32))  # fmt: skip
+    meta = AttentionMetadata(
+        positions=jnp.asarray(positions),
+        slot_mapping=jnp.asarray(slots),
+        cu_q_lens=jnp.array([0, 5, 6], jnp.int32),
+        kv_lens=jnp.array([5, 4], jnp.int32),
+        block_tables=jnp.asarray(tables),
+        num_seqs=jnp.array(2, jnp.int32),
+    )
     pool = init_kv_pool(config, num_blocks=8, block_size=4, dtype=dtype)
     # seq 1's first 3 tokens are already in its block, in every layer
     filled = jax.random.normal(jax.random.key(1), (config.num_layers, 4, 2, 8))
     rows = [layer * 8 + 2 for layer in range(config.num_layers)]
-    pool = type(pool)(k=pool.k.at[np.array(rows)].set(filled.astype(pool.k.dtype)),
-                      v=pool.v.at[np.array(rows)].set(-filled.astype(pool.v.dtype)), num_layers=config.num_layers)  # fmt: skip
+    pool = type(pool)(
+        k=pool.k.at[np.array(rows)].set(filled.astype(pool.k.dtype)),
+        v=pool.v.at[np.array(rows)].set(-filled.astype(pool.v.dtype)),
+        num_layers=config.num_layers,
+    )
     token_ids = jnp.array([5, 9, 11, 3, 7, 13, 0, 0], jnp.int32)
 
     def run(scan: bool):
@@ -146,8 +170,16 @@ def test_splitting_a_models_layers_releases_each_stacked_array():
     from jaxpaged.model import LayerArrays, split_layers_in_place
     from jaxpaged.parallel.mesh import TensorParallel
 
-    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
-                         num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
     parallel = TensorParallel.create(config, 2)
     model = Llama(config, jnp.float32, rngs=nnx.Rngs(0), attention="reference", parallel=parallel, scan_layers=False)
     stacked = model.layers.attn.q_proj.value

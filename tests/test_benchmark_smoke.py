@@ -21,8 +21,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_gpu_script(*argv: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_run", *argv], cwd=ROOT,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_run", *argv],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_kernel_benchmark_smoke(tmp_path):
@@ -40,7 +46,9 @@ def test_kernel_benchmark_smoke(tmp_path):
     decode = results["decode"][0]
     assert decode["ours_s"] is not None and decode["frac_of_measured_hbm"] > 0
     assert results["prefill"] and results["prefill"][0]["ours_TFLOPs"] > 0
-    assert record["headline"]["kv_offload_GBps"] > 0 and record["headline"]["kv_load_GBps"] > 0  # the host tier's copies
+    assert (
+        record["headline"]["kv_offload_GBps"] > 0 and record["headline"]["kv_load_GBps"] > 0
+    )  # the host tier's copies
     assert record["headline"]["checks"] == len(results["checks"]) and record["headline"]["best_decode"]
 
 
@@ -55,7 +63,9 @@ HEADLINE_KEYS = {
 
 def test_gpu_run_smoke_runs_every_stage_and_records_a_timeout(tmp_path):
     dataset = tmp_path / "sharegpt.json"
-    proc = run_gpu_script("--prepare-dataset", "--dataset-path", str(dataset), "--dataset-min-passing", "50", timeout=120)
+    proc = run_gpu_script(
+        "--prepare-dataset", "--dataset-path", str(dataset), "--dataset-min-passing", "50", timeout=120
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     conversations = json.loads(dataset.read_text())
     assert 50 <= len(conversations) and all(len(c["conversations"]) == 2 for c in conversations)
@@ -63,14 +73,27 @@ def test_gpu_run_smoke_runs_every_stage_and_records_a_timeout(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     # kernels gets one second (it needs ~45 s in interpret mode): it must be cut off, and
     # every later stage must still run
-    proc = run_gpu_script("--smoke", "--out", str(out), "--work-dir", str(work), "--dataset-path", str(dataset),
-                          "--budget", "kernels=1", timeout=400)  # fmt: skip
+    proc = run_gpu_script(
+        "--smoke",
+        "--out",
+        str(out),
+        "--work-dir",
+        str(work),
+        "--dataset-path",
+        str(dataset),
+        "--budget",
+        "kernels=1",
+        timeout=400,
+    )
     assert proc.returncode == 1, proc.stdout[-5000:] + proc.stderr[-3000:]  # 1: not every stage ok
     summary = json.loads((out / "summary.json").read_text())
     assert summary["device"]["platform"] == "cpu" and summary["device"]["jax_version"]
     records = {r["stage"]: r for r in summary["stages"]}
     assert list(records) == list(STAGES)
-    assert {name: r["status"] for name, r in records.items()} == {"kernels": "timed_out", **{s: "ok" for s in STAGES[1:]}}
+    assert {name: r["status"] for name, r in records.items()} == {
+        "kernels": "timed_out",
+        **{s: "ok" for s in STAGES[1:]},
+    }
     kernels = records["kernels"]["steps"][0]
     # killed by its stage's timeout (no exit code of its own), which was the one second it was given
     assert kernels["status"] == "timed_out" and kernels["returncode"] is None and records["kernels"]["allowed_s"] <= 1
@@ -102,10 +125,26 @@ def test_gpu_run_refuses_without_a_gpu(tmp_path):
 def test_kv_transfer_bandwidth_runs_and_reports_every_path(tmp_path):
     """`benchmarks/kv_transfer_bandwidth.py` (for the GPU run's host-tier figures) on tiny shapes."""
     out = tmp_path / "bw.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kv_transfer_bandwidth", "--model",
-                           os.path.join(ROOT, "jaxpaged", "demo_model"), "--blocks", "8", "--repeats", "1", "--json",
-                           str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.kv_transfer_bandwidth",
+            "--model",
+            os.path.join(ROOT, "jaxpaged", "demo_model"),
+            "--blocks",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["GB_per_s"]) == {"offload", "load", "device_get", "device_put", "to_pinned"}
@@ -117,10 +156,32 @@ def test_kv_tiers_benchmark_runs_its_configurations_in_processes(tmp_path):
     """`benchmarks/kv_tiers.py` on tiny prompts: a configuration without the disk and the fresh
     process over a disk an earlier process filled (which then serves the prefixes' first visits)."""
     out = tmp_path / "tiers.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kv_tiers", "--configs", "small-pool+host,fresh+disk",
-                           "--num-prompts", "6", "--num-prefixes", "2", "--prefix-len", "64", "--suffix-len", "4,8",
-                           "--output-len", "2", "--json", str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.kv_tiers",
+            "--configs",
+            "small-pool+host,fresh+disk",
+            "--num-prompts",
+            "6",
+            "--num-prefixes",
+            "2",
+            "--prefix-len",
+            "64",
+            "--suffix-len",
+            "4,8",
+            "--output-len",
+            "2",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     assert list(runs) == ["small-pool+host", "warm-disk", "fresh+disk"]
@@ -134,11 +195,36 @@ def test_throughput_steps_reports_every_step_by_program(tmp_path):
     """`benchmarks/throughput_steps.py`: `bench throughput` with every engine step timed, grouped by
     the program that ran it; the steps' tokens add up to the workload's."""
     out = tmp_path / "steps.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.throughput_steps", "--output", str(out),
-                           "--", "bench", "throughput", "--dataset-name", "random", "--num-prompts", "3",
-                           "--input-len", "20", "--output-len", "9", "--max-model-len", "48", "--num-scheduler-steps",
-                           "4", "--disable-tqdm"], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.throughput_steps",
+            "--output",
+            str(out),
+            "--",
+            "bench",
+            "throughput",
+            "--dataset-name",
+            "random",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "20",
+            "--output-len",
+            "9",
+            "--max-model-len",
+            "48",
+            "--num-scheduler-steps",
+            "4",
+            "--disable-tqdm",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["command"][:3] == ["jaxpaged", "bench", "throughput"]

@@ -18,8 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     """`jaxpaged ARGV` in a fresh interpreter that reports whether JAX got imported."""
-    code = ("import sys; from jaxpaged.cli import main; rc = main(sys.argv[1:]); "
-            "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX', file=sys.stderr); sys.exit(rc)")  # fmt: skip
+    code = (
+        "import sys; from jaxpaged.cli import main; rc = main(sys.argv[1:]); "
+        "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX', file=sys.stderr); sys.exit(rc)"
+    )
     return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
@@ -28,27 +30,42 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
     [
         (["generate", "--max-num-seqs", "0", "hi"], "--max-num-seqs 0: must be an integer of at least 1"),
         (["generate", "--block-size", "12", "hi"], "--block-size 12: must be a power of two"),
-        (["generate", "--gpu-memory-utilization", "1.5", "hi"], "--gpu-memory-utilization 1.5: must be a number in (0, 1]"),
+        (
+            ["generate", "--gpu-memory-utilization", "1.5", "hi"],
+            "--gpu-memory-utilization 1.5: must be a number in (0, 1]",
+        ),
         (["generate", "--temperature", "-1", "hi"], "--temperature must be non-negative"),
         (["generate", "--top-k", "-3", "hi"], "--top-k must be 0 or -1"),
         (["generate", "--model", "llama-3.1-8b", "hi"], "--model llama-3.1-8b: is a preset"),
-        (["generate", "--model", "/no/such/dir", "hi"], "--model /no/such/dir: is not a directory (nothing is downloaded)"),
+        (
+            ["generate", "--model", "/no/such/dir", "hi"],
+            "--model /no/such/dir: is not a directory (nothing is downloaded)",
+        ),
         (["generate", "--max-tokens", "5000", "In the beginning"], "more than the model's context of 1024 tokens"),
         (["generate", "--max-model-len", "8", "In the beginning"], "more than --max-model-len 8"),
         (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
         (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
         (["serve", "--port", "80000"], "80000 is not a TCP port"),
         (["generate", "--kv-offloading-size", "0", "hi"], "--kv-offloading-size 0.0: must be a positive number of GiB"),
-        (["generate", "--preemption-mode", "swap", "hi"], "--preemption-mode swap: swaps to the host tier: set "
-         "--kv-offloading-size too"),
-        (["generate", "--kv-cache-dir", "/tmp/kv", "hi"], "--kv-cache-dir /tmp/kv: reads and writes through the host "
-         "tier: set --kv-offloading-size too"),
-        (["generate", "--kv-offloading-size", "1", "--kv-cache-dir", "/tmp/kv", "--no-enable-prefix-caching", "hi"],
-         "it does nothing with --enable-prefix-caching off"),
-        (["serve", "--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "--max-num-batched-tokens 4: must be at least --max-num-seqs (8)"),
+        (
+            ["generate", "--preemption-mode", "swap", "hi"],
+            "--preemption-mode swap: swaps to the host tier: set --kv-offloading-size too",
+        ),
+        (
+            ["generate", "--kv-cache-dir", "/tmp/kv", "hi"],
+            "--kv-cache-dir /tmp/kv: reads and writes through the host tier: set --kv-offloading-size too",
+        ),
+        (
+            ["generate", "--kv-offloading-size", "1", "--kv-cache-dir", "/tmp/kv", "--no-enable-prefix-caching", "hi"],
+            "it does nothing with --enable-prefix-caching off",
+        ),
+        (
+            ["serve", "--max-num-batched-tokens", "4", "--max-num-seqs", "8"],
+            "--max-num-batched-tokens 4: must be at least --max-num-seqs (8)",
+        ),
         (["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80"], "'80' has no unit; write e.g. 80GiB"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_named_by_its_flag_before_jax_loads(argv, message):
     result = run_cli(*argv)
     assert result.returncode == 2, result.stderr
@@ -91,9 +108,11 @@ def test_generate_shows_progress_while_compiling(caplog):
 
 def test_jsonl_lines_carry_their_own_sampling_options(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
-    lines = [{"prompt": "And God said", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
-             {"prompt": "And God said", "max_tokens": 7, "temperature": 0, "ignore_eos": True},
-             {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "ignore_eos": True}]  # fmt: skip
+    lines = [
+        {"prompt": "And God said", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+        {"prompt": "And God said", "max_tokens": 7, "temperature": 0, "ignore_eos": True},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "ignore_eos": True},
+    ]
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     dst = tmp_path / "out.jsonl"
     assert main(["generate", "--input", str(src), "--output", str(dst), "--max-tokens", "50"]) == 0
@@ -103,7 +122,8 @@ def test_jsonl_lines_carry_their_own_sampling_options(tmp_path, capsys):
     from transformers import AutoTokenizer
 
     rendered = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).apply_chat_template(
-        lines[2]["messages"], add_generation_prompt=True, tokenize=False)  # fmt: skip
+        lines[2]["messages"], add_generation_prompt=True, tokenize=False
+    )
     assert rows[2]["prompt"] == rendered != "Hi"  # the rendered conversation is what was completed
     assert main(["generate", "--input", str(src), "--max-tokens", "50"]) == 0
     printed = capsys.readouterr().out

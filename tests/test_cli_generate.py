@@ -24,7 +24,12 @@ def test_generate_prints_readable_text_with_the_demo_model(capsys):
 
 def test_generate_jsonl_in_and_out(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text(json.dumps({"prompt": "And God said"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    src.write_text(
+        json.dumps({"prompt": "And God said"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hi"}]})
+        + "\n"
+    )
     assert main(["generate", "--input", str(src), "--output", str(dst), "--max-tokens", "6", "--ignore-eos"]) == 0
     rows = [json.loads(line) for line in dst.read_text().splitlines()]
     assert len(rows) == 2 and all(len(r["token_ids"]) == 6 and r["finish_reason"] == "length" for r in rows)

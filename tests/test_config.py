@@ -46,7 +46,13 @@ def test_qwen2_has_qkv_bias_and_mistral_head_dim():
     qwen = ModelConfig.from_hf({**LLAMA_31_8B, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": None})
     assert qwen.qkv_bias and not qwen.o_bias and qwen.architecture == "qwen2"
     mistral = ModelConfig.from_hf(
-        {**LLAMA_31_8B, "architectures": ["MistralForCausalLM"], "head_dim": 96, "rope_scaling": None, "sliding_window": None}
+        {
+            **LLAMA_31_8B,
+            "architectures": ["MistralForCausalLM"],
+            "head_dim": 96,
+            "rope_scaling": None,
+            "sliding_window": None,
+        }
     )
     assert mistral.head_dim == 96 and mistral.sliding_window is None
 

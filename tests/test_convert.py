@@ -11,8 +11,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 from checkpoint_edits import copy_checkpoint, edit_tensors
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 from tiny_models import save_hf_model
 
@@ -240,9 +240,7 @@ def test_load_model_builds_llama_with_checkpoint_shapes(llama_dir, dtype):
     for path, value in state.items():
         assert isinstance(value, jax.Array) and value.dtype == np.dtype(dtype), path
     _, params = load_params(llama_dir, dtype)
-    np.testing.assert_array_equal(
-        np.asarray(state[("layers", "attn", "o_proj")]), params["layers"]["attn"]["o_proj"]
-    )
+    np.testing.assert_array_equal(np.asarray(state[("layers", "attn", "o_proj")]), params["layers"]["attn"]["o_proj"])
 
 
 def test_converted_dir_checked_against_its_config(llama_dir, tmp_path):
@@ -269,7 +267,9 @@ def test_installing_adds_no_top_level_module_but_jaxpaged_and_its_kernels():
         setuptools = tomllib.load(f)["tool"]["setuptools"]
     include = setuptools["packages"]["find"]["include"]
     packages = {name for name in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, name, "__init__.py"))}
-    assert {p for p in packages if any(fnmatch.fnmatch(p, pattern) for pattern in include)} == {"jaxpaged",
-                                                                                                 "pallas_kernels"}
+    assert {p for p in packages if any(fnmatch.fnmatch(p, pattern) for pattern in include)} == {
+        "jaxpaged",
+        "pallas_kernels",
+    }
     proc = subprocess.run([sys.executable, "convert", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage: jaxpaged-convert" in proc.stdout and "--hf-dir" in proc.stdout, proc.stderr

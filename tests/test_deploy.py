@@ -76,8 +76,14 @@ def test_validation_rejects_a_misspelt_field():
 
 
 def test_every_kind_is_there():
-    assert sorted(r["kind"] for r in RESOURCES) == ["Deployment", "HorizontalPodAutoscaler", "PersistentVolumeClaim",
-                                                    "PersistentVolumeClaim", "Secret", "Service"]  # fmt: skip
+    assert sorted(r["kind"] for r in RESOURCES) == [
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "PersistentVolumeClaim",
+        "PersistentVolumeClaim",
+        "Secret",
+        "Service",
+    ]
 
 
 def test_container_runs_jaxpaged_serve_on_a_gpu():
@@ -92,8 +98,11 @@ def test_ports_and_probes_match_the_server():
     (named,) = CONTAINER["ports"]
     assert named["containerPort"] == port
     probes = {kind: CONTAINER[f"{kind}Probe"]["httpGet"] for kind in ("readiness", "liveness", "startup")}
-    assert {kind: p["path"] for kind, p in probes.items()} == {"readiness": "/health", "liveness": "/live",
-                                                               "startup": "/live"}  # fmt: skip
+    assert {kind: p["path"] for kind, p in probes.items()} == {
+        "readiness": "/health",
+        "liveness": "/live",
+        "startup": "/live",
+    }
     assert all(p["port"] in (port, named["name"]) for p in probes.values())
     assert {p["path"] for p in probes.values()} <= ROUTES, f"routes of jaxpaged.server.app: {sorted(ROUTES)}"
     startup = CONTAINER["startupProbe"]
@@ -138,7 +147,10 @@ def test_probe_paths_need_no_api_key():
         return sent[0]["status"]
 
     assert {path: asyncio.run(status(path)) for path in ("/health", "/live", "/v1/models")} == {
-        "/health": 200, "/live": 200, "/v1/models": 401}  # fmt: skip
+        "/health": 200,
+        "/live": 200,
+        "/v1/models": 401,
+    }
 
 
 def test_hpa_scales_the_deployment_on_an_exported_gauge():

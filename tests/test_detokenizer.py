@@ -62,8 +62,11 @@ def test_spaces_between_special_tokens(tokenizer, spaces, prompt_ends_special):
     ids = [assistant] + tokenizer.encode(TEXT, add_special_tokens=False) + [eos, bos]
     detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=False, spaces_between_special_tokens=spaces)
     # A space between each special token and its neighbours in the output, none after the prompt.
-    expected = (f"<|assistant|> {TEXT} <|end_of_text|> <|begin_of_text|>" if spaces
-                else f"<|assistant|>{TEXT}<|end_of_text|><|begin_of_text|>")  # fmt: skip
+    expected = (
+        f"<|assistant|> {TEXT} <|end_of_text|> <|begin_of_text|>"
+        if spaces
+        else f"<|assistant|>{TEXT}<|end_of_text|><|begin_of_text|>"
+    )
     assert _stream(detok, ids) == detok.text == expected
 
 
@@ -71,8 +74,9 @@ def test_spaces_between_special_tokens(tokenizer, spaces, prompt_ends_special):
 def test_spaces_between_special_tokens_reach_stop_strings(tokenizer, spaces):
     eos = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
     ids = tokenizer.encode(TEXT, add_special_tokens=False) + [eos]
-    detok = IncrementalDetokenizer(tokenizer, [0], skip_special_tokens=False, spaces_between_special_tokens=spaces,
-                                   stop=["earth <|end"])  # fmt: skip
+    detok = IncrementalDetokenizer(
+        tokenizer, [0], skip_special_tokens=False, spaces_between_special_tokens=spaces, stop=["earth <|end"]
+    )
     text = _stream(detok, ids)
     assert detok.stop_reason == ("earth <|end" if spaces else None)
     assert text == detok.text == (TEXT.removesuffix("earth") if spaces else TEXT + "<|end_of_text|>")

@@ -34,7 +34,9 @@ def run(path, prompts, max_tokens, **engine_kwargs):
     """Runs every request to the end, aborting some midway; returns (outputs by id, engine)."""
     engine = LLMEngine(EngineArgs(model=path, dtype="float32", max_model_len=MAX_MODEL_LEN, **engine_kwargs))
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+        engine.add_request(
+            str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+        )
     outputs, steps = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -68,8 +70,14 @@ def test_small_pool_preempts_and_matches_transformers(workload):
     path, prompts, max_tokens, references = workload
     # 24 blocks of 16 tokens: far fewer than 16 running sequences need, so preemption happens.
     bytes_per_block = 2 * 2 * 2 * 16 * 4 * 16
-    outputs, engine = run(path, prompts, max_tokens, kv_cache_memory_bytes=25 * bytes_per_block,
-                          max_num_seqs=16, max_num_batched_tokens=128)  # fmt: skip
+    outputs, engine = run(
+        path,
+        prompts,
+        max_tokens,
+        kv_cache_memory_bytes=25 * bytes_per_block,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+    )
     stats = engine.get_stats()
     assert stats["num_preemptions"] > 0
     assert stats["prefix_cache_hits"] > 0
@@ -103,9 +111,16 @@ def test_host_tier_reloads_evicted_blocks_swaps_and_matches_transformers(workloa
     and preempted sequences are swapped out and in (not recomputed), with the same tokens."""
     path, prompts, max_tokens, references = workload
     bytes_per_block = 2 * 2 * 2 * 16 * 4 * 16
-    outputs, engine = run(path, prompts, max_tokens, kv_cache_memory_bytes=25 * bytes_per_block, max_num_seqs=16,
-                          max_num_batched_tokens=128, kv_offloading_size=48 * bytes_per_block / 2**30,
-                          enable_prefix_caching=caching)  # fmt: skip
+    outputs, engine = run(
+        path,
+        prompts,
+        max_tokens,
+        kv_cache_memory_bytes=25 * bytes_per_block,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        kv_offloading_size=48 * bytes_per_block / 2**30,
+        enable_prefix_caching=caching,
+    )
     stats = engine.get_stats()
     assert stats["num_preemptions"] > 0 and stats["kv_swapped_in_blocks"] > 0
     assert stats["kv_offload_bytes"] > 0 and stats["kv_load_bytes"] > 0
@@ -130,7 +145,9 @@ def test_bfloat16_demo_model_gives_the_same_tokens_through_the_host_tier():
     common = dict(max_model_len=96, max_num_seqs=1, max_num_batched_tokens=96)  # one at a time: the prefixes rotate
     big = LLM(DEMO_MODEL_DIR, **common)
     block_bytes = 2 * 4 * 2 * 64 * 4 * 16  # K and V x layers x kv heads x head_dim x float32 storage x tokens
-    small = LLM(DEMO_MODEL_DIR, **common, kv_cache_memory_bytes=9 * block_bytes, kv_offloading_size=64 * block_bytes / 2**30)
+    small = LLM(
+        DEMO_MODEL_DIR, **common, kv_cache_memory_bytes=9 * block_bytes, kv_offloading_size=64 * block_bytes / 2**30
+    )
     assert str(small.llm_engine.runner.params_dtype) == "bfloat16"
     expected = [o.outputs[0].token_ids for o in big.generate(prompts, greedy, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)] == expected

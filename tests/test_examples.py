@@ -14,8 +14,11 @@ def test_step_function_example_decodes_like_transformers(tmp_path):
     script = os.path.join(ROOT, "examples", "step_function.py")
     out = subprocess.run(
         [sys.executable, script, "--model", str(tmp_path), "--prompt", "the quick brown fox", "--new-tokens", "12"],
-        capture_output=True, text=True, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    ).stdout
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
@@ -45,28 +48,45 @@ def test_make_step_input_runs_a_ragged_batch_like_transformers(tmp_path):
     tables = np.zeros((num_seqs, 8), np.int32)
     tables[:3] = 1 + np.arange(24).reshape(8, 3).T  # sequence s owns blocks s + 1, s + 4, ...: interleaved
     cache = init_cache(config, num_blocks=25, block_size=block_size, dtype=jnp.float32, max_num_seqs=num_seqs)
-    common = dict(prompt_lens=jnp.array([5, 21, 12, 0]), block_tables=jnp.asarray(tables), block_size=block_size,
-                  vocab_size=config.vocab_size, max_num_seqs=num_seqs)  # fmt: skip
+    common = dict(
+        prompt_lens=jnp.array([5, 21, 12, 0]),
+        block_tables=jnp.asarray(tables),
+        block_size=block_size,
+        vocab_size=config.vocab_size,
+        max_num_seqs=num_seqs,
+    )
     run = jax.jit(step, static_argnums=0)
 
     def pad(tokens, length):
         return jnp.asarray(tokens + [0] * (length - len(tokens)), jnp.int32)
 
     # step 1: prompts 0 and 2 whole, prompt 1's first 10 tokens (its sample is discarded)
-    inp = make_step_input(pad(prompts[0] + prompts[1][:10] + prompts[2], 32), query_lens=jnp.array([5, 10, 12, 0]),
-                          kv_lens=jnp.array([5, 10, 12, 0]), **common)  # fmt: skip
+    inp = make_step_input(
+        pad(prompts[0] + prompts[1][:10] + prompts[2], 32),
+        query_lens=jnp.array([5, 10, 12, 0]),
+        kv_lens=jnp.array([5, 10, 12, 0]),
+        **common,
+    )
     cache, result = run(graphdef, params, cache, inp)
     outputs = [[int(result.token_ids[0])], [], [int(result.token_ids[2])]]
     # step 2: prompt 1's other 11 tokens, beside one decode token of each of the others
-    inp = make_step_input(pad([outputs[0][0]] + prompts[1][10:] + [outputs[2][0]], 16),
-                          query_lens=jnp.array([1, 11, 1, 0]), kv_lens=jnp.array([6, 21, 13, 0]), **common)  # fmt: skip
+    inp = make_step_input(
+        pad([outputs[0][0]] + prompts[1][10:] + [outputs[2][0]], 16),
+        query_lens=jnp.array([1, 11, 1, 0]),
+        kv_lens=jnp.array([6, 21, 13, 0]),
+        **common,
+    )
     cache, result = run(graphdef, params, cache, inp)
     for s in range(3):
         outputs[s].append(int(result.token_ids[s]))
     while len(outputs[1]) < new_tokens:  # decode all three together
         kv_lens = [len(p) + len(o) for p, o in zip(prompts, outputs)]
-        inp = make_step_input(pad([o[-1] for o in outputs], 8), query_lens=jnp.array([1, 1, 1, 0]),
-                              kv_lens=jnp.array(kv_lens + [0]), **common)  # fmt: skip
+        inp = make_step_input(
+            pad([o[-1] for o in outputs], 8),
+            query_lens=jnp.array([1, 1, 1, 0]),
+            kv_lens=jnp.array(kv_lens + [0]),
+            **common,
+        )
         cache, result = run(graphdef, params, cache, inp)
         for s in range(3):
             outputs[s].append(int(result.token_ids[s]))

@@ -7,15 +7,14 @@ and survive `jaxpaged-convert`.
 """
 
 import json
-import os
 
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 from checkpoint_edits import copy_checkpoint, edit_tensors
+from flax import nnx
 from fp8_checkpoint import PROJECTIONS, save_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 from shard_checks import check_loaded_into_shards
@@ -38,10 +37,15 @@ VARIANT = "llama_gqa4"  # 8 query heads over 2 kv heads, head_dim 16: q [128, 64
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 512, 40)]
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 # Our path of each HF projection (decoder layers stacked: row i is layer i).
-TARGETS = {"self_attn.q_proj": ("attn", "q_proj"), "self_attn.k_proj": ("attn", "k_proj"),
-           "self_attn.v_proj": ("attn", "v_proj"), "self_attn.o_proj": ("attn", "o_proj"),
-           "mlp.gate_proj": ("mlp", "gate_proj"), "mlp.up_proj": ("mlp", "up_proj"),
-           "mlp.down_proj": ("mlp", "down_proj")}  # fmt: skip
+TARGETS = {
+    "self_attn.q_proj": ("attn", "q_proj"),
+    "self_attn.k_proj": ("attn", "k_proj"),
+    "self_attn.v_proj": ("attn", "v_proj"),
+    "self_attn.o_proj": ("attn", "o_proj"),
+    "mlp.gate_proj": ("mlp", "gate_proj"),
+    "mlp.up_proj": ("mlp", "up_proj"),
+    "mlp.down_proj": ("mlp", "down_proj"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +58,14 @@ def dirs(tmp_path_factory):
     plain = save_hf_model(VARIANT, str(root / "plain"))
     channel = save_fp8_checkpoint(VARIANT, str(root / "channel"))
     save_tokenizer(str(root / "channel"), 512)
-    tensor = save_fp8_checkpoint(VARIANT, str(root / "tensor"), strategy="tensor", static_input=True, kv_cache=True,
-                                 scale_dtype=torch.bfloat16)  # fmt: skip
-    return {"plain": (root / "plain", plain), "channel": (root / "channel", channel),
-            "tensor": (root / "tensor", tensor)}  # fmt: skip
+    tensor = save_fp8_checkpoint(
+        VARIANT, str(root / "tensor"), strategy="tensor", static_input=True, kv_cache=True, scale_dtype=torch.bfloat16
+    )
+    return {
+        "plain": (root / "plain", plain),
+        "channel": (root / "channel", channel),
+        "tensor": (root / "tensor", tensor),
+    }
 
 
 def state(model) -> dict:
@@ -95,8 +103,11 @@ def with_fp8_activations(model):
         scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
         return ((x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float32) * scale,)
 
-    handles = [model.get_submodule(f"model.layers.{i}.{proj}").register_forward_pre_hook(hook)
-               for i in range(model.config.num_hidden_layers) for proj in PROJECTIONS]  # fmt: skip
+    handles = [
+        model.get_submodule(f"model.layers.{i}.{proj}").register_forward_pre_hook(hook)
+        for i in range(model.config.num_hidden_layers)
+        for proj in PROJECTIONS
+    ]
     return handles
 
 
@@ -215,17 +226,27 @@ def test_missing_scale_fails_from_headers(dirs, tmp_path, monkeypatch):
         raise AssertionError("tensor data read before the headers were checked")
 
     cases = [
-        (lambda t: t.pop("model.layers.1.mlp.down_proj.weight_scale"),
-         r"missing keys: model\.layers\.1\.mlp\.down_proj\.weight_scale"),
-        (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight_scale": torch.ones(32, 2)}),
-         r"model\.layers\.0\.self_attn\.k_proj\.weight_scale.*\[32, 2\].*\[32, 1\]"),
-        (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64, dtype=torch.bfloat16)}),
-         r"model\.layers\.0\.mlp\.up_proj\.weight.*stored as BF16.*F8_E4M3"),
-        (lambda t: t.update({"model.layers.1.self_attn.o_proj.input_scale": torch.ones(2)}),
-         r"model\.layers\.1\.self_attn\.o_proj\.input_scale.*\[2\]"),
-        (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight_zero_point": torch.zeros(128, 1)}),
-         r"unexpected keys: model\.layers\.0\.self_attn\.q_proj\.weight_zero_point"),
-    ]  # fmt: skip
+        (
+            lambda t: t.pop("model.layers.1.mlp.down_proj.weight_scale"),
+            r"missing keys: model\.layers\.1\.mlp\.down_proj\.weight_scale",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.k_proj.weight_scale": torch.ones(32, 2)}),
+            r"model\.layers\.0\.self_attn\.k_proj\.weight_scale.*\[32, 2\].*\[32, 1\]",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64, dtype=torch.bfloat16)}),
+            r"model\.layers\.0\.mlp\.up_proj\.weight.*stored as BF16.*F8_E4M3",
+        ),
+        (
+            lambda t: t.update({"model.layers.1.self_attn.o_proj.input_scale": torch.ones(2)}),
+            r"model\.layers\.1\.self_attn\.o_proj\.input_scale.*\[2\]",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.q_proj.weight_zero_point": torch.zeros(128, 1)}),
+            r"unexpected keys: model\.layers\.0\.self_attn\.q_proj\.weight_zero_point",
+        ),
+    ]
     original = load_file(str(path / "model.safetensors"))
     for edit, message in cases:
         tensors = dict(original)
@@ -252,8 +273,11 @@ def test_config_and_weights_must_agree(dirs, tmp_path):
 
     fp8 = copy_checkpoint(dirs["channel"][0], tmp_path / "fp8" / "ckpt")
     (fp8 / "config.json").write_text(json.dumps({k: v for k, v in fp8_config.items() if k != "quantization_config"}))
-    with pytest.raises(ValueError, match=r"unexpected keys: model\.layers\.0\.mlp\.down_proj\.weight_scale.*"
-                                         r"no quantization_config"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"unexpected keys: model\.layers\.0\.mlp\.down_proj\.weight_scale.*"
+        r"no quantization_config",
+    ):
         load_params(fp8)
     edit_tensors(fp8, lambda t: [t.pop(name) for name in list(t) if name.endswith("_scale")], framework="torch")
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj\.weight.*stored as F8_E4M3, expected F32"):

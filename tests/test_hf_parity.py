@@ -42,9 +42,7 @@ def hf_logits(hf_model, prompt: list[int]) -> np.ndarray:
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     hf_model.generation_config.eos_token_id = None  # generate the full length, as we do
     with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
-        )
+        out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
 
 

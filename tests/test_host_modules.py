@@ -10,10 +10,17 @@ import jaxpaged
 # Whole subpackages that must stay JAX-free (every module in them, found from the tree).
 HOST_PACKAGES = ("config", "core", "params", "planning")
 HOST_MODULES = [
-    "jaxpaged", "jaxpaged.engine", "jaxpaged.sampling_params", "jaxpaged.outputs", "jaxpaged.worker.step_packer",
-    "jaxpaged.checkpoint.format", "jaxpaged.checkpoint.hf_keys", "jaxpaged.parallel.sharding", "jaxpaged.engine_args",
+    "jaxpaged",
+    "jaxpaged.engine",
+    "jaxpaged.sampling_params",
+    "jaxpaged.outputs",
+    "jaxpaged.worker.step_packer",
+    "jaxpaged.checkpoint.format",
+    "jaxpaged.checkpoint.hf_keys",
+    "jaxpaged.parallel.sharding",
+    "jaxpaged.engine_args",
     "jaxpaged.engine_config",
-]  # fmt: skip
+]
 
 
 def _host_modules() -> list[str]:

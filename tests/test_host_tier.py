@@ -173,8 +173,16 @@ def test_swap_needs_room_and_aborted_swaps_free_their_slots():
 
 
 def scheduler(num_host_blocks, mode, **kw):
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=BS, num_blocks=7,
-                          num_host_blocks=num_host_blocks, preemption_mode=mode, **kw)  # fmt: skip
+    cfg = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        block_size=BS,
+        num_blocks=7,
+        num_host_blocks=num_host_blocks,
+        preemption_mode=mode,
+        **kw,
+    )
     return Scheduler(cfg, eos_token_id=1)
 
 

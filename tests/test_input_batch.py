@@ -11,8 +11,16 @@ from jaxpaged.worker.step_packer import StepPacker
 
 
 def entry(seq_id, admitted=False, prefix=None, **params):
-    return ScheduledSequence([5], 3, [1], seq_id=seq_id, params=SamplingParams(**params), prompt_len=3, admitted=admitted,
-                             prefix_token_ids=prefix)  # fmt: skip
+    return ScheduledSequence(
+        [5],
+        3,
+        [1],
+        seq_id=seq_id,
+        params=SamplingParams(**params),
+        prompt_len=3,
+        admitted=admitted,
+        prefix_token_ids=prefix,
+    )
 
 
 def test_slots_follow_admissions_and_releases():

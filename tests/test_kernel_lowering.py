@@ -99,7 +99,11 @@ def test_float8_pools_lower_to_triton(model, quant):
     scales = dict(k_scale=sds((k,), jnp.float32), v_scale=sds((k,), jnp.float32))
     decode = functools.partial(paged_decode_attention, interpret=False)
     text = lower_for_cuda(
-        decode, sds((64, n, h)), *pools(k, h, quant), sds((64, MAX_PAGES), jnp.int32), sds((64,), jnp.int32),
+        decode,
+        sds((64, n, h)),
+        *pools(k, h, quant),
+        sds((64, MAX_PAGES), jnp.int32),
+        sds((64,), jnp.int32),
         **scales,
     )
     assert TRITON_CALL in text and "fp_to_fp" in text
@@ -127,7 +131,10 @@ def test_write_kv_lowers_for_cuda_as_an_in_place_scatter(quant):
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=CUDA_DEVICE)
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = fn.trace(
-            *pools(k, h, quant or jnp.bfloat16), sds((2048, k, h)), sds((2048, k, h)), sds((2048,), jnp.int32),
+            *pools(k, h, quant or jnp.bfloat16),
+            sds((2048, k, h)),
+            sds((2048, k, h)),
+            sds((2048,), jnp.int32),
             **scales,
         ).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()

@@ -298,8 +298,9 @@ def test_write_kv_writes_exactly_the_slots(dtype):
 _ON_CPU = jax.default_backend() == "cpu"
 _OLD_JAX = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
 _CPU_UPCASTS_FLOAT8 = pytest.mark.xfail(_ON_CPU, reason="XLA:CPU converts a float8 scatter operand to f32", strict=True)
-_CPU_UPCASTS_BF16 = pytest.mark.xfail(_ON_CPU and _OLD_JAX, reason="XLA:CPU of jax < 0.11 converts a bf16 scatter "
-                                      "operand to f32", strict=True)  # fmt: skip
+_CPU_UPCASTS_BF16 = pytest.mark.xfail(
+    _ON_CPU and _OLD_JAX, reason="XLA:CPU of jax < 0.11 converts a bf16 scatter operand to f32", strict=True
+)
 IN_PLACE = [
     pytest.param(jnp.float32, None, id="f32"),
     pytest.param(jnp.float32, jnp.float8_e4m3fn, id="e4m3fn-values-in-f32"),

@@ -15,8 +15,16 @@ from jaxpaged.model import KVPool, kv_storage_dtype
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.worker.kv_transfer import TRANSFER_SIZES, KVTransfer, transfer_chunks
 
-CONFIG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
-                     num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 BS = 4
 
 
@@ -27,14 +35,27 @@ def setup(dtype, devices: int, num_blocks: int = 50, host_blocks: int = 80, seed
     rng = np.random.default_rng(seed)
     k, v = (rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(2))
     whole = parallel.sharding()
-    shardings = DeviceCache(kv=KVPool(k=parallel.pool_sharding, v=parallel.pool_sharding, num_layers=CONFIG.num_layers),
-                            prompt_mask=whole, output_counts=whole, last_tokens=whole)  # fmt: skip
-    cache = DeviceCache(kv=KVPool(k=jnp.asarray(k), v=jnp.asarray(v), num_layers=CONFIG.num_layers),
-                        prompt_mask=jnp.zeros((2, 64), bool), output_counts=jnp.zeros((2, 64), jnp.int32),
-                        last_tokens=jnp.zeros(2, jnp.int32))  # fmt: skip
+    shardings = DeviceCache(
+        kv=KVPool(k=parallel.pool_sharding, v=parallel.pool_sharding, num_layers=CONFIG.num_layers),
+        prompt_mask=whole,
+        output_counts=whole,
+        last_tokens=whole,
+    )
+    cache = DeviceCache(
+        kv=KVPool(k=jnp.asarray(k), v=jnp.asarray(v), num_layers=CONFIG.num_layers),
+        prompt_mask=jnp.zeros((2, 64), bool),
+        output_counts=jnp.zeros((2, 64), jnp.int32),
+        last_tokens=jnp.zeros(2, jnp.int32),
+    )
     cache = jax.device_put(cache, shardings)
-    transfer = KVTransfer(parallel, shardings, num_layers=CONFIG.num_layers, num_host_blocks=host_blocks,
-                          block_shape=shape[1:], dtype=dtype)  # fmt: skip
+    transfer = KVTransfer(
+        parallel,
+        shardings,
+        num_layers=CONFIG.num_layers,
+        num_host_blocks=host_blocks,
+        block_shape=shape[1:],
+        dtype=dtype,
+    )
     return transfer, cache, k, v
 
 

@@ -54,7 +54,9 @@ def test_seeded_request_is_independent_of_its_batch(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     [alone] = llm.generate(["the quick brown fox"], params, use_tqdm=False)
     others = [SamplingParams(temperature=0.8, max_tokens=int(m), ignore_eos=True) for m in np.arange(32) % 7 + 1]
-    batch = llm.generate([f"prompt {i}" for i in range(32)] + ["the quick brown fox"], others + [params], use_tqdm=False)
+    batch = llm.generate(
+        [f"prompt {i}" for i in range(32)] + ["the quick brown fox"], others + [params], use_tqdm=False
+    )
     assert batch[-1].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
@@ -104,8 +106,9 @@ def test_chat_applies_the_template(llm):
 
 
 def test_streaming_deltas_add_up_and_abort_frees_blocks(model_dir):
-    engine = LLMEngine(EngineArgs(model=model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=8,
-                                  max_num_batched_tokens=64))  # fmt: skip
+    engine = LLMEngine(
+        EngineArgs(model=model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    )
     engine.add_request("s", "hello there", greedy(10, output_kind=RequestOutputKind.DELTA))
     engine.add_request("a", "abort me", greedy(50, output_kind=RequestOutputKind.DELTA))
     text, tokens = "", []
@@ -204,8 +207,14 @@ def test_fused_decode_steps_change_nothing(model_dir):
     ]
     results = []
     for steps in (1, 4):
-        llm = LLM(model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
-                  num_scheduler_steps=steps)  # fmt: skip
+        llm = LLM(
+            model_dir[0],
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            num_scheduler_steps=steps,
+        )
         outs = llm.generate(["one", "two three", "four five six"], params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
         bm = llm.llm_engine.scheduler.block_manager
@@ -221,17 +230,27 @@ def test_compilation_cache_dir_keeps_the_step_programs(model_dir, tmp_path):
         f"LLM({model_dir[0]!r}, dtype='float32', max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,"
         f" compilation_cache_dir={str(cache)!r})\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
     names = os.listdir(cache)
-    assert all(any(f"_{kind}" in n for n in names) for kind in ("model_program", "sampler_program", "fused_decode_steps"))
+    assert all(
+        any(f"_{kind}" in n for n in names) for kind in ("model_program", "sampler_program", "fused_decode_steps")
+    )
 
 
 def test_skip_tokenizer_init_runs_token_ids_from_a_config_only_directory(tmp_path, model_dir):
     import shutil
 
     shutil.copy(f"{model_dir[0]}/config.json", tmp_path / "config.json")
-    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4,
-              max_num_batched_tokens=32)  # fmt: skip
+    llm = LLM(
+        str(tmp_path),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
     [out] = llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(5, logprobs=1), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""
     with pytest.raises(ValueError, match="prompt_token_ids"):

@@ -7,7 +7,9 @@ from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.planning.memory import GiB, plan_kv_cache, sequence_state_bytes
 
 LLAMA_8B = ModelConfig.from_hf(LLAMA_31_8B)
-LLAMA_70B = ModelConfig.from_hf({**LLAMA_31_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64})
+LLAMA_70B = ModelConfig.from_hf(
+    {**LLAMA_31_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64}
+)
 
 
 def test_bytes_per_token():
@@ -28,9 +30,17 @@ def test_device_memory_budget():
     weights, activations = 16 * GiB, 2 * GiB
     state = sequence_state_bytes(256, LLAMA_8B.vocab_size)
     assert state == 256 * (128256 * 5 + 4) and 156 * 2**20 < state < 157 * 2**20  # penalty tables, last tokens
-    plan = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=8192, device_memory_bytes=80 * GiB,
-                         gpu_memory_utilization=0.9, weight_bytes=weights, activation_bytes=activations,
-                         state_bytes=state)  # fmt: skip
+    plan = plan_kv_cache(
+        LLAMA_8B,
+        dtype_bytes=2,
+        block_size=16,
+        max_model_len=8192,
+        device_memory_bytes=80 * GiB,
+        gpu_memory_utilization=0.9,
+        weight_bytes=weights,
+        activation_bytes=activations,
+        state_bytes=state,
+    )
     budget = int(80 * GiB * 0.9) - weights - activations - state
     assert plan.num_blocks == budget // (131_072 * 16)
     assert plan.pool_bytes <= budget
@@ -43,8 +53,8 @@ def test_too_small_fails_with_the_numbers_and_knobs():
 
 
 def test_cpu_pool_is_sized_from_the_job_and_capped_by_host_memory(monkeypatch):
-    from jaxpaged.engine_args import EngineArgs
     from jaxpaged.engine import setup as engine_setup
+    from jaxpaged.engine_args import EngineArgs
     from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
     args = EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=3, max_model_len=100, block_size=16)
@@ -63,12 +73,22 @@ def test_start_up_fails_when_a_step_needs_more_temporaries_than_planned():
     from jaxpaged.engine.setup import TEMP_SLACK_BYTES, check_step_memory
     from jaxpaged.worker.step_programs import Program
 
-    plan = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, device_memory_bytes=80 * GiB,
-                         weight_bytes=16 * GiB, activation_bytes=GiB)  # fmt: skip
+    plan = plan_kv_cache(
+        LLAMA_8B,
+        dtype_bytes=2,
+        block_size=16,
+        max_model_len=4096,
+        device_memory_bytes=80 * GiB,
+        weight_bytes=16 * GiB,
+        activation_bytes=GiB,
+    )
     mixed, decode = Program(2048, 1, False), Program(256, 4, True)
     check_step_memory(plan, {mixed: GiB, decode: GiB // 2})
     check_step_memory(plan, {mixed: GiB + TEMP_SLACK_BYTES})
-    with pytest.raises(RuntimeError, match=r"\(decode step, 256 tokens x 4 step\(s\), sampler plain\) needs 2.000 GiB .* reserved 1.000 GiB"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"\(decode step, 256 tokens x 4 step\(s\), sampler plain\) needs 2.000 GiB .* reserved 1.000 GiB",
+    ):
         check_step_memory(plan, {mixed: GiB, decode: 2 * GiB})
     unmeasured = plan_kv_cache(LLAMA_8B, dtype_bytes=2, block_size=16, max_model_len=4096, kv_cache_memory_bytes=GiB)
     check_step_memory(unmeasured, {mixed: 2 * GiB})  # an exact budget: nothing was reserved to check
@@ -83,7 +103,8 @@ def test_the_plan_counts_every_per_sequence_array_of_the_cache():
     from jaxpaged.functional import init_cache
 
     for max_num_seqs in (4, 256):
-        cache = jax.eval_shape(lambda: init_cache(LLAMA_8B, num_blocks=3, block_size=16, dtype=jnp.bfloat16,
-                                                  max_num_seqs=max_num_seqs))  # fmt: skip
+        cache = jax.eval_shape(
+            lambda: init_cache(LLAMA_8B, num_blocks=3, block_size=16, dtype=jnp.bfloat16, max_num_seqs=max_num_seqs)
+        )
         beside_pool = [x for name, x in vars(cache).items() if name != "kv"]
         assert sum(x.size * x.dtype.itemsize for x in beside_pool) == sequence_state_bytes(max_num_seqs, 128256)

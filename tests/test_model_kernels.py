@@ -29,9 +29,19 @@ def test_engine_on_kernels_matches_transformers(tmp_path):
 
     hf_model = save_hf_model("llama_hd64", str(tmp_path))
     save_tokenizer(str(tmp_path), 512)
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-              attention_backend="pallas", num_scheduler_steps=4)  # fmt: skip
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        attention_backend="pallas",
+        num_scheduler_steps=4,
+    )
     prompts = [[1, 5, 9, 13, 17, 21, 25], [1, 7]]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 9) for p in prompts]

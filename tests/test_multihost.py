@@ -54,11 +54,31 @@ def run_processes(options: list[dict], prompts: list[list[int]], devices: int = 
     """Runs PROCESS once per entry of `options` (that process's engine options; rank = index),
     each with `devices` CPU devices; returns each one's (exit code, stdout, stderr)."""
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NNODES": str(len(options)),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}  # fmt: skip
-    procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(rank), str(port), json.dumps(options[rank]),
-                               json.dumps(prompts), str(MAX_TOKENS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for rank in reversed(range(len(options)))]  # fmt: skip
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "NNODES": str(len(options)),
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                PROCESS,
+                str(rank),
+                str(port),
+                json.dumps(options[rank]),
+                json.dumps(prompts),
+                str(MAX_TOKENS),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in reversed(range(len(options)))
+    ]
     done = [proc.communicate(timeout=600) for proc in procs]
     return [(proc.returncode, *out_err) for proc, out_err in zip(procs, done)][::-1]
 
@@ -89,14 +109,31 @@ def test_serve_spans_two_processes_and_the_follower_leaves_with_the_leader(tmp_p
     from jaxpaged import LLM, SamplingParams
 
     port, master = free_port(), free_port()
-    flags = ["serve", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens",
-             "32", "--tensor-parallel-size", "4", "--nnodes", "2", "--master-port", str(master)]  # fmt: skip
+    flags = [
+        "serve",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--tensor-parallel-size",
+        "4",
+        "--nnodes",
+        "2",
+        "--master-port",
+        str(master),
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
     def start(*extra: str) -> tuple[subprocess.Popen, str]:
         log = tmp_path / f"process{len(extra)}.log"
         script = f"import sys\nfrom jaxpaged.cli import main\nsys.exit(main({flags + list(extra)!r}))"
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env
+        )
         return proc, log
 
     follower, follower_log = start("--node-rank", "1")
@@ -131,8 +168,8 @@ def test_bad_multi_process_arguments_are_named():
     import pytest
 
     from jaxpaged import LLMEngine
-    from jaxpaged.engine_args import EngineArgs, EngineArgsError
     from jaxpaged.engine.follower import run_follower
+    from jaxpaged.engine_args import EngineArgs, EngineArgsError
 
     demo = dict(model=DEMO_MODEL_DIR)
     with pytest.raises(EngineArgsError, match="node_rank=2: must be below nnodes \\(2\\)"):
@@ -165,6 +202,6 @@ def test_every_process_takes_the_leaders_seed(tmp_path):
     options = {**tp_workload.engine_options(str(tmp_path), 4), "load_format": "dummy", "seed": 3}
     leader, follower = run_processes([options, {**options, "seed": None}], prompts)
     assert leader[0] == 0 and follower[0] == 0, leader[2][-3000:] + follower[2][-3000:]
-    (code, out, err), = run_processes([options], prompts, devices=4)
+    ((code, out, err),) = run_processes([options], prompts, devices=4)
     assert code == 0, err[-4000:]
     assert last_json(leader[1])["tokens"] == last_json(out)["tokens"]

@@ -57,7 +57,7 @@ def imported_modules(source: str, package: tuple[str, ...]) -> list[tuple[int, s
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from the module's own package upwards
-                base = ".".join(package[:len(package) - node.level + 1] + ((base,) if base else ()))
+                base = ".".join(package[: len(package) - node.level + 1] + ((base,) if base else ()))
             found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
     return [(line, name) for line, name in found if name.split(".")[0] == "jaxpaged"]
 
@@ -75,8 +75,10 @@ def upward_imports() -> list[str]:
         for line, name in imported_modules(path.read_text(), package):
             target = imported_unit(name)
             if target != unit and RANK[target] > RANK[unit]:
-                problems.append(f"{path.relative_to(ROOT)}:{line} imports {name}: {unit!r} may import only the "
-                                f"packages below it in tests/test_package_order.py LAYERS, and {target!r} is above it")
+                problems.append(
+                    f"{path.relative_to(ROOT)}:{line} imports {name}: {unit!r} may import only the "
+                    f"packages below it in tests/test_package_order.py LAYERS, and {target!r} is above it"
+                )
     return problems
 
 
@@ -92,9 +94,16 @@ def test_no_package_imports_a_package_above_it():
 
 
 def test_the_check_sees_imports_inside_functions_and_relative_ones():
-    source = ("import os\nfrom jaxpaged import LLM\nimport jaxpaged.model.llama\n\n\ndef f():\n"
-              "    from jaxpaged.server.cli import serve\n    from .. import outputs\n    from .scheduler import X\n")
+    source = (
+        "import os\nfrom jaxpaged import LLM\nimport jaxpaged.model.llama\n\n\ndef f():\n"
+        "    from jaxpaged.server.cli import serve\n    from .. import outputs\n    from .scheduler import X\n"
+    )
     found = imported_modules(source, ("jaxpaged", "core"))
-    assert found == [(2, "jaxpaged.LLM"), (3, "jaxpaged.model.llama"), (7, "jaxpaged.server.cli.serve"),
-                     (8, "jaxpaged.outputs"), (9, "jaxpaged.core.scheduler.X")]  # fmt: skip
+    assert found == [
+        (2, "jaxpaged.LLM"),
+        (3, "jaxpaged.model.llama"),
+        (7, "jaxpaged.server.cli.serve"),
+        (8, "jaxpaged.outputs"),
+        (9, "jaxpaged.core.scheduler.X"),
+    ]
     assert [imported_unit(name) for _, name in found] == [TOP, "model", "server", "outputs", "core"]

@@ -14,21 +14,32 @@ import pytest
 from flax import nnx
 
 from jaxpaged.checkpoint.hf_keys import hf_key_specs
-from jaxpaged.engine_args import EngineArgs
-from jaxpaged.engine_config import EngineConfig
 from jaxpaged.config.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxpaged.engine.setup import build_model
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import LayerArrays, Llama
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
 from jaxpaged.params.tables import TABLES, state_params, state_shapes
 from jaxpaged.planning.plan import weight_bytes_per_gpu
 
-BASE = dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+BASE = dict(
+    vocab_size=500,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 # One config.json per table variant: every optional parameter of every table is present in one.
 VARIANTS = {
     "llama": dict(architectures=["LlamaForCausalLM"]),
-    "llama_attention_bias_tied": dict(architectures=["LlamaForCausalLM"], attention_bias=True, tie_word_embeddings=True),
+    "llama_attention_bias_tied": dict(
+        architectures=["LlamaForCausalLM"], attention_bias=True, tie_word_embeddings=True
+    ),
     "mistral": dict(architectures=["MistralForCausalLM"], sliding_window=None),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"]),
@@ -78,8 +89,9 @@ def test_model_sharding_and_plan_agree_for_every_size(variant, quantization):
     for n in SIZES:
         parallel = TensorParallel.create(config, n)
         mesh_config = parallel.layout.mesh_config
-        model = nnx.eval_shape(lambda: Llama(mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel,
-                                             quantization=quantization))  # fmt: skip
+        model = nnx.eval_shape(
+            lambda: Llama(mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel, quantization=quantization)
+        )
         leaves = {param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]}
         assert {p: x.shape for p, x in leaves.items()} == state_shapes(mesh_config, quantization), (variant, n)
         per_device = 0
@@ -95,14 +107,22 @@ def test_model_sharding_and_plan_agree_for_every_size(variant, quantization):
         assert per_device == weight_bytes_per_gpu(config, "bfloat16", quantization, n), (variant, n)
 
 
-@pytest.mark.parametrize(("variant", "quantization", "n"), [("qwen3", "fp8", 4), ("llama_attention_bias_tied", "int8", 8),
-                                                          ("qwen2", None, 8), ("mistral", "fp8", 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("variant", "quantization", "n"),
+    [("qwen3", "fp8", 4), ("llama_attention_bias_tied", "int8", 8), ("qwen2", None, 8), ("mistral", "fp8", 2)],
+)
 def test_placed_arrays_are_where_the_table_says(tmp_path, variant, quantization, n):
     """The engine's own start-up (dummy weights) places every array, split into per-layer arrays,
     with the table's sharding, and each device holds `jaxpaged plan`'s bytes."""
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **VARIANTS[variant], "torch_dtype": "float32"}))
-    args = EngineArgs(model=str(tmp_path), load_format="dummy", tensor_parallel_size=n, quantization=quantization,
-                      skip_tokenizer_init=True, max_model_len=64)  # fmt: skip
+    args = EngineArgs(
+        model=str(tmp_path),
+        load_format="dummy",
+        tensor_parallel_size=n,
+        quantization=quantization,
+        skip_tokenizer_init=True,
+        max_model_len=64,
+    )
     config = EngineConfig.resolve(args)
     parallel = TensorParallel(config.layout, make_mesh(n))
     model = build_model(config, parallel)

@@ -79,8 +79,14 @@ def test_parameter_count_is_exact_and_directories_work(tmp_path, capsys, variant
     config = ModelConfig.from_pretrained(tmp_path)
     assert count_parameters(config)[0] == sum(p.numel() for p in hf.parameters())
     r = plan_json(capsys, "--model", str(tmp_path), "--gpu-memory", "1GiB", "--context", "64", "--dtype", "float32")
-    expected = plan_kv_cache(config, dtype_bytes=4, block_size=16, max_model_len=64, device_memory_bytes=GiB,
-                             weight_bytes=r["weight_bytes_per_gpu"])  # fmt: skip
+    expected = plan_kv_cache(
+        config,
+        dtype_bytes=4,
+        block_size=16,
+        max_model_len=64,
+        device_memory_bytes=GiB,
+        weight_bytes=r["weight_bytes_per_gpu"],
+    )
     assert r["kv_cache_blocks"] == expected.num_blocks - 1 and r["kv_bytes_per_token"] == expected.bytes_per_token
 
 
@@ -104,8 +110,16 @@ def test_parse_bytes_and_kv_head_split():
     split = [TensorParallelLayout(seventy_b, tp) for tp in (1, 2, 4, 8, 16)]
     assert [s.device_config.num_kv_heads for s in split] == [8, 4, 2, 1, 1]
     assert [s.kv_replicas for s in split] == [1, 1, 1, 1, 2]
-    odd = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=36, num_layers=1, num_heads=24,
-                      num_kv_heads=4, head_dim=8)  # fmt: skip
+    odd = ModelConfig(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=36,
+        num_layers=1,
+        num_heads=24,
+        num_kv_heads=4,
+        head_dim=8,
+    )
     with pytest.raises(TensorParallelError, match="num_key_value_heads=4: one must divide the other"):
         TensorParallelLayout(odd, 3)
     with pytest.raises(TensorParallelError, match="tensor_parallel_size=8 must divide intermediate_size=36"):
@@ -113,8 +127,10 @@ def test_parse_bytes_and_kv_head_split():
 
 
 def test_plan_needs_no_jax():
-    code = ("import sys; from jaxpaged.cli import main; main(['plan', '--model', 'llama-3.1-8b', '--json']); "
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'torch')], 'JAX was imported'")
+    code = (
+        "import sys; from jaxpaged.cli import main; main(['plan', '--model', 'llama-3.1-8b', '--json']); "
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'torch')], 'JAX was imported'"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["kv_bytes_per_token"] == 131_072

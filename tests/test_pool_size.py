@@ -25,8 +25,16 @@ from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.worker.model_runner import ModelRunner
 
 # head_dim 64: the smallest the Pallas kernels take.
-CONFIG = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=64)  # fmt: skip
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+)
 SMALL, LARGE = 20, 400  # pool blocks
 TOLERANCE = 4096  # bytes: alignment noise; one pool block is 32 KiB here
 
@@ -36,17 +44,40 @@ TOLERANCE = 4096  # bytes: alignment noise; one pool block is 32 KiB here
 SPLITS = {"1-device": (2, 1), "2-devices": (2, 2), "1-kv-head": (1, 1)}
 
 
-def temporaries(dtype, backend: str, num_blocks: int, split: str, kv_cache_dtype: str = "auto",
-                quantization: str | None = None, scan_layers: bool = False) -> dict:  # fmt: skip
+def temporaries(
+    dtype,
+    backend: str,
+    num_blocks: int,
+    split: str,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+    scan_layers: bool = False,
+) -> dict:
     kv_heads, devices = SPLITS[split]
     parallel = TensorParallel.create(dataclasses.replace(CONFIG, num_kv_heads=kv_heads), devices)
-    model = Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0), attention=backend, parallel=parallel,
-                  quantization=quantization, scan_layers=scan_layers)  # fmt: skip
-    args = EngineArgs(model="llama-3.1-8b", load_format="dummy", skip_tokenizer_init=True, block_size=16, max_num_seqs=4,
-                      max_num_batched_tokens=16, max_model_len=128, num_scheduler_steps=4,
-                      kv_cache_dtype=kv_cache_dtype)  # fmt: skip
-    config = EngineConfig(args, parallel.layout.config, 128, parallel.layout, num_blocks,
-                          quantization=quantization)  # the runner reads args' limits  # fmt: skip
+    model = Llama(
+        parallel.layout.mesh_config,
+        dtype,
+        rngs=nnx.Rngs(0),
+        attention=backend,
+        parallel=parallel,
+        quantization=quantization,
+        scan_layers=scan_layers,
+    )
+    args = EngineArgs(
+        model="llama-3.1-8b",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        block_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+        num_scheduler_steps=4,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    config = EngineConfig(
+        args, parallel.layout.config, 128, parallel.layout, num_blocks, quantization=quantization
+    )  # the runner reads args' limits
     runner = ModelRunner(model, parallel=parallel, config=config)
     assert runner.kv_dtype == (jnp.dtype(dtype).name if kv_cache_dtype == "auto" else "float8_e4m3fn")
     for program in runner.step_programs.all():  # the samplers never see the pool
@@ -62,25 +93,43 @@ PALLAS_ONE_KV_HEAD = pytest.mark.xfail(strict=True, reason="Pallas interpret mod
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
-def case(dtype, backend: str, split: str, kv_cache_dtype: str = "auto", quantization: str | None = None,
-         scan_layers: bool = False, marks=()):  # fmt: skip
-    name = "-".join([jnp.dtype(dtype).name, backend, split] + [f"kv-{kv_cache_dtype}"] * (kv_cache_dtype != "auto")
-                    + [f"{quantization}-weights"] * bool(quantization) + ["scanned"] * scan_layers)  # fmt: skip
+def case(
+    dtype,
+    backend: str,
+    split: str,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+    scan_layers: bool = False,
+    marks=(),
+):
+    name = "-".join(
+        [jnp.dtype(dtype).name, backend, split]
+        + [f"kv-{kv_cache_dtype}"] * (kv_cache_dtype != "auto")
+        + [f"{quantization}-weights"] * bool(quantization)
+        + ["scanned"] * scan_layers
+    )
     return pytest.param(dtype, backend, split, kv_cache_dtype, quantization, scan_layers, marks=marks, id=name)
 
 
-CASES = [case(d, "reference", split) for d in DTYPES for split in SPLITS] + [case(d, "pallas", "1-device") for d in DTYPES]
+CASES = [case(d, "reference", split) for d in DTYPES for split in SPLITS] + [
+    case(d, "pallas", "1-device") for d in DTYPES
+]
 CASES.append(case(jnp.float32, "pallas", "2-devices", marks=PALLAS_ONE_KV_HEAD))
 # An fp8 pool (quantized on write, the scales folded into the attention) in every activation
 # dtype and split, and beside quantized weights (their scales split with them).
 CASES += [case(d, "reference", split, "fp8") for d in DTYPES for split in SPLITS]
-CASES += [case(jnp.bfloat16, "pallas", "1-device", "fp8"), case(jnp.bfloat16, "reference", "2-devices", "fp8", "fp8"),
-          case(jnp.bfloat16, "reference", "2-devices", "auto", "int8")]  # fmt: skip
+CASES += [
+    case(jnp.bfloat16, "pallas", "1-device", "fp8"),
+    case(jnp.bfloat16, "reference", "2-devices", "fp8", "fp8"),
+    case(jnp.bfloat16, "reference", "2-devices", "auto", "int8"),
+]
 # The layers scanned over stacked weights (--scan-layers; the rest run unrolled, the default).
 CASES += [case(d, "reference", "1-device", scan_layers=True) for d in DTYPES]
-CASES += [case(jnp.float32, "reference", "2-devices", scan_layers=True),
-          case(jnp.bfloat16, "pallas", "1-device", scan_layers=True),
-          case(jnp.bfloat16, "reference", "1-kv-head", "fp8", scan_layers=True)]  # fmt: skip
+CASES += [
+    case(jnp.float32, "reference", "2-devices", scan_layers=True),
+    case(jnp.bfloat16, "pallas", "1-device", scan_layers=True),
+    case(jnp.bfloat16, "reference", "1-kv-head", "fp8", scan_layers=True),
+]
 
 
 @pytest.mark.parametrize("dtype, backend, split, kv_cache_dtype, quantization, scan_layers", CASES)

@@ -107,8 +107,13 @@ def tiny(tmp_path_factory):
 # Mean absolute logit error against transformers (float32), 1.6x what each mode measured: 0.143,
 # 0.278, 0.288, 0.051 and 0.310 (the model in bfloat16: 0.036). The logits' standard deviation is
 # 1.7: a misapplied scale gives errors of that size.
-MEAN_ERROR_BOUND = {"fp8-kv": 0.23, "fp8-e5m2-kv": 0.45, "fp8-weights": 0.46, "int8-weights": 0.082,
-                    "fp8-weights-fp8-kv": 0.5}  # fmt: skip
+MEAN_ERROR_BOUND = {
+    "fp8-kv": 0.23,
+    "fp8-e5m2-kv": 0.45,
+    "fp8-weights": 0.46,
+    "int8-weights": 0.082,
+    "fp8-weights-fp8-kv": 0.5,
+}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -167,25 +172,42 @@ def engine_workload(tmp_path_factory):
 
 
 ENGINE_CASES = {
-    "prefix-cache-preemption": dict(kv_cache_memory_bytes=20 * 2 * 2 * 2 * 16 * 16 * 4, max_num_seqs=8,
-                                    max_num_batched_tokens=64),  # fmt: skip
+    "prefix-cache-preemption": dict(
+        kv_cache_memory_bytes=20 * 2 * 2 * 2 * 16 * 16 * 4, max_num_seqs=8, max_num_batched_tokens=64
+    ),
     "chunked-prefill": dict(max_num_seqs=8, max_num_batched_tokens=16),
-    "host-tier-swap": dict(kv_cache_memory_bytes=20 * 2 * 2 * 2 * 16 * 16 * 4, max_num_seqs=8,
-                           max_num_batched_tokens=64, kv_offloading_size=2**-12),  # fmt: skip
+    "host-tier-swap": dict(
+        kv_cache_memory_bytes=20 * 2 * 2 * 2 * 16 * 16 * 4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        kv_offloading_size=2**-12,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
-@pytest.mark.parametrize("quantization", [None, "int8", "fp8"], ids=["fp8-kv", "int8-weights-fp8-kv", "fp8-weights-fp8-kv"])
+@pytest.mark.parametrize(
+    "quantization", [None, "int8", "fp8"], ids=["fp8-kv", "int8-weights-fp8-kv", "fp8-weights-fp8-kv"]
+)
 def test_engine_gives_the_reference_loops_tokens(engine_workload, case, quantization):
     path, prompts, max_tokens = engine_workload
     _, model = load_model(path, "float32", quantization=quantization)
     reference = PagedGenerator(model, kv_dtype=FP8_E4M3).generate(prompts, max(max_tokens))
-    engine = LLMEngine(EngineArgs(model=path, dtype="float32", max_model_len=96, kv_cache_dtype="fp8",
-                                  quantization=quantization, **ENGINE_CASES[case]))  # fmt: skip
+    engine = LLMEngine(
+        EngineArgs(
+            model=path,
+            dtype="float32",
+            max_model_len=96,
+            kv_cache_dtype="fp8",
+            quantization=quantization,
+            **ENGINE_CASES[case],
+        )
+    )
     assert engine.runner.kv_dtype == FP8_E4M3 and engine.config.quantization == quantization
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+        engine.add_request(
+            str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+        )
     done = {}
     while engine.has_unfinished_requests():
         done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
@@ -212,8 +234,9 @@ def test_tensor_parallel_fp8_gives_the_unsharded_tokens_with_scales_beside_their
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def tokens(size):
-        engine = LLMEngine(EngineArgs(**{**tp_workload.engine_options(path, size), "kv_cache_dtype": "fp8",
-                                         "quantization": "fp8"}))  # fmt: skip
+        engine = LLMEngine(
+            EngineArgs(**{**tp_workload.engine_options(path, size), "kv_cache_dtype": "fp8", "quantization": "fp8"})
+        )
         for i, p in enumerate(prompts):
             engine.add_request(str(i), {"prompt_token_ids": p}, params)
         done = {}
@@ -225,6 +248,7 @@ def test_tensor_parallel_fp8_gives_the_unsharded_tokens_with_scales_beside_their
     single, _ = tokens(1)
     split, engine = tokens(n)
     assert split == single
+
     def layer0(entry):  # a parameter's per-layer arrays (the layers run unrolled): layer 0's array
         [arrays] = jax.tree.leaves(entry, is_leaf=lambda x: isinstance(x, LayerArrays))
         return arrays.arrays[0]
@@ -255,10 +279,13 @@ def test_plan_doubles_concurrency_with_fp8_kv_and_counts_quantized_weights():
     assert weights["max_concurrency"] > bf16["max_concurrency"]
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("kv_cache_dtype", "fp4", "must be one of auto, fp8, fp8_e4m3, fp8_e5m2"),
-    ("quantization", "awq", "must be one of fp8, int8"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("kv_cache_dtype", "fp4", "must be one of auto, fp8, fp8_e4m3, fp8_e5m2"),
+        ("quantization", "awq", "must be one of fp8, int8"),
+    ],
+)
 def test_bad_quantization_arguments_name_the_field(field, value, words):
     with pytest.raises(EngineArgsError, match=words) as err:
         EngineArgs(model=DEMO_MODEL, **{field: value})

@@ -21,8 +21,17 @@ from benchmarks.gpu.hlo_census import census
 STAGES = ("hlo", "kernels", "engine")
 HLO_STEPS = ("fp8", "int8", "bf16", "fp8_scanned_cublas_in_place")
 ENGINE_MODES = ("bf16", "fp8_w_kv", "fp8_kv", "int8")
-HLO_KEYS = {"fp8_gemm_custom_calls", "gemm_custom_calls", "gemm_fusions", "fp8_dots_in_gemm_fusions", "weight_upcasts",
-            "weight_relayouts_8bit", "weight_slice_copies", "converts_in_gemm_fusions", "compile_s"}  # fmt: skip
+HLO_KEYS = {
+    "fp8_gemm_custom_calls",
+    "gemm_custom_calls",
+    "gemm_fusions",
+    "fp8_dots_in_gemm_fusions",
+    "weight_upcasts",
+    "weight_relayouts_8bit",
+    "weight_slice_copies",
+    "converts_in_gemm_fusions",
+    "compile_s",
+}
 
 
 smoke_run = smoke_run_fixture("quantization_gpu", timeout=400)
@@ -36,11 +45,17 @@ def test_smoke_runs_every_stage_and_step(smoke_run):
     assert list(records) == list(STAGES)
     assert {name: r["status"] for name, r in records.items()} == {name: "ok" for name in STAGES}
     steps = {name: [s["name"] for s in r["steps"]] for name, r in records.items()}
-    assert steps == {"hlo": list(HLO_STEPS), "kernels": ["fp8_vs_bf16"],
-                     "engine": [f"{kind}_{mode}" for mode in ENGINE_MODES for kind in ("latency", "throughput")]}  # fmt: skip
+    assert steps == {
+        "hlo": list(HLO_STEPS),
+        "kernels": ["fp8_vs_bf16"],
+        "engine": [f"{kind}_{mode}" for mode in ENGINE_MODES for kind in ("latency", "throughput")],
+    }
     for record in records.values():
         for step in record["steps"]:
-            assert step["status"] == "ok" and step["returncode"] == 0 and step["result"], (record["stage"], step["name"])
+            assert step["status"] == "ok" and step["returncode"] == 0 and step["result"], (
+                record["stage"],
+                step["name"],
+            )
     assert sorted(os.listdir(out)) == ["console.txt", "stages.tar.gz", "summary.json", "summary.md"]
     for name in STAGES:  # each stage's own JSON is its summary record
         assert json.loads((work / f"{name}.json").read_text())["status"] == "ok"
@@ -92,7 +107,9 @@ def test_smoke_kernels_and_engine_headlines(smoke_run):
 
 
 def test_refuses_without_a_gpu(tmp_path):
-    proc = run_script("quantization_gpu", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
+    proc = run_script(
+        "quantization_gpu", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120
+    )
     assert proc.returncode == 2 and "REFUSED" in proc.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["device"]["refused"] is True
 
@@ -153,8 +170,14 @@ def test_census_reads_gpu_hlo():
     assert found["custom_calls"] == {"__cublas$lt$matmul$f8": 2, "__cublas$gemm": 1}
     assert found["fp8_gemm_custom_calls"] == 2 and found["gemm_custom_calls"] == 3 and found["gemm_fusions"] == 1
     assert found["fusions"] == {"kCustom:__triton_gemm": 1, "kLoop": 2, "kInput": 1}
-    assert found["gemms"]["custom-call __cublas$lt$matmul$f8: f8e4m3fn[16,4096] x f8e4m3fn[1024,4096] -> f32[16,1024]"] == 1
-    assert found["gemms"]["fusion kCustom:__triton_gemm: bf16[16,4096] x s8[1024,4096] -> bf16[16,1024] (dot bf16 x bf16)"] == 1
+    assert (
+        found["gemms"]["custom-call __cublas$lt$matmul$f8: f8e4m3fn[16,4096] x f8e4m3fn[1024,4096] -> f32[16,1024]"]
+        == 1
+    )
+    assert (
+        found["gemms"]["fusion kCustom:__triton_gemm: bf16[16,4096] x s8[1024,4096] -> bf16[16,1024] (dot bf16 x bf16)"]
+        == 1
+    )
     assert found["dots"] == {"bf16 x bf16 -> bf16 in gemm fusion": 1}
     sized = found["weight_sized"]
     # the standalone convert, the slice copy, the fp8 transpose; not the 4 MiB cuBLAS workspace

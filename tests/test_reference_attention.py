@@ -59,7 +59,13 @@ def build_batch(rng, kv_lens, q_lens, num_kv_heads, group, head_dim, dtype, quan
             seqs.append(tuple(np.asarray(jnp.asarray(x, dtype), np.float64) for x in (q, k, v)))
             continue
         k_pool, v_pool = reference.write_kv(
-            k_pool, v_pool, jnp.asarray(k), jnp.asarray(v), slots, k_scale=scales[0], v_scale=scales[1],
+            k_pool,
+            v_pool,
+            jnp.asarray(k),
+            jnp.asarray(v),
+            slots,
+            k_scale=scales[0],
+            v_scale=scales[1],
             quant_dtype=quant,
         )
         k, v = (np.asarray(pool, np.float64).reshape(-1, num_kv_heads, head_dim)[slots] for pool in (k_pool, v_pool))
@@ -89,7 +95,12 @@ def ragged_matches_dense(dtype, tol, group):
     tables = np.concatenate([tables, np.zeros((pad_seqs, tables.shape[1]), np.int32)])
     lens = np.array(kv_lens + [0] * pad_seqs, np.int32)
     out = reference.ragged_paged_attention(
-        jnp.asarray(q, dtype), k_pool, v_pool, jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(tables),
+        jnp.asarray(q, dtype),
+        k_pool,
+        v_pool,
+        jnp.asarray(cu),
+        jnp.asarray(lens),
+        jnp.asarray(tables),
         jnp.int32(len(kv_lens)),
     )
     out = np.asarray(out, np.float64)
@@ -107,8 +118,15 @@ def test_ragged_loops_over_live_items_on_a_cpu_and_a_fixed_count_for_a_gpu():
     must not wait on the host, so there every item of the bucket runs (a fixed trip count)."""
     # each its own shapes: JAX caches traces by shapes, not by the platform they are for
     for platform, data_dependent, tokens in (("cpu", True, 64), ("gpu", False, 32)):
-        args = (jnp.zeros((tokens, 4, 64)), jnp.zeros((9, BLOCK_SIZE, 2, 64)), jnp.zeros((9, BLOCK_SIZE, 2, 64)),
-                jnp.zeros(9, jnp.int32), jnp.zeros(8, jnp.int32), jnp.zeros((8, 4), jnp.int32), jnp.int32(1))  # fmt: skip
+        args = (
+            jnp.zeros((tokens, 4, 64)),
+            jnp.zeros((9, BLOCK_SIZE, 2, 64)),
+            jnp.zeros((9, BLOCK_SIZE, 2, 64)),
+            jnp.zeros(9, jnp.int32),
+            jnp.zeros(8, jnp.int32),
+            jnp.zeros((8, 4), jnp.int32),
+            jnp.int32(1),
+        )
         with compiling_for(platform):
             text = str(jax.make_jaxpr(reference.ragged_paged_attention)(*args))
         assert ("while[" in text) == data_dependent, platform  # a fixed-count loop traces as a scan

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.block_manager import NULL_BLOCK
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
-from jaxpaged.core.speculation import DraftModelProposer, NgramProposer
 from jaxpaged.core.sequence import Sequence, SequenceStatus
+from jaxpaged.core.speculation import DraftModelProposer, NgramProposer
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.step_packer import StepPacker
@@ -163,7 +163,9 @@ def test_rejections_name_the_numbers_and_the_knob():
     sched = make_sched(max_model_len=32, num_blocks=5)  # 4 blocks of 4 = 16 tokens
     with pytest.raises(ValueError, match=r"prompt \(30 tokens\) \+ max_tokens \(8\) = 38 exceeds max_model_len \(32\)"):
         sched.add(make_seq(range(30)))
-    with pytest.raises(ValueError, match=r"needs 6 KV blocks.*has 4 \(num_blocks=5.*gpu_memory_utilization or kv_cache_memory_bytes"):
+    with pytest.raises(
+        ValueError, match=r"needs 6 KV blocks.*has 4 \(num_blocks=5.*gpu_memory_utilization or kv_cache_memory_bytes"
+    ):
         sched.add(make_seq(range(16)))
     with pytest.raises(ValueError, match="empty"):
         sched.add(make_seq([]))
@@ -289,8 +291,13 @@ def device_step(sched, out, pool, rng, host=None, device_tokens=None, known=None
     # What the K/V at position p depends on: the salt and every token fed up to p (a sequence's
     # own tokens, as the device has them, then the proposals it checks this step).
     drafts = out.drafts or [[]] * out.num_seqs
-    tokens = [seq.prompt_token_ids + device_tokens.get(seq.seq_id, []) + d for (seq, _), d in zip(out.scheduled, drafts)]
-    keys = [[(seq.cache_salt, tuple(toks[: p + 1])) for p in range(len(toks))] for (seq, _), toks in zip(out.scheduled, tokens)]
+    tokens = [
+        seq.prompt_token_ids + device_tokens.get(seq.seq_id, []) + d for (seq, _), d in zip(out.scheduled, drafts)
+    ]
+    keys = [
+        [(seq.cache_salt, tuple(toks[: p + 1])) for p in range(len(toks))]
+        for (seq, _), toks in zip(out.scheduled, tokens)
+    ]
     for (seq, n), inp, key, toks, d in zip(out.scheduled, out.step_inputs, keys, tokens, drafts):
         assert seq.status is SequenceStatus.RUNNING and seq not in out.preempted
         assert seq.num_computed_tokens == inp.num_computed + n  # counted as computed once scheduled
@@ -320,7 +327,9 @@ def device_step(sched, out, pool, rng, host=None, device_tokens=None, known=None
                 known[block_hash] = (seq.cache_salt, tuple(seq.token_ids_slice(0, (i + 1) * bs)))
         for block_hash, slot in tier.cached.items():
             salt, last = known[block_hash]
-            assert host[slot] == [(salt, last[: len(last) - bs + 1 + o]) for o in range(bs)], f"host slot {slot} is stale"
+            assert host[slot] == [(salt, last[: len(last) - bs + 1 + o]) for o in range(bs)], (
+                f"host slot {slot} is stale"
+            )
     return sampled if out.num_draft_tokens else [t[-1] for t in sampled]
 
 
@@ -350,8 +359,17 @@ config_st = st.fixed_dictionaries(
         "extra_budget": st.integers(0, 40),
         "enable_prefix_caching": st.booleans(),
         # host tier blocks, preemption mode, write-through (as with a disk tier)
-        "host": st.sampled_from([(0, "recompute", False), (3, "recompute", False), (12, "recompute", False),
-                                 (3, "swap", False), (40, "swap", False), (12, "swap", True), (4, "recompute", True)]),
+        "host": st.sampled_from(
+            [
+                (0, "recompute", False),
+                (3, "recompute", False),
+                (12, "recompute", False),
+                (3, "swap", False),
+                (40, "swap", False),
+                (12, "swap", True),
+                (4, "recompute", True),
+            ]
+        ),
         # speculative decoding: proposals per step (0: off)
         "speculative_tokens": st.sampled_from([0, 0, 1, 3]),
         # async scheduling: each step scheduled before the previous one's tokens are back
@@ -359,7 +377,9 @@ config_st = st.fixed_dictionaries(
         "async_scheduling": st.booleans(),
     }
 )
-add_st = st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 30), st.integers(1, 16), st.integers(0, 3), st.integers(1, 3))
+add_st = st.tuples(
+    st.just("add"), st.integers(0, 2), st.integers(1, 30), st.integers(1, 16), st.integers(0, 3), st.integers(1, 3)
+)
 op_st = st.one_of(
     add_st,
     add_st,
@@ -379,11 +399,25 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     k = config.pop("speculative_tokens")
     in_flight = [] if config.pop("async_scheduling") and not k else None
     device_tokens = {}
-    slots = InputBatch(StepPacker(block_size=config["block_size"], max_model_len=48, max_num_seqs=config["max_num_seqs"],
-                                  max_num_batched_tokens=64, vocab_size=64), config["max_num_seqs"])  # fmt: skip
+    slots = InputBatch(
+        StepPacker(
+            block_size=config["block_size"],
+            max_model_len=48,
+            max_num_seqs=config["max_num_seqs"],
+            max_num_batched_tokens=64,
+            vocab_size=64,
+        ),
+        config["max_num_seqs"],
+    )
     proposer = NgramProposer(SpeculativeConfig("ngram", k, 3, 1)) if k else None
-    cfg = SchedulerConfig(max_model_len=48, max_num_batched_tokens=budget, num_blocks=num_blocks,
-                          num_host_blocks=num_host_blocks, preemption_mode=mode, **config)  # fmt: skip
+    cfg = SchedulerConfig(
+        max_model_len=48,
+        max_num_batched_tokens=budget,
+        num_blocks=num_blocks,
+        num_host_blocks=num_host_blocks,
+        preemption_mode=mode,
+        **config,
+    )
     sched, rng, pool, host, known = Scheduler(cfg, eos_token_id=EOS, proposer=proposer), random.Random(seed), {}, {}, {}
     if write_through:
         sched.block_manager.host_tier.write_through = True
@@ -494,8 +528,9 @@ def test_proposals_take_only_what_decodes_leave():
     free blocks only: with one free block, three decodes run and nobody is preempted for a
     proposal (which then waits for a step with room)."""
     proposer = NgramProposer(SpeculativeConfig("ngram", 3, 3, 1))
-    sched = Scheduler(SchedulerConfig(max_model_len=64, block_size=4, num_blocks=8, enable_prefix_caching=False),
-                      proposer=proposer)  # fmt: skip
+    sched = Scheduler(
+        SchedulerConfig(max_model_len=64, block_size=4, num_blocks=8, enable_prefix_caching=False), proposer=proposer
+    )
     prompts = ([1, 2, 3, 1, 2, 3, 1], [9, 8, 7, 6, 5, 4, 3, 2], [5, 5, 6, 6, 7, 7, 8])
     seqs = [make_seq(p, max_tokens=8, ignore_eos=True) for p in prompts]
     for seq in seqs:
@@ -518,9 +553,14 @@ def test_draft_model_proposals_come_from_the_previous_steps_output():
     the next speculating step checks; the room goes back after the step, and a plain step neither
     drafts nor checks (its output carries no proposals, so stale ones are dropped)."""
     k, bs = 3, 4
-    sched = Scheduler(SchedulerConfig(max_model_len=64, block_size=bs, num_blocks=16, num_scheduler_steps=4),
-                      proposer=DraftModelProposer(SpeculativeConfig("draft_model", k, 0, 0, model="draft")))  # fmt: skip
-    seqs = [make_seq([5, 6, 7, 8, 9], max_tokens=20, ignore_eos=True), make_seq([3, 4], max_tokens=20, repetition_penalty=1.2)]
+    sched = Scheduler(
+        SchedulerConfig(max_model_len=64, block_size=bs, num_blocks=16, num_scheduler_steps=4),
+        proposer=DraftModelProposer(SpeculativeConfig("draft_model", k, 0, 0, model="draft")),
+    )
+    seqs = [
+        make_seq([5, 6, 7, 8, 9], max_tokens=20, ignore_eos=True),
+        make_seq([3, 4], max_tokens=20, repetition_penalty=1.2),
+    ]
     for seq in seqs:
         sched.add(seq)
     out = sched.schedule(propose=True)  # prefills that sample: the draft proposes after them

@@ -71,8 +71,12 @@ class Server:
             time.sleep(0.02)
         assert self.uvicorn.started
         self.http = httpx.Client(base_url=self.url, trust_env=False, timeout=60)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
-                                    http_client=httpx.Client(trust_env=False, timeout=60))  # fmt: skip
+        self.client = openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=httpx.Client(trust_env=False, timeout=60),
+        )
 
     def close(self):
         self.gate.set()
@@ -112,7 +116,7 @@ def server(tmp_path_factory):
     srv.close()
 
 
-ABORTS = 'vllm:request_success_total{finished_reason=abort}'
+ABORTS = "vllm:request_success_total{finished_reason=abort}"
 
 
 def test_completions_match_llm_generate(server):
@@ -123,8 +127,14 @@ def test_completions_match_llm_generate(server):
     assert usage.completion_tokens <= MAX_TOKENS and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens >= 0
 
-    stream = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                              stream=True, stream_options={"include_usage": True})  # fmt: skip
+    stream = server.client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == server.refs[prompt]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == usage.completion_tokens
@@ -136,7 +146,7 @@ def test_completions_match_llm_generate(server):
 
 
 def test_empty_prompt_is_bos_alone_as_in_generate(server):
-    """"" is the tokenizer's BOS alone, as in `LLM.generate` and `jaxpaged generate ""`."""
+    """ "" is the tokenizer's BOS alone, as in `LLM.generate` and `jaxpaged generate ""`."""
     assert server.empty_ref.prompt_token_ids == [1]  # the tiny tokenizer adds BOS (id 1)
     out = server.client.completions.create(model=MODEL, prompt="", max_tokens=MAX_TOKENS, temperature=0)
     assert out.choices[0].text == server.empty_ref.outputs[0].text and out.usage.prompt_tokens == 1
@@ -146,7 +156,11 @@ def test_chat_matches_llm_chat(server):
     out = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == server.chat_ref
     stream = server.client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True,
+        model=MODEL,
+        messages=CHAT,
+        max_completion_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -156,22 +170,31 @@ def test_chat_matches_llm_chat(server):
 
 
 def test_logprobs_and_parallel_sampling(server):
-    out = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
-                                                top_logprobs=3)  # fmt: skip
+    out = server.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy picks the top token
     comp = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
     assert len(comp.choices[0].logprobs.tokens) == len(comp.choices[0].logprobs.top_logprobs)
-    many = server.client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, n=3, temperature=1.0,
-                                            seed=2**40, extra_body={"top_k": 10**9, "ignore_eos": True})  # fmt: skip
+    many = server.client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[:2],
+        max_tokens=6,
+        n=3,
+        temperature=1.0,
+        seed=2**40,
+        extra_body={"top_k": 10**9, "ignore_eos": True},
+    )
     assert sorted(c.index for c in many.choices) == list(range(6)) and many.usage.completion_tokens == 36
 
 
 def test_64_concurrent_streaming_clients(server):
     async def one(client, prompt):
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                                 stream=True)  # fmt: skip
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream])
 
     async def main():
@@ -266,8 +289,11 @@ def test_bad_inputs_get_openai_errors_and_the_server_stays_healthy(server):
         assert message in error["message"], (body, error)
         assert set(error) == {"message", "type", "param", "code"}
         assert server.http.get("/health").status_code == 200
-    chunked = server.http.post("/v1/completions", content=iter([b'{"prompt": "'] + [b"a" * 2**20] * 5 + [b'"}']),
-                               headers={"content-type": "application/json"})  # no Content-Length: counted as it arrives
+    chunked = server.http.post(
+        "/v1/completions",
+        content=iter([b'{"prompt": "'] + [b"a" * 2**20] * 5 + [b'"}']),
+        headers={"content-type": "application/json"},
+    )  # no Content-Length: counted as it arrives
     assert chunked.status_code == 413 and "exceeds the limit" in chunked.json()["error"]["message"]
     ok = server.http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == server.refs[PROMPTS[0]]
@@ -276,10 +302,14 @@ def test_bad_inputs_get_openai_errors_and_the_server_stays_healthy(server):
 
 def test_metrics_parse_and_counters_move(server):
     before = server.metrics()
-    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=5, temperature=0,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
-    after = server.wait_idle(until=lambda m: m["vllm:e2e_request_latency_seconds_count"] > before.get(
-        "vllm:e2e_request_latency_seconds_count", 0))
+    out = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[7], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = server.wait_idle(
+        until=lambda m: (
+            m["vllm:e2e_request_latency_seconds_count"] > before.get("vllm:e2e_request_latency_seconds_count", 0)
+        )
+    )
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == out.usage.prompt_tokens
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
     assert after["vllm:prefix_cache_queries_total"] >= before["vllm:prefix_cache_queries_total"]
@@ -287,7 +317,7 @@ def test_metrics_parse_and_counters_move(server):
         assert after[f"vllm:{name}_count"] == before.get(f"vllm:{name}_count", 0) + 1
     itl = "vllm:inter_token_latency_seconds_count"
     assert after[itl] >= before.get(itl, 0) + 4
-    assert 'vllm:request_success_total{finished_reason=length}' in after
+    assert "vllm:request_success_total{finished_reason=length}" in after
 
 
 def test_models_tokenize_detokenize(server):
@@ -375,9 +405,29 @@ def _free_port() -> int:
 def test_jaxpaged_serve_with_api_key(server, tmp_path):
     model_dir = server.engine.args.model
     port = _free_port()
-    cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", model_dir, "--port", str(port), "--api-key", "sk-test",
-           "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4",
-           "--max-num-batched-tokens", "16", "--uvicorn-log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpaged.cli",
+        "serve",
+        model_dir,
+        "--port",
+        str(port),
+        "--api-key",
+        "sk-test",
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "16",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
@@ -398,13 +448,18 @@ def test_jaxpaged_serve_with_api_key(server, tmp_path):
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
         assert http.get("/metrics").status_code == 200  # Prometheus scrapes without the key, as in vLLM
         assert http.get("/v1/models", headers={"Authorization": "Bearer sk-test"}).json()["data"][0]["id"] == "tiny"
-        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0,
-                               http_client=httpx.Client(trust_env=False, timeout=30))  # fmt: skip
+        client = openai.OpenAI(
+            base_url=url + "/v1",
+            api_key="sk-test",
+            max_retries=0,
+            http_client=httpx.Client(trust_env=False, timeout=30),
+        )
         out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
         assert out.choices[0].text == server.refs[PROMPTS[0]]
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=url + "/v1", api_key="bad", max_retries=0,
-                          http_client=httpx.Client(trust_env=False)).models.list()  # fmt: skip
+            openai.OpenAI(
+                base_url=url + "/v1", api_key="bad", max_retries=0, http_client=httpx.Client(trust_env=False)
+            ).models.list()
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -444,9 +499,17 @@ def test_host_and_disk_tier_metrics_and_start_up_log(tmp_path, caplog):
     block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # K and V x layers x kv heads x head_dim x float32 x tokens
     # 6 usable blocks: two requests of 3 blocks at a time, so the next two evict the first two's
     with caplog.at_level(logging.INFO, logger="jaxpaged"):
-        llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64,
-                  kv_cache_memory_bytes=7 * block_bytes, kv_offloading_size=64 * block_bytes / 2**30,
-                  kv_cache_dir=str(tmp_path / "kv"), kv_cache_dir_size=1.0)  # fmt: skip
+        llm = LLM(
+            str(tmp_path),
+            dtype="float32",
+            max_model_len=64,
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            kv_cache_memory_bytes=7 * block_bytes,
+            kv_offloading_size=64 * block_bytes / 2**30,
+            kv_cache_dir=str(tmp_path / "kv"),
+            kv_cache_dir_size=1.0,
+        )
     assert "host KV tier: 64 blocks x 16 tokens = 1024 tokens (512.00 KiB of host memory)" in caplog.text
     assert "preemption by swap" in caplog.text
     assert "disk KV tier: " in caplog.text and "up to 1.00 GiB" in caplog.text
@@ -467,7 +530,11 @@ def test_host_and_disk_tier_metrics_and_start_up_log(tmp_path, caplog):
     assert samples["jaxpaged:kv_offload_bytes_total"] >= 2 * block_bytes
     assert samples["jaxpaged:kv_load_bytes_total"] >= 2 * block_bytes
     assert samples["jaxpaged:kv_host_tier_blocks"] == 64
-    for name in ("jaxpaged:kv_swapped_out_blocks_total", "jaxpaged:kv_host_tier_swapped_blocks",
-                 "jaxpaged:kv_disk_hit_tokens_total", "jaxpaged:kv_disk_rejected_files_total"):
+    for name in (
+        "jaxpaged:kv_swapped_out_blocks_total",
+        "jaxpaged:kv_host_tier_swapped_blocks",
+        "jaxpaged:kv_disk_hit_tokens_total",
+        "jaxpaged:kv_disk_rejected_files_total",
+    ):
         assert name in samples
     assert samples["jaxpaged:kv_disk_write_bytes_total"] > 0 and samples["jaxpaged:kv_disk_blocks"] > 0

@@ -31,8 +31,13 @@ from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine
 
-SETTINGS = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 64,
-            "num_scheduler_steps": 1}  # fmt: skip
+SETTINGS = {
+    "dtype": "float32",
+    "max_model_len": 128,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 64,
+    "num_scheduler_steps": 1,
+}
 SEED = int(os.environ.get("JAXPAGED_FUZZ_SEED", "20250101"))
 SCALE = float(os.environ.get("JAXPAGED_FUZZ_SCALE", "1"))
 WORKERS = 4  # concurrent clients: valid requests batch in the engine while bad ones are answered
@@ -40,8 +45,10 @@ TIMEOUT = 30.0  # seconds per request (unless the case says); no answer in time 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 ERROR_KEYS = {"message": str, "type": str, "param": (str, type(None)), "code": (str, type(None))}
 # Python internals that must never reach a client
-LEAKS = re.compile(r"Traceback|object at 0x|File \"|<class |\b\w*(Error|Exception)\b|"
-                   r"validation errors? for \w+|errors\.pydantic\.dev")  # the last two: str(pydantic.ValidationError)
+LEAKS = re.compile(
+    r"Traceback|object at 0x|File \"|<class |\b\w*(Error|Exception)\b|"
+    r"validation errors? for \w+|errors\.pydantic\.dev"
+)  # the last two: str(pydantic.ValidationError)
 ALLOWED_WORDS = {"error", "exception"}  # the plain words are fine; class names are not
 
 
@@ -116,7 +123,7 @@ def check_ok_body(case: Case, response: "httpx.Response") -> str | None:
     if ctype.startswith("text/event-stream"):
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return "SSE from a non-generation route"
-        events = [line[len("data:"):].strip() for line in response.text.split("\n") if line.startswith("data:")]
+        events = [line[len("data:") :].strip() for line in response.text.split("\n") if line.startswith("data:")]
         if not events or events[-1] != "[DONE]":
             return f"SSE does not end in [DONE] (last {events[-1][:60] if events else None!r})"
         for event in events[:-1]:
@@ -151,7 +158,7 @@ def send(client: "httpx.Client", case: Case) -> "tuple[httpx.Response | str, byt
     content = case.body
     if case.chunked and content is not None:
         data = content
-        content = (data[i:i + 65536] for i in range(0, len(data), 65536))
+        content = (data[i : i + 65536] for i in range(0, len(data), 65536))
     timeout = case.timeout or TIMEOUT
     try:
         response = client.request(case.method, case.path, content=content, headers=case.headers, timeout=timeout)
@@ -241,8 +248,10 @@ def test_no_input_gets_5xx_or_a_dropped_connection(server):
     for _, case, status, *_ in records:
         per_endpoint_status[case.endpoint][str(status)] += 1
     slowest = sorted(records, key=lambda r: -r[5])[:10]
-    print(f"\nfuzz: {len(records)} requests in {fuzz_seconds:.1f}s (seed {SEED}, {WORKERS} clients), "
-          f"statuses {dict(sorted(statuses.items()))}")  # fmt: skip
+    print(
+        f"\nfuzz: {len(records)} requests in {fuzz_seconds:.1f}s (seed {SEED}, {WORKERS} clients), "
+        f"statuses {dict(sorted(statuses.items()))}"
+    )
     for endpoint in sorted(by_endpoint):
         print(f"  {endpoint:12s} {by_endpoint[endpoint]:4d}  {dict(sorted(per_endpoint_status[endpoint].items()))}")
     print("  slowest: " + "; ".join(f"{r[1].desc[:50]} {r[5]:.2f}s" for r in slowest))
@@ -250,8 +259,20 @@ def test_no_input_gets_5xx_or_a_dropped_connection(server):
     if os.environ.get("JAXPAGED_FUZZ_LOG"):  # every request, for digging into a failure
         with open(os.environ["JAXPAGED_FUZZ_LOG"], "w") as f:
             for _, case, status, head, problem, seconds, t0 in sorted(records, key=lambda r: r[6]):
-                f.write(json.dumps({"t": round(t0, 3), "s": round(seconds, 3), "endpoint": case.endpoint,
-                                    "status": status, "problem": problem, "desc": case.desc, "head": head}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "t": round(t0, 3),
+                            "s": round(seconds, 3),
+                            "endpoint": case.endpoint,
+                            "status": status,
+                            "problem": problem,
+                            "desc": case.desc,
+                            "head": head,
+                        }
+                    )
+                    + "\n"
+                )
 
     failures = sorted((r for r in records if r[4]), key=lambda r: r[0])
     distinct, seen = [], set()
@@ -274,4 +295,5 @@ def test_no_input_gets_5xx_or_a_dropped_connection(server):
     summary = "\n".join(distinct[:30]) + (f"\n... and {len(distinct) - 30} more" if len(distinct) > 30 else "")
     assert not distinct and not post, (
         f"{len(failures)} of {len(records)} requests failed ({len(distinct)} distinct), statuses "
-        f"{dict(sorted(statuses.items()))}\n{summary}\n" + "\n".join(post))
+        f"{dict(sorted(statuses.items()))}\n{summary}\n" + "\n".join(post)
+    )

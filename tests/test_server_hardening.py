@@ -54,8 +54,9 @@ class DemoServer:
         threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True).start()
         while not self.uvicorn.started:
             time.sleep(0.02)
-        self.http = httpx.Client(base_url=self.url, trust_env=False, timeout=120,
-                                 headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+        self.http = httpx.Client(
+            base_url=self.url, trust_env=False, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+        )
 
     def complete(self, **body) -> httpx.Response:
         return self.http.post("/v1/completions", json={"prompt": "In the beginning", "max_tokens": 4, **body})
@@ -99,9 +100,11 @@ def test_admission_limits(demo):
     assert "3 prompt(s) x n=30 = 90 sequences; the server takes at most 64" in too_many.json()["error"]["message"]
     demo.gate.clear()  # hold the engine: requests queue up
     try:
+
         async def flood():
-            async with httpx.AsyncClient(base_url=demo.url, trust_env=False, timeout=120,
-                                         headers={"Authorization": f"Bearer {KEY}"}) as http:  # fmt: skip
+            async with httpx.AsyncClient(
+                base_url=demo.url, trust_env=False, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+            ) as http:
                 body = {"prompt": [[5, 6, 7]] * 64, "max_tokens": 1}
                 tasks = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(100)]
                 await asyncio.sleep(3)
@@ -120,7 +123,8 @@ def test_admission_limits(demo):
 
 def test_auth_takes_exactly_one_authorization_header(demo):
     two = httpx.Client(base_url=demo.url, trust_env=False).get(
-        "/v1/models", headers=[("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer nope")])  # fmt: skip
+        "/v1/models", headers=[("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer nope")]
+    )
     assert two.status_code == 401
     card = demo.http.get("/v1/models").json()["data"][0]
     assert card["root"] == "demo" and os.sep not in card["root"]
@@ -129,8 +133,9 @@ def test_auth_takes_exactly_one_authorization_header(demo):
 
 
 def test_chat_with_the_server_extra_only(demo):
-    response = demo.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                             "max_tokens": 3})  # fmt: skip
+    response = demo.http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    )
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["role"] == "assistant"
 
 
@@ -163,8 +168,10 @@ def _probe_health(demo, until) -> list[float]:
 
 def _summary(latencies: list[float]) -> str:
     p99 = statistics.quantiles(latencies, n=100)[98]
-    return (f"{len(latencies)} probes: median {statistics.median(latencies) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, "
-            f"max {max(latencies) * 1e3:.0f} ms")  # fmt: skip
+    return (
+        f"{len(latencies)} probes: median {statistics.median(latencies) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, "
+        f"max {max(latencies) * 1e3:.0f} ms"
+    )
 
 
 def test_health_stays_fast_under_huge_prompts_and_a_deep_queue(demo):
@@ -182,8 +189,9 @@ def test_health_stays_fast_under_huge_prompts_and_a_deep_queue(demo):
         replies = []
 
         def send_huge():
-            with httpx.Client(base_url=demo.url, trust_env=False, timeout=120,
-                              headers={"Authorization": f"Bearer {KEY}"}) as http:  # fmt: skip
+            with httpx.Client(
+                base_url=demo.url, trust_env=False, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+            ) as http:
                 replies.extend(http.post("/v1/completions", json={"prompt": huge}) for _ in range(4))
 
         sender = threading.Thread(target=send_huge)
@@ -205,8 +213,10 @@ def test_health_stays_fast_under_huge_prompts_and_a_deep_queue(demo):
     finally:
         gc.unfreeze()
     assert json.loads(out) == {"200": 5000}
-    print(f"/health while huge prompts are refused: {_summary(refusing)}; while 5,000 requests arrive: "
-          f"{_summary(arriving)}; with 5,000 queued: {_summary(queued)}")  # fmt: skip
+    print(
+        f"/health while huge prompts are refused: {_summary(refusing)}; while 5,000 requests arrive: "
+        f"{_summary(arriving)}; with 5,000 queued: {_summary(queued)}"
+    )
     assert max(refusing) < 0.9, f"a huge prompt held the event loop: /health took {max(refusing):.2f} s"
     p99 = statistics.quantiles(queued, n=100)[98]
     assert p99 < 0.1, f"/health p99 {p99 * 1e3:.0f} ms with 5,000 requests queued"
@@ -218,11 +228,31 @@ def _serve(tmp_path, *extra: str, code: str = "") -> tuple[subprocess.Popen, str
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path / "serve.log"
-    argv = ["serve", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "32", "--num-scheduler-steps", "1", "--uvicorn-log-level", "warning", *extra]
+    argv = [
+        "serve",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--num-scheduler-steps",
+        "1",
+        "--uvicorn-log-level",
+        "warning",
+        *extra,
+    ]
     script = f"import sys; {code}\nfrom jaxpaged.cli import main; sys.exit(main({argv!r}))"
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while True:
@@ -241,8 +271,11 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     proc, url, log = _serve(tmp_path, "--shutdown-timeout", "1", "--max-model-len", "1024")
     try:
         with httpx.Client(base_url=url, trust_env=False, timeout=60) as http:
-            with http.stream("POST", "/v1/completions", json={"prompt": "And", "max_tokens": 1000, "ignore_eos": True,
-                                                               "stream": True}) as stream:  # fmt: skip
+            with http.stream(
+                "POST",
+                "/v1/completions",
+                json={"prompt": "And", "max_tokens": 1000, "ignore_eos": True, "stream": True},
+            ) as stream:
                 lines = stream.iter_lines()
                 next(line for line in lines if line.startswith("data:"))  # generating now
                 proc.send_signal(signal.SIGTERM)
@@ -261,20 +294,23 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
 
 
 def test_engine_failure_exits_nonzero(tmp_path):
-    fault = ("import jaxpaged.engine.llm_engine as e\n"
-             "step = e.LLMEngine.step\n"
-             "def failing(self):\n"
-             "    if getattr(self, 'armed', False): raise RuntimeError('injected device fault')\n"
-             "    return step(self)\n"
-             "e.LLMEngine.step = failing\n"
-             "add = e.LLMEngine.add_request\n"
-             "def arming(self, *a, **k):\n"
-             "    self.armed = True; return add(self, *a, **k)\n"
-             "e.LLMEngine.add_request = arming")  # fmt: skip
+    fault = (
+        "import jaxpaged.engine.llm_engine as e\n"
+        "step = e.LLMEngine.step\n"
+        "def failing(self):\n"
+        "    if getattr(self, 'armed', False): raise RuntimeError('injected device fault')\n"
+        "    return step(self)\n"
+        "e.LLMEngine.step = failing\n"
+        "add = e.LLMEngine.add_request\n"
+        "def arming(self, *a, **k):\n"
+        "    self.armed = True; return add(self, *a, **k)\n"
+        "e.LLMEngine.add_request = arming"
+    )
     proc, url, log = _serve(tmp_path, code=fault)
     try:
-        response = httpx.post(url + "/v1/completions", json={"prompt": "And", "max_tokens": 4}, trust_env=False,
-                              timeout=30)  # fmt: skip
+        response = httpx.post(
+            url + "/v1/completions", json={"prompt": "And", "max_tokens": 4}, trust_env=False, timeout=30
+        )
         assert response.status_code == 503 and response.json()["error"]["message"] == "the engine is not running"
         assert httpx.get(url + "/health", trust_env=False).status_code == 503
         assert proc.wait(30) == 1

@@ -26,7 +26,9 @@ def decide_and_record(governor: SpeculationGovernor, num_running: int, tokens_pe
 
 
 def test_the_faster_mode_wins_at_each_batch_size_and_the_other_is_retried_less_the_slower_it_is():
-    governor = SpeculationGovernor(explore_every=4, max_explore_every=40, window=1, settle_steps=1)  # the last step counts
+    governor = SpeculationGovernor(
+        explore_every=4, max_explore_every=40, window=1, settle_steps=1
+    )  # the last step counts
 
     def steps(num_running, tokens_per_s, n):
         return decide_and_record(governor, num_running, tokens_per_s, n)

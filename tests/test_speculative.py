@@ -26,7 +26,13 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 DEMO_MODEL = "jaxpaged/demo_model"
 # Every step that can speculates ("adaptive": False): these tests check what speculation does
 # (tests/test_speculation_governor.py checks when it is turned off).
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "adaptive": False,
+}
 
 
 # -- proposals and options ----------------------------------------------------------------------
@@ -41,20 +47,25 @@ def test_ngram_proposals_follow_the_latest_longest_match():
     assert proposer.propose(tokens, 0) == []
     assert proposer.propose([1, 2, 3, 4], 5) == []  # no earlier occurrence of any suffix
     assert proposer.propose([4, 2, 9, 2], 5) == [9, 2]  # only "2" recurs (n = 1)
-    assert proposer.propose([3, 3, 3], 5) == [3]  # the match may overlap the suffix; proposals end at the sequence's end
+    assert proposer.propose([3, 3, 3], 5) == [
+        3
+    ]  # the match may overlap the suffix; proposals end at the sequence's end
     assert NgramProposer(SpeculativeConfig("ngram", 3, 3, 2)).propose([4, 2, 9, 2], 5) == []  # n >= 2 only
 
 
-@pytest.mark.parametrize("config, words", [
-    ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported"),
-    ({"model": "/no/such/dir", "num_speculative_tokens": 2}, "the draft model: is not a directory"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft's directory as \"model\""),
-    ({"method": "ngram", "model": DEMO_MODEL, "num_speculative_tokens": 2}, "only it takes one"),
-    ({"method": "ngram"}, "num_speculative_tokens=None must be an integer in"),
-    ({"num_speculative_tokens": 99}, r"num_speculative_tokens=99 must be an integer in \[1, 16\]"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min=5 exceeds"),
-    ("{not json", "is not JSON"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported"),
+        ({"model": "/no/such/dir", "num_speculative_tokens": 2}, "the draft model: is not a directory"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs the draft\'s directory as "model"'),
+        ({"method": "ngram", "model": DEMO_MODEL, "num_speculative_tokens": 2}, "only it takes one"),
+        ({"method": "ngram"}, "num_speculative_tokens=None must be an integer in"),
+        ({"num_speculative_tokens": 99}, r"num_speculative_tokens=99 must be an integer in \[1, 16\]"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min=5 exceeds"),
+        ("{not json", "is not JSON"),
+    ],
+)
 def test_bad_speculative_configs_are_named(config, words):
     with pytest.raises(EngineArgsError, match=words) as err:
         EngineArgs(model=DEMO_MODEL, speculative_config=config)
@@ -114,16 +125,22 @@ ENGINES = {
     "roomy": dict(max_num_seqs=8, max_num_batched_tokens=128),
     "preempting": dict(kv_cache_memory_bytes=24 * 2 * 2 * 2 * 16 * 16 * 4, max_num_seqs=8, max_num_batched_tokens=64),
     "chunked": dict(max_num_seqs=8, max_num_batched_tokens=16),
-    "swapping": dict(kv_cache_memory_bytes=24 * 2 * 2 * 2 * 16 * 16 * 4, max_num_seqs=8, max_num_batched_tokens=64,
-                     kv_offloading_size=2**-12),
-}  # fmt: skip
+    "swapping": dict(
+        kv_cache_memory_bytes=24 * 2 * 2 * 2 * 16 * 16 * 4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        kv_offloading_size=2**-12,
+    ),
+}
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_greedy_speculation_gives_plain_greedy_tokens(tiny_dir, engine):
     prompts = repetitive_prompts(16)
-    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
-              for m in np.random.default_rng(1).integers(4, 40, size=len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
+        for m in np.random.default_rng(1).integers(4, 40, size=len(prompts))
+    ]
     plain, _ = run(tiny_dir, prompts, params, **ENGINES[engine])
     spec, spec_engine = run(tiny_dir, prompts, params, speculative_config=NGRAM, **ENGINES[engine])
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -142,9 +159,11 @@ def test_greedy_speculation_gives_plain_greedy_tokens(tiny_dir, engine):
 # The demo model computes in bfloat16: a position's logits computed in another batch shape (one
 # token, or a window of proposals) differ by bfloat16 rounding (~2e-3 measured).
 BF16_LOGPROB_ATOL = 2e-2
-KJV = ["And the LORD spake unto Moses, saying, Speak unto the children of Israel, and say unto them,",
-       "And it came to pass, when the king heard the words of the law, that he rent his clothes. And the king",
-       "Blessed are the poor in spirit: for theirs is the kingdom of heaven. Blessed are they that mourn:"]
+KJV = [
+    "And the LORD spake unto Moses, saying, Speak unto the children of Israel, and say unto them,",
+    "And it came to pass, when the king heard the words of the law, that he rent his clothes. And the king",
+    "Blessed are the poor in spirit: for theirs is the kingdom of heaven. Blessed are they that mourn:",
+]
 
 
 def run_demo(prompts, params: list[SamplingParams], **kwargs):
@@ -157,8 +176,10 @@ def test_seeded_sampling_and_logprobs_are_the_same_with_speculation():
     """Every position samples with its own key, so a seeded request's tokens, and the logprobs
     of every token, do not depend on how many were proposed."""
     prompts = KJV * 4
-    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=i, max_tokens=32, ignore_eos=True, logprobs=2)
-              for i, (t, k, p) in enumerate([(0.3, 0, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.8), (0.5, 0, 1.0)] * 3)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=i, max_tokens=32, ignore_eos=True, logprobs=2)
+        for i, (t, k, p) in enumerate([(0.3, 0, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.8), (0.5, 0, 1.0)] * 3)
+    ]
     plain, _ = run_demo(prompts, params)
     spec, engine = run_demo(prompts, params, speculative_config=NGRAM)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -219,8 +240,11 @@ def test_stop_strings_max_tokens_and_streaming_match_plain(demo_draft, method):
     demo model as the draft): text, finish reasons, max_tokens exactly, and streamed deltas that
     add up to the final output."""
     prompts = KJV
-    stops = [SamplingParams(temperature=0, max_tokens=60, stop=["Israel"]),
-             SamplingParams(temperature=0, max_tokens=33, ignore_eos=True), SamplingParams(temperature=0, max_tokens=48, stop=[", and"])]  # fmt: skip
+    stops = [
+        SamplingParams(temperature=0, max_tokens=60, stop=["Israel"]),
+        SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=48, stop=[", and"]),
+    ]
     plain, _ = run_demo(prompts, stops)
     spec, engine = run_demo(prompts, stops, speculative_config=methods(demo_draft)[method])
     for a, b in zip(spec, plain):
@@ -228,7 +252,9 @@ def test_stop_strings_max_tokens_and_streaming_match_plain(demo_draft, method):
     assert len(spec[1].token_ids) == 33 and spec[0].finish_reason == "stop"
     stats = engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"] > 0.2
-    engine.add_request("s", prompts[0], SamplingParams(temperature=0, max_tokens=60, output_kind=RequestOutputKind.DELTA))
+    engine.add_request(
+        "s", prompts[0], SamplingParams(temperature=0, max_tokens=60, output_kind=RequestOutputKind.DELTA)
+    )
     text, tokens, steps_with_several = "", [], 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -241,9 +267,11 @@ def test_stop_strings_max_tokens_and_streaming_match_plain(demo_draft, method):
 
 def test_sequences_opt_out_and_penalties_never_speculate(tiny_dir):
     prompts = repetitive_prompts(4, seed=4)
-    for params in (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculate=False),
-                   SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
-                   SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, min_tokens=16)):  # fmt: skip
+    for params in (
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculate=False),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, min_tokens=16),
+    ):
         plain, _ = run(tiny_dir, prompts, [params] * 4)
         spec, engine = run(tiny_dir, prompts, [params] * 4, speculative_config=NGRAM)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -275,8 +303,11 @@ def test_prefix_hits_on_blocks_written_around_rejected_proposals_match_plain():
     of each running sequence's block table is that table."""
     results = {}
     for name, extra in (("plain", {}), ("spec", {"speculative_config": NGRAM})):
-        engine = LLMEngine(EngineArgs(model=DEMO_MODEL, dtype="float32", max_model_len=256, max_num_seqs=4,
-                                      max_num_batched_tokens=64, **extra))  # fmt: skip
+        engine = LLMEngine(
+            EngineArgs(
+                model=DEMO_MODEL, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, **extra
+            )
+        )
         prompts = [engine.tokenizer.encode(t) for t in KJV[:2]]
         greedy = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
         outputs = {}
@@ -299,12 +330,18 @@ def test_prefix_hits_on_blocks_written_around_rejected_proposals_match_plain():
         engine.add_request("c", {"prompt_token_ids": follow}, SamplingParams(temperature=0, max_tokens=20, logprobs=0))
         run_all()
         c = outputs["c"]
-        results[name] = ([list(outputs[k].token_ids) for k in ("0", "1", "c")],
-                         [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], engine.get_stats())  # fmt: skip
+        results[name] = (
+            [list(outputs[k].token_ids) for k in ("0", "1", "c")],
+            [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+            engine.get_stats(),
+        )
     assert results["spec"][0] == results["plain"][0]
     np.testing.assert_allclose(results["spec"][1], results["plain"][1], atol=1e-4)
     stats = results["spec"][2]
-    assert stats["prefix_cache_hits"] >= 90 and stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+    assert (
+        stats["prefix_cache_hits"] >= 90
+        and stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+    )
 
 
 # -- a draft model ------------------------------------------------------------------------------
@@ -323,13 +360,17 @@ def test_draft_model_refusals_name_the_field(tmp_path, tiny_dir):
     with pytest.raises(EngineArgsError, match=r"vocabulary \(500\) must be the target's \(512\)"):
         EngineArgs(model=tiny_dir, speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
     with pytest.raises(EngineArgsError, match="does not work with the host tier yet"):
-        EngineArgs(model=tiny_dir, kv_offloading_size=0.01, speculative_config={"model": tiny_dir, "num_speculative_tokens": 2})
+        EngineArgs(
+            model=tiny_dir, kv_offloading_size=0.01, speculative_config={"model": tiny_dir, "num_speculative_tokens": 2}
+        )
     short = tmp_path / "short"
     save_hf_model("llama_mha", str(short))
     config = json.loads((short / "config.json").read_text())
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     with pytest.raises(EngineArgsError, match=r"the draft model: max_model_len=128 .*64"):
-        EngineArgs(model=tiny_dir, max_model_len=128, speculative_config={"model": str(short), "num_speculative_tokens": 2})
+        EngineArgs(
+            model=tiny_dir, max_model_len=128, speculative_config={"model": str(short), "num_speculative_tokens": 2}
+        )
 
 
 @pytest.mark.parametrize("engine", ["roomy", "preempting", "chunked"])
@@ -338,14 +379,18 @@ def test_draft_model_gives_plain_greedy_tokens(tiny_dir, draft_dir, engine):
     accepted): the target's greedy tokens either way, the draft's pool kept in step through
     prefix hits, chunked prefill and preemption."""
     prompts = repetitive_prompts(12, seed=5)
-    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
-              for m in np.random.default_rng(2).integers(4, 30, size=len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
+        for m in np.random.default_rng(2).integers(4, 30, size=len(prompts))
+    ]
     plain, _ = run(tiny_dir, prompts, params, **ENGINES[engine])
     target_block = 2 * 2 * 2 * 16 * 16 * 4  # bytes of a block: K and V, 2 layers, 2 kv heads of 16, 16 tokens
     for draft, accepted_all, draft_block in ((draft_dir, False, 2 * target_block), (tiny_dir, True, target_block)):
         spec = {"model": draft, "num_speculative_tokens": 3, "adaptive": False}
         options = dict(ENGINES[engine])
-        if "kv_cache_memory_bytes" in options:  # 16 blocks (preemptions with these prompts), each with its twin in the draft's pool
+        if (
+            "kv_cache_memory_bytes" in options
+        ):  # 16 blocks (preemptions with these prompts), each with its twin in the draft's pool
             options["kv_cache_memory_bytes"] = 16 * (target_block + draft_block)
         outputs, engine_ = run(tiny_dir, prompts, params, speculative_config=spec, **options)
         assert [o.token_ids for o in outputs] == [o.token_ids for o in plain], draft
@@ -363,8 +408,12 @@ def test_draft_model_sampling_keeps_seeded_tokens_and_couples_its_samples(tiny_d
     prompts = repetitive_prompts(6, seed=6)
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(6)]
     plain, _ = run(tiny_dir, prompts, params)
-    spec, engine = run(tiny_dir, prompts, params,
-                       speculative_config={"model": tiny_dir, "num_speculative_tokens": 4, "adaptive": False})
+    spec, engine = run(
+        tiny_dir,
+        prompts,
+        params,
+        speculative_config={"model": tiny_dir, "num_speculative_tokens": 4, "adaptive": False},
+    )
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
@@ -386,7 +435,9 @@ def test_tensor_parallel_draft_model_gives_the_unsharded_tokens(tmp_path):
 
     plain, _ = tokens(1)
     for draft_dir_, n in ((draft, 4), (path, 2)):
-        spec, stats = tokens(n, speculative_config={"model": draft_dir_, "num_speculative_tokens": 2, "adaptive": False})
+        spec, stats = tokens(
+            n, speculative_config={"model": draft_dir_, "num_speculative_tokens": 2, "adaptive": False}
+        )
         assert spec == plain and stats["spec_decode_num_draft_tokens"] > 0 and stats["num_preemptions"] > 0
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]  # the target as its draft
 
@@ -416,12 +467,21 @@ def test_draft_model_catches_up_after_plain_steps_prefix_hits_and_preemption(tin
     proposals are all accepted; the tokens are plain greedy decoding's, and the draft holds no
     state for finished sequences."""
     prompts = repetitive_prompts(12, seed=7)
-    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
-              for m in np.random.default_rng(3).integers(8, 40, size=len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
+        for m in np.random.default_rng(3).integers(8, 40, size=len(prompts))
+    ]
     options = dict(ENGINES["preempting"], kv_cache_memory_bytes=16 * 2 * (2 * 2 * 2 * 16 * 16 * 4))
     plain, _ = run(tiny_dir, prompts, params, **options)
-    engine = LLMEngine(EngineArgs(model=tiny_dir, dtype="float32", max_model_len=128, **options,
-                                  speculative_config={"model": tiny_dir, "num_speculative_tokens": 3}))  # fmt: skip
+    engine = LLMEngine(
+        EngineArgs(
+            model=tiny_dir,
+            dtype="float32",
+            max_model_len=128,
+            **options,
+            speculative_config={"model": tiny_dir, "num_speculative_tokens": 3},
+        )
+    )
     assert engine.async_scheduling and engine.scheduler.config.num_scheduler_steps == 4
     pattern = iter(range(10**6))
     engine.governor.speculate = lambda running: next(pattern) % 7 < 3  # 3 steps on, 4 off

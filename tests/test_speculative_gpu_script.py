@@ -19,8 +19,17 @@ from benchmarks import speculative_gpu
 from benchmarks.gpu.spec_latency import repetitive_prompts, spec_delta, sum_deltas
 
 STAGES = ("plain", "ngram_k2", "ngram_k4", "draft")
-HEADLINE_KEYS = {"tpot_ms", "e2e_tpot_ms", "output_tok_s", "speedup_vs_plain", "throughput_vs_plain", "acceptance",
-                 "accepted_per_draft", "same_tokens_as_plain", "distinct_output_tokens"}  # fmt: skip
+HEADLINE_KEYS = {
+    "tpot_ms",
+    "e2e_tpot_ms",
+    "output_tok_s",
+    "speedup_vs_plain",
+    "throughput_vs_plain",
+    "acceptance",
+    "accepted_per_draft",
+    "same_tokens_as_plain",
+    "distinct_output_tokens",
+}
 
 
 smoke_run = smoke_run_fixture("speculative_gpu", timeout=300)
@@ -70,7 +79,9 @@ def test_smoke_results_and_headlines(smoke_run):
             k = spec["num_speculative_tokens"]
             assert k == (2 if name == "ngram_k2" else 4) and len(stats["accepted_per_position"]) == k
             assert sum(stats["accepted_per_position"]) == stats["accepted_tokens"]
-        assert (spec or {}).get("method") == {"ngram_k2": "ngram", "ngram_k4": "ngram", "draft": "draft_model"}.get(name)
+        assert (spec or {}).get("method") == {"ngram_k2": "ngram", "ngram_k4": "ngram", "draft": "draft_model"}.get(
+            name
+        )
         headline = record["headline"]
         assert list(headline) == ["batch 1", "batch 2"] and all(set(row) == HEADLINE_KEYS for row in headline.values())
         for row in headline.values():
@@ -90,7 +101,9 @@ def test_smoke_results_and_headlines(smoke_run):
 
 
 def test_refuses_without_a_gpu(tmp_path):
-    proc = run_script("speculative_gpu", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
+    proc = run_script(
+        "speculative_gpu", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120
+    )
     assert proc.returncode == 2 and "REFUSED" in proc.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["device"]["refused"] is True
 
@@ -104,8 +117,15 @@ def test_gpu_plan_draft_is_llama_32_1b_with_8b_vocabulary(tmp_path):
     config = ModelConfig.from_hf(json.loads((tmp_path / "draft" / "config.json").read_text()))
     target = ModelConfig.from_hf(get_preset("llama-3.1-8b"))
     assert directory == str(tmp_path / "draft") and config.vocab_size == target.vocab_size == 128256
-    assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim,
-            config.intermediate_size, config.tie_word_embeddings) == (2048, 16, 32, 8, 64, 8192, True)  # fmt: skip
+    assert (
+        config.hidden_size,
+        config.num_layers,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.tie_word_embeddings,
+    ) == (2048, 16, 32, 8, 64, 8192, True)
     assert config.rope.rope_type == "llama3" and config.rope.factor == 32.0
     assert sum(plan.budgets_s.values()) + 20 <= 570  # with the device probe, inside 9.5 minutes
 
@@ -122,5 +142,11 @@ def test_prompts_and_counters():
     delta = spec_delta(before, after)
     assert spec_delta({}, {}) == {}
     total = sum_deltas([delta, delta])
-    assert total == {"drafts": 4, "draft_tokens": 16, "accepted_tokens": 6, "acceptance_rate": 6 / 16,
-                     "accepted_per_draft": 1.5, "accepted_per_position": [4, 2, 0, 0]}  # fmt: skip
+    assert total == {
+        "drafts": 4,
+        "draft_tokens": 16,
+        "accepted_tokens": 6,
+        "acceptance_rate": 6 / 16,
+        "accepted_per_draft": 1.5,
+        "accepted_per_position": [4, 2, 0, 0],
+    }

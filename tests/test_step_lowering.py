@@ -32,8 +32,16 @@ pytestmark = [
 ]
 
 NUM_BLOCKS = 4096
-LLAMA_8B_2_LAYERS = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
+LLAMA_8B_2_LAYERS = ModelConfig(
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=2,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -48,11 +56,22 @@ def abstract_engine():
     model = nnx.eval_shape(lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas"))
     graphdef, params = nnx.split(model)
     cache = jax.eval_shape(
-        lambda: init_cache(LLAMA_8B_2_LAYERS, num_blocks=NUM_BLOCKS, block_size=16, dtype=jnp.bfloat16,
-                           max_num_seqs=64, platform="cuda")
+        lambda: init_cache(
+            LLAMA_8B_2_LAYERS,
+            num_blocks=NUM_BLOCKS,
+            block_size=16,
+            dtype=jnp.bfloat16,
+            max_num_seqs=64,
+            platform="cuda",
+        )
     )
-    packer = StepPacker(block_size=16, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512,
-                        vocab_size=LLAMA_8B_2_LAYERS.vocab_size)  # fmt: skip
+    packer = StepPacker(
+        block_size=16,
+        max_model_len=4096,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        vocab_size=LLAMA_8B_2_LAYERS.vocab_size,
+    )
     return graphdef, params, cache, packer
 
 
@@ -71,7 +90,9 @@ def test_fused_decode_steps_lower_with_the_decode_kernel(abstract_engine):
     graphdef, params, cache, packer = abstract_engine
     layout = packer.layouts[packer.bucket_for(64, 64)]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-    text = lower_for_cuda(functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), graphdef), params, cache, flat)
+    text = lower_for_cuda(
+        functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), graphdef), params, cache, flat
+    )
     assert text.count(TRITON_CALL) == 1  # the decode kernel, in the layer body of the step body
     assert_no_pool_sized_conversion(text)
 
@@ -83,7 +104,9 @@ def assert_no_pool_sized_conversion(text: str) -> None:
     blocks = NUM_BLOCKS * c.num_layers  # every layer's blocks in one pool
     pool = f"{blocks}x16x{c.num_kv_heads}x{c.head_dim}"
     assert f"tensor<{pool}xbf16>" in text, "the pools should be bfloat16 on CUDA"
-    shapes = {f"{pool}x{dtype}" for dtype in ("f32", "f16", "i16", "ui16")} | {f"{blocks * 16}x{c.num_kv_heads}x{c.head_dim}xf32"}
+    shapes = {f"{pool}x{dtype}" for dtype in ("f32", "f16", "i16", "ui16")} | {
+        f"{blocks * 16}x{c.num_kv_heads}x{c.head_dim}xf32"
+    }
     assert not [s for s in shapes if f"tensor<{s}>" in text], "a pool-sized array of another dtype is built"
 
 
@@ -91,16 +114,28 @@ def assert_no_pool_sized_conversion(text: str) -> None:
 def abstract_two_gpu_engine():
     """The 8B-shaped engine split over two abstract H100s: sharded parameter, pool and input specs."""
     # Auto axes, as the engine's concrete mesh has (jax 0.11 makes abstract meshes Explicit by default)
-    mesh = jax.sharding.AbstractMesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=CUDA_DEVICE)
+    mesh = jax.sharding.AbstractMesh(
+        (2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=CUDA_DEVICE
+    )
     parallel = TensorParallel(TensorParallelLayout(LLAMA_8B_2_LAYERS, 2), mesh)
-    model = nnx.eval_shape(lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas",
-                                         parallel=parallel))  # fmt: skip
+    model = nnx.eval_shape(
+        lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas", parallel=parallel)
+    )
     graphdef, params = nnx.split(model)
     params = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.param_sharding(param_path(path))), params
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.param_sharding(param_path(path))),
+        params,
     )
-    cache = jax.eval_shape(lambda: init_cache(LLAMA_8B_2_LAYERS, num_blocks=NUM_BLOCKS, block_size=16, dtype=jnp.bfloat16,
-                                              max_num_seqs=64, platform="cuda"))  # fmt: skip
+    cache = jax.eval_shape(
+        lambda: init_cache(
+            LLAMA_8B_2_LAYERS,
+            num_blocks=NUM_BLOCKS,
+            block_size=16,
+            dtype=jnp.bfloat16,
+            max_num_seqs=64,
+            platform="cuda",
+        )
+    )
     whole, pool = parallel.sharding(), parallel.pool_sharding
 
     def placed(x, sharding):
@@ -108,11 +143,17 @@ def abstract_two_gpu_engine():
 
     cache = DeviceCache(
         kv=KVPool(k=placed(cache.kv.k, pool), v=placed(cache.kv.v, pool), num_layers=cache.kv.num_layers),
-        prompt_mask=placed(cache.prompt_mask, whole), output_counts=placed(cache.output_counts, whole),
+        prompt_mask=placed(cache.prompt_mask, whole),
+        output_counts=placed(cache.output_counts, whole),
         last_tokens=placed(cache.last_tokens, whole),
-    )  # fmt: skip
-    packer = StepPacker(block_size=16, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512,
-                        vocab_size=LLAMA_8B_2_LAYERS.vocab_size)  # fmt: skip
+    )
+    packer = StepPacker(
+        block_size=16,
+        max_model_len=4096,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        vocab_size=LLAMA_8B_2_LAYERS.vocab_size,
+    )
     return mesh, graphdef, params, cache, packer, whole
 
 
@@ -125,8 +166,11 @@ def test_tensor_parallel_steps_lower_with_the_kernels_under_shard_map(abstract_t
     mesh, graphdef, params, cache, packer, whole = abstract_two_gpu_engine
     layout = packer.layouts[packer.bucket_for(64, 64) if decode else 512]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=whole)
-    step_fn = functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), graphdef) if decode else functools.partial(
-        _model_program, layout, False, graphdef)  # fmt: skip
+    step_fn = (
+        functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), graphdef)
+        if decode
+        else functools.partial(_model_program, layout, False, graphdef)
+    )
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(step_fn).trace(params, cache, flat).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()

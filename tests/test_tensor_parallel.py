@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import tp_workload
 from engine_fixtures import hf_greedy
-from shard_checks import check_loaded_into_shards
 from flax import nnx
+from shard_checks import check_loaded_into_shards
 from tiny_models import save_hf_model
 
 from jaxpaged.checkpoint.convert import convert_checkpoint
@@ -99,8 +99,12 @@ def test_unrolled_layers_over_per_layer_shards_equal_transformers(tmp_path):
     engine = make_engine(path, 4)
     outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    [q] = jax.tree.leaves(engine.runner.params["layers"]["attn"]["q_proj"], is_leaf=lambda x: isinstance(x, LayerArrays))
-    assert [a.sharding.spec for a in q.arrays] == [engine.parallel.layer_sharding(("layers", "attn", "q_proj")).spec] * 2
+    [q] = jax.tree.leaves(
+        engine.runner.params["layers"]["attn"]["q_proj"], is_leaf=lambda x: isinstance(x, LayerArrays)
+    )
+    assert [a.sharding.spec for a in q.arrays] == [
+        engine.parallel.layer_sharding(("layers", "attn", "q_proj")).spec
+    ] * 2
     assert q.arrays[0].addressable_shards[0].data.shape == (64, 2, 8)  # 8 heads over 4 devices
 
 
@@ -108,8 +112,18 @@ def test_unrolled_layers_over_per_layer_shards_equal_transformers(tmp_path):
 def test_seeded_sampling_penalties_and_logprobs_agree_across_sizes(tmp_path):
     save_hf_model("llama_tp", str(tmp_path))
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42] * 5, [300]]
-    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=10, ignore_eos=True, logprobs=3,
-                            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.9,
+        top_p=0.9,
+        top_k=50,
+        seed=7,
+        max_tokens=10,
+        ignore_eos=True,
+        logprobs=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+    )
     runs = {n: run(make_engine(str(tmp_path), n), prompts, params) for n in (1, 8)}
     for one, eight in zip(runs[1], runs[8]):
         assert one.token_ids == eight.token_ids
@@ -122,16 +136,30 @@ def test_seeded_sampling_penalties_and_logprobs_agree_across_sizes(tmp_path):
 # Every parameter's expected split over 8 devices for llama_tp (8 heads, 2 kv heads repeated to
 # 8, MLP 128, vocabulary 512), written out rather than read from the table it checks.
 EXPECTED_SPECS = {  # the decoder layers' parameters are stacked: a leading layer axis, never split
-    "embed": ("tp", None), "lm_head": (None, "tp"),
-    "q_proj": (None, None, "tp", None), "k_proj": (None, None, "tp", None), "v_proj": (None, None, "tp", None),
-    "o_proj": (None, "tp", None, None), "gate_proj": (None, None, "tp"), "up_proj": (None, None, "tp"),
-    "down_proj": (None, "tp", None), "scale": (),
-}  # fmt: skip
+    "embed": ("tp", None),
+    "lm_head": (None, "tp"),
+    "q_proj": (None, None, "tp", None),
+    "k_proj": (None, None, "tp", None),
+    "v_proj": (None, None, "tp", None),
+    "o_proj": (None, "tp", None, None),
+    "gate_proj": (None, None, "tp"),
+    "up_proj": (None, None, "tp"),
+    "down_proj": (None, "tp", None),
+    "scale": (),
+}
 EXPECTED_SHARDS = {  # one device's shard (2 layers)
-    "embed": (64, 64), "lm_head": (64, 64), "q_proj": (2, 64, 1, 8), "k_proj": (2, 64, 1, 8), "v_proj": (2, 64, 1, 8),
-    "o_proj": (2, 1, 8, 64), "gate_proj": (2, 64, 16), "up_proj": (2, 64, 16), "down_proj": (2, 16, 64),
-    "scale": (64,), "layer_scale": (2, 64),
-}  # fmt: skip
+    "embed": (64, 64),
+    "lm_head": (64, 64),
+    "q_proj": (2, 64, 1, 8),
+    "k_proj": (2, 64, 1, 8),
+    "v_proj": (2, 64, 1, 8),
+    "o_proj": (2, 1, 8, 64),
+    "gate_proj": (2, 64, 16),
+    "up_proj": (2, 64, 16),
+    "down_proj": (2, 16, 64),
+    "scale": (64,),
+    "layer_scale": (2, 64),
+}
 
 
 @pytest.mark.isolated
@@ -169,15 +197,29 @@ def test_per_device_bytes_shrink_and_match_jaxpaged_plan(tmp_path):
     memory = 64 * 2**20  # a pretend device: 64 MiB
     weights, kv_per_token = [], []
     for n in SIZES:
-        args = EngineArgs(model=str(tmp_path), dtype="float32", tensor_parallel_size=n, skip_tokenizer_init=True,
-                          max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, gpu_memory_utilization=0.5)  # fmt: skip
+        args = EngineArgs(
+            model=str(tmp_path),
+            dtype="float32",
+            tensor_parallel_size=n,
+            skip_tokenizer_init=True,
+            max_model_len=64,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            gpu_memory_utilization=0.5,
+        )
         config = EngineConfig.resolve(args)
         parallel = TensorParallel(config.layout, make_mesh(n))
         model = build_model(config, parallel)
         # The engine reads the allocator's limit, which is XLA_PYTHON_CLIENT_MEM_FRACTION (0.95) of the device.
         engine_plan = plan_cache(config, model, parallel, memory_bytes=int(memory * 0.95))
-        report = make_plan(str(tmp_path), gpu_memory=memory, context=64, gpu_memory_utilization=0.5,
-                           tensor_parallel_size=n, dtype="float32")  # fmt: skip
+        report = make_plan(
+            str(tmp_path),
+            gpu_memory=memory,
+            context=64,
+            gpu_memory_utilization=0.5,
+            tensor_parallel_size=n,
+            dtype="float32",
+        )
         assert device_weight_bytes(model) == report["weight_bytes_per_gpu"]
         on_devices = bytes_per_device(nnx.state(model))
         assert len(on_devices) == n and max(on_devices.values()) == min(on_devices.values())  # an even split
@@ -210,7 +252,9 @@ def test_llama_70b_shards_are_what_jaxpaged_plan_counts(n):
     each GPU exactly the bytes `jaxpaged plan` reports, and a pool of plan's kv heads per GPU."""
     config = ModelConfig.from_hf(get_preset("llama-3.1-70b"))
     parallel = TensorParallel.create(config, n)
-    model = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel))
+    model = nnx.eval_shape(
+        lambda: Llama(parallel.layout.mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel)
+    )
     leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
     per_device = sum(math.prod(parallel.param_sharding(param_path(p)).shard_shape(x.shape)) * 2 for p, x in leaves)
     report = make_plan("llama-3.1-70b", gpu_memory=80 * 2**30, context=8192, tensor_parallel_size=n)
@@ -230,9 +274,12 @@ def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
     config = ModelConfig.from_pretrained(hf_dir)
     _, single = load_model(hf_dir, "float32")
     parallel = TensorParallel.create(config, n)
-    check_loaded_into_shards((hf_dir, converted), parallel, single,
-                             lambda leaf, expected, message: np.testing.assert_array_equal(np.asarray(leaf), expected,
-                                                                                           err_msg=message))  # fmt: skip
+    check_loaded_into_shards(
+        (hf_dir, converted),
+        parallel,
+        single,
+        lambda leaf, expected, message: np.testing.assert_array_equal(np.asarray(leaf), expected, err_msg=message),
+    )
 
 
 @pytest.mark.isolated
@@ -256,8 +303,14 @@ def test_bfloat16_demo_model_gives_the_same_text_split_over_four_devices():
     prompts = ["In the beginning", "And God said", "The LORD is my shepherd"]
     texts = {}
     for n in (1, 4):
-        llm = LLM(DEMO_MODEL_DIR, dtype="bfloat16", tensor_parallel_size=n, max_model_len=128, max_num_seqs=4,
-                  max_num_batched_tokens=32)  # fmt: skip
+        llm = LLM(
+            DEMO_MODEL_DIR,
+            dtype="bfloat16",
+            tensor_parallel_size=n,
+            max_model_len=128,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+        )
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
         texts[n] = [o.outputs[0].text for o in outputs]
     assert texts[1] == texts[4]

@@ -23,30 +23,76 @@ BASE = dict(
 # name -> (config class, model class, overrides of BASE)
 VARIANTS = {
     "llama_mha": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-    "llama_gqa4": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
-    "llama_gqa8": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=1, head_dim=8)),
+    "llama_gqa4": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+    ),
+    "llama_gqa8": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(num_attention_heads=8, num_key_value_heads=1, head_dim=8),
+    ),
     "llama3_rope": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
         dict(
             num_key_value_heads=2,
             max_position_embeddings=1024,
-            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=128),
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=128,
+            ),
         ),
     ),
-    "llama_linear_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "llama_linear_rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(rope_scaling=dict(rope_type="linear", factor=2.0)),
+    ),
     "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
-    "qwen2_bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2_bias": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(num_key_value_heads=2, tie_word_embeddings=True),
+    ),
     # q and k RMS-normed per head (head_dim 16 explicit, as Qwen3 configs give it)
-    "qwen3_qk_norm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=16)),
+    "qwen3_qk_norm": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(num_key_value_heads=2, head_dim=16),
+    ),
     # head_dim 64, as the Pallas kernels require
-    "llama_hd64": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_key_value_heads=2, head_dim=32, sliding_window=None)),
+    "llama_hd64": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(num_key_value_heads=2, head_dim=32, sliding_window=None),
+    ),
     # Tensor-parallel variants: 8 query heads split over up to 8 devices, fewer kv heads than that.
-    "llama_tp": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
+    "llama_tp": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8),
+    ),
     # a vocabulary of 500 splits over 2 and 4 devices but stays whole over 8
-    "qwen2_tp": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(vocab_size=500, num_attention_heads=8, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)),
-    "mistral_tp": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, sliding_window=None)),
+    "qwen2_tp": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(vocab_size=500, num_attention_heads=8, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True),
+    ),
+    "mistral_tp": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, sliding_window=None),
+    ),
 }
 
 
@@ -70,7 +116,9 @@ def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
     return model
 
 
-def save_hf_model(name: str, out_dir: str, seed: int = 0, max_shard_size: str | None = None) -> transformers.PreTrainedModel:
+def save_hf_model(
+    name: str, out_dir: str, seed: int = 0, max_shard_size: str | None = None
+) -> transformers.PreTrainedModel:
     """Builds the named variant and saves it (safetensors) to `out_dir`; returns the model."""
     model = build_hf_model(name, seed)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -23,6 +23,14 @@ def engine_options(path: str, n: int) -> dict:
     """`EngineArgs` keywords for a float32 model directory on `n` devices, with a pool of
     `POOL_BLOCKS` blocks per device (what one device holds shrinks with `n`)."""
     per_token = kv_bytes_per_token(TensorParallelLayout(ModelConfig.from_pretrained(path), n).device_config, 4)
-    return dict(model=path, dtype="float32", tensor_parallel_size=n, skip_tokenizer_init=True, max_model_len=48,
-                block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=16,
-                kv_cache_memory_bytes=(POOL_BLOCKS + 1) * per_token * BLOCK_SIZE)  # fmt: skip
+    return dict(
+        model=path,
+        dtype="float32",
+        tensor_parallel_size=n,
+        skip_tokenizer_init=True,
+        max_model_len=48,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=(POOL_BLOCKS + 1) * per_token * BLOCK_SIZE,
+    )

@@ -47,13 +47,24 @@ def main(argv=None) -> int:
     out = llm.generate([{"prompt_token_ids": list(range(1, FIRST_PROMPT_TOKENS + 1))}], params, use_tqdm=False)
     generated = time.perf_counter()
     assert len(out[0].outputs[0].token_ids) == FIRST_OUTPUT_TOKENS
-    result = {"model": engine.model, "dtype": engine.dtype, "load_format": engine.load_format,
-              "compilation_cache_dir": engine.compilation_cache_dir, "device": jax.devices()[0].device_kind,
-              "jax_version": jax.__version__, "import_s": round(imported - STARTED, 2), "ready_s": round(ready - imported, 2),
-              "first_generate_s": round(generated - ready, 3), "total_s": round(generated - STARTED, 2),
-              "stats": llm.get_stats()}  # fmt: skip
-    print(f"first generate ({FIRST_PROMPT_TOKENS} prompt tokens, {FIRST_OUTPUT_TOKENS} out) {generated - ready:.2f} s; "
-          f"total {generated - STARTED:.1f} s", flush=True)  # fmt: skip
+    result = {
+        "model": engine.model,
+        "dtype": engine.dtype,
+        "load_format": engine.load_format,
+        "compilation_cache_dir": engine.compilation_cache_dir,
+        "device": jax.devices()[0].device_kind,
+        "jax_version": jax.__version__,
+        "import_s": round(imported - STARTED, 2),
+        "ready_s": round(ready - imported, 2),
+        "first_generate_s": round(generated - ready, 3),
+        "total_s": round(generated - STARTED, 2),
+        "stats": llm.get_stats(),
+    }
+    print(
+        f"first generate ({FIRST_PROMPT_TOKENS} prompt tokens, {FIRST_OUTPUT_TOKENS} out) {generated - ready:.2f} s; "
+        f"total {generated - STARTED:.1f} s",
+        flush=True,
+    )
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=1, default=str)

@@ -36,9 +36,25 @@ import dataclasses
 import re
 
 # Instructions that make no buffer of their own (or only forward one).
-PASS_THROUGH = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
-                          "constant", "after-all", "opt-barrier", "add-dependency", "domain", "iota",
-                          "partition-id", "replica-id"})  # fmt: skip
+PASS_THROUGH = frozenset(
+    {
+        "parameter",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "while",
+        "call",
+        "conditional",
+        "constant",
+        "after-all",
+        "opt-barrier",
+        "add-dependency",
+        "domain",
+        "iota",
+        "partition-id",
+        "replica-id",
+    }
+)
 EIGHT_BIT = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "s8", "u8")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-$]+)\s*\(.*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-$]+)\s*=\s*(.*)$")
@@ -160,8 +176,12 @@ def is_gemm_fusion(label: str) -> bool:
 
 def _is_upcast(i: Instr, type_of, reads_weight) -> bool:
     """A convert from an 8-bit weight to a wider type."""
-    return (i.opcode == "convert" and bool(i.operands) and type_of(i.operands[0]).startswith(EIGHT_BIT)
-            and not i.first_type().startswith(EIGHT_BIT))  # fmt: skip
+    return (
+        i.opcode == "convert"
+        and bool(i.operands)
+        and type_of(i.operands[0]).startswith(EIGHT_BIT)
+        and not i.first_type().startswith(EIGHT_BIT)
+    )
 
 
 def _is_relayout(i: Instr, type_of, reads_weight) -> bool:
@@ -260,8 +280,9 @@ def census(hlo_text: str, weight_sizes: set[int] | frozenset[int]) -> dict:
             fusions[label] += 1
             if is_gemm_fusion(label):
                 its_dots = [i for i in inner(instr) if i.opcode in ("dot", "scaled-dot")]
-                dot_types = ", ".join(sorted({" x ".join(type_of(o).split("[")[0] for o in d.operands[:2])
-                                              for d in its_dots}))  # fmt: skip
+                dot_types = ", ".join(
+                    sorted({" x ".join(type_of(o).split("[")[0] for o in d.operands[:2]) for d in its_dots})
+                )
                 ops = " x ".join(type_of(o) for o in instr.operands[:2])
                 gemms[f"fusion {label}: {ops} -> {instr.first_type()} (dot {dot_types or '?'})"] += 1
         if instr.opcode in ("dot", "scaled-dot"):
@@ -279,23 +300,33 @@ def census(hlo_text: str, weight_sizes: set[int] | frozenset[int]) -> dict:
             opcodes = sorted({i.opcode for i in sized}) or [instr.opcode]
             label = _fusion_label(instr) if instr.opcode == "fusion" else instr.opcode
             operand_types = ", ".join(type_of(o) for o in instr.operands[:3])
-            materialized[f"{label} [{' '.join(opcodes)}]: ({operand_types}) -> {instr.first_type()} in "
-                         f"{location(instr.computation)}"] += 1  # fmt: skip
+            materialized[
+                f"{label} [{' '.join(opcodes)}]: ({operand_types}) -> {instr.first_type()} in "
+                f"{location(instr.computation)}"
+            ] += 1
         elif not top and instr.opcode not in PASS_THROUGH | {"fusion"} and reads_weight(instr):
             place = where(instr)
             if place == "gemm fusion" or place.startswith("fusion kCustom"):  # read in place, not written
-                inside[f"{instr.opcode} in {place}: ({', '.join(type_of(o) for o in instr.operands[:1])}) -> "
-                       f"{instr.first_type()}"] += 1  # fmt: skip
+                inside[
+                    f"{instr.opcode} in {place}: ({', '.join(type_of(o) for o in instr.operands[:1])}) -> "
+                    f"{instr.first_type()}"
+                ] += 1
     fp8_custom = sum(n for t, n in custom_calls.items() if "f8" in t.lower())
-    fp8_dots_in_gemms = sum(n for sig, n in dots.items() if sig.startswith("f8") and " x f8" in sig
-                            and sig.endswith("in gemm fusion"))  # fmt: skip
+    fp8_dots_in_gemms = sum(
+        n for sig, n in dots.items() if sig.startswith("f8") and " x f8" in sig and sig.endswith("in gemm fusion")
+    )
     return {
-        "num_instructions": len(instrs), "num_computations": len(computations),
-        "custom_calls": dict(custom_calls.most_common()), "fusions": dict(fusions.most_common()),
-        "gemms": dict(gemms.most_common()), "dots": dict(dots.most_common()),
+        "num_instructions": len(instrs),
+        "num_computations": len(computations),
+        "custom_calls": dict(custom_calls.most_common()),
+        "fusions": dict(fusions.most_common()),
+        "gemms": dict(gemms.most_common()),
+        "dots": dict(dots.most_common()),
         "weight_sized": {
-            "upcasts": kinds["upcasts"], "relayouts_8bit": kinds["relayouts_8bit"],
-            "slice_copies": kinds["slice_copies"], "materialized": dict(materialized.most_common()),
+            "upcasts": kinds["upcasts"],
+            "relayouts_8bit": kinds["relayouts_8bit"],
+            "slice_copies": kinds["slice_copies"],
+            "materialized": dict(materialized.most_common()),
             "inside_fusions": dict(inside.most_common()),
             "converts_in_gemm_fusions": sum(n for sig, n in inside.items() if sig.startswith("convert in gemm")),
         },
@@ -303,4 +334,4 @@ def census(hlo_text: str, weight_sizes: set[int] | frozenset[int]) -> dict:
         "fp8_dots_in_gemm_fusions": fp8_dots_in_gemms,
         "gemm_custom_calls": sum(n for t, n in custom_calls.items() if any(w in t.lower() for w in ("gemm", "matmul"))),
         "gemm_fusions": sum(n for label, n in fusions.items() if is_gemm_fusion(label)),
-    }  # fmt: skip
+    }

@@ -20,8 +20,10 @@ from typing import Callable
 from benchmarks.gpu.plan import PROBE_TIMEOUT_S, ROOT, SMOKE_XLA_FLAGS
 from benchmarks.gpu.runner import progress
 
-PROBE = ("import json, jax; d = jax.devices()[0]; print('PROBE ' + json.dumps(dict(platform=d.platform, "
-         "device_kind=d.device_kind, num_devices=jax.device_count(), jax_version=jax.__version__)))")  # fmt: skip
+PROBE = (
+    "import json, jax; d = jax.devices()[0]; print('PROBE ' + json.dumps(dict(platform=d.platform, "
+    "device_kind=d.device_kind, num_devices=jax.device_count(), jax_version=jax.__version__)))"
+)
 
 
 class Tee:
@@ -53,15 +55,21 @@ def budget_type(stage_budgets: dict) -> Callable[[str], tuple[str, float]]:
 
 def probe_device(env: dict) -> dict:
     """JAX's first device (from a child process) and, where there is one, nvidia-smi's GPU line."""
-    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+    )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("PROBE ")), None)  # noqa: E741
     if line is None:
         raise RuntimeError(f"the JAX device probe failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     device = json.loads(line[len("PROBE ") :])
     device["name"] = device["device_kind"]
     if shutil.which("nvidia-smi"):
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)  # fmt: skip
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+        )
         device["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
         device["name"] = device["nvidia_smi"].split(",")[0] or device["name"]
     return device
@@ -77,17 +85,26 @@ def child_env(smoke: bool) -> dict:
     return env
 
 
-def add_run_args(parser: argparse.ArgumentParser, stage_budgets: dict, out_default: str, work_dir_help: str,
-                 stages_help: str = "") -> None:  # fmt: skip
+def add_run_args(
+    parser: argparse.ArgumentParser, stage_budgets: dict, out_default: str, work_dir_help: str, stages_help: str = ""
+) -> None:
     """The flags every run script takes: --out, --work-dir, --smoke, --stages, --budget."""
-    parser.add_argument("--out", default=out_default,
-                        help="where summary.json, summary.md, console.txt and stages.tar.gz go")  # fmt: skip
+    parser.add_argument(
+        "--out", default=out_default, help="where summary.json, summary.md, console.txt and stages.tar.gz go"
+    )
     parser.add_argument("--work-dir", help=work_dir_help)
     parser.add_argument("--smoke", action="store_true", help="the demo model and tiny shapes on the CPU")
-    parser.add_argument("--stages", type=lambda t: t.split(","),
-                        help=f"run only these ({','.join(stage_budgets)}{stages_help})")  # fmt: skip
-    parser.add_argument("--budget", type=budget_type(stage_budgets), action="append", default=[],
-                        metavar="STAGE=SECONDS", help="override a stage's budget")  # fmt: skip
+    parser.add_argument(
+        "--stages", type=lambda t: t.split(","), help=f"run only these ({','.join(stage_budgets)}{stages_help})"
+    )
+    parser.add_argument(
+        "--budget",
+        type=budget_type(stage_budgets),
+        action="append",
+        default=[],
+        metavar="STAGE=SECONDS",
+        help="override a stage's budget",
+    )
 
 
 def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace, stage_budgets: dict) -> None:
@@ -104,8 +121,15 @@ def chosen_stages(args: argparse.Namespace, stage_budgets: dict) -> list[str]:
     return [name for name in stage_budgets if not args.stages or name in args.stages]
 
 
-def run_stage_loop(chosen: list[str], plan, work_dir: str, env: dict, stage_cls, run_one: Callable,
-                   summarize: Callable[[list[dict]], None]) -> list[dict]:  # fmt: skip
+def run_stage_loop(
+    chosen: list[str],
+    plan,
+    work_dir: str,
+    env: dict,
+    stage_cls,
+    run_one: Callable,
+    summarize: Callable[[list[dict]], None],
+) -> list[dict]:
     """Runs the chosen stages in order, each a `stage_cls(name, plan, work_dir, deadline, env)` handed
     to `run_one(name, stage)`. The budgets add up: what a stage leaves unused goes to the next. An
     error of the orchestrator's own in one stage is recorded as that stage's failure and the next
@@ -126,8 +150,15 @@ def run_stage_loop(chosen: list[str], plan, work_dir: str, env: dict, stage_cls,
     return records
 
 
-def orchestrate(args: argparse.Namespace, work_prefix: str, make_plan: Callable, run_stages: Callable,
-                write_summary: Callable, stage_width: int, headline_text: Callable = str) -> int:  # fmt: skip
+def orchestrate(
+    args: argparse.Namespace,
+    work_prefix: str,
+    make_plan: Callable,
+    run_stages: Callable,
+    write_summary: Callable,
+    stage_width: int,
+    headline_text: Callable = str,
+) -> int:
     """A whole run: makes OUT and the work directory (a fresh temporary one named `work_prefix...`
     without --work-dir), tees the console to OUT/console.txt, plans (`make_plan(budget overrides)`),
     probes the device and refuses (exit 2, with a summary saying why) unless JAX's platform is gpu
@@ -154,7 +185,9 @@ def orchestrate(args: argparse.Namespace, work_prefix: str, make_plan: Callable,
         return 2
     records = run_stages(args, plan, out_dir, work_dir, device, env)
     for record in records:
-        progress(f"{record['stage']:<{stage_width}} {record['status']:<9} {record['elapsed_s']:6.0f} s  "
-                 f"{headline_text(record['headline'])}")  # fmt: skip
+        progress(
+            f"{record['stage']:<{stage_width}} {record['status']:<9} {record['elapsed_s']:6.0f} s  "
+            f"{headline_text(record['headline'])}"
+        )
     progress(f"wrote {out_dir}/summary.md, summary.json, stages.tar.gz, console.txt")
     return 0 if all(r["status"] == "ok" for r in records) else 1

@@ -19,8 +19,16 @@ SMOKE_STAGE_BUDGET_S = 240
 # compilation cache that engine_start filled. 2048 tokens hold any ShareGPT pair vLLM's filter keeps.
 GPU_ENGINE_LIMITS = ("--max-model-len", "2048", "--max-num-seqs", "256", "--max-num-batched-tokens", "2048")
 # The smoke run's engines compile three programs (one token bucket) instead of a dozen.
-SMOKE_ENGINE_LIMITS = ("--max-model-len", "128", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
-                       "--num-scheduler-steps", "1")  # fmt: skip
+SMOKE_ENGINE_LIMITS = (
+    "--max-model-len",
+    "128",
+    "--max-num-seqs",
+    "1",
+    "--max-num-batched-tokens",
+    "16",
+    "--num-scheduler-steps",
+    "1",
+)
 # The smoke run's numbers mean nothing: XLA's CPU compiler may skip its slow optimisations (~40%
 # of each compile on the 2-core CI machine).
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -50,24 +58,42 @@ class Plan:
 def gpu_plan(budgets: dict) -> Plan:
     """Llama-3.1-8B's shapes with random bf16 weights, on the GPU."""
     return Plan(
-        smoke=False, model="llama-3.1-8b", weight_flags=("--dtype", "bfloat16", "--load-format", "dummy"),
-        engine_limits=GPU_ENGINE_LIMITS, kernel_flags=(), kv_transfer_flags=("--model", "llama-3.1-8b", "--blocks", "256"),
-        latency_flags=("--batch-size", "1", "--input-len", "32", "--output-len", "128", "--num-iters-warmup", "3",
-                       "--num-iters", "10"),
-        throughput_flags=("--dataset-name", "sharegpt", "--num-prompts", "1000"), compare_transformers=True,
+        smoke=False,
+        model="llama-3.1-8b",
+        weight_flags=("--dtype", "bfloat16", "--load-format", "dummy"),
+        engine_limits=GPU_ENGINE_LIMITS,
+        kernel_flags=(),
+        kv_transfer_flags=("--model", "llama-3.1-8b", "--blocks", "256"),
+        latency_flags=(
+            "--batch-size",
+            "1",
+            "--input-len",
+            "32",
+            "--output-len",
+            "128",
+            "--num-iters-warmup",
+            "3",
+            "--num-iters",
+            "10",
+        ),
+        throughput_flags=("--dataset-name", "sharegpt", "--num-prompts", "1000"),
+        compare_transformers=True,
         # The 8B preset has no tokenizer, so the server takes token ids: random prompts of
         # ShareGPT's typical lengths (~200 in, ~180 out).
         serve_rates=("4", "16", "inf"),
         serve_flags=("--dataset-name", "random", "--num-prompts", "200", "--input-len", "200", "--output-len", "180"),
         budgets_s={**STAGE_BUDGETS_S, **budgets},
-    )  # fmt: skip
+    )
 
 
 def smoke_plan(budgets: dict) -> Plan:
     """The demo model, tiny limits and workloads, kernels in interpret mode: the whole run on a CPU."""
     return Plan(
-        smoke=True, model=DEMO_MODEL_DIR, weight_flags=("--skip-tokenizer-init",),
-        engine_limits=SMOKE_ENGINE_LIMITS, kernel_flags=("--smoke",),
+        smoke=True,
+        model=DEMO_MODEL_DIR,
+        weight_flags=("--skip-tokenizer-init",),
+        engine_limits=SMOKE_ENGINE_LIMITS,
+        kernel_flags=("--smoke",),
         kv_transfer_flags=("--model", DEMO_MODEL_DIR, "--blocks", "8", "--repeats", "1"),
         latency_flags=("--input-len", "8", "--output-len", "8", "--num-iters-warmup", "1", "--num-iters", "2"),
         # transformers' continuous batching takes ~45 s to start on the CI machine's CPU; the
@@ -77,4 +103,4 @@ def smoke_plan(budgets: dict) -> Plan:
         serve_rates=("4", "16", "inf"),
         serve_flags=("--dataset-name", "random", "--num-prompts", "4", "--input-len", "16", "--output-len", "8"),
         budgets_s={**{name: SMOKE_STAGE_BUDGET_S for name in STAGE_BUDGETS_S}, **budgets},
-    )  # fmt: skip
+    )

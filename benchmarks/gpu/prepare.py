@@ -16,8 +16,18 @@ import sys
 from importlib.metadata import version
 
 # What `jaxpaged serve` needs that the GPU image lacks (its package list names none of these).
-SERVER_WHEELS = ("fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
-                 "typing-extensions", "annotated-doc", "opentelemetry-api", "uvicorn")  # fmt: skip
+SERVER_WHEELS = (
+    "fastapi",
+    "starlette",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
+    "annotated-doc",
+    "opentelemetry-api",
+    "uvicorn",
+)
 MANYLINUX = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 DATASET_MODEL = "llama-3.1-8b"  # the benchmark counts its tokens with this model's dataset tokenizer
 DATASET_MAX_MODEL_LEN = 2048
@@ -34,8 +44,12 @@ def prepare_dataset(path: str, min_passing: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(datasets.dataset_tokenizer_dir(DATASET_MODEL, None))
     kept, passing = [], 0
     for prompt, reply in conversations.pairs:
-        kept.append({"id": str(len(kept)), "conversations": [{"from": "human", "value": prompt},
-                                                               {"from": "gpt", "value": reply}]})  # fmt: skip
+        kept.append(
+            {
+                "id": str(len(kept)),
+                "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}],
+            }
+        )
         prompt_len = len(tokenizer(prompt).input_ids)
         reply_len = len(tokenizer(reply, add_special_tokens=False).input_ids)
         passing += sharegpt.is_valid_pair(prompt_len, reply_len, DATASET_MAX_MODEL_LEN)
@@ -47,8 +61,11 @@ def prepare_dataset(path: str, min_passing: int) -> dict:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(kept, f, ensure_ascii=False)
     info = {"path": path, "conversations": len(kept), "passing": passing, "bytes": os.path.getsize(path)}
-    print(f"wrote {path}: {len(kept)} conversations (first exchanges), {passing} pass vLLM's filter, "
-          f"{info['bytes'] / 2**20:.1f} MiB", flush=True)  # fmt: skip
+    print(
+        f"wrote {path}: {len(kept)} conversations (first exchanges), {passing} pass vLLM's filter, "
+        f"{info['bytes'] / 2**20:.1f} MiB",
+        flush=True,
+    )
     return info
 
 
@@ -56,8 +73,26 @@ def prepare_wheels(wheel_dir: str) -> list[str]:
     """Downloads the server's wheels (this environment's versions) for CPython 3.12, x86-64 Linux."""
     pins = [f"{name}=={version(name)}" for name in SERVER_WHEELS]
     platforms = [flag for tag in MANYLINUX for flag in ("--platform", tag)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-                    "3.12", "--implementation", "cp", *platforms, "-d", wheel_dir, *pins], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            wheel_dir,
+            *pins,
+        ],
+        check=True,
+    )
     wheels = sorted(f for f in os.listdir(wheel_dir) if f.endswith(".whl"))
     size = sum(os.path.getsize(os.path.join(wheel_dir, f)) for f in wheels)
     print(f"{wheel_dir}: {len(wheels)} wheels, {size / 2**20:.1f} MiB: {', '.join(wheels)}", flush=True)

@@ -71,12 +71,19 @@ def save(result: dict, path: str | None) -> None:
 
 def report(label: str, spec: str, description: str, compile_s: float, found: dict) -> None:
     sized = found["weight_sized"]
-    print(f"{label} {spec} ({description}) compiled in {compile_s:.1f} s: custom calls {found['custom_calls']}; "
-          f"GEMM fusions {found['gemm_fusions']}; fp8 GEMM custom calls {found['fp8_gemm_custom_calls']}; "
-          f"weight-sized: upcasts {sized['upcasts']}, 8-bit relayouts {sized['relayouts_8bit']}, "
-          f"slice copies {sized['slice_copies']}", flush=True)  # fmt: skip
-    for title, counts in (("gemm", found["gemms"]), ("dot", found["dots"]),
-                          ("weight-sized buffer", sized["materialized"]), ("weight-sized, read in place", sized["inside_fusions"])):  # fmt: skip
+    print(
+        f"{label} {spec} ({description}) compiled in {compile_s:.1f} s: custom calls {found['custom_calls']}; "
+        f"GEMM fusions {found['gemm_fusions']}; fp8 GEMM custom calls {found['fp8_gemm_custom_calls']}; "
+        f"weight-sized: upcasts {sized['upcasts']}, 8-bit relayouts {sized['relayouts_8bit']}, "
+        f"slice copies {sized['slice_copies']}",
+        flush=True,
+    )
+    for title, counts in (
+        ("gemm", found["gemms"]),
+        ("dot", found["dots"]),
+        ("weight-sized buffer", sized["materialized"]),
+        ("weight-sized, read in place", sized["inside_fusions"]),
+    ):
         for signature, count in counts.items():
             print(f"  {title} x{count}: {signature}", flush=True)
 
@@ -105,20 +112,35 @@ def census_programs(args, engine, devices: list | None = None) -> int:
     config, parallel, params = worker.config, worker.parallel, worker.runner.params
     programs, pool = worker.runner.step_programs, worker.runner.cache
     device = parallel.mesh.devices.flat[0]
-    print(f"imports {time.perf_counter() - STARTED:.1f} s; jax {jax.__version__} on {device.device_kind}"
-          f"{' (deviceless)' if devices else ''}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)  # fmt: skip
+    print(
+        f"imports {time.perf_counter() - STARTED:.1f} s; jax {jax.__version__} on {device.device_kind}"
+        f"{' (deviceless)' if devices else ''}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        flush=True,
+    )
     sizes = weight_sizes(params, engine.scan_layers)
     all_sizes = {s for found in sizes.values() for s in found}
-    print(f"{label}: weight dtypes {sorted({str(x.dtype) for x in jax.tree.leaves(params)})}; projection sizes {sizes}",
-          flush=True)  # fmt: skip
+    print(
+        f"{label}: weight dtypes {sorted({str(x.dtype) for x in jax.tree.leaves(params)})}; projection sizes {sizes}",
+        flush=True,
+    )
     chosen = {spec: pick(programs, spec) for spec in args.programs.split(",")}
-    result = {"label": label, "model": engine.model, "quantization": engine.quantization,
-              "kv_cache_dtype": engine.kv_cache_dtype, "scan_layers": engine.scan_layers,
-              "device": device.device_kind, "platform": parallel.platform, "deviceless": devices is not None,
-              "jax_version": jax.__version__,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "num_blocks": config.num_blocks,
-              "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(params)}), "weight_sizes": sizes,
-              "programs": {}, "complete": False}  # fmt: skip
+    result = {
+        "label": label,
+        "model": engine.model,
+        "quantization": engine.quantization,
+        "kv_cache_dtype": engine.kv_cache_dtype,
+        "scan_layers": engine.scan_layers,
+        "device": device.device_kind,
+        "platform": parallel.platform,
+        "deviceless": devices is not None,
+        "jax_version": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "num_blocks": config.num_blocks,
+        "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(params)}),
+        "weight_sizes": sizes,
+        "programs": {},
+        "complete": False,
+    }
     os.makedirs(args.hlo_dir, exist_ok=True)
     save(result, args.output_json)
     lowered = {}
@@ -140,9 +162,14 @@ def census_programs(args, engine, devices: list | None = None) -> int:
             with open(path, "w") as f:
                 f.write(text)
             found = census(text, all_sizes)
-            result["programs"][spec] = {"program": programs.describe(chosen[spec]), "lower_s": round(lowered[spec][1], 2),
-                                        "compile_s": round(compile_s, 2), "hlo_file": os.path.basename(path),
-                                        "hlo_chars": len(text), **found}  # fmt: skip
+            result["programs"][spec] = {
+                "program": programs.describe(chosen[spec]),
+                "lower_s": round(lowered[spec][1], 2),
+                "compile_s": round(compile_s, 2),
+                "hlo_file": os.path.basename(path),
+                "hlo_chars": len(text),
+                **found,
+            }
             save(result, args.output_json)
             report(label, spec, programs.describe(chosen[spec]), compile_s, found)
     result["complete"] = True

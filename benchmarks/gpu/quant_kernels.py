@@ -24,15 +24,25 @@ The JSON is rewritten after every section and every shape.
 import argparse
 import functools
 import gc
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels_gpu import (BS, PEAK_HBM, Mismatch, check, paged_batch, parse_timing, ragged_args,
-                                    reference_or_none, run_phases, save, time_loop)  # fmt: skip
+from benchmarks.kernels_gpu import (
+    BS,
+    PEAK_HBM,
+    Mismatch,
+    check,
+    paged_batch,
+    parse_timing,
+    ragged_args,
+    reference_or_none,
+    run_phases,
+    save,
+    time_loop,
+)
 from pallas_kernels import paged_decode_attention, ragged_paged_attention, reference
 
 FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
@@ -69,9 +79,18 @@ def correctness(cfg, log: list) -> None:
         out = jax.jit(functools.partial(paged_decode_attention, interpret=cfg.interpret, **quant))(*args)
         check(f"decode float8_{name} pool, bf16 q, lens={lens}", out, ref, jnp.bfloat16, log, TOL_FP8)
         kv_lens, q_lens = zip(*cfg.ragged_mix)
-        q, k_pool, v_pool, cu, kv, tables, n = ragged_args(key, kv_lens, q_lens, (cfg.heads, cfg.kv_heads), cfg.head_dim,
-                                                           jnp.float32, True, pad_tokens=3)  # fmt: skip
-        args = (q.astype(jnp.bfloat16), to_fp8(k_pool, k_scale, dtype), to_fp8(v_pool, v_scale, dtype), cu, kv, tables, n)
+        q, k_pool, v_pool, cu, kv, tables, n = ragged_args(
+            key, kv_lens, q_lens, (cfg.heads, cfg.kv_heads), cfg.head_dim, jnp.float32, True, pad_tokens=3
+        )
+        args = (
+            q.astype(jnp.bfloat16),
+            to_fp8(k_pool, k_scale, dtype),
+            to_fp8(v_pool, v_scale, dtype),
+            cu,
+            kv,
+            tables,
+            n,
+        )
         with jax.default_matmul_precision("highest"):
             ref = reference.ragged_paged_attention(*args, **quant)
         out = jax.jit(functools.partial(ragged_paged_attention, interpret=cfg.interpret, **quant))(*args)
@@ -97,8 +116,9 @@ def bench_decode(cfg, log: list, results: dict) -> None:
             tokens_bytes = batch * ctx * cfg.kv_heads * cfg.head_dim * 2  # K and V, per byte of itemsize
             copies = int(min(16, max(1, -(-cfg.rotate_bytes // (2 * tokens_bytes)))))
             lens = jnp.full((batch,), ctx, jnp.int32)
-            k_pool, v_pool, tables = paged_batch(key, [ctx] * batch * copies, -(-ctx // BS), cfg.kv_heads, cfg.head_dim,
-                                                 jnp.bfloat16, False)  # fmt: skip
+            k_pool, v_pool, tables = paged_batch(
+                key, [ctx] * batch * copies, -(-ctx // BS), cfg.kv_heads, cfg.head_dim, jnp.bfloat16, False
+            )
             tables = tables.reshape(copies, batch, -1)  # copy c reads its own pages of one pool
             q = jax.random.normal(key, (batch, cfg.heads, cfg.head_dim)).astype(jnp.bfloat16)
             other = 2 * q.size * 2 + batch * tables.shape[-1] * 4  # q in, output out, the block tables
@@ -112,29 +132,48 @@ def bench_decode(cfg, log: list, results: dict) -> None:
                 kernel = functools.partial(paged_decode_attention, interpret=cfg.interpret, **quant)
                 if dtype is not None:
                     one = (q, k_pool, v_pool, tables[0], lens)
-                    ref = reference_or_none(functools.partial(reference.paged_decode_attention, **quant), one) \
-                        if batch * ctx <= cfg.max_checked_tokens else None  # fmt: skip
+                    ref = (
+                        reference_or_none(functools.partial(reference.paged_decode_attention, **quant), one)
+                        if batch * ctx <= cfg.max_checked_tokens
+                        else None
+                    )
                     if ref is not None:
-                        check(f"decode float8_e4m3fn b={batch} ctx={ctx}", jax.jit(kernel)(*one), ref, jnp.bfloat16, log,
-                              TOL_FP8)  # fmt: skip
+                        check(
+                            f"decode float8_e4m3fn b={batch} ctx={ctx}",
+                            jax.jit(kernel)(*one),
+                            ref,
+                            jnp.bfloat16,
+                            log,
+                            TOL_FP8,
+                        )
                     del ref
                 base = time_loop(lambda q_, *_: q_, args, cfg, rotate=3)
                 seconds = timing(f"{name} b={batch} ctx={ctx}", kernel, args, cfg, base)
                 nbytes = tokens_bytes * jnp.dtype(k_pool.dtype).itemsize + other
-                row[name] = dict(pool_dtype=jnp.dtype(k_pool.dtype).name, kv_bytes=tokens_bytes * jnp.dtype(k_pool.dtype).itemsize,
-                                 bytes=nbytes, baseline_s=base, s=seconds,
-                                 GBps=None if seconds is None else nbytes / seconds / 1e9,
-                                 frac_of_measured_hbm=None if seconds is None or not results["hbm_copy_Bps"]
-                                 else nbytes / seconds / results["hbm_copy_Bps"],
-                                 frac_of_peak_hbm=None if seconds is None or not results["peak_hbm_Bps"]
-                                 else nbytes / seconds / results["peak_hbm_Bps"])  # fmt: skip
+                row[name] = dict(
+                    pool_dtype=jnp.dtype(k_pool.dtype).name,
+                    kv_bytes=tokens_bytes * jnp.dtype(k_pool.dtype).itemsize,
+                    bytes=nbytes,
+                    baseline_s=base,
+                    s=seconds,
+                    GBps=None if seconds is None else nbytes / seconds / 1e9,
+                    frac_of_measured_hbm=None
+                    if seconds is None or not results["hbm_copy_Bps"]
+                    else nbytes / seconds / results["hbm_copy_Bps"],
+                    frac_of_peak_hbm=None
+                    if seconds is None or not results["peak_hbm_Bps"]
+                    else nbytes / seconds / results["peak_hbm_Bps"],
+                )
             b, f = row["bf16"]["s"], row["fp8"]["s"]
             row["time_ratio_fp8_over_bf16"] = None if b is None or f is None else f / b
             row["speedup_fp8"] = None if b is None or f is None else b / f
             results["decode"].append(row)
             save(results, cfg.out)
-            print(f"  b={batch:4d} ctx={ctx:5d}: bf16 {fmt_us(b)} µs {fmt_gbs(row['bf16'])}, fp8 {fmt_us(f)} µs "
-                  f"{fmt_gbs(row['fp8'])}, fp8/bf16 time {fmt_ratio(row['time_ratio_fp8_over_bf16'])}", flush=True)  # fmt: skip
+            print(
+                f"  b={batch:4d} ctx={ctx:5d}: bf16 {fmt_us(b)} µs {fmt_gbs(row['bf16'])}, fp8 {fmt_us(f)} µs "
+                f"{fmt_gbs(row['fp8'])}, fp8/bf16 time {fmt_ratio(row['time_ratio_fp8_over_bf16'])}",
+                flush=True,
+            )
             del k_pool, v_pool, tables, args, q
             gc.collect()
 
@@ -182,12 +221,23 @@ def main(argv=None) -> int:
     cfg = parse(argv)
     kind = jax.devices()[0].device_kind
     print(f"jax {jax.__version__} on {kind}; interpret={cfg.interpret}", flush=True)
-    results = dict(device=kind, jax=jax.__version__, smoke=cfg.smoke, complete=False,
-                   peak_hbm_Bps=next((v for k, v in PEAK_HBM.items() if k in kind), None), hbm_copy_Bps=None,
-                   shapes=dict(heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, block_size=BS),
-                   checks=[], decode=[])  # fmt: skip
-    return run_phases(cfg, results, [lambda: correctness(cfg, results["checks"]),
-                                     lambda: bench_decode(cfg, results["checks"], results)])
+    results = dict(
+        device=kind,
+        jax=jax.__version__,
+        smoke=cfg.smoke,
+        complete=False,
+        peak_hbm_Bps=next((v for k, v in PEAK_HBM.items() if k in kind), None),
+        hbm_copy_Bps=None,
+        shapes=dict(heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, block_size=BS),
+        checks=[],
+        decode=[],
+    )
+    return run_phases(
+        cfg,
+        results,
+        [lambda: correctness(cfg, results["checks"]), lambda: bench_decode(cfg, results["checks"], results)],
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -56,8 +56,15 @@ def run_step(label: str, cmd: list[str], timeout_s: float, log_path: str, env: d
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"[{stamp()}] $ {shlex.join(cmd)}  (timeout {timeout_s:.0f} s)\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                env=env, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,
+        )
 
         def tee() -> None:
             for line in proc.stdout:

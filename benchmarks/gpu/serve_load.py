@@ -52,11 +52,31 @@ def server_env() -> dict:
         return env
     wheels = sorted(glob.glob(os.path.join(WHEEL_DIR, "*.whl")))
     if not wheels:
-        raise RuntimeError(f"jaxpaged serve needs {', '.join(missing)}, missing here, and {WHEEL_DIR} holds no wheels: run "
-                           "`python -m benchmarks.gpu_run --prepare-wheels` on a machine with network and carry .whl")  # fmt: skip
-    print(f"installing {len(wheels)} wheels from {WHEEL_DIR} into {PRIVATE_SITE} (missing: {', '.join(missing)})", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--upgrade", "--target", PRIVATE_SITE, *wheels], check=True)  # fmt: skip
+        raise RuntimeError(
+            f"jaxpaged serve needs {', '.join(missing)}, missing here, and {WHEEL_DIR} holds no wheels: run "
+            "`python -m benchmarks.gpu_run --prepare-wheels` on a machine with network and carry .whl"
+        )
+    print(
+        f"installing {len(wheels)} wheels from {WHEEL_DIR} into {PRIVATE_SITE} (missing: {', '.join(missing)})",
+        flush=True,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--upgrade",
+            "--target",
+            PRIVATE_SITE,
+            *wheels,
+        ],
+        check=True,
+    )
     env["PYTHONPATH"] = os.pathsep.join((PRIVATE_SITE, env["PYTHONPATH"]))
     return env
 
@@ -111,8 +131,10 @@ def main(argv=None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     summary = {"model": args.model, "engine_flags": engine_flags, "rates": args.rates.split(","), "runs": []}
-    server = subprocess.Popen([*CLI, "serve", args.model, "--port", str(port), "--uvicorn-log-level", "warning",
-                               *engine_flags], env=server_env())  # fmt: skip
+    server = subprocess.Popen(
+        [*CLI, "serve", args.model, "--port", str(port), "--uvicorn-log-level", "warning", *engine_flags],
+        env=server_env(),
+    )
     try:
         summary["server_ready_s"] = round(wait_healthy(url, server), 1)
         print(f"jaxpaged serve ready at {url} after {summary['server_ready_s']} s", flush=True)
@@ -121,9 +143,23 @@ def main(argv=None) -> int:
         paths = []
         for rate in summary["rates"]:
             name = f"serve_{rate}qps.json"
-            returncode = jaxpaged_cli(["bench", "serve", "--port", str(port), "--request-rate", rate, "--disable-tqdm",
-                                       *shlex.split(args.bench_flags), "--save-result", "--result-dir", args.result_dir,
-                                       "--result-filename", name])  # fmt: skip
+            returncode = jaxpaged_cli(
+                [
+                    "bench",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--request-rate",
+                    rate,
+                    "--disable-tqdm",
+                    *shlex.split(args.bench_flags),
+                    "--save-result",
+                    "--result-dir",
+                    args.result_dir,
+                    "--result-filename",
+                    name,
+                ]
+            )
             path = os.path.join(args.result_dir, name)
             if returncode != 0 and not os.path.isfile(path):
                 raise RuntimeError(f"bench serve at rate {rate} exited with {returncode} and saved nothing")

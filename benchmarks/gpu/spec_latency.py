@@ -74,9 +74,14 @@ def sum_deltas(deltas: list[dict]) -> dict:
     proposed) and the mean accepted tokens per proposal."""
     drafts, proposed, accepted = (sum(d[name] for d in deltas) for name in SPEC_COUNTERS)
     per_pos = [sum(column) for column in zip(*(d[PER_POSITION] for d in deltas))]
-    return {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "accepted_per_draft": accepted / drafts if drafts else None, "accepted_per_position": per_pos}  # fmt: skip
+    return {
+        "drafts": drafts,
+        "draft_tokens": proposed,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "accepted_per_draft": accepted / drafts if drafts else None,
+        "accepted_per_position": per_pos,
+    }
 
 
 def main(argv=None) -> int:
@@ -110,12 +115,23 @@ def main(argv=None) -> int:
     ready = time.perf_counter()
     print(f"engine ready after {ready - imported:.1f} s", flush=True)
     spec = engine.speculative_config
-    result = {"label": args.label, "model": engine.model, "dtype": engine.dtype, "load_format": engine.load_format,
-              "speculative_config": dataclasses.asdict(spec) if spec else None,
-              "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-              "input_len": args.input_len, "phrase_len": args.phrase_len, "output_len": args.output_len,
-              "num_iters_warmup": args.num_iters_warmup, "num_iters": args.num_iters,
-              "import_s": round(imported - STARTED, 2), "ready_s": round(ready - imported, 2), "batches": {}}  # fmt: skip
+    result = {
+        "label": args.label,
+        "model": engine.model,
+        "dtype": engine.dtype,
+        "load_format": engine.load_format,
+        "speculative_config": dataclasses.asdict(spec) if spec else None,
+        "device": jax.devices()[0].device_kind,
+        "jax_version": jax.__version__,
+        "input_len": args.input_len,
+        "phrase_len": args.phrase_len,
+        "output_len": args.output_len,
+        "num_iters_warmup": args.num_iters_warmup,
+        "num_iters": args.num_iters,
+        "import_s": round(imported - STARTED, 2),
+        "ready_s": round(ready - imported, 2),
+        "batches": {},
+    }
 
     def timed(prompts: list[dict], max_tokens: int) -> tuple[float, list]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -126,8 +142,11 @@ def main(argv=None) -> int:
         return seconds, [list(o.outputs[0].token_ids) for o in outputs]
 
     for batch in args.batch_sizes:
+
         def prompts(i: int) -> list[dict]:
-            return repetitive_prompts(vocab_size, batch, args.input_len, args.phrase_len, f"{args.prompt_seed}-{batch}-{i}")
+            return repetitive_prompts(
+                vocab_size, batch, args.input_len, args.phrase_len, f"{args.prompt_seed}-{batch}-{i}"
+            )
 
         for i in range(args.num_iters_warmup):
             timed(prompts(-1 - i), args.output_len)
@@ -141,18 +160,28 @@ def main(argv=None) -> int:
             deltas.append(spec_delta(before, spec_counters(llm)))
             first_tokens = first_tokens if first_tokens is not None else tokens
         avg_full, avg_prefill = sum(full) / len(full), sum(prefill) / len(prefill)
-        row = {"batch_size": batch, "latency_s": full, "prefill_s": prefill, "avg_latency_s": avg_full,
-               "avg_prefill_s": avg_prefill, "tpot_ms": (avg_full - avg_prefill) / (args.output_len - 1) * 1000,
-               "e2e_tpot_ms": avg_full / args.output_len * 1000, "output_tok_s": batch * args.output_len / avg_full,
-               "distinct_output_token_frac": [len(set(t)) / len(t) for t in first_tokens],
-               "token_ids": first_tokens}  # fmt: skip
+        row = {
+            "batch_size": batch,
+            "latency_s": full,
+            "prefill_s": prefill,
+            "avg_latency_s": avg_full,
+            "avg_prefill_s": avg_prefill,
+            "tpot_ms": (avg_full - avg_prefill) / (args.output_len - 1) * 1000,
+            "e2e_tpot_ms": avg_full / args.output_len * 1000,
+            "output_tok_s": batch * args.output_len / avg_full,
+            "distinct_output_token_frac": [len(set(t)) / len(t) for t in first_tokens],
+            "token_ids": first_tokens,
+        }
         if any(deltas):
             row["spec"] = sum_deltas(deltas)
         result["batches"][str(batch)] = row
         acceptance = row.get("spec", {}).get("acceptance_rate")
-        print(f"batch {batch}: TPOT {row['tpot_ms']:.2f} ms (e2e {row['e2e_tpot_ms']:.2f} ms), "
-              f"{row['output_tok_s']:.1f} output tok/s, prefill {avg_prefill * 1000:.1f} ms"
-              + (f", acceptance {acceptance:.1%}" if acceptance is not None else ""), flush=True)  # fmt: skip
+        print(
+            f"batch {batch}: TPOT {row['tpot_ms']:.2f} ms (e2e {row['e2e_tpot_ms']:.2f} ms), "
+            f"{row['output_tok_s']:.1f} output tok/s, prefill {avg_prefill * 1000:.1f} ms"
+            + (f", acceptance {acceptance:.1%}" if acceptance is not None else ""),
+            flush=True,
+        )
         if args.output_json:
             with open(args.output_json, "w") as f:
                 json.dump(result, f, indent=1)

@@ -3,7 +3,6 @@
 stages' statuses, then one table: per configuration and batch size, TPOT, output tokens/s,
 acceptance and the ratios to plain decoding) and `stages.tar.gz` (each stage's JSON and log)."""
 
-
 from benchmarks.gpu.summary import _round, markdown_head, set_headlines, steps_cell, write_files
 
 BASE = "plain"
@@ -45,14 +44,20 @@ def rows(record: dict, base: dict) -> dict:
             pairs = list(zip(plain["token_ids"], row["token_ids"]))
             same = sum(a == b for a, b in pairs) / len(pairs)
         out[f"batch {batch}"] = {
-            "tpot_ms": _round(row["tpot_ms"]), "e2e_tpot_ms": _round(row["e2e_tpot_ms"]),
+            "tpot_ms": _round(row["tpot_ms"]),
+            "e2e_tpot_ms": _round(row["e2e_tpot_ms"]),
             "output_tok_s": _round(row["output_tok_s"], 1),
-            "speedup_vs_plain": _round(plain["tpot_ms"] / row["tpot_ms"], 3) if plain.get("tpot_ms") and row["tpot_ms"] else None,
-            "throughput_vs_plain": _round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain.get("output_tok_s") else None,
-            "acceptance": _round(spec.get("acceptance_rate"), 3), "accepted_per_draft": _round(spec.get("accepted_per_draft")),
+            "speedup_vs_plain": _round(plain["tpot_ms"] / row["tpot_ms"], 3)
+            if plain.get("tpot_ms") and row["tpot_ms"]
+            else None,
+            "throughput_vs_plain": _round(row["output_tok_s"] / plain["output_tok_s"], 3)
+            if plain.get("output_tok_s")
+            else None,
+            "acceptance": _round(spec.get("acceptance_rate"), 3),
+            "accepted_per_draft": _round(spec.get("accepted_per_draft")),
             "same_tokens_as_plain": _round(same, 3),
             "distinct_output_tokens": _round(_mean(row.get("distinct_output_token_frac") or []), 3),
-        }  # fmt: skip
+        }
     return out
 
 
@@ -60,18 +65,29 @@ def write_summary(out_dir: str, work_dir: str, device: dict, records: list[dict]
     """summary.json, summary.md and stages.tar.gz (the work directory without compilation caches)."""
     base = next((_result(r) for r in records if r["stage"] == BASE), {})
     set_headlines(records, lambda record: rows(record, base))
-    write_files(out_dir, work_dir, {"device": device, "plan": plan, "notes": NOTES, "stages": records},
-                markdown(device, records, plan))
+    write_files(
+        out_dir,
+        work_dir,
+        {"device": device, "plan": plan, "notes": NOTES, "stages": records},
+        markdown(device, records, plan),
+    )
 
 
 def _cell(value) -> str:
     return "-" if value is None else str(value)
 
 
-COLUMNS = (("tpot_ms", "TPOT ms"), ("e2e_tpot_ms", "e2e TPOT ms"), ("output_tok_s", "output tok/s"),
-           ("speedup_vs_plain", "speedup vs plain (TPOT)"), ("throughput_vs_plain", "tok/s vs plain"),
-           ("acceptance", "acceptance"), ("accepted_per_draft", "accepted per proposal"),
-           ("same_tokens_as_plain", "same tokens as plain"), ("distinct_output_tokens", "distinct output tokens"))  # fmt: skip
+COLUMNS = (
+    ("tpot_ms", "TPOT ms"),
+    ("e2e_tpot_ms", "e2e TPOT ms"),
+    ("output_tok_s", "output tok/s"),
+    ("speedup_vs_plain", "speedup vs plain (TPOT)"),
+    ("throughput_vs_plain", "tok/s vs plain"),
+    ("acceptance", "acceptance"),
+    ("accepted_per_draft", "accepted per proposal"),
+    ("same_tokens_as_plain", "same tokens as plain"),
+    ("distinct_output_tokens", "distinct output tokens"),
+)
 
 
 def markdown(device: dict, records: list[dict], plan: dict) -> str:
@@ -83,12 +99,18 @@ def markdown(device: dict, records: list[dict], plan: dict) -> str:
             lines += ["", f"{record['stage']}: headline error {headline['error']}"]
             continue
         for batch, row in headline.items():
-            table.append(f"| {record['stage']} | {batch.split()[-1]} | " + " | ".join(_cell(row[k]) for k, _ in COLUMNS) + " |")
+            table.append(
+                f"| {record['stage']} | {batch.split()[-1]} | " + " | ".join(_cell(row[k]) for k, _ in COLUMNS) + " |"
+            )
     if table:
-        lines += ["", f"## {plan.get('model')} (dummy {plan.get('dtype', 'bf16')} weights), greedy, "
-                  f"{plan.get('workload', '')}", "",
-                  "| config | batch | " + " | ".join(name for _, name in COLUMNS) + " |",
-                  "|---|---|" + "---|" * len(COLUMNS), *table]  # fmt: skip
+        lines += [
+            "",
+            f"## {plan.get('model')} (dummy {plan.get('dtype', 'bf16')} weights), greedy, {plan.get('workload', '')}",
+            "",
+            "| config | batch | " + " | ".join(name for _, name in COLUMNS) + " |",
+            "|---|---|" + "---|" * len(COLUMNS),
+            *table,
+        ]
     if records:
         lines += ["", "Notes:", "", *(f"- {note}" for note in NOTES)]
     return "\n".join(lines) + "\n"

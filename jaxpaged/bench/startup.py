@@ -42,11 +42,19 @@ DEFAULT_POOL_BYTES = 32 * 2**30
 def add_startup_flags(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, with the defaults of a start-up measurement (a preset with dummy
     weights, no tokenizer, the compilation cache off)."""
-    add_engine_flags(parser, defaults=dict(model="llama-3.1-8b", load_format="dummy", skip_tokenizer_init=True,
-                                           compilation_cache_dir="none"))  # fmt: skip
+    add_engine_flags(
+        parser,
+        defaults=dict(
+            model="llama-3.1-8b", load_format="dummy", skip_tokenizer_init=True, compilation_cache_dir="none"
+        ),
+    )
     parser.add_argument("--output-json", metavar="FILE", help="write the per-program and total seconds as JSON")
-    parser.add_argument("--target", choices=sorted(GPU_TARGETS), help="compile for this GPU, on this machine and "
-                        "without one (deviceless; needs the gpu-compile extra), instead of for this machine's devices")
+    parser.add_argument(
+        "--target",
+        choices=sorted(GPU_TARGETS),
+        help="compile for this GPU, on this machine and "
+        "without one (deviceless; needs the gpu-compile extra), instead of for this machine's devices",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +62,11 @@ def run(args: argparse.Namespace) -> int:
     engine = engine_args(args)  # every flag is checked before JAX loads
     if args.target and engine.compilation_cache_dir != "none":
         # JAX finds the cached programs (their keys match) but cannot load them without the GPU
-        raise EngineArgsError("compilation_cache_dir", engine.compilation_cache_dir, "a warm start loads the "
-                              "programs onto the GPU, which --target only describes: measure it on the GPU")  # fmt: skip
+        raise EngineArgsError(
+            "compilation_cache_dir",
+            engine.compilation_cache_dir,
+            "a warm start loads the programs onto the GPU, which --target only describes: measure it on the GPU",
+        )
     if args.target:
         prepare_environment()
     report = measure_startup(engine, args.target)
@@ -98,24 +109,44 @@ def _measure(args, devices: list | None, cache_dir: str | None) -> dict:
     probe = Program(max(runner.layouts), 1, False)
     began = time.perf_counter()
     small_pool = runner.zero_cache(runner.pages + 1)  # as the engine's probe has it
-    results = compile_all([("memory probe: " + runner.step_programs.describe(probe),
-                            lambda: runner.step_programs.lower(probe, runner.params, small_pool))], 1, logger.info)  # fmt: skip
+    results = compile_all(
+        [
+            (
+                "memory probe: " + runner.step_programs.describe(probe),
+                lambda: runner.step_programs.lower(probe, runner.params, small_pool),
+            )
+        ],
+        1,
+        logger.info,
+    )
     runner.warm_up(args.compile_threads)
     results += runner.compile_report
     wall = time.perf_counter() - began
     rows = [{"program": r.name, "lower_s": round(r.lower_s, 3), "compile_s": round(r.compile_s, 3)} for r in results]
     return {
-        "model": args.model, "dtype": str(runner.params_dtype), "num_layers": config.model.num_layers,
-        "scan_layers": args.scan_layers, "tensor_parallel_size": args.tensor_parallel_size,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": config.max_model_len, "num_scheduler_steps": args.num_scheduler_steps,
-        "num_blocks": config.num_blocks, "platform": parallel.platform, "jax_version": jax.__version__,
-        "device": parallel.mesh.devices.flat[0].device_kind, "deviceless": devices is not None,
-        "compilation_cache_dir": cache_dir, "compile_threads": args.compile_threads, "num_programs": len(rows),
-        "setup_s": round(setup_seconds, 3), "total_lower_s": round(sum(r["lower_s"] for r in rows), 3),
-        "total_compile_s": round(sum(r["compile_s"] for r in rows), 3), "wall_s": round(wall, 3),
+        "model": args.model,
+        "dtype": str(runner.params_dtype),
+        "num_layers": config.model.num_layers,
+        "scan_layers": args.scan_layers,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": config.max_model_len,
+        "num_scheduler_steps": args.num_scheduler_steps,
+        "num_blocks": config.num_blocks,
+        "platform": parallel.platform,
+        "jax_version": jax.__version__,
+        "device": parallel.mesh.devices.flat[0].device_kind,
+        "deviceless": devices is not None,
+        "compilation_cache_dir": cache_dir,
+        "compile_threads": args.compile_threads,
+        "num_programs": len(rows),
+        "setup_s": round(setup_seconds, 3),
+        "total_lower_s": round(sum(r["lower_s"] for r in rows), 3),
+        "total_compile_s": round(sum(r["compile_s"] for r in rows), 3),
+        "wall_s": round(wall, 3),
         "programs": rows,
-    }  # fmt: skip
+    }
 
 
 def abstract_worker(args, devices: list | None = None):
@@ -124,8 +155,8 @@ def abstract_worker(args, devices: list | None = None):
     the pool `kv_cache_memory_bytes` or `DEFAULT_POOL_BYTES`; nothing compiled yet."""
     import dataclasses
 
-    from jaxpaged.engine_config import EngineConfig
     from jaxpaged.engine.setup import prepare_device_worker
+    from jaxpaged.engine_config import EngineConfig
 
     args = dataclasses.replace(args, kv_cache_memory_bytes=args.kv_cache_memory_bytes or DEFAULT_POOL_BYTES)
     return prepare_device_worker(EngineConfig.resolve(args), devices=devices, abstract=True)
@@ -133,8 +164,9 @@ def abstract_worker(args, devices: list | None = None):
 
 def format_report(report: dict) -> str:
     """The report as a table with its totals."""
-    lines = [f"{r['program']:<58} lower {r['lower_s']:7.2f} s   compile {r['compile_s']:7.2f} s"
-             for r in report["programs"]]  # fmt: skip
+    lines = [
+        f"{r['program']:<58} lower {r['lower_s']:7.2f} s   compile {r['compile_s']:7.2f} s" for r in report["programs"]
+    ]
     lines.append(
         f"{report['num_programs']} programs for {report['model']} ({report['num_layers']} layers, "
         f"{'scanned' if report['scan_layers'] else 'unrolled'}, {report['platform']}, jax {report['jax_version']}, "

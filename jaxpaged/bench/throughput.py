@@ -38,11 +38,20 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     datasets.add_dataset_flags(parser, default_num_prompts=1000)
     parser.add_argument("--output-json", metavar="FILE", help="write the result here")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    parser.add_argument("--compare-transformers", action="store_true", help="also run Hugging Face transformers on the "
-                        "same requests (continuous batching where installed, else batched generate) in a separate "
-                        "process, and report the ratio")  # fmt: skip
-    parser.add_argument("--transformers-timeout", type=float, default=3600.0, metavar="SECONDS",
-                        help="stop the transformers run after this long")  # fmt: skip
+    parser.add_argument(
+        "--compare-transformers",
+        action="store_true",
+        help="also run Hugging Face transformers on the "
+        "same requests (continuous batching where installed, else batched generate) in a separate "
+        "process, and report the ratio",
+    )
+    parser.add_argument(
+        "--transformers-timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="stop the transformers run after this long",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
     _, config = load_config_dict(model)
     context = args.max_model_len or ModelConfig.from_hf(config).max_context_len
     tokenizer = _dataset_tokenizer(args, model, skip)
-    requests = datasets.get_requests(args, tokenizer=tokenizer, vocab_size=config["vocab_size"],
-                                     max_model_len=context, seed=args.seed)  # fmt: skip
+    requests = datasets.get_requests(
+        args, tokenizer=tokenizer, vocab_size=config["vocab_size"], max_model_len=context, seed=args.seed
+    )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     sizes = size_to_job(args, model, prompts, params)
@@ -80,20 +90,33 @@ def run(args: argparse.Namespace) -> int:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {
-        "model": model, "dtype": engine.dtype, "dataset_name": args.dataset_name, "engine_sizes": sizes,
-        "elapsed_time": elapsed, "num_requests": len(outputs), "total_num_tokens": prompt_tokens + output_tokens,
-        "total_output_tokens": output_tokens, "requests_per_second": len(outputs) / elapsed,
-        "tokens_per_second": (prompt_tokens + output_tokens) / elapsed, "output_tokens_per_second": output_tokens / elapsed,
-    }  # fmt: skip
-    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total tokens/s, "
-          f"{result['output_tokens_per_second']:.2f} output tokens/s")  # fmt: skip
+        "model": model,
+        "dtype": engine.dtype,
+        "dataset_name": args.dataset_name,
+        "engine_sizes": sizes,
+        "elapsed_time": elapsed,
+        "num_requests": len(outputs),
+        "total_num_tokens": prompt_tokens + output_tokens,
+        "total_output_tokens": output_tokens,
+        "requests_per_second": len(outputs) / elapsed,
+        "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+    }
+    print(
+        f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total tokens/s, "
+        f"{result['output_tokens_per_second']:.2f} output tokens/s"
+    )
     print(f"Total num prompt tokens:  {prompt_tokens}")
     print(f"Total num output tokens:  {output_tokens}")
     if theirs is not None:
         result["transformers"] = theirs
-        result["output_throughput_vs_transformers"] = result["output_tokens_per_second"] / theirs["output_tokens_per_second"]
-        print(f"{theirs['backend']} {theirs['transformers_version']} on {theirs['device']}: "
-              f"{theirs['requests_per_second']:.2f} requests/s, {theirs['output_tokens_per_second']:.2f} output tokens/s")  # fmt: skip
+        result["output_throughput_vs_transformers"] = (
+            result["output_tokens_per_second"] / theirs["output_tokens_per_second"]
+        )
+        print(
+            f"{theirs['backend']} {theirs['transformers_version']} on {theirs['device']}: "
+            f"{theirs['requests_per_second']:.2f} requests/s, {theirs['output_tokens_per_second']:.2f} output tokens/s"
+        )
         print(f"jaxpaged / transformers (output tokens/s): {result['output_throughput_vs_transformers']:.2f}x")
     if their_error is not None:
         result["transformers_error"] = their_error
@@ -132,17 +155,34 @@ def _run_transformers(args: argparse.Namespace, model: str, config: dict, reques
                 json.dump(config, f)
         workload, out = os.path.join(tmp, "workload.json"), os.path.join(tmp, "result.json")
         with open(workload, "w") as f:
-            json.dump({"model": model_dir, "dtype": dtype, "load_format": args.load_format, "max_batch_size": batch_size,
-                       "prompts": [r.prompt_token_ids for r in requests],
-                       "output_lens": [r.output_len for r in requests]}, f)  # fmt: skip
-        print(f"running transformers on the same {len(requests)} requests (separate process, timeout "
-              f"{args.transformers_timeout:g} s)...", file=sys.stderr)  # fmt: skip
+            json.dump(
+                {
+                    "model": model_dir,
+                    "dtype": dtype,
+                    "load_format": args.load_format,
+                    "max_batch_size": batch_size,
+                    "prompts": [r.prompt_token_ids for r in requests],
+                    "output_lens": [r.output_len for r in requests],
+                },
+                f,
+            )
+        print(
+            f"running transformers on the same {len(requests)} requests (separate process, timeout "
+            f"{args.transformers_timeout:g} s)...",
+            file=sys.stderr,
+        )
         try:
-            proc = subprocess.run([sys.executable, "-m", "jaxpaged.bench.hf_compare", workload, out], capture_output=True,
-                                  text=True, timeout=args.transformers_timeout)  # fmt: skip
+            proc = subprocess.run(
+                [sys.executable, "-m", "jaxpaged.bench.hf_compare", workload, out],
+                capture_output=True,
+                text=True,
+                timeout=args.transformers_timeout,
+            )
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the transformers run took more than --transformers-timeout {args.transformers_timeout:g} "
-                             "seconds; raise it or lower --num-prompts") from None  # fmt: skip
+            raise RuntimeError(
+                f"the transformers run took more than --transformers-timeout {args.transformers_timeout:g} "
+                "seconds; raise it or lower --num-prompts"
+            ) from None
         if proc.returncode != 0:
             raise RuntimeError(f"the transformers run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         with open(out) as f:

@@ -32,6 +32,7 @@ from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.quantization import QUANTIZED_WEIGHT_DTYPES
 from jaxpaged.params.spec import ParamSpec, Path
 from jaxpaged.params.tables import find_state_param, param_specs, state_shapes
+
 Shapes = tuple[tuple[int, ...], ...]  # the shapes a tensor may have
 
 # The dtype a pre-quantized tensor keeps whatever the model's dtype, and the safetensors dtypes it
@@ -116,8 +117,9 @@ class KeySpec:
         return text + (f" {self.dtype}" if self.dtype else "")
 
 
-def check_shape(name: str, expected: tuple[int, ...], actual: tuple[int, ...],
-                also: tuple[tuple[int, ...], ...] = ()) -> None:  # fmt: skip
+def check_shape(
+    name: str, expected: tuple[int, ...], actual: tuple[int, ...], also: tuple[tuple[int, ...], ...] = ()
+) -> None:
     """Raises ValueError naming the tensor `name` when `actual` is neither `expected` nor one of
     `also`."""
     if tuple(actual) != tuple(expected) and tuple(actual) not in also:
@@ -153,8 +155,14 @@ def hf_key_specs(config: ModelConfig, prequantized: str | None = None) -> list[K
     order += [(p, None) for p in after]
     specs = []
     for param, layer in order:
-        spec = KeySpec(param.hf_key(layer), param.path, param.hf_shape(config), param.shape(config),
-                       param.hf_layout == "linear", layer)  # fmt: skip
+        spec = KeySpec(
+            param.hf_key(layer),
+            param.path,
+            param.hf_shape(config),
+            param.shape(config),
+            param.hf_layout == "linear",
+            layer,
+        )
         specs += _prequantized(spec, param, prequantized) if prequantized is not None and param.quantize else [spec]
     return specs
 
@@ -166,10 +174,25 @@ def _prequantized(spec: KeySpec, param: ParamSpec, method: str) -> list[KeySpec]
     quant, scale = param.quantized_paths
     inputs, outputs = spec.shape[: param.num_in], spec.shape[param.num_in :]
     return [
-        KeySpec(spec.hf_name, quant, spec.hf_shape, (*outputs, *inputs), False, spec.layer,
-                dtype=QUANTIZED_WEIGHT_DTYPES[method]),  # fmt: skip
-        KeySpec(spec.hf_name + "_scale", scale, (spec.hf_shape[0], 1), outputs, False, spec.layer, dtype="float32",
-                broadcast=True),  # fmt: skip
+        KeySpec(
+            spec.hf_name,
+            quant,
+            spec.hf_shape,
+            (*outputs, *inputs),
+            False,
+            spec.layer,
+            dtype=QUANTIZED_WEIGHT_DTYPES[method],
+        ),
+        KeySpec(
+            spec.hf_name + "_scale",
+            scale,
+            (spec.hf_shape[0], 1),
+            outputs,
+            False,
+            spec.layer,
+            dtype="float32",
+            broadcast=True,
+        ),
     ]
 
 

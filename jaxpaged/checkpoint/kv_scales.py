@@ -11,8 +11,10 @@ import numpy as np
 from jaxpaged.checkpoint.format import SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 
-_NAMES = {"k": ("self_attn.k_scale", "self_attn.k_proj.output_scale"),
-          "v": ("self_attn.v_scale", "self_attn.v_proj.output_scale")}  # fmt: skip
+_NAMES = {
+    "k": ("self_attn.k_scale", "self_attn.k_proj.output_scale"),
+    "v": ("self_attn.v_scale", "self_attn.v_proj.output_scale"),
+}
 
 
 def checkpoint_kv_scales(model_dir: str | os.PathLike, num_layers: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -35,8 +37,10 @@ def checkpoint_kv_scales(model_dir: str | os.PathLike, num_layers: int) -> tuple
     if not wanted:
         return None
     if len(wanted) != 2 * num_layers:
-        raise ValueError(f"checkpoint {os.fspath(model_dir)!r} has KV cache scales for {len(wanted)} of the "
-                         f"{2 * num_layers} K and V layers; it needs all or none")  # fmt: skip
+        raise ValueError(
+            f"checkpoint {os.fspath(model_dir)!r} has KV cache scales for {len(wanted)} of the "
+            f"{2 * num_layers} K and V layers; it needs all or none"
+        )
     scales = {"k": np.zeros(num_layers, np.float32), "v": np.zeros(num_layers, np.float32)}
     for name, array in ckpt.iter_tensors(wanted):
         value = np.asarray(array, np.float32).reshape(-1)

@@ -38,8 +38,16 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxpaged.checkpoint.format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
-from jaxpaged.checkpoint.hf_keys import (Path, check_shape, format_names, hf_key_specs, kept_dtype, optional_hf_keys,
-                                         param_shapes, quantizable)  # fmt: skip
+from jaxpaged.checkpoint.hf_keys import (
+    Path,
+    check_shape,
+    format_names,
+    hf_key_specs,
+    kept_dtype,
+    optional_hf_keys,
+    param_shapes,
+    quantizable,
+)
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
@@ -122,7 +130,10 @@ def check_names(expected: AbstractSet, present: AbstractSet, where: str, optiona
 
 
 def iter_hf_params(
-    model_dir: str | os.PathLike, config: ModelConfig, dtype: np.dtype, progress: bool = False,
+    model_dir: str | os.PathLike,
+    config: ModelConfig,
+    dtype: np.dtype,
+    progress: bool = False,
     prequantized: str | None = None,
 ) -> Iterator[tuple[Path, np.ndarray]]:
     """Checks an HF safetensors checkpoint from its headers, then reads it one tensor at a time.
@@ -151,8 +162,10 @@ def iter_hf_params(
         check_names({s.hf_name for s in specs}, set(ckpt.names), f"checkpoint {os.fspath(model_dir)!r}", set(optional))
     except ValueError as err:
         if prequantized is None and any(name.endswith(".weight_scale") for name in ckpt.names):
-            raise ValueError(f"{err} (weight_scale tensors: the weights are quantized, but config.json has no "
-                             "quantization_config saying how)") from None  # fmt: skip
+            raise ValueError(
+                f"{err} (weight_scale tensors: the weights are quantized, but config.json has no "
+                "quantization_config saying how)"
+            ) from None
         raise
     for spec in specs:  # from headers, before reading any data
         spec.check(ckpt.shape(spec.hf_name), ckpt.dtype(spec.hf_name))
@@ -172,7 +185,10 @@ def iter_hf_params(
 
 
 def read_hf_params(
-    model_dir: str | os.PathLike, config: ModelConfig, dtype: np.dtype, progress: bool = False,
+    model_dir: str | os.PathLike,
+    config: ModelConfig,
+    dtype: np.dtype,
+    progress: bool = False,
     prequantized: str | None = None,
 ) -> Params:
     """The whole checkpoint as a nested params dict in our layout, decoder layers stacked (see
@@ -191,8 +207,13 @@ def read_hf_params(
     return params
 
 
-def _checkpoint_tensors(model_dir: str | os.PathLike, config: ModelConfig, raw: dict[str, Any], dtype: Any,
-                        parallel: TensorParallel | None = None) -> tuple[np.dtype, Iterator]:  # fmt: skip
+def _checkpoint_tensors(
+    model_dir: str | os.PathLike,
+    config: ModelConfig,
+    raw: dict[str, Any],
+    dtype: Any,
+    parallel: TensorParallel | None = None,
+) -> tuple[np.dtype, Iterator]:
     """`(target dtype, iterator of (path, layer, array))` of an HF or a converted directory whose
     config.json is `(config, raw)` (arrays are numpy, or already placed `jax.Array`s when Orbax
     restored them into shards; `layer` is the row of a stacked parameter a tensor fills, None:
@@ -234,9 +255,14 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
     return config, params
 
 
-def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str = "auto",
-               parallel: TensorParallel | None = None, scan_layers: bool = True,
-               quantization: str | None = None) -> tuple[ModelConfig, Llama]:  # fmt: skip
+def load_model(
+    model_dir: str | os.PathLike,
+    dtype: Any = "auto",
+    attention: str = "auto",
+    parallel: TensorParallel | None = None,
+    scan_layers: bool = True,
+    quantization: str | None = None,
+) -> tuple[ModelConfig, Llama]:
     """Loads a checkpoint into an NNX `Llama` without random-initialising it first.
 
     Each tensor goes straight to its devices as it is read (split by the sharding table under
@@ -265,8 +291,15 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     target, tensors = _checkpoint_tensors(model_dir, config, raw, dtype, parallel)
     model_config = parallel.layout.mesh_config if parallel is not None else config
     abstract = nnx.eval_shape(
-        lambda: Llama(model_config, target, rngs=nnx.Rngs(0), attention=attention, parallel=parallel,
-                      scan_layers=scan_layers, quantization=quantization)
+        lambda: Llama(
+            model_config,
+            target,
+            rngs=nnx.Rngs(0),
+            attention=attention,
+            parallel=parallel,
+            scan_layers=scan_layers,
+            quantization=quantization,
+        )
     )
     graphdef, state = nnx.split(abstract)
     shapes = param_shapes(model_config, quantization)
@@ -293,8 +326,9 @@ def load_model(model_dir: str | os.PathLike, dtype: Any = "auto", attention: str
     return config, model
 
 
-def _quantize_tensors(tensors: Iterator, config: ModelConfig, quantization: str | None,
-                      parallel: TensorParallel | None) -> Iterator:  # fmt: skip
+def _quantize_tensors(
+    tensors: Iterator, config: ModelConfig, quantization: str | None, parallel: TensorParallel | None
+) -> Iterator:
     """The checkpoint's `(path, layer, array)` with every quantizable weight replaced by its
     quantized pair (`quantize_weight`). A numpy tensor is quantized on the default device and
     comes back as numpy; one Orbax restored into its shards is quantized where it lies, into
@@ -317,9 +351,13 @@ def _quantize_tensors(tensors: Iterator, config: ModelConfig, quantization: str 
         yield pair[1], layer, scale
 
 
-def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: Any,
-                    parallel: TensorParallel | None = None,
-                    prequantized: str | None = None) -> tuple[np.dtype, Params]:  # fmt: skip
+def _load_converted(
+    model_dir: str | os.PathLike,
+    config: ModelConfig,
+    dtype: Any,
+    parallel: TensorParallel | None = None,
+    prequantized: str | None = None,
+) -> tuple[np.dtype, Params]:
     """Restores a converted checkpoint: as numpy arrays, or with `parallel` straight into each
     tensor's shards (each device reads its part; tensors whose kv heads must be repeated come
     back as numpy for `parallel.place`). Plain tensors are cast to `dtype`; the quantized pairs
@@ -353,8 +391,10 @@ def _load_converted(model_dir: str | os.PathLike, config: ModelConfig, dtype: An
             check_shape(_dotted(path), expected[path], tuple(m.shape))
             kept = kept_dtype(config, path, prequantized)
             if kept is not None and np.dtype(m.dtype) != kept:
-                raise ValueError(f"tensor {_dotted(path)!r} in {params_dir!r} is stored as {np.dtype(m.dtype)}, "
-                                 f"expected {kept} (the checkpoint is {prequantized}-quantized)")  # fmt: skip
+                raise ValueError(
+                    f"tensor {_dotted(path)!r} in {params_dir!r} is stored as {np.dtype(m.dtype)}, "
+                    f"expected {kept} (the checkpoint is {prequantized}-quantized)"
+                )
 
         def restore_args(path, _):
             path = param_path(path)

@@ -127,8 +127,11 @@ def _data_offsets(path: str) -> dict[str, tuple[int, int]]:
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
-    return {name: (8 + length + entry["data_offsets"][0], 8 + length + entry["data_offsets"][1])
-            for name, entry in header.items() if name != "__metadata__"}  # fmt: skip
+    return {
+        name: (8 + length + entry["data_offsets"][0], 8 + length + entry["data_offsets"][1])
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
 
 
 def _read_raw(path: str, span: tuple[int, int], dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:

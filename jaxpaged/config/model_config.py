@@ -83,8 +83,7 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}"
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
 
     @property
@@ -130,8 +129,7 @@ class ModelConfig:
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
-                f"architectures={archs!r} is not supported; jaxpaged runs "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+                f"architectures={archs!r} is not supported; jaxpaged runs {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -185,8 +183,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"rope_scaling.rope_type={rope_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"rope_scaling.rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
         return RopeConfig(theta=theta)

@@ -80,6 +80,8 @@ def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> st
     """
     stored = checkpoint_quantization(hf_config)
     if stored is not None and requested not in (None, stored):
-        raise ValueError(f"quantization={requested!r}: the checkpoint is already quantized as {stored!r} "
-                         f"(its config.json says so); leave quantization unset or give {stored!r}")  # fmt: skip
+        raise ValueError(
+            f"quantization={requested!r}: the checkpoint is already quantized as {stored!r} "
+            f"(its config.json says so); leave quantization unset or give {stored!r}"
+        )
     return stored or requested

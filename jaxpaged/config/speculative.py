@@ -62,27 +62,41 @@ class SpeculativeConfig:
             except json.JSONDecodeError as err:
                 raise SpeculativeConfigError(f"is not JSON ({err.msg} at character {err.pos})") from None
         if not isinstance(value, dict):
-            raise SpeculativeConfigError("must be a JSON object such as "
-                                         '{"method": "ngram", "num_speculative_tokens": 4}')  # fmt: skip
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                 "disable_by_batch_size", "adaptive"}  # fmt: skip
+            raise SpeculativeConfigError(
+                'must be a JSON object such as {"method": "ngram", "num_speculative_tokens": 4}'
+            )
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "model",
+            "disable_by_batch_size",
+            "adaptive",
+        }
         unknown = sorted(set(value) - known)
         if unknown:
             raise SpeculativeConfigError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         method = value.get("method", "draft_model" if "model" in value else "ngram")
         if method not in SPECULATIVE_METHODS:
-            raise SpeculativeConfigError(f"method {method!r} is not supported; use one of {', '.join(SPECULATIVE_METHODS)}")
+            raise SpeculativeConfigError(
+                f"method {method!r} is not supported; use one of {', '.join(SPECULATIVE_METHODS)}"
+            )
         model = value.get("model")
         if (method == "draft_model") != (model is not None):
-            raise SpeculativeConfigError("method 'draft_model' needs the draft's directory as \"model\" (and only it "
-                                         "takes one)")  # fmt: skip
+            raise SpeculativeConfigError(
+                "method 'draft_model' needs the draft's directory as \"model\" (and only it takes one)"
+            )
         if model is not None and (not isinstance(model, str) or not model):
             raise SpeculativeConfigError(f"model={model!r} must be a model directory (or a preset with dummy weights)")
         k = value.get("num_speculative_tokens")
         lookup_max = value.get("prompt_lookup_max", 4)
         lookup_min = value.get("prompt_lookup_min", min(2, lookup_max) if isinstance(lookup_max, int) else 2)
-        for name, number, low, high in (("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS),
-                                        ("prompt_lookup_max", lookup_max, 1, 64), ("prompt_lookup_min", lookup_min, 1, 64)):  # fmt: skip
+        for name, number, low, high in (
+            ("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS),
+            ("prompt_lookup_max", lookup_max, 1, 64),
+            ("prompt_lookup_min", lookup_min, 1, 64),
+        ):
             if isinstance(number, bool) or not isinstance(number, int) or not low <= number <= high:
                 raise SpeculativeConfigError(f"{name}={number!r} must be an integer in [{low}, {high}]")
         if lookup_min > lookup_max:

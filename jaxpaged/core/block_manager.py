@@ -99,8 +99,14 @@ class BlockManager:
       host_tier: the host tier, or None.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 host_tier: HostTier | None = None, disk_tier: DiskTier | None = None):  # fmt: skip
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        host_tier: HostTier | None = None,
+        disk_tier: DiskTier | None = None,
+    ):
         """Args:
         num_blocks: pool blocks including the null block 0 (so at least 2).
         block_size: token slots per block.
@@ -303,7 +309,9 @@ class BlockManager:
     def can_append_from_free(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether `may_append(seq, num_new_tokens)` finds its blocks among the free ones alone,
         evicting no cached block (what speculative proposals may take)."""
-        return self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) <= len(self.free_block_ids)
+        return self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) <= len(
+            self.free_block_ids
+        )
 
     def trim(self, seq: Sequence) -> None:
         """Frees the blocks of `seq.block_table` past its computed tokens: after a step that

@@ -64,7 +64,9 @@ class IncrementalDetokenizer:
         # A fast tokenizer without clean-up decodes exactly like its Rust backend, minus the
         # Python wrapper's overhead (a few microseconds per call, two calls per token).
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._backend = backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
+        self._backend = (
+            backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
+        )
 
     def _decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
@@ -83,8 +85,9 @@ class IncrementalDetokenizer:
             else:
                 pieces[-1][1].append(token)
         # A space only between two pieces of the output: none after the prompt's context.
-        return "".join((" " if i and k > self._output_start else "") + self._decode(piece)
-                       for i, (k, piece) in enumerate(pieces))  # fmt: skip
+        return "".join(
+            (" " if i and k > self._output_start else "") + self._decode(piece) for i, (k, piece) in enumerate(pieces)
+        )
 
     def add_token(self, token_id: int) -> bool:
         """Appends one generated token; returns True when a stop string was matched."""

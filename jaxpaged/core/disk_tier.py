@@ -264,8 +264,9 @@ class DiskTier:
         self._finalizer()
 
     def _reject(self, block_hash: bytes, why: str) -> bool:
-        logger.warning("KV cache file %s %s; ignored, removed, and its block computed again", self._files.path(block_hash),
-                       why)  # fmt: skip
+        logger.warning(
+            "KV cache file %s %s; ignored, removed, and its block computed again", self._files.path(block_hash), why
+        )
         self._files.forget(block_hash, remove=True)
         self.rejected += 1
         return False

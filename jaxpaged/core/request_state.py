@@ -35,8 +35,15 @@ class RequestState:
     CUMULATIVE or FINAL_ONLY, everything so far.
     """
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], tokenizer):  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seqs: list[Sequence],
+        tokenizer,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -47,10 +54,16 @@ class RequestState:
         self.completions = [
             Completion(
                 seq=seq,
-                detokenizer=NoDetokenizer() if tokenizer is None else IncrementalDetokenizer(
-                    tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                    spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-                ),  # fmt: skip
+                detokenizer=NoDetokenizer()
+                if tokenizer is None
+                else IncrementalDetokenizer(
+                    tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                ),
                 logprobs=[] if params.logprobs is not None else None,
             )
             for seq in seqs
@@ -60,8 +73,9 @@ class RequestState:
     def finished(self) -> bool:
         return all(c.seq.is_finished for c in self.completions)
 
-    def record_logprobs(self, completion: Completion, token_id: int, logprob: float, rank: int,
-                        top_ids, top_logprobs) -> None:  # fmt: skip
+    def record_logprobs(
+        self, completion: Completion, token_id: int, logprob: float, rank: int, top_ids, top_logprobs
+    ) -> None:
         """Keeps the sampled token's logprob and the top `params.logprobs` alternatives."""
         completion.cumulative_logprob += logprob
         if completion.logprobs is None:

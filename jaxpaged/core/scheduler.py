@@ -34,7 +34,6 @@ import dataclasses
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
 
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
@@ -158,8 +157,13 @@ class Scheduler:
       num_preemptions: preemptions so far.
     """
 
-    def __init__(self, config: SchedulerConfig, eos_token_id: int | list[int] | None = None,
-                 disk_tier: DiskTier | None = None, proposer: NgramProposer | DraftModelProposer | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        eos_token_id: int | list[int] | None = None,
+        disk_tier: DiskTier | None = None,
+        proposer: NgramProposer | DraftModelProposer | None = None,
+    ):
         """Args:
         config: the limits.
         eos_token_id: the model's EOS id(s); generation stops there unless `ignore_eos`.
@@ -171,8 +175,9 @@ class Scheduler:
         self.proposer = proposer
         self.config = config
         tier = HostTier(config.num_host_blocks, write_through=disk_tier is not None) if config.num_host_blocks else None
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, tier,
-                                          disk_tier)  # fmt: skip
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, tier, disk_tier
+        )
         ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         self.eos_token_ids = frozenset(ids)
         self.waiting: deque[Sequence] = deque()
@@ -343,7 +348,9 @@ class Scheduler:
             released_seq_ids=released,
         )
 
-    def _step_input(self, seq: Sequence, n: int, proposal: list[int], num_steps: int, admitted: bool) -> ScheduledSequence:
+    def _step_input(
+        self, seq: Sequence, n: int, proposal: list[int], num_steps: int, admitted: bool
+    ) -> ScheduledSequence:
         """The runner's view of `seq` computing `n` tokens (its own, then `proposal`) this step."""
         c, own = seq.num_computed_tokens, n - len(proposal)
         known = seq.token_ids_slice(c, min(c + own, seq.num_tokens))
@@ -356,10 +363,19 @@ class Scheduler:
         if admitted and c and _has_penalties(sp):
             prefix = seq.token_ids_slice(0, c)
         return ScheduledSequence(
-            token_ids=(known or [0]) + proposal, num_computed=c, block_table=seq.block_table, seq_id=seq.seq_id,
-            from_last=from_last, samples=c + own == seq.num_tokens + seq.num_pending_tokens, live_steps=live,
-            params=sp, index=seq.index, prompt_len=seq.num_prompt_tokens, admitted=admitted, prefix_token_ids=prefix,
-        )  # fmt: skip
+            token_ids=(known or [0]) + proposal,
+            num_computed=c,
+            block_table=seq.block_table,
+            seq_id=seq.seq_id,
+            from_last=from_last,
+            samples=c + own == seq.num_tokens + seq.num_pending_tokens,
+            live_steps=live,
+            params=sp,
+            index=seq.index,
+            prompt_len=seq.num_prompt_tokens,
+            admitted=admitted,
+            prefix_token_ids=prefix,
+        )
 
     def _live_steps(self, seq: Sequence, num_steps: int) -> int:
         """Of `num_steps` fused decode steps, those before `seq` reaches max_tokens or max_model_len."""
@@ -377,7 +393,9 @@ class Scheduler:
             return False
         mt = seq.sampling_params.max_tokens
         total = seq.num_tokens + seq.num_pending_tokens
-        return total >= self.config.max_model_len or (mt is not None and seq.num_output_tokens + seq.num_pending_tokens >= mt)
+        return total >= self.config.max_model_len or (
+            mt is not None and seq.num_output_tokens + seq.num_pending_tokens >= mt
+        )
 
     def _fused_steps(self, scheduled: list[tuple[Sequence, int]], num_decode_seqs: int, drafts: dict) -> int:
         """How many decode steps this step fuses (1: none), with their blocks reserved.
@@ -427,7 +445,9 @@ class Scheduler:
         k = self.proposer.k
         if not speculation_allowed(seq.sampling_params, seq.num_output_tokens + seq.num_pending_tokens):
             return False
-        if seq.num_computed_tokens + k > self.config.max_model_len or not self.block_manager.can_append_from_free(seq, k):
+        if seq.num_computed_tokens + k > self.config.max_model_len or not self.block_manager.can_append_from_free(
+            seq, k
+        ):
             return False
         self.block_manager.may_append(seq, k)
         return True
@@ -447,8 +467,12 @@ class Scheduler:
         start = max(0, seq.num_tokens - NGRAM_LOOKBACK)
         return self.proposer.propose(seq.token_ids_slice(start, seq.num_tokens), min(room, budget))
 
-    def postprocess(self, output: SchedulerOutput, sampled_token_ids: list[int] | list[list[int]] | dict[int, int],
-                    proposals: dict[int, list[int]] | None = None) -> list[tuple[int, Sequence, int]]:  # fmt: skip
+    def postprocess(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: list[int] | list[list[int]] | dict[int, int],
+        proposals: dict[int, list[int]] | None = None,
+    ) -> list[tuple[int, Sequence, int]]:
         """Takes a computed step's sampled tokens (and a draft model's proposals) back.
 
         Args:

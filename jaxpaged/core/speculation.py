@@ -35,7 +35,6 @@ import numpy as np
 from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.sampling_params import SamplingParams
 
-
 # Engine counters of speculative decoding (vLLM's metric names without `vllm:`): proposal
 # windows checked, proposed tokens, accepted tokens; and per position (the j-th proposal kept).
 SPEC_DECODE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
@@ -129,8 +128,15 @@ class SpeculationGovernor:
       settle_steps: steps counted in both figures before the slower mode is explored less often.
     """
 
-    def __init__(self, disable_by_batch_size: int | None = None, explore_every: int = 16, window: int = 8,
-                 adaptive: bool = True, max_explore_every: int = 256, settle_steps: int = 3):  # fmt: skip
+    def __init__(
+        self,
+        disable_by_batch_size: int | None = None,
+        explore_every: int = 16,
+        window: int = 8,
+        adaptive: bool = True,
+        max_explore_every: int = 256,
+        settle_steps: int = 3,
+    ):
         self.disable_by_batch_size = disable_by_batch_size
         self.adaptive = adaptive
         self.explore_every = explore_every

@@ -59,11 +59,17 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs):
         if args.node_rank != 0:
-            raise EngineArgsError("node_rank", args.node_rank, "only process 0 runs the engine; start the others "
-                                  "with `jaxpaged serve --node-rank N` (they run process 0's steps)")  # fmt: skip
+            raise EngineArgsError(
+                "node_rank",
+                args.node_rank,
+                "only process 0 runs the engine; start the others "
+                "with `jaxpaged serve --node-rank N` (they run process 0's steps)",
+            )
         config = EngineConfig.resolve(args)
         self.args = args = config.args
-        self.tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        self.tokenizer = (
+            None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        )
         eos = frozenset(eos_token_ids(args, config.model, self.tokenizer))
         worker = start_device_worker(config, eos)
         self.config, self.plan, self.parallel = worker.config, worker.plan, worker.parallel
@@ -72,8 +78,12 @@ class LLMEngine:
             atexit.register(self.shutdown)
         self.disk_tier = start_disk_tier(self.config, self.runner)  # its queued writes are done at exit too
         spec = args.speculative_config
-        self.scheduler = Scheduler(self.config.scheduler_config(), eos_token_id=sorted(eos), disk_tier=self.disk_tier,
-                                   proposer=make_proposer(spec))  # fmt: skip
+        self.scheduler = Scheduler(
+            self.config.scheduler_config(),
+            eos_token_id=sorted(eos),
+            disk_tier=self.disk_tier,
+            proposer=make_proposer(spec),
+        )
         # vLLM's speculative-decoding counters (with a speculative_config only).
         self.spec_stats = dict.fromkeys(SPEC_DECODE_COUNTERS, 0) if spec else {}
         self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
@@ -104,8 +114,15 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:  # fmt: skip
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         """Queues a request.
 
         Args:
@@ -207,7 +224,9 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, handle
         if previous is not None:
             self._postprocess(previous)
-        if self._in_flight is not None and (not self.async_scheduling or output.num_draft_tokens or any(output.drafting)):
+        if self._in_flight is not None and (
+            not self.async_scheduling or output.num_draft_tokens or any(output.drafting)
+        ):
             self._postprocess(self._take_in_flight())
         if self.governor is not None and output.num_decode_seqs:
             self.governor.record(running, propose, time.perf_counter() - start, self.num_generation_tokens - tokens)
@@ -260,10 +279,15 @@ class LLMEngine:
 
     def _failed_output(self, request_id: str) -> RequestOutput:
         state = self.requests[request_id]
-        outs = [CompletionOutput(index=c.seq.index, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
-                                 finish_reason="error") for c in state.completions]  # fmt: skip
-        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, outs, finished=True,
-                             error=self._failed[request_id])  # fmt: skip
+        outs = [
+            CompletionOutput(
+                index=c.seq.index, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason="error"
+            )
+            for c in state.completions
+        ]
+        return RequestOutput(
+            request_id, state.prompt, state.prompt_token_ids, outs, finished=True, error=self._failed[request_id]
+        )
 
     def _queue_disk_writes(self, output: SchedulerOutput) -> None:
         """With a disk tier, queues the blocks that the step's copies brought into host slots under
@@ -340,4 +364,3 @@ class LLMEngine:
             "kv_disk_rejected_files": disk.rejected,
             "kv_disk_dropped_writes": disk.dropped_writes,
         }
-

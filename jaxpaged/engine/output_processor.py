@@ -56,8 +56,14 @@ class OutputProcessor:
             sample = result.sample(i, j)
             self.num_generation_tokens += 1
             if "top_ids" in sample and sample["top_ids"].size:
-                state.record_logprobs(completion, token, float(sample["logprobs"]), int(sample["ranks"]),
-                                      sample["top_ids"], sample["top_logprobs"])  # fmt: skip
+                state.record_logprobs(
+                    completion,
+                    token,
+                    float(sample["logprobs"]),
+                    int(sample["ranks"]),
+                    sample["top_ids"],
+                    sample["top_logprobs"],
+                )
             else:
                 state.record_logprobs(completion, token, float(sample["logprobs"]), 0, (), ())
             if completion.detokenizer.add_token(token):

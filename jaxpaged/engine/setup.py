@@ -60,8 +60,12 @@ class DeviceWorker:
     draft: DraftRunner | None = None
 
 
-def start_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
-                        devices: list | None = None, abstract: bool = False) -> DeviceWorker:  # fmt: skip
+def start_device_worker(
+    config: EngineConfig,
+    eos_token_ids: frozenset[int] = frozenset(),
+    devices: list | None = None,
+    abstract: bool = False,
+) -> DeviceWorker:
     """Joins the other processes (with nnodes > 1), builds the mesh, loads the model onto it,
     plans the pool, and compiles every step program (`eos_token_ids`: banned before a request's
     `min_tokens`; followers, which pack nothing, need none).
@@ -88,8 +92,12 @@ def start_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = fr
     return dataclasses.replace(worker, compile_seconds=seconds)
 
 
-def prepare_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
-                          devices: list | None = None, abstract: bool = False) -> DeviceWorker:  # fmt: skip
+def prepare_device_worker(
+    config: EngineConfig,
+    eos_token_ids: frozenset[int] = frozenset(),
+    devices: list | None = None,
+    abstract: bool = False,
+) -> DeviceWorker:
     """`start_device_worker` up to compiling: the model on its mesh, the planned pool, the runners
     (their programs not compiled yet; `compile_seconds` 0)."""
     if abstract and config.args.kv_cache_memory_bytes is None:
@@ -115,8 +123,12 @@ def prepare_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = 
     plan = plan_cache(config, model, parallel, draft=draft_model)
     agreed = multihost.agree_on_blocks(plan.num_blocks)
     if agreed != plan.num_blocks:
-        plan = dataclasses.replace(plan, num_blocks=agreed, pool_bytes=agreed * plan.bytes_per_token * plan.block_size,
-                                   sized_from=plan.sized_from + " (the smallest of all processes)")  # fmt: skip
+        plan = dataclasses.replace(
+            plan,
+            num_blocks=agreed,
+            pool_bytes=agreed * plan.bytes_per_token * plan.block_size,
+            sized_from=plan.sized_from + " (the smallest of all processes)",
+        )
     logger.info(plan.summary())
     config = config.with_blocks(plan.num_blocks, host_tier_blocks(config, model, parallel))
     logger.info("preemption by %s", config.preemption_mode)
@@ -124,15 +136,21 @@ def prepare_device_worker(config: EngineConfig, eos_token_ids: frozenset[int] = 
     runner = ModelRunner(model, parallel=parallel, config=config, kv_scales=kv_scales, eos_token_ids=eos_token_ids)
     draft = None
     if draft_model is not None:
-        draft = runner.draft = DraftRunner(draft_model, parallel=draft_parallel,
-                                           config=draft_engine_config(config, draft_parallel.layout))  # fmt: skip
-        logger.info("draft model %s: %d layers, proposing %d tokens a step", args.speculative_config.model,
-                    draft.config.num_layers, draft.num_proposals)  # fmt: skip
+        draft = runner.draft = DraftRunner(
+            draft_model, parallel=draft_parallel, config=draft_engine_config(config, draft_parallel.layout)
+        )
+        logger.info(
+            "draft model %s: %d layers, proposing %d tokens a step",
+            args.speculative_config.model,
+            draft.config.num_layers,
+            draft.num_proposals,
+        )
     return DeviceWorker(config, parallel, plan, runner, 0.0, draft)
 
 
-def build_draft_model(config: EngineConfig, parallel: TensorParallel,
-                      abstract: bool = False) -> tuple[Llama | None, TensorParallel | None]:  # fmt: skip
+def build_draft_model(
+    config: EngineConfig, parallel: TensorParallel, abstract: bool = False
+) -> tuple[Llama | None, TensorParallel | None]:
     """The draft model of speculative decoding (None without one), loaded like the target (or
     dummy weights with `load_format` dummy) onto the same devices, split by its own layout."""
     spec = config.args.speculative_config
@@ -140,9 +158,12 @@ def build_draft_model(config: EngineConfig, parallel: TensorParallel,
         return None, None
     draft_config = ModelConfig.from_hf(load_config_dict(spec.model)[1])
     draft_parallel = TensorParallel(TensorParallelLayout(draft_config, config.layout.size), parallel.mesh)
-    args = dataclasses.replace(config.args, model=spec.model, speculative_config=None, tokenizer=config.args.tokenizer
-                               or config.args.model)  # fmt: skip
-    draft_engine = dataclasses.replace(config, args=args, model=draft_config, layout=draft_parallel.layout, quantization=None)
+    args = dataclasses.replace(
+        config.args, model=spec.model, speculative_config=None, tokenizer=config.args.tokenizer or config.args.model
+    )
+    draft_engine = dataclasses.replace(
+        config, args=args, model=draft_config, layout=draft_parallel.layout, quantization=None
+    )
     return build_model(draft_engine, draft_parallel, abstract), draft_parallel
 
 
@@ -158,10 +179,18 @@ def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParalle
     per_block = kv_bytes_per_token(parallel.layout.mesh_config, dtype_bytes) * args.block_size
     num_blocks = int(args.kv_offloading_size * GiB) // per_block
     if num_blocks < 1:
-        raise EngineArgsError("kv_offloading_size", args.kv_offloading_size,
-                              f"holds no block of {format_bytes(per_block)}; give at least {per_block / GiB:.6f}")  # fmt: skip
-    logger.info("host KV tier: %d blocks x %d tokens = %d tokens (%s of host memory)", num_blocks, args.block_size,
-                num_blocks * args.block_size, format_bytes(num_blocks * per_block))  # fmt: skip
+        raise EngineArgsError(
+            "kv_offloading_size",
+            args.kv_offloading_size,
+            f"holds no block of {format_bytes(per_block)}; give at least {per_block / GiB:.6f}",
+        )
+    logger.info(
+        "host KV tier: %d blocks x %d tokens = %d tokens (%s of host memory)",
+        num_blocks,
+        args.block_size,
+        num_blocks * args.block_size,
+        format_bytes(num_blocks * per_block),
+    )
     return num_blocks
 
 
@@ -171,8 +200,9 @@ def fp8_kv_scales(config: EngineConfig, model_dtype) -> tuple | None:
     if not is_fp8(config.kv_dtype(model_dtype)):
         return None
     scales = None if args.load_format == "dummy" else checkpoint_kv_scales(args.model, config.model.num_layers)
-    logger.info("fp8 KV cache scales: %s", "the checkpoint's, per layer" if scales is not None else "1 (no checkpoint "
-                "scales)")  # fmt: skip
+    logger.info(
+        "fp8 KV cache scales: %s", "the checkpoint's, per layer" if scales is not None else "1 (no checkpoint scales)"
+    )
     return scales
 
 
@@ -189,9 +219,14 @@ def start_disk_tier(config: EngineConfig, runner: ModelRunner) -> DiskTier | Non
     memory = runner.kv_transfer.host
     fingerprint = kv_fingerprint(config, f"{runner.params_dtype}/{runner.kv_dtype}", memory, runner.parallel.platform)
     disk = DiskTier(args.kv_cache_dir, fingerprint, int(args.kv_cache_dir_size * GiB), memory)
-    logger.info("disk KV tier: %s, up to %s (%d blocks of %s), %d blocks there now", disk.directory,
-                format_bytes(disk.capacity_bytes), disk.capacity_bytes // disk.file_bytes, format_bytes(disk.file_bytes),
-                disk.num_files)  # fmt: skip
+    logger.info(
+        "disk KV tier: %s, up to %s (%d blocks of %s), %d blocks there now",
+        disk.directory,
+        format_bytes(disk.capacity_bytes),
+        disk.capacity_bytes // disk.file_bytes,
+        format_bytes(disk.file_bytes),
+        disk.num_files,
+    )
     return disk
 
 
@@ -202,12 +237,19 @@ def kv_fingerprint(config: EngineConfig, dtype: str, memory, platform: str) -> b
     attention backend, layer scan, weight quantization)."""
     args = config.args
     identity = {
-        "format": 1, "model": dataclasses.asdict(config.model), "weights": weights_identity(args),
-        "dtype": dtype, "storage": memory.dtype.name, "block": list(memory.shape[1:]), "platform": platform,
-        "block_size": args.block_size, "tensor_parallel_size": args.tensor_parallel_size,
-        "attention_backend": args.attention_backend, "scan_layers": args.scan_layers,
+        "format": 1,
+        "model": dataclasses.asdict(config.model),
+        "weights": weights_identity(args),
+        "dtype": dtype,
+        "storage": memory.dtype.name,
+        "block": list(memory.shape[1:]),
+        "platform": platform,
+        "block_size": args.block_size,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "attention_backend": args.attention_backend,
+        "scan_layers": args.scan_layers,
         "quantization": config.quantization,
-    }  # fmt: skip
+    }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()
 
 
@@ -252,20 +294,39 @@ def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool =
     args, model_config = config.args, config.model
     if abstract:
         dtype = model_dtype(args)
-        return nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
-                                            attention=args.attention_backend, parallel=parallel,
-                                            scan_layers=args.scan_layers, quantization=config.quantization))  # fmt: skip
+        return nnx.eval_shape(
+            lambda: Llama(
+                parallel.layout.mesh_config,
+                dtype,
+                rngs=nnx.Rngs(0),
+                attention=args.attention_backend,
+                parallel=parallel,
+                scan_layers=args.scan_layers,
+                quantization=config.quantization,
+            )
+        )
     if args.load_format == "dummy":
         model = _dummy_model(model_config, model_dtype(args), args, parallel, config.quantization)
     else:
-        _, model = load_model(args.model, args.dtype, attention=args.attention_backend, parallel=parallel,
-                              scan_layers=args.scan_layers, quantization=config.quantization)  # fmt: skip
+        _, model = load_model(
+            args.model,
+            args.dtype,
+            attention=args.attention_backend,
+            parallel=parallel,
+            scan_layers=args.scan_layers,
+            quantization=config.quantization,
+        )
     if not args.scan_layers:  # before planning: the stacked arrays go as their layers are split
         split_layers_in_place(model, parallel.layer_sharding)
-    logger.info("model %s: %s, %d layers, dtype %s%s, KV cache %s", args.model, model_config.architecture,
-                model_config.num_layers, model.dtype,
-                f", {config.quantization} weights" if config.quantization else "",
-                config.kv_dtype(model.dtype))  # fmt: skip
+    logger.info(
+        "model %s: %s, %d layers, dtype %s%s, KV cache %s",
+        args.model,
+        model_config.architecture,
+        model_config.num_layers,
+        model.dtype,
+        f", {config.quantization} weights" if config.quantization else "",
+        config.kv_dtype(model.dtype),
+    )
     return model
 
 
@@ -275,13 +336,22 @@ def model_dtype(args: EngineArgs) -> jnp.dtype:
     return jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
 
 
-def _dummy_model(config: ModelConfig, dtype, args: EngineArgs, parallel: TensorParallel,
-                 quantization: str | None) -> Llama:  # fmt: skip
+def _dummy_model(
+    config: ModelConfig, dtype, args: EngineArgs, parallel: TensorParallel, quantization: str | None
+) -> Llama:
     """Random weights of the checkpoint's shapes (the same values for every tensor-parallel size),
     quantized with `quantization`, made on the mesh: every device computes only its shard."""
-    abstract = nnx.eval_shape(lambda: Llama(parallel.layout.mesh_config, dtype, rngs=nnx.Rngs(0),
-                                            attention=args.attention_backend, parallel=parallel,
-                                            scan_layers=args.scan_layers, quantization=quantization))  # fmt: skip
+    abstract = nnx.eval_shape(
+        lambda: Llama(
+            parallel.layout.mesh_config,
+            dtype,
+            rngs=nnx.Rngs(0),
+            attention=args.attention_backend,
+            parallel=parallel,
+            scan_layers=args.scan_layers,
+            quantization=quantization,
+        )
+    )
     graphdef, state = nnx.split(abstract)
 
     def init():
@@ -324,8 +394,13 @@ def device_memory_bytes(parallel: TensorParallel) -> int | None:
     return None if None in limits else min(limits)
 
 
-def plan_cache(engine_config: EngineConfig, model: Llama, parallel: TensorParallel,
-               memory_bytes: int | None = None, draft: Llama | None = None) -> KVCachePlan:  # fmt: skip
+def plan_cache(
+    engine_config: EngineConfig,
+    model: Llama,
+    parallel: TensorParallel,
+    memory_bytes: int | None = None,
+    draft: Llama | None = None,
+) -> KVCachePlan:
     """Sizes one device's KV pool from its memory (or the explicit budget, or on a CPU the job).
 
     Args:
@@ -339,10 +414,12 @@ def plan_cache(engine_config: EngineConfig, model: Llama, parallel: TensorParall
     extra = 0
     if draft is not None:
         draft_device = TensorParallelLayout(draft.config, parallel.size).device_config
-        extra = kv_bytes_per_token(draft_device, kv_storage_dtype(engine_config.kv_dtype(draft.dtype),
-                                                                  parallel.platform).itemsize)  # fmt: skip
-    common = dict(dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len,
-                  extra_bytes_per_token=extra)  # fmt: skip
+        extra = kv_bytes_per_token(
+            draft_device, kv_storage_dtype(engine_config.kv_dtype(draft.dtype), parallel.platform).itemsize
+        )
+    common = dict(
+        dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len, extra_bytes_per_token=extra
+    )
     if args.kv_cache_memory_bytes is not None:
         return plan_kv_cache(config, kv_cache_memory_bytes=args.kv_cache_memory_bytes, **common)
     limit = memory_bytes if memory_bytes is not None else device_memory_bytes(parallel)
@@ -355,14 +432,23 @@ def plan_cache(engine_config: EngineConfig, model: Llama, parallel: TensorParall
     total = limit / fraction
     utilization = args.gpu_memory_utilization
     if utilization > fraction:
-        logger.warning("gpu_memory_utilization=%s exceeds the JAX allocator's limit (XLA_PYTHON_CLIENT_MEM_FRACTION=%s); "
-                       "planning with %s", utilization, fraction, fraction)  # fmt: skip
+        logger.warning(
+            "gpu_memory_utilization=%s exceeds the JAX allocator's limit (XLA_PYTHON_CLIENT_MEM_FRACTION=%s); "
+            "planning with %s",
+            utilization,
+            fraction,
+            fraction,
+        )
         utilization = fraction
     return plan_kv_cache(
-        config, device_memory_bytes=int(total), gpu_memory_utilization=utilization,
-        weight_bytes=weights, activation_bytes=activations, **common,
+        config,
+        device_memory_bytes=int(total),
+        gpu_memory_utilization=utilization,
+        weight_bytes=weights,
+        activation_bytes=activations,
+        **common,
         state_bytes=sequence_state_bytes(args.max_num_seqs, engine_config.model.vocab_size),
-    )  # fmt: skip
+    )
 
 
 def _cpu_budget(args: EngineArgs, config: ModelConfig, dtype_bytes: int, max_model_len: int, extra: int = 0) -> dict:
@@ -374,8 +460,10 @@ def _cpu_budget(args: EngineArgs, config: ModelConfig, dtype_bytes: int, max_mod
     if want <= cap:
         why = f"the job: max_num_seqs={args.max_num_seqs} x max_model_len={max_model_len} tokens (CPU)"
         return dict(kv_cache_memory_bytes=want, sized_from=why)
-    why = (f"{CPU_KV_CACHE_SHARE:.0%} of this machine's memory (CPU; max_num_seqs={args.max_num_seqs} x "
-           f"max_model_len={max_model_len} would need {want / GiB:.2f} GiB; set kv_cache_memory_bytes to choose)")  # fmt: skip
+    why = (
+        f"{CPU_KV_CACHE_SHARE:.0%} of this machine's memory (CPU; max_num_seqs={args.max_num_seqs} x "
+        f"max_model_len={max_model_len} would need {want / GiB:.2f} GiB; set kv_cache_memory_bytes to choose)"
+    )
     return dict(kv_cache_memory_bytes=cap, sized_from=why)
 
 
@@ -414,7 +502,11 @@ def _peak_activation_bytes(config: EngineConfig, model: Llama, parallel: TensorP
     sampler = max(probe.step_programs.samplers([program]), key=lambda p: (p.num_seqs * p.rows_per_seq, p.options))
     probe.compile_program(sampler)
     temp = probe.temp_bytes[program] + handed_over + probe.temp_bytes[sampler]
-    logger.info("peak activation memory of the largest step: %.2f GiB (model %.2f, logits %.2f, sampler %.2f)",
-                temp / 2**30, probe.temp_bytes[program] / 2**30, handed_over / 2**30,
-                probe.temp_bytes[sampler] / 2**30)  # fmt: skip
+    logger.info(
+        "peak activation memory of the largest step: %.2f GiB (model %.2f, logits %.2f, sampler %.2f)",
+        temp / 2**30,
+        probe.temp_bytes[program] / 2**30,
+        handed_over / 2**30,
+        probe.temp_bytes[sampler] / 2**30,
+    )
     return temp

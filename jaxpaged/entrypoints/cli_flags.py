@@ -11,15 +11,30 @@ import re
 
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 
-DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")  # jaxpaged/demo_model
+DEMO_MODEL_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model"
+)  # jaxpaged/demo_model
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(text: str, *, unit_required: bool = False) -> int:
-    """"80GiB", "80G" (binary), "80GB" (decimal), "1.5TiB" or, unless `unit_required`, a plain
+    """ "80GiB", "80G" (binary), "80GB" (decimal), "1.5TiB" or, unless `unit_required`, a plain
     byte count -> bytes.
 
     Raises:
@@ -88,8 +103,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, *, job_sized: tuple[str, ...] = (),
-                     defaults: dict | None = None) -> None:  # fmt: skip
+def add_engine_flags(
+    parser: argparse.ArgumentParser, *, job_sized: tuple[str, ...] = (), defaults: dict | None = None
+) -> None:
     """One flag per `EngineArgs` field (vLLM's names), with its help text and default.
 
     Args:

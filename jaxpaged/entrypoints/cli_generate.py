@@ -34,15 +34,20 @@ MAX_NUM_BATCHED_TOKENS = 2048
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     """The sampling flags of `generate` (defaults for every prompt; JSONL lines may override)."""
     parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to complete (or use --input)")
-    parser.add_argument("--input", metavar="FILE", help="JSONL file: per line a 'prompt', 'prompt_token_ids' or "
-                        f"'messages' field, optionally with sampling options ({', '.join(LINE_OPTIONS)})")  # fmt: skip
+    parser.add_argument(
+        "--input",
+        metavar="FILE",
+        help="JSONL file: per line a 'prompt', 'prompt_token_ids' or "
+        f"'messages' field, optionally with sampling options ({', '.join(LINE_OPTIONS)})",
+    )
     parser.add_argument("--output", metavar="FILE", help="write JSONL results here instead of printing")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling; 1 is off")
     parser.add_argument("--top-k", type=int, default=40, help="0 is off")
-    parser.add_argument("--sampling-seed", type=int, default=None,
-                        help="seed of every request (default: each draws one from --seed)")  # fmt: skip
+    parser.add_argument(
+        "--sampling-seed", type=int, default=None, help="seed of every request (default: each draws one from --seed)"
+    )
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
 
@@ -82,8 +87,15 @@ def _parse_line(where: str, line: str) -> dict:
 
 def sampling_params(args: argparse.Namespace, item: dict) -> SamplingParams:
     """The flags' sampling options, overridden by the item's own."""
-    options = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-                   seed=args.sampling_seed, stop=args.stop or None, ignore_eos=args.ignore_eos)  # fmt: skip
+    options = dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+    )
     options.update({k: v for k, v in item.items() if k in LINE_OPTIONS})
     try:
         return SamplingParams(**options)
@@ -103,8 +115,10 @@ def tokenize(items: list[dict], tokenizer) -> list[dict]:
             prompts.append({"prompt_token_ids": ids})
             continue
         if tokenizer is None:
-            raise ValueError(f"{where}: the model directory has no tokenizer, so prompts must be token ids "
-                             '({"prompt_token_ids": [...]} lines in --input); or pass --tokenizer DIR')  # fmt: skip
+            raise ValueError(
+                f"{where}: the model directory has no tokenizer, so prompts must be token ids "
+                '({"prompt_token_ids": [...]} lines in --input); or pass --tokenizer DIR'
+            )
         if "messages" in item:
             text = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=False)
             ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself

@@ -38,7 +38,9 @@ class LLM:
         fields = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(kwargs) - fields)
         if unknown:
-            raise TypeError(f"LLM got unknown keyword arguments {unknown}; the engine takes {sorted(fields - {'model'})}")
+            raise TypeError(
+                f"LLM got unknown keyword arguments {unknown}; the engine takes {sorted(fields - {'model'})}"
+            )
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 
@@ -49,9 +51,12 @@ class LLM:
         """KV-cache and scheduler statistics (see `LLMEngine.get_stats`)."""
         return self.llm_engine.get_stats()
 
-    def generate(self, prompts: Any,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:  # fmt: skip
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generates completions for every prompt; returns their final outputs in input order.
 
         Args:
@@ -71,7 +76,9 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one per prompt")
+                raise ValueError(
+                    f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
+                )
         ids = []
         try:
             for prompt, sp in zip(prompts, params):
@@ -85,19 +92,27 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:  # fmt: skip
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
         """Applies the tokenizer's chat template to one conversation (a list of
         `{"role", "content"}` messages) or a list of them, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
-            raise ValueError("chat needs the tokenizer's chat template; this LLM was made with skip_tokenizer_init=True")
+            raise ValueError(
+                "chat needs the tokenizer's chat template; this LLM was made with skip_tokenizer_init=True"
+            )
         prompts = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template, tokenize=False)  # fmt: skip
+            text = tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=False
+            )
             # The template writes the special tokens itself (BOS included).
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -6,5 +6,14 @@ from jaxpaged.model.layer_arrays import LayerArrays, split_layers_in_place, unst
 from jaxpaged.model.llama import Llama
 from jaxpaged.model.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "KVPool", "KVQuant", "LayerArrays", "Llama", "init_kv_pool", "kv_storage_dtype",
-           "split_layers_in_place", "unstack_layers"]
+__all__ = [
+    "AttentionMetadata",
+    "KVPool",
+    "KVQuant",
+    "LayerArrays",
+    "Llama",
+    "init_kv_pool",
+    "kv_storage_dtype",
+    "split_layers_in_place",
+    "unstack_layers",
+]

@@ -96,6 +96,7 @@ def init_kv_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype, p
     quant = None
     if is_fp8(jnp.dtype(dtype).name):
         scales = (config.num_layers, config.num_kv_heads)  # two arrays: the pool is donated
-        quant = KVQuant(k_scale=jnp.ones(scales, jnp.float32), v_scale=jnp.ones(scales, jnp.float32),
-                        dtype=jnp.dtype(dtype).name)  # fmt: skip
+        quant = KVQuant(
+            k_scale=jnp.ones(scales, jnp.float32), v_scale=jnp.ones(scales, jnp.float32), dtype=jnp.dtype(dtype).name
+        )
     return KVPool(k=jnp.zeros(shape, storage), v=jnp.zeros(shape, storage), num_layers=config.num_layers, quant=quant)

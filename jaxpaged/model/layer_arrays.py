@@ -34,8 +34,7 @@ class LayerArrays:
         return cls(arrays)
 
 
-def unstack_layers(state, layer_sharding: Callable[[tuple[str, ...]], jax.sharding.Sharding], *,
-                   release: bool = False):  # fmt: skip
+def unstack_layers(state, layer_sharding: Callable[[tuple[str, ...]], jax.sharding.Sharding], *, release: bool = False):
     """`state` (placed arrays, or `jax.ShapeDtypeStruct`s) with every stacked layer parameter
     split into `LayerArrays`, each array placed with `layer_sharding(path)` (one layer's share).
     Parameters already split stay as they are.
@@ -60,7 +59,9 @@ def unstack_layers(state, layer_sharding: Callable[[tuple[str, ...]], jax.shardi
     return jax.tree_util.tree_map_with_path(split, state, is_leaf=lambda x: isinstance(x, LayerArrays))
 
 
-def split_layers_in_place(model: nnx.Module, layer_sharding: Callable[[tuple[str, ...]], jax.sharding.Sharding]) -> None:
+def split_layers_in_place(
+    model: nnx.Module, layer_sharding: Callable[[tuple[str, ...]], jax.sharding.Sharding]
+) -> None:
     """Gives `model`'s stacked layer parameters as `LayerArrays` (for unrolled layers), deleting
     each stacked array once split: start-up then holds the weights plus one stacked parameter's
     split at most, where splitting a copy (as a runner does for a model it does not own) would

@@ -41,16 +41,16 @@ from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.quant import matmul, quantize_weight, quantized_matmul
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.parallel.sharding import KEY_VALUE_AXES, KV_POOL_AXES, QUERY_AXES
 from jaxpaged.params.spec import KV_HEADS, QUANT_SUFFIX, SCALE_SUFFIX, Path
 from jaxpaged.params.tables import param_specs
-from jaxpaged.parallel.sharding import KEY_VALUE_AXES, KV_POOL_AXES, QUERY_AXES
 from pallas_kernels import reference
 
 INIT_STDDEV = 0.02
 
 
 def resolve_attention_backend(name: str) -> str:
-    """"auto" is the Pallas kernels on a GPU and the jnp reference elsewhere; "pallas" on a
+    """ "auto" is the Pallas kernels on a GPU and the jnp reference elsewhere; "pallas" on a
     CPU runs the kernels in interpret mode (slow; for tests)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")
@@ -100,8 +100,10 @@ class ParamDeclarer:
         """Raises naming every parameter of the table no module asked for."""
         missing = [".".join(s.path) for s in self.specs if s.path not in self.declared]
         if missing:
-            raise ValueError(f"the {self.config.architecture} parameter table declares {missing}, which no module "
-                             "of the model holds: add them to the model or remove them from the table")  # fmt: skip
+            raise ValueError(
+                f"the {self.config.architecture} parameter table declares {missing}, which no module "
+                "of the model holds: add them to the model or remove them from the table"
+            )
 
 
 def _project(module: nnx.Module, name: str, x: Float[Array, "T ..."]) -> Float[Array, "T ..."]:
@@ -138,8 +140,14 @@ class Attention(nnx.Module):
     Parameters are stacked over the layers; a call sees one layer's slice.
     """
 
-    def __init__(self, config: ModelConfig, params: ParamDeclarer, *, attention: str = "reference",
-                 parallel: TensorParallel | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: ParamDeclarer,
+        *,
+        attention: str = "reference",
+        parallel: TensorParallel | None = None,
+    ):
         params.declare(self, ("layers", "attn"))  # q/k/v/o projections, biases, q/k norms (see the table)
         self.quantization = params.quantization
         # the optional parameters the table gave this architecture and config
@@ -178,7 +186,9 @@ class Attention(nnx.Module):
         attend = functools.partial(paged_attention, pallas_kernels if self.attention == "pallas" else reference)
         if self.parallel is not None:  # each device writes and reads its own heads (and their scales)
             pool, sc = KV_POOL_AXES, (KV_HEADS,) if kv_quant is not None else ()
-            write = self.parallel.per_head(write, (pool, pool, KEY_VALUE_AXES, KEY_VALUE_AXES, (), sc, sc), (pool, pool))
+            write = self.parallel.per_head(
+                write, (pool, pool, KEY_VALUE_AXES, KEY_VALUE_AXES, (), sc, sc), (pool, pool)
+            )
             attend = self.parallel.per_head(attend, (QUERY_AXES, pool, pool, (), sc, sc), QUERY_AXES)
         k_pool, v_pool = write(k_pool, v_pool, k, v, meta.slot_mapping, k_scale, v_scale)
         attn = attend(q, k_pool, v_pool, meta, k_scale, v_scale)
@@ -190,8 +200,9 @@ class Attention(nnx.Module):
 
 def _write_kv(quant_dtype, k_pool, v_pool, k, v, slot_mapping, k_scale, v_scale):
     """The pool write, quantizing to `quant_dtype` with the `[K]` scales (None: as is)."""
-    return pallas_kernels.write_kv(k_pool, v_pool, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale,
-                                   quant_dtype=quant_dtype)  # fmt: skip
+    return pallas_kernels.write_kv(
+        k_pool, v_pool, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale, quant_dtype=quant_dtype
+    )
 
 
 def paged_attention(
@@ -217,11 +228,21 @@ def paged_attention(
     """
     if meta.decode_only:  # token i is sequence i's only query: decode attention, padded to T rows
         num_seqs = meta.kv_lens.shape[0]
-        out = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens,
-                                         k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        out = ops.paged_decode_attention(
+            q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens, k_scale=k_scale, v_scale=v_scale
+        )
         return jnp.pad(out, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
-    return ops.ragged_paged_attention(q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables,
-                                      meta.num_seqs, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    return ops.ragged_paged_attention(
+        q,
+        k_pool,
+        v_pool,
+        meta.cu_q_lens,
+        meta.kv_lens,
+        meta.block_tables,
+        meta.num_seqs,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
 class MLP(nnx.Module):
@@ -241,8 +262,9 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention, then MLP. Built once for all layers (every parameter
     stacked `[L, ...]`); a call runs the one layer whose slice it is given (inside the scan)."""
 
-    def __init__(self, config: ModelConfig, params: ParamDeclarer, *, attention: str,
-                 parallel: TensorParallel | None = None):  # fmt: skip
+    def __init__(
+        self, config: ModelConfig, params: ParamDeclarer, *, attention: str, parallel: TensorParallel | None = None
+    ):
         self.input_norm = RMSNorm(params, ("layers", "input_norm"), config.rms_norm_eps)
         self.attn = Attention(config, params, attention=attention, parallel=parallel)
         self.post_attention_norm = RMSNorm(params, ("layers", "post_attention_norm"), config.rms_norm_eps)
@@ -272,9 +294,17 @@ class Llama(nnx.Module):
         The embedding, the norms and the LM head keep `dtype`.
     """
 
-    def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, attention: str = "auto",
-                 parallel: TensorParallel | None = None, scan_layers: bool = True,
-                 quantization: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype=jnp.float32,
+        *,
+        rngs: nnx.Rngs,
+        attention: str = "auto",
+        parallel: TensorParallel | None = None,
+        scan_layers: bool = True,
+        quantization: str | None = None,
+    ):
         self.config = config
         self.parallel = parallel
         self.scan_layers = scan_layers

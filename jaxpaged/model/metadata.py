@@ -37,5 +37,8 @@ class AttentionMetadata:
         """The same step addressing one layer's blocks of a pool that holds every layer's blocks
         in a row (layer l's block b is `l * NB + b`, `first_block = l * NB`); padding still
         lands in that layer's null block."""
-        return dataclasses.replace(self, slot_mapping=self.slot_mapping + first_block * block_size,
-                                   block_tables=self.block_tables + first_block)  # fmt: skip
+        return dataclasses.replace(
+            self,
+            slot_mapping=self.slot_mapping + first_block * block_size,
+            block_tables=self.block_tables + first_block,
+        )

@@ -61,8 +61,9 @@ def matmul(x: Float[Array, "T ..."], w: Float[Array, "..."], num_in: int) -> Flo
     return jax.lax.dot_general(x, w, (contract, ((), ())))
 
 
-def quantized_matmul(x: Float[Array, "T ..."], q: Array, scale: Float[Array, "..."], method: str,
-                     num_in: int) -> Float[Array, "T ..."]:  # fmt: skip
+def quantized_matmul(
+    x: Float[Array, "T ..."], q: Array, scale: Float[Array, "..."], method: str, num_in: int
+) -> Float[Array, "T ..."]:
     """`x [T, *in]` times a quantized weight `q [*out, *in]` with `scale [*out]` -> `[T, *out]`
     in x's dtype, accumulated in float32."""
     x_in = tuple(range(1, 1 + num_in))

@@ -218,8 +218,13 @@ def sample(
 def pack_result(result: SampleResult) -> Int[Array, " N"]:
     """One int32 vector of a step's results (floats bit-cast), so they come back in one copy:
     token_ids, logprobs, ranks, top_ids, top_logprobs (each flattened), then num_accepted."""
-    parts = [result.token_ids, _bits(result.logprobs), result.ranks, result.top_ids.ravel(),
-             _bits(result.top_logprobs).ravel()]  # fmt: skip
+    parts = [
+        result.token_ids,
+        _bits(result.logprobs),
+        result.ranks,
+        result.top_ids.ravel(),
+        _bits(result.top_logprobs).ravel(),
+    ]
     if result.num_accepted is not None:
         parts.append(result.num_accepted)
     return jnp.concatenate([p.astype(jnp.int32) for p in parts])

@@ -34,8 +34,10 @@ def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
     """
     devices = jax.devices() if devices is None else devices
     if tensor_parallel_size > len(devices):
-        raise TensorParallelError(f"tensor_parallel_size={tensor_parallel_size} needs as many devices, but JAX sees "
-                                  f"{len(devices)} ({devices[0].platform} devices)")  # fmt: skip
+        raise TensorParallelError(
+            f"tensor_parallel_size={tensor_parallel_size} needs as many devices, but JAX sees "
+            f"{len(devices)} ({devices[0].platform} devices)"
+        )
     # Auto axes: XLA propagates the parameters' shardings through the step (the per-head parts
     # are explicit shard_maps), whatever a JAX version's default axis type is.
     return Mesh(np.array(devices[:tensor_parallel_size]), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
@@ -55,7 +57,9 @@ class TensorParallel:
     mesh: Mesh | AbstractMesh
 
     @classmethod
-    def create(cls, config: ModelConfig, tensor_parallel_size: int = 1, devices: list | None = None) -> "TensorParallel":
+    def create(
+        cls, config: ModelConfig, tensor_parallel_size: int = 1, devices: list | None = None
+    ) -> "TensorParallel":
         """Validates the split (`TensorParallelLayout`) and builds the mesh."""
         layout = TensorParallelLayout(config, tensor_parallel_size)
         return cls(layout, make_mesh(tensor_parallel_size, devices))
@@ -81,7 +85,7 @@ class TensorParallel:
 
     @property
     def pinned_host(self) -> str | None:
-        """"pinned_host" where the mesh's devices can address pinned host memory, else None."""
+        """ "pinned_host" where the mesh's devices can address pinned host memory, else None."""
         if isinstance(self.mesh, AbstractMesh):
             return None
         kinds = {m.kind for m in self.mesh.devices.flat[0].addressable_memories()}
@@ -149,8 +153,9 @@ class TensorParallel:
             return PartitionSpec(*self.layout.mesh_axes(axes))
 
         out_specs = tuple(map(spec, out_axes)) if isinstance(out_axes[0], tuple) else spec(out_axes)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(map(spec, in_axes)), out_specs=out_specs,
-                             check_vma=False)  # fmt: skip
+        return jax.shard_map(
+            fn, mesh=self.mesh, in_specs=tuple(map(spec, in_axes)), out_specs=out_specs, check_vma=False
+        )
 
     def embed(self, table: jax.Array, token_ids: jax.Array) -> jax.Array:
         """`table[token_ids]` of a `[V, D]` table split over the vocabulary: each device looks up
@@ -166,8 +171,13 @@ class TensorParallel:
             found = rows[jnp.where(hit, local, 0)]
             return jax.lax.psum(jnp.where(hit[:, None], found, jnp.zeros_like(found)), TENSOR_AXIS)
 
-        return jax.shard_map(lookup, mesh=self.mesh, in_specs=(PartitionSpec(TENSOR_AXIS, None), PartitionSpec()),
-                             out_specs=PartitionSpec(), check_vma=False)(table, token_ids)  # fmt: skip
+        return jax.shard_map(
+            lookup,
+            mesh=self.mesh,
+            in_specs=(PartitionSpec(TENSOR_AXIS, None), PartitionSpec()),
+            out_specs=PartitionSpec(),
+            check_vma=False,
+        )(table, token_ids)
 
     def replicate(self, x: jax.Array) -> jax.Array:
         """`x` whole on every device (e.g. logits split over the vocabulary, for the sampler)."""

@@ -95,18 +95,24 @@ def agree_on_settings(settings: dict[str, str], seed: int) -> int:
     header = np.array([len(names), _digest(",".join(names)), seed >> 31, seed & 0x7FFFFFFF], np.int32)
     headers = np.asarray(multihost_utils.process_allgather(header))  # [P, 4]
     if (headers[:, :2] != headers[0, :2]).any():
-        raise RuntimeError("the processes run different versions of jaxpaged (their engine settings differ in "
-                           "kind): install the same version on every machine")  # fmt: skip
+        raise RuntimeError(
+            "the processes run different versions of jaxpaged (their engine settings differ in "
+            "kind): install the same version on every machine"
+        )
     everyone = np.asarray(multihost_utils.process_allgather(digests))  # [P, settings]
     differ = [(name, np.flatnonzero(everyone[:, i] != everyone[0, i])) for i, name in enumerate(names)]
     differ = [(name, ranks) for name, ranks in differ if ranks.size]
     if differ:
         name, _ = differ[0]
         listed = "; ".join(f"{n} on process(es) {', '.join(map(str, ranks))}" for n, ranks in differ)
-        raise SettingsMismatchError(name, settings[name], "the processes of one engine must agree on every setting "
-                                    f"but the per-process ones; different from process 0: {listed}. Start every "
-                                    "process with the same flags and model (only --node-rank and local paths may "
-                                    "differ)")  # fmt: skip
+        raise SettingsMismatchError(
+            name,
+            settings[name],
+            "the processes of one engine must agree on every setting "
+            f"but the per-process ones; different from process 0: {listed}. Start every "
+            "process with the same flags and model (only --node-rank and local paths may "
+            "differ)",
+        )
     return (int(headers[0, 2]) << 31) | int(headers[0, 3])
 
 

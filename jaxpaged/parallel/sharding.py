@@ -99,8 +99,9 @@ class TensorParallelLayout:
     def device_config(self) -> ModelConfig:
         """One device's share of the heads (what its KV pool and attention see)."""
         mesh = self.mesh_config
-        return dataclasses.replace(mesh, num_heads=mesh.num_heads // self.size,
-                                   num_kv_heads=mesh.num_kv_heads // self.size)  # fmt: skip
+        return dataclasses.replace(
+            mesh, num_heads=mesh.num_heads // self.size, num_kv_heads=mesh.num_kv_heads // self.size
+        )
 
     def axis_size(self, logical: str) -> int:
         """The global size of a logical axis in the mesh layout."""

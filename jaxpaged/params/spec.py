@@ -28,7 +28,15 @@ from jaxpaged.config.model_config import ModelConfig
 Path = tuple[str, ...]
 
 # Logical axes: declared once here; `jaxpaged.parallel.sharding` maps them onto the mesh.
-LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = (
+    "layers",
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+)
 
 # The module whose parameters exist once per decoder layer (the first key of their paths).
 LAYER_STACK = "layers"
@@ -41,8 +49,15 @@ INITS = ("normal", "ones", "zeros")  # normal: the model's INIT_STDDEV (random w
 
 def axis_sizes(config: ModelConfig) -> dict[str, int]:
     """Each logical axis' size in `config`."""
-    return {LAYERS: config.num_layers, VOCAB: config.vocab_size, EMBED: config.hidden_size, HEADS: config.num_heads,
-            KV_HEADS: config.num_kv_heads, HEAD_DIM: config.head_dim, MLP: config.intermediate_size}  # fmt: skip
+    return {
+        LAYERS: config.num_layers,
+        VOCAB: config.vocab_size,
+        EMBED: config.hidden_size,
+        HEADS: config.num_heads,
+        KV_HEADS: config.num_kv_heads,
+        HEAD_DIM: config.head_dim,
+        MLP: config.intermediate_size,
+    }
 
 
 def always(_: ModelConfig) -> bool:

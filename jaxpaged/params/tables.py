@@ -71,8 +71,9 @@ def find_state_param(config: ModelConfig, path: Path) -> StateParam:
     found = state_params(config).get(path) or state_params(config, quantized=True).get(path)
     if found is not None:
         return found
-    raise KeyError(f"parameter {'.'.join(path)!r} is not in the {config.architecture} parameter table "
-                   "(jaxpaged.params)")  # fmt: skip
+    raise KeyError(
+        f"parameter {'.'.join(path)!r} is not in the {config.architecture} parameter table (jaxpaged.params)"
+    )
 
 
 def state_shapes(config: ModelConfig, quantization: str | None = None) -> dict[Path, tuple[int, ...]]:

@@ -1,8 +1,8 @@
 """KV-cache memory planning: how many blocks fit, and how many requests they serve (no JAX here).
 
-    pool bytes = device memory x gpu_memory_utilization - weights - peak activations
-                 (or exactly kv_cache_memory_bytes when given)
-    bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes
+pool bytes = device memory x gpu_memory_utilization - weights - peak activations
+             (or exactly kv_cache_memory_bytes when given)
+bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes
 """
 
 import dataclasses

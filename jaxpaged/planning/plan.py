@@ -19,11 +19,17 @@ import math
 
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
-from jaxpaged.config.quantization import (DTYPE_BYTES, FP8_KV_DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS,
-                                          QUANTIZED_WEIGHT_DTYPES, resolve_quantization)  # fmt: skip
+from jaxpaged.config.quantization import (
+    DTYPE_BYTES,
+    FP8_KV_DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    QUANTIZED_WEIGHT_DTYPES,
+    resolve_quantization,
+)
 from jaxpaged.engine_args import check_block_size
-from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.parallel.sharding import TensorParallelLayout
+from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -50,13 +56,24 @@ def weight_bytes_per_gpu(config: ModelConfig, dtype: str, quantization: str | No
     if quantization is not None:
         element["quant"] = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]
     roles = {path: p.role for path, p in state_params(config, quantization is not None).items()}
-    return sum(layout.device_elements({path: shape}) * element[roles[path]]
-               for path, shape in state_shapes(config, quantization).items())  # fmt: skip
+    return sum(
+        layout.device_elements({path: shape}) * element[roles[path]]
+        for path, shape in state_shapes(config, quantization).items()
+    )
 
 
-def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_memory_utilization: float = 0.9,
-              tensor_parallel_size: int = 1, dtype: str = "auto", kv_cache_dtype: str = "auto",
-              quantization: str | None = None, block_size: int = 16) -> dict:  # fmt: skip
+def make_plan(
+    model: str,
+    *,
+    gpu_memory: int,
+    context: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+    block_size: int = 16,
+) -> dict:
     """The plan as a JSON-ready dict (bytes are per GPU unless the key says `_all_gpus`).
 
     Raises:
@@ -73,10 +90,13 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; use auto or one of {', '.join(MODEL_DTYPES)}")
     if kv_cache_dtype not in PLAN_KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; use one of "
-                         f"{', '.join(PLAN_KV_CACHE_DTYPES)}")  # fmt: skip
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; use one of {', '.join(PLAN_KV_CACHE_DTYPES)}"
+        )
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"--quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATION_METHODS)}")
+        raise ValueError(
+            f"--quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATION_METHODS)}"
+        )
     try:
         quantization = resolve_quantization(quantization, raw)
     except ValueError as err:
@@ -91,41 +111,65 @@ def make_plan(model: str, *, gpu_memory: int, context: int | None = None, gpu_me
     device_config = TensorParallelLayout(config, tp).device_config
     per_token = kv_bytes_per_token(device_config, DTYPE_BYTES[kv_dtype])
     report = {
-        "model": name, "architecture": raw["architectures"][0], "num_parameters": total_params,
-        "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_dtype, "tensor_parallel_size": tp,
+        "model": name,
+        "architecture": raw["architectures"][0],
+        "num_parameters": total_params,
+        "dtype": dtype,
+        "quantization": quantization,
+        "kv_cache_dtype": kv_dtype,
+        "tensor_parallel_size": tp,
         "gpu_memory_bytes": gpu_memory,
-        "gpu_memory_utilization": gpu_memory_utilization, "context": context, "block_size": block_size,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "context": context,
+        "block_size": block_size,
         "weight_bytes_per_gpu": weights,
         "kv_bytes_per_token": per_token,
         "kv_bytes_per_token_all_gpus": kv_bytes_per_token(config, DTYPE_BYTES[kv_dtype]),
         "kv_bytes_per_request": per_token * context,
         "kv_heads_per_gpu": device_config.num_kv_heads,
-    }  # fmt: skip
+    }
     try:
         plan = plan_kv_cache(
-            device_config, dtype_bytes=DTYPE_BYTES[kv_dtype], block_size=block_size, max_model_len=context,
-            device_memory_bytes=gpu_memory, gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weights,
-        )  # fmt: skip
+            device_config,
+            dtype_bytes=DTYPE_BYTES[kv_dtype],
+            block_size=block_size,
+            max_model_len=context,
+            device_memory_bytes=gpu_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            weight_bytes=weights,
+        )
     except ValueError:
         budget = int(gpu_memory * gpu_memory_utilization) - weights
-        note = (f"weights take {format_bytes(weights)} of the {format_bytes(int(gpu_memory * gpu_memory_utilization))} "
-                f"that --gpu-memory-utilization {gpu_memory_utilization} allows per GPU, leaving "
-                f"{format_bytes(max(budget, 0))} for the KV cache; one request of --context {context} needs "
-                f"{format_bytes(per_token * context)}")  # fmt: skip
-        options = dict(gpu_memory=gpu_memory, context=context, gpu_memory_utilization=gpu_memory_utilization,
-                       dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-                       block_size=block_size)  # fmt: skip
+        note = (
+            f"weights take {format_bytes(weights)} of the {format_bytes(int(gpu_memory * gpu_memory_utilization))} "
+            f"that --gpu-memory-utilization {gpu_memory_utilization} allows per GPU, leaving "
+            f"{format_bytes(max(budget, 0))} for the KV cache; one request of --context {context} needs "
+            f"{format_bytes(per_token * context)}"
+        )
+        options = dict(
+            gpu_memory=gpu_memory,
+            context=context,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization,
+            block_size=block_size,
+        )
         fitting = [n for n in (2, 4, 8, 16, 32, 64) if n > tp and _fits(model, n, options)][:1]
         note += "".join(f"; --tensor-parallel-size {n} fits" for n in fitting)
-        report.update(fits=False, kv_pool_bytes_per_gpu=0, kv_cache_blocks=0, pool_tokens=0, max_concurrency=0.0,
-                      note=note)  # fmt: skip
+        report.update(
+            fits=False, kv_pool_bytes_per_gpu=0, kv_cache_blocks=0, pool_tokens=0, max_concurrency=0.0, note=note
+        )
         return report
     report.update(
-        fits=True, kv_pool_bytes_per_gpu=plan.pool_bytes, kv_cache_blocks=plan.num_blocks - 1,
-        pool_tokens=plan.num_tokens, max_concurrency=round(plan.max_concurrency, 2),
+        fits=True,
+        kv_pool_bytes_per_gpu=plan.pool_bytes,
+        kv_cache_blocks=plan.num_blocks - 1,
+        pool_tokens=plan.num_tokens,
+        max_concurrency=round(plan.max_concurrency, 2),
         note="activation memory and the per-sequence state (penalty tables: max_num_seqs x vocabulary x 5 bytes) "
         "are not counted (the engine measures and counts them at start-up); leave headroom",
-    )  # fmt: skip
+    )
     return report
 
 
@@ -151,13 +195,16 @@ def format_plan(r: dict) -> str:
         ("tensor parallel", f"{tp} GPU(s), {r['kv_heads_per_gpu']} KV head(s) per GPU"),
         ("GPU memory x utilization", f"{_size(r['gpu_memory_bytes'])} x {r['gpu_memory_utilization']}"),
         ("weights per GPU", _size(r["weight_bytes_per_gpu"])),
-        ("KV bytes per token per GPU", _size(r["kv_bytes_per_token"])
-         + (f"  (all GPUs: {r['kv_bytes_per_token_all_gpus']:,} B)" if tp > 1 else "")),
+        (
+            "KV bytes per token per GPU",
+            _size(r["kv_bytes_per_token"])
+            + (f"  (all GPUs: {r['kv_bytes_per_token_all_gpus']:,} B)" if tp > 1 else ""),
+        ),
         (f"KV per request ({r['context']:,} tokens) per GPU", _size(r["kv_bytes_per_request"])),
         ("KV pool per GPU", _size(r["kv_pool_bytes_per_gpu"])),
         ("pool tokens", f"{r['pool_tokens']:,} ({r['kv_cache_blocks']:,} blocks of {r['block_size']})"),
         (f"max concurrency at {r['context']:,}", f"{r['max_concurrency']:.2f} requests"),
-    ]  # fmt: skip
+    ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines.append(("" if r["fits"] else "DOES NOT FIT: ") + r["note"])
@@ -171,10 +218,15 @@ def run(args) -> int:
       0 when the model fits, 1 when it does not (the report says what would).
     """
     report = make_plan(
-        args.model, gpu_memory=args.gpu_memory, context=args.context,
-        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+        args.model,
+        gpu_memory=args.gpu_memory,
+        context=args.context,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
-    )  # fmt: skip
+    )
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0 if report["fits"] else 1

@@ -51,9 +51,15 @@ RETRY_AFTER_SECONDS = 1  # what a 503 at capacity tells clients to wait
 UNAUTHENTICATED_PATHS = ("/health", "/live", "/metrics")
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, log_prompts: bool = False, max_sequences_per_request: int = 1024,
-              tokenizer_pool_size: int = 2) -> FastAPI:  # fmt: skip
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    log_prompts: bool = False,
+    max_sequences_per_request: int = 1024,
+    tokenizer_pool_size: int = 2,
+) -> FastAPI:
     """The OpenAI-compatible app over an `AsyncEngine` (which may still be starting).
 
     Args:
@@ -84,8 +90,15 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     @app.get("/v1/models")
     async def models() -> dict:
         ctx.require_ready()
-        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "jaxpaged",
-                "root": served_model_name, "parent": None, "max_model_len": async_engine.config.max_model_len}  # fmt: skip
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "jaxpaged",
+            "root": served_model_name,
+            "parent": None,
+            "max_model_len": async_engine.config.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -129,7 +142,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             ctx.check_text_length(len(body.prompt), "prompt")
             special = body.add_special_tokens
             tokens = await ctx.pool.run(lambda tok: tok.encode(body.prompt, add_special_tokens=special))
-        return {"count": len(tokens), "max_model_len": async_engine.config.max_model_len, "tokens": tokens, "token_strs": None}
+        return {
+            "count": len(tokens),
+            "max_model_len": async_engine.config.max_model_len,
+            "tokens": tokens,
+            "token_strs": None,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -112,8 +112,13 @@ class AsyncEngine:
       draining: set by the server on shutdown: no new requests are admitted.
     """
 
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, max_num_waiting: int | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        *,
+        max_num_waiting: int | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ):
         self.engine: LLMEngine | None = None
         self.config: EngineConfig | None = None  # the engine's, once it is ready
         self.tokenizer_dir = None
@@ -162,8 +167,14 @@ class AsyncEngine:
 
     # -- event-loop side ---------------------------------------------------------------------
 
-    async def add_requests(self, request_ids: Sequence[str], prompts: Sequence[Any], params: SamplingParams, *,
-                           cache_salt: str | None = None) -> RequestStream:  # fmt: skip
+    async def add_requests(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         """Adds requests (all or none) and returns the stream of their delta outputs.
 
         Args:
@@ -192,8 +203,9 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    async def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str, cache_salt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Adds one request and yields its delta outputs; closing early aborts it.
 
         Raises:
@@ -241,7 +253,8 @@ class AsyncEngine:
                 if self._unfinished_seqs + num_seqs > limit:
                     raise EngineOverloadedError(
                         f"the server is at capacity ({self._unfinished_seqs} sequences running or waiting, at most "
-                        f"{limit}); retry later")  # fmt: skip
+                        f"{limit}); retry later"
+                    )
             self._unfinished_seqs += num_seqs
             self._commands.append(command)
             self._cond.notify()
@@ -295,8 +308,12 @@ class AsyncEngine:
             self.engine.abort_request(unfinished)
             self._deliver(self.engine.step())
         stats = self.engine.get_stats()
-        logger.info("engine stopped: %d request(s) aborted at shutdown; %d of %d KV blocks free", len(unfinished),
-                    stats["num_free_blocks"], stats["num_total_blocks"])  # fmt: skip
+        logger.info(
+            "engine stopped: %d request(s) aborted at shutdown; %d of %d KV blocks free",
+            len(unfinished),
+            stats["num_free_blocks"],
+            stats["num_total_blocks"],
+        )
 
     def abort_all(self) -> None:
         """Aborts every request in flight (thread-safe): their streams end with finish_reason

@@ -1,7 +1,7 @@
 """`jaxpaged serve`: start the engine, log what it sized and compiled, and run uvicorn.
 
-    jaxpaged serve                                   # the embedded demo model on 127.0.0.1:8000
-    jaxpaged serve /path/to/model --port 8000 --max-model-len 4096 --api-key sk-local
+jaxpaged serve                                   # the embedded demo model on 127.0.0.1:8000
+jaxpaged serve /path/to/model --port 8000 --max-model-len 4096 --api-key sk-local
 """
 
 import argparse
@@ -35,20 +35,47 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=PORT, default=8000, help="TCP port to listen on")
     parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                        help=f"require 'Authorization: Bearer KEY' on every route but /health, /live and /metrics "
-                        f"(default: ${API_KEY_ENV}, else none)")  # fmt: skip
-    parser.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                        help="uvicorn's log level")  # fmt: skip
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every route but /health, /live and /metrics "
+        f"(default: ${API_KEY_ENV}, else none)",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level",
+    )
     parser.add_argument("--enable-log-requests", action="store_true", help="include prompt text in request logs")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="on SIGTERM, how long in-flight requests may finish before they are aborted")  # fmt: skip
-    parser.add_argument("--max-num-waiting", type=int, default=10_000, metavar="N",
-                        help="sequences that may wait beyond the running ones; more get 503 with Retry-After")  # fmt: skip
-    parser.add_argument("--max-sequences-per-request", type=int, default=1024, metavar="N",
-                        help="most sequences (prompts x n) one request may ask for; more get 400")  # fmt: skip
-    parser.add_argument("--tokenizer-pool-size", type=int, default=2, metavar="N",
-                        help="threads that tokenize and detokenize off the event loop")  # fmt: skip
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may finish before they are aborted",
+    )
+    parser.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="sequences that may wait beyond the running ones; more get 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="most sequences (prompts x n) one request may ask for; more get 400",
+    )
+    parser.add_argument(
+        "--tokenizer-pool-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help="threads that tokenize and detokenize off the event loop",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -68,21 +95,29 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
     if missing:
-        print(f"jaxpaged serve needs the server extra ({', '.join(missing)} missing): pip install 'jaxpaged[server]'",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"jaxpaged serve needs the server extra ({', '.join(missing)} missing): pip install 'jaxpaged[server]'",
+            file=sys.stderr,
+        )
         return 1
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"got two models: {args.model_tag!r} and --model {args.model!r}; give one")
-    for flag, value, minimum in (("--shutdown-timeout", args.shutdown_timeout, 0), ("--max-num-waiting", args.max_num_waiting, 0),
-                                 ("--max-sequences-per-request", args.max_sequences_per_request, 1),
-                                 ("--tokenizer-pool-size", args.tokenizer_pool_size, 1)):  # fmt: skip
+    for flag, value, minimum in (
+        ("--shutdown-timeout", args.shutdown_timeout, 0),
+        ("--max-num-waiting", args.max_num_waiting, 0),
+        ("--max-sequences-per-request", args.max_sequences_per_request, 1),
+        ("--tokenizer-pool-size", args.tokenizer_pool_size, 1),
+    ):
         if value < minimum:
             raise ValueError(f"{flag} {value}: must be at least {minimum}")
     model = args.model_tag or args.model
     engine_args = cli_flags.engine_args(args, model=model)  # every flag checked before JAX loads
     name = args.served_model_name or model or DEMO_MODEL_NAME
-    logger.info("starting the engine for %s on its own thread (loading JAX and the model, then compiling); "
-                "/live answers now, /health once it is ready", engine_args.model)  # fmt: skip
+    logger.info(
+        "starting the engine for %s on its own thread (loading JAX and the model, then compiling); "
+        "/live answers now, /health once it is ready",
+        engine_args.model,
+    )
     import uvicorn
 
     from jaxpaged.server.app import build_app
@@ -107,14 +142,28 @@ def serve(args: argparse.Namespace) -> int:
         return engine
 
     async_engine = AsyncEngine(build, max_num_waiting=args.max_num_waiting, on_dead=on_dead)
-    app = build_app(async_engine, name, api_key=args.api_key, log_prompts=args.enable_log_requests,
-                    max_sequences_per_request=args.max_sequences_per_request,
-                    tokenizer_pool_size=args.tokenizer_pool_size)  # fmt: skip
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=ABORT_FLUSH_SECONDS)  # fmt: skip
+    app = build_app(
+        async_engine,
+        name,
+        api_key=args.api_key,
+        log_prompts=args.enable_log_requests,
+        max_sequences_per_request=args.max_sequences_per_request,
+        tokenizer_pool_size=args.tokenizer_pool_size,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=ABORT_FLUSH_SECONDS,
+    )
     server = _draining_server(config, async_engine, args.shutdown_timeout)
-    logger.info("listening at http://%s:%d/v1 (API key %s)", args.host, args.port,
-                "required" if args.api_key else "not required")  # fmt: skip
+    logger.info(
+        "listening at http://%s:%d/v1 (API key %s)",
+        args.host,
+        args.port,
+        "required" if args.api_key else "not required",
+    )
     if threading.current_thread() is threading.main_thread():
         # uvicorn re-raises the signal that stopped it once it is done; after our drain the
         # process exits normally (0, or 1 after an engine failure) instead of dying of it.
@@ -167,7 +216,19 @@ def _log_start_up(engine, seconds: float) -> None:
     logger.info(
         "engine ready in %.1f s: model %s (%s, %d layers, dtype %s, max_model_len %d); KV cache %d blocks x %d = "
         "%d tokens (%.3f GiB), max concurrency %.2f at max_model_len; %d step programs (token buckets %s) "
-        "compiled in %.1f s", seconds, engine.args.model, config.architecture, config.num_layers, dtype,
-        engine.config.max_model_len, plan.num_blocks - 1, plan.block_size, plan.num_tokens, plan.pool_bytes / 2**30,
-        plan.max_concurrency, programs, sorted(runner.layouts), engine.compile_seconds,
-    )  # fmt: skip
+        "compiled in %.1f s",
+        seconds,
+        engine.args.model,
+        config.architecture,
+        config.num_layers,
+        dtype,
+        engine.config.max_model_len,
+        plan.num_blocks - 1,
+        plan.block_size,
+        plan.num_tokens,
+        plan.pool_bytes / 2**30,
+        plan.max_concurrency,
+        programs,
+        sorted(runner.layouts),
+        engine.compile_seconds,
+    )

@@ -16,8 +16,30 @@ from jaxpaged.core.speculation import SPEC_DECODE_PER_POSITION
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.server.async_engine import AsyncEngine
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 
 # (metric name, kind, stats key, help)
 _FROM_STATS = (
@@ -31,35 +53,67 @@ _FROM_STATS = (
     ("vllm:generation_tokens", "counter", "generation_tokens", "Tokens generated."),
     # With a host tier (--kv-offloading-size) only: its prefix hits under vLLM's names for a KV
     # cache beyond the device, and its traffic under jaxpaged's.
-    ("vllm:external_prefix_cache_queries", "counter", "external_prefix_cache_queries",
-     "Prefix-cache lookups that could hit the host tier, in tokens."),
-    ("vllm:external_prefix_cache_hits", "counter", "external_prefix_cache_hits",
-     "Prefix-cache hits served from the host tier, in tokens."),
+    (
+        "vllm:external_prefix_cache_queries",
+        "counter",
+        "external_prefix_cache_queries",
+        "Prefix-cache lookups that could hit the host tier, in tokens.",
+    ),
+    (
+        "vllm:external_prefix_cache_hits",
+        "counter",
+        "external_prefix_cache_hits",
+        "Prefix-cache hits served from the host tier, in tokens.",
+    ),
     ("jaxpaged:kv_host_tier_blocks", "gauge", "kv_host_tier_blocks", "Blocks the host tier holds at most."),
-    ("jaxpaged:kv_host_tier_cached_blocks", "gauge", "kv_host_tier_cached_blocks",
-     "Host-tier blocks holding evicted prefix-cache blocks."),
-    ("jaxpaged:kv_host_tier_swapped_blocks", "gauge", "kv_host_tier_swapped_blocks",
-     "Host-tier blocks holding preempted sequences' blocks."),
+    (
+        "jaxpaged:kv_host_tier_cached_blocks",
+        "gauge",
+        "kv_host_tier_cached_blocks",
+        "Host-tier blocks holding evicted prefix-cache blocks.",
+    ),
+    (
+        "jaxpaged:kv_host_tier_swapped_blocks",
+        "gauge",
+        "kv_host_tier_swapped_blocks",
+        "Host-tier blocks holding preempted sequences' blocks.",
+    ),
     ("jaxpaged:kv_offload_bytes", "counter", "kv_offload_bytes", "KV bytes copied from the devices to the host tier."),
     ("jaxpaged:kv_load_bytes", "counter", "kv_load_bytes", "KV bytes copied from the host tier to the devices."),
-    ("jaxpaged:kv_swapped_out_blocks", "counter", "kv_swapped_out_blocks", "Blocks of preempted sequences swapped out."),
+    (
+        "jaxpaged:kv_swapped_out_blocks",
+        "counter",
+        "kv_swapped_out_blocks",
+        "Blocks of preempted sequences swapped out.",
+    ),
     ("jaxpaged:kv_swapped_in_blocks", "counter", "kv_swapped_in_blocks", "Blocks of resumed sequences swapped in."),
     # With a disk tier (--kv-cache-dir) only.
     ("jaxpaged:kv_disk_hit_tokens", "counter", "kv_disk_hit_tokens", "Prefix tokens read back from the disk tier."),
     ("jaxpaged:kv_disk_read_bytes", "counter", "kv_disk_read_bytes", "KV bytes read from the disk tier."),
     ("jaxpaged:kv_disk_write_bytes", "counter", "kv_disk_write_bytes", "KV bytes written to the disk tier."),
     ("jaxpaged:kv_disk_blocks", "gauge", "kv_disk_blocks", "Blocks the disk tier holds."),
-    ("jaxpaged:kv_disk_rejected_files", "counter", "kv_disk_rejected_files",
-     "Disk-tier files found truncated, corrupt or of another model, and removed."),
-    ("jaxpaged:kv_disk_dropped_writes", "counter", "kv_disk_dropped_writes",
-     "Disk-tier writes skipped because too many were pending."),
+    (
+        "jaxpaged:kv_disk_rejected_files",
+        "counter",
+        "kv_disk_rejected_files",
+        "Disk-tier files found truncated, corrupt or of another model, and removed.",
+    ),
+    (
+        "jaxpaged:kv_disk_dropped_writes",
+        "counter",
+        "kv_disk_dropped_writes",
+        "Disk-tier writes skipped because too many were pending.",
+    ),
     # With a speculative_config only.
     ("vllm:spec_decode_num_drafts", "counter", "spec_decode_num_drafts", "Proposal windows checked."),
     ("vllm:spec_decode_num_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Proposed tokens checked."),
     ("vllm:spec_decode_num_accepted_tokens", "counter", "spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
-)  # fmt: skip
-_PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos", SPEC_DECODE_PER_POSITION,
-                 "Proposed tokens accepted, by position in the proposal window.")  # fmt: skip
+)
+_PER_POSITION = (
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    SPEC_DECODE_PER_POSITION,
+    "Proposed tokens accepted, by position in the proposal window.",
+)
 
 
 class _EngineStatsCollector:
@@ -104,8 +158,12 @@ class ServerMetrics:
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to first token, seconds.")
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Inter-token latency, seconds.")
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
-        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)  # fmt: skip
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self._model_name = model_name
         self._last_token_time: dict[str, float] = {}  # engine thread only
         engine.output_observers.append(self.observe)

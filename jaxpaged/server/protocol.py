@@ -19,8 +19,15 @@ _INT32 = 2**31
 class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
-    def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
 
@@ -28,8 +35,9 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:  # fmt: skip
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -112,28 +120,42 @@ class _SamplingRequest(Request):
         """
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
-            raise APIError(f"stop: at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}",
-                           param="stop")  # fmt: skip
+            raise APIError(
+                f"stop: at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}", param="stop"
+            )
         if self.n > MAX_N:
             raise APIError(f"n: at most {MAX_N} completions per prompt are supported, got {self.n}", param="n")
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         bad = [t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size]
         if bad:
-            raise APIError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
-                           param="stop_token_ids")  # fmt: skip
+            raise APIError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", param="stop_token_ids"
+            )
         seed = self.seed
         if seed is not None and not -_INT32 <= seed < _INT32:
             seed %= _INT32  # the device keys are 32-bit; fold larger seeds deterministically
         top_k = self.top_k if self.top_k is None or self.top_k <= vocab_size else vocab_size
         values = dict(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=seed, stop=stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-        )  # fmt: skip
+        )
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in ("max_tokens",)})
         except ValueError as err:
@@ -221,4 +243,3 @@ class DetokenizeRequest(Request):
 
     model: str | None = None
     tokens: list[int]
-

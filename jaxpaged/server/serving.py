@@ -72,29 +72,42 @@ class ServingContext:
     def check_sequences(self, num_prompts: int, n: int) -> None:
         """400 when one request asks for more sequences than `max_sequences_per_request`."""
         if num_prompts * n > self.max_sequences_per_request:
-            raise APIError(f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
-                           f"the server takes at most {self.max_sequences_per_request} per request", param="n")  # fmt: skip
+            raise APIError(
+                f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+                f"the server takes at most {self.max_sequences_per_request} per request",
+                param="n",
+            )
 
     def check_text_length(self, chars: int, what: str) -> None:
         """400 before tokenizing when `chars` characters must be more tokens than `max_model_len`."""
         limit = self.engine.config.max_model_len * self.pool.max_token_chars
         if chars > limit:
-            raise APIError(f"the {what} has {chars} characters: more than the {self.engine.config.max_model_len} tokens of "
-                           f"this model's maximum context length can hold (at most {limit} characters)",
-                           param=what, code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                f"the {what} has {chars} characters: more than the {self.engine.config.max_model_len} tokens of "
+                f"this model's maximum context length can hold (at most {limit} characters)",
+                param=what,
+                code="context_length_exceeded",
+            )
 
     def check_length(self, num_prompt: int, max_tokens: int | None, what: str) -> None:
         """400 `context_length_exceeded` when prompt + max_tokens cannot fit `max_model_len`."""
         limit = self.engine.config.max_model_len
         if max_tokens is None and num_prompt >= limit:
-            raise APIError(f"This model's maximum context length is {limit} tokens, and the {what} has {num_prompt} "
-                           "tokens, which leaves no room for the completion. Please shorten the "
-                           f"{what}.", param=what, code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens, and the {what} has {num_prompt} "
+                "tokens, which leaves no room for the completion. Please shorten the "
+                f"{what}.",
+                param=what,
+                code="context_length_exceeded",
+            )
         if max_tokens is not None and num_prompt + max_tokens > limit:
-            raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in the "
-                           f"completion). Please reduce the length of the {what} or completion.", param=what,
-                           code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {what} or completion.",
+                param=what,
+                code="context_length_exceeded",
+            )
 
 
 async def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
@@ -124,16 +137,18 @@ async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
 
     def render(tokenizer):
         try:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt,
-                                                 tokenize=False)  # fmt: skip
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=body.add_generation_prompt, tokenize=False
+            )
         except Exception as err:  # no template, or the template rejects the conversation
             return err
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
     result = await ctx.pool.run(render)
     if isinstance(result, Exception):
-        raise APIError(f"the model's chat template rejects these messages{_template_reason(result)}",
-                       param="messages") from None  # fmt: skip
+        raise APIError(
+            f"the model's chat template rejects these messages{_template_reason(result)}", param="messages"
+        ) from None
     return result
 
 
@@ -148,7 +163,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
     """`POST /v1/completions`: one engine request per prompt, choices indexed prompt-major."""
     ctx.check_model(body.model)
     params = body.sampling_params(ctx.engine.config.model.vocab_size)
-    num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
+    num_prompts = (
+        1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
+    )
     ctx.check_sequences(num_prompts, params.n)
     prompts = await completion_prompts(ctx, body.prompt)
     for p in prompts:
@@ -181,12 +198,23 @@ class _Kind:
     def object(self, chunk: bool) -> str:
         return ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
 
-    def choice(self, index: int, text: str, token_ids: list, logprobs: list | None, c: CompletionOutput,
-               chunk: bool, offset: int = 0) -> dict:  # fmt: skip
+    def choice(
+        self,
+        index: int,
+        text: str,
+        token_ids: list,
+        logprobs: list | None,
+        c: CompletionOutput,
+        chunk: bool,
+        offset: int = 0,
+    ) -> dict:
         lps = None
         if self.num_logprobs is not None and logprobs is not None:
-            lps = _chat_logprobs(token_ids, logprobs, self.num_logprobs) if self.chat else \
-                _completion_logprobs(token_ids, logprobs, self.num_logprobs, offset)  # fmt: skip
+            lps = (
+                _chat_logprobs(token_ids, logprobs, self.num_logprobs)
+                if self.chat
+                else _completion_logprobs(token_ids, logprobs, self.num_logprobs, offset)
+            )
         if not self.chat:
             body = {"index": index, "text": text}
         elif chunk:
@@ -209,16 +237,27 @@ class _Usage:
 
     def to_dict(self) -> dict:
         prompt = sum(self.prompt.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}  # fmt: skip
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": prompt + self.completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
+        }
 
 
 async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: _Kind) -> Response:
     request_id = f"{kind.prefix}-{uuid.uuid4().hex}"
     ids = [f"{request_id}-{i}" for i in range(len(prompts))]
     stream = await ctx.engine.add_requests(ids, prompts, params, cache_salt=body.cache_salt)
-    logger.info("%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s", request_id, len(prompts),
-                sum(len(p["prompt_token_ids"]) for p in prompts), params.n, params.max_tokens, body.stream)  # fmt: skip
+    logger.info(
+        "%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s",
+        request_id,
+        len(prompts),
+        sum(len(p["prompt_token_ids"]) for p in prompts),
+        params.n,
+        params.max_tokens,
+        body.stream,
+    )
     if ctx.log_prompts:
         for rid, p in zip(ids, prompts):
             logger.info("%s: prompt %r", rid, p.get("prompt") or p["prompt_token_ids"])
@@ -252,8 +291,9 @@ async def _collect(stream: RequestStream, kind: _Kind, head: dict, index_of: dic
     return {**head, "choices": choices, "usage": usage.to_dict()}
 
 
-async def _events(stream: RequestStream, kind: _Kind, head: dict, index_of: dict, num_choices: int,
-                  include_usage: bool):  # fmt: skip
+async def _events(
+    stream: RequestStream, kind: _Kind, head: dict, index_of: dict, num_choices: int, include_usage: bool
+):
     usage, done, offsets = _Usage(), set(), {}
     extra = {"usage": None} if include_usage else {}
     try:

@@ -67,8 +67,9 @@ class DraftRunner(ModelRunner):
         for seq_id in seq_ids:
             self._held.pop(seq_id, None)
 
-    def propose(self, seqs: list[Sequence], new_tokens: list[list[int]],
-                rows: list[SequenceRow]) -> dict[int, list[int]]:  # fmt: skip
+    def propose(
+        self, seqs: list[Sequence], new_tokens: list[list[int]], rows: list[SequenceRow]
+    ) -> dict[int, list[int]]:
         """k proposed tokens after each sequence's `new_tokens` (a step's, not yet appended), by
         seq_id: the draft first catches up on what its pool lacks (see the module doc). A
         sequence whose table has no room for the k positions past its newest token gets none.
@@ -87,9 +88,16 @@ class DraftRunner(ModelRunner):
             if len(seq.block_table) * bs < length + k - 1:
                 continue
             tokens = seq.token_ids_slice(held, seq.num_tokens) + new  # [held, length)
-            base = ScheduledSequence(token_ids=tokens[:-1], num_computed=held, block_table=seq.block_table,
-                                     seq_id=seq.seq_id, samples=False, params=seq.sampling_params, index=seq.index,
-                                     prompt_len=seq.num_prompt_tokens)  # fmt: skip
+            base = ScheduledSequence(
+                token_ids=tokens[:-1],
+                num_computed=held,
+                block_table=seq.block_table,
+                seq_id=seq.seq_id,
+                samples=False,
+                params=seq.sampling_params,
+                index=seq.index,
+                prompt_len=seq.num_prompt_tokens,
+            )
             if len(tokens) > 1:
                 catch_up.append((base, row))
             heads.append((dataclasses.replace(base, token_ids=tokens[-1:], num_computed=length - 1, samples=True), row))
@@ -114,7 +122,9 @@ class DraftRunner(ModelRunner):
                     chunks.append(chunk)
                     chunk, room = [], limit
                 n = min(room, len(inp.token_ids) - start)
-                piece = dataclasses.replace(inp, token_ids=inp.token_ids[start : start + n], num_computed=inp.num_computed + start)
+                piece = dataclasses.replace(
+                    inp, token_ids=inp.token_ids[start : start + n], num_computed=inp.num_computed + start
+                )
                 chunk.append((piece, row))
                 room, start = room - n, start + n
         return chunks + [chunk] if chunk else chunks
@@ -146,5 +156,6 @@ def draft_engine_config(config: EngineConfig, layout) -> EngineConfig:
     programs) and no proposals of its own to check, no host tier, unquantized weights."""
     spec = config.args.speculative_config
     args = dataclasses.replace(config.args, num_scheduler_steps=spec.num_speculative_tokens, speculative_config=None)
-    return dataclasses.replace(config, args=args, model=layout.config, layout=layout, num_host_blocks=0,
-                               quantization=None)  # fmt: skip
+    return dataclasses.replace(
+        config, args=args, model=layout.config, layout=layout, num_host_blocks=0, quantization=None
+    )

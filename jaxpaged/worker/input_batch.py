@@ -10,8 +10,6 @@ options.
 
 import dataclasses
 
-import numpy as np
-
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.worker.step_packer import MAX_BANNED, SequenceRow, StepPacker, sampling_row

@@ -54,29 +54,40 @@ def _layer_rows(ids: Int[Array, " C"], num_layers: int, num_blocks: int) -> Int[
     return ids[:, None] + jnp.arange(num_layers, dtype=ids.dtype)[None, :] * num_blocks
 
 
-def gather_blocks(k_pool: Float[Array, "LNB BS K H"], v_pool: Float[Array, "LNB BS K H"], ids: Int[Array, " C"], *,
-                  num_layers: int) -> Float[Array, "C 2 L BS K H"]:  # fmt: skip
+def gather_blocks(
+    k_pool: Float[Array, "LNB BS K H"], v_pool: Float[Array, "LNB BS K H"], ids: Int[Array, " C"], *, num_layers: int
+) -> Float[Array, "C 2 L BS K H"]:
     """K and V of blocks `ids` in every layer, one block's data contiguous."""
     rows = _layer_rows(ids, num_layers, k_pool.shape[0] // num_layers)
     return jnp.stack([k_pool[rows], v_pool[rows]], axis=1)
 
 
-def scatter_blocks(k_pool: Float[Array, "LNB BS K H"], v_pool: Float[Array, "LNB BS K H"], ids: Int[Array, " C"],
-                   data: Float[Array, "C 2 L BS K H"], *, num_layers: int):  # fmt: skip
+def scatter_blocks(
+    k_pool: Float[Array, "LNB BS K H"],
+    v_pool: Float[Array, "LNB BS K H"],
+    ids: Int[Array, " C"],
+    data: Float[Array, "C 2 L BS K H"],
+    *,
+    num_layers: int,
+):
     """The pools with blocks `ids` of every layer replaced by `data`."""
     rows = _layer_rows(ids, num_layers, k_pool.shape[0] // num_layers)
     return k_pool.at[rows].set(data[:, 0]), v_pool.at[rows].set(data[:, 1])
 
 
 def _offload(parallel: TensorParallel, num_layers: int, kv: KVPool, ids):
-    gather = parallel.per_head(functools.partial(gather_blocks, num_layers=num_layers),
-                               (KV_POOL_AXES, KV_POOL_AXES, ()), KV_BLOCK_AXES)  # fmt: skip
+    gather = parallel.per_head(
+        functools.partial(gather_blocks, num_layers=num_layers), (KV_POOL_AXES, KV_POOL_AXES, ()), KV_BLOCK_AXES
+    )
     return gather(kv.k, kv.v, ids)
 
 
 def _load(parallel: TensorParallel, num_layers: int, cache: DeviceCache, ids, data) -> DeviceCache:
-    scatter = parallel.per_head(functools.partial(scatter_blocks, num_layers=num_layers),
-                                (KV_POOL_AXES, KV_POOL_AXES, (), KV_BLOCK_AXES), (KV_POOL_AXES, KV_POOL_AXES))  # fmt: skip
+    scatter = parallel.per_head(
+        functools.partial(scatter_blocks, num_layers=num_layers),
+        (KV_POOL_AXES, KV_POOL_AXES, (), KV_BLOCK_AXES),
+        (KV_POOL_AXES, KV_POOL_AXES),
+    )
     k, v = scatter(cache.kv.k, cache.kv.v, ids, data)
     return dataclasses.replace(cache, kv=dataclasses.replace(cache.kv, k=k, v=v))  # an fp8 pool keeps its scales
 
@@ -93,8 +104,16 @@ class KVTransfer:
       dtype: the pool's storage dtype.
     """
 
-    def __init__(self, parallel: TensorParallel, cache_shardings: DeviceCache, *, num_layers: int,
-                 num_host_blocks: int, block_shape: tuple[int, int, int], dtype):  # fmt: skip
+    def __init__(
+        self,
+        parallel: TensorParallel,
+        cache_shardings: DeviceCache,
+        *,
+        num_layers: int,
+        num_host_blocks: int,
+        block_shape: tuple[int, int, int],
+        dtype,
+    ):
         self.slot_shape = (2, num_layers, *block_shape)
         # np.empty: pages are only touched (and counted by the OS) as slots fill.
         self.host = np.empty((num_host_blocks, *self.slot_shape), dtype)
@@ -103,8 +122,9 @@ class KVTransfer:
         self._ids_sharding = parallel.sharding()
         out = parallel.logical_sharding(KV_BLOCK_AXES, self.memory_kind)
         self._offload = jax.jit(functools.partial(_offload, parallel, num_layers), out_shardings=out)
-        self._load = jax.jit(functools.partial(_load, parallel, num_layers), donate_argnums=(0,),
-                             out_shardings=cache_shardings)  # fmt: skip
+        self._load = jax.jit(
+            functools.partial(_load, parallel, num_layers), donate_argnums=(0,), out_shardings=cache_shardings
+        )
         self._compiled: dict[tuple[str, int], object] = {}  # (direction, size) -> executable
 
     @property
@@ -119,7 +139,9 @@ class KVTransfer:
             ids = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self._ids_sharding)
             data = jax.ShapeDtypeStruct((size, *self.slot_shape), self.host.dtype, sharding=self._device)
             jobs.append((f"host tier offload, {size} blocks", lambda ids=ids: self._offload.lower(cache.kv, ids)))
-            jobs.append((f"host tier load, {size} blocks", lambda ids=ids, data=data: self._load.lower(cache, ids, data)))
+            jobs.append(
+                (f"host tier load, {size} blocks", lambda ids=ids, data=data: self._load.lower(cache, ids, data))
+            )
         return jobs
 
     def set_compiled(self, executables: list) -> None:
@@ -135,7 +157,9 @@ class KVTransfer:
             chunk = transfers.offloads[start : start + size]
             start += size
             offload = self._compiled.get(("offload", size), self._offload)
-            data = np.asarray(offload(cache.kv, self._ids([block for block, _ in chunk])))  # waits: loads may reuse the slots
+            data = np.asarray(
+                offload(cache.kv, self._ids([block for block, _ in chunk]))
+            )  # waits: loads may reuse the slots
             self.host[[slot for _, slot in chunk]] = data
         start = 0
         for size in transfer_chunks(len(transfers.loads)):

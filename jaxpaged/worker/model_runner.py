@@ -14,8 +14,8 @@ per decode bucket, the samplers) are all compiled by `warm_up`, so nothing compi
 
 import dataclasses
 import logging
-import typing
 import time
+import typing
 
 import jax
 import numpy as np
@@ -33,7 +33,6 @@ from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_transfer import KVTransfer
-from jaxpaged.worker.step_packer import SequenceRow
 from jaxpaged.worker.step_programs import Program, ResultLayout, SamplerProgram, StepPrograms, compile_all, sampler_for
 
 logger = logging.getLogger("jaxpaged")
@@ -98,9 +97,16 @@ class ModelRunner:
       fused_options: the sampler paths of the fused decode programs.
     """
 
-    def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig,
-                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None, eos_token_ids: frozenset[int] = frozenset(),
-                 fused_options: SamplerOptions = SamplerOptions()):  # fmt: skip
+    def __init__(
+        self,
+        model: Llama,
+        *,
+        parallel: TensorParallel,
+        config: EngineConfig,
+        kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        fused_options: SamplerOptions = SamplerOptions(),
+    ):
         args = config.args
         self.config = model.config
         self.num_decode_steps = args.num_scheduler_steps
@@ -119,8 +125,11 @@ class ModelRunner:
         # A model of shapes (`nnx.eval_shape`): the runner holds shapes, compiles, and runs nothing.
         self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         if self.abstract:
-            self.params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
-                                       parallel.state_shardings(params))  # fmt: skip
+            self.params = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                params,
+                parallel.state_shardings(params),
+            )
         else:
             self.params = place_params(params, parallel)  # no copy when the loader placed them already
         if not model.scan_layers:  # unrolled layers read per-layer arrays (the engine's model comes split)
@@ -132,9 +141,14 @@ class ModelRunner:
         self.kv_transfer = None  # the host tier's memory and copies
         if config.num_host_blocks:
             k = self.cache.kv.k
-            self.kv_transfer = KVTransfer(parallel, self.step_programs.cache_shardings, num_layers=self.config.num_layers,
-                                          num_host_blocks=config.num_host_blocks, block_shape=k.shape[1:],
-                                          dtype=k.dtype)  # fmt: skip
+            self.kv_transfer = KVTransfer(
+                parallel,
+                self.step_programs.cache_shardings,
+                num_layers=self.config.num_layers,
+                num_host_blocks=config.num_host_blocks,
+                block_shape=k.shape[1:],
+                dtype=k.dtype,
+            )
         self.channel: StepChannel | None = None  # set on the leader of several processes
         self.compiled: dict[Program | SamplerProgram, object] = {}  # executables
         self.temp_bytes: dict[Program | SamplerProgram, int] = {}  # temporaries of each
@@ -146,11 +160,21 @@ class ModelRunner:
         device ever holds the whole pool), the penalty tables whole on every device (shapes only
         for a runner of shapes)."""
         kv_dtype, shardings = self.kv_dtype, self.step_programs.cache_shardings
-        make = lambda: init_cache(self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=kv_dtype,  # noqa: E731
-                                  max_num_seqs=self.max_num_seqs, platform=self.parallel.platform)  # fmt: skip
+
+        def make():
+            return init_cache(
+                self.config,
+                num_blocks=num_blocks,
+                block_size=self.block_size,
+                dtype=kv_dtype,
+                max_num_seqs=self.max_num_seqs,
+                platform=self.parallel.platform,
+            )
+
         if self.abstract:
-            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(make),
-                                shardings)  # fmt: skip
+            return jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(make), shardings
+            )
         return jax.jit(make, out_shardings=shardings)()
 
     def _set_kv_scales(self, k_scale: np.ndarray, v_scale: np.ndarray) -> None:
@@ -182,11 +206,18 @@ class ModelRunner:
         """Compiles every program (and the penalty-row seeding), `threads` at a time, logging each
         as it finishes; returns the seconds it took."""
         programs = self.programs()
-        logger.info("compiling %d step programs (token buckets %s, fused decode steps %d) in %d thread(s)",
-                    len(programs), sorted(self.layouts), self.num_decode_steps, threads)  # fmt: skip
+        logger.info(
+            "compiling %d step programs (token buckets %s, fused decode steps %d) in %d thread(s)",
+            len(programs),
+            sorted(self.layouts),
+            self.num_decode_steps,
+            threads,
+        )
         start = time.perf_counter()
-        jobs = [(self.step_programs.describe(p), lambda p=p: self.step_programs.lower(p, self.params, self.cache))
-                for p in programs]  # fmt: skip
+        jobs = [
+            (self.step_programs.describe(p), lambda p=p: self.step_programs.lower(p, self.params, self.cache))
+            for p in programs
+        ]
         jobs.append(("penalty-row seeding", lambda: self.step_programs.lower_seed(self.cache)))
         if self.kv_transfer is not None:
             jobs += self.kv_transfer.lower(self.cache)
@@ -255,7 +286,9 @@ class ModelRunner:
         t, flat = self.packer.pack(inputs, prepared.rows, prepared.resets, num_drafts, decode=decode, live_steps=live)
         if self.channel is not None:
             options = prepared.options if steps == 1 else program.options
-            self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode), _option_bits(options)), flat)
+            self.channel.send(
+                EXECUTE, (program.tokens, program.steps, int(program.decode), _option_bits(options)), flat
+            )
         return program, self.step_programs.layout(program), flat
 
     def run_packed(self, program: Program, options: SamplerOptions, flat: np.ndarray) -> jax.Array:
@@ -268,8 +301,9 @@ class ModelRunner:
             return packed
         self.cache, logits, sampler_input = self.compiled[program](self.params, self.cache, flat)
         sampler = self.compiled[sampler_for(self.step_programs.layout(program), options)]
-        last_tokens, packed = sampler(self.cache.prompt_mask, self.cache.output_counts, self.cache.last_tokens, logits,
-                                      sampler_input)  # fmt: skip
+        last_tokens, packed = sampler(
+            self.cache.prompt_mask, self.cache.output_counts, self.cache.last_tokens, logits, sampler_input
+        )
         self.cache = dataclasses.replace(self.cache, last_tokens=last_tokens)
         return packed
 
@@ -301,7 +335,9 @@ class ModelRunner:
         sampled and go on (none without a draft model)."""
         if self.draft is None or not any(output.drafting):
             return {}
-        entries = [i for i, d in enumerate(output.drafting) if d and tokens[i] and not output.scheduled[i][0].is_finished]
+        entries = [
+            i for i, d in enumerate(output.drafting) if d and tokens[i] and not output.scheduled[i][0].is_finished
+        ]
         seqs = [output.scheduled[i][0] for i in entries]
         rows = [self.input_batch.row_of(seq.seq_id) for seq in seqs]
         return self.draft.propose(seqs, [tokens[i] for i in entries], rows)

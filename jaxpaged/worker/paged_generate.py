@@ -40,8 +40,9 @@ class PagedGenerator:
       kv_dtype: the pool's dtype (e.g. "float8_e4m3fn"); None: the model's.
     """
 
-    def __init__(self, model: Llama, *, block_size: int = 16, block_shuffle_seed: int | None = None,
-                 kv_dtype: str | None = None):  # fmt: skip
+    def __init__(
+        self, model: Llama, *, block_size: int = 16, block_shuffle_seed: int | None = None, kv_dtype: str | None = None
+    ):
         self.config = model.config
         self.dtype = kv_dtype or model.embed[...].dtype
         self.graphdef, self.state = nnx.split(model)
@@ -56,12 +57,24 @@ class PagedGenerator:
             np.random.default_rng(self.block_shuffle_seed).shuffle(block_ids)
         tables = np.split(block_ids, np.cumsum(pages)[:-1])
         pool = init_kv_pool(self.config, sum(pages) + 1, self.block_size, self.dtype)
-        packer = StepPacker(block_size=self.block_size, max_model_len=max(lengths), max_num_seqs=len(lengths),
-                            max_num_batched_tokens=max_step_tokens, vocab_size=self.config.vocab_size)  # fmt: skip
+        packer = StepPacker(
+            block_size=self.block_size,
+            max_model_len=max(lengths),
+            max_num_seqs=len(lengths),
+            max_num_batched_tokens=max_step_tokens,
+            vocab_size=self.config.vocab_size,
+        )
         return pool, [t.tolist() for t in tables], packer
 
-    def _step(self, packer: StepPacker, pool: KVPool, seqs: list[ScheduledSequence], ids: list[int],
-              prompt_lens: list[int], every_token: bool):  # fmt: skip
+    def _step(
+        self,
+        packer: StepPacker,
+        pool: KVPool,
+        seqs: list[ScheduledSequence],
+        ids: list[int],
+        prompt_lens: list[int],
+        every_token: bool,
+    ):
         row = sampling_row(SamplingParams(temperature=0), 0)
         rows = [SequenceRow(i, row, i, n) for i, n in zip(ids, prompt_lens)]
         t, flat = packer.pack(seqs, rows, [])
@@ -94,6 +107,8 @@ class PagedGenerator:
             tokens = np.asarray(jnp.argmax(logits, axis=-1))
             for i, seq in enumerate(step):
                 outputs[i].append(int(tokens[i]))
-            step = [ScheduledSequence([int(tokens[i])], s.num_computed + len(s.token_ids), s.block_table)
-                    for i, s in enumerate(step)]  # fmt: skip
+            step = [
+                ScheduledSequence([int(tokens[i])], s.num_computed + len(s.token_ids), s.block_table)
+                for i, s in enumerate(step)
+            ]
         return outputs

@@ -23,10 +23,19 @@ MIN_TOKEN_BUCKET = 16
 MAX_BANNED = 16
 # Rows of `SamplingTensors`, in buffer order; float rows are bit-cast.
 SAMPLING_FIELDS = (
-    ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("min_p", np.float32),
-    ("presence_penalty", np.float32), ("frequency_penalty", np.float32), ("repetition_penalty", np.float32),
-    ("seed", np.int32), ("index", np.int32), ("position", np.int32), ("slot", np.int32), ("ban_until", np.int32),
-)  # fmt: skip
+    ("temperature", np.float32),
+    ("top_k", np.int32),
+    ("top_p", np.float32),
+    ("min_p", np.float32),
+    ("presence_penalty", np.float32),
+    ("frequency_penalty", np.float32),
+    ("repetition_penalty", np.float32),
+    ("seed", np.int32),
+    ("index", np.int32),
+    ("position", np.int32),
+    ("slot", np.int32),
+    ("ban_until", np.int32),
+)
 _POSITION_ROW = [name for name, _ in SAMPLING_FIELDS].index("position")
 _SLOT_ROW = [name for name, _ in SAMPLING_FIELDS].index("slot")
 
@@ -57,12 +66,24 @@ class Layout:
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
         t, s, p, r = self.num_tokens, self.num_seqs, self.pages, self.num_seqs * self.rows_per_seq
         return [
-            ("token_ids", (t,)), ("positions", (t,)), ("slot_mapping", (t,)), ("token_slot", (t,)),
-            ("token_is_output", (t,)), ("from_last", (t,)), ("cu_q_lens", (s + 1,)), ("kv_lens", (s,)),
-            ("logits_indices", (r,)), ("num_drafts", (s,)), ("reset_slots", (s,)), ("last_slot", (s,)),
-            ("live_steps", (s,)), ("sampling", (len(SAMPLING_FIELDS), r)), ("block_tables", (s, p)),
-            ("banned_ids", (r, MAX_BANNED)), ("num_seqs", ()),
-        ]  # fmt: skip
+            ("token_ids", (t,)),
+            ("positions", (t,)),
+            ("slot_mapping", (t,)),
+            ("token_slot", (t,)),
+            ("token_is_output", (t,)),
+            ("from_last", (t,)),
+            ("cu_q_lens", (s + 1,)),
+            ("kv_lens", (s,)),
+            ("logits_indices", (r,)),
+            ("num_drafts", (s,)),
+            ("reset_slots", (s,)),
+            ("last_slot", (s,)),
+            ("live_steps", (s,)),
+            ("sampling", (len(SAMPLING_FIELDS), r)),
+            ("block_tables", (s, p)),
+            ("banned_ids", (r, MAX_BANNED)),
+            ("num_seqs", ()),
+        ]
 
     @property
     def size(self) -> int:
@@ -130,8 +151,16 @@ class StepPacker:
         decode layouts (fused decode steps, one token per sequence) always have R = 1.
     """
 
-    def __init__(self, *, block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 vocab_size: int, rows_per_seq: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        vocab_size: int,
+        rows_per_seq: int = 1,
+    ):
         self.block_size = block_size
         self.pages = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
@@ -179,9 +208,15 @@ class StepPacker:
             self.tables[slot, known : len(table)] = table[known:]
             self._known[slot] = len(table)
 
-    def pack(self, inputs: list[ScheduledSequence], rows: list[SequenceRow], resets: list[int],
-             num_drafts: list[int] | None = None, decode: bool = False,
-             live_steps: list[int] | None = None) -> tuple[int, np.ndarray]:  # fmt: skip
+    def pack(
+        self,
+        inputs: list[ScheduledSequence],
+        rows: list[SequenceRow],
+        resets: list[int],
+        num_drafts: list[int] | None = None,
+        decode: bool = False,
+        live_steps: list[int] | None = None,
+    ) -> tuple[int, np.ndarray]:
         """Writes one step into its bucket's buffer.
 
         Args:
@@ -220,7 +255,9 @@ class StepPacker:
         tables = self.tables[slots]
         bs = self.block_size
 
-        v["token_ids"][:total] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in inputs), np.int32, total)
+        v["token_ids"][:total] = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in inputs), np.int32, total
+        )
         v["positions"][:total] = positions
         v["slot_mapping"][:total] = tables[seq_of_token, positions // bs] * bs + positions % bs
         v["token_slot"][:] = self.max_num_seqs  # out of range: dropped on device

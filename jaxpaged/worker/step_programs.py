@@ -33,8 +33,14 @@ from jaxpaged.config.quantization import is_fp8
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.functional import DeviceCache, SamplerInput, StepInput, forward, sample_tokens, sampler_input, step
 from jaxpaged.model import AttentionMetadata, KVPool, KVQuant
-from jaxpaged.model.sampler import (ENGINE_SAMPLER_OPTIONS, MAX_LOGPROBS, SamplerOptions, SamplingTensors, pack_result,
-                                     update_penalty_tables)  # fmt: skip
+from jaxpaged.model.sampler import (
+    ENGINE_SAMPLER_OPTIONS,
+    MAX_LOGPROBS,
+    SamplerOptions,
+    SamplingTensors,
+    pack_result,
+    update_penalty_tables,
+)
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import KV_SCALE_AXES
 from jaxpaged.worker.step_packer import MAX_BANNED, SAMPLING_FIELDS, Layout, StepPacker
@@ -50,9 +56,13 @@ def unpack(layout: Layout, flat: jax.Array) -> StepInput:
     return StepInput(
         token_ids=v["token_ids"],
         metadata=AttentionMetadata(
-            positions=v["positions"], slot_mapping=v["slot_mapping"], cu_q_lens=v["cu_q_lens"],
-            kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"],
-        ),  # fmt: skip
+            positions=v["positions"],
+            slot_mapping=v["slot_mapping"],
+            cu_q_lens=v["cu_q_lens"],
+            kv_lens=v["kv_lens"],
+            block_tables=v["block_tables"],
+            num_seqs=v["num_seqs"],
+        ),
         logits_indices=v["logits_indices"],
         num_drafts=v["num_drafts"] if layout.rows_per_seq > 1 else None,
         sampling=SamplingTensors(**rows),
@@ -80,8 +90,9 @@ def _sampler_program(options: SamplerOptions, prompt_mask, output_counts, last_t
     return last_tokens, pack_result(result)
 
 
-def _fused_decode_steps(layout: Layout, num_steps: int, options: SamplerOptions, graphdef, params,
-                        cache: DeviceCache, flat: jax.Array):  # fmt: skip
+def _fused_decode_steps(
+    layout: Layout, num_steps: int, options: SamplerOptions, graphdef, params, cache: DeviceCache, flat: jax.Array
+):
     """`num_steps` decode steps in one program: each feeds back the tokens the previous sampled.
 
     Only for decode-only batches (token i belongs to sequence i) whose sequences have blocks
@@ -185,8 +196,13 @@ class ResultLayout:
         """`packed` `[..., N]` into named arrays `[..., rows(, L)]` (and `num_accepted [..., S]`)."""
         r, lead = self.rows, packed.shape[:-1]
         top = MAX_LOGPROBS if self.logprobs else 0
-        sizes = [("token_ids", r, ()), ("logprobs", r, ()), ("ranks", r, ()), ("top_ids", r * top, (r, top)),
-                 ("top_logprobs", r * top, (r, top))]  # fmt: skip
+        sizes = [
+            ("token_ids", r, ()),
+            ("logprobs", r, ()),
+            ("ranks", r, ()),
+            ("top_ids", r * top, (r, top)),
+            ("top_logprobs", r * top, (r, top)),
+        ]
         if self.speculative:
             sizes.append(("num_accepted", self.num_seqs, ()))
         out, start = {}, 0
@@ -212,37 +228,68 @@ class StepPrograms:
       fused_options: the sampler paths of the fused decode programs.
     """
 
-    def __init__(self, graphdef, packer: StepPacker, num_decode_steps: int, cache_shardings: DeviceCache, whole,
-                 fused_options: SamplerOptions = SamplerOptions()):  # fmt: skip
+    def __init__(
+        self,
+        graphdef,
+        packer: StepPacker,
+        num_decode_steps: int,
+        cache_shardings: DeviceCache,
+        whole,
+        fused_options: SamplerOptions = SamplerOptions(),
+    ):
         self.graphdef = graphdef
         self.packer = packer
         self.num_decode_steps = num_decode_steps
         self.cache_shardings = cache_shardings
         self.fused_options = fused_options
         self.whole = whole
-        self._model = jax.jit(_model_program, static_argnums=(0, 1, 2), donate_argnums=(4,),
-                              out_shardings=(cache_shardings, whole, whole))  # fmt: skip
-        self._sampler = jax.jit(_sampler_program, static_argnums=(0,), donate_argnums=(3,),
-                                out_shardings=(cache_shardings.last_tokens, whole))  # fmt: skip
-        self._fused = jax.jit(_fused_decode_steps, static_argnums=(0, 1, 2, 3), donate_argnums=(5,),
-                              out_shardings=(cache_shardings, whole))  # fmt: skip
+        self._model = jax.jit(
+            _model_program, static_argnums=(0, 1, 2), donate_argnums=(4,), out_shardings=(cache_shardings, whole, whole)
+        )
+        self._sampler = jax.jit(
+            _sampler_program,
+            static_argnums=(0,),
+            donate_argnums=(3,),
+            out_shardings=(cache_shardings.last_tokens, whole),
+        )
+        self._fused = jax.jit(
+            _fused_decode_steps,
+            static_argnums=(0, 1, 2, 3),
+            donate_argnums=(5,),
+            out_shardings=(cache_shardings, whole),
+        )
         self.seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,), out_shardings=cache_shardings)
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, graphdef, parallel: TensorParallel, kv_dtype: str,
-                   fused_options: SamplerOptions = SamplerOptions()) -> "StepPrograms":  # fmt: skip
+    def for_engine(
+        cls,
+        config: EngineConfig,
+        graphdef,
+        parallel: TensorParallel,
+        kv_dtype: str,
+        fused_options: SamplerOptions = SamplerOptions(),
+    ) -> "StepPrograms":
         """The programs of an engine: its packer (buckets from the engine's limits), the cache on
         the mesh (pool split by the sharding table, penalty tables whole) of a `kv_dtype` pool."""
         args = config.args
         spec = args.speculative_config
-        packer = StepPacker(block_size=args.block_size, max_model_len=config.max_model_len, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, vocab_size=config.model.vocab_size,
-                            rows_per_seq=1 + (spec.num_speculative_tokens if spec else 0))  # fmt: skip
+        packer = StepPacker(
+            block_size=args.block_size,
+            max_model_len=config.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            vocab_size=config.model.vocab_size,
+            rows_per_seq=1 + (spec.num_speculative_tokens if spec else 0),
+        )
         whole, pool = parallel.sharding(), parallel.pool_sharding
         scales = parallel.logical_sharding(KV_SCALE_AXES)
         quant = KVQuant(k_scale=scales, v_scale=scales, dtype=kv_dtype) if is_fp8(kv_dtype) else None
-        shardings = DeviceCache(kv=KVPool(k=pool, v=pool, num_layers=config.model.num_layers, quant=quant),
-                                prompt_mask=whole, output_counts=whole, last_tokens=whole)  # fmt: skip
+        shardings = DeviceCache(
+            kv=KVPool(k=pool, v=pool, num_layers=config.model.num_layers, quant=quant),
+            prompt_mask=whole,
+            output_counts=whole,
+            last_tokens=whole,
+        )
         return cls(graphdef, packer, args.num_scheduler_steps, shardings, whole, fused_options)
 
     def all(self) -> list[Program]:
@@ -288,18 +335,27 @@ class StepPrograms:
         vocab = cache.prompt_mask.shape[1]
         ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.whole)  # noqa: E731
         floats = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.whole)  # noqa: E731
-        sampling = SamplingTensors(**{name: (floats if dtype == np.float32 else ints)(rows) for name, dtype in SAMPLING_FIELDS})
-        inp = SamplerInput(sampling=sampling, banned_ids=ints(rows, MAX_BANNED), last_slot=ints(s),
-                           proposals=ints(s, r - 1) if r > 1 else None, num_drafts=ints(s) if r > 1 else None)  # fmt: skip
-        return self._sampler.lower(program.options, cache.prompt_mask, cache.output_counts, cache.last_tokens,
-                                   floats(rows, vocab), inp)  # fmt: skip
+        sampling = SamplingTensors(
+            **{name: (floats if dtype == np.float32 else ints)(rows) for name, dtype in SAMPLING_FIELDS}
+        )
+        inp = SamplerInput(
+            sampling=sampling,
+            banned_ids=ints(rows, MAX_BANNED),
+            last_slot=ints(s),
+            proposals=ints(s, r - 1) if r > 1 else None,
+            num_drafts=ints(s) if r > 1 else None,
+        )
+        return self._sampler.lower(
+            program.options, cache.prompt_mask, cache.output_counts, cache.last_tokens, floats(rows, vocab), inp
+        )
 
     def lower_seed(self, cache: DeviceCache) -> jax.stages.Lowered:
         """Lowers the program that seeds a penalty-table row (see `ModelRunner.seed_penalty_slot`)."""
         size = self.packer.pages * self.packer.block_size
         ints = jax.ShapeDtypeStruct((size,), jnp.int32)
-        return self.seed.lower(cache, ints, ints, jax.ShapeDtypeStruct((size,), jnp.bool_),
-                               jax.ShapeDtypeStruct((1,), jnp.int32))  # fmt: skip
+        return self.seed.lower(
+            cache, ints, ints, jax.ShapeDtypeStruct((size,), jnp.bool_), jax.ShapeDtypeStruct((1,), jnp.int32)
+        )
 
 
 @dataclasses.dataclass
@@ -312,8 +368,11 @@ class CompiledProgram:
     compile_s: float
 
 
-def compile_all(jobs: list[tuple[str, Callable[[], jax.stages.Lowered]]], threads: int,
-                log: Callable[[str], None] = lambda line: None) -> list[CompiledProgram]:  # fmt: skip
+def compile_all(
+    jobs: list[tuple[str, Callable[[], jax.stages.Lowered]]],
+    threads: int,
+    log: Callable[[str], None] = lambda line: None,
+) -> list[CompiledProgram]:
     """Compiles `(name, lower)` jobs: this thread lowers them one after another (tracing holds
     Python's lock) while `threads` threads compile the lowered ones (XLA compiles without it).
 

@@ -30,8 +30,9 @@ def _has_cuda_plugin() -> bool:
 
 
 if not _has_cuda_plugin():  # shown as skipped, with why (CI's stage 2 installs the plugin)
-    pytest.skip("needs JAX's CUDA plugin to compile for an H100: pip install -e '.[gpu-compile]'",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "needs JAX's CUDA plugin to compile for an H100: pip install -e '.[gpu-compile]'", allow_module_level=True
+    )
 
 from jaxpaged.bench.gpu_targets import GPU_TARGETS, compiling_for_target, prepare_environment  # noqa: E402 (after the skip)
 from jaxpaged.bench.startup import abstract_worker  # noqa: E402 (after the skip)
@@ -56,17 +57,34 @@ def model_dir(tmp_path, name: str, **config) -> str:
 
 def tiny_dir(tmp_path) -> str:
     """Llama-shaped and small (head_dim 64, the kernels' smallest), for compiling many programs."""
-    return model_dir(tmp_path, "llama-3.1-8b", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                     num_key_value_heads=2, num_hidden_layers=2, vocab_size=512, max_position_embeddings=2048)  # fmt: skip
+    return model_dir(
+        tmp_path,
+        "llama-3.1-8b",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    )
 
 
 def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, **options) -> tuple[dict, object]:
     """An engine over `model` with `options` started on shapes for H100s, through the engine's own
     start-up (`prepare_device_worker`): its step programs (or, with `samplers`, its samplers)
     compiled, `({program: its compiled executable}, the runner's abstract params)`."""
-    args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, compilation_cache_dir="none",
-                      max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=pool_bytes,
-                      **options)  # fmt: skip
+    args = EngineArgs(
+        model=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        compilation_cache_dir="none",
+        max_model_len=1024,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=pool_bytes,
+        **options,
+    )
     with compiling_for_target("h100", args.tensor_parallel_size) as devices:
         runner = abstract_worker(args, devices).runner
         assert runner.parallel.mesh.devices.flat[0].device_kind == GPU_TARGETS["h100"].description
@@ -86,9 +104,11 @@ CASES = [
     pytest.param(dict(dtype="bfloat16", tensor_parallel_size=2), id="bfloat16-2-gpus"),
     pytest.param(dict(dtype="bfloat16", tensor_parallel_size=4), id="bfloat16-4-gpus-kv-heads-repeated"),
     pytest.param(dict(dtype="bfloat16", scan_layers=True), id="bfloat16-scanned"),
-    pytest.param(dict(dtype="bfloat16", kv_cache_dtype="fp8", scan_layers=True, tensor_parallel_size=2),
-                 id="kv-fp8-scanned-2-gpus"),
-]  # fmt: skip
+    pytest.param(
+        dict(dtype="bfloat16", kv_cache_dtype="fp8", scan_layers=True, tensor_parallel_size=2),
+        id="kv-fp8-scanned-2-gpus",
+    ),
+]
 
 
 @pytest.mark.parametrize("options", CASES)
@@ -100,8 +120,11 @@ def test_no_h100_program_temporaries_grow_with_the_pool(tmp_path, options):
     small = {p: c.memory_analysis() for p, c in small.items()}
     large = {p: c.memory_analysis() for p, c in large.items()}
     assert set(small) == set(large) and len(small) == 3  # a mixed step, a decode step, fused decode steps
-    grown = {p: (small[p].temp_size_in_bytes, large[p].temp_size_in_bytes) for p in small
-             if abs(large[p].temp_size_in_bytes - small[p].temp_size_in_bytes) > TOLERANCE}  # fmt: skip
+    grown = {
+        p: (small[p].temp_size_in_bytes, large[p].temp_size_in_bytes)
+        for p in small
+        if abs(large[p].temp_size_in_bytes - small[p].temp_size_in_bytes) > TOLERANCE
+    }
     assert not grown, f"temporaries (small pool, large pool) grow with the pool: {grown}"
     for p, analysis in large.items():  # the pool is donated and updated in place, not copied out
         assert analysis.alias_size_in_bytes >= LARGE_POOL * 0.95, (p, analysis)
@@ -126,8 +149,27 @@ def test_bench_startup_compiles_the_demo_engine_for_an_h100(tmp_path):
     from jaxpaged.cli import main
 
     out = tmp_path / "startup.json"
-    assert main(["bench", "startup", "--target", "h100", "--model", DEMO_MODEL_DIR, "--max-num-seqs", "4",
-                 "--max-num-batched-tokens", "32", "--max-model-len", "256", "--output-json", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "startup",
+                "--target",
+                "h100",
+                "--model",
+                DEMO_MODEL_DIR,
+                "--max-num-seqs",
+                "4",
+                "--max-num-batched-tokens",
+                "32",
+                "--max-model-len",
+                "256",
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["device"] == "NVIDIA H100 80GB HBM3" and report["deviceless"] is True
     assert report["platform"] == "gpu" and report["scan_layers"] is False
@@ -149,11 +191,16 @@ def assert_no_host_waits(compiled: dict) -> None:
             assert "known_trip_count" in loop, f"{program}: a while loop of unknown trip count"
 
 
-@pytest.mark.parametrize("options", [
-    pytest.param(dict(dtype="bfloat16"), id="bfloat16"),
-    pytest.param(dict(dtype="bfloat16", speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-                 id="speculative"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(dict(dtype="bfloat16"), id="bfloat16"),
+        pytest.param(
+            dict(dtype="bfloat16", speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+            id="speculative",
+        ),
+    ],
+)
 def test_no_h100_sampler_waits_on_the_host(tmp_path, options):
     """The samplers an H100 runs (both variants; with proposals, R rows per sequence) wait on
     nothing (the step programs are checked with the pool sizes above, in every configuration)."""

@@ -4,71 +4,120 @@
     python -m benchmarks.gpu_run --prepare-dataset --prepare-wheels   # first, here (see gpu/prepare.py)
     python -m benchmarks.gpu_run --smoke --out /tmp/smoke  # the whole run on a CPU: demo model, tiny shapes
 
-1. Probe the device in a process of its own (the orchestrator never holds the GPU) and refuse
-   unless JAX's platform is gpu (under --smoke: JAX runs on the CPU).
-2. Run the stages of `gpu/stages.py`, most valuable first, each with its budget from
-   `gpu/plan.py` (plus what earlier stages left unused; `--budget STAGE=SECONDS` overrides) and
-   every step in a process group of its own: a stage that crashes or runs out of time is recorded
-   as such, with the output it printed, and the next stage runs.
-3. After every stage, rewrite OUT/summary.json, OUT/summary.md and OUT/stages.tar.gz (each
-   stage's JSON and log, the serve results and chart); OUT/console.txt holds the whole
-   timestamped console. Four files: a device call brings back at most 8.
+The stages of `gpu/gpu_run_stages.py`, most valuable first, with their budgets (STAGE_BUDGETS_S;
+`--budget STAGE=SECONDS` overrides) and the plan below, run by the shared stage runner
+(`gpu/orchestrate.py`): the device probed in a process of its own, refused unless JAX's platform is
+gpu (under --smoke: JAX runs on the CPU); every step in a process group of its own with what its
+stage has left (plus what earlier stages left unused): a stage that crashes or runs out of time
+is recorded as such, with the output it printed, and the next stage runs. After every stage
+OUT/summary.json, OUT/summary.md (`gpu/gpu_run_summary.py`) and OUT/stages.tar.gz (each stage's
+JSON and log, the serve results and chart) are rewritten; OUT/console.txt holds the whole
+timestamped console. Four files: a device call brings back at most 8.
 """
 
-import argparse
+import dataclasses
 import os
 import sys
 
-from benchmarks.gpu import prepare, stages
-from benchmarks.gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop
+from benchmarks.gpu import gpu_run_stages as stages
+from benchmarks.gpu import prepare
+from benchmarks.gpu.gpu_run_summary import SUMMARY
+from benchmarks.gpu.orchestrate import GpuRun, main
 from benchmarks.gpu.plan import (
-    DEFAULT_DATASET,
+    DEMO_MODEL_DIR,
+    GPU_ENGINE_LIMITS,
+    GPU_MODEL,
+    GPU_WEIGHT_FLAGS,
     ROOT,
-    STAGE_BUDGETS_S,
-    gpu_plan,
-    smoke_plan,
+    SMOKE_ENGINE_LIMITS,
+    Plan,
 )
-from benchmarks.gpu.summary import write_summary
 
+DEFAULT_DATASET = os.path.join(ROOT, "benchmarks", "data", "sharegpt_1000.json")
 DATASET_MIN_PASSING = 1200  # ShareGPT pairs the trimmed file must hold for --num-prompts 1000 (any shuffle)
 
+# Seconds per stage, most valuable first; with the device probe they sum to 9.5 minutes, inside
+# one 10-minute device call. A stage that ends early hands its unused seconds to the next.
+STAGE_BUDGETS_S = {"kernels": 120, "startup": 60, "engine_start": 70, "latency": 90, "throughput": 125, "serve": 85}
+SMOKE_STAGE_BUDGET_S = 240
 
-def run_stages(args, plan, out_dir: str, work_dir: str, device: dict, env: dict) -> list[dict]:
-    """Runs the chosen stages in order; the summary is rewritten after each."""
-    runners = {
+
+@dataclasses.dataclass(frozen=True)
+class GpuRunPlan(Plan):
+    """Everything the stages need to build their commands."""
+
+    kernel_flags: tuple[str, ...]
+    kv_transfer_flags: tuple[str, ...]  # benchmarks/kv_transfer_bandwidth.py (the host tier's copies)
+    latency_flags: tuple[str, ...]
+    throughput_flags: tuple[str, ...]  # dataset flags without --dataset-path
+    compare_transformers: bool
+    serve_rates: tuple[str, ...]
+    serve_flags: tuple[str, ...]  # dataset flags of every `bench serve`
+
+
+def gpu_plan(budgets: dict) -> GpuRunPlan:
+    """Llama-3.1-8B's shapes with random bf16 weights, on the GPU."""
+    return GpuRunPlan(
+        smoke=False,
+        model=GPU_MODEL,
+        weight_flags=GPU_WEIGHT_FLAGS,
+        engine_limits=GPU_ENGINE_LIMITS,
+        budgets_s={**STAGE_BUDGETS_S, **budgets},
+        kernel_flags=(),
+        kv_transfer_flags=("--model", GPU_MODEL, "--blocks", "256"),
+        latency_flags=(
+            "--batch-size",
+            "1",
+            "--input-len",
+            "32",
+            "--output-len",
+            "128",
+            "--num-iters-warmup",
+            "3",
+            "--num-iters",
+            "10",
+        ),
+        throughput_flags=("--dataset-name", "sharegpt", "--num-prompts", "1000"),
+        compare_transformers=True,
+        # The 8B preset has no tokenizer, so the server takes token ids: random prompts of
+        # ShareGPT's typical lengths (~200 in, ~180 out).
+        serve_rates=("4", "16", "inf"),
+        serve_flags=("--dataset-name", "random", "--num-prompts", "200", "--input-len", "200", "--output-len", "180"),
+    )
+
+
+def smoke_plan(budgets: dict) -> GpuRunPlan:
+    """The demo model, tiny limits and workloads, kernels in interpret mode: the whole run on a CPU."""
+    return GpuRunPlan(
+        smoke=True,
+        model=DEMO_MODEL_DIR,
+        weight_flags=("--skip-tokenizer-init",),
+        engine_limits=SMOKE_ENGINE_LIMITS,
+        budgets_s={**dict.fromkeys(STAGE_BUDGETS_S, SMOKE_STAGE_BUDGET_S), **budgets},
+        kernel_flags=("--smoke",),
+        kv_transfer_flags=("--model", DEMO_MODEL_DIR, "--blocks", "8", "--repeats", "1"),
+        latency_flags=("--input-len", "8", "--output-len", "8", "--num-iters-warmup", "1", "--num-iters", "2"),
+        # transformers' continuous batching takes ~45 s to start on the CI machine's CPU; the
+        # comparison itself is tested in tests/test_bench_offline.py.
+        throughput_flags=("--dataset-name", "sharegpt", "--num-prompts", "4", "--output-len", "8"),
+        compare_transformers=False,
+        serve_rates=("4", "16", "inf"),
+        serve_flags=("--dataset-name", "random", "--num-prompts", "4", "--input-len", "16", "--output-len", "8"),
+    )
+
+
+def stage_runners(args) -> dict:
+    return {
         "kernels": stages.run_kernels,
         "startup": stages.run_startup,
         "engine_start": stages.run_engine_start,
         "latency": stages.run_latency,
-        "throughput": lambda s: stages.run_throughput(s, args.dataset_path),
+        "throughput": lambda stage: stages.run_throughput(stage, args.dataset_path),
         "serve": stages.run_serve,
     }
-    chosen = chosen_stages(args, STAGE_BUDGETS_S)
-    plan_info = {
-        "smoke": plan.smoke,
-        "model": plan.model,
-        "engine_limits": plan.engine_limits,
-        "budgets_s": {name: plan.budgets_s[name] for name in chosen},
-    }
-    return run_stage_loop(
-        chosen,
-        plan,
-        work_dir,
-        env,
-        stages.Stage,
-        lambda name, stage: runners[name](stage),
-        lambda records: write_summary(out_dir, work_dir, device, records, plan_info),
-    )
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(
-        parser,
-        STAGE_BUDGETS_S,
-        os.path.join(ROOT, "benchmarks", "results", "gpu_run"),
-        "each stage's files and the compilation caches; new or empty (default: a fresh temporary directory)",
-    )
+def add_args(parser) -> None:
     parser.add_argument(
         "--dataset-path", default=DEFAULT_DATASET, help="the trimmed ShareGPT file (see --prepare-dataset)"
     )
@@ -89,16 +138,32 @@ def main(argv=None) -> int:
         action="store_true",
         help="download the server's wheels into .whl/ (needs network), then exit",
     )
-    args = parser.parse_args(argv)
-    if args.prepare_dataset or args.prepare_wheels:
-        if args.prepare_dataset:
-            prepare.prepare_dataset(args.dataset_path, args.dataset_min_passing)
-        if args.prepare_wheels:
-            prepare.prepare_wheels(os.path.join(ROOT, ".whl"))
-        return 0
-    check_run_args(parser, args, STAGE_BUDGETS_S)
-    return orchestrate(args, "jaxpaged_gpu_run_", smoke_plan if args.smoke else gpu_plan, run_stages, write_summary, 13)
+
+
+def prepare_instead(parser, args) -> int | None:
+    """--prepare-dataset and --prepare-wheels: made here (network), then exit 0 without a run."""
+    if not (args.prepare_dataset or args.prepare_wheels):
+        return None
+    if args.prepare_dataset:
+        prepare.prepare_dataset(args.dataset_path, args.dataset_min_passing)
+    if args.prepare_wheels:
+        prepare.prepare_wheels(os.path.join(ROOT, ".whl"))
+    return 0
+
+
+RUN = GpuRun(
+    description=__doc__,
+    results_name="gpu_run",
+    work_prefix="jaxpaged_gpu_run_",
+    stage_budgets=STAGE_BUDGETS_S,
+    gpu_plan=gpu_plan,
+    smoke_plan=smoke_plan,
+    stage_runners=stage_runners,
+    summary=SUMMARY,
+    add_args=add_args,
+    before_run=prepare_instead,
+)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(RUN))

@@ -4,12 +4,11 @@
     python -m benchmarks.quantization_gpu --smoke --out /tmp/q  # the whole run on a CPU: demo model, tiny shapes
 
 Nothing needs preparing or carrying: the 8B engines use dummy weights and random prompts.
-Conventions as in `gpu_run.py` (whose probe, stage loop and console tee, in `gpu/orchestrate.py`, this
-reuses, with `gpu/stages.Stage` and `gpu/runner`): the device is probed in a process of its own;
-every step runs in a process group of its own with its own timeout (the smaller of its cap and
-what the stage has left; a stage's unused seconds go to the next); OUT/summary.json,
-OUT/summary.md and OUT/stages.tar.gz are rewritten after every stage; OUT/console.txt holds the
-timestamped console.
+The stages below, with this plan, run by the stage runner all GPU runs share (`gpu/orchestrate.py`,
+as for `gpu_run.py`): the device is probed in a process of its own; every step runs in a process
+group of its own with its own timeout (the smaller of its cap and what the stage has left; a
+stage's unused seconds go to the next); OUT/summary.json, OUT/summary.md (`gpu/quant_summary.py`)
+and OUT/stages.tar.gz are rewritten after every stage; OUT/console.txt holds the timestamped console.
 
 Stages, most valuable first (budgets in STAGE_BUDGETS_S; they and the probe sum to 9.5 minutes):
 
@@ -30,17 +29,23 @@ Stages, most valuable first (budgets in STAGE_BUDGETS_S; they and the probe sum 
    directory (a mode's throughput run loads the programs its latency run compiled); ratios to bf16.
 """
 
-import argparse
 import dataclasses
-import os
 import shutil
 import sys
-import time
 
-from benchmarks.gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop
-from benchmarks.gpu.plan import DEMO_MODEL_DIR, GPU_ENGINE_LIMITS, ROOT, SMOKE_ENGINE_LIMITS
-from benchmarks.gpu.quant_summary import write_summary
-from benchmarks.gpu.stages import CLI, SCANNED_IN_PLACE, Stage
+from benchmarks.gpu.orchestrate import GpuRun, main
+from benchmarks.gpu.plan import (
+    DEMO_MODEL_DIR,
+    GPU_ENGINE_LIMITS,
+    GPU_MODEL,
+    GPU_WEIGHT_FLAGS,
+    SCANNED_IN_PLACE,
+    SMOKE_DUMMY_WEIGHT_FLAGS,
+    SMOKE_ENGINE_LIMITS,
+    Plan,
+)
+from benchmarks.gpu.quant_summary import SUMMARY
+from benchmarks.gpu.stage import CLI, Stage
 
 # Seconds per stage; with the device probe (at most PROBE_TIMEOUT_S) they sum to 9.5 minutes.
 STAGE_BUDGETS_S = {"hlo": 120, "kernels": 90, "engine": 340}
@@ -67,29 +72,25 @@ HLO_STEPS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class QuantPlan(Plan):
     """Everything the stages need to build their commands."""
 
-    smoke: bool
-    model: str
-    weight_flags: tuple[str, ...]
-    engine_limits: tuple[str, ...]
     hlo_programs: dict  # HLO step name -> programs (overrides HLO_STEPS' under --smoke)
     kernel_flags: tuple[str, ...]
     latency_flags: tuple[str, ...]
     throughput_flags: tuple[str, ...]
     caps_s: dict  # per-step caps: hlo step name, "kernels", "latency", "throughput"
-    budgets_s: dict
 
 
-def gpu_plan(budgets: dict) -> Plan:
+def gpu_plan(budgets: dict) -> QuantPlan:
     """Llama-3.1-8B's shapes with dummy bf16 weights (quantized at init where asked), on the GPU.
     The engine limits are gpu_run.py's, so its bf16 engine compiles the same programs."""
-    return Plan(
+    return QuantPlan(
         smoke=False,
-        model="llama-3.1-8b",
-        weight_flags=("--dtype", "bfloat16", "--load-format", "dummy"),
+        model=GPU_MODEL,
+        weight_flags=GPU_WEIGHT_FLAGS,
         engine_limits=GPU_ENGINE_LIMITS,
+        budgets_s={**STAGE_BUDGETS_S, **budgets},
         hlo_programs={name: programs for name, _, programs, _ in HLO_STEPS},
         kernel_flags=(),
         latency_flags=(
@@ -116,53 +117,32 @@ def gpu_plan(budgets: dict) -> Plan:
         ),
         # A cold 8B engine (probe + 14 programs) compiles in tens of seconds; a warm one loads them.
         caps_s={"fp8": 75, "int8": 45, "bf16": 30, "fp8_scanned_cublas_in_place": 30, "latency": 110, "throughput": 80},
-        budgets_s={**STAGE_BUDGETS_S, **budgets},
     )
 
 
-def smoke_plan(budgets: dict) -> Plan:
+def smoke_plan(budgets: dict) -> QuantPlan:
     """The demo model, tiny limits and workloads, kernels in interpret mode: the whole run on a CPU."""
-    return Plan(
+    return QuantPlan(
         smoke=True,
         model=DEMO_MODEL_DIR,
-        weight_flags=("--dtype", "bfloat16", "--load-format", "dummy", "--skip-tokenizer-init"),
+        weight_flags=SMOKE_DUMMY_WEIGHT_FLAGS,
         engine_limits=SMOKE_ENGINE_LIMITS,
+        budgets_s={**dict.fromkeys(STAGE_BUDGETS_S, SMOKE_STAGE_BUDGET_S), **budgets},
         hlo_programs={name: "decode:1" for name, *_ in HLO_STEPS},
         kernel_flags=("--smoke",),
         latency_flags=("--input-len", "8", "--output-len", "4", "--num-iters-warmup", "0", "--num-iters", "1"),
         throughput_flags=("--dataset-name", "random", "--num-prompts", "2", "--input-len", "8", "--output-len", "4"),
         caps_s={},
-        budgets_s={**{name: SMOKE_STAGE_BUDGET_S for name in STAGE_BUDGETS_S}, **budgets},
     )
 
 
-class CappedStage(Stage):
-    """A `gpu.stages.Stage` whose steps may each be capped below what the stage has left."""
-
-    def step(self, step_name: str, cmd: list[str], output_json: str | None = None, cap_s: float | None = None) -> dict:
-        deadline = self.deadline
-        if cap_s is not None:
-            self.deadline = min(deadline, time.monotonic() + cap_s)
-        try:
-            return super().step(step_name, cmd, output_json)
-        finally:
-            self.deadline = deadline
-
-
-def with_xla_flag(stage: Stage, flag: str | None) -> list[str]:
-    """An `env XLA_FLAGS=...` prefix adding `flag` to the run's XLA flags (none without a flag)."""
-    if flag is None:
-        return []
-    return ["env", f"XLA_FLAGS={stage.env.get('XLA_FLAGS', '')} {flag}".strip()]
-
-
-def run_hlo(stage: CappedStage) -> None:
+def run_hlo(stage: Stage) -> None:
     plan = stage.plan
     hlo_dir = stage.path("hlo")
     for name, flags, _, xla_flag in HLO_STEPS:
         out = stage.path(f"hlo_{name}.json")
         cmd = [
-            *with_xla_flag(stage, xla_flag),
+            *stage.with_xla_flag(xla_flag),
             sys.executable,
             "-m",
             "benchmarks.gpu.quant_hlo",
@@ -183,7 +163,7 @@ def run_hlo(stage: CappedStage) -> None:
         stage.step(name, cmd, out, plan.caps_s.get(name))
 
 
-def run_kernels(stage: CappedStage) -> None:
+def run_kernels(stage: Stage) -> None:
     out = stage.path("quant_kernels.json")
     stage.step(
         "fp8_vs_bf16",
@@ -192,7 +172,7 @@ def run_kernels(stage: CappedStage) -> None:
     )
 
 
-def run_engine(stage: CappedStage, modes: list[str]) -> None:
+def run_engine(stage: Stage, modes: list[str]) -> None:
     plan = stage.plan
     cache = stage.path("engine_xla_cache")
     shutil.rmtree(cache, ignore_errors=True)
@@ -227,52 +207,47 @@ def run_engine(stage: CappedStage, modes: list[str]) -> None:
         )
 
 
-def run_stages(args, plan: Plan, out_dir: str, work_dir: str, device: dict, env: dict) -> list[dict]:
-    runners = {"hlo": run_hlo, "kernels": run_kernels, "engine": lambda stage: run_engine(stage, args.engine_modes)}
-    chosen = chosen_stages(args, STAGE_BUDGETS_S)
-    plan_info = {
-        "smoke": plan.smoke,
-        "model": plan.model,
-        "engine_limits": plan.engine_limits,
+def plan_info(args, plan: QuantPlan, chosen: list[str]) -> dict:
+    return {
         "engine_modes": {mode: " ".join(ENGINE_MODES[mode]) or "(bf16)" for mode in args.engine_modes},
         "latency_flags": plan.latency_flags,
         "throughput_flags": plan.throughput_flags,
-        "budgets_s": {name: plan.budgets_s[name] for name in chosen},
         "caps_s": plan.caps_s,
     }
-    return run_stage_loop(
-        chosen,
-        plan,
-        work_dir,
-        env,
-        CappedStage,
-        lambda name, stage: runners[name](stage),
-        lambda records: write_summary(out_dir, work_dir, device, records, plan_info),
-    )
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(
-        parser,
-        STAGE_BUDGETS_S,
-        os.path.join(ROOT, "benchmarks", "results", "quantization_gpu_run"),
-        "each stage's files and the compilation cache; new or empty (default: a fresh temporary directory)",
-    )
+def add_args(parser) -> None:
     parser.add_argument(
         "--engine-modes",
         type=lambda t: t.split(","),
         default=list(ENGINE_MODES),
         help=f"the engine stage's modes, in order (default {','.join(ENGINE_MODES)}; bf16 is the ratios' base)",
     )
-    args = parser.parse_args(argv)
+
+
+def check_engine_modes(parser, args) -> None:
     if set(args.engine_modes) - set(ENGINE_MODES):
         parser.error(f"--engine-modes: choose from {', '.join(ENGINE_MODES)}")
-    check_run_args(parser, args, STAGE_BUDGETS_S)
-    return orchestrate(
-        args, "jaxpaged_quant_gpu_", smoke_plan if args.smoke else gpu_plan, run_stages, write_summary, 8
-    )
+
+
+RUN = GpuRun(
+    description=__doc__,
+    results_name="quantization_gpu_run",
+    work_prefix="jaxpaged_quant_gpu_",
+    stage_budgets=STAGE_BUDGETS_S,
+    gpu_plan=gpu_plan,
+    smoke_plan=smoke_plan,
+    stage_runners=lambda args: {
+        "hlo": run_hlo,
+        "kernels": run_kernels,
+        "engine": lambda stage: run_engine(stage, args.engine_modes),
+    },
+    summary=SUMMARY,
+    plan_info=plan_info,
+    add_args=add_args,
+    before_run=check_engine_modes,
+)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(RUN))

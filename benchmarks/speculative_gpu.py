@@ -5,12 +5,11 @@ the 8B engine's batch-1 (and batch-8) TPOT on repetitive prompts with n-gram spe
     python -m benchmarks.speculative_gpu --smoke --out /tmp/s   # the whole run on a CPU: demo model, tiny shapes
 
 Nothing needs preparing or carrying: the engines use dummy weights (Llama-3.1-8B's shapes, bf16)
-and prompts of random token ids. Conventions as in `quantization_gpu.py` (and `gpu_run.py`, whose
-device probe, stage loop and console tee, in `gpu/orchestrate.py`, this reuses, with
-`gpu/stages.Stage` and `gpu/runner`): the device is probed in a process of its own; every step runs in a process group
-of its own with its own timeout (what its stage has left; a stage's unused seconds go to the
-next); OUT/summary.json, OUT/summary.md and OUT/stages.tar.gz are rewritten after every stage;
-OUT/console.txt holds the timestamped console.
+and prompts of random token ids. The stages below, with this plan, run by the stage runner all GPU
+runs share (`gpu/orchestrate.py`, as for `gpu_run.py`): the device is probed in a process of its
+own; every step runs in a process group of its own with its own timeout (what its stage has left;
+a stage's unused seconds go to the next); OUT/summary.json, OUT/summary.md (`gpu/spec_summary.py`)
+and OUT/stages.tar.gz are rewritten after every stage; OUT/console.txt holds the timestamped console.
 
 Stages (budgets in STAGE_BUDGETS_S; they and the probe sum to 9.5 minutes), each one engine
 measured by `gpu/spec_latency.py` (batch 1 then batch 8: prompts of a random 32-token phrase
@@ -28,17 +27,15 @@ With dummy weights acceptance is not representative: a random model decoding gre
 repeats a short cycle, which n-gram lookup predicts (the summary's notes say so).
 """
 
-import argparse
 import dataclasses
 import json
 import os
-import shutil
 import sys
 
-from benchmarks.gpu.orchestrate import add_run_args, check_run_args, chosen_stages, orchestrate, run_stage_loop
-from benchmarks.gpu.plan import DEMO_MODEL_DIR, ROOT
-from benchmarks.gpu.spec_summary import write_summary
-from benchmarks.gpu.stages import Stage
+from benchmarks.gpu.orchestrate import GpuRun, main
+from benchmarks.gpu.plan import DEMO_MODEL_DIR, GPU_MODEL, GPU_WEIGHT_FLAGS, SMOKE_DUMMY_WEIGHT_FLAGS, Plan
+from benchmarks.gpu.spec_summary import SUMMARY
+from benchmarks.gpu.stage import Stage
 
 # Seconds per stage, most valuable first; with the device probe (at most 20 s) they sum to 9.5 minutes.
 STAGE_BUDGETS_S = {"plain": 150, "ngram_k2": 120, "ngram_k4": 120, "draft": 160}
@@ -98,26 +95,22 @@ SMOKE_DRAFT_OVERRIDES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class SpecPlan(Plan):
     """Everything the stages need to build their commands."""
 
-    smoke: bool
-    model: str
-    weight_flags: tuple[str, ...]
-    engine_limits: tuple[str, ...]
     measure_flags: tuple[str, ...]
     draft_overrides: dict  # the draft's config.json: the target's, with these keys replaced
-    budgets_s: dict
 
 
-def gpu_plan(budgets: dict) -> Plan:
+def gpu_plan(budgets: dict) -> SpecPlan:
     """Llama-3.1-8B's shapes with dummy bf16 weights on the GPU. Limits sized to the workload
     (8 sequences of 512 + 256 tokens): 6 mixed-step programs and 1 fused-decode program per engine."""
-    return Plan(
+    return SpecPlan(
         smoke=False,
-        model="llama-3.1-8b",
-        weight_flags=("--dtype", "bfloat16", "--load-format", "dummy"),
+        model=GPU_MODEL,
+        weight_flags=GPU_WEIGHT_FLAGS,
         engine_limits=("--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"),
+        budgets_s={**STAGE_BUDGETS_S, **budgets},
         measure_flags=(
             "--batch-sizes",
             "1,8",
@@ -133,16 +126,16 @@ def gpu_plan(budgets: dict) -> Plan:
             "3",
         ),
         draft_overrides=LLAMA_32_1B_OVERRIDES,
-        budgets_s={**STAGE_BUDGETS_S, **budgets},
     )
 
 
-def smoke_plan(budgets: dict) -> Plan:
+def smoke_plan(budgets: dict) -> SpecPlan:
     """The demo model, tiny limits and workloads: the whole run on a CPU."""
-    return Plan(
+    return SpecPlan(
         smoke=True,
         model=DEMO_MODEL_DIR,
-        weight_flags=("--dtype", "bfloat16", "--load-format", "dummy", "--skip-tokenizer-init"),
+        weight_flags=SMOKE_DUMMY_WEIGHT_FLAGS,
+        budgets_s={**dict.fromkeys(STAGE_BUDGETS_S, SMOKE_STAGE_BUDGET_S), **budgets},
         engine_limits=(
             "--max-model-len",
             "64",
@@ -168,11 +161,10 @@ def smoke_plan(budgets: dict) -> Plan:
             "1",
         ),
         draft_overrides=SMOKE_DRAFT_OVERRIDES,
-        budgets_s={**{name: SMOKE_STAGE_BUDGET_S for name in STAGE_BUDGETS_S}, **budgets},
     )
 
 
-def write_draft_config(plan: Plan, directory: str) -> str:
+def write_draft_config(plan: SpecPlan, directory: str) -> str:
     """A config.json (no weights: the engine makes dummy ones) of the draft model; its directory."""
     from jaxpaged.config.presets import load_config_dict
 
@@ -183,8 +175,9 @@ def write_draft_config(plan: Plan, directory: str) -> str:
     return directory
 
 
-def run_config(stage: Stage, name: str) -> None:
-    plan = stage.plan
+def run_config(stage: Stage) -> None:
+    """The stage's engine (its name is its configuration's) measured by `gpu/spec_latency.py`."""
+    plan, name = stage.plan, stage.name
     spec = SPEC_CONFIGS[name]
     if spec is not None and spec.get("model") == "DRAFT":
         spec = {**spec, "model": write_draft_config(plan, stage.path("draft_model"))}
@@ -210,48 +203,31 @@ def run_config(stage: Stage, name: str) -> None:
     stage.step("latency", cmd, out)
 
 
-def run_stages(args, plan: Plan, out_dir: str, work_dir: str, device: dict, env: dict) -> list[dict]:
-    chosen = chosen_stages(args, STAGE_BUDGETS_S)
+def plan_info(args, plan: SpecPlan, chosen: list[str]) -> dict:
     values = dict(zip(plan.measure_flags[::2], plan.measure_flags[1::2]))
-    plan_info = {
-        "smoke": plan.smoke,
-        "model": plan.model,
+    return {
         "dtype": "bf16",
-        "engine_limits": plan.engine_limits,
         "measure_flags": plan.measure_flags,
         "speculative_configs": {n: SPEC_CONFIGS[n] for n in chosen},
         "draft_overrides": plan.draft_overrides,
         "workload": f"{values['--input-len']}-token prompts (a random {values['--phrase-len']}-token phrase "
         f"repeated), {values['--output-len']} output tokens",
-        "budgets_s": {name: plan.budgets_s[name] for name in chosen},
     }
-    shutil.rmtree(os.path.join(work_dir, "engine_xla_cache"), ignore_errors=True)
-    return run_stage_loop(
-        chosen,
-        plan,
-        work_dir,
-        env,
-        Stage,
-        lambda name, stage: run_config(stage, name),
-        lambda records: write_summary(out_dir, work_dir, device, records, plan_info),
-    )
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(
-        parser,
-        STAGE_BUDGETS_S,
-        os.path.join(ROOT, "benchmarks", "results", "speculative_gpu_run"),
-        "each stage's files and the compilation cache; new or empty (default: a fresh temporary directory)",
-        "; without plain there are no ratios",
-    )
-    args = parser.parse_args(argv)
-    check_run_args(parser, args, STAGE_BUDGETS_S)
-    return orchestrate(
-        args, "jaxpaged_spec_gpu_", smoke_plan if args.smoke else gpu_plan, run_stages, write_summary, 9, json.dumps
-    )
+RUN = GpuRun(
+    description=__doc__,
+    results_name="speculative_gpu_run",
+    work_prefix="jaxpaged_spec_gpu_",
+    stage_budgets=STAGE_BUDGETS_S,
+    gpu_plan=gpu_plan,
+    smoke_plan=smoke_plan,
+    stage_runners=lambda args: dict.fromkeys(STAGE_BUDGETS_S, run_config),
+    summary=SUMMARY,
+    plan_info=plan_info,
+    stages_help="; without plain there are no ratios",
+)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(RUN))

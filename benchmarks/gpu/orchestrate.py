@@ -1,13 +1,20 @@
-"""What the one-call GPU run scripts (`gpu_run.py`, `quantization_gpu.py`, `speculative_gpu.py`)
-share: their common flags, the device probe (in a process of its own, so the orchestrator never
-holds the GPU), the children's environment, the console tee, and the run itself: probe, refuse
-unless JAX's platform is gpu (or --smoke), run the stages in order with budgets that add up, and
-rewrite the summary after every stage.
+"""The one stage runner of the one-call GPU run scripts (`gpu_run.py`, `quantization_gpu.py`,
+`speculative_gpu.py`), each a `GpuRun` handed to `main`:
 
-Each script brings its own stage table (STAGE_BUDGETS_S), plan, stage runners and summary writer.
+1. Flags every script takes (--out, --work-dir, --smoke, --stages, --budget) and its own.
+2. OUT and the work directory made, the console teed to OUT/console.txt.
+3. The device probed in a process of its own (the orchestrator never holds the GPU); the run
+   refused (exit 2, with a summary saying why) unless JAX's platform is gpu, or under --smoke.
+4. The stages run in order, each a `gpu.stage.Stage` whose steps are processes of their own with
+   their own timeouts; the budgets add up (what a stage leaves unused goes to the next), so the
+   run fits its 10-minute device call. A stage that crashes or runs out of time is recorded as
+   such and the next one runs.
+5. After every stage the summary is rewritten (`gpu.summary.Summary.write`), so a slow stage
+   never costs the others' results; then one line per stage. Exit 0 when every stage is ok, else 1.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -17,8 +24,32 @@ import tempfile
 import time
 from typing import Callable
 
-from benchmarks.gpu.plan import PROBE_TIMEOUT_S, ROOT, SMOKE_XLA_FLAGS
+from benchmarks.gpu.plan import PROBE_TIMEOUT_S, ROOT, SMOKE_XLA_FLAGS, Plan
 from benchmarks.gpu.runner import progress
+from benchmarks.gpu.stage import Stage
+from benchmarks.gpu.summary import Summary
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuRun:
+    """What one GPU run script brings to the shared runner."""
+
+    description: str  # the script's docstring, for --help
+    results_name: str  # OUT's default: benchmarks/results/<results_name>
+    work_prefix: str  # the name prefix of a fresh temporary work directory
+    stage_budgets: dict  # stage name -> seconds on the GPU, most valuable first
+    gpu_plan: Callable[[dict], Plan]  # the plan on the GPU, from --budget's overrides
+    smoke_plan: Callable[[dict], Plan]  # the plan under --smoke (on the CPU)
+    stage_runners: Callable[[argparse.Namespace], dict]  # stage name -> run(stage), every stage
+    summary: Summary
+    # The optional parts: summary.json's plan keys of the script's own (beside Plan.info's),
+    plan_info: Callable[[argparse.Namespace, Plan, list[str]], dict] | None = None
+    # the script's own flags, and a check of them (parser.error) or what they ask done instead of
+    # a run (then its exit code),
+    add_args: Callable[[argparse.ArgumentParser], None] | None = None
+    before_run: Callable[[argparse.ArgumentParser, argparse.Namespace], int | None] | None = None
+    stages_help: str = ""  # and what --stages' help adds
+
 
 PROBE = (
     "import json, jax; d = jax.devices()[0]; print('PROBE ' + json.dumps(dict(platform=d.platform, "
@@ -85,109 +116,106 @@ def child_env(smoke: bool) -> dict:
     return env
 
 
-def add_run_args(
-    parser: argparse.ArgumentParser, stage_budgets: dict, out_default: str, work_dir_help: str, stages_help: str = ""
-) -> None:
-    """The flags every run script takes: --out, --work-dir, --smoke, --stages, --budget."""
+def _parser(run: GpuRun) -> argparse.ArgumentParser:
+    """The flags every run script takes: --out, --work-dir, --smoke, --stages, --budget; then its own."""
+    parser = argparse.ArgumentParser(description=run.description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--out", default=out_default, help="where summary.json, summary.md, console.txt and stages.tar.gz go"
+        "--out",
+        default=os.path.join(ROOT, "benchmarks", "results", run.results_name),
+        help="where summary.json, summary.md, console.txt and stages.tar.gz go",
     )
-    parser.add_argument("--work-dir", help=work_dir_help)
+    parser.add_argument(
+        "--work-dir",
+        help="each stage's files and the compilation caches; new or empty (default: a fresh temporary directory)",
+    )
     parser.add_argument("--smoke", action="store_true", help="the demo model and tiny shapes on the CPU")
     parser.add_argument(
-        "--stages", type=lambda t: t.split(","), help=f"run only these ({','.join(stage_budgets)}{stages_help})"
+        "--stages", type=lambda t: t.split(","), help=f"run only these ({','.join(run.stage_budgets)}{run.stages_help})"
     )
     parser.add_argument(
         "--budget",
-        type=budget_type(stage_budgets),
+        type=budget_type(run.stage_budgets),
         action="append",
         default=[],
         metavar="STAGE=SECONDS",
         help="override a stage's budget",
     )
+    if run.add_args:
+        run.add_args(parser)
+    return parser
 
 
-def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace, stage_budgets: dict) -> None:
-    """Refuses (parser.error) unknown --stages and a --work-dir that holds files already."""
-    unknown = set(args.stages or ()) - set(stage_budgets)
+def main(run: GpuRun, argv: list[str] | None = None) -> int:
+    """Parses the flags, refuses unknown --stages and a --work-dir that holds files already, and runs."""
+    parser = _parser(run)
+    args = parser.parse_args(argv)
+    exit_code = run.before_run(parser, args) if run.before_run else None
+    if exit_code is not None:
+        return exit_code
+    unknown = set(args.stages or ()) - set(run.stage_budgets)
     if unknown:
-        parser.error(f"--stages: unknown {', '.join(sorted(unknown))}; choose from {', '.join(stage_budgets)}")
+        parser.error(f"--stages: unknown {', '.join(sorted(unknown))}; choose from {', '.join(run.stage_budgets)}")
     if args.work_dir and os.path.isdir(args.work_dir) and os.listdir(args.work_dir):
         parser.error(f"--work-dir {args.work_dir} is not empty: its files would be packed with this run's")
+    return orchestrate(run, args)
 
 
-def chosen_stages(args: argparse.Namespace, stage_budgets: dict) -> list[str]:
-    """The stages to run, in the table's order: all of them, or those --stages names."""
-    return [name for name in stage_budgets if not args.stages or name in args.stages]
-
-
-def run_stage_loop(
-    chosen: list[str],
-    plan,
-    work_dir: str,
-    env: dict,
-    stage_cls,
-    run_one: Callable,
-    summarize: Callable[[list[dict]], None],
+def run_stages(
+    run: GpuRun, args: argparse.Namespace, plan: Plan, out_dir: str, work_dir: str, device: dict, env: dict
 ) -> list[dict]:
-    """Runs the chosen stages in order, each a `stage_cls(name, plan, work_dir, deadline, env)` handed
-    to `run_one(name, stage)`. The budgets add up: what a stage leaves unused goes to the next. An
-    error of the orchestrator's own in one stage is recorded as that stage's failure and the next
-    runs. After every stage `summarize(records)` rewrites the summary; returns the records."""
+    """Runs the chosen stages (all, or those --stages names, in the run's order), each a `Stage`
+    handed to its runner. The budgets add up: what a stage leaves unused goes to the next. An error
+    of the orchestrator's own in one stage is recorded as that stage's failure and the next runs.
+    After every stage the summary is rewritten; returns the records."""
+    chosen = [name for name in run.stage_budgets if not args.stages or name in args.stages]
+    runners = run.stage_runners(args)
+    plan_info = {**plan.info(chosen), **(run.plan_info(args, plan, chosen) if run.plan_info else {})}
     records, deadline = [], time.monotonic()
     for name in chosen:
         deadline += plan.budgets_s[name]
-        stage = stage_cls(name, plan, work_dir, deadline, env)
+        stage = Stage(name, plan, work_dir, deadline, env)
         progress(f"=== stage {name}: up to {stage.remaining():.0f} s ===")
         try:
-            run_one(name, stage)
+            runners[name](stage)
         except Exception as err:  # noqa: BLE001 - the orchestrator's own error in one stage must not end the run
             stage.fail("orchestrator", f"{type(err).__name__}: {err}")
         stage.save()
         records.append(stage.record())
         progress(f"=== stage {name}: {stage.status()} after {records[-1]['elapsed_s']:.0f} s ===")
-        summarize(records)
+        run.summary.write(out_dir, work_dir, device, records, plan_info)
     return records
 
 
-def orchestrate(
-    args: argparse.Namespace,
-    work_prefix: str,
-    make_plan: Callable,
-    run_stages: Callable,
-    write_summary: Callable,
-    stage_width: int,
-    headline_text: Callable = str,
-) -> int:
-    """A whole run: makes OUT and the work directory (a fresh temporary one named `work_prefix...`
-    without --work-dir), tees the console to OUT/console.txt, plans (`make_plan(budget overrides)`),
-    probes the device and refuses (exit 2, with a summary saying why) unless JAX's platform is gpu
-    or this is --smoke; then `run_stages(args, plan, out_dir, work_dir, device, env)` and one line per
-    stage (name padded to `stage_width`, `headline_text(headline)`). Exit 0 when every stage is ok, else 1."""
+def orchestrate(run: GpuRun, args: argparse.Namespace) -> int:
+    """A whole run: makes OUT and the work directory (a fresh temporary one without --work-dir), tees
+    the console to OUT/console.txt, plans, probes the device and refuses (exit 2, with a summary
+    saying why) unless JAX's platform is gpu or this is --smoke; then runs the stages and prints one
+    line per stage. Exit 0 when every stage is ok, else 1."""
     out_dir = os.path.abspath(args.out)
-    work_dir = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix=work_prefix))
+    work_dir = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix=run.work_prefix))
     os.makedirs(out_dir, exist_ok=True)
     os.makedirs(work_dir, exist_ok=True)
     sys.stdout = Tee(os.path.join(out_dir, "console.txt"))
-    plan = make_plan(dict(args.budget))
+    plan = (run.smoke_plan if args.smoke else run.gpu_plan)(dict(args.budget))
     env = child_env(args.smoke)
     progress(f"probing the device (smoke={args.smoke}); stage files in {work_dir}")
     try:
         device = probe_device(env)
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         progress(f"REFUSED: {err}")
-        write_summary(out_dir, work_dir, {"refused": True, "error": str(err)}, [], {"smoke": args.smoke})
+        run.summary.write(out_dir, work_dir, {"refused": True, "error": str(err)}, [], {"smoke": args.smoke})
         return 2
     progress(f"device: {device}")
     if device["platform"] != "gpu" and not args.smoke:
         progress(f"REFUSED: JAX's platform is {device['platform']}, not gpu; run on the GPU machine, or pass --smoke")
-        write_summary(out_dir, work_dir, {**device, "refused": True}, [], {"smoke": False})
+        run.summary.write(out_dir, work_dir, {**device, "refused": True}, [], {"smoke": False})
         return 2
-    records = run_stages(args, plan, out_dir, work_dir, device, env)
+    records = run_stages(run, args, plan, out_dir, work_dir, device, env)
+    width = max(len(name) for name in run.stage_budgets) + 1
     for record in records:
         progress(
-            f"{record['stage']:<{stage_width}} {record['status']:<9} {record['elapsed_s']:6.0f} s  "
-            f"{headline_text(record['headline'])}"
+            f"{record['stage']:<{width}} {record['status']:<9} {record['elapsed_s']:6.0f} s  "
+            f"{json.dumps(record['headline'])}"
         )
     progress(f"wrote {out_dir}/summary.md, summary.json, stages.tar.gz, console.txt")
     return 0 if all(r["status"] == "ok" for r in records) else 1

@@ -1,13 +1,8 @@
-"""The summary of `benchmarks/quantization_gpu.py`, rewritten after every stage: `summary.json`
-(the device, the plan, every stage's record with its headline) and `summary.md` (the stages'
-statuses, then one table per stage: the HLO census, fp8 vs bf16 decode kernel, engine modes vs
-bf16), and `stages.tar.gz` (each stage's JSON and log, the HLO text files)."""
+"""The summary of `benchmarks/quantization_gpu.py`: each stage's headline numbers, and summary.md's
+tables after the stages' statuses, one per stage: the HLO census, the fp8 vs bf16 decode kernel,
+the engine modes vs bf16 (files and plumbing: `gpu/summary.py`; the tarball holds the HLO text)."""
 
-from benchmarks.gpu.summary import _round, markdown_head, set_headlines, steps_cell, write_files
-
-
-def _result(record: dict, step_name: str) -> dict | None:
-    return next((s["result"] for s in record["steps"] if s["name"] == step_name and s["result"]), None)
+from benchmarks.gpu.summary import Summary, cell, markdown_head, rounded, step_result, steps_cell
 
 
 def hlo_headline(record: dict) -> dict:
@@ -32,18 +27,18 @@ def hlo_headline(record: dict) -> dict:
 
 
 def kernels_headline(record: dict) -> dict:
-    result = _result(record, "fp8_vs_bf16") or {}
+    result = step_result(record, "fp8_vs_bf16") or {}
     errs = [c["rel_err"] for c in result.get("checks", []) if c.get("rel_err") is not None]
     rows = result.get("decode", [])
-    ratios = {f"b={r['batch']} ctx={r['context']}": _round(r.get("time_ratio_fp8_over_bf16")) for r in rows}
+    ratios = {f"b={r['batch']} ctx={r['context']}": rounded(r.get("time_ratio_fp8_over_bf16")) for r in rows}
     best = {name: max((r[name]["GBps"] for r in rows if r[name].get("GBps")), default=None) for name in ("bf16", "fp8")}
     return {
         "complete": result.get("complete"),
         "checks": len(errs),
         "max_rel_err": max(errs, default=None),
-        "hbm_copy_GBps": _round(result["hbm_copy_Bps"] / 1e9, 0) if result.get("hbm_copy_Bps") else None,
-        "best_bf16_GBps": _round(best["bf16"], 0),
-        "best_fp8_GBps": _round(best["fp8"], 0),
+        "hbm_copy_GBps": rounded(result["hbm_copy_Bps"] / 1e9, 0) if result.get("hbm_copy_Bps") else None,
+        "best_bf16_GBps": rounded(best["bf16"], 0),
+        "best_fp8_GBps": rounded(best["fp8"], 0),
         "time_fp8_over_bf16": ratios,
     }
 
@@ -55,17 +50,17 @@ def engine_headline(record: dict) -> dict:
         mode = step["name"].partition("_")[2]
         if mode not in modes:
             modes.append(mode)
-    base_tpot = (_result(record, "latency_bf16") or {}).get("avg_time_per_output_token_ms")
-    base_tok = (_result(record, "throughput_bf16") or {}).get("output_tokens_per_second")
+    base_tpot = (step_result(record, "latency_bf16") or {}).get("avg_time_per_output_token_ms")
+    base_tok = (step_result(record, "throughput_bf16") or {}).get("output_tokens_per_second")
     out = {}
     for mode in modes:
-        tpot = (_result(record, f"latency_{mode}") or {}).get("avg_time_per_output_token_ms")
-        tok = (_result(record, f"throughput_{mode}") or {}).get("output_tokens_per_second")
+        tpot = (step_result(record, f"latency_{mode}") or {}).get("avg_time_per_output_token_ms")
+        tok = (step_result(record, f"throughput_{mode}") or {}).get("output_tokens_per_second")
         out[mode] = {
-            "tpot_ms": _round(tpot),
-            "output_tok_s": _round(tok, 0),
-            "tpot_vs_bf16": _round(tpot / base_tpot, 3) if tpot and base_tpot else None,
-            "throughput_vs_bf16": _round(tok / base_tok, 3) if tok and base_tok else None,
+            "tpot_ms": rounded(tpot),
+            "output_tok_s": rounded(tok, 0),
+            "tpot_vs_bf16": rounded(tpot / base_tpot, 3) if tpot and base_tpot else None,
+            "throughput_vs_bf16": rounded(tok / base_tok, 3) if tok and base_tok else None,
         }
     return out
 
@@ -73,19 +68,14 @@ def engine_headline(record: dict) -> dict:
 HEADLINES = {"hlo": hlo_headline, "kernels": kernels_headline, "engine": engine_headline}
 
 
-def write_summary(out_dir: str, work_dir: str, device: dict, records: list[dict], plan: dict) -> None:
-    """summary.json, summary.md and stages.tar.gz (the work directory without compilation caches)."""
-    set_headlines(records, lambda record: HEADLINES[record["stage"]](record))
-    write_files(out_dir, work_dir, {"device": device, "plan": plan, "stages": records}, markdown(device, records))
-
-
 def _cell(value) -> str:
+    """A table cell; small floats (relative errors) in scientific notation."""
     if isinstance(value, float) and 0 < abs(value) < 0.01:
         return f"{value:.1e}"
-    return "-" if value is None else str(value)
+    return cell(value)
 
 
-def markdown(device: dict, records: list[dict]) -> str:
+def markdown(device: dict, records: list[dict], plan: dict) -> str:
     lines = markdown_head("Quantization GPU run", device, records, "steps", steps_cell)
     for record in records:
         headline = record.get("headline") or {}
@@ -105,7 +95,7 @@ def markdown(device: dict, records: list[dict]) -> str:
                 f"| {key} | " + " | ".join(_cell(v) for v in row.values()) + " |" for key, row in headline.items()
             ]
         elif record["stage"] == "kernels" and headline:
-            rows = (_result(record, "fp8_vs_bf16") or {}).get("decode", [])
+            rows = (step_result(record, "fp8_vs_bf16") or {}).get("decode", [])
             lines += [
                 "",
                 f"## Decode kernel, bf16 vs float8_e4m3fn pool ({headline['checks']} checks, max rel err "
@@ -117,9 +107,9 @@ def markdown(device: dict, records: list[dict]) -> str:
             for r in rows:
                 us = {n: None if r[n]["s"] is None else round(r[n]["s"] * 1e6, 1) for n in ("bf16", "fp8")}
                 lines.append(
-                    f"| {r['batch']} | {r['context']} | {_cell(us['bf16'])} | {_cell(_round(r['bf16']['GBps'], 0))} "
-                    f"| {_cell(us['fp8'])} | {_cell(_round(r['fp8']['GBps'], 0))} | "
-                    f"{_cell(_round(r['time_ratio_fp8_over_bf16']))} |"
+                    f"| {r['batch']} | {r['context']} | {_cell(us['bf16'])} | {_cell(rounded(r['bf16']['GBps'], 0))} "
+                    f"| {_cell(us['fp8'])} | {_cell(rounded(r['fp8']['GBps'], 0))} | "
+                    f"{_cell(rounded(r['time_ratio_fp8_over_bf16']))} |"
                 )
         elif record["stage"] == "engine" and headline:
             lines += [
@@ -136,3 +126,6 @@ def markdown(device: dict, records: list[dict]) -> str:
                 for mode, row in headline.items()
             ]
     return "\n".join(lines) + "\n"
+
+
+SUMMARY = Summary(lambda record, records: HEADLINES[record["stage"]](record), markdown)

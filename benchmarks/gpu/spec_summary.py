@@ -1,9 +1,9 @@
-"""The summary of `benchmarks/speculative_gpu.py`, rewritten after every stage: `summary.json`
-(the device, the plan, the notes, every stage's record with its headline), `summary.md` (the
-stages' statuses, then one table: per configuration and batch size, TPOT, output tokens/s,
-acceptance and the ratios to plain decoding) and `stages.tar.gz` (each stage's JSON and log)."""
+"""The summary of `benchmarks/speculative_gpu.py`: each stage's headline (per batch size: TPOT,
+output tokens/s, acceptance, ratios to plain decoding), summary.md's one table of them after the
+stages' statuses, and the notes on what dummy weights mean for these numbers (files and
+plumbing: `gpu/summary.py`)."""
 
-from benchmarks.gpu.summary import _round, markdown_head, set_headlines, steps_cell, write_files
+from benchmarks.gpu.summary import Summary, cell, markdown_head, rounded, step_result, steps_cell
 
 BASE = "plain"
 NOTES = (
@@ -24,19 +24,16 @@ NOTES = (
 )
 
 
-def _result(record: dict) -> dict:
-    return next((s["result"] for s in record["steps"] if s["result"]), None) or {}
-
-
 def _mean(values) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
 
 
-def rows(record: dict, base: dict) -> dict:
-    """Per batch size: TPOT, throughput, acceptance, ratios to `base` (plain's result)."""
+def rows(record: dict, records: list[dict]) -> dict:
+    """Per batch size: TPOT, throughput, acceptance, ratios to plain's (the BASE stage's) result."""
+    base = next((step_result(r) for r in records if r["stage"] == BASE), None) or {}
     out = {}
-    for batch, row in (_result(record).get("batches") or {}).items():
+    for batch, row in ((step_result(record) or {}).get("batches") or {}).items():
         plain = (base.get("batches") or {}).get(batch) or {}
         spec = row.get("spec") or {}
         same = None
@@ -44,37 +41,21 @@ def rows(record: dict, base: dict) -> dict:
             pairs = list(zip(plain["token_ids"], row["token_ids"]))
             same = sum(a == b for a, b in pairs) / len(pairs)
         out[f"batch {batch}"] = {
-            "tpot_ms": _round(row["tpot_ms"]),
-            "e2e_tpot_ms": _round(row["e2e_tpot_ms"]),
-            "output_tok_s": _round(row["output_tok_s"], 1),
-            "speedup_vs_plain": _round(plain["tpot_ms"] / row["tpot_ms"], 3)
+            "tpot_ms": rounded(row["tpot_ms"]),
+            "e2e_tpot_ms": rounded(row["e2e_tpot_ms"]),
+            "output_tok_s": rounded(row["output_tok_s"], 1),
+            "speedup_vs_plain": rounded(plain["tpot_ms"] / row["tpot_ms"], 3)
             if plain.get("tpot_ms") and row["tpot_ms"]
             else None,
-            "throughput_vs_plain": _round(row["output_tok_s"] / plain["output_tok_s"], 3)
+            "throughput_vs_plain": rounded(row["output_tok_s"] / plain["output_tok_s"], 3)
             if plain.get("output_tok_s")
             else None,
-            "acceptance": _round(spec.get("acceptance_rate"), 3),
-            "accepted_per_draft": _round(spec.get("accepted_per_draft")),
-            "same_tokens_as_plain": _round(same, 3),
-            "distinct_output_tokens": _round(_mean(row.get("distinct_output_token_frac") or []), 3),
+            "acceptance": rounded(spec.get("acceptance_rate"), 3),
+            "accepted_per_draft": rounded(spec.get("accepted_per_draft")),
+            "same_tokens_as_plain": rounded(same, 3),
+            "distinct_output_tokens": rounded(_mean(row.get("distinct_output_token_frac") or []), 3),
         }
     return out
-
-
-def write_summary(out_dir: str, work_dir: str, device: dict, records: list[dict], plan: dict) -> None:
-    """summary.json, summary.md and stages.tar.gz (the work directory without compilation caches)."""
-    base = next((_result(r) for r in records if r["stage"] == BASE), {})
-    set_headlines(records, lambda record: rows(record, base))
-    write_files(
-        out_dir,
-        work_dir,
-        {"device": device, "plan": plan, "notes": NOTES, "stages": records},
-        markdown(device, records, plan),
-    )
-
-
-def _cell(value) -> str:
-    return "-" if value is None else str(value)
 
 
 COLUMNS = (
@@ -100,7 +81,7 @@ def markdown(device: dict, records: list[dict], plan: dict) -> str:
             continue
         for batch, row in headline.items():
             table.append(
-                f"| {record['stage']} | {batch.split()[-1]} | " + " | ".join(_cell(row[k]) for k, _ in COLUMNS) + " |"
+                f"| {record['stage']} | {batch.split()[-1]} | " + " | ".join(cell(row[k]) for k, _ in COLUMNS) + " |"
             )
     if table:
         lines += [
@@ -114,3 +95,6 @@ def markdown(device: dict, records: list[dict], plan: dict) -> str:
     if records:
         lines += ["", "Notes:", "", *(f"- {note}" for note in NOTES)]
     return "\n".join(lines) + "\n"
+
+
+SUMMARY = Summary(rows, markdown, NOTES)

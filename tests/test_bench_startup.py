@@ -164,11 +164,17 @@ def test_unrolled_engines_hold_per_layer_arrays_and_give_the_scanned_tokens():
     assert texts[True] == texts[False]
 
 
-def test_splitting_a_models_layers_releases_each_stacked_array():
-    """The engine splits a loaded model's stacked layer weights in place (unrolled layers, the
-    default): each stacked array is deleted once split, so start-up never holds every weight twice."""
-    from jaxpaged.model import LayerArrays, split_layers_in_place
-    from jaxpaged.parallel.mesh import TensorParallel
+def test_unrolled_models_hold_per_layer_arrays_from_creation_and_load(tmp_path):
+    """Unrolled layers hold each per-layer parameter as `LayerArrays` from the start: a new model,
+    one loaded from safetensors (each layer's tensor placed as it is read) and one restored from a
+    converted checkpoint (split once), each array with one layer's sharding and the values of the
+    stacked (scanned) model's rows."""
+    from tiny_models import save_hf_model
+
+    from jaxpaged.checkpoint.convert import convert_checkpoint
+    from jaxpaged.checkpoint.loader import load_model
+    from jaxpaged.model import LayerArrays
+    from jaxpaged.parallel.mesh import TensorParallel, param_path
 
     config = ModelConfig(
         architecture="llama",
@@ -180,17 +186,26 @@ def test_splitting_a_models_layers_releases_each_stacked_array():
         num_kv_heads=2,
         head_dim=8,
     )
-    parallel = TensorParallel.create(config, 2)
-    model = Llama(config, jnp.float32, rngs=nnx.Rngs(0), attention="reference", parallel=parallel, scan_layers=False)
-    stacked = model.layers.attn.q_proj.value
-    expected = np.asarray(stacked)
-    embed = model.embed.value
-    split_layers_in_place(model, parallel.layer_sharding)
-    assert stacked.is_deleted() and not embed.is_deleted()
-    layers = model.layers.attn.q_proj.value
-    assert isinstance(layers, LayerArrays) and len(layers.arrays) == 3
-    for i, array in enumerate(layers.arrays):
-        np.testing.assert_array_equal(np.asarray(array), expected[i])
-        assert array.sharding.is_equivalent_to(parallel.layer_sharding(("layers", "attn", "q_proj")), array.ndim)
-    split_layers_in_place(model, parallel.layer_sharding)  # already split: unchanged
-    assert model.layers.attn.q_proj.value.arrays == layers.arrays
+    fresh = {scan: Llama(config, jnp.float32, rngs=nnx.Rngs(0), scan_layers=scan) for scan in (True, False)}
+    hf_dir, converted = str(tmp_path / "hf"), str(tmp_path / "converted")
+    save_hf_model("llama_tp", hf_dir)
+    convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
+    parallel = TensorParallel.create(ModelConfig.from_pretrained(hf_dir), 2)
+    loaded = {(source, scan): load_model(source, "float32", parallel=parallel, scan_layers=scan)[1]
+              for source in (hf_dir, converted) for scan in (True, False)}  # fmt: skip
+    pairs = [(fresh[True], fresh[False], None)] + [
+        (loaded[s, True], loaded[s, False], parallel) for s in (hf_dir, converted)
+    ]
+    for stacked_model, split_model, mesh in pairs:
+        stacked = dict(jax.tree_util.tree_flatten_with_path(nnx.state(stacked_model.layers))[0])
+        split = jax.tree_util.tree_flatten_with_path(
+            nnx.state(split_model.layers), is_leaf=lambda x: isinstance(x, LayerArrays)
+        )[0]
+        assert len(split) == len(stacked) == 9
+        for path, layers in split:
+            assert isinstance(layers, LayerArrays) and len(layers.arrays) == split_model.config.num_layers
+            for i, array in enumerate(layers.arrays):
+                np.testing.assert_array_equal(np.asarray(array), np.asarray(stacked[path])[i])
+                if mesh is not None:
+                    expected = mesh.layer_sharding(("layers", *param_path(path)))
+                    assert array.sharding.is_equivalent_to(expected, array.ndim), path

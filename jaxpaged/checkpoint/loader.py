@@ -7,7 +7,8 @@
 3. Converted: the Orbax `params/` tree is restored and checked against the same map.
 4. `load_model` builds the NNX `Llama` abstractly (no random init) and fills it tensor by
    tensor, each placed on its devices (split by the sharding table under tensor parallelism);
-   a decoder layer's tensor goes into its row of the stacked parameter, in place on the device.
+   a decoder layer's tensor becomes that layer's array (unrolled layers: `LayerArrays`), or goes
+   into its row of the stacked parameter, in place on the device (scanned layers).
 
 Weight quantization (`quantization` fp8/int8, `jaxpaged.model.quant`) comes two ways:
 
@@ -52,6 +53,7 @@ from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import checkpoint_quantization, resolve_quantization
+from jaxpaged.model.layer_arrays import LayerArrays, unstack_layers
 from jaxpaged.model.llama import Llama
 from jaxpaged.model.quant import quantize_weight
 from jaxpaged.parallel.mesh import TensorParallel, param_path
@@ -304,13 +306,17 @@ def load_model(
     graphdef, state = nnx.split(abstract)
     shapes = param_shapes(model_config, quantization)
     params: Params = {}
-    stacked: dict[Path, jax.Array] = {}
+    stacked: dict[Path, jax.Array] = {}  # scanned layers: each layer's tensor set into its row
+    layers: dict[Path, list] = {}  # unrolled layers: each layer's tensor an array of its own
     for path, layer, array in _quantize_tensors(tensors, config, quantize_at_load, parallel):
-        if layer is not None:  # one row of a stacked parameter, set in place on its devices
-            if path not in stacked:
-                stacked[path] = _zeros_on_mesh(shapes[path], array.dtype, parallel, path)
+        if layer is not None:  # one layer's tensor of a per-layer parameter, placed on its devices
             row = jax.device_put(array) if parallel is None else parallel.place(path, array, one_layer=True)
-            stacked[path] = _set_row(stacked[path], row, jnp.int32(layer))
+            if not scan_layers:
+                layers.setdefault(path, [None] * model_config.num_layers)[layer] = row
+            else:  # set in place into the stacked parameter
+                if path not in stacked:
+                    stacked[path] = _zeros_on_mesh(shapes[path], array.dtype, parallel, path)
+                stacked[path] = _set_row(stacked[path], row, jnp.int32(layer))
         elif isinstance(array, jax.Array):  # restored into its shards
             _insert(params, path, array)
         else:
@@ -318,6 +324,10 @@ def load_model(
         del array
     for path, array in stacked.items():
         _insert(params, path, array)
+    for path, arrays in layers.items():
+        _insert(params, path, LayerArrays(arrays))
+    if not scan_layers:  # a converted checkpoint is restored stacked: split once, each stacked array freed
+        params = unstack_layers(params, _layer_sharding(parallel), release=True)
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     leftover = [leaf for leaf in jax.tree.leaves(nnx.state(model)) if not isinstance(leaf, jax.Array)]
@@ -409,6 +419,13 @@ def _load_converted(
     for path, array in _flatten(restored).items():
         _insert(params, path, array if isinstance(array, jax.Array) else np.asarray(array))
     return target, params
+
+
+def _layer_sharding(parallel: TensorParallel | None):
+    """Where one layer's array of the parameter at a path lives."""
+    if parallel is None:
+        return lambda path: jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return parallel.layer_sharding
 
 
 def _zeros_on_mesh(shape: tuple[int, ...], dtype, parallel: TensorParallel | None, path: Path) -> jax.Array:

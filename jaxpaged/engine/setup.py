@@ -20,7 +20,7 @@ from jaxpaged.config.quantization import is_fp8
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.engine_args import EngineArgs, EngineArgsError, default_compilation_cache_dir
 from jaxpaged.engine_config import EngineConfig
-from jaxpaged.model import Llama, kv_storage_dtype, split_layers_in_place
+from jaxpaged.model import LayerArrays, Llama, kv_storage_dtype, state_shardings
 from jaxpaged.parallel import multihost
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
@@ -289,8 +289,8 @@ def use_compilation_cache(setting: str) -> str | None:
 
 def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool = False) -> Llama:
     """Loads (or, with load_format="dummy", randomly initialises) the model onto its mesh, in
-    the mesh layout; for unrolled layers, with its layers' weights split into per-layer arrays.
-    `abstract`: the model's shapes only (`nnx.eval_shape`), its layers stacked."""
+    the mesh layout; for unrolled layers, its layers' weights as per-layer arrays from the start.
+    `abstract`: the model's shapes only (`nnx.eval_shape`)."""
     args, model_config = config.args, config.model
     if abstract:
         dtype = model_dtype(args)
@@ -316,8 +316,6 @@ def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool =
             scan_layers=args.scan_layers,
             quantization=config.quantization,
         )
-    if not args.scan_layers:  # before planning: the stacked arrays go as their layers are split
-        split_layers_in_place(model, parallel.layer_sharding)
     logger.info(
         "model %s: %s, %d layers, dtype %s%s, KV cache %s",
         args.model,
@@ -355,10 +353,17 @@ def _dummy_model(
     graphdef, state = nnx.split(abstract)
 
     def init():
-        params = nnx.to_pure_dict(nnx.state(Llama(config, dtype, rngs=nnx.Rngs(args.seed), quantization=quantization)))
-        return jax.tree_util.tree_map_with_path(lambda path, x: parallel.to_mesh_layout(param_path(path), x), params)
+        model = Llama(config, dtype, rngs=nnx.Rngs(args.seed), scan_layers=args.scan_layers, quantization=quantization)
 
-    params = jax.jit(init, out_shardings=parallel.state_shardings(nnx.to_pure_dict(state)))()
+        def to_mesh(path, x):
+            if isinstance(x, LayerArrays):
+                return LayerArrays(parallel.to_mesh_layout(param_path(path), a, one_layer=True) for a in x.arrays)
+            return parallel.to_mesh_layout(param_path(path), x)
+
+        params = nnx.to_pure_dict(nnx.state(model))
+        return jax.tree_util.tree_map_with_path(to_mesh, params, is_leaf=lambda x: isinstance(x, LayerArrays))
+
+    params = jax.jit(init, out_shardings=state_shardings(nnx.to_pure_dict(state), parallel))()
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 

@@ -2,7 +2,7 @@
 (`sampler`): the device functions `jaxpaged.functional.step` is made of."""
 
 from jaxpaged.model.kv_pool import KVPool, KVQuant, init_kv_pool, kv_storage_dtype
-from jaxpaged.model.layer_arrays import LayerArrays, split_layers_in_place, unstack_layers
+from jaxpaged.model.layer_arrays import LayerArrays, state_shardings, unstack_layers
 from jaxpaged.model.llama import Llama
 from jaxpaged.model.metadata import AttentionMetadata
 
@@ -14,6 +14,6 @@ __all__ = [
     "Llama",
     "init_kv_pool",
     "kv_storage_dtype",
-    "split_layers_in_place",
+    "state_shardings",
     "unstack_layers",
 ]

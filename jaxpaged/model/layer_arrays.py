@@ -1,16 +1,17 @@
 """Per-layer arrays for the unrolled decoder layers.
 
-The layers' parameters are stacked (`[L, ...]`, see llama.py). A scan over the layers reads one
-layer's slice per iteration; unrolled layers would slice a stacked array L times in every step,
-and XLA on a CPU copies each slice before the matmuls that read it. So for unrolled layers the
-engine splits every stacked parameter once, right after loading, into `LayerArrays`: layer l's
-weights are an array of their own, and the step program indexes a Python tuple instead of slicing.
+A scan over the layers reads one layer's slice of a stacked parameter (`[L, ...]`) per iteration;
+unrolled layers would slice a stacked array L times in every step, and XLA on a CPU copies each
+slice before the matmuls that read it. So a model with unrolled layers holds each per-layer
+parameter as `LayerArrays` from the start (llama.py creates them so, the loader fills them layer
+by layer): layer l's weights are an array of their own, and the step program indexes a Python
+tuple instead of slicing. Only a checkpoint restored whole (Orbax) comes stacked, and is split
+once (`unstack_layers`).
 """
 
 from collections.abc import Callable
 
 import jax
-from flax import nnx
 
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.params.spec import LAYER_STACK
@@ -59,14 +60,17 @@ def unstack_layers(state, layer_sharding: Callable[[tuple[str, ...]], jax.shardi
     return jax.tree_util.tree_map_with_path(split, state, is_leaf=lambda x: isinstance(x, LayerArrays))
 
 
-def split_layers_in_place(
-    model: nnx.Module, layer_sharding: Callable[[tuple[str, ...]], jax.sharding.Sharding]
-) -> None:
-    """Gives `model`'s stacked layer parameters as `LayerArrays` (for unrolled layers), deleting
-    each stacked array once split: start-up then holds the weights plus one stacked parameter's
-    split at most, where splitting a copy (as a runner does for a model it does not own) would
-    hold every weight twice until the model is dropped."""
-    nnx.update(model, unstack_layers(nnx.state(model), layer_sharding, release=True))
+def state_shardings(state, parallel):
+    """The table sharding of every array of a model state, one layer's for each of a
+    `LayerArrays`' arrays (for `jit` out_shardings, or shapes placed nowhere)."""
+
+    def sharding(path, x):
+        path = param_path(path)
+        if isinstance(x, LayerArrays):
+            return LayerArrays(parallel.layer_sharding(path) for _ in x.arrays)
+        return parallel.param_sharding(path)
+
+    return jax.tree_util.tree_map_with_path(sharding, state, is_leaf=lambda x: isinstance(x, LayerArrays))
 
 
 def place_params(state, parallel):

@@ -7,11 +7,11 @@ Each layer projects q/k/v, rotates q/k, writes this step's K/V into its pool slo
 attends over everything the pool holds for each sequence (write-then-attend). The pool comes
 in and goes out as a value: under `jit` with the pool donated the update is in place.
 
-The layers are one stacked module (every parameter has a leading layer axis L). The engine runs
-them unrolled (`scan_layers=False`, its default) over per-layer arrays (`LayerArrays`, split from
-the stacked ones once, outside the step), the layer body traced once and called per layer, so
-every matmul reads its weight where it lies. `scan_layers=True` runs them as a `lax.scan` over
-the stacked arrays: XLA compiles one layer body instead of L (programs compile several times
+The layers are one module whose parameters exist once per layer: with `scan_layers=False` (the
+engine's default) as per-layer arrays (`LayerArrays`, from creation and load onward: never
+stacked), the layers unrolled, the layer body traced once and called per layer, so every matmul
+reads its weight where it lies. `scan_layers=True` stacks them (a leading layer axis L) and runs
+the layers as a `lax.scan` over the stacked arrays: XLA compiles one layer body instead of L (programs compile several times
 faster), but slices each layer's weights out of the stack every step, and those slices are
 copies (on a CPU, and on an H100 before its Triton GEMMs: tests/gpu_compile). The pool
 `[L * NB, BS, K, H]` is carried through the layers whole; layer l's blocks are `l * NB + block`
@@ -68,16 +68,22 @@ class ParamDeclarer:
       dtype: the parameters' dtype (a quantized pair keeps its own).
       rngs: random initialisation of the "normal" parameters.
       quantization: "fp8" or "int8": quantizable weights become their quantized pairs.
+      per_layer_arrays: per-layer parameters as `LayerArrays` (one array per layer, for unrolled
+        layers) instead of stacked `[L, ...]` (for a scan). The values are the same either way.
     """
 
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str | None):
+    def __init__(
+        self, config: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str | None, per_layer_arrays: bool = False
+    ):
         self.config, self.dtype, self.rngs, self.quantization = config, dtype, rngs, quantization
+        self.per_layer_arrays = per_layer_arrays
         self.specs = param_specs(config)
         self.declared: set[Path] = set()
 
     def declare(self, module: nnx.Module, prefix: Path) -> None:
         """Sets on `module` every parameter of the table whose path is `prefix` and one name:
-        per-layer ones stacked `[L, ...]`, quantizable ones as their pair under quantization."""
+        per-layer ones stacked `[L, ...]` or as `LayerArrays`, quantizable ones as their pair
+        under quantization."""
         for spec in self.specs:
             if spec.path[:-1] != prefix:
                 continue
@@ -88,12 +94,13 @@ class ParamDeclarer:
             else:
                 value = (jnp.ones if spec.init == "ones" else jnp.zeros)(shape, self.dtype)
             if self.quantization is not None and spec.quantize:
-                q, scale = quantize_weight(value, self.quantization, spec.num_in, len(stack))
-                quant_path, scale_path = spec.quantized_paths
-                setattr(module, quant_path[-1], nnx.Param(q))
-                setattr(module, scale_path[-1], nnx.Param(scale))
+                values = quantize_weight(value, self.quantization, spec.num_in, len(stack))
+                names = [path[-1] for path in spec.quantized_paths]
             else:
-                setattr(module, spec.name, nnx.Param(value))
+                values, names = (value,), (spec.name,)
+            for name, value in zip(names, values):
+                split = spec.per_layer and self.per_layer_arrays
+                setattr(module, name, nnx.Param(LayerArrays(value[i] for i in range(stack[0])) if split else value))
             self.declared.add(spec.path)
 
     def check_all_declared(self) -> None:
@@ -260,7 +267,7 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention, then MLP. Built once for all layers (every parameter
-    stacked `[L, ...]`); a call runs the one layer whose slice it is given (inside the scan)."""
+    stacked `[L, ...]`, or per-layer arrays); a call runs the one layer it is given."""
 
     def __init__(
         self, config: ModelConfig, params: ParamDeclarer, *, attention: str, parallel: TensorParallel | None = None
@@ -287,9 +294,9 @@ class Llama(nnx.Module):
       attention: "auto", "reference" or "pallas" (see `resolve_attention_backend`).
       parallel: the mesh and sharding table under tensor parallelism; `config` is then the
         mesh layout (`parallel.layout.mesh_config`, kv heads repeated). None: one device.
-      scan_layers: run the layers as a `lax.scan` (one compiled body, each layer's weights sliced
-        out of the stack: copied); False unrolls them (L bodies: the same results, longer to
-        compile), best over per-layer arrays (`unstack_layers` of the state, as the runner does).
+      scan_layers: stack the layers' parameters and run the layers as a `lax.scan` (one compiled
+        body, each layer's weights sliced out of the stack: copied); False holds them as per-layer
+        arrays and unrolls the layers (L bodies: the same results, longer to compile).
       quantization: "fp8" or "int8" decoder-layer weights (see quant.py); None: `dtype` weights.
         The embedding, the norms and the LM head keep `dtype`.
     """
@@ -309,7 +316,7 @@ class Llama(nnx.Module):
         self.parallel = parallel
         self.scan_layers = scan_layers
         backend = resolve_attention_backend(attention)
-        params = ParamDeclarer(config, dtype, rngs, quantization)
+        params = ParamDeclarer(config, dtype, rngs, quantization, per_layer_arrays=not scan_layers)
         params.declare(self, ())  # the embedding [V, D] and, unless tied, the LM head [D, V]
         self.layers = DecoderLayer(config, params, attention=backend, parallel=parallel)  # stacked [L, ...]
         self.final_norm = RMSNorm(params, ("final_norm",), config.rms_norm_eps)

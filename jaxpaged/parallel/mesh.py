@@ -132,10 +132,6 @@ class TensorParallel:
         sharding = self.layer_sharding(path) if one_layer else self.param_sharding(path)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
-    def state_shardings(self, state):
-        """The table sharding of every leaf of a model state (for `jit` out_shardings)."""
-        return jax.tree_util.tree_map_with_path(lambda path, _: self.param_sharding(param_path(path)), state)
-
     # -- inside a step ------------------------------------------------------------------------
 
     def per_head(self, fn, in_axes: tuple, out_axes):

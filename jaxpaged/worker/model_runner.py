@@ -26,8 +26,8 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.functional import DeviceCache, init_cache
-from jaxpaged.model import Llama, unstack_layers
-from jaxpaged.model.layer_arrays import place_params
+from jaxpaged.model import Llama
+from jaxpaged.model.layer_arrays import place_params, state_shardings
 from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
@@ -128,12 +128,10 @@ class ModelRunner:
             self.params = jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                 params,
-                parallel.state_shardings(params),
+                state_shardings(params, parallel),
             )
         else:
             self.params = place_params(params, parallel)  # no copy when the loader placed them already
-        if not model.scan_layers:  # unrolled layers read per-layer arrays (the engine's model comes split)
-            self.params = unstack_layers(self.params, parallel.layer_sharding)
         self._whole = parallel.sharding()
         self.cache = self.zero_cache(config.num_blocks)
         if kv_scales is not None and self.cache.kv.quant is not None:

@@ -9,19 +9,14 @@ new option is declared here once. No JAX here: arguments are checked before anyt
 import dataclasses
 import os
 
-from jaxpaged.checkpoint.format import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
 from jaxpaged.config.attention import ATTENTION_BACKENDS
-from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.presets import PRESETS, get_preset, load_config_dict
+from jaxpaged.config.presets import PRESETS
 from jaxpaged.config.quantization import (
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
-    CheckpointQuantizationError,
-    resolve_quantization,
 )
 from jaxpaged.config.speculative import SpeculativeConfig, SpeculativeConfigError
 from jaxpaged.core.scheduler import PREEMPTION_MODES
-from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -221,7 +216,10 @@ class EngineArgs:
     )
 
     def __post_init__(self):
-        self._check_model()
+        """Checks every option's type and range, and the options against each other; reads no
+        file (`EngineConfig.resolve` checks the model directory and reads its configuration)."""
+        if not isinstance(self.model, str) or not self.model:
+            raise EngineArgsError("model", self.model, "give a model directory")
         for name, allowed in (
             ("dtype", DTYPES),
             ("load_format", LOAD_FORMATS),
@@ -245,14 +243,16 @@ class EngineArgs:
             if self.seed >= MAX_SEED:
                 raise EngineArgsError("seed", self.seed, f"must be below 2**62 ({MAX_SEED})")
         self._check_offloading()
-        self._check_quantization()
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise EngineArgsError(
+                "quantization", self.quantization, f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset)"
+            )
         try:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except SpeculativeConfigError as err:
             raise EngineArgsError("speculative_config", self.speculative_config, str(err)) from None
         if self.speculative_config is not None and self.speculative_config.model is not None:
             self._check_draft_model()
-        self._check_tensor_parallel()
         check_block_size(self.block_size)
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
@@ -271,9 +271,6 @@ class EngineArgs:
                 self.max_num_batched_tokens,
                 f"must be at least max_num_seqs ({self.max_num_seqs})",
             )
-
-        if not self.skip_tokenizer_init:
-            self._check_tokenizer()
 
     def _check_offloading(self) -> None:
         size = self.kv_offloading_size
@@ -300,8 +297,6 @@ class EngineArgs:
                     self.kv_cache_dir,
                     "keeps prefix-cache blocks: it does nothing with `enable_prefix_caching` off",
                 )
-            if os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir):
-                raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "exists and is not a directory")
         disk = self.kv_cache_dir_size
         if isinstance(disk, bool) or not isinstance(disk, (int, float)) or not 0 < disk < 2**30:
             raise EngineArgsError("kv_cache_dir_size", disk, "must be a positive number of GiB")
@@ -312,43 +307,9 @@ class EngineArgs:
                 "is not supported across several processes yet (`nnodes` > 1); leave it unset",
             )
 
-    def _check_quantization(self) -> None:
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise EngineArgsError(
-                "quantization", self.quantization, f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset)"
-            )
-        try:
-            resolve_quantization(self.quantization, load_config_dict(self.model)[1])
-        except CheckpointQuantizationError as err:
-            raise EngineArgsError("model", self.model, str(err)) from None
-        except ValueError as err:
-            raise EngineArgsError("quantization", self.quantization, str(err).split(": ", 1)[1]) from None
-
     def _check_draft_model(self) -> None:
-        """A draft model: readable like the target, the target's vocabulary, split over the same
-        devices; not with the host tier (its blocks would need the draft's K/V too) or several
-        processes."""
+        """What a draft model cannot be combined with (its files: `EngineConfig.resolve`)."""
         spec, field = self.speculative_config, "speculative_config"
-        draft = spec.model
-        try:
-            dataclasses.replace(self, model=draft, speculative_config=None, tokenizer=self.tokenizer or self.model)
-            draft_config = ModelConfig.from_hf(load_config_dict(draft)[1])
-        except (EngineArgsError, ValueError, OSError) as err:
-            raise EngineArgsError(field, spec, f"the draft model: {getattr(err, 'reason', err)}") from None
-        target = ModelConfig.from_hf(load_config_dict(self.model)[1])
-        if draft_config.vocab_size != target.vocab_size:
-            raise EngineArgsError(
-                field,
-                spec,
-                f"the draft model's vocabulary ({draft_config.vocab_size}) must be the "
-                f"target's ({target.vocab_size}): it proposes the target's token ids",
-            )
-        try:
-            draft_config.check_max_model_len(self.max_model_len or target.max_context_len)
-        except ValueError as err:
-            raise EngineArgsError(
-                field, spec, f"the draft model: {err}; lower `max_model_len` or use a draft with the target's context"
-            ) from None
         if self.kv_offloading_size is not None:
             raise EngineArgsError(
                 field, spec, "a draft model does not work with the host tier yet; leave `kv_offloading_size` unset"
@@ -356,59 +317,7 @@ class EngineArgs:
         if self.nnodes > 1:
             raise EngineArgsError(field, spec, "a draft model does not work across several processes yet (`nnodes`)")
 
-    def _check_tensor_parallel(self) -> None:
-        config = ModelConfig.from_hf(load_config_dict(self.model)[1])
-        try:
-            TensorParallelLayout(config, self.tensor_parallel_size)
-        except TensorParallelError as err:
-            reason = str(err).removeprefix(f"tensor_parallel_size={self.tensor_parallel_size} ")
-            raise EngineArgsError("tensor_parallel_size", self.tensor_parallel_size, reason) from None
-
-    def _check_tokenizer(self) -> None:
-        field, directory = ("tokenizer", self.tokenizer) if self.tokenizer else ("model", self.model)
-        if not os.path.isdir(directory) or not has_tokenizer(directory):
-            raise EngineArgsError(
-                field,
-                directory,
-                f"has no tokenizer files ({', '.join(TOKENIZER_FILES)}); point "
-                "`tokenizer` at a directory with them, or set `skip_tokenizer_init` to run on "
-                "token ids",
-            )
-
     def _check_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise EngineArgsError(name, value, f"must be an integer of at least {minimum}")
-
-    def _check_model(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise EngineArgsError("model", self.model, "give a model directory")
-        dummy = "use `load_format` dummy for random weights of its shapes"
-        if os.path.isdir(self.model):
-            if not os.path.isfile(os.path.join(self.model, CONFIG_FILE)):
-                raise EngineArgsError(
-                    "model",
-                    self.model,
-                    f"the directory has no {CONFIG_FILE}; give a Hugging Face or jaxpaged-convert model directory",
-                )
-            if self.load_format == "auto" and not has_weights(self.model):
-                raise EngineArgsError(
-                    "model", self.model, f"the directory has no weights ({', '.join(WEIGHT_FILES)}); {dummy}"
-                )
-            return
-        if get_preset(self.model) is not None:
-            if self.load_format != "dummy":
-                raise EngineArgsError(
-                    "model",
-                    self.model,
-                    "is a preset: a configuration without weights (nothing "
-                    f"is downloaded); {dummy}, or give a model directory",
-                )
-            return
-        raise EngineArgsError(
-            "model",
-            self.model,
-            "is not a directory (nothing is downloaded); give a Hugging Face "
-            f"or jaxpaged-convert model directory, or a preset ({', '.join(PRESETS)}) with "
-            "`load_format` dummy",
-        )

@@ -157,5 +157,5 @@ def draft_engine_config(config: EngineConfig, layout) -> EngineConfig:
     spec = config.args.speculative_config
     args = dataclasses.replace(config.args, num_scheduler_steps=spec.num_speculative_tokens, speculative_config=None)
     return dataclasses.replace(
-        config, args=args, model=layout.config, layout=layout, num_host_blocks=0, quantization=None
+        config, args=args, model=layout.config, layout=layout, num_host_blocks=0, quantization=None, draft=None
     )

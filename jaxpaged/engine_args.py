@@ -9,7 +9,9 @@ new option is declared here once. No JAX here: arguments are checked before anyt
 import dataclasses
 import os
 
+from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
+from jaxpaged.config.defaults import MAX_COMPILE_THREADS
 from jaxpaged.config.presets import PRESETS
 from jaxpaged.config.quantization import (
     KV_CACHE_DTYPES,
@@ -20,7 +22,6 @@ from jaxpaged.core.scheduler import PREEMPTION_MODES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-MAX_COMPILE_THREADS = 8
 
 
 class EngineArgsError(ValueError):
@@ -78,9 +79,9 @@ class EngineArgs:
     tokenizer: str | None = _option(
         None, "tokenizer directory (default: the model directory)", metavar="DIR", per_process=True
     )
-    dtype: str = _option("auto", "weights and activations dtype; auto is the checkpoint's", choices=DTYPES)
+    dtype: str = _option(defaults.DTYPE, "weights and activations dtype; auto is the checkpoint's", choices=DTYPES)
     kv_cache_dtype: str = _option(
-        "auto",
+        defaults.KV_CACHE_DTYPE,
         "KV cache dtype: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per element "
         "(twice the tokens of bfloat16), quantized with a scale per layer and kv head: a compressed-tensors checkpoint's "
         "k_scale/v_scale, else 1",
@@ -95,7 +96,9 @@ class EngineArgs:
     )
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
     gpu_memory_utilization: float = _option(
-        0.9, "fraction of GPU memory for weights, activations and the KV cache", per_process=True
+        defaults.GPU_MEMORY_UTILIZATION,
+        "fraction of GPU memory for weights, activations and the KV cache",
+        per_process=True,
     )
     kv_cache_memory_bytes: int | None = _option(
         None,
@@ -104,12 +107,12 @@ class EngineArgs:
         metavar="BYTES",
         per_process=True,
     )
-    block_size: int = _option(16, "tokens per KV cache block (a power of two)")
-    max_num_seqs: int = _option(256, "most sequences running at once")
+    block_size: int = _option(defaults.BLOCK_SIZE, "tokens per KV cache block (a power of two)")
+    max_num_seqs: int = _option(defaults.MAX_NUM_SEQS, "most sequences running at once")
     max_num_batched_tokens: int | None = _option(
-        None, "most tokens computed per step (default: max(2048, max_num_seqs))"
+        None, f"most tokens computed per step (default: max({defaults.MIN_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))"
     )
-    enable_prefix_caching: bool = _option(True, "reuse the KV cache of equal prompt prefixes")
+    enable_prefix_caching: bool = _option(defaults.ENABLE_PREFIX_CACHING, "reuse the KV cache of equal prompt prefixes")
     kv_offloading_size: float | None = _option(
         None,
         "GiB of host memory for a host tier of the KV cache: blocks evicted from the device prefix cache "
@@ -146,7 +149,8 @@ class EngineArgs:
         "auto", "auto reads the weights; dummy makes random weights of the model's shapes", choices=LOAD_FORMATS
     )
     tensor_parallel_size: int = _option(
-        1, "devices to split the model over (Megatron tensor parallelism); must divide the attention heads"
+        defaults.TENSOR_PARALLEL_SIZE,
+        "devices to split the model over (Megatron tensor parallelism); must divide the attention heads",
     )
     nnodes: int = _option(1, "processes (machines) the engine spans; each runs jaxpaged serve with its own --node-rank")
     node_rank: int = _option(
@@ -172,13 +176,13 @@ class EngineArgs:
         per_process=True,
     )
     attention_backend: str = _option(
-        "auto",
+        defaults.ATTENTION_BACKEND,
         "auto is the Pallas kernels on a GPU and the jnp reference elsewhere; pallas on a CPU "
         "interprets the kernels (slow)",
         choices=ATTENTION_BACKENDS,
     )
     scan_layers: bool = _option(
-        False,
+        defaults.SCAN_LAYERS,
         "compile the decoder layers as one loop body over stacked weights: programs compile several times "
         "faster, but every step copies each layer's weights out of the stack before its matmuls (XLA does on a CPU "
         "and, with its Triton GEMMs, on an H100), so decoding is slower; default: the layers unrolled over "
@@ -201,7 +205,7 @@ class EngineArgs:
         metavar="JSON",
     )
     num_scheduler_steps: int = _option(
-        4,
+        defaults.NUM_SCHEDULER_STEPS,
         "decode steps fused into one device program when every sequence decodes and none waits (and none "
         "filters with top-k/top-p or asks for top logprobs); 1: none",
     )
@@ -262,7 +266,7 @@ class EngineArgs:
                 "compilation_cache_dir", self.compilation_cache_dir, "must be a directory, 'auto' or 'none'"
             )
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(2048, self.max_num_seqs)
+            self.max_num_batched_tokens = defaults.max_num_batched_tokens(self.max_num_seqs)
         if self.compile_threads is None:
             self.compile_threads = max(1, min((os.cpu_count() or 1) // 2, MAX_COMPILE_THREADS))
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -15,6 +15,7 @@ import os
 import sys
 
 from jaxpaged.checkpoint.format import has_tokenizer
+from jaxpaged.config import defaults
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
 from jaxpaged.sampling_params import SamplingParams
@@ -26,8 +27,6 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 LINE_OPTIONS = tuple(
     f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("n", "logprobs", "output_kind")
 )
-MAX_NUM_SEQS = 256
-MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
@@ -154,11 +153,12 @@ def size_to_job(
         )
     sizes = {"max_model_len": given or lengths[longest]}
     if args.max_num_seqs is None:
-        sizes["max_num_seqs"] = min(MAX_NUM_SEQS, len(prompts), args.max_num_batched_tokens or MAX_NUM_SEQS)
+        most = defaults.MAX_NUM_SEQS
+        sizes["max_num_seqs"] = min(most, len(prompts), args.max_num_batched_tokens or most)
     if args.max_num_batched_tokens is None:
         seqs = sizes.get("max_num_seqs", args.max_num_seqs)
         total = sum(len(p["prompt_token_ids"]) for p in prompts)
-        sizes["max_num_batched_tokens"] = min(MAX_NUM_BATCHED_TOKENS, max(total, seqs))
+        sizes["max_num_batched_tokens"] = min(defaults.max_num_batched_tokens(seqs), max(total, seqs))
     return sizes
 
 

@@ -8,7 +8,7 @@ attends over everything the pool holds for each sequence (write-then-attend). Th
 in and goes out as a value: under `jit` with the pool donated the update is in place.
 
 The layers are one stacked module (every parameter has a leading layer axis L). The engine runs
-them unrolled (`scan_layers=False`, its default) over per-layer arrays (`LayerArrays`, split from
+them unrolled (`scan_layers=False`, the default: `jaxpaged.config.defaults`) over per-layer arrays (`LayerArrays`, split from
 the stacked ones once, outside the step), the layer body traced once and called per layer, so
 every matmul reads its weight where it lies. `scan_layers=True` runs them as a `lax.scan` over
 the stacked arrays: XLA compiles one layer body instead of L (programs compile several times
@@ -33,6 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
+from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model.kv_pool import KVPool, KVQuant
@@ -302,7 +303,7 @@ class Llama(nnx.Module):
         rngs: nnx.Rngs,
         attention: str = "auto",
         parallel: TensorParallel | None = None,
-        scan_layers: bool = True,
+        scan_layers: bool = defaults.SCAN_LAYERS,
         quantization: str | None = None,
     ):
         self.config = config

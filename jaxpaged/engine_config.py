@@ -121,8 +121,14 @@ class EngineConfig:
         """`preemption_mode`, resolved: swap when there is a host tier, unless told otherwise."""
         return self.args.preemption_mode or ("swap" if self.num_host_blocks else "recompute")
 
+    @property
+    def speculative(self):
+        """The speculative decoding options (`SpeculativeConfig`), or None."""
+        return self.args.speculative_config
+
     def scheduler_config(self) -> SchedulerConfig:
-        """What the scheduler needs (after planning)."""
+        """What the scheduler needs (after planning), and so the runner: its buckets come from
+        these limits and it fuses `num_scheduler_steps` decode steps."""
         a = self.args
         return SchedulerConfig(
             max_num_seqs=a.max_num_seqs,

@@ -50,7 +50,7 @@ class DraftRunner(ModelRunner):
 
     def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig):
         super().__init__(model, parallel=parallel, config=config, fused_options=PROPOSE_OPTIONS)
-        self.num_proposals = config.args.num_scheduler_steps
+        self.num_proposals = config.scheduler_config().num_scheduler_steps
         self._held: dict[int, int] = {}  # seq_id -> leading tokens whose K/V its pool holds
 
     def programs(self) -> list[Program | SamplerProgram]:

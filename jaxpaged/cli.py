@@ -17,6 +17,7 @@ import os
 import sys
 
 from jaxpaged.bench.cli import add_bench_parser
+from jaxpaged.config import defaults
 from jaxpaged.config.quantization import QUANTIZATION_METHODS
 from jaxpaged.entrypoints import cli_generate
 from jaxpaged.entrypoints.cli_flags import BYTES_WITH_UNIT, HelpFormatter, add_engine_flags, describe_error
@@ -74,12 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory of one GPU with its unit, e.g. 80GiB or 141GB",
     )
     plan.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's limit)")
-    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
-    plan.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
-    plan.add_argument("--dtype", default="auto", help="weight dtype: auto (the config's), bfloat16, float16, float32")
+    plan.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=defaults.GPU_MEMORY_UTILIZATION,
+        help="fraction of GPU memory to use",
+    )
+    plan.add_argument(
+        "--tensor-parallel-size", type=int, default=defaults.TENSOR_PARALLEL_SIZE, help="GPUs the model is split over"
+    )
+    plan.add_argument(
+        "--dtype", default=defaults.DTYPE, help="weight dtype: auto (the config's), bfloat16, float16, float32"
+    )
     plan.add_argument(
         "--kv-cache-dtype",
-        default="auto",
+        default=defaults.KV_CACHE_DTYPE,
         choices=PLAN_KV_CACHE_DTYPES,
         help="KV cache dtype (auto: the weights'; fp8 = fp8_e4m3 and fp8_e5m2: 1 byte per element)",
     )
@@ -89,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QUANTIZATION_METHODS,
         help="weight quantization (1 byte per quantized weight, plus a float32 scale per output channel)",
     )
-    plan.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    plan.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV cache block")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(run=_plan)
 

@@ -9,23 +9,19 @@ new option is declared here once. No JAX here: arguments are checked before anyt
 import dataclasses
 import os
 
-from jaxpaged.checkpoint.format import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
+from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
-from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.presets import PRESETS, get_preset, load_config_dict
+from jaxpaged.config.defaults import MAX_COMPILE_THREADS
+from jaxpaged.config.presets import PRESETS
 from jaxpaged.config.quantization import (
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
-    CheckpointQuantizationError,
-    resolve_quantization,
 )
 from jaxpaged.config.speculative import SpeculativeConfig, SpeculativeConfigError
 from jaxpaged.core.scheduler import PREEMPTION_MODES
-from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-MAX_COMPILE_THREADS = 8
 
 
 class EngineArgsError(ValueError):
@@ -83,9 +79,9 @@ class EngineArgs:
     tokenizer: str | None = _option(
         None, "tokenizer directory (default: the model directory)", metavar="DIR", per_process=True
     )
-    dtype: str = _option("auto", "weights and activations dtype; auto is the checkpoint's", choices=DTYPES)
+    dtype: str = _option(defaults.DTYPE, "weights and activations dtype; auto is the checkpoint's", choices=DTYPES)
     kv_cache_dtype: str = _option(
-        "auto",
+        defaults.KV_CACHE_DTYPE,
         "KV cache dtype: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per element "
         "(twice the tokens of bfloat16), quantized with a scale per layer and kv head: a compressed-tensors checkpoint's "
         "k_scale/v_scale, else 1",
@@ -100,7 +96,9 @@ class EngineArgs:
     )
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
     gpu_memory_utilization: float = _option(
-        0.9, "fraction of GPU memory for weights, activations and the KV cache", per_process=True
+        defaults.GPU_MEMORY_UTILIZATION,
+        "fraction of GPU memory for weights, activations and the KV cache",
+        per_process=True,
     )
     kv_cache_memory_bytes: int | None = _option(
         None,
@@ -109,12 +107,12 @@ class EngineArgs:
         metavar="BYTES",
         per_process=True,
     )
-    block_size: int = _option(16, "tokens per KV cache block (a power of two)")
-    max_num_seqs: int = _option(256, "most sequences running at once")
+    block_size: int = _option(defaults.BLOCK_SIZE, "tokens per KV cache block (a power of two)")
+    max_num_seqs: int = _option(defaults.MAX_NUM_SEQS, "most sequences running at once")
     max_num_batched_tokens: int | None = _option(
-        None, "most tokens computed per step (default: max(2048, max_num_seqs))"
+        None, f"most tokens computed per step (default: max({defaults.MIN_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))"
     )
-    enable_prefix_caching: bool = _option(True, "reuse the KV cache of equal prompt prefixes")
+    enable_prefix_caching: bool = _option(defaults.ENABLE_PREFIX_CACHING, "reuse the KV cache of equal prompt prefixes")
     kv_offloading_size: float | None = _option(
         None,
         "GiB of host memory for a host tier of the KV cache: blocks evicted from the device prefix cache "
@@ -151,7 +149,8 @@ class EngineArgs:
         "auto", "auto reads the weights; dummy makes random weights of the model's shapes", choices=LOAD_FORMATS
     )
     tensor_parallel_size: int = _option(
-        1, "devices to split the model over (Megatron tensor parallelism); must divide the attention heads"
+        defaults.TENSOR_PARALLEL_SIZE,
+        "devices to split the model over (Megatron tensor parallelism); must divide the attention heads",
     )
     nnodes: int = _option(1, "processes (machines) the engine spans; each runs jaxpaged serve with its own --node-rank")
     node_rank: int = _option(
@@ -177,13 +176,13 @@ class EngineArgs:
         per_process=True,
     )
     attention_backend: str = _option(
-        "auto",
+        defaults.ATTENTION_BACKEND,
         "auto is the Pallas kernels on a GPU and the jnp reference elsewhere; pallas on a CPU "
         "interprets the kernels (slow)",
         choices=ATTENTION_BACKENDS,
     )
     scan_layers: bool = _option(
-        False,
+        defaults.SCAN_LAYERS,
         "compile the decoder layers as one loop body over stacked weights: programs compile several times "
         "faster, but every step copies each layer's weights out of the stack before its matmuls (XLA does on a CPU "
         "and, with its Triton GEMMs, on an H100), so decoding is slower; default: the layers unrolled over "
@@ -206,7 +205,7 @@ class EngineArgs:
         metavar="JSON",
     )
     num_scheduler_steps: int = _option(
-        4,
+        defaults.NUM_SCHEDULER_STEPS,
         "decode steps fused into one device program when every sequence decodes and none waits (and none "
         "filters with top-k/top-p or asks for top logprobs); 1: none",
     )
@@ -221,7 +220,10 @@ class EngineArgs:
     )
 
     def __post_init__(self):
-        self._check_model()
+        """Checks every option's type and range, and the options against each other; reads no
+        file (`EngineConfig.resolve` checks the model directory and reads its configuration)."""
+        if not isinstance(self.model, str) or not self.model:
+            raise EngineArgsError("model", self.model, "give a model directory")
         for name, allowed in (
             ("dtype", DTYPES),
             ("load_format", LOAD_FORMATS),
@@ -245,14 +247,16 @@ class EngineArgs:
             if self.seed >= MAX_SEED:
                 raise EngineArgsError("seed", self.seed, f"must be below 2**62 ({MAX_SEED})")
         self._check_offloading()
-        self._check_quantization()
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise EngineArgsError(
+                "quantization", self.quantization, f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset)"
+            )
         try:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except SpeculativeConfigError as err:
             raise EngineArgsError("speculative_config", self.speculative_config, str(err)) from None
         if self.speculative_config is not None and self.speculative_config.model is not None:
             self._check_draft_model()
-        self._check_tensor_parallel()
         check_block_size(self.block_size)
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
@@ -262,7 +266,7 @@ class EngineArgs:
                 "compilation_cache_dir", self.compilation_cache_dir, "must be a directory, 'auto' or 'none'"
             )
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(2048, self.max_num_seqs)
+            self.max_num_batched_tokens = defaults.max_num_batched_tokens(self.max_num_seqs)
         if self.compile_threads is None:
             self.compile_threads = max(1, min((os.cpu_count() or 1) // 2, MAX_COMPILE_THREADS))
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -271,9 +275,6 @@ class EngineArgs:
                 self.max_num_batched_tokens,
                 f"must be at least max_num_seqs ({self.max_num_seqs})",
             )
-
-        if not self.skip_tokenizer_init:
-            self._check_tokenizer()
 
     def _check_offloading(self) -> None:
         size = self.kv_offloading_size
@@ -300,8 +301,6 @@ class EngineArgs:
                     self.kv_cache_dir,
                     "keeps prefix-cache blocks: it does nothing with `enable_prefix_caching` off",
                 )
-            if os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir):
-                raise EngineArgsError("kv_cache_dir", self.kv_cache_dir, "exists and is not a directory")
         disk = self.kv_cache_dir_size
         if isinstance(disk, bool) or not isinstance(disk, (int, float)) or not 0 < disk < 2**30:
             raise EngineArgsError("kv_cache_dir_size", disk, "must be a positive number of GiB")
@@ -312,43 +311,9 @@ class EngineArgs:
                 "is not supported across several processes yet (`nnodes` > 1); leave it unset",
             )
 
-    def _check_quantization(self) -> None:
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise EngineArgsError(
-                "quantization", self.quantization, f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset)"
-            )
-        try:
-            resolve_quantization(self.quantization, load_config_dict(self.model)[1])
-        except CheckpointQuantizationError as err:
-            raise EngineArgsError("model", self.model, str(err)) from None
-        except ValueError as err:
-            raise EngineArgsError("quantization", self.quantization, str(err).split(": ", 1)[1]) from None
-
     def _check_draft_model(self) -> None:
-        """A draft model: readable like the target, the target's vocabulary, split over the same
-        devices; not with the host tier (its blocks would need the draft's K/V too) or several
-        processes."""
+        """What a draft model cannot be combined with (its files: `EngineConfig.resolve`)."""
         spec, field = self.speculative_config, "speculative_config"
-        draft = spec.model
-        try:
-            dataclasses.replace(self, model=draft, speculative_config=None, tokenizer=self.tokenizer or self.model)
-            draft_config = ModelConfig.from_hf(load_config_dict(draft)[1])
-        except (EngineArgsError, ValueError, OSError) as err:
-            raise EngineArgsError(field, spec, f"the draft model: {getattr(err, 'reason', err)}") from None
-        target = ModelConfig.from_hf(load_config_dict(self.model)[1])
-        if draft_config.vocab_size != target.vocab_size:
-            raise EngineArgsError(
-                field,
-                spec,
-                f"the draft model's vocabulary ({draft_config.vocab_size}) must be the "
-                f"target's ({target.vocab_size}): it proposes the target's token ids",
-            )
-        try:
-            draft_config.check_max_model_len(self.max_model_len or target.max_context_len)
-        except ValueError as err:
-            raise EngineArgsError(
-                field, spec, f"the draft model: {err}; lower `max_model_len` or use a draft with the target's context"
-            ) from None
         if self.kv_offloading_size is not None:
             raise EngineArgsError(
                 field, spec, "a draft model does not work with the host tier yet; leave `kv_offloading_size` unset"
@@ -356,59 +321,7 @@ class EngineArgs:
         if self.nnodes > 1:
             raise EngineArgsError(field, spec, "a draft model does not work across several processes yet (`nnodes`)")
 
-    def _check_tensor_parallel(self) -> None:
-        config = ModelConfig.from_hf(load_config_dict(self.model)[1])
-        try:
-            TensorParallelLayout(config, self.tensor_parallel_size)
-        except TensorParallelError as err:
-            reason = str(err).removeprefix(f"tensor_parallel_size={self.tensor_parallel_size} ")
-            raise EngineArgsError("tensor_parallel_size", self.tensor_parallel_size, reason) from None
-
-    def _check_tokenizer(self) -> None:
-        field, directory = ("tokenizer", self.tokenizer) if self.tokenizer else ("model", self.model)
-        if not os.path.isdir(directory) or not has_tokenizer(directory):
-            raise EngineArgsError(
-                field,
-                directory,
-                f"has no tokenizer files ({', '.join(TOKENIZER_FILES)}); point "
-                "`tokenizer` at a directory with them, or set `skip_tokenizer_init` to run on "
-                "token ids",
-            )
-
     def _check_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise EngineArgsError(name, value, f"must be an integer of at least {minimum}")
-
-    def _check_model(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise EngineArgsError("model", self.model, "give a model directory")
-        dummy = "use `load_format` dummy for random weights of its shapes"
-        if os.path.isdir(self.model):
-            if not os.path.isfile(os.path.join(self.model, CONFIG_FILE)):
-                raise EngineArgsError(
-                    "model",
-                    self.model,
-                    f"the directory has no {CONFIG_FILE}; give a Hugging Face or jaxpaged-convert model directory",
-                )
-            if self.load_format == "auto" and not has_weights(self.model):
-                raise EngineArgsError(
-                    "model", self.model, f"the directory has no weights ({', '.join(WEIGHT_FILES)}); {dummy}"
-                )
-            return
-        if get_preset(self.model) is not None:
-            if self.load_format != "dummy":
-                raise EngineArgsError(
-                    "model",
-                    self.model,
-                    "is a preset: a configuration without weights (nothing "
-                    f"is downloaded); {dummy}, or give a model directory",
-                )
-            return
-        raise EngineArgsError(
-            "model",
-            self.model,
-            "is not a directory (nothing is downloaded); give a Hugging Face "
-            f"or jaxpaged-convert model directory, or a preset ({', '.join(PRESETS)}) with "
-            "`load_format` dummy",
-        )

@@ -28,6 +28,7 @@ from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.quantization import CheckpointQuantizationError
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.entrypoints.convert_cli import main as convert_main
 from jaxpaged.parallel.mesh import TensorParallel, param_path
 from jaxpaged.sampling_params import SamplingParams
@@ -207,10 +208,10 @@ def test_engine_starts_as_fp8_and_refuses_int8(dirs):
     [out] = llm.generate([{"prompt_token_ids": PROMPT[:12]}], greedy, use_tqdm=False)
     _, model = load_model(path, "float32")
     assert out.outputs[0].token_ids == PagedGenerator(model).generate([PROMPT[:12]], 10)[0]
-    assert EngineArgs(model=path, quantization="fp8").quantization == "fp8"  # the same method: fine
+    assert EngineConfig.resolve(EngineArgs(model=path, quantization="fp8")).quantization == "fp8"  # the same: fine
 
     with pytest.raises(EngineArgsError, match=r"quantization='int8'.*'fp8'") as exc:
-        EngineArgs(model=path, quantization="int8")
+        EngineConfig.resolve(EngineArgs(model=path, quantization="int8"))
     assert exc.value.field == "quantization"
     with pytest.raises(ValueError, match=r"'int8'.*'fp8'"):
         load_model(path, "float32", quantization="int8")
@@ -320,14 +321,14 @@ def test_convert_keeps_fp8(dirs, tmp_path, dtype):
 
 
 def test_other_quantization_methods_are_refused(dirs, tmp_path):
-    """(f) A GPTQ checkpoint (or any quant_method but compressed-tensors FP8) is refused at
-    argument time, naming the field and its value."""
+    """(f) A GPTQ checkpoint (or any quant_method but compressed-tensors FP8) is refused when the
+    configuration is resolved, naming the field and its value."""
     path = copy_checkpoint(dirs["channel"][0], tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineArgsError, match=r"quantization_config\.quant_method='gptq' is not supported") as exc:
-        EngineArgs(model=str(path))
+        EngineConfig.resolve(EngineArgs(model=str(path)))
     assert exc.value.field == "model"
     with pytest.raises(CheckpointQuantizationError, match="quant_method='gptq'"):
         load_params(path)
@@ -338,7 +339,7 @@ def test_other_quantization_methods_are_refused(dirs, tmp_path):
     config["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int")
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineArgsError, match=r"config_groups\.group_0\.weights"):
-        EngineArgs(model=str(path))
+        EngineConfig.resolve(EngineArgs(model=str(path)))
 
 
 @pytest.mark.isolated

@@ -181,6 +181,7 @@ def scheduler(num_host_blocks, mode, **kw):
         num_blocks=7,
         num_host_blocks=num_host_blocks,
         preemption_mode=mode,
+        num_scheduler_steps=1,
         **kw,
     )
     return Scheduler(cfg, eos_token_id=1)

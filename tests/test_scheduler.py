@@ -23,7 +23,9 @@ _ids = itertools.count()
 
 
 def make_sched(eos=EOS, **kw):
-    cfg = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_blocks=64)
+    cfg = dict(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_blocks=64, num_scheduler_steps=1
+    )
     cfg.update(kw)
     return Scheduler(SchedulerConfig(**cfg), eos_token_id=eos)
 
@@ -416,6 +418,7 @@ def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
         num_blocks=num_blocks,
         num_host_blocks=num_host_blocks,
         preemption_mode=mode,
+        num_scheduler_steps=1,
         **config,
     )
     sched, rng, pool, host, known = Scheduler(cfg, eos_token_id=EOS, proposer=proposer), random.Random(seed), {}, {}, {}

@@ -21,6 +21,7 @@ from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.speculation import NgramProposer
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 DEMO_MODEL = "jaxpaged/demo_model"
@@ -68,7 +69,7 @@ def test_ngram_proposals_follow_the_latest_longest_match():
 )
 def test_bad_speculative_configs_are_named(config, words):
     with pytest.raises(EngineArgsError, match=words) as err:
-        EngineArgs(model=DEMO_MODEL, speculative_config=config)
+        EngineConfig.resolve(EngineArgs(model=DEMO_MODEL, speculative_config=config))
     assert err.value.field == "speculative_config"
 
 
@@ -358,7 +359,9 @@ def draft_dir(tmp_path_factory, tiny_dir):
 def test_draft_model_refusals_name_the_field(tmp_path, tiny_dir):
     save_hf_model("qwen2_tp", str(tmp_path))  # a vocabulary of 500, the target's is 512
     with pytest.raises(EngineArgsError, match=r"vocabulary \(500\) must be the target's \(512\)"):
-        EngineArgs(model=tiny_dir, speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
+        EngineConfig.resolve(
+            EngineArgs(model=tiny_dir, speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
+        )
     with pytest.raises(EngineArgsError, match="does not work with the host tier yet"):
         EngineArgs(
             model=tiny_dir, kv_offloading_size=0.01, speculative_config={"model": tiny_dir, "num_speculative_tokens": 2}
@@ -368,8 +371,10 @@ def test_draft_model_refusals_name_the_field(tmp_path, tiny_dir):
     config = json.loads((short / "config.json").read_text())
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     with pytest.raises(EngineArgsError, match=r"the draft model: max_model_len=128 .*64"):
-        EngineArgs(
-            model=tiny_dir, max_model_len=128, speculative_config={"model": str(short), "num_speculative_tokens": 2}
+        EngineConfig.resolve(
+            EngineArgs(
+                model=tiny_dir, max_model_len=128, speculative_config={"model": str(short), "num_speculative_tokens": 2}
+            )
         )
 
 

@@ -239,9 +239,9 @@ def test_per_device_bytes_shrink_and_match_jaxpaged_plan(tmp_path):
 def test_sizes_that_do_not_split_are_named(tmp_path):
     save_hf_model("llama_tp", str(tmp_path))
     with pytest.raises(EngineArgsError, match="tensor_parallel_size=3: must divide num_attention_heads=8"):
-        EngineArgs(model=str(tmp_path), tensor_parallel_size=3, skip_tokenizer_init=True)
+        EngineConfig.resolve(EngineArgs(model=str(tmp_path), tensor_parallel_size=3, skip_tokenizer_init=True))
     with pytest.raises(EngineArgsError, match="tensor_parallel_size=16: must divide num_attention_heads=8"):
-        EngineArgs(model=str(tmp_path), tensor_parallel_size=16, skip_tokenizer_init=True)
+        EngineConfig.resolve(EngineArgs(model=str(tmp_path), tensor_parallel_size=16, skip_tokenizer_init=True))
     with pytest.raises(TensorParallelError, match="tensor_parallel_size=16 needs as many devices, but JAX sees 8"):
         make_mesh(16)
 

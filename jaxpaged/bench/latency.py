@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxpaged.checkpoint.format import has_tokenizer
 from jaxpaged.config.presets import load_config_dict
-from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
 from jaxpaged.entrypoints.cli_generate import size_to_job
 from jaxpaged.sampling_params import SamplingParams
 
@@ -58,9 +58,11 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
     skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
-    engine_args(args, skip_tokenizer_init=skip, **placeholder)  # every engine flag checked before anything slow
-    sizes = size_to_job(args, model, prompts, [params] * len(prompts))
-    engine = engine_args(args, **sizes, skip_tokenizer_init=skip)
+    checked = engine_config(
+        args, skip_tokenizer_init=skip, **placeholder
+    )  # every engine flag checked before anything slow
+    sizes = size_to_job(args, checked.model, prompts, [params] * len(prompts))
+    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=checked.args.seed)
 
     from jaxpaged.entrypoints.llm import LLM  # JAX is imported from here on
 

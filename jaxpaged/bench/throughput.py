@@ -24,9 +24,8 @@ import time
 
 from jaxpaged.bench import datasets
 from jaxpaged.checkpoint.format import has_tokenizer
-from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
-from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
 from jaxpaged.entrypoints.cli_generate import size_to_job
 from jaxpaged.sampling_params import SamplingParams
 
@@ -62,17 +61,19 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or DEMO_MODEL_DIR
     skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
-    engine_args(args, skip_tokenizer_init=skip, **placeholder)  # every engine flag checked before anything slow
+    checked = engine_config(
+        args, skip_tokenizer_init=skip, **placeholder
+    )  # every engine flag checked before anything slow
     _, config = load_config_dict(model)
-    context = args.max_model_len or ModelConfig.from_hf(config).max_context_len
+    context = checked.max_model_len
     tokenizer = _dataset_tokenizer(args, model, skip)
     requests = datasets.get_requests(
         args, tokenizer=tokenizer, vocab_size=config["vocab_size"], max_model_len=context, seed=args.seed
     )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    sizes = size_to_job(args, model, prompts, params)
-    engine = engine_args(args, **sizes, skip_tokenizer_init=skip)
+    sizes = size_to_job(args, checked.model, prompts, params)
+    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=checked.args.seed)
     theirs, their_error = None, None
     if args.compare_transformers:
         try:

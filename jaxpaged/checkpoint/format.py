@@ -8,7 +8,6 @@ marker (written last, so an interrupted conversion is never loadable). No JAX he
 
 import os
 
-CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 FORMAT_FILE = "jaxpaged_format.json"

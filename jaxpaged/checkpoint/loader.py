@@ -50,6 +50,7 @@ from jaxpaged.checkpoint.hf_keys import (
     quantizable,
 )
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
+from jaxpaged.config import defaults
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import checkpoint_quantization, resolve_quantization
@@ -262,7 +263,7 @@ def load_model(
     dtype: Any = "auto",
     attention: str = "auto",
     parallel: TensorParallel | None = None,
-    scan_layers: bool = True,
+    scan_layers: bool = defaults.SCAN_LAYERS,
     quantization: str | None = None,
 ) -> tuple[ModelConfig, Llama]:
     """Loads a checkpoint into an NNX `Llama` without random-initialising it first.

@@ -6,9 +6,10 @@ transformers, naming the field, its value and what would fix it.
 """
 
 import dataclasses
-import json
 import os
 from typing import Any
+
+from jaxpaged.config.presets import read_config_json
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -167,8 +168,7 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "ModelConfig":
         """Reads `config.json` from a model directory (HF or converted)."""
-        with open(os.path.join(model_dir, "config.json")) as f:
-            return cls.from_hf(json.load(f))
+        return cls.from_hf(read_config_json(model_dir))
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:

@@ -9,6 +9,8 @@ import copy
 import json
 import os
 
+CONFIG_FILE = "config.json"
+
 _LLAMA31_ROPE = {
     "factor": 8.0,
     "low_freq_factor": 1.0,
@@ -128,8 +130,13 @@ def load_config_dict(model: str) -> tuple[str, dict]:
     preset = get_preset(model)
     if preset is not None and not os.path.isdir(model):
         return f"{model.lower()} (preset)", preset
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(model, CONFIG_FILE)):
         raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json")
-    with open(path) as f:
-        return model, json.load(f)
+    return model, read_config_json(model)
+
+
+def read_config_json(directory: str | os.PathLike) -> dict:
+    """The parsed `config.json` of a model directory: the one place jaxpaged opens it (the engine
+    reads it once per start-up, in `EngineConfig.resolve`)."""
+    with open(os.path.join(directory, CONFIG_FILE)) as f:
+        return json.load(f)

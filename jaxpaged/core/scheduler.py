@@ -35,6 +35,7 @@ import itertools
 import time
 from collections import deque
 
+from jaxpaged.config import defaults
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier, KVTransfers
@@ -52,8 +53,7 @@ class SchedulerConfig:
 
     Attributes:
       max_num_seqs: most sequences running at once (and so per step).
-      max_num_batched_tokens: most tokens computed per step (prefill chunks plus decodes);
-        the engine picks the default.
+      max_num_batched_tokens: most tokens computed per step (prefill chunks plus decodes).
       max_model_len: longest sequence, prompt plus output.
       block_size: token slots per KV block.
       num_blocks: KV blocks in the pool, including the reserved null block 0.
@@ -65,15 +65,15 @@ class SchedulerConfig:
         decodes and nobody waits (1: no fusing).
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = defaults.max_num_batched_tokens(defaults.MAX_NUM_SEQS)
     max_model_len: int
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     num_blocks: int
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = defaults.ENABLE_PREFIX_CACHING
     num_host_blocks: int = 0
     preemption_mode: str = "recompute"
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int = defaults.NUM_SCHEDULER_STEPS
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_scheduler_steps"):

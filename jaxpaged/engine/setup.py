@@ -15,7 +15,6 @@ from jaxpaged.checkpoint.format import TOKENIZER_FILES
 from jaxpaged.checkpoint.kv_scales import checkpoint_kv_scales
 from jaxpaged.checkpoint.loader import load_model, resolve_dtype
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
-from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import is_fp8
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.engine_args import EngineArgs, EngineArgsError, default_compilation_cache_dir
@@ -153,16 +152,21 @@ def build_draft_model(
 ) -> tuple[Llama | None, TensorParallel | None]:
     """The draft model of speculative decoding (None without one), loaded like the target (or
     dummy weights with `load_format` dummy) onto the same devices, split by its own layout."""
-    spec = config.args.speculative_config
-    if spec is None or spec.model is None:
+    draft = config.draft
+    if draft is None:
         return None, None
-    draft_config = ModelConfig.from_hf(load_config_dict(spec.model)[1])
-    draft_parallel = TensorParallel(TensorParallelLayout(draft_config, config.layout.size), parallel.mesh)
+    draft_parallel = TensorParallel(TensorParallelLayout(draft.model, config.layout.size), parallel.mesh)
     args = dataclasses.replace(
-        config.args, model=spec.model, speculative_config=None, tokenizer=config.args.tokenizer or config.args.model
+        config.args, model=draft.path, speculative_config=None, tokenizer=config.args.tokenizer or config.args.model
     )
     draft_engine = dataclasses.replace(
-        config, args=args, model=draft_config, layout=draft_parallel.layout, quantization=None
+        config,
+        args=args,
+        model=draft.model,
+        layout=draft_parallel.layout,
+        quantization=None,
+        checkpoint_dtype=draft.checkpoint_dtype,
+        draft=None,
     )
     return build_model(draft_engine, draft_parallel, abstract), draft_parallel
 
@@ -293,7 +297,7 @@ def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool =
     `abstract`: the model's shapes only (`nnx.eval_shape`)."""
     args, model_config = config.args, config.model
     if abstract:
-        dtype = model_dtype(args)
+        dtype = model_dtype(config)
         return nnx.eval_shape(
             lambda: Llama(
                 parallel.layout.mesh_config,
@@ -306,7 +310,7 @@ def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool =
             )
         )
     if args.load_format == "dummy":
-        model = _dummy_model(model_config, model_dtype(args), args, parallel, config.quantization)
+        model = _dummy_model(model_config, model_dtype(config), args, parallel, config.quantization)
     else:
         _, model = load_model(
             args.model,
@@ -328,10 +332,9 @@ def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool =
     return model
 
 
-def model_dtype(args: EngineArgs) -> jnp.dtype:
+def model_dtype(config: EngineConfig) -> jnp.dtype:
     """The model's dtype: `dtype`, or with "auto" the config's (float32 if it names none)."""
-    raw = load_config_dict(args.model)[1]
-    return jnp.dtype(resolve_dtype(args.dtype, raw.get("dtype") or raw.get("torch_dtype")))
+    return jnp.dtype(resolve_dtype(config.args.dtype, config.checkpoint_dtype))
 
 
 def _dummy_model(

@@ -10,6 +10,7 @@ import os
 import re
 
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_config import EngineConfig
 
 DEMO_MODEL_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model"
@@ -140,12 +141,19 @@ def _plain_type(annotation):
     return str
 
 
-def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
-    """`EngineArgs` from parsed engine flags (the demo model when no model was given)."""
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The engine's configuration from parsed engine flags (the demo model when no model was
+    given), resolved: every flag checked and the model's configuration read, without JAX."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
     values.update(overrides)
     values["model"] = values.get("model") or DEMO_MODEL_DIR
-    return EngineArgs(**values)
+    return EngineConfig.resolve(EngineArgs(**values))
+
+
+def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
+    """`EngineArgs` from parsed engine flags, checked as `engine_config` checks them (a "random"
+    seed drawn: the engine runs with the one logged here)."""
+    return engine_config(args, **overrides).args
 
 
 def describe_error(err: Exception, parser: argparse.ArgumentParser) -> str:

@@ -15,9 +15,9 @@ import os
 import sys
 
 from jaxpaged.checkpoint.format import has_tokenizer
+from jaxpaged.config import defaults
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.presets import load_config_dict
-from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpaged")
@@ -27,8 +27,6 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 LINE_OPTIONS = tuple(
     f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("n", "logprobs", "output_kind")
 )
-MAX_NUM_SEQS = 256
-MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +131,9 @@ def tokenize(items: list[dict], tokenizer) -> list[dict]:
     return prompts
 
 
-def size_to_job(args: argparse.Namespace, model: str, prompts: list[dict], params: list[SamplingParams]) -> dict:
+def size_to_job(
+    args: argparse.Namespace, model: ModelConfig, prompts: list[dict], params: list[SamplingParams]
+) -> dict:
     """Engine limits for this job where the flags leave them open: sequences and batched tokens
     from the workload, the context from the longest request (fewer, smaller step programs than a
     server's defaults). Every request must fit the model's limit.
@@ -142,8 +142,7 @@ def size_to_job(args: argparse.Namespace, model: str, prompts: list[dict], param
       ValueError: a request longer than --max-model-len or the model's context, naming it.
     """
     lengths = [len(p["prompt_token_ids"]) + sp.max_tokens for p, sp in zip(prompts, params)]
-    _, raw = load_config_dict(model)
-    limit = ModelConfig.from_hf(raw).max_context_len
+    limit = model.max_context_len
     given = args.max_model_len
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] > (given or limit):
@@ -154,11 +153,12 @@ def size_to_job(args: argparse.Namespace, model: str, prompts: list[dict], param
         )
     sizes = {"max_model_len": given or lengths[longest]}
     if args.max_num_seqs is None:
-        sizes["max_num_seqs"] = min(MAX_NUM_SEQS, len(prompts), args.max_num_batched_tokens or MAX_NUM_SEQS)
+        most = defaults.MAX_NUM_SEQS
+        sizes["max_num_seqs"] = min(most, len(prompts), args.max_num_batched_tokens or most)
     if args.max_num_batched_tokens is None:
         seqs = sizes.get("max_num_seqs", args.max_num_seqs)
         total = sum(len(p["prompt_token_ids"]) for p in prompts)
-        sizes["max_num_batched_tokens"] = min(MAX_NUM_BATCHED_TOKENS, max(total, seqs))
+        sizes["max_num_batched_tokens"] = min(defaults.max_num_batched_tokens(seqs), max(total, seqs))
     return sizes
 
 
@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or DEMO_MODEL_DIR
     skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
-    checked = engine_args(args, skip_tokenizer_init=skip, **placeholder)  # every flag checked before anything slow
+    resolved = engine_config(args, skip_tokenizer_init=skip, **placeholder)  # every flag checked before anything slow
+    checked = resolved.args
     logger.info("generate: %d prompt(s); model %s", len(items), checked.model)
     tokenizer = None
     if not skip:
@@ -178,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(checked.tokenizer or checked.model)
     prompts = tokenize(items, tokenizer)
-    sizes = size_to_job(args, checked.model, prompts, params)
-    engine = engine_args(args, **sizes, skip_tokenizer_init=skip)
+    sizes = size_to_job(args, resolved.model, prompts, params)
+    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=checked.seed)
 
     from jaxpaged.entrypoints.llm import LLM  # JAX is imported from here on
 

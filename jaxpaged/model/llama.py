@@ -8,12 +8,12 @@ attends over everything the pool holds for each sequence (write-then-attend). Th
 in and goes out as a value: under `jit` with the pool donated the update is in place.
 
 The layers are one module whose parameters exist once per layer: with `scan_layers=False` (the
-engine's default) as per-layer arrays (`LayerArrays`, from creation and load onward: never
-stacked), the layers unrolled, the layer body traced once and called per layer, so every matmul
-reads its weight where it lies. `scan_layers=True` stacks them (a leading layer axis L) and runs
-the layers as a `lax.scan` over the stacked arrays: XLA compiles one layer body instead of L (programs compile several times
-faster), but slices each layer's weights out of the stack every step, and those slices are
-copies (on a CPU, and on an H100 before its Triton GEMMs: tests/gpu_compile). The pool
+default: `jaxpaged.config.defaults`) as per-layer arrays (`LayerArrays`, from creation and load
+onward: never stacked), the layers unrolled, the layer body traced once and called per layer, so
+every matmul reads its weight where it lies. `scan_layers=True` stacks them (a leading layer axis
+L) and runs the layers as a `lax.scan` over the stacked arrays: XLA compiles one layer body
+instead of L (programs compile several times faster), but slices each layer's weights out of
+the stack every step, and those slices are copies (on a CPU, and on an H100 before its Triton GEMMs: tests/gpu_compile). The pool
 `[L * NB, BS, K, H]` is carried through the layers whole; layer l's blocks are `l * NB + block`
 (see kv_pool.py), so the kernels read and write one layer's blocks with offset block ids, and
 nothing slices a layer's pool out of it (no copy).
@@ -33,6 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
+from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model.kv_pool import KVPool, KVQuant
@@ -309,7 +310,7 @@ class Llama(nnx.Module):
         rngs: nnx.Rngs,
         attention: str = "auto",
         parallel: TensorParallel | None = None,
-        scan_layers: bool = True,
+        scan_layers: bool = defaults.SCAN_LAYERS,
         quantization: str | None = None,
     ):
         self.config = config

@@ -7,6 +7,7 @@ bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes
 
 import dataclasses
 
+from jaxpaged.config import defaults
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 
 GiB = 2**30
@@ -76,7 +77,7 @@ def plan_kv_cache(
     max_model_len: int,
     kv_cache_memory_bytes: int | None = None,
     device_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION,
     weight_bytes: int = 0,
     activation_bytes: int = 0,
     sized_from: str | None = None,

@@ -17,6 +17,7 @@ headroom in `gpu_memory_utilization`.
 import json
 import math
 
+from jaxpaged.config import defaults
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
@@ -67,12 +68,12 @@ def make_plan(
     *,
     gpu_memory: int,
     context: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    tensor_parallel_size: int = 1,
-    dtype: str = "auto",
-    kv_cache_dtype: str = "auto",
+    gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION,
+    tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE,
+    dtype: str = defaults.DTYPE,
+    kv_cache_dtype: str = defaults.KV_CACHE_DTYPE,
     quantization: str | None = None,
-    block_size: int = 16,
+    block_size: int = defaults.BLOCK_SIZE,
 ) -> dict:
     """The plan as a JSON-ready dict (bytes are per GPU unless the key says `_all_gpus`).
 

@@ -50,7 +50,7 @@ class DraftRunner(ModelRunner):
 
     def __init__(self, model: Llama, *, parallel: TensorParallel, config: EngineConfig):
         super().__init__(model, parallel=parallel, config=config, fused_options=PROPOSE_OPTIONS)
-        self.num_proposals = config.args.num_scheduler_steps
+        self.num_proposals = config.scheduler_config().num_scheduler_steps
         self._held: dict[int, int] = {}  # seq_id -> leading tokens whose K/V its pool holds
 
     def programs(self) -> list[Program | SamplerProgram]:
@@ -157,5 +157,5 @@ def draft_engine_config(config: EngineConfig, layout) -> EngineConfig:
     spec = config.args.speculative_config
     args = dataclasses.replace(config.args, num_scheduler_steps=spec.num_speculative_tokens, speculative_config=None)
     return dataclasses.replace(
-        config, args=args, model=layout.config, layout=layout, num_host_blocks=0, quantization=None
+        config, args=args, model=layout.config, layout=layout, num_host_blocks=0, quantization=None, draft=None
     )

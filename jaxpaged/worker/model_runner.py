@@ -107,12 +107,12 @@ class ModelRunner:
         eos_token_ids: frozenset[int] = frozenset(),
         fused_options: SamplerOptions = SamplerOptions(),
     ):
-        args = config.args
+        limits = config.scheduler_config()  # the scheduler's limits are the runner's
         self.config = model.config
-        self.num_decode_steps = args.num_scheduler_steps
+        self.num_decode_steps = limits.num_scheduler_steps
         self.parallel = parallel
-        self.block_size = args.block_size
-        self.max_num_seqs = max_num_seqs = args.max_num_seqs
+        self.block_size = limits.block_size
+        self.max_num_seqs = max_num_seqs = limits.max_num_seqs
         graphdef, params = nnx.split(model)
         self.params_dtype = model.dtype
         self.kv_dtype = config.kv_dtype(self.params_dtype)

@@ -271,13 +271,12 @@ class StepPrograms:
     ) -> "StepPrograms":
         """The programs of an engine: its packer (buckets from the engine's limits), the cache on
         the mesh (pool split by the sharding table, penalty tables whole) of a `kv_dtype` pool."""
-        args = config.args
-        spec = args.speculative_config
+        limits, spec = config.scheduler_config(), config.speculative
         packer = StepPacker(
-            block_size=args.block_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=limits.block_size,
+            max_model_len=limits.max_model_len,
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
             vocab_size=config.model.vocab_size,
             rows_per_seq=1 + (spec.num_speculative_tokens if spec else 0),
         )
@@ -290,7 +289,7 @@ class StepPrograms:
             output_counts=whole,
             last_tokens=whole,
         )
-        return cls(graphdef, packer, args.num_scheduler_steps, shardings, whole, fused_options)
+        return cls(graphdef, packer, limits.num_scheduler_steps, shardings, whole, fused_options)
 
     def all(self) -> list[Program]:
         """Every model program: a mixed step (ragged attention) for each token bucket, and for each

@@ -1,0 +1,117 @@
+"""The one-way configuration: `EngineArgs` checks values and reads no file; `EngineConfig.resolve`
+reads each model's config.json once and names the option behind whatever it refuses; every
+default is declared once (`jaxpaged.config.defaults`) and every component agrees with it."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+from jaxpaged.cli import build_parser
+from jaxpaged.config import defaults, presets
+from jaxpaged.core.scheduler import SchedulerConfig
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+from jaxpaged.planning.memory import plan_kv_cache
+from jaxpaged.planning.plan import make_plan
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The directories whose config.json is opened while the test runs, in order."""
+    opened = []
+    real = presets.read_config_json
+
+    def counting(directory):
+        opened.append(str(directory))
+        return real(directory)
+
+    monkeypatch.setattr(presets, "read_config_json", counting)
+    return opened
+
+
+def test_engine_args_read_no_file(reads):
+    args = EngineArgs(model=DEMO_MODEL_DIR, max_model_len=64)
+    dataclasses.replace(args, seed=None)
+    EngineArgs(model="/no/such/dir")  # what is not there is found when resolving
+    assert reads == []
+
+
+@pytest.mark.parametrize("seed", [0, None])
+def test_resolve_reads_config_json_once(reads, seed):
+    config = EngineConfig.resolve(EngineArgs(model=DEMO_MODEL_DIR, max_model_len=64, seed=seed))
+    assert reads == [DEMO_MODEL_DIR]
+    assert config.max_model_len == 64 and config.args.seed is not None
+
+
+def test_resolve_reads_a_draft_models_config_json_once(reads):
+    spec = {"model": DEMO_MODEL_DIR, "num_speculative_tokens": 2}
+    config = EngineConfig.resolve(EngineArgs(model=DEMO_MODEL_DIR, speculative_config=spec, seed=None))
+    assert reads == [DEMO_MODEL_DIR, DEMO_MODEL_DIR]
+    assert config.draft.model == config.model and config.draft.path == DEMO_MODEL_DIR
+
+
+@pytest.mark.parametrize(
+    "options, field, words",
+    [
+        (dict(model="/no/such/dir"), "model", "is not a directory"),
+        (dict(model="llama-3.1-8b"), "model", "is a preset"),
+        (dict(tensor_parallel_size=3), "tensor_parallel_size", "must divide"),
+        (dict(tokenizer="/no/such/dir"), "tokenizer", "has no tokenizer files"),
+        (
+            dict(speculative_config={"model": "/no/such/dir", "num_speculative_tokens": 2}),
+            "speculative_config",
+            "draft",
+        ),
+    ],
+)
+def test_resolve_names_the_option(options, field, words):
+    args = EngineArgs(**{"model": DEMO_MODEL_DIR, **options})
+    with pytest.raises(EngineArgsError, match=words) as err:
+        EngineConfig.resolve(args)
+    assert err.value.field == field
+
+
+def _field_defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+def _signature_defaults(fn) -> dict:
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
+
+
+def _flag_defaults(command: str) -> dict:
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    return {a.dest: a.default for a in commands[command]._actions if a.option_strings}
+
+
+def test_every_default_is_the_engine_args_one():
+    """`EngineArgs`, the scheduler, `jaxpaged plan` (function and flags), `serve`'s flags, the
+    model and the loader take their defaults from `jaxpaged.config.defaults`: none disagrees."""
+    from jaxpaged.checkpoint.loader import load_model
+    from jaxpaged.model import Llama
+
+    engine = _field_defaults(EngineArgs)
+    engine["max_num_batched_tokens"] = EngineArgs(model=DEMO_MODEL_DIR).max_num_batched_tokens
+    assert engine["max_num_batched_tokens"] == defaults.max_num_batched_tokens(defaults.MAX_NUM_SEQS)
+    others = {
+        "SchedulerConfig": _field_defaults(SchedulerConfig),
+        "make_plan": _signature_defaults(make_plan),
+        "jaxpaged plan": _flag_defaults("plan"),
+        "jaxpaged serve": _flag_defaults("serve"),
+        "plan_kv_cache": _signature_defaults(plan_kv_cache),
+        "Llama": {"scan_layers": _signature_defaults(Llama.__init__)["scan_layers"]},  # its dtype is a dtype
+        "load_model": _signature_defaults(load_model),
+    }
+    for fn in (Llama.__init__, load_model):
+        others[fn.__qualname__ + " attention"] = {"attention_backend": _signature_defaults(fn)["attention"]}
+    compared = 0
+    for where, values in others.items():
+        for name, value in values.items():
+            if name in engine and name != "model" and None not in (value, engine[name]):  # None: resolved later
+                assert value == engine[name], f"{where}: {name}={value!r}, EngineArgs: {engine[name]!r}"
+                compared += 1
+    assert compared >= 25
+    for name in ("block_size", "max_num_seqs", "gpu_memory_utilization", "num_scheduler_steps", "scan_layers"):
+        assert engine[name] == getattr(defaults, name.upper())

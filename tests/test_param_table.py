@@ -82,15 +82,22 @@ def test_checkpoint_keys_target_exactly_the_model_state(variant):
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_model_sharding_and_plan_agree_for_every_size(variant, quantization):
-    """The model's state (built from the table) has the table's paths and shapes; each array's
-    sharding splits the axes the table names; and its bytes on the fullest device, stacked or as
-    per-layer arrays, are `jaxpaged plan`'s."""
+    """The model's state (built from the table, layers stacked) has the table's paths and shapes;
+    each array's sharding splits the axes the table names; and its bytes on the fullest device,
+    stacked or as per-layer arrays, are `jaxpaged plan`'s."""
     config = config_of(variant)
     for n in SIZES:
         parallel = TensorParallel.create(config, n)
         mesh_config = parallel.layout.mesh_config
         model = nnx.eval_shape(
-            lambda: Llama(mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel, quantization=quantization)
+            lambda: Llama(
+                mesh_config,
+                jnp.bfloat16,
+                rngs=nnx.Rngs(0),
+                parallel=parallel,
+                scan_layers=True,
+                quantization=quantization,
+            )
         )
         leaves = {param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]}
         assert {p: x.shape for p, x in leaves.items()} == state_shapes(mesh_config, quantization), (variant, n)

@@ -72,21 +72,24 @@ def test_bench_startup_for_a_gpu_says_what_to_install_without_the_cuda_plugin(ca
     assert "--compilation-cache-dir" in capsys.readouterr().err  # a warm start needs the GPU itself
 
 
+TINY_CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_scanned_and_unrolled_layers_give_the_same_logits_and_pool(dtype):
     """Three layers over a mixed batch (a 5-token prompt chunk and a decode): the scan over the
     stacked layers and the same layers unrolled write the same pool and give the same logits."""
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-    )
-    model = Llama(config, dtype, rngs=nnx.Rngs(0), attention="reference")
+    config = TINY_CONFIG
+    model = Llama(config, dtype, rngs=nnx.Rngs(0), attention="reference", scan_layers=True)  # stacked
     graphdef, params = nnx.split(model)
     tables = np.zeros((2, 4), np.int32)
     tables[0, :2], tables[1, :1] = [3, 5], [2]
@@ -176,23 +179,17 @@ def test_unrolled_models_hold_per_layer_arrays_from_creation_and_load(tmp_path):
     from jaxpaged.model import LayerArrays
     from jaxpaged.parallel.mesh import TensorParallel, param_path
 
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-    )
+    config = TINY_CONFIG
     fresh = {scan: Llama(config, jnp.float32, rngs=nnx.Rngs(0), scan_layers=scan) for scan in (True, False)}
     hf_dir, converted = str(tmp_path / "hf"), str(tmp_path / "converted")
     save_hf_model("llama_tp", hf_dir)
     convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
     parallel = TensorParallel.create(ModelConfig.from_pretrained(hf_dir), 2)
-    loaded = {(source, scan): load_model(source, "float32", parallel=parallel, scan_layers=scan)[1]
-              for source in (hf_dir, converted) for scan in (True, False)}  # fmt: skip
+    loaded = {
+        (source, scan): load_model(source, "float32", parallel=parallel, scan_layers=scan)[1]
+        for source in (hf_dir, converted)
+        for scan in (True, False)
+    }
     pairs = [(fresh[True], fresh[False], None)] + [
         (loaded[s, True], loaded[s, False], parallel) for s in (hf_dir, converted)
     ]
@@ -209,3 +206,19 @@ def test_unrolled_models_hold_per_layer_arrays_from_creation_and_load(tmp_path):
                 if mesh is not None:
                     expected = mesh.layer_sharding(("layers", *param_path(path)))
                     assert array.sharding.is_equivalent_to(expected, array.ndim), path
+
+
+def test_a_scan_over_per_layer_arrays_is_refused():
+    model = Llama(TINY_CONFIG, jnp.float32, rngs=nnx.Rngs(0), attention="reference", scan_layers=False)
+    model.scan_layers = True
+    pool = init_kv_pool(TINY_CONFIG, num_blocks=4, block_size=4, dtype=jnp.float32)
+    meta = AttentionMetadata(
+        positions=jnp.zeros(8, jnp.int32),
+        slot_mapping=jnp.zeros(8, jnp.int32),
+        cu_q_lens=jnp.array([0, 1], jnp.int32),
+        kv_lens=jnp.array([1], jnp.int32),
+        block_tables=jnp.ones((1, 1), jnp.int32),
+        num_seqs=jnp.array(1, jnp.int32),
+    )
+    with pytest.raises(ValueError, match="build it with scan_layers=True"):
+        model(jnp.zeros(8, jnp.int32), pool, meta)

@@ -123,6 +123,10 @@ def _project(module: nnx.Module, name: str, x: Float[Array, "T ..."]) -> Float[A
     return quantized_matmul(x, q, scale, module.quantization, num_in)
 
 
+def _is_layer_arrays(x) -> bool:
+    return isinstance(x, LayerArrays)
+
+
 def rms_norm(x: Float[Array, "... D"], scale: Float[Array, " D"], eps: float) -> Float[Array, "... D"]:
     """`x / rms(x) * scale` over the last axis, normalised in float32 and cast back before the
     scale (as HF does)."""
@@ -346,12 +350,17 @@ class Llama(nnx.Module):
         first_blocks = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks
         per_layer = (layer_params, first_blocks, kv_pool.quant)  # the pool's scales: [L, K] -> [K] a layer
         if self.scan_layers:
+            if any(map(_is_layer_arrays, jax.tree.leaves(layer_params, is_leaf=_is_layer_arrays))):
+                raise ValueError(
+                    "scan_layers=True needs the layers' parameters stacked; this model holds them as "
+                    "per-layer arrays: build it with scan_layers=True"
+                )
             (x, k, v), _ = jax.lax.scan(one_layer, carry, per_layer)
         else:  # the same layers unrolled: one copy of the body per layer in the program, traced once
             # (every call of the jitted body hits its trace cache; XLA inlines the calls)
             traced_once = jax.jit(one_layer)
             for i in range(num_layers):
-                layer = jax.tree.map(lambda a: a[i], per_layer, is_leaf=lambda a: isinstance(a, LayerArrays))
+                layer = jax.tree.map(lambda a: a[i], per_layer, is_leaf=_is_layer_arrays)
                 carry, _ = traced_once(carry, layer)
             x, k, v = carry
         return self.final_norm(x), dataclasses.replace(kv_pool, k=k, v=v)

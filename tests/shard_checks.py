@@ -15,7 +15,7 @@ def check_loaded_into_shards(sources, parallel, single, assert_same) -> None:
     device) in the mesh layout; `assert_same(actual, expected, message)` compares values."""
     reference = dict(jax.tree_util.tree_flatten_with_path(nnx.state(single))[0])
     for source in sources:
-        _, model = load_model(source, "float32", parallel=parallel)
+        _, model = load_model(source, "float32", parallel=parallel, scan_layers=True)
         leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
         assert len(leaves) == len(reference)
         for path, leaf in leaves:

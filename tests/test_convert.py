@@ -70,7 +70,7 @@ def test_hf_and_converted_params_match_torch(variant, shard_size, tmp_path):
     for path, value in ours_flat.items():
         assert value.dtype == np.float32 and conv_flat[path].dtype == np.float32, path
         np.testing.assert_array_equal(value, conv_flat[path], err_msg=str(path))
-    abstract = nnx.eval_shape(lambda: Llama(config, np.float32, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Llama(config, np.float32, rngs=nnx.Rngs(0), scan_layers=True))
     model_shapes = {p: v.shape for p, v in leaves(nnx.to_pure_dict(nnx.state(abstract))).items()}
     assert {p: v.shape for p, v in ours_flat.items()} == model_shapes
 
@@ -232,7 +232,7 @@ def test_tied_lm_head_copy_and_inv_freq_are_dropped(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_load_model_builds_llama_with_checkpoint_shapes(llama_dir, dtype):
-    config, model = load_model(llama_dir, dtype)
+    config, model = load_model(llama_dir, dtype, scan_layers=True)
     assert isinstance(model, Llama)
     state = leaves(nnx.to_pure_dict(nnx.state(model)))
     expected = param_shapes(config)

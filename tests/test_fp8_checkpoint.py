@@ -118,7 +118,7 @@ def test_fp8_bytes_and_scales_load_unchanged(dirs, strategy):
     its scale as float32 `[*out]` (a per-tensor one broadcast); the rest in the model's dtype."""
     path, _ = dirs[strategy]
     hf = load_file(str(path / "model.safetensors"))
-    config, model = load_model(path, "bfloat16")  # no quantization argument: config.json says fp8
+    config, model = load_model(path, "bfloat16", scan_layers=True)  # no quantization argument: config.json says fp8
     params = state(model)
     assert "q_proj" not in params["layers"]["attn"]
     assert {p: tuple(v.shape) for p, v in _leaves(params).items()} == param_shapes(config, "fp8")
@@ -146,8 +146,8 @@ def test_channel_checkpoint_is_what_quantizing_at_load_makes(dirs):
     """Quantizing the plain checkpoint at load (`quantization="fp8"`) puts the same bytes where
     the per-channel checkpoint's reshape puts them (the layouts agree), with scales equal to a
     float32 rounding (amax / 448 computed by torch and by XLA)."""
-    _, at_load = load_model(dirs["plain"][0], "float32", quantization="fp8")
-    _, stored = load_model(dirs["channel"][0], "float32")
+    _, at_load = load_model(dirs["plain"][0], "float32", quantization="fp8", scan_layers=True)
+    _, stored = load_model(dirs["channel"][0], "float32", scan_layers=True)
     at_load, stored = _leaves(state(at_load)), _leaves(state(stored))
     assert at_load.keys() == stored.keys()
     for p, value in stored.items():
@@ -306,8 +306,8 @@ def test_convert_keeps_fp8(dirs, tmp_path, dtype):
         kind = FP8 if p[-1].endswith("_quant") else np.float32 if p[-1].endswith("_scale") else np.dtype(dtype)
         assert value.dtype == kind, p
 
-    _, from_hf = load_model(src, dtype)
-    _, from_converted = load_model(out)
+    _, from_hf = load_model(src, dtype, scan_layers=True)
+    _, from_converted = load_model(out, scan_layers=True)
     a, b = _leaves(state(from_hf)), _leaves(state(from_converted))
     assert a.keys() == b.keys()
     for p in a:
@@ -351,7 +351,7 @@ def test_fp8_checkpoint_loads_into_its_shards(tmp_path):
     save_fp8_checkpoint("llama_tp", hf_dir)
     convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
     config = ModelConfig.from_pretrained(hf_dir)
-    _, single = load_model(hf_dir, "float32")
+    _, single = load_model(hf_dir, "float32", scan_layers=True)
     parallel = TensorParallel.create(config, 4)
     assert parallel.layout.kv_replicas == 2
     check_loaded_into_shards((hf_dir, converted), parallel, single, assert_same)

@@ -335,9 +335,11 @@ def test_converted_checkpoint_quantizes_in_its_shards(tmp_path):
 
     save_hf_model("llama_tp", str(tmp_path / "hf"))
     convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "converted"), dtype="float32", progress=False)
-    config, single = load_model(str(tmp_path / "converted"), "float32", quantization="fp8")
+    config, single = load_model(str(tmp_path / "converted"), "float32", quantization="fp8", scan_layers=True)
     parallel = TensorParallel.create(config, 2)
-    _, split = load_model(str(tmp_path / "converted"), "float32", parallel=parallel, quantization="fp8")
+    _, split = load_model(
+        str(tmp_path / "converted"), "float32", parallel=parallel, quantization="fp8", scan_layers=True
+    )
     ours = dict(jax.tree_util.tree_flatten_with_path(nnx.state(split))[0])
     for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(single))[0]:
         name = param_path(path)

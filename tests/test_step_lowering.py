@@ -53,7 +53,9 @@ def for_a_gpu():
 
 @pytest.fixture
 def abstract_engine():
-    model = nnx.eval_shape(lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas"))
+    model = nnx.eval_shape(
+        lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas", scan_layers=True)
+    )
     graphdef, params = nnx.split(model)
     cache = jax.eval_shape(
         lambda: init_cache(
@@ -119,7 +121,9 @@ def abstract_two_gpu_engine():
     )
     parallel = TensorParallel(TensorParallelLayout(LLAMA_8B_2_LAYERS, 2), mesh)
     model = nnx.eval_shape(
-        lambda: Llama(LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas", parallel=parallel)
+        lambda: Llama(
+            LLAMA_8B_2_LAYERS, jnp.bfloat16, rngs=nnx.Rngs(0), attention="pallas", parallel=parallel, scan_layers=True
+        )
     )
     graphdef, params = nnx.split(model)
     params = jax.tree_util.tree_map_with_path(

@@ -253,7 +253,7 @@ def test_llama_70b_shards_are_what_jaxpaged_plan_counts(n):
     config = ModelConfig.from_hf(get_preset("llama-3.1-70b"))
     parallel = TensorParallel.create(config, n)
     model = nnx.eval_shape(
-        lambda: Llama(parallel.layout.mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel)
+        lambda: Llama(parallel.layout.mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel, scan_layers=True)
     )
     leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
     per_device = sum(math.prod(parallel.param_sharding(param_path(p)).shard_shape(x.shape)) * 2 for p, x in leaves)
@@ -272,7 +272,7 @@ def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
     save_hf_model("llama_tp", hf_dir)
     convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
     config = ModelConfig.from_pretrained(hf_dir)
-    _, single = load_model(hf_dir, "float32")
+    _, single = load_model(hf_dir, "float32", scan_layers=True)
     parallel = TensorParallel.create(config, n)
     check_loaded_into_shards(
         (hf_dir, converted),

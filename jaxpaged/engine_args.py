@@ -11,6 +11,7 @@ import os
 
 from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
+from jaxpaged.config.checks import OptionError, check_block_size, check_choice, check_memory_fraction
 from jaxpaged.config.defaults import MAX_COMPILE_THREADS
 from jaxpaged.config.presets import PRESETS
 from jaxpaged.config.quantization import (
@@ -24,24 +25,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 
 
-class EngineArgsError(ValueError):
-    """An engine argument with a bad value; names the field so front ends can name their flag.
-
-    Attributes:
-      field: the `EngineArgs` field.
-      value: the value given.
-      reason: what is wrong and how to fix it.
-    """
-
-    def __init__(self, field: str, value, reason: str):
-        super().__init__(f"{field}={value!r}: {reason}")
-        self.field, self.value, self.reason = field, value, reason
-
-
-def check_block_size(block_size: int) -> None:
-    """Raises EngineArgsError unless `block_size` is a power of two (the kernels' tiles)."""
-    if block_size < 1 or block_size & (block_size - 1):
-        raise EngineArgsError("block_size", block_size, "must be a power of two (8, 16, 32, ...)")
+class EngineArgsError(OptionError):
+    """An engine option with a bad value; `field` is the `EngineArgs` field (see `OptionError`)."""
 
 
 def default_compilation_cache_dir() -> str:
@@ -221,7 +206,19 @@ class EngineArgs:
 
     def __post_init__(self):
         """Checks every option's type and range, and the options against each other; reads no
-        file (`EngineConfig.resolve` checks the model directory and reads its configuration)."""
+        file (`EngineConfig.resolve` checks the model directory and reads its configuration).
+
+        Raises:
+          EngineArgsError: naming the option.
+        """
+        try:
+            self._check()
+        except OptionError as err:
+            if isinstance(err, EngineArgsError):
+                raise
+            raise EngineArgsError(err.field, err.value, err.reason) from None
+
+    def _check(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise EngineArgsError("model", self.model, "give a model directory")
         for name, allowed in (
@@ -230,8 +227,7 @@ class EngineArgs:
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("attention_backend", ATTENTION_BACKENDS),
         ):
-            if getattr(self, name) not in allowed:
-                raise EngineArgsError(name, getattr(self, name), f"must be one of {', '.join(allowed)}")
+            check_choice(name, getattr(self, name), allowed)
         for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "nnodes"):
             self._check_int(name, 1)
         self._check_int("node_rank", 0)
@@ -258,9 +254,7 @@ class EngineArgs:
         if self.speculative_config is not None and self.speculative_config.model is not None:
             self._check_draft_model()
         check_block_size(self.block_size)
-        utilization = self.gpu_memory_utilization
-        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
-            raise EngineArgsError("gpu_memory_utilization", utilization, "must be a number in (0, 1]")
+        check_memory_fraction(self.gpu_memory_utilization)
         if not isinstance(self.compilation_cache_dir, str) or not self.compilation_cache_dir:
             raise EngineArgsError(
                 "compilation_cache_dir", self.compilation_cache_dir, "must be a directory, 'auto' or 'none'"

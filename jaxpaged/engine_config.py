@@ -1,7 +1,9 @@
-"""The engine's resolved configuration: `EngineArgs` plus what start-up decides from the model.
+"""The engine's resolved configuration: `EngineArgs` made into typed parts (load, cache,
+scheduling, parallel, compile, speculative) plus what start-up decides from the model.
 
 Built once (`EngineConfig.resolve`, no JAX) and handed to the planner, the runner, the scheduler
-and the server, so none of them re-derives a limit or re-reads the model's configuration.
+and the server, so none of them re-derives a limit, re-reads the model's configuration or sees
+the options object.
 `resolve` is the one step that looks at files: it checks the model directory (or preset), reads
 its `config.json` once (and the draft model's, once), and checks the options that depend on them,
 raising `EngineArgsError` naming the option. The pool size is the one thing only the devices can
@@ -17,7 +19,9 @@ import numpy as np
 from jaxpaged.checkpoint.format import TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import CONFIG_FILE, PRESETS, get_preset, load_config_dict
-from jaxpaged.config.quantization import CheckpointQuantizationError, kv_dtype_name, resolve_quantization
+from jaxpaged.config.quantization import CheckpointQuantizationError, resolve_quantization
+from jaxpaged.config.sections import SECTIONS, CacheConfig, CompileConfig, LoadConfig, ParallelConfig, SchedulingConfig
+from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.scheduler import SchedulerConfig
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
@@ -27,30 +31,31 @@ logger = logging.getLogger("jaxpaged")
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine runs with.
+    """Everything the engine runs with, in typed parts: what each component receives.
 
     Attributes:
-      args: the options as given, with the seed resolved (never None).
       model: the checkpoint's configuration.
       max_model_len: the context limit, validated against the model.
       layout: how the model splits over the tensor-parallel devices.
-      num_blocks: KV blocks per device, the null block included (0 until the pool is planned).
-      num_host_blocks: blocks of the host tier (0: none; planned with the pool).
-      quantization: the weights' quantization method (`quantization`, or the checkpoint's), or None.
-      checkpoint_dtype: config.json's `dtype` (or `torch_dtype`): what `dtype` "auto" means (None:
-        float32).
+      load: the weights (path, dtype, quantization, seed, ...).
+      cache: the KV cache and its tiers (with the planned pool size once planned).
+      scheduling: the batching limits.
+      parallel: devices and processes.
+      compile: how the step programs are compiled.
+      speculative: the speculative decoding options, or None.
       draft: the draft model's configuration and checkpoint dtype (speculative decoding with a
         draft model), or None.
     """
 
-    args: EngineArgs
     model: ModelConfig
     max_model_len: int
     layout: TensorParallelLayout
-    num_blocks: int = 0
-    num_host_blocks: int = 0
-    quantization: str | None = None
-    checkpoint_dtype: str | None = None
+    load: LoadConfig
+    cache: CacheConfig
+    scheduling: SchedulingConfig
+    parallel: ParallelConfig
+    compile: CompileConfig
+    speculative: SpeculativeConfig | None = None
     draft: "DraftModel | None" = None
 
     @classmethod
@@ -65,9 +70,10 @@ class EngineConfig:
           ValueError: an unsupported model configuration, or max_model_len beyond the model's
             limit or its sliding window.
         """
-        if args.seed is None:
-            args = dataclasses.replace(args, seed=int(np.random.SeedSequence().entropy % 2**31))
-            logger.info("engine seed: %d (drawn at random)", args.seed)
+        seed = args.seed
+        if seed is None:
+            seed = int(np.random.SeedSequence().entropy % 2**31)
+            logger.info("engine seed: %d (drawn at random)", seed)
         check_model_dir(args.model, args.load_format)
         raw = load_config_dict(args.model)[1]
         quantization = _quantization(args.model, args.quantization, raw)
@@ -81,66 +87,78 @@ class EngineConfig:
             raise EngineArgsError("kv_cache_dir", args.kv_cache_dir, "exists and is not a directory")
         if not args.skip_tokenizer_init:
             _check_tokenizer(args)
-        return cls(
-            args,
-            model,
-            max_model_len,
-            layout,
-            quantization=quantization,
-            checkpoint_dtype=checkpoint_dtype(raw),
-            draft=draft,
+        tokenizer = None if args.skip_tokenizer_init else args.tokenizer or args.model
+        resolved = dict(
+            seed=seed, quantization=quantization, checkpoint_dtype=checkpoint_dtype(raw), tokenizer=tokenizer
         )
+        parts = {name: _part(part, args, resolved) for name, part in SECTIONS.items()}
+        return cls(model, max_model_len, layout, **parts, speculative=args.speculative_config, draft=draft)
+
+    def option(self, name: str):
+        """The resolved value of the `EngineArgs` option `name` (from the part that holds it)."""
+        if name == "speculative_config":
+            return self.speculative
+        if name == "max_model_len":
+            return self.max_model_len
+        for part in SECTIONS:
+            if name in _FIELDS[part]:
+                return getattr(getattr(self, part), name)
+        raise KeyError(name)
 
     def shared_settings(self) -> dict[str, str]:
         """What every process of a multi-process engine must run with, each as text: the options
-        not marked `per_process` (the seed aside: the processes take the leader's) and the
-        checkpoint's configuration (model paths may differ between machines; the model may not)."""
+        not marked `per_process` (the seed aside: the processes take the leader's), resolved (a
+        limit or method the checkpoint supplies may be given on one process and left to the
+        checkpoint on another), and the checkpoint's configuration (model paths may differ between
+        machines; the model may not)."""
         settings = {
-            f.name: repr(getattr(self.args, f.name))
+            f.name: repr(self.option(f.name))
             for f in dataclasses.fields(EngineArgs)
             if not f.metadata["per_process"] and f.name != "seed"
         }
         settings["model configuration"] = repr(self.model)
-        # resolved values replace the options: a limit or method the checkpoint supplies may be
-        # given on one process and left to the checkpoint on another
-        settings["max_model_len"] = repr(self.max_model_len)
-        settings["quantization"] = repr(self.quantization)
         return settings
 
-    def kv_dtype(self, model_dtype) -> str:
-        """The KV cache's (logical) dtype name: `kv_cache_dtype`, or with "auto" the model's."""
-        return kv_dtype_name(self.args.kv_cache_dtype, str(model_dtype))
+    def with_seed(self, seed: int) -> "EngineConfig":
+        """This configuration with another engine seed (a follower takes the leader's)."""
+        return dataclasses.replace(self, load=dataclasses.replace(self.load, seed=seed))
 
     def with_blocks(self, num_blocks: int, num_host_blocks: int | None = None) -> "EngineConfig":
         """This configuration with the planned pool size (and host tier, when given)."""
-        host = self.num_host_blocks if num_host_blocks is None else num_host_blocks
-        return dataclasses.replace(self, num_blocks=num_blocks, num_host_blocks=host)
-
-    @property
-    def preemption_mode(self) -> str:
-        """`preemption_mode`, resolved: swap when there is a host tier, unless told otherwise."""
-        return self.args.preemption_mode or ("swap" if self.num_host_blocks else "recompute")
-
-    @property
-    def speculative(self):
-        """The speculative decoding options (`SpeculativeConfig`), or None."""
-        return self.args.speculative_config
+        host = self.cache.num_host_blocks if num_host_blocks is None else num_host_blocks
+        cache = dataclasses.replace(self.cache, num_blocks=num_blocks, num_host_blocks=host)
+        return dataclasses.replace(self, cache=cache)
 
     def scheduler_config(self) -> SchedulerConfig:
         """What the scheduler needs (after planning), and so the runner: its buckets come from
         these limits and it fuses `num_scheduler_steps` decode steps."""
-        a = self.args
+        s, c = self.scheduling, self.cache
         return SchedulerConfig(
-            max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            block_size=a.block_size,
-            num_blocks=self.num_blocks,
-            enable_prefix_caching=a.enable_prefix_caching,
-            num_host_blocks=self.num_host_blocks,
-            preemption_mode=self.preemption_mode,
-            num_scheduler_steps=a.num_scheduler_steps,
+            block_size=c.block_size,
+            num_blocks=c.num_blocks,
+            enable_prefix_caching=c.enable_prefix_caching,
+            num_host_blocks=c.num_host_blocks,
+            preemption_mode=c.resolved_preemption_mode,
+            num_scheduler_steps=s.num_scheduler_steps,
         )
+
+
+_OPTIONS = {f.name for f in dataclasses.fields(EngineArgs)}
+_FIELDS = {name: {f.name for f in dataclasses.fields(part)} for name, part in SECTIONS.items()}
+
+
+def _part(part: type, args: EngineArgs, resolved: dict):
+    """One part of the configuration: its options' values, or their resolved values."""
+    values = {}
+    for f in dataclasses.fields(part):
+        if f.name in resolved:
+            values[f.name] = resolved[f.name]
+        elif f.name in _OPTIONS:
+            values[f.name] = getattr(args, f.name)
+    return part(**values)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,9 +76,11 @@ def run(engine: LLMEngine, requests) -> dict[str, list[tuple]]:
                 ]
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks and not any(bm.ref_counts) and not engine.requests
-    assert engine.runner.input_batch.num_free_slots < engine.args.max_num_seqs or not engine.scheduler.running
+    assert (
+        engine.runner.input_batch.num_free_slots < engine.config.scheduling.max_num_seqs or not engine.scheduler.running
+    )
     engine.step()  # the next schedule hands the last finished sequences' slots back
-    assert engine.runner.input_batch.num_free_slots == engine.args.max_num_seqs
+    assert engine.runner.input_batch.num_free_slots == engine.config.scheduling.max_num_seqs
     return outputs
 
 
@@ -176,4 +178,4 @@ def test_aborts_in_flight_leave_nothing_behind(model_path):
     bm = asyn.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks and not any(bm.ref_counts)
     asyn.step()
-    assert asyn.runner.input_batch.num_free_slots == asyn.args.max_num_seqs
+    assert asyn.runner.input_batch.num_free_slots == asyn.config.scheduling.max_num_seqs

@@ -42,7 +42,7 @@ def test_engine_args_read_no_file(reads):
 def test_resolve_reads_config_json_once(reads, seed):
     config = EngineConfig.resolve(EngineArgs(model=DEMO_MODEL_DIR, max_model_len=64, seed=seed))
     assert reads == [DEMO_MODEL_DIR]
-    assert config.max_model_len == 64 and config.args.seed is not None
+    assert config.max_model_len == 64 and config.load.seed is not None
 
 
 def test_resolve_reads_a_draft_models_config_json_once(reads):
@@ -115,3 +115,47 @@ def test_every_default_is_the_engine_args_one():
     assert compared >= 25
     for name in ("block_size", "max_num_seqs", "gpu_memory_utilization", "num_scheduler_steps", "scan_layers"):
         assert engine[name] == getattr(defaults, name.upper())
+
+
+def test_every_option_lands_in_exactly_one_part():
+    """Each `EngineArgs` option is held by one part of `EngineConfig` (or is the context limit or
+    the speculative options, resolved on the config itself), with its value as given."""
+    from jaxpaged.config.sections import SECTIONS
+
+    holders = {}
+    for name, part in SECTIONS.items():
+        for f in dataclasses.fields(part):
+            holders.setdefault(f.name, []).append(name)
+    options = [f.name for f in dataclasses.fields(EngineArgs)]
+    on_config = {"max_model_len", "speculative_config"}
+    assert {name: holders.get(name, []) for name in options if len(holders.get(name, [])) != 1} == dict.fromkeys(
+        on_config, []
+    )
+    decided_at_start_up = {"checkpoint_dtype", "num_blocks", "num_host_blocks"}
+    assert set(holders) - set(options) == decided_at_start_up
+    args = EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=3, block_size=32, compile_threads=3, nnodes=2, node_rank=1)
+    config = EngineConfig.resolve(args)
+    for name in options:
+        if name not in ("tokenizer", "max_model_len"):  # resolved: the model's tokenizer and context
+            assert config.option(name) == getattr(args, name), name
+    assert config.load.tokenizer == DEMO_MODEL_DIR and config.max_model_len == config.model.max_context_len
+
+
+def test_components_below_the_engine_never_see_the_options_object():
+    """The runner, planner, scheduler, model, loader and start-up receive typed parts of
+    `EngineConfig`, never `EngineArgs` (its errors aside: `EngineArgsError` names the option)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "jaxpaged"
+    below = ["core", "model", "parallel", "params", "checkpoint", "planning", "worker", "functional.py"]
+    files = [root / "engine" / "setup.py", root / "engine_config.py"]
+    files += [p for name in below for p in ((root / name).rglob("*.py") if (root / name).is_dir() else [root / name])]
+    offenders = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "args":
+                offenders.append(f"{path.name}:{node.lineno} .args")
+            if isinstance(node, ast.Name) and node.id == "EngineArgs" and path.name != "engine_config.py":
+                offenders.append(f"{path.name}:{node.lineno} EngineArgs")
+    assert offenders == []

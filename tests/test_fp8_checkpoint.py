@@ -199,7 +199,7 @@ def test_engine_starts_as_fp8_and_refuses_int8(dirs):
 
     path = str(dirs["channel"][0])
     llm = LLM(path, dtype="float32", max_model_len=32, max_num_seqs=1, max_num_batched_tokens=16)  # few programs
-    assert llm.llm_engine.config.quantization == "fp8"
+    assert llm.llm_engine.config.load.quantization == "fp8"
     leaves = jax.tree_util.tree_flatten_with_path(llm.llm_engine.runner.params)[0]
     dtypes = {param_path(p)[-1]: leaf.dtype for p, leaf in leaves}
     assert dtypes["q_proj_quant"] == dtypes["down_proj_quant"] == FP8 and dtypes["o_proj_scale"] == np.float32
@@ -208,7 +208,7 @@ def test_engine_starts_as_fp8_and_refuses_int8(dirs):
     [out] = llm.generate([{"prompt_token_ids": PROMPT[:12]}], greedy, use_tqdm=False)
     _, model = load_model(path, "float32")
     assert out.outputs[0].token_ids == PagedGenerator(model).generate([PROMPT[:12]], 10)[0]
-    assert EngineConfig.resolve(EngineArgs(model=path, quantization="fp8")).quantization == "fp8"  # the same: fine
+    assert EngineConfig.resolve(EngineArgs(model=path, quantization="fp8")).load.quantization == "fp8"  # the same: fine
 
     with pytest.raises(EngineArgsError, match=r"quantization='int8'.*'fp8'") as exc:
         EngineConfig.resolve(EngineArgs(model=path, quantization="int8"))

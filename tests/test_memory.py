@@ -54,18 +54,15 @@ def test_too_small_fails_with_the_numbers_and_knobs():
 
 def test_cpu_pool_is_sized_from_the_job_and_capped_by_host_memory(monkeypatch):
     from jaxpaged.engine import setup as engine_setup
-    from jaxpaged.engine_args import EngineArgs
-    from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
-    args = EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=3, max_model_len=100, block_size=16)
     per_block = kv_bytes_per_token(LLAMA_8B, 4) * 16
-    budget = engine_setup._cpu_budget(args, LLAMA_8B, 4, 100)
+    budget = engine_setup._cpu_budget(16, 3, LLAMA_8B, 4, 100)
     assert budget["kv_cache_memory_bytes"] == (3 * 7 + 1) * per_block  # 7 blocks per request + the null block
     assert "the job: max_num_seqs=3 x max_model_len=100" in budget["sized_from"]
     plan = plan_kv_cache(LLAMA_8B, dtype_bytes=4, block_size=16, max_model_len=100, **budget)
     assert plan.num_blocks == 22 and plan.max_concurrency == 3
     monkeypatch.setattr(engine_setup, "host_memory_bytes", lambda: 40 * per_block)
-    capped = engine_setup._cpu_budget(args, LLAMA_8B, 4, 100)
+    capped = engine_setup._cpu_budget(16, 3, LLAMA_8B, 4, 100)
     assert capped["kv_cache_memory_bytes"] == 10 * per_block and "25% of this machine's memory" in capped["sized_from"]
 
 

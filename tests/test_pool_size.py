@@ -75,9 +75,13 @@ def temporaries(
         num_scheduler_steps=4,
         kv_cache_dtype=kv_cache_dtype,
     )
-    config = EngineConfig(
-        args, parallel.layout.config, 128, parallel.layout, num_blocks, quantization=quantization
-    )  # the runner reads args' limits
+    preset = EngineConfig.resolve(args)  # the options' parts, with this test's model in the preset's place
+    config = dataclasses.replace(
+        preset,
+        model=parallel.layout.config,
+        layout=parallel.layout,
+        load=dataclasses.replace(preset.load, quantization=quantization),
+    ).with_blocks(num_blocks)
     runner = ModelRunner(model, parallel=parallel, config=config)
     assert runner.kv_dtype == (jnp.dtype(dtype).name if kv_cache_dtype == "auto" else "float8_e4m3fn")
     for program in runner.step_programs.all():  # the samplers never see the pool

@@ -203,7 +203,7 @@ def test_engine_gives_the_reference_loops_tokens(engine_workload, case, quantiza
             **ENGINE_CASES[case],
         )
     )
-    assert engine.runner.kv_dtype == FP8_E4M3 and engine.config.quantization == quantization
+    assert engine.runner.kv_dtype == FP8_E4M3 and engine.config.load.quantization == quantization
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(
             str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)

@@ -352,8 +352,12 @@ class _BrokenEngine(LLMEngine):
     """Just enough of an `LLMEngine` for `AsyncEngine` (nothing compiled), with a step that fails."""
 
     def __init__(self, model_dir: str):  # no super().__init__: no model, no cache
-        self.args = types.SimpleNamespace(model=model_dir, tokenizer=None, max_num_seqs=4)
-        self.config = types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=512), max_model_len=128)
+        self.config = types.SimpleNamespace(
+            model=types.SimpleNamespace(vocab_size=512),
+            max_model_len=128,
+            load=types.SimpleNamespace(model=model_dir, tokenizer=None),
+            scheduling=types.SimpleNamespace(max_num_seqs=4),
+        )
         self.tokenizer = None
 
     def get_stats(self):
@@ -374,7 +378,7 @@ class _BrokenEngine(LLMEngine):
 
 def test_a_failing_step_stops_the_engine_and_fails_requests_cleanly(server):
     deaths = []
-    engine = AsyncEngine(_BrokenEngine(server.engine.args.model), on_dead=deaths.append)
+    engine = AsyncEngine(_BrokenEngine(server.engine.config.load.model), on_dead=deaths.append)
     app = build_app(engine, MODEL)
 
     async def main():
@@ -403,7 +407,7 @@ def _free_port() -> int:
 
 
 def test_jaxpaged_serve_with_api_key(server, tmp_path):
-    model_dir = server.engine.args.model
+    model_dir = server.engine.config.load.model
     port = _free_port()
     cmd = [
         sys.executable,

@@ -135,7 +135,7 @@ def census_programs(args, engine, devices: list | None = None) -> int:
         "deviceless": devices is not None,
         "jax_version": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "num_blocks": config.num_blocks,
+        "num_blocks": config.cache.num_blocks,
         "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(params)}),
         "weight_sizes": sizes,
         "programs": {},

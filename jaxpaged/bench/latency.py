@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         args, skip_tokenizer_init=skip, **placeholder
     )  # every engine flag checked before anything slow
     sizes = size_to_job(args, checked.model, prompts, [params] * len(prompts))
-    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=checked.args.seed)
+    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=checked.load.seed)
 
     from jaxpaged.entrypoints.llm import LLM  # JAX is imported from here on
 

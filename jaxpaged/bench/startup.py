@@ -133,7 +133,7 @@ def _measure(args, devices: list | None, cache_dir: str | None) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": config.max_model_len,
         "num_scheduler_steps": args.num_scheduler_steps,
-        "num_blocks": config.num_blocks,
+        "num_blocks": config.cache.num_blocks,
         "platform": parallel.platform,
         "jax_version": jax.__version__,
         "device": parallel.mesh.devices.flat[0].device_kind,

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     sizes = size_to_job(args, checked.model, prompts, params)
-    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=checked.args.seed)
+    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=checked.load.seed)
     theirs, their_error = None, None
     if args.compare_transformers:
         try:

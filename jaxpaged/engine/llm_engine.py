@@ -66,18 +66,15 @@ class LLMEngine:
                 "with `jaxpaged serve --node-rank N` (they run process 0's steps)",
             )
         config = EngineConfig.resolve(args)
-        self.args = args = config.args
-        self.tokenizer = (
-            None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-        )
-        eos = frozenset(eos_token_ids(args, config.model, self.tokenizer))
+        self.tokenizer = None if config.load.tokenizer is None else AutoTokenizer.from_pretrained(config.load.tokenizer)
+        eos = frozenset(eos_token_ids(config, self.tokenizer))
         worker = start_device_worker(config, eos)
         self.config, self.plan, self.parallel = worker.config, worker.plan, worker.parallel
         self.runner, self.compile_seconds, self.draft = worker.runner, worker.compile_seconds, worker.draft
         if self.runner.channel is not None:
             atexit.register(self.shutdown)
         self.disk_tier = start_disk_tier(self.config, self.runner)  # its queued writes are done at exit too
-        spec = args.speculative_config
+        spec = self.config.speculative
         self.scheduler = Scheduler(
             self.config.scheduler_config(),
             eos_token_id=sorted(eos),
@@ -88,13 +85,13 @@ class LLMEngine:
         self.spec_stats = dict.fromkeys(SPEC_DECODE_COUNTERS, 0) if spec else {}
         self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, RequestState] = {}
-        self._rng = np.random.default_rng(args.seed)
+        self._rng = np.random.default_rng(self.config.load.seed)
         self._failed: dict[str, str] = {}  # request id -> why, until its output is returned
         self.output_processor = OutputProcessor(self.requests, self.scheduler, self._fail)
         # Steps overlap (one in flight while the next is scheduled); a step that speculates waits
         # for the previous one (proposals follow the newest tokens) and is read at its end (a
         # draft model proposes for the next step from its tokens).
-        self.async_scheduling = args.async_scheduling
+        self.async_scheduling = self.config.scheduling.async_scheduling
         self.governor = SpeculationGovernor(spec.disable_by_batch_size, adaptive=spec.adaptive) if spec else None
         self._in_flight: StepHandle | None = None
         self.num_prompt_tokens = 0

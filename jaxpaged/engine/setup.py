@@ -16,8 +16,9 @@ from jaxpaged.checkpoint.kv_scales import checkpoint_kv_scales
 from jaxpaged.checkpoint.loader import load_model, resolve_dtype
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.quantization import is_fp8
+from jaxpaged.config.sections import LoadConfig
 from jaxpaged.core.disk_tier import DiskTier
-from jaxpaged.engine_args import EngineArgs, EngineArgsError, default_compilation_cache_dir
+from jaxpaged.engine_args import EngineArgsError, default_compilation_cache_dir
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import LayerArrays, Llama, kv_storage_dtype, state_shardings
 from jaxpaged.parallel import multihost
@@ -80,7 +81,7 @@ def start_device_worker(
         fewer devices than `tensor_parallel_size`, or processes started with different settings.
     """
     worker = prepare_device_worker(config, eos_token_ids, devices, abstract)
-    runner, draft, plan, threads = worker.runner, worker.draft, worker.plan, worker.config.args.compile_threads
+    runner, draft, plan, threads = worker.runner, worker.draft, worker.plan, worker.config.compile.compile_threads
     seconds = runner.warm_up(threads)
     check_step_memory(plan, runner.temp_bytes)
     if draft is not None:
@@ -99,19 +100,18 @@ def prepare_device_worker(
 ) -> DeviceWorker:
     """`start_device_worker` up to compiling: the model on its mesh, the planned pool, the runners
     (their programs not compiled yet; `compile_seconds` 0)."""
-    if abstract and config.args.kv_cache_memory_bytes is None:
+    if abstract and config.cache.kv_cache_memory_bytes is None:
         raise EngineArgsError("kv_cache_memory_bytes", None, "an engine of shapes needs the pool's size")
-    args = config.args
-    multihost.initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    p = config.parallel
+    multihost.initialize(p.nnodes, p.node_rank, p.master_addr, p.master_port)
     try:
-        seed = multihost.agree_on_settings(config.shared_settings(), args.seed)
+        seed = multihost.agree_on_settings(config.shared_settings(), config.load.seed)
     except multihost.SettingsMismatchError as err:
         raise EngineArgsError(err.setting, err.value, err.reason) from None
-    if seed != args.seed:  # the leader's (a follower's own only seeds dummy weights, which must match)
+    if seed != config.load.seed:  # the leader's (a follower's own only seeds dummy weights, which must match)
         logger.info("engine seed: %d (process 0's)", seed)
-        args = dataclasses.replace(args, seed=seed)
-        config = dataclasses.replace(config, args=args)
-    use_compilation_cache(args.compilation_cache_dir)
+        config = config.with_seed(seed)
+    use_compilation_cache(config.compile.compilation_cache_dir)
     try:
         parallel = TensorParallel(config.layout, make_mesh(config.layout.size, devices))
     except TensorParallelError as err:  # too few devices
@@ -130,7 +130,7 @@ def prepare_device_worker(
         )
     logger.info(plan.summary())
     config = config.with_blocks(plan.num_blocks, host_tier_blocks(config, model, parallel))
-    logger.info("preemption by %s", config.preemption_mode)
+    logger.info("preemption by %s", config.cache.resolved_preemption_mode)
     kv_scales = None if abstract else fp8_kv_scales(config, model.dtype)
     runner = ModelRunner(model, parallel=parallel, config=config, kv_scales=kv_scales, eos_token_ids=eos_token_ids)
     draft = None
@@ -140,7 +140,7 @@ def prepare_device_worker(
         )
         logger.info(
             "draft model %s: %d layers, proposing %d tokens a step",
-            args.speculative_config.model,
+            config.speculative.model,
             draft.config.num_layers,
             draft.num_proposals,
         )
@@ -156,17 +156,11 @@ def build_draft_model(
     if draft is None:
         return None, None
     draft_parallel = TensorParallel(TensorParallelLayout(draft.model, config.layout.size), parallel.mesh)
-    args = dataclasses.replace(
-        config.args, model=draft.path, speculative_config=None, tokenizer=config.args.tokenizer or config.args.model
+    load = dataclasses.replace(
+        config.load, model=draft.path, quantization=None, checkpoint_dtype=draft.checkpoint_dtype
     )
     draft_engine = dataclasses.replace(
-        config,
-        args=args,
-        model=draft.model,
-        layout=draft_parallel.layout,
-        quantization=None,
-        checkpoint_dtype=draft.checkpoint_dtype,
-        draft=None,
+        config, model=draft.model, layout=draft_parallel.layout, load=load, speculative=None, draft=None
     )
     return build_model(draft_engine, draft_parallel, abstract), draft_parallel
 
@@ -176,23 +170,23 @@ def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParalle
 
     A host block holds K and V of every layer and every kv head of the mesh (under tensor
     parallelism each device offloads its own heads into it)."""
-    args = config.args
-    if args.kv_offloading_size is None:
+    cache = config.cache
+    if cache.kv_offloading_size is None:
         return 0
     dtype_bytes = kv_element_bytes(config, model, parallel)
-    per_block = kv_bytes_per_token(parallel.layout.mesh_config, dtype_bytes) * args.block_size
-    num_blocks = int(args.kv_offloading_size * GiB) // per_block
+    per_block = kv_bytes_per_token(parallel.layout.mesh_config, dtype_bytes) * cache.block_size
+    num_blocks = int(cache.kv_offloading_size * GiB) // per_block
     if num_blocks < 1:
         raise EngineArgsError(
             "kv_offloading_size",
-            args.kv_offloading_size,
+            cache.kv_offloading_size,
             f"holds no block of {format_bytes(per_block)}; give at least {per_block / GiB:.6f}",
         )
     logger.info(
         "host KV tier: %d blocks x %d tokens = %d tokens (%s of host memory)",
         num_blocks,
-        args.block_size,
-        num_blocks * args.block_size,
+        cache.block_size,
+        num_blocks * cache.block_size,
         format_bytes(num_blocks * per_block),
     )
     return num_blocks
@@ -200,10 +194,10 @@ def host_tier_blocks(config: EngineConfig, model: Llama, parallel: TensorParalle
 
 def fp8_kv_scales(config: EngineConfig, model_dtype) -> tuple | None:
     """An fp8 KV cache's scales: the checkpoint's when it has them (logged), else None (1)."""
-    args = config.args
-    if not is_fp8(config.kv_dtype(model_dtype)):
+    load = config.load
+    if not is_fp8(config.cache.kv_dtype(model_dtype)):
         return None
-    scales = None if args.load_format == "dummy" else checkpoint_kv_scales(args.model, config.model.num_layers)
+    scales = None if load.load_format == "dummy" else checkpoint_kv_scales(load.model, config.model.num_layers)
     logger.info(
         "fp8 KV cache scales: %s", "the checkpoint's, per layer" if scales is not None else "1 (no checkpoint scales)"
     )
@@ -212,17 +206,17 @@ def fp8_kv_scales(config: EngineConfig, model_dtype) -> tuple | None:
 
 def kv_element_bytes(config: EngineConfig, model: Llama, parallel: TensorParallel) -> int:
     """Bytes one element of the KV pool takes on the devices (its storage dtype's)."""
-    return kv_storage_dtype(config.kv_dtype(model.dtype), parallel.platform).itemsize
+    return kv_storage_dtype(config.cache.kv_dtype(model.dtype), parallel.platform).itemsize
 
 
 def start_disk_tier(config: EngineConfig, runner: ModelRunner) -> DiskTier | None:
     """The disk tier in `kv_cache_dir` (None without one), over the host tier's memory; logged."""
-    args = config.args
-    if args.kv_cache_dir is None:
+    cache = config.cache
+    if cache.kv_cache_dir is None:
         return None
     memory = runner.kv_transfer.host
     fingerprint = kv_fingerprint(config, f"{runner.params_dtype}/{runner.kv_dtype}", memory, runner.parallel.platform)
-    disk = DiskTier(args.kv_cache_dir, fingerprint, int(args.kv_cache_dir_size * GiB), memory)
+    disk = DiskTier(cache.kv_cache_dir, fingerprint, int(cache.kv_cache_dir_size * GiB), memory)
     logger.info(
         "disk KV tier: %s, up to %s (%d blocks of %s), %d blocks there now",
         disk.directory,
@@ -239,36 +233,36 @@ def kv_fingerprint(config: EngineConfig, dtype: str, memory, platform: str) -> b
     dtypes (the model's / the KV cache's), the platform (its matmul precision), the block size and
     a host block's layout, and what changes the programs computing them (tensor-parallel size,
     attention backend, layer scan, weight quantization)."""
-    args = config.args
+    load = config.load
     identity = {
         "format": 1,
         "model": dataclasses.asdict(config.model),
-        "weights": weights_identity(args),
+        "weights": weights_identity(load),
         "dtype": dtype,
         "storage": memory.dtype.name,
         "block": list(memory.shape[1:]),
         "platform": platform,
-        "block_size": args.block_size,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "attention_backend": args.attention_backend,
-        "scan_layers": args.scan_layers,
-        "quantization": config.quantization,
+        "block_size": config.cache.block_size,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "attention_backend": load.attention_backend,
+        "scan_layers": load.scan_layers,
+        "quantization": load.quantization,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()
 
 
-def weights_identity(args: EngineArgs) -> dict:
+def weights_identity(load: LoadConfig) -> dict:
     """The weights as a cache can tell them apart without reading them: the dummy weights' seed,
     or every file of the model directory but the tokenizer's, with its size and modification time."""
-    if args.load_format == "dummy":
-        return {"dummy_seed": args.seed}
+    if load.load_format == "dummy":
+        return {"dummy_seed": load.seed}
     files = []
-    for root, _, names in os.walk(args.model):
+    for root, _, names in os.walk(load.model):
         for name in sorted(names):
             if name in TOKENIZER_FILES:
                 continue
             stat = os.stat(os.path.join(root, name))
-            files.append((os.path.relpath(os.path.join(root, name), args.model), stat.st_size, stat.st_mtime_ns))
+            files.append((os.path.relpath(os.path.join(root, name), load.model), stat.st_size, stat.st_mtime_ns))
     return {"files": sorted(files)}
 
 
@@ -295,68 +289,61 @@ def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool =
     """Loads (or, with load_format="dummy", randomly initialises) the model onto its mesh, in
     the mesh layout; for unrolled layers, its layers' weights as per-layer arrays from the start.
     `abstract`: the model's shapes only (`nnx.eval_shape`)."""
-    args, model_config = config.args, config.model
+    load, model_config = config.load, config.model
     if abstract:
-        dtype = model_dtype(config)
-        return nnx.eval_shape(
-            lambda: Llama(
-                parallel.layout.mesh_config,
-                dtype,
-                rngs=nnx.Rngs(0),
-                attention=args.attention_backend,
-                parallel=parallel,
-                scan_layers=args.scan_layers,
-                quantization=config.quantization,
-            )
-        )
-    if args.load_format == "dummy":
-        model = _dummy_model(model_config, model_dtype(config), args, parallel, config.quantization)
+        return _abstract_model(load, model_dtype(config), parallel)
+    if load.load_format == "dummy":
+        model = _dummy_model(model_config, model_dtype(config), load, parallel)
     else:
         _, model = load_model(
-            args.model,
-            args.dtype,
-            attention=args.attention_backend,
+            load.model,
+            load.dtype,
+            attention=load.attention_backend,
             parallel=parallel,
-            scan_layers=args.scan_layers,
-            quantization=config.quantization,
+            scan_layers=load.scan_layers,
+            quantization=load.quantization,
         )
     logger.info(
         "model %s: %s, %d layers, dtype %s%s, KV cache %s",
-        args.model,
+        load.model,
         model_config.architecture,
         model_config.num_layers,
         model.dtype,
-        f", {config.quantization} weights" if config.quantization else "",
-        config.kv_dtype(model.dtype),
+        f", {load.quantization} weights" if load.quantization else "",
+        config.cache.kv_dtype(model.dtype),
     )
     return model
 
 
 def model_dtype(config: EngineConfig) -> jnp.dtype:
     """The model's dtype: `dtype`, or with "auto" the config's (float32 if it names none)."""
-    return jnp.dtype(resolve_dtype(config.args.dtype, config.checkpoint_dtype))
+    return jnp.dtype(resolve_dtype(config.load.dtype, config.load.checkpoint_dtype))
 
 
-def _dummy_model(
-    config: ModelConfig, dtype, args: EngineArgs, parallel: TensorParallel, quantization: str | None
-) -> Llama:
-    """Random weights of the checkpoint's shapes (the same values for every tensor-parallel size),
-    quantized with `quantization`, made on the mesh: every device computes only its shard."""
-    abstract = nnx.eval_shape(
+def _abstract_model(load: LoadConfig, dtype, parallel: TensorParallel) -> Llama:
+    """The model in its mesh layout, as shapes only (`nnx.eval_shape`)."""
+    return nnx.eval_shape(
         lambda: Llama(
             parallel.layout.mesh_config,
             dtype,
             rngs=nnx.Rngs(0),
-            attention=args.attention_backend,
+            attention=load.attention_backend,
             parallel=parallel,
-            scan_layers=args.scan_layers,
-            quantization=quantization,
+            scan_layers=load.scan_layers,
+            quantization=load.quantization,
         )
     )
-    graphdef, state = nnx.split(abstract)
+
+
+def _dummy_model(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorParallel) -> Llama:
+    """Random weights of the checkpoint's shapes (the same values for every tensor-parallel size),
+    quantized with `load.quantization`, made on the mesh: every device computes only its shard."""
+    graphdef, state = nnx.split(_abstract_model(load, dtype, parallel))
 
     def init():
-        model = Llama(config, dtype, rngs=nnx.Rngs(args.seed), scan_layers=args.scan_layers, quantization=quantization)
+        model = Llama(
+            config, dtype, rngs=nnx.Rngs(load.seed), scan_layers=load.scan_layers, quantization=load.quantization
+        )
 
         def to_mesh(path, x):
             if isinstance(x, LayerArrays):
@@ -371,10 +358,10 @@ def _dummy_model(
     return nnx.merge(graphdef, state)
 
 
-def eos_token_ids(args: EngineArgs, config: ModelConfig, tokenizer) -> set[int]:
+def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer (vLLM stops at any)."""
-    ids = set(config.eos_token_ids)
-    path = os.path.join(args.model, "generation_config.json")
+    ids = set(config.model.eos_token_ids)
+    path = os.path.join(config.load.model, "generation_config.json")
     if os.path.isfile(path):
         with open(path) as f:
             eos = json.load(f).get("eos_token_id")
@@ -416,29 +403,31 @@ def plan_cache(
       draft: a draft model: its weights come out of the memory too, and every block of the pool
         has a twin in the draft's pool (its bytes counted with the block's).
     """
-    args, max_model_len = engine_config.args, engine_config.max_model_len
+    cache, max_model_len = engine_config.cache, engine_config.max_model_len
     config = parallel.layout.device_config
     dtype_bytes = kv_element_bytes(engine_config, model, parallel)
     extra = 0
     if draft is not None:
         draft_device = TensorParallelLayout(draft.config, parallel.size).device_config
         extra = kv_bytes_per_token(
-            draft_device, kv_storage_dtype(engine_config.kv_dtype(draft.dtype), parallel.platform).itemsize
+            draft_device, kv_storage_dtype(cache.kv_dtype(draft.dtype), parallel.platform).itemsize
         )
     common = dict(
-        dtype_bytes=dtype_bytes, block_size=args.block_size, max_model_len=max_model_len, extra_bytes_per_token=extra
+        dtype_bytes=dtype_bytes, block_size=cache.block_size, max_model_len=max_model_len, extra_bytes_per_token=extra
     )
-    if args.kv_cache_memory_bytes is not None:
-        return plan_kv_cache(config, kv_cache_memory_bytes=args.kv_cache_memory_bytes, **common)
+    if cache.kv_cache_memory_bytes is not None:
+        return plan_kv_cache(config, kv_cache_memory_bytes=cache.kv_cache_memory_bytes, **common)
     limit = memory_bytes if memory_bytes is not None else device_memory_bytes(parallel)
+    max_num_seqs = engine_config.scheduling.max_num_seqs
     if limit is None:
-        return plan_kv_cache(config, **common, **_cpu_budget(args, config, dtype_bytes, max_model_len, extra))
+        budget = _cpu_budget(cache.block_size, max_num_seqs, config, dtype_bytes, max_model_len, extra)
+        return plan_kv_cache(config, **common, **budget)
     weights = device_weight_bytes(model) + (device_weight_bytes(draft) if draft is not None else 0)
     activations = _peak_activation_bytes(engine_config, model, parallel)
     # The allocator's limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (see jaxpaged/__init__.py).
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
     total = limit / fraction
-    utilization = args.gpu_memory_utilization
+    utilization = cache.gpu_memory_utilization
     if utilization > fraction:
         logger.warning(
             "gpu_memory_utilization=%s exceeds the JAX allocator's limit (XLA_PYTHON_CLIENT_MEM_FRACTION=%s); "
@@ -455,21 +444,23 @@ def plan_cache(
         weight_bytes=weights,
         activation_bytes=activations,
         **common,
-        state_bytes=sequence_state_bytes(args.max_num_seqs, engine_config.model.vocab_size),
+        state_bytes=sequence_state_bytes(max_num_seqs, engine_config.model.vocab_size),
     )
 
 
-def _cpu_budget(args: EngineArgs, config: ModelConfig, dtype_bytes: int, max_model_len: int, extra: int = 0) -> dict:
+def _cpu_budget(
+    block_size: int, max_num_seqs: int, config: ModelConfig, dtype_bytes: int, max_model_len: int, extra: int = 0
+) -> dict:
     """A CPU has no device memory figure: room for `max_num_seqs` requests of `max_model_len`
     (what the job can use at once), capped at a share of the machine's memory."""
-    per_block = (kv_bytes_per_token(config, dtype_bytes) + extra) * args.block_size
-    want = (args.max_num_seqs * -(-max_model_len // args.block_size) + 1) * per_block  # + the null block
+    per_block = (kv_bytes_per_token(config, dtype_bytes) + extra) * block_size
+    want = (max_num_seqs * -(-max_model_len // block_size) + 1) * per_block  # + the null block
     cap = int(host_memory_bytes() * CPU_KV_CACHE_SHARE)
     if want <= cap:
-        why = f"the job: max_num_seqs={args.max_num_seqs} x max_model_len={max_model_len} tokens (CPU)"
+        why = f"the job: max_num_seqs={max_num_seqs} x max_model_len={max_model_len} tokens (CPU)"
         return dict(kv_cache_memory_bytes=want, sized_from=why)
     why = (
-        f"{CPU_KV_CACHE_SHARE:.0%} of this machine's memory (CPU; max_num_seqs={args.max_num_seqs} x "
+        f"{CPU_KV_CACHE_SHARE:.0%} of this machine's memory (CPU; max_num_seqs={max_num_seqs} x "
         f"max_model_len={max_model_len} would need {want / GiB:.2f} GiB; set kv_cache_memory_bytes to choose)"
     )
     return dict(kv_cache_memory_bytes=cap, sized_from=why)
@@ -502,7 +493,7 @@ def _peak_activation_bytes(config: EngineConfig, model: Llama, parallel: TensorP
     """Device memory of the largest step beyond its donated state, from XLA's memory analysis
     (pool kept tiny): the model program's temporaries and its outputs that alias nothing (the
     logits handed to the sampler), then the largest sampler's temporaries."""
-    pages = -(-config.max_model_len // config.args.block_size)
+    pages = -(-config.max_model_len // config.cache.block_size)
     probe = ModelRunner(model, parallel=parallel, config=config.with_blocks(pages + 1))
     program = Program(max(probe.layouts), 1, False)
     analysis = probe.compile_program(program).memory_analysis()

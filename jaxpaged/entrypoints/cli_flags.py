@@ -9,7 +9,8 @@ import dataclasses
 import os
 import re
 
-from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.config.checks import OptionError
+from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_config import EngineConfig
 
 DEMO_MODEL_DIR = os.path.join(
@@ -141,29 +142,35 @@ def _plain_type(annotation):
     return str
 
 
-def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    """The engine's configuration from parsed engine flags (the demo model when no model was
-    given), resolved: every flag checked and the model's configuration read, without JAX."""
+def _options(args: argparse.Namespace, **overrides) -> EngineArgs:
+    """`EngineArgs` from parsed engine flags (the demo model when no model was given)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
     values.update(overrides)
     values["model"] = values.get("model") or DEMO_MODEL_DIR
-    return EngineConfig.resolve(EngineArgs(**values))
+    return EngineArgs(**values)
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The engine's configuration from parsed engine flags, resolved: every flag checked and the
+    model's configuration read, without JAX."""
+    return EngineConfig.resolve(_options(args, **overrides))
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     """`EngineArgs` from parsed engine flags, checked as `engine_config` checks them (a "random"
     seed drawn: the engine runs with the one logged here)."""
-    return engine_config(args, **overrides).args
+    options = _options(args, **overrides)
+    return dataclasses.replace(options, seed=EngineConfig.resolve(options).load.seed)
 
 
 def describe_error(err: Exception, parser: argparse.ArgumentParser) -> str:
     """An error message for the command line: fields become the flags of `parser` that set them
-    (`EngineArgsError`'s field, fields quoted in backticks, and `snake_case=` names)."""
+    (`OptionError`'s field, fields quoted in backticks, and `snake_case=` names)."""
 
     def flag(name: str, otherwise: str) -> str:
         return flag_name(name) if _has_flag(parser, name) else otherwise
 
-    if isinstance(err, EngineArgsError) and _has_flag(parser, err.field):
+    if isinstance(err, OptionError) and _has_flag(parser, err.field):
         text = f"{flag_name(err.field)} {_show(err.value)}: {err.reason}"
     else:
         text = str(err)

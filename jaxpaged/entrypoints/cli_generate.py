@@ -171,16 +171,16 @@ def run(args: argparse.Namespace) -> int:
     skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
     resolved = engine_config(args, skip_tokenizer_init=skip, **placeholder)  # every flag checked before anything slow
-    checked = resolved.args
-    logger.info("generate: %d prompt(s); model %s", len(items), checked.model)
+    load = resolved.load
+    logger.info("generate: %d prompt(s); model %s", len(items), load.model)
     tokenizer = None
     if not skip:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(checked.tokenizer or checked.model)
+        tokenizer = AutoTokenizer.from_pretrained(load.tokenizer)
     prompts = tokenize(items, tokenizer)
     sizes = size_to_job(args, resolved.model, prompts, params)
-    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=checked.seed)
+    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=load.seed)
 
     from jaxpaged.entrypoints.llm import LLM  # JAX is imported from here on
 

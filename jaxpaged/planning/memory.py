@@ -8,6 +8,7 @@ bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes
 import dataclasses
 
 from jaxpaged.config import defaults
+from jaxpaged.config.checks import check_memory_fraction
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 
 GiB = 2**30
@@ -104,8 +105,7 @@ def plan_kv_cache(
     Raises:
       ValueError: when not even one `max_model_len` request fits, with the numbers and knobs.
     """
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+    check_memory_fraction(gpu_memory_utilization)
     per_token = kv_bytes_per_token(config, dtype_bytes) + extra_bytes_per_token
     per_block = per_token * block_size
     if kv_cache_memory_bytes is not None:

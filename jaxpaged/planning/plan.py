@@ -18,6 +18,7 @@ import json
 import math
 
 from jaxpaged.config import defaults
+from jaxpaged.config.checks import check_block_size, check_choice, check_memory_fraction
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
@@ -28,7 +29,6 @@ from jaxpaged.config.quantization import (
     QUANTIZED_WEIGHT_DTYPES,
     resolve_quantization,
 )
-from jaxpaged.engine_args import check_block_size
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
@@ -86,26 +86,23 @@ def make_plan(
         context = config.check_max_model_len(context or config.max_context_len)
     except ValueError as err:
         raise ValueError(f"--context: {err}") from None
+    check_choice("dtype", dtype, ("auto", *MODEL_DTYPES))
     if dtype == "auto":
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").removeprefix("torch.")
-    if dtype not in MODEL_DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not supported; use auto or one of {', '.join(MODEL_DTYPES)}")
-    if kv_cache_dtype not in PLAN_KV_CACHE_DTYPES:
-        raise ValueError(
-            f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; use one of {', '.join(PLAN_KV_CACHE_DTYPES)}"
-        )
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"--quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATION_METHODS)}"
-        )
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"the checkpoint's dtype {dtype!r} is not supported; give `dtype` ({', '.join(MODEL_DTYPES)})"
+            )
+    check_choice("kv_cache_dtype", kv_cache_dtype, PLAN_KV_CACHE_DTYPES)
+    if quantization is not None:
+        check_choice("quantization", quantization, QUANTIZATION_METHODS)
     try:
         quantization = resolve_quantization(quantization, raw)
     except ValueError as err:
         raise ValueError(f"--quantization: {err}") from None
     kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
     check_block_size(block_size)
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
+    check_memory_fraction(gpu_memory_utilization)
     tp = tensor_parallel_size
     total_params, _ = count_parameters(config, tp)
     weights = weight_bytes_per_gpu(config, dtype, quantization, tp)

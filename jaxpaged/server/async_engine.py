@@ -147,7 +147,7 @@ class AsyncEngine:
     def _adopt(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.config = engine.config
-        self.tokenizer_dir = None if engine.tokenizer is None else engine.args.tokenizer or engine.args.model
+        self.tokenizer_dir = engine.config.load.tokenizer
         self.stats = engine.get_stats()
         for callback in self._ready_callbacks:
             callback()
@@ -163,7 +163,7 @@ class AsyncEngine:
 
     @property
     def max_num_seqs(self) -> int:
-        return self.engine.args.max_num_seqs
+        return self.engine.config.scheduling.max_num_seqs
 
     # -- event-loop side ---------------------------------------------------------------------
 

@@ -218,7 +218,7 @@ def _log_start_up(engine, seconds: float) -> None:
         "%d tokens (%.3f GiB), max concurrency %.2f at max_model_len; %d step programs (token buckets %s) "
         "compiled in %.1f s",
         seconds,
-        engine.args.model,
+        engine.config.load.model,
         config.architecture,
         config.num_layers,
         dtype,

@@ -154,8 +154,14 @@ def draft_engine_config(config: EngineConfig, layout) -> EngineConfig:
     """The draft runner's configuration: the target's (planned pool size included) with the
     draft's model (`layout`: its split over the mesh), `num_scheduler_steps` = k (its proposing
     programs) and no proposals of its own to check, no host tier, unquantized weights."""
-    spec = config.args.speculative_config
-    args = dataclasses.replace(config.args, num_scheduler_steps=spec.num_speculative_tokens, speculative_config=None)
+    scheduling = dataclasses.replace(config.scheduling, num_scheduler_steps=config.speculative.num_speculative_tokens)
     return dataclasses.replace(
-        config, args=args, model=layout.config, layout=layout, num_host_blocks=0, quantization=None, draft=None
+        config,
+        model=layout.config,
+        layout=layout,
+        load=dataclasses.replace(config.load, quantization=None),
+        cache=dataclasses.replace(config.cache, num_host_blocks=0),
+        scheduling=scheduling,
+        speculative=None,
+        draft=None,
     )

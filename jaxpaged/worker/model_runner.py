@@ -115,7 +115,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs = limits.max_num_seqs
         graphdef, params = nnx.split(model)
         self.params_dtype = model.dtype
-        self.kv_dtype = config.kv_dtype(self.params_dtype)
+        self.kv_dtype = config.cache.kv_dtype(self.params_dtype)
         self.step_programs = StepPrograms.for_engine(config, graphdef, parallel, self.kv_dtype, fused_options)
         self.packer = self.step_programs.packer
         self.pages = self.packer.pages
@@ -133,17 +133,17 @@ class ModelRunner:
         else:
             self.params = place_params(params, parallel)  # no copy when the loader placed them already
         self._whole = parallel.sharding()
-        self.cache = self.zero_cache(config.num_blocks)
+        self.cache = self.zero_cache(config.cache.num_blocks)
         if kv_scales is not None and self.cache.kv.quant is not None:
             self._set_kv_scales(*kv_scales)
         self.kv_transfer = None  # the host tier's memory and copies
-        if config.num_host_blocks:
+        if config.cache.num_host_blocks:
             k = self.cache.kv.k
             self.kv_transfer = KVTransfer(
                 parallel,
                 self.step_programs.cache_shardings,
                 num_layers=self.config.num_layers,
-                num_host_blocks=config.num_host_blocks,
+                num_host_blocks=config.cache.num_host_blocks,
                 block_shape=k.shape[1:],
                 dtype=k.dtype,
             )

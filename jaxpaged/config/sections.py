@@ -1,0 +1,140 @@
+"""The typed parts of the engine's resolved configuration (vLLM's names: load, cache, scheduling,
+parallel, compile), what each component receives instead of the options object. No JAX here.
+
+Each part's fields are `EngineArgs` fields of the same name, resolved (`EngineConfig.resolve`
+fills them from the options), plus what start-up decides (the checkpoint's dtype, the pool's
+size). Defaults and help texts are declared on `EngineArgs` only; a part declares which options
+it holds, and tests/test_engine_config.py checks that every option lands in exactly one part.
+"""
+
+import dataclasses
+
+from jaxpaged.config.quantization import kv_dtype_name
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadConfig:
+    """What the weights are and how the model is built from them.
+
+    Attributes:
+      model: the model directory (or, with dummy weights, a preset).
+      tokenizer: the tokenizer's directory (`tokenizer`, else `model`); None with
+        `skip_tokenizer_init`.
+      skip_tokenizer_init: token ids in and out, no tokenizer.
+      load_format: "auto" reads the weights, "dummy" makes random ones.
+      dtype: the option ("auto" is `checkpoint_dtype`).
+      checkpoint_dtype: config.json's `dtype` (or `torch_dtype`); None: float32.
+      quantization: the weights' method (the option, or the checkpoint's), or None.
+      attention_backend: "auto", "pallas" or "reference".
+      scan_layers: layers as one loop body over stacked weights.
+      seed: the engine seed (resolved: never None).
+    """
+
+    model: str
+    tokenizer: str | None
+    skip_tokenizer_init: bool
+    load_format: str
+    dtype: str
+    checkpoint_dtype: str | None
+    quantization: str | None
+    attention_backend: str
+    scan_layers: bool
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache: its blocks on the devices and the host and disk tiers behind them.
+
+    Attributes:
+      block_size: tokens per block.
+      kv_cache_dtype: the option ("auto": the model's dtype; see `kv_dtype`).
+      gpu_memory_utilization: the share of device memory the plan may use.
+      kv_cache_memory_bytes: the pool's exact size, or None (sized from the memory).
+      enable_prefix_caching: reuse the blocks of equal prefixes.
+      kv_offloading_size: GiB of the host tier, or None.
+      kv_cache_dir: the disk tier's directory, or None.
+      kv_cache_dir_size: GiB of files the disk tier keeps.
+      preemption_mode: the option (None: see `resolved_preemption_mode`).
+      num_blocks: blocks per device, the null block included (0 until planned).
+      num_host_blocks: blocks of the host tier (0: none; planned with the pool).
+    """
+
+    block_size: int
+    kv_cache_dtype: str
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    enable_prefix_caching: bool
+    kv_offloading_size: float | None
+    kv_cache_dir: str | None
+    kv_cache_dir_size: float
+    preemption_mode: str | None
+    num_blocks: int = 0
+    num_host_blocks: int = 0
+
+    def kv_dtype(self, model_dtype) -> str:
+        """The KV cache's (logical) dtype name: `kv_cache_dtype`, or with "auto" the model's."""
+        return kv_dtype_name(self.kv_cache_dtype, str(model_dtype))
+
+    @property
+    def resolved_preemption_mode(self) -> str:
+        """`preemption_mode`, resolved: swap when there is a host tier, unless told otherwise."""
+        return self.preemption_mode or ("swap" if self.num_host_blocks else "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulingConfig:
+    """How steps are batched (the scheduler's limits but the ones the pool decides).
+
+    Attributes:
+      max_num_seqs: sequences running at once.
+      max_num_batched_tokens: tokens computed per step.
+      num_scheduler_steps: decode steps fused into one device program.
+      async_scheduling: dispatch each step before the previous one's tokens reach the host.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_scheduler_steps: int
+    async_scheduling: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices and processes the engine spans.
+
+    Attributes:
+      tensor_parallel_size: devices the model is split over.
+      nnodes: processes of the engine.
+      node_rank: this process among them (0 schedules).
+      master_addr: where the processes meet.
+      master_port: the port they meet on.
+    """
+
+    tensor_parallel_size: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    """How the step programs are compiled.
+
+    Attributes:
+      compile_threads: programs compiled at once.
+      compilation_cache_dir: "auto", "none" or a directory (the persistent cache).
+    """
+
+    compile_threads: int
+    compilation_cache_dir: str
+
+
+SECTIONS = {
+    "load": LoadConfig,
+    "cache": CacheConfig,
+    "scheduling": SchedulingConfig,
+    "parallel": ParallelConfig,
+    "compile": CompileConfig,
+}

@@ -5,7 +5,8 @@
    token ids takes a fraction of a second to parse, and the event loop must not wait on it.
 3. Before any element is validated, each list field's length is checked against what the
    request can use (`max_model_len` tokens, `--max-sequences-per-request` prompts,
-   `--max-stop-token-ids`), so no field costs more than its limit allows.
+   `--max-stop-token-ids`), so no field costs more than its limit allows (`/detokenize`'s
+   `tokens` are bounded by the body's size alone, as in vLLM).
 4. Validation errors become one 400 naming at most `MAX_ERRORS_SHOWN` of them, each cut to a
    bounded length (list fields stop at their first bad element, see `protocol.py`).
 """
@@ -41,7 +42,6 @@ class ListLimits:
                 if isinstance(item, list):
                     _check_length(f"prompt.{i}", item, self.max_model_len, tokens)
         _check_length("messages", data.get("messages"), self.max_model_len, tokens + ": one message per token")
-        _check_length("tokens", data.get("tokens"), self.max_model_len, tokens)
         _check_length("stop_token_ids", data.get("stop_token_ids"), self.max_stop_token_ids, "--max-stop-token-ids")
         _check_length("stop", data.get("stop"), MAX_STOP_STRINGS, "stop strings per request")
 
@@ -66,7 +66,7 @@ def validation_message(errors: list) -> tuple[str, str | None]:
 def _parse(raw: bytes, model: type[BaseModel], limits: ListLimits) -> BaseModel:
     try:
         data = json.loads(raw)
-    except ValueError as err:  # includes invalid UTF-8
+    except (ValueError, RecursionError) as err:  # invalid UTF-8, or nesting deeper than Python recurses
         raise APIError(f"the body is not valid JSON: {echo(str(err))}") from None
     if not isinstance(data, dict):
         raise APIError(f"the body must be a JSON object, got {type(data).__name__}")

@@ -233,6 +233,10 @@ ATTACKS = [
 ]
 
 
+def _p99(latencies: list[float]) -> float:
+    return statistics.quantiles(latencies, n=100, method="inclusive")[98] if len(latencies) > 1 else latencies[0]
+
+
 def measure(server: Server, attack) -> dict:
     stop = threading.Event()
     probes: list = []
@@ -254,7 +258,7 @@ def measure(server: Server, attack) -> dict:
         "probes": len(latencies),
         "failed_probes": failures,
         "health_p50_ms": round(statistics.median(latencies) * 1e3, 1),
-        "health_p99_ms": round(statistics.quantiles(latencies, n=100, method="inclusive")[98] * 1e3, 1),
+        "health_p99_ms": round(_p99(latencies) * 1e3, 1),
         "health_max_ms": round(max(latencies) * 1e3, 1),
         "seen": seen,
     }

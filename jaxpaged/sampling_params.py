@@ -24,12 +24,17 @@ SAMPLING_EPS = 1e-5
 
 
 def _bad(field: str, value: object, allowed: str) -> ValueError:
-    return ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}")
+    shown = repr(value)
+    if len(shown) > 64:  # a bounded prefix: values may be huge lists
+        shown = f"{shown[:64]}... ({type(value).__name__} of {len(value)})" if hasattr(value, "__len__") else shown[:64]
+    return ValueError(f"SamplingParams.{field} must be {allowed}, got {shown}")
 
 
 # The device step holds these fields in int32 / float32 (see step_packer.SAMPLING_FIELDS).
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+# float32's smallest normal number: the device flushes smaller magnitudes to 0.
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 def _is_int(value: object) -> bool:
@@ -108,10 +113,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     speculate: bool = True
+    # `stop_token_ids` as a set, made once: the scheduler looks each new token up in it.
+    stop_token_id_set: frozenset = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self.stop_token_id_set = frozenset(self.stop_token_ids)
         self._verify_args()
         if self.top_k == -1:
             self.top_k = 0
@@ -145,6 +153,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             if not _is_number(getattr(self, name)):
                 raise _bad(name, getattr(self, name), "a finite number (float32 range)")
+            if 0 < abs(getattr(self, name)) < FLOAT32_TINY:
+                raise _bad(
+                    name, getattr(self, name), f"0 or at least {FLOAT32_TINY:.8g} in magnitude (float32 rounds it to 0)"
+                )
         for name in ("n", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)) or abs(getattr(self, name)) > INT32_MAX:
                 raise _bad(name, getattr(self, name), f"an int (within ±{INT32_MAX})")

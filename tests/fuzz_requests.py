@@ -782,6 +782,29 @@ def _special(rng: random.Random) -> list[Case]:
     def raw(endpoint, path, data: bytes, desc, headers=None, expect=None, stream=False):
         add(Case(endpoint, "POST", path, data, headers or [AUTH, JSON_CT], desc, stream, expect))
 
+    # list amplification: one bad element per item of a long list (each answer must stay small)
+    for desc, body in (
+        ("prompt: [1.5] * 200,000", {"prompt": [1.5] * 200_000}),
+        ("prompt: [{}] * 200,000", {"prompt": [{}] * 200_000}),
+        ("prompt: [[1.5]] * 100,000", {"prompt": [[1.5]] * 100_000}),
+        ("prompt: [5] * 200,000 (over max_model_len)", {"prompt": [5] * 200_000}),
+        ("stop_token_ids: [1] * 5,000 (over --max-stop-token-ids)", {"prompt": "a", "stop_token_ids": [1] * 5_000}),
+        ("stop_token_ids: ['x'] * 500", {"prompt": "a", "stop_token_ids": ["x"] * 500}),
+        ("stop: [1] * 100,000", {"prompt": "a", "stop": [1] * 100_000}),
+        ("logit_bias of 100,000 bad entries", {"prompt": "a", "logit_bias": {str(i): "x" for i in range(100_000)}}),
+        ("cache_salt of 100,000 characters", {"prompt": "a", "cache_salt": "s" * 100_000}),
+        ("model name of 1 MiB", {"prompt": "a", "model": "m" * 2**20}),
+    ):
+        raw("completions", C, encode(body), f"list amplification: {desc}", expect=400 if "model" not in body else 404)
+    for desc, body in (
+        ("messages: [{'role': 1}] * 100,000", {"messages": [{"role": 1}] * 100_000}),
+        ("content parts: [{}] * 100,000", {"messages": [{"role": "user", "content": [{}] * 100_000}]}),
+        ("a role of 1 MiB", {"messages": [{"role": "u" * 2**20, "content": "hi"}]}),
+        ("a name of 1 MiB", {"messages": [{"role": "user", "name": "n" * 2**20, "content": "hi"}]}),
+    ):
+        raw("chat", CH, encode(body), f"list amplification: {desc}", expect=400)
+    raw("tokenize", "/detokenize", encode({"tokens": [1.5] * 200_000}), "detokenize: [1.5] * 200,000", expect=400)
+
     # bodies over and under the 4 MiB cap
     over = BODY_CAP + 17
     big = encode({"prompt": _long_text(rng, over - 20), "max_tokens": 1})

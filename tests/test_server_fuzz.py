@@ -50,6 +50,7 @@ LEAKS = re.compile(
     r"validation errors? for \w+|errors\.pydantic\.dev"
 )  # the last two: str(pydantic.ValidationError)
 ALLOWED_WORDS = {"error", "exception"}  # the plain words are fine; class names are not
+MAX_ERROR_BYTES = 2048  # an error answer's size bound, whatever the size of the request
 
 
 class FuzzServer:
@@ -184,6 +185,8 @@ def judge(case: Case, result) -> str | None:
         return f"expected {case.expect}"
     if status == 200:
         return check_ok_body(case, result)
+    if len(result.content) > MAX_ERROR_BYTES:
+        return f"a {len(result.content)}-byte error answer"
     return check_error_body(result)
 
 

@@ -5,8 +5,14 @@ CI's venv built from `pip install -e '.[server]'` alone).
 - an engine failure fails every request, `/health` turns 503 and `jaxpaged serve` exits 1;
 - SIGTERM drains: in-flight requests finish (or are aborted at `--shutdown-timeout`), exit 0;
 - admission limits (503 + Retry-After, 400 naming both numbers), duplicate auth headers (401);
-- `/health` stays fast while 4 x 4 MiB prompts are refused and with 5,000 requests queued;
-- chat works with only the server extra installed (jinja2).
+- 4 x 4 MiB prompts are refused before tokenizing, and 5,000 queued requests all finish
+  (`/health`'s latency under these and issue 25's attacks: `benchmarks/health_under_attack.py`);
+- chat works with only the server extra installed (jinja2);
+- issue 25's hostile inputs, each bounded by a limit checked before the work (sizes and counts
+  asserted, never wall time): small 400s for long lists of bad elements, connections closed
+  after the header timeout, `Connection: close` after an early 401, stop_token_ids as a set
+  and their limit, the response-size budget, tiny top_p, long roles refused before templating,
+  bounded echoes of client input, and a second SIGTERM's shapes.
 """
 
 import asyncio
@@ -30,9 +36,19 @@ from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine
+from jaxpaged.server.http_protocol import guarded_h11_protocol
+from jaxpaged.server.limits import ServerLimits
 
 SETTINGS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=1)
 KEY = "sk-hardening"
+# small limits, so each is reached by a small request; connections enough for the 5,000-request flood
+LIMITS = ServerLimits(
+    limit_concurrency=6000,
+    timeout_header=5.0,
+    max_stop_token_ids=64,
+    max_cache_salt_chars=100,
+    max_response_entries=5000,
+)
 
 
 class DemoServer:
@@ -49,8 +65,10 @@ class DemoServer:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        app = build_app(self.async_engine, "demo", api_key=KEY, **app_kwargs)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.app = build_app(self.async_engine, "demo", api_key=KEY, limits=LIMITS, **app_kwargs)
+        config = uvicorn.Config(self.app, log_level="warning", http=guarded_h11_protocol(LIMITS))
+        self.port = sock.getsockname()[1]
+        self.uvicorn = uvicorn.Server(config)
         threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True).start()
         while not self.uvicorn.started:
             time.sleep(0.02)
@@ -174,14 +192,10 @@ def _summary(latencies: list[float]) -> str:
     )
 
 
-def test_health_stays_fast_under_huge_prompts_and_a_deep_queue(demo):
-    """Two claims, each asserted where it is not a race with the machine's load:
-    - 4 x 4 MiB prompts are refused before tokenizing (tokenizing one takes ~1.8 s on this 2-core
-      machine, on the event loop or in the tokenizer pool): no `/health` waits half that;
-    - with 5,000 requests queued behind a paused engine, `/health` costs what it costs on an idle
-      server: p99 under 100 ms (its median is ~1 ms).
-    The flood's arrival (5,000 connections that the one event loop takes in turn) is only printed:
-    its tail is the machine's, not the server's (it failed a p99 < 100 ms bound once in CI)."""
+def test_huge_prompts_and_a_deep_queue(demo):
+    """4 x 4 MiB prompts are refused before tokenizing, and 5,000 requests queued behind a paused
+    engine all finish. `/health`'s latency meanwhile is printed, not asserted (a bound on wall
+    time is a race with the machine's load): `benchmarks/health_under_attack.py` measures it."""
     gc.collect()
     gc.freeze()  # the test session's heap is not a server's: no full collection walks it mid-probe
     try:
@@ -217,9 +231,6 @@ def test_health_stays_fast_under_huge_prompts_and_a_deep_queue(demo):
         f"/health while huge prompts are refused: {_summary(refusing)}; while 5,000 requests arrive: "
         f"{_summary(arriving)}; with 5,000 queued: {_summary(queued)}"
     )
-    assert max(refusing) < 0.9, f"a huge prompt held the event loop: /health took {max(refusing):.2f} s"
-    p99 = statistics.quantiles(queued, n=100)[98]
-    assert p99 < 0.1, f"/health p99 {p99 * 1e3:.0f} ms with 5,000 requests queued"
 
 
 def _serve(tmp_path, *extra: str, code: str = "") -> tuple[subprocess.Popen, str, str]:
@@ -330,3 +341,150 @@ def test_requests_carry_spaces_between_special_tokens():
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **off).sampling_params(vocab_size=64)
     for params in (completion, chat):
         assert params.spaces_between_special_tokens is False and params.skip_special_tokens is False
+
+
+# -- issue 25: bounded work per request ---------------------------------------------------------
+
+
+def _post_json(demo, path: str, body: dict) -> httpx.Response:
+    return demo.http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+
+def test_long_lists_of_bad_elements_get_small_400s(demo):
+    floats = {"prompt": [1.5] * (2**20 // 5)}  # 1 MiB of body: "1.5, " per element
+    assert len(json.dumps(floats)) >= 2**20
+    for path, body in (
+        ("/v1/completions", floats),
+        ("/v1/completions", {"prompt": [{}] * 200_000}),
+        ("/v1/chat/completions", {"messages": [{"role": 1}] * 100_000}),
+        ("/detokenize", {"tokens": [1.5] * 100_000}),
+    ):
+        response = _post_json(demo, path, body)
+        assert response.status_code == 400 and len(response.content) < 1024, (path, len(response.content))
+    too_long = _post_json(demo, "/v1/completions", {"prompt": [5] * 100_000})  # refused by length, unvalidated
+    error = too_long.json()["error"]
+    assert error["param"] == "prompt" and "at most 128 items" in error["message"] and "100000" in error["message"]
+
+
+def test_connections_without_headers_are_closed_after_the_header_timeout(demo):
+    sockets = [socket.create_connection(("127.0.0.1", demo.port)) for _ in range(20)]
+    for s in sockets:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        s.settimeout(30)  # the header timeout is 5 s
+    closed = sum(s.recv(1024) == b"" for s in sockets)
+    for s in sockets:
+        s.close()
+    assert closed == 20
+
+
+def test_401_before_a_chunked_body_closes_the_connection(demo):
+    with socket.create_connection(("127.0.0.1", demo.port)) as s:
+        s.settimeout(30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")
+        answer = b""
+        while chunk := s.recv(4096):  # ends when the server closes
+            answer += chunk
+    head = answer.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 401") and b"connection: close" in head
+
+
+def test_stop_token_ids_are_a_set_with_a_limit(demo):
+    from jaxpaged.sampling_params import SamplingParams
+
+    params = SamplingParams(stop_token_ids=[5, 6, 5])
+    assert params.stop_token_id_set == frozenset({5, 6}) and params.stop_token_ids == [5, 6, 5]
+    refused = demo.complete(stop_token_ids=list(range(65)))
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "stop_token_ids"
+    assert "at most 64 items" in error["message"] and "--max-stop-token-ids" in error["message"]
+    assert demo.complete(stop_token_ids=list(range(64))).status_code == 200
+
+
+def test_response_size_budget(demo):
+    over = demo.complete(n=10, max_tokens=100, logprobs=5, temperature=1)  # 10 x 100 x 6 = 6,000 > 5,000
+    error = over.json()["error"]
+    assert over.status_code == 400 and error["param"] == "max_tokens" and "--max-response-entries" in error["message"]
+    assert "6000" in error["message"]
+    assert demo.complete(n=8, max_tokens=100, logprobs=5, temperature=1).status_code == 200  # 4,800
+
+
+def test_tiny_top_p_is_refused_or_keeps_the_top_token(demo):
+    refused = demo.complete(top_p=1e-40)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_p"
+    for field in ("min_p", "temperature", "repetition_penalty", "presence_penalty"):
+        assert demo.complete(**{field: 1e-40}).status_code == 400, field
+    greedy = demo.complete(prompt="And God said", max_tokens=8, temperature=0).json()["choices"][0]["text"]
+    tiny = demo.complete(prompt="And God said", max_tokens=8, temperature=1, top_p=1.2e-38, seed=3)
+    assert tiny.json()["choices"][0]["text"] == greedy  # a nucleus of the top token alone
+
+
+def test_long_role_is_refused_before_templating(demo, monkeypatch):
+    ctx = demo.app.state.ctx
+    limit = ctx.engine.config.max_model_len * ctx.pool.max_token_chars
+    calls = []
+    run = ctx.pool.run
+    monkeypatch.setattr(ctx.pool, "run", lambda *a: calls.append(a) or run(*a))
+    for message in (
+        {"role": "u" * (limit + 1), "content": "hi"},
+        {"role": "user", "name": "n" * limit, "content": "hi"},
+    ):
+        response = demo.http.post("/v1/chat/completions", json={"messages": [message]})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert calls == []  # nothing was templated or tokenized
+
+
+def test_cache_salt_is_bounded_and_hashed_once(demo):
+    from jaxpaged.core.block_manager import _salt_digest, hash_block
+
+    refused = demo.complete(cache_salt="s" * 101)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
+    salt = "a new salt " * 10
+    misses = _salt_digest.cache_info().misses
+    parent = None
+    for block in range(8):
+        parent = hash_block(parent, [block] * 16, salt)
+    assert _salt_digest.cache_info().misses == misses + 1
+
+
+def test_error_messages_echo_a_bounded_prefix(demo):
+    response = demo.complete(model="m" * 2**20)
+    assert response.status_code == 404 and len(response.content) < 512
+    assert f"({2**20} characters)" in response.json()["error"]["message"]
+
+
+def test_head_health(demo):
+    assert httpx.head(demo.url + "/health", trust_env=False).status_code == 200
+    assert httpx.head(demo.url + "/live", trust_env=False).status_code == 200
+
+
+def test_second_sigterm_ends_the_drain_with_clean_shapes(tmp_path):
+    proc, url, log = _serve(tmp_path, "--shutdown-timeout", "600", "--max-model-len", "1024")
+    body = {"prompt": "And", "max_tokens": 1000, "ignore_eos": True}
+    answers = {}
+
+    def plain():
+        answers["plain"] = httpx.post(url + "/v1/completions", json=body, trust_env=False, timeout=120)
+
+    try:
+        waiting = threading.Thread(target=plain)
+        waiting.start()
+        with httpx.Client(base_url=url, trust_env=False, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line.startswith("data:"))  # generating now
+                proc.send_signal(signal.SIGTERM)
+                while "draining" not in open(log).read():
+                    time.sleep(0.05)
+                proc.send_signal(signal.SIGTERM)  # the drain would last 600 s: this ends it
+                proc.send_signal(signal.SIGTERM)  # and a third is ignored
+                rest = [line for line in lines if line]
+        waiting.join()
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+    text = open(log).read()
+    assert "ending the drain now" in text and "Traceback" not in text, text
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2], rest[-3:]
+    plain_answer = answers["plain"]
+    assert plain_answer.headers["content-type"] == "application/json"
+    assert plain_answer.json()["choices"][0]["finish_reason"] == "abort"

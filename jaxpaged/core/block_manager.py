@@ -37,6 +37,7 @@ does are read into host slots (`promote_from_disk`), so the lookup finds them th
 """
 
 import collections
+import functools
 import hashlib
 import typing
 from array import array
@@ -57,13 +58,16 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int], cache_salt: str 
       cache_salt: the sequence's salt, None for none.
     """
     h = hashlib.sha256(b"R" if parent_hash is None else b"C" + parent_hash)
-    if cache_salt is None:
-        h.update(b"\x00")
-    else:
-        salt = cache_salt.encode("utf-8", "surrogatepass")  # total: any str hashes
-        h.update(b"\x01" + len(salt).to_bytes(8, "little") + salt)
+    h.update(b"\x00" if cache_salt is None else b"\x01" + _salt_digest(cache_salt))
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+@functools.lru_cache(maxsize=256)
+def _salt_digest(cache_salt: str) -> bytes:
+    """A salt's sha256, computed once per salt rather than once per block (a str caches its own
+    hash, so a long salt costs its length only the first time)."""
+    return hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()  # total: any str hashes
 
 
 class ComputedPrefix(typing.NamedTuple):

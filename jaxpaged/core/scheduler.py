@@ -568,7 +568,7 @@ class Scheduler:
         if seq.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, None
-            if token in sp.stop_token_ids:
+            if token in sp.stop_token_id_set:
                 return SequenceStatus.FINISHED_STOPPED, token
         if seq.num_tokens >= self.config.max_model_len or (
             sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens

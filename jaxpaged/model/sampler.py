@@ -152,7 +152,8 @@ def _top_k_top_p(logits, top_k, top_p):
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # The nucleus: the smallest prefix whose mass reaches top_p (its last token included).
     # (top_p 1 keeps every token exactly: a cumulative sum may reach 1 early by rounding)
-    in_nucleus = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)) & in_top_k
+    # The top token is always in it, whatever top_p rounded to.
+    in_nucleus = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1) | (jnp.arange(vocab) == 0)) & in_top_k
     pth = jnp.min(jnp.where(in_nucleus, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where((logits < kth) | (logits < pth), -jnp.inf, logits)
 

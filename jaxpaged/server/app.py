@@ -31,6 +31,7 @@ from jaxpaged.server.async_engine import (
     EngineOverloadedError,
     RequestFailedError,
 )
+from jaxpaged.server.limits import ServerLimits
 from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.protocol import (
     APIError,
@@ -41,11 +42,11 @@ from jaxpaged.server.protocol import (
     api_error_from,
     error_body,
 )
+from jaxpaged.server.request_body import parse_body, validation_message
 from jaxpaged.server.serving import ServingContext, chat_prompt, create_chat_completion, create_completion
 
 logger = logging.getLogger("jaxpaged.server")
 
-MAX_BODY_BYTES = 4 * 2**20
 RETRY_AFTER_SECONDS = 1  # what a 503 at capacity tells clients to wait
 # Probes and Prometheus scrape without the API key (as in vLLM, whose key guards only /v1).
 UNAUTHENTICATED_PATHS = ("/health", "/live", "/metrics")
@@ -55,10 +56,10 @@ def build_app(
     async_engine: AsyncEngine,
     served_model_name: str,
     api_key: str | None = None,
-    max_body_bytes: int = MAX_BODY_BYTES,
     log_prompts: bool = False,
     max_sequences_per_request: int = 1024,
     tokenizer_pool_size: int = 2,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over an `AsyncEngine` (which may still be starting).
 
@@ -66,26 +67,33 @@ def build_app(
       async_engine: the engine (its thread keeps running after the app stops; shut it down).
       served_model_name: the `model` name clients use (others get 404).
       api_key: when set, every route but `UNAUTHENTICATED_PATHS` needs `Authorization: Bearer <api_key>`.
-      max_body_bytes: larger request bodies get 413.
       log_prompts: request logs include the prompt text (off by default).
       max_sequences_per_request: prompts x n above this get 400.
       tokenizer_pool_size: threads that tokenize and detokenize off the event loop.
+      limits: the body, request and stream limits (`ServerLimits()`'s defaults when None).
     """
+    limits = limits or ServerLimits()
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
-    ctx = ServingContext(async_engine, served_model_name, log_prompts, max_sequences_per_request, tokenizer_pool_size)
+    ctx = ServingContext(
+        async_engine, served_model_name, log_prompts, max_sequences_per_request, tokenizer_pool_size, limits
+    )
     metrics = ServerMetrics(async_engine, served_model_name)
     created = int(time.time())
     app.state.ctx, app.state.metrics = ctx, metrics
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_request_body_bytes)
     _add_error_handlers(app)
 
+    async def body_of(raw: Request, model):
+        ctx.require_ready()  # the list limits need the engine's max_model_len
+        return await parse_body(raw, model, ctx.list_limits)
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(ctx, body, raw)
+    async def completions(raw: Request) -> Response:
+        return await create_completion(ctx, await body_of(raw, CompletionRequest), raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await create_chat_completion(ctx, body, raw)
+    async def chat_completions(raw: Request) -> Response:
+        return await create_chat_completion(ctx, await body_of(raw, ChatCompletionRequest), raw)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -101,7 +109,7 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """Readiness: 200 once the engine has compiled and serves; 503 while starting, draining or dead."""
         if async_engine.is_ready:
@@ -109,7 +117,7 @@ def build_app(
         state = "dead" if async_engine.dead else "draining" if async_engine.draining else "starting"
         return JSONResponse(error_body(f"not ready: {state}", "server_error"), status_code=503)
 
-    @app.get("/live")
+    @app.api_route("/live", methods=["GET", "HEAD"])
     async def live() -> Response:
         """Liveness: 200 while the process serves HTTP (also while the engine compiles)."""
         return Response(status_code=200)
@@ -129,7 +137,8 @@ def build_app(
         return Response(body, media_type=content_type)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(raw: Request) -> dict:
+        body = await body_of(raw, TokenizeRequest)
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of 'prompt' or 'messages'", param="prompt")
@@ -150,7 +159,8 @@ def build_app(
         }
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(raw: Request) -> dict:
+        body = await body_of(raw, DetokenizeRequest)
         ctx.check_model(body.model)
         vocab = async_engine.config.model.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -171,23 +181,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, err: RequestValidationError | ValidationError):
-        messages, param = [], None
-        for e in err.errors():
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            if e.get("type") == "json_invalid":
-                messages.append(f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
-                continue
-            param = param or (loc[0] if loc else None)
-            messages.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
-        return reply(400, error_body("; ".join(messages) or "invalid request", param=param))
+        message, param = validation_message(err.errors())
+        return reply(400, error_body(message, param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_, err: HTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        response = reply(err.status_code, error_body(str(err.detail), kind))
-        if err.status_code == 413:  # the rest of the body was never read: the connection cannot be reused
-            response.headers["Connection"] = "close"
-        return response
+        return reply(err.status_code, error_body(str(err.detail), kind))  # the guard closes if the body is unread
 
     @app.exception_handler(ValueError)
     async def value_error(request, err: ValueError):
@@ -230,28 +230,38 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
+        # A response sent before the whole body was read closes the connection: otherwise the
+        # server would go on reading (and parsing) a body nobody wants, e.g. one byte per chunk.
+        body_unread = b"transfer-encoding" in headers or length not in (b"", b"0")
         if self.expected and scope["path"] not in UNAUTHENTICATED_PATHS:
             given = [value for name, value in scope["headers"] if name == b"authorization"]
             if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
                 message = "invalid or missing API key; send 'Authorization: Bearer <key>'"
-                return await _send_json(send, 401, error_body(message, "authentication_error", code="invalid_api_key"))
+                body = error_body(message, "authentication_error", code="invalid_api_key")
+                return await _send_json(send, 401, body, close=body_unread)
         limit = self.max_body_bytes
         too_large = f"the request body exceeds the limit of {limit} bytes"
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > limit:  # answered unread: the connection cannot be reused
+        if length.isdigit() and int(length) > limit:
             return await _send_json(send, 413, error_body(too_large), close=True)
         received = 0
 
         async def capped_receive():
-            nonlocal received
+            nonlocal received, body_unread
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
                     raise HTTPException(413, too_large)  # answered by the app's handler
+                body_unread = body_unread and message.get("more_body", False)
             return message
 
-        await self.app(scope, capped_receive, send)
+        async def closing_send(message):
+            if message["type"] == "http.response.start" and body_unread:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, capped_receive, closing_send)
 
 
 async def _send_json(send, status: int, body: dict, close: bool = False) -> None:

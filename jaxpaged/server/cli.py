@@ -15,6 +15,7 @@ import time
 
 from jaxpaged.entrypoints import cli_flags
 from jaxpaged.entrypoints.cli_flags import PORT
+from jaxpaged.server.limits import RESERVED_FILES, add_limit_flags, limits_from
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -76,6 +77,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="threads that tokenize and detokenize off the event loop",
     )
+    add_limit_flags(parser)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -110,6 +112,8 @@ def serve(args: argparse.Namespace) -> int:
     ):
         if value < minimum:
             raise ValueError(f"{flag} {value}: must be at least {minimum}")
+    limits = limits_from(args)
+    _make_room_for_connections(limits.max_connections + RESERVED_FILES)
     model = args.model_tag or args.model
     engine_args = cli_flags.engine_args(args, model=model)  # every flag checked before JAX loads
     name = args.served_model_name or model or DEMO_MODEL_NAME
@@ -149,13 +153,20 @@ def serve(args: argparse.Namespace) -> int:
         log_prompts=args.enable_log_requests,
         max_sequences_per_request=args.max_sequences_per_request,
         tokenizer_pool_size=args.tokenizer_pool_size,
+        limits=limits,
     )
+    from jaxpaged.server.http_protocol import guarded_h11_protocol
+
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=ABORT_FLUSH_SECONDS,
+        http=guarded_h11_protocol(limits),
+        limit_concurrency=limits.limit_concurrency,
+        timeout_keep_alive=limits.timeout_keep_alive,
+        h11_max_incomplete_event_size=limits.h11_max_incomplete_event_size,
     )
     server = _draining_server(config, async_engine, args.shutdown_timeout)
     logger.info(
@@ -178,25 +189,53 @@ def serve(args: argparse.Namespace) -> int:
     return exit_code
 
 
+def _make_room_for_connections(files: int) -> None:
+    """Raises the process's soft file limit to `files` if it is lower (up to the hard limit).
+
+    Raises:
+      ValueError: the hard limit is lower, naming the flag that sizes it.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < files:
+        if hard != resource.RLIM_INFINITY and hard < files:
+            raise ValueError(
+                f"--limit-concurrency needs {files} open files (connections plus {RESERVED_FILES} for the "
+                f"process) but the process may open at most {hard}: lower --limit-concurrency or raise "
+                "the limit (ulimit -n)"
+            )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (files, hard))
+
+
 def _draining_server(config, async_engine, shutdown_timeout: float):
     """uvicorn's server, which drains before it stops. The first SIGTERM/SIGINT marks the engine
     draining (new requests get 503, `/health` turns 503); in-flight requests get up to
     `shutdown_timeout` seconds to finish; the rest are aborted, so their streams end properly
-    (finish_reason "abort", then `[DONE]`); only then does uvicorn shut down."""
+    (finish_reason "abort", then `[DONE]`); only then does uvicorn shut down. A second signal
+    during the drain ends the wait at once (the same abort follows); later ones are ignored, so
+    uvicorn never cuts responses off with its forced exit."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        hurry = threading.Event()
+
         def handle_exit(self, sig, frame) -> None:
-            if async_engine.draining or not async_engine.is_running:
-                return super().handle_exit(sig, frame)  # a second signal, or nothing to drain
+            if not async_engine.is_running and not async_engine.draining:
+                return super().handle_exit(sig, frame)  # nothing to drain
+            if async_engine.draining:
+                if not self.hurry.is_set():
+                    logger.info("signal %d again: ending the drain now", sig)
+                    self.hurry.set()
+                return
             async_engine.draining = True
             logger.info("signal %d: draining; in-flight requests get up to %.0f s", sig, shutdown_timeout)
             threading.Thread(target=self._drain, args=(sig, frame), name="jaxpaged-drain", daemon=True).start()
 
         def _drain(self, sig, frame) -> None:
             deadline = time.monotonic() + shutdown_timeout
-            while async_engine.num_unfinished_seqs and time.monotonic() < deadline:
-                time.sleep(0.05)
+            while async_engine.num_unfinished_seqs and time.monotonic() < deadline and not self.hurry.is_set():
+                self.hurry.wait(0.05)
             left = async_engine.num_unfinished_seqs
             if left:
                 logger.info("shutdown timeout: aborting %d sequence(s) still in flight", left)

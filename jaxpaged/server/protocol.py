@@ -5,7 +5,7 @@ values by `SamplingParams` (one source of truth), whose `ValueError` names the f
 """
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -13,7 +13,18 @@ from jaxpaged.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16  # stop strings are matched on every new token; keep the list short
 MAX_N = 128
+MAX_ECHO_CHARS = 64  # error messages quote at most this much of a client's input
 _INT32 = 2**31
+
+
+def echo(text: str) -> str:
+    """A bounded prefix of client input for an error message."""
+    return text if len(text) <= MAX_ECHO_CHARS else f"{text[:MAX_ECHO_CHARS]}... ({len(text)} characters)"
+
+
+def _list(item: Any) -> Any:
+    """A list field whose validation stops at its first bad element: one error, not one per element."""
+    return Annotated[list[item], Field(fail_fast=True)]
 
 
 class APIError(Exception):
@@ -94,11 +105,11 @@ class _SamplingRequest(Request):
     top_p: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | _list(str) | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict | None = None  # refused when given: its entries are never validated one by one
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -106,7 +117,7 @@ class _SamplingRequest(Request):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: _list(int) | None = None
     cache_salt: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -170,7 +181,7 @@ class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`: `prompt` is a string, a list of strings, a token-id list, or a
     list of token-id lists (one completion request per prompt)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | _list(str) | _list(int) | _list(_list(int))
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -192,7 +203,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | _list(ContentPart) | None = None
     name: str | None = None
 
     def to_template(self) -> dict:
@@ -211,7 +222,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     """`POST /v1/chat/completions`."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -233,7 +244,7 @@ class TokenizeRequest(Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: _list(ChatMessage) | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -242,4 +253,4 @@ class DetokenizeRequest(Request):
     """vLLM's `POST /detokenize`."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: _list(int)

@@ -21,7 +21,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
-from jaxpaged.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from jaxpaged.server.limits import ServerLimits
+from jaxpaged.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, echo, error_body
+from jaxpaged.server.request_body import ListLimits
 from jaxpaged.server.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("jaxpaged.server")
@@ -30,8 +32,8 @@ logger = logging.getLogger("jaxpaged.server")
 @dataclasses.dataclass
 class ServingContext:
     """What the handlers share: the engine, the name the model is served under, whether request
-    logs may include prompt text (`--enable-log-requests`), the per-request sequence cap, and
-    the tokenizer threads (made once the engine is ready).
+    logs may include prompt text (`--enable-log-requests`), the per-request sequence cap, the
+    tokenizer threads (made once the engine is ready) and the server's limits.
     """
 
     engine: AsyncEngine
@@ -39,6 +41,7 @@ class ServingContext:
     log_prompts: bool = False
     max_sequences_per_request: int = 1024
     tokenizer_pool_size: int = 2
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     _pool: TokenizerPool | None = None
 
     def require_ready(self) -> None:
@@ -63,11 +66,42 @@ class ServingContext:
             raise APIError("the model is served without a tokenizer: send token ids", param="prompt")
         return self._pool
 
+    @property
+    def list_limits(self) -> ListLimits:
+        """The longest list each body field may hold (known once the engine's config is)."""
+        return ListLimits(
+            self.engine.config.max_model_len, self.max_sequences_per_request, self.limits.max_stop_token_ids
+        )
+
     def check_model(self, model: str | None) -> None:
         """404 `model_not_found` unless `model` is None or the served name."""
         self.require_ready()
         if model is not None and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+            raise APIError(f"The model `{echo(model)}` does not exist.", 404, param="model", code="model_not_found")
+
+    def check_cache_salt(self, salt: str | None) -> None:
+        """400 when `cache_salt` is longer than `--max-cache-salt-chars`."""
+        limit = self.limits.max_cache_salt_chars
+        if salt is not None and len(salt) > limit:
+            raise APIError(
+                f"cache_salt has {len(salt)} characters; at most {limit} are accepted (--max-cache-salt-chars)",
+                param="cache_salt",
+            )
+
+    def check_response_size(self, num_sequences: int, prompt_lens: list[int], params, num_logprobs: int | None):
+        """400 when sequences x max_tokens x (1 + top logprobs) exceeds `--max-response-entries`
+        (max_tokens unset: the room each prompt leaves in max_model_len)."""
+        limit = self.limits.max_response_entries
+        per_entry = 1 + (num_logprobs or 0)
+        room = [params.max_tokens or self.engine.config.max_model_len - n for n in prompt_lens]
+        entries = sum(r * params.n * per_entry for r in room)
+        if entries > limit:
+            raise APIError(
+                f"this response could hold {entries} tokens and logprobs ({num_sequences} sequence(s) x "
+                f"max_tokens {max(room)} x (1 + {num_logprobs or 0} top logprobs)); the server returns at most "
+                f"{limit} (--max-response-entries): lower n, max_tokens or logprobs",
+                param="max_tokens",
+            )
 
     def check_sequences(self, num_prompts: int, n: int) -> None:
         """400 when one request asks for more sequences than `max_sequences_per_request`."""
@@ -133,7 +167,8 @@ async def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
 async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
     """Renders the conversation with the tokenizer's chat template and tokenizes it (off the loop)."""
     conversation = [m.to_template() for m in body.messages]
-    ctx.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
+    # every string the template sees counts (role and name too), before any is rendered
+    ctx.check_text_length(sum(len(v) for m in conversation for v in m.values()), "messages")
 
     def render(tokenizer):
         try:
@@ -167,9 +202,12 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
         1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
     )
     ctx.check_sequences(num_prompts, params.n)
+    ctx.check_cache_salt(body.cache_salt)
     prompts = await completion_prompts(ctx, body.prompt)
     for p in prompts:
         ctx.check_length(len(p["prompt_token_ids"]), params.max_tokens, "prompt")
+    lens = [len(p["prompt_token_ids"]) for p in prompts]
+    ctx.check_response_size(num_prompts * params.n, lens, params, body.logprobs)
     return await _run(ctx, raw, body, params, prompts, _Kind(chat=False, num_logprobs=body.logprobs))
 
 
@@ -178,9 +216,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     ctx.check_model(body.model)
     params = body.sampling_params(ctx.engine.config.model.vocab_size)
     ctx.check_sequences(1, params.n)
+    ctx.check_cache_salt(body.cache_salt)
     prompt = await chat_prompt(ctx, body)
     ctx.check_length(len(prompt["prompt_token_ids"]), params.max_tokens, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    ctx.check_response_size(params.n, [len(prompt["prompt_token_ids"])], params, num_logprobs)
     return await _run(ctx, raw, body, params, [prompt], _Kind(chat=True, num_logprobs=num_logprobs))
 
 
@@ -265,7 +305,7 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: _Kind
     index_of = {rid: i * params.n for i, rid in enumerate(ids)}
     if body.stream:
         events = _events(stream, kind, head, index_of, params.n * len(prompts), body.include_usage)
-        return EventStreamResponse(events, on_close=stream.abort)
+        return EventStreamResponse(events, on_close=stream.abort, write_timeout=ctx.limits.stream_write_timeout)
     result = await run_until_disconnect(raw, _collect(stream, kind, head, index_of))
     if result is None:
         logger.info("%s: client disconnected; aborted", request_id)
@@ -332,21 +372,27 @@ class EventStreamResponse(StreamingResponse):
     """Server-sent events that stop, and call `on_close`, as soon as the client goes away.
 
     Starlette only watches for a disconnect under ASGI < 2.4; this watches always, so a
-    request is aborted even before its first token.
+    request is aborted even before its first token. A client that stops reading (its socket's
+    buffers full) for `write_timeout` seconds is treated as gone: output never piles up
+    unbounded behind a reader that does not read.
     """
 
-    def __init__(self, content, on_close):
+    def __init__(self, content, on_close, write_timeout: float):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
+        self._on_close, self._write_timeout = on_close, write_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        async def send_in_time(message) -> None:
+            with anyio.fail_after(self._write_timeout):  # TimeoutError: an OSError, handled below
+                await send(message)
+
         try:
             async with anyio.create_task_group() as group:
 
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
-                    except OSError:  # the client went away mid-send
+                        await self.stream_response(send_in_time)
+                    except OSError:  # the client went away mid-send, or stopped reading
                         pass
                     finally:
                         group.cancel_scope.cancel()

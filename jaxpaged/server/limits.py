@@ -1,0 +1,88 @@
+"""The server's per-connection and per-request limits: each declared once here, with its flag.
+
+Every request's cost on the event loop and on the engine thread is bounded by one of these
+limits (or by `max_model_len` / `--max-sequences-per-request`), checked before the work:
+
+- connections: how many may be open, how long one may take to send its headers, how long an
+  idle one stays open, how large an unfinished header block may grow (uvicorn's names);
+- bodies: their size in bytes, and the length of each list field (prompts, token ids, messages)
+  before any element is validated;
+- requests: `stop_token_ids` and `cache_salt` sizes, and the response's size (sequences x
+  max_tokens x (1 + top logprobs)), checked before the request reaches the engine;
+- streams: a client that stops reading is disconnected after `stream_write_timeout`.
+"""
+
+import argparse
+import dataclasses
+
+from jaxpaged.entrypoints.cli_flags import flag_name
+
+# Connections above `limit_concurrency` that are still accepted (and answered 503 by uvicorn),
+# so probes and metrics scrapes reach a saturated server; more are closed as they open.
+CONNECTION_HEADROOM = 64
+# File descriptors the process keeps for itself beyond its connections (model files, logs, pipes).
+RESERVED_FILES = 256
+
+
+def _limit(default, help: str, metavar: str = "N"):
+    return dataclasses.field(default=default, metadata=dict(help=help, metavar=metavar))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """Limits of `jaxpaged serve`; each field is the flag of the same name (`--timeout-header`)."""
+
+    limit_concurrency: int = _limit(
+        1024,
+        "uvicorn's: with N connections (or requests) open, new requests get 503; more than "
+        f"N+{CONNECTION_HEADROOM} connections are closed as they open (set it below the process's file limit)",
+    )
+    timeout_keep_alive: float = _limit(
+        5.0, "uvicorn's: an idle keep-alive connection is closed after this many seconds", "SECONDS"
+    )
+    timeout_header: float = _limit(
+        10.0,
+        "a connection that has not sent a complete request header block this many seconds after it "
+        "opened (or after its previous response) is closed",
+        "SECONDS",
+    )
+    h11_max_incomplete_event_size: int = _limit(
+        16 * 2**10, "uvicorn's (vLLM's flag): the most bytes of an unfinished request line and headers", "BYTES"
+    )
+    max_request_body_bytes: int = _limit(4 * 2**20, "larger request bodies get 413", "BYTES")
+    max_stop_token_ids: int = _limit(1024, "the most stop_token_ids one request may give; more get 400")
+    max_cache_salt_chars: int = _limit(1024, "the longest cache_salt one request may give; longer get 400", "CHARS")
+    max_response_entries: int = _limit(
+        2**20,
+        "the response-size budget: sequences x max_tokens x (1 + top logprobs) above this get 400 "
+        "(with max_tokens unset, the room left in max_model_len counts)",
+    )
+    stream_write_timeout: float = _limit(
+        30.0,
+        "a streaming client that does not read for this many seconds is disconnected and its request aborted",
+        "SECONDS",
+    )
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"{flag_name(f.name)} {getattr(self, f.name)}: must be greater than 0")
+
+    @property
+    def max_connections(self) -> int:
+        """Open connections past which new ones are closed as they open."""
+        return self.limit_concurrency + CONNECTION_HEADROOM
+
+
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `ServerLimits` field, with its help and default."""
+    for f in dataclasses.fields(ServerLimits):
+        kind = int if f.type in (int, "int") else float
+        parser.add_argument(
+            flag_name(f.name), type=kind, default=f.default, metavar=f.metadata["metavar"], help=f.metadata["help"]
+        )
+
+
+def limits_from(args: argparse.Namespace) -> ServerLimits:
+    """`ServerLimits` from parsed flags (checked: every limit must be positive)."""
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})

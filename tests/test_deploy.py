@@ -39,7 +39,7 @@ RESOURCES = [doc for path in MANIFESTS for doc in yaml.safe_load_all(path.read_t
 (DEPLOYMENT,) = [r for r in RESOURCES if r["kind"] == "Deployment"]
 POD = DEPLOYMENT["spec"]["template"]["spec"]
 CONTAINER = POD["containers"][0]
-ROUTES = set(re.findall(r"@app\.get\(\s*\"(/[^\"]*)\"", inspect.getsource(jaxpaged.server.app)))
+ROUTES = set(re.findall(r"@app\.(?:get|api_route)\(\s*\"(/[^\"]*)\"", inspect.getsource(jaxpaged.server.app)))
 
 
 def of_kind(kind: str) -> list[dict]:

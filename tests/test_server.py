@@ -245,7 +245,7 @@ def test_disconnect_before_the_first_token_aborts(server, stream):
 BAD = [
     # (path, body or raw bytes, status, substring of the error message)
     ("/v1/completions", b"{not json", 400, "not valid JSON"),
-    ("/v1/completions", b"[1, 2]", 400, "valid dictionary"),
+    ("/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt: Field required"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),

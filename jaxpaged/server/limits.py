@@ -33,9 +33,11 @@ class ServerLimits:
     """Limits of `jaxpaged serve`; each field is the flag of the same name (`--timeout-header`)."""
 
     limit_concurrency: int = _limit(
-        1024,
+        16384,
         "uvicorn's: with N connections (or requests) open, new requests get 503; more than "
-        f"N+{CONNECTION_HEADROOM} connections are closed as they open (set it below the process's file limit)",
+        f"N+{CONNECTION_HEADROOM} connections are closed as they open (the file limit is raised to fit; "
+        "default: 16384, or what the process's file limit leaves room for). Half-sent requests are "
+        "closed after --timeout-header, so a high N costs an attacker time, not the probes their answers",
     )
     timeout_keep_alive: float = _limit(
         5.0, "uvicorn's: an idle keep-alive connection is closed after this many seconds", "SECONDS"
@@ -78,11 +80,25 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per `ServerLimits` field, with its help and default."""
     for f in dataclasses.fields(ServerLimits):
         kind = int if f.type in (int, "int") else float
+        default = None if f.name == "limit_concurrency" else f.default  # sized to the file limit when unset
         parser.add_argument(
-            flag_name(f.name), type=kind, default=f.default, metavar=f.metadata["metavar"], help=f.metadata["help"]
+            flag_name(f.name), type=kind, default=default, metavar=f.metadata["metavar"], help=f.metadata["help"]
         )
 
 
 def limits_from(args: argparse.Namespace) -> ServerLimits:
-    """`ServerLimits` from parsed flags (checked: every limit must be positive)."""
-    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+    """`ServerLimits` from parsed flags (checked: every limit must be positive); `--limit-concurrency`
+    unset is its default, lowered to what the process's hard file limit leaves room for."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
+    if values["limit_concurrency"] is None:
+        default = ServerLimits.limit_concurrency
+        values["limit_concurrency"] = max(1, min(default, files_allowed() - RESERVED_FILES - CONNECTION_HEADROOM))
+    return ServerLimits(**values)
+
+
+def files_allowed() -> int:
+    """The most files this process may open (its hard limit; a large number when unlimited)."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 2**31 - 1 if hard == resource.RLIM_INFINITY else hard

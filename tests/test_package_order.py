@@ -17,8 +17,8 @@ TOP = "jaxpaged"  # the root package's __init__
 LAYERS = (
     "sampling_params",  # what a request asks for
     "outputs",  # what it gets back
-    "config",  # static facts: the model's configuration, quantization, presets, speculative decoding
-    "params",  # each architecture's parameter table: every parameter declared once (no JAX)
+    "config",  # static facts: the model's configuration, its architecture and parameter table, options, quantization
+    "params",  # a model state's arrays derived from the architectures' parameter tables (no JAX)
     "core",  # the host side: sequences, block manager, scheduler, detokenizer (no JAX)
     "parallel",  # the sharding rules, the device mesh, several processes
     "model",  # the NNX model, its KV pool and metadata, the sampler

@@ -1,4 +1,4 @@
-"""The parameter tables (`jaxpaged.params`) are the one declaration of every parameter: the model
+"""The parameter tables (`jaxpaged.config.architectures`) are the one declaration of every parameter: the model
 built from them, the checkpoint key map, the sharding of every placed array and `jaxpaged plan`'s
 bytes per device all agree, for every supported architecture, weight quantization and
 tensor-parallel size (8 CPU devices; more devices than kv heads repeats them, and a vocabulary of
@@ -14,13 +14,14 @@ import pytest
 from flax import nnx
 
 from jaxpaged.checkpoint.hf_keys import hf_key_specs
-from jaxpaged.config.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxpaged.config.architectures import ARCHITECTURES, BY_HF_NAME
+from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.setup import build_model
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import LayerArrays, Llama
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
-from jaxpaged.params.tables import TABLES, state_params, state_shapes
+from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.planning.plan import weight_bytes_per_gpu
 
 BASE = dict(
@@ -53,9 +54,9 @@ def config_of(variant: str) -> ModelConfig:
 
 
 def test_every_architecture_and_every_optional_parameter_is_covered():
-    assert {config_of(v).architecture for v in VARIANTS} == set(SUPPORTED_ARCHITECTURES.values()) == set(TABLES)
+    assert {config_of(v).architecture for v in VARIANTS} == {a.name for a in BY_HF_NAME.values()} == set(ARCHITECTURES)
     covered = {spec.path for v in VARIANTS for spec in state_params_specs(config_of(v))}
-    declared = {spec.path for table in TABLES.values() for spec in table}
+    declared = {spec.path for arch in ARCHITECTURES.values() for spec in arch.params}
     assert covered == declared
 
 
@@ -146,3 +147,17 @@ def test_placed_arrays_are_where_the_table_says(tmp_path, variant, quantization,
     on_devices = bytes_per_device(state)
     assert len(on_devices) == n
     assert max(on_devices.values()) == weight_bytes_per_gpu(config.model, "float32", quantization, n)
+
+
+def test_an_architecture_is_one_module_of_the_package():
+    """Every module of `jaxpaged.config.architectures` is an architecture, found without a list to
+    edit, and config.json's class names are read from them alone (no other registry)."""
+    import pkgutil
+
+    from jaxpaged.config import architectures, model_config
+
+    modules = {m.name for m in pkgutil.iter_modules(architectures.__path__)}
+    assert modules == set(ARCHITECTURES) and all(ARCHITECTURES[m].name == m for m in modules)
+    assert not any(name.endswith("ForCausalLM") for name in vars(model_config) if isinstance(name, str))
+    source = open(model_config.__file__).read()
+    assert all(hf not in source for hf in BY_HF_NAME), "an HF class name is declared outside its architecture"

@@ -1,7 +1,7 @@
 """The explicit map from Hugging Face tensor names to jaxpaged parameters.
 
 Every expected HF tensor is spelled out per layer from the architecture's parameter table
-(`jaxpaged.params`: names, layouts and shapes are declared there; no regex guessing), with its
+(`jaxpaged.config.architectures`: names, layouts and shapes are declared there; no regex guessing), with its
 target path in `nnx.state(Llama).to_pure_dict()` (and, for a decoder layer's tensor, its index in
 that stacked parameter), its HF shape and the transform to our einsum-ready layout.
 Dimension letters: D hidden, N query heads, K kv heads, H head_dim, F MLP width, V vocabulary.
@@ -29,8 +29,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params import ParamSpec, Path
 from jaxpaged.config.quantization import QUANTIZED_WEIGHT_DTYPES
-from jaxpaged.params.spec import ParamSpec, Path
 from jaxpaged.params.tables import find_state_param, param_specs, state_shapes
 
 Shapes = tuple[tuple[int, ...], ...]  # the shapes a tensor may have

@@ -1,7 +1,7 @@
 """Model configuration: the static description of a Llama-family network.
 
-`ModelConfig.from_hf` reads a Hugging Face `config.json` dictionary (Llama, Mistral, Qwen2 and
-Qwen3 causal LMs) and refuses anything this engine would compute differently from
+`ModelConfig.from_hf` reads a Hugging Face `config.json` dictionary (the architectures of
+`jaxpaged.config.architectures`: Llama, Mistral, Qwen2 and Qwen3 causal LMs) and refuses anything this engine would compute differently from
 transformers, naming the field, its value and what would fix it.
 """
 
@@ -11,12 +11,6 @@ from typing import Any
 
 from jaxpaged.config.presets import read_config_json
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -44,7 +38,8 @@ class ModelConfig:
     """Static configuration of a decoder-only Llama-family model (hashable, jit-static).
 
     Attributes:
-      architecture: "llama", "mistral", "qwen2" or "qwen3" (its parameter table: `jaxpaged.params`).
+      architecture: "llama", "mistral", "qwen2" or "qwen3" (declared, with its parameter table, in
+        `jaxpaged.config.architectures`).
       vocab_size: V, rows of the embedding table.
       hidden_size: D, the residual width.
       intermediate_size: F, the MLP width.
@@ -126,12 +121,12 @@ class ModelConfig:
         Raises:
           ValueError: naming the field and value of anything unsupported.
         """
+        from jaxpaged.config.architectures import BY_HF_NAME  # its tables are written against this module
+
         archs = hf.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((BY_HF_NAME[a] for a in archs if a in BY_HF_NAME), None)
         if arch is None:
-            raise ValueError(
-                f"architectures={archs!r} is not supported; jaxpaged runs {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ValueError(f"architectures={archs!r} is not supported; jaxpaged runs {sorted(BY_HF_NAME)}")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
@@ -146,7 +141,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
-            architecture=arch,
+            architecture=arch.name,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
@@ -158,9 +153,9 @@ class ModelConfig:
             rope=_rope_from_hf(hf),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or attention_bias,
-            o_bias=arch != "qwen2" and attention_bias,
-            sliding_window=_sliding_window_from_hf(arch, hf),
+            qkv_bias=arch.biases == "qkv" or attention_bias,
+            o_bias=arch.biases != "qkv" and attention_bias,
+            sliding_window=_sliding_window_from_hf(arch.sliding_window_opt_in, hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -200,12 +195,12 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _sliding_window_from_hf(arch: str, hf: dict[str, Any]) -> int | None:
+def _sliding_window_from_hf(opt_in: bool, hf: dict[str, Any]) -> int | None:
     window = hf.get("sliding_window")
     if window is None:
         return None
-    if arch in ("qwen2", "qwen3"):
-        # Qwen2 and Qwen3 apply the window only when use_sliding_window is set (and then per layer).
+    if opt_in:
+        # e.g. Qwen2 and Qwen3 apply the window only when use_sliding_window is set (and then per layer).
         layer_types = hf.get("layer_types") or []
         if not hf.get("use_sliding_window", False) and "sliding_attention" not in layer_types:
             return None

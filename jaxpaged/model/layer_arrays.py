@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import jax
 
+from jaxpaged.config.params import LAYER_STACK
 from jaxpaged.parallel.mesh import param_path
-from jaxpaged.params.spec import LAYER_STACK
 
 
 @jax.tree_util.register_pytree_node_class

@@ -36,6 +36,7 @@ import pallas_kernels
 from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params import KV_HEADS, QUANT_SUFFIX, SCALE_SUFFIX, Path
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
@@ -43,7 +44,6 @@ from jaxpaged.model.quant import matmul, quantize_weight, quantized_matmul
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import KEY_VALUE_AXES, KV_POOL_AXES, QUERY_AXES
-from jaxpaged.params.spec import KV_HEADS, QUANT_SUFFIX, SCALE_SUFFIX, Path
 from jaxpaged.params.tables import param_specs
 from pallas_kernels import reference
 
@@ -61,7 +61,7 @@ def resolve_attention_backend(name: str) -> str:
 
 
 class ParamDeclarer:
-    """Creates a model's parameters from its architecture's table (`jaxpaged.params`) while its
+    """Creates a model's parameters from its architecture's table (`jaxpaged.config.architectures`) while its
     modules are built: each module asks for the parameters under its own path.
 
     Args:

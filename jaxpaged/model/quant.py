@@ -1,6 +1,6 @@
 """Quantized weights and the matmuls that read them.
 
-A weight in our layout `[*in, *out]` (see `jaxpaged.params.spec`) is quantized with one scale per
+A weight in our layout `[*in, *out]` (see `jaxpaged.config.params`) is quantized with one scale per
 output channel into `[*out, *in]` (its quantized pair, declared with it there):
 
     fp8   q = saturate(w / s).astype(float8_e4m3fn), s = max|w| / 448 over the inputs

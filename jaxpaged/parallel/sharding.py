@@ -1,5 +1,5 @@
 """The sharding rules: how the parameters' logical axes (declared in their architecture's
-parameter table, `jaxpaged.params`) and the KV pool's are put on the mesh.
+parameter table, `jaxpaged.config.architectures`) and the KV pool's are put on the mesh.
 
 Megatron-style tensor parallelism over the mesh axis `TENSOR_AXIS`:
 
@@ -26,14 +26,14 @@ import dataclasses
 import math
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.params.spec import HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB, axis_sizes
+from jaxpaged.config.params import HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB, axis_sizes
 from jaxpaged.params.tables import find_state_param
 
 # Mesh axis names: declared once here.
 TENSOR_AXIS = "tp"
 MESH_AXES = (TENSOR_AXIS,)
 
-# Logical axes of the KV pool (the parameters' are declared with them, in jaxpaged.params.spec).
+# Logical axes of the KV pool (the parameters' are declared with them, in jaxpaged.config.params).
 BLOCKS, SLOTS = "blocks", "slots"
 
 # The K (or V) pool: every layer's blocks in a row.

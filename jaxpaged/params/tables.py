@@ -1,5 +1,5 @@
-"""Which parameter table an architecture uses, and what follows from it: every parameter of a
-model state with its shape and logical axes (quantized pairs included), looked up by path.
+"""Each architecture's parameters as a model state holds them: every parameter of a model state
+with its shape and logical axes (quantized pairs included), looked up by path.
 
 The model state holds per-layer parameters stacked, `[L, ...]` under `LAYER_STACK` (and the
 engine may split them into per-layer arrays of one layer's shape and axes).
@@ -7,17 +7,9 @@ engine may split them into per-layer arrays of one layer's shape and axes).
 
 import dataclasses
 
+from jaxpaged.config.architectures import ARCHITECTURES
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.params import llama, qwen3
-from jaxpaged.params.spec import LAYERS, ParamSpec, Path, axis_sizes
-
-# `ModelConfig.architecture` -> its table.
-TABLES: dict[str, tuple[ParamSpec, ...]] = {
-    "llama": llama.PARAMS,
-    "mistral": llama.PARAMS,
-    "qwen2": llama.PARAMS,
-    "qwen3": qwen3.PARAMS,
-}
+from jaxpaged.config.params import LAYERS, ParamSpec, Path, axis_sizes
 
 ROLES = ("plain", "quant", "scale")  # a parameter as declared, or one half of its quantized pair
 
@@ -41,9 +33,9 @@ class StateParam:
 
 def param_specs(config: ModelConfig) -> tuple[ParamSpec, ...]:
     """The parameters a model of `config` has, in the table's order."""
-    if config.architecture not in TABLES:
-        raise KeyError(f"architecture {config.architecture!r} has no parameter table (jaxpaged.params.tables)")
-    return tuple(spec for spec in TABLES[config.architecture] if spec.exists(config))
+    if config.architecture not in ARCHITECTURES:
+        raise KeyError(f"architecture {config.architecture!r} is not declared (jaxpaged.config.architectures)")
+    return tuple(spec for spec in ARCHITECTURES[config.architecture].params if spec.exists(config))
 
 
 def state_params(config: ModelConfig, quantized: bool = False) -> dict[Path, StateParam]:
@@ -72,7 +64,7 @@ def find_state_param(config: ModelConfig, path: Path) -> StateParam:
     if found is not None:
         return found
     raise KeyError(
-        f"parameter {'.'.join(path)!r} is not in the {config.architecture} parameter table (jaxpaged.params)"
+        f"parameter {'.'.join(path)!r} is not in the {config.architecture} parameter table (jaxpaged.config.architectures)"
     )
 
 

@@ -1,6 +1,6 @@
 """`jaxpaged plan`: what a model needs on a GPU (weights, KV cache, concurrency), without a GPU.
 
-    weights per GPU      = every parameter of the architecture's table (jaxpaged.params),
+    weights per GPU      = every parameter of the architecture's table (jaxpaged.config.architectures),
                            split over the tensor-parallel GPUs by the engine's sharding rules
                            (jaxpaged.parallel.sharding: heads, MLP width, vocabulary); with
                            --quantization the decoder's matrices take 1 byte per weight plus a

@@ -1,9 +1,11 @@
-"""The Llama family's parameters (Llama, Mistral, Qwen2): the one declaration of each.
+"""Llama, and the Llama family's parameters (Mistral and Qwen2 have the same): the one
+declaration of each.
 
 Dimension letters: V vocabulary, D hidden, N query heads, K kv heads, H head_dim, F MLP width.
 """
 
-from jaxpaged.params.spec import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, VOCAB, ParamSpec
+from jaxpaged.config.architectures import Architecture
+from jaxpaged.config.params import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, VOCAB, ParamSpec
 
 ATTN, LAYER = ("layers", "attn"), "model.layers.{layer}."
 
@@ -51,3 +53,5 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec(("final_norm", "scale"), (EMBED,), "model.norm.weight", init="ones"),
     ParamSpec(("lm_head",), (EMBED, VOCAB), "lm_head.weight", "linear", 1, exists=lambda c: not c.tie_word_embeddings),
 )
+
+ARCHITECTURE = Architecture("llama", ("LlamaForCausalLM",), PARAMS)

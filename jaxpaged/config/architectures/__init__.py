@@ -1,0 +1,57 @@
+"""The architectures jaxpaged runs: one module each, the one place an architecture is declared.
+
+Each module of this package declares `ARCHITECTURE`, an `Architecture`: its Hugging Face class
+names (config.json's `architectures`), how its config.json differs from Llama's, and its
+parameter table (`jaxpaged.config.params.ParamSpec`s). The package finds its modules itself, so
+a new dense architecture is a module here plus what its forward pass does differently in
+`jaxpaged/model/llama.py`; the model, sharding, checkpoint map, conversion and `jaxpaged plan`
+follow from the table. No JAX here.
+"""
+
+import dataclasses
+import importlib
+import pkgutil
+
+from jaxpaged.config.params import ParamSpec
+
+BIAS_RULES = ("attention_bias", "qkv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """One architecture.
+
+    Attributes:
+      name: `ModelConfig.architecture`.
+      hf_names: the config.json `architectures` entries that mean it.
+      params: its parameter table, in the model state's order.
+      biases: "attention_bias": config.json's `attention_bias` gives q/k/v and o biases (Llama);
+        "qkv": q/k/v always carry a bias and o never does (Qwen2).
+      sliding_window_opt_in: config.json's `sliding_window` applies only with `use_sliding_window`
+        or sliding `layer_types` (Qwen2, Qwen3); otherwise it always applies (Mistral).
+    """
+
+    name: str
+    hf_names: tuple[str, ...]
+    params: tuple[ParamSpec, ...]
+    biases: str = "attention_bias"
+    sliding_window_opt_in: bool = False
+
+    def __post_init__(self):
+        if self.biases not in BIAS_RULES:
+            raise ValueError(f"Architecture {self.name}: biases={self.biases!r} must be one of {BIAS_RULES}")
+
+
+def _discover() -> dict[str, Architecture]:
+    found = {}
+    for module in pkgutil.iter_modules(__path__):
+        arch = importlib.import_module(f"{__name__}.{module.name}").ARCHITECTURE
+        if arch.name in found:
+            raise ValueError(f"two architectures named {arch.name!r}")
+        found[arch.name] = arch
+    return found
+
+
+# `ModelConfig.architecture` -> its declaration, and config.json's class names -> the same.
+ARCHITECTURES: dict[str, Architecture] = _discover()
+BY_HF_NAME: dict[str, Architecture] = {hf: arch for arch in ARCHITECTURES.values() for hf in arch.hf_names}

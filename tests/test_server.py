@@ -260,7 +260,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p must be in (0, 1]"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n must be at least 1"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, 400, "at most 16 stop strings"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, 400, "at most 16 items are accepted (stop strings"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),

@@ -488,3 +488,29 @@ def test_second_sigterm_ends_the_drain_with_clean_shapes(tmp_path):
     plain_answer = answers["plain"]
     assert plain_answer.headers["content-type"] == "application/json"
     assert plain_answer.json()["choices"][0]["finish_reason"] == "abort"
+
+
+def test_a_stream_client_that_stops_reading_is_dropped_after_the_write_timeout():
+    """D5: a send that does not complete (the client's buffers full) within `stream_write_timeout`
+    ends the stream and aborts its request; nothing more is produced for it."""
+    from jaxpaged.server.serving import EventStreamResponse
+
+    produced, closed, sent = [], [], []
+
+    async def events():
+        for i in range(10_000):
+            produced.append(i)
+            yield f"data: {i}\n\n"
+
+    async def send(message):
+        sent.append(message)
+        if len(sent) == 3:  # the response start and two events, then the client reads no more
+            await asyncio.Event().wait()
+
+    async def receive():
+        await asyncio.Event().wait()  # the connection stays open
+
+    response = EventStreamResponse(events(), on_close=lambda: closed.append(True), write_timeout=0.2)
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    asyncio.run(asyncio.wait_for(response(scope, receive, send), timeout=30))
+    assert closed == [True] and len(sent) == 3 and len(produced) == 2

@@ -10,6 +10,7 @@ its requests.
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -17,7 +18,7 @@ import uuid
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
@@ -310,10 +311,24 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: _Kind
     if result is None:
         logger.info("%s: client disconnected; aborted", request_id)
         return Response(status_code=499)
-    return JSONResponse(result)
+    # A response may be megabytes (n x max_tokens x top logprobs): it is built and serialised on
+    # a worker thread, one choice per `json.dumps` call, so the event loop gets the interpreter
+    # back between calls and `/health` answers meanwhile.
+    content = await asyncio.to_thread(_render, kind, *result)
+    logger.info("%s: finished, %d completion tokens, %d response bytes", head["id"], result[2].completion, len(content))
+    return Response(content, media_type="application/json")
 
 
-async def _collect(stream: RequestStream, kind: _Kind, head: dict, index_of: dict) -> dict:
+def _render(kind: _Kind, head: dict, acc: dict, usage: "_Usage") -> bytes:
+    """The response body: `head`, the choices in index order, and the usage, as JSON bytes."""
+    dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    choices = (kind.choice(i, a["text"], a["ids"], a["lps"], a["c"], chunk=False) for i, a in sorted(acc.items()))
+    parts = ",".join(dumps(choice) for choice in choices)
+    return f'{dumps(head)[:-1]},"choices":[{parts}],"usage":{dumps(usage.to_dict())}}}'.encode()
+
+
+async def _collect(stream: RequestStream, kind: _Kind, head: dict, index_of: dict) -> tuple[dict, dict, "_Usage"]:
+    """Every output of the stream, accumulated per choice (the stream is aborted on the way out)."""
     usage, acc = _Usage(), {}
     try:
         async for out in stream:
@@ -326,9 +341,7 @@ async def _collect(stream: RequestStream, kind: _Kind, head: dict, index_of: dic
                 a["c"] = c
     finally:
         stream.abort()
-    choices = [kind.choice(i, a["text"], a["ids"], a["lps"], a["c"], chunk=False) for i, a in sorted(acc.items())]
-    logger.info("%s: finished, %d completion tokens", head["id"], usage.completion)
-    return {**head, "choices": choices, "usage": usage.to_dict()}
+    return head, acc, usage
 
 
 async def _events(

@@ -37,6 +37,9 @@ class EngineArgsError(ValueError):
         super().__init__(f"{field}={value!r}: {reason}")
         self.field, self.value, self.reason = field, value, reason
 
+    def __reduce__(self):  # pickled from the engine-core process to the server
+        return type(self), (self.field, self.value, self.reason)
+
 
 def check_block_size(block_size: int) -> None:
     """Raises EngineArgsError unless `block_size` is a power of two (the kernels' tiles)."""

@@ -353,7 +353,11 @@ class _BrokenEngine(LLMEngine):
 
     def __init__(self, model_dir: str):  # no super().__init__: no model, no cache
         self.args = types.SimpleNamespace(model=model_dir, tokenizer=None, max_num_seqs=4)
-        self.config = types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=512), max_model_len=128)
+        self.config = types.SimpleNamespace(
+            model=types.SimpleNamespace(vocab_size=512),
+            max_model_len=128,
+            scheduler_config=lambda: types.SimpleNamespace(max_num_seqs=4),
+        )
         self.tokenizer = None
 
     def get_stats(self):

@@ -273,6 +273,8 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if self._core is not None and not self.ready.is_set():
+            self._core.stop(timeout=0.0)  # still starting: nothing to drain
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         if self._core is not None:
@@ -343,8 +345,8 @@ class AsyncEngine:
         try:
             ready: CoreReady = self._core.wait_ready()
             tokenizer = None if ready.tokenizer_dir is None else _load_tokenizer(ready.tokenizer_dir)
-        except EOFError:
-            self._die(EngineDeadError(f"the engine failed to start: {self._core.died()}"), fatal=True)
+        except (EOFError, OSError):  # it died, or was stopped by `shutdown` while starting
+            self._die(EngineDeadError(f"the engine failed to start: {self._core.died()}"), fatal=not self._stopping)
             return
         except BaseException as err:  # the child's start-up error, the same exception
             logger.error("the engine failed to start", exc_info=err)

@@ -81,10 +81,19 @@ def test_outputs_are_the_same_with_the_engine_in_a_process(engines):
         "stop kept": SamplingParams(temperature=0, max_tokens=24, stop=[words[2]], include_stop_str_in_output=True),
         "max_tokens": SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
     }
+    dropped = []  # tokens of a fused window after a stop string, dropped by the engine on a thread
+    stop_on_string = threaded.engine.scheduler.stop_on_string
+    threaded.engine.scheduler.stop_on_string = lambda seq, n, stop: (
+        dropped.append(len(seq.output_token_ids) - n),
+        stop_on_string(seq, n, stop),
+    )
     for name, params in cases.items():
+        dropped.clear()
         a = collect(threaded, PROMPT, params, f"t-{name}")
         b = collect(process, PROMPT, params, f"p-{name}")
         assert a == b, name
+        if name == "stop string":
+            assert dropped and dropped[0] > 0, "the stop string should end inside a fused window"
     stopped = collect(process, PROMPT, cases["stop string"], "p-stop-again")["total"][0]
     assert stopped["finish"] == "stop" and stopped["stop"] == words[-3] and words[-3] not in stopped["text"]
     assert len(stopped["tokens"]) < 24

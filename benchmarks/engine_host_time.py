@@ -29,7 +29,7 @@ STAGES = {  # stage: the method whose time it is
     "fetch": (ModelRunner, "fetch"),
     "postprocess": (Scheduler, "postprocess"),
     "output_tokens": (OutputProcessor, "process"),
-    "request_outputs": (LLMEngine, "_outputs"),
+    "request_outputs": (OutputProcessor, "outputs"),
 }
 
 

@@ -75,7 +75,7 @@ def run(engine: LLMEngine, requests) -> dict[str, list[tuple]]:
                     for c in out.outputs
                 ]
     bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks and not any(bm.ref_counts) and not engine.requests
+    assert bm.num_free_blocks == bm.num_total_blocks and not any(bm.ref_counts) and not engine.output_processor.requests
     assert (
         engine.runner.input_batch.num_free_slots < engine.config.scheduling.max_num_seqs or not engine.scheduler.running
     )

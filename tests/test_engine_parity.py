@@ -63,7 +63,7 @@ def check_no_leaks(engine):
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks
     assert all(c == 0 for c in bm.ref_counts)
-    assert not engine.requests
+    assert not engine.output_processor.requests
 
 
 def test_small_pool_preempts_and_matches_transformers(workload):

@@ -317,7 +317,7 @@ def test_engine_failure_exits_nonzero(tmp_path):
         "    self.armed = True; return add(self, *a, **k)\n"
         "e.LLMEngine.add_request = arming"
     )
-    proc, url, log = _serve(tmp_path, code=fault)
+    proc, url, log = _serve(tmp_path, "--no-engine-process", code=fault)  # the fault is in this process's engine
     try:
         response = httpx.post(
             url + "/v1/completions", json={"prompt": "And", "max_tokens": 4}, trust_env=False, timeout=30

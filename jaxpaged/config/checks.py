@@ -19,6 +19,9 @@ class OptionError(ValueError):
         super().__init__(f"{field}={value!r}: {reason}")
         self.field, self.value, self.reason = field, value, reason
 
+    def __reduce__(self):  # pickled from the engine-core process to the server, subclasses too
+        return type(self), (self.field, self.value, self.reason)
+
 
 def check_choice(field: str, value, choices) -> None:
     """Raises OptionError unless `value` is one of `choices`."""

@@ -1,35 +1,46 @@
-"""Host-side bookkeeping of one request: its sequences, detokenizers, logprobs and outputs."""
+"""Host-side bookkeeping of one request's outputs: its completions' tokens, detokenizers,
+logprobs and finish state, built from the engine core's `SeqDelta`s (no JAX)."""
 
 import dataclasses
 
 from jaxpaged.core.detokenizer import IncrementalDetokenizer, NoDetokenizer
-from jaxpaged.core.sequence import Sequence
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclasses.dataclass
 class Completion:
-    """One sequence's text side: detokenizer, logprobs, and what has been reported so far."""
+    """One sequence's output side: its tokens, detokenizer, logprobs, finish state, and what has
+    been reported so far."""
 
-    seq: Sequence
+    index: int
     detokenizer: IncrementalDetokenizer | NoDetokenizer
     logprobs: list[dict[int, Logprob]] | None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
     text: str = ""  # everything handed out so far
     reported_tokens: int = 0  # token ids handed out so far (for deltas)
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 class RequestState:
-    """A request as the engine tracks it between `add_request` and its final output.
+    """A request's outputs as tracked between `add_request` and its final output.
 
     Args:
       request_id: the caller's id.
       prompt: the prompt text, if it came as text.
       prompt_token_ids: the tokenized prompt.
-      params: its sampling parameters.
-      seqs: its `n` sequences.
+      params: its sampling parameters (`n` completions).
       tokenizer: for detokenization (None: token ids only, empty text).
+      arrival_time: `time.time()` of arrival.
 
     `params.output_kind` decides what outputs carry: DELTA, new text and tokens only;
     CUMULATIVE or FINAL_ONLY, everything so far.
@@ -41,19 +52,20 @@ class RequestState:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        seqs: list[Sequence],
         tokenizer,
+        arrival_time: float,
     ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.arrival_time = arrival_time
         self.stream = params.output_kind is RequestOutputKind.DELTA
         self.final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         self.tokenizer = tokenizer
         self.completions = [
             Completion(
-                seq=seq,
+                index=i,
                 detokenizer=NoDetokenizer()
                 if tokenizer is None
                 else IncrementalDetokenizer(
@@ -66,12 +78,12 @@ class RequestState:
                 ),
                 logprobs=[] if params.logprobs is not None else None,
             )
-            for seq in seqs
+            for i in range(params.n)
         ]
 
     @property
     def finished(self) -> bool:
-        return all(c.seq.is_finished for c in self.completions)
+        return all(c.finished for c in self.completions)
 
     def record_logprobs(
         self, completion: Completion, token_id: int, logprob: float, rank: int, top_ids, top_logprobs
@@ -92,35 +104,33 @@ class RequestState:
         """The request's output now: deltas since the last call when streaming, else cumulative."""
         outs = []
         for c in self.completions:
-            seq = c.seq
-            delta = c.detokenizer.take_delta(seq.is_finished)
+            delta = c.detokenizer.take_delta(c.finished)
             c.text += delta
-            new_tokens = seq.output_token_ids[c.reported_tokens :]
+            new_tokens = c.token_ids[c.reported_tokens :]
             new_logprobs = c.logprobs[c.reported_tokens :] if c.logprobs is not None else None
-            c.reported_tokens = len(seq.output_token_ids)
+            c.reported_tokens = len(c.token_ids)
             outs.append(
                 CompletionOutput(
-                    index=seq.index,
+                    index=c.index,
                     text=delta if self.stream else c.text,
-                    token_ids=new_tokens if self.stream else list(seq.output_token_ids),
+                    token_ids=new_tokens if self.stream else list(c.token_ids),
                     cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                     logprobs=new_logprobs if self.stream else c.logprobs,
-                    finish_reason=seq.status.finish_reason,
-                    stop_reason=seq.stop_reason,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
                 )
             )
-        first = self.completions[0].seq
-        first_token_times = [c.seq.first_token_time for c in self.completions if c.seq.first_token_time]
-        finish_times = [c.seq.finish_time for c in self.completions if c.seq.finish_time]
+        first_token_times = [c.first_token_time for c in self.completions if c.first_token_time]
+        finish_times = [c.finish_time for c in self.completions if c.finish_time]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=outs,
             finished=self.finished,
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=self.completions[0].num_cached_tokens,
             metrics=RequestMetrics(
-                arrival_time=first.arrival_time,
+                arrival_time=self.arrival_time,
                 first_token_time=min(first_token_times, default=None),
                 finished_time=max(finish_times) if self.finished and finish_times else None,
             ),

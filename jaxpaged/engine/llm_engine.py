@@ -13,9 +13,11 @@ How a request flows:
      donated; it returns at once, with the results' copy to the host under way.
   4. With async scheduling (the default) the previous step's results are read only now, while
      this step runs on the device: its sampled tokens reached this step on the device.
-     `Scheduler.postprocess` appends them and applies token stop rules; the `OutputProcessor`
-     records logprobs, detokenizes and matches stop strings; finished sequences give their
-     blocks back (and, at the next step, their runner slots). Without async scheduling (and
+     `Scheduler.postprocess` appends them and applies token stop rules; what each sequence
+     gained becomes a `SeqDelta`, which the `OutputProcessor` turns into logprobs, text and
+     stop-string matches (here in `step()`; in the server's process when this engine runs in
+     the engine-core process and returns deltas from `step_deltas()`); finished sequences give
+     their blocks back (and, at the next step, their runner slots). Without async scheduling (and
      in steps that speculate, whose proposals follow the newest tokens) each step's results
      are read before the next is scheduled; with a draft model, reading a speculating step's
      results has the draft propose for the next step.
@@ -24,15 +26,17 @@ How a request flows:
 
 import atexit
 import dataclasses
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from transformers import AutoTokenizer
 
-from jaxpaged.core.request_state import RequestState
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.core.seq_delta import SeqDelta, seq_delta
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, SpeculationGovernor, make_proposer
 from jaxpaged.engine.output_processor import OutputProcessor
@@ -40,7 +44,7 @@ from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model.sampler import MAX_LOGPROBS
-from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.outputs import RequestOutput
 from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import SamplingParams, check_text
 from jaxpaged.worker.input_batch import banned_ids
@@ -84,10 +88,11 @@ class LLMEngine:
         # vLLM's speculative-decoding counters (with a speculative_config only).
         self.spec_stats = dict.fromkeys(SPEC_DECODE_COUNTERS, 0) if spec else {}
         self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
-        self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(self.config.load.seed)
-        self._failed: dict[str, str] = {}  # request id -> why, until its output is returned
-        self.output_processor = OutputProcessor(self.requests, self.scheduler, self._fail)
+        self._seqs: dict[str, list[Sequence]] = {}  # unfinished requests' sequences, by request id
+        self._aborted: list[Sequence] = []  # aborted since the last step (their deltas go out next)
+        self.num_generation_tokens = 0  # tokens handed out in deltas
+        self.output_processor = OutputProcessor(self.tokenizer, self.stop_on_string, self.abort_request)
         # Steps overlap (one in flight while the next is scheduled); a step that speculates waits
         # for the previous one (proposals follow the newest tokens) and is read at its end (a
         # draft model proposes for the next step from its tokens).
@@ -120,7 +125,23 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        """Queues a request.
+        """Queues a request; its outputs come from `step()`. Arguments and errors: `add_sequences`."""
+        arrival = time.time() if arrival_time is None else arrival_time
+        accepted = self.add_sequences(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt)
+        self.output_processor.add_request(request_id, *accepted, arrival)
+
+    def add_sequences(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[str | None, list[int], SamplingParams]:
+        """Validates and tokenizes a request and queues its `n` sequences with the scheduler, for
+        an engine whose outputs are processed elsewhere (`step_deltas`); `add_request` is this plus
+        the output side's bookkeeping.
 
         Args:
           request_id: unique among unfinished requests.
@@ -129,11 +150,14 @@ class LLMEngine:
           arrival_time: `time.time()` of arrival (default now).
           cache_salt: isolates this request's prefix-cache entries.
 
+        Returns:
+          `(prompt text or None, prompt token ids, params with max_tokens and seed resolved)`.
+
         Raises:
           ValueError: duplicate id, a bad prompt, or a request that can never fit.
         """
         params = params if params is not None else SamplingParams()
-        if request_id in self.requests:
+        if request_id in self._seqs or request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
@@ -166,8 +190,9 @@ class LLMEngine:
             except ValueError:
                 self.scheduler.abort(request_id) if i else None
                 raise
-        self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, self.tokenizer)
+        self._seqs[request_id] = seqs
         self.num_prompt_tokens += len(token_ids)
+        return text, token_ids, params
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -188,21 +213,25 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Aborts unfinished requests; their blocks return to the pool at once (a step in flight
-        still computes their tokens, which are dropped)."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.scheduler.abort(ids)
-        self._changed.update(i for i in ids if i in self.requests)
+        still computes their tokens, which are dropped). Their final deltas (outputs) come with
+        the next step."""
+        self._aborted += self.scheduler.abort(request_id)
+
+    def stop_on_string(self, request_id: str, index: int, num_output_tokens: int, stop: str) -> None:
+        """Finishes a sequence that the output side found a stop string in, ending at its
+        `num_output_tokens`-th output token (`Scheduler.stop_on_string`); ignored once the request
+        is finished."""
+        seqs = self._seqs.get(request_id)
+        if seqs is not None:
+            self.scheduler.stop_on_string(seqs[index], num_output_tokens, stop)
+            self._forget_if_finished(request_id)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The ids of requests with a sequence not finished yet."""
+        return list(self._seqs)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
-
-    @property
-    def num_generation_tokens(self) -> int:
-        return self.output_processor.num_generation_tokens
-
-    @property
-    def _changed(self) -> set[str]:
-        return self.output_processor.changed
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborted)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -211,80 +240,65 @@ class LLMEngine:
         scheduling the step postprocesses the previous step's results, read while this one runs.
         Returns the outputs of requests that changed (for `RequestOutputKind.FINAL_ONLY`
         requests, only once they finish)."""
+        self._step(self.output_processor.process)
+        return self.output_processor.outputs()
+
+    def step_deltas(self) -> list[SeqDelta]:
+        """Runs one engine step like `step()` for an engine whose outputs are processed elsewhere
+        (the engine-core process): returns what each sequence gained, for requests added with
+        `add_sequences`. Stop strings come back through `stop_on_string`."""
+        deltas: list[SeqDelta] = []
+        self._step(deltas.extend)
+        return deltas
+
+    def _step(self, emit: Callable[[list[SeqDelta]], None]) -> None:
+        """Schedule -> execute -> postprocess; each postprocessed step's deltas go to `emit` at
+        once (a stop string found there finishes its sequence before the next schedule)."""
+        if self._aborted:
+            aborted, self._aborted = self._aborted, []
+            emit(self._deltas([(seq, 0, None) for seq in aborted]))
         start, tokens, running = time.perf_counter(), self.num_generation_tokens, self.scheduler.num_running
         propose = self.governor is not None and self.governor.speculate(running)
         if propose and self._in_flight is not None:  # proposals follow the newest tokens
-            self._postprocess(self._take_in_flight())
+            emit(self._postprocess(self._take_in_flight()))
         output = self.scheduler.schedule(propose=propose)
         handle = self.runner.execute(output)
         self._queue_disk_writes(output)
         previous, self._in_flight = self._in_flight, handle
         if previous is not None:
-            self._postprocess(previous)
+            emit(self._postprocess(previous))
         if self._in_flight is not None and (
             not self.async_scheduling or output.num_draft_tokens or any(output.drafting)
         ):
-            self._postprocess(self._take_in_flight())
+            emit(self._postprocess(self._take_in_flight()))
         if self.governor is not None and output.num_decode_seqs:
             self.governor.record(running, propose, time.perf_counter() - start, self.num_generation_tokens - tokens)
-        return self._outputs()
 
     def _take_in_flight(self) -> StepHandle:
         handle, self._in_flight = self._in_flight, None
         return handle
 
-    def _postprocess(self, handle: StepHandle) -> None:
-        """Reads a step's results (waiting for the device), appends its tokens and records them."""
+    def _postprocess(self, handle: StepHandle) -> list[SeqDelta]:
+        """Reads a step's results (waiting for the device), appends its tokens; returns the deltas."""
         result = self.runner.fetch(handle)
         if result.num_accepted is not None:
             self._count_speculation(result.num_drafts, result.num_accepted)
         appended = self.scheduler.postprocess(handle.output, result.tokens, result.proposals)
-        self.output_processor.process(appended, result)
+        return self._deltas([(seq, count, functools.partial(result.sample, i)) for i, seq, count in appended])
 
-    def _outputs(self) -> list[RequestOutput]:
-        outputs = []
-        for request_id in sorted(self._changed, key=lambda r: self.requests[r].completions[0].seq.seq_id):
-            state = self.requests[request_id]
-            if state.final_only and not state.finished:
-                continue
-            output = self._guarded(request_id, state.make_output)
-            outputs.append(output if output is not None else self._failed_output(request_id))
-            if state.finished:
-                del self.requests[request_id]
-        self._changed.clear()
-        self._failed.clear()
-        return outputs
+    def _deltas(self, changes: list[tuple[Sequence, int, Callable | None]]) -> list[SeqDelta]:
+        """The deltas of `(sequence, tokens appended, sample)` changes; forgets finished requests."""
+        deltas = [seq_delta(seq, count, sample) for seq, count, sample in changes]
+        self.num_generation_tokens += sum(len(d.token_ids) for d in deltas)
+        for seq, _, _ in changes:
+            if seq.is_finished:
+                self._forget_if_finished(seq.request_id)
+        return deltas
 
-    # -- failures of one request ------------------------------------------------------------
-
-    def _guarded(self, request_id: str, fn, *args):
-        """Runs one request's host work; if it raises, that request fails and the step goes on."""
-        if request_id in self._failed:
-            return None
-        try:
-            return fn(*args)
-        except Exception as err:
-            logger.exception("request %s failed; the engine goes on without it", request_id)
-            self._fail(request_id, err)
-            return None
-
-    def _fail(self, request_id: str, err: Exception) -> None:
-        """Fails one request (its host work raised): it is aborted and its output says why."""
-        self._failed[request_id] = f"processing the request failed ({type(err).__name__})"
-        self.scheduler.abort(request_id)
-        self._changed.add(request_id)
-
-    def _failed_output(self, request_id: str) -> RequestOutput:
-        state = self.requests[request_id]
-        outs = [
-            CompletionOutput(
-                index=c.seq.index, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason="error"
-            )
-            for c in state.completions
-        ]
-        return RequestOutput(
-            request_id, state.prompt, state.prompt_token_ids, outs, finished=True, error=self._failed[request_id]
-        )
+    def _forget_if_finished(self, request_id: str) -> None:
+        seqs = self._seqs.get(request_id)
+        if seqs is not None and all(seq.is_finished for seq in seqs):
+            del self._seqs[request_id]
 
     def _queue_disk_writes(self, output: SchedulerOutput) -> None:
         """With a disk tier, queues the blocks that the step's copies brought into host slots under

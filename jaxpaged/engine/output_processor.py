@@ -1,72 +1,153 @@
-"""What the engine makes of the tokens a step appended (host only, no JAX): each token's
-logprobs, the completions' text (incremental detokenization), stop strings, and which requests
-changed. A stop string finishes its sequence through one scheduler call
-(`Scheduler.stop_on_string`), which also drops any tokens appended after it in the same step (a
-fused window's, or accepted proposals').
+"""What becomes of the engine core's `SeqDelta`s (host only, no JAX): each token's logprobs, the
+completions' text (incremental detokenization), stop strings, and one `RequestOutput` per
+changed request. The same code serves both deployments: `LLMEngine.step` feeds it on the engine's
+thread; the server feeds it in its own process, over the deltas the engine-core process sends
+(`engine/core_process.py`), so detokenization stays off the engine's critical path.
+
+A stop string finishes its completion here, at once and for good (later tokens are dropped), and
+is reported to the core through `stop(request_id, index, num_output_tokens, stop)`; in the same
+process that is `Scheduler.stop_on_string` at once, across processes a step or two later: the
+core's surplus tokens for that sequence are dropped here, so the output is the same.
 """
 
 import logging
+import time
 from collections.abc import Callable
 
-from jaxpaged.core.request_state import RequestState
-from jaxpaged.core.scheduler import Scheduler
-from jaxpaged.core.sequence import Sequence
-from jaxpaged.worker.model_runner import StepResult
+from jaxpaged.core.request_state import Completion, RequestState
+from jaxpaged.core.seq_delta import SeqDelta
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpaged")
 
 
 class OutputProcessor:
-    """Turns appended tokens into request state.
+    """Turns the engine core's deltas into request state and outputs.
 
     Args:
-      requests: the engine's unfinished requests by id (read; the engine adds and removes).
-      scheduler: finishes sequences on stop strings.
-      fail: called as `fail(request_id, error)` when a request's host work raises (that request
-        fails; the engine goes on).
+      tokenizer: detokenizes (None: outputs carry token ids and empty text).
+      stop: called as `stop(request_id, index, num_output_tokens, stop_string)` when a stop string
+        finishes a completion (the core stops its sequence there).
+      abort: called as `abort(request_id)` when a request's host work here raised (that request
+        fails with an error output; the others go on).
 
     Attributes:
-      changed: ids of requests with news since the engine last collected outputs.
-      num_generation_tokens: tokens handed to requests so far.
+      requests: unfinished requests by id.
     """
 
-    def __init__(self, requests: dict[str, RequestState], scheduler: Scheduler, fail: Callable[[str, Exception], None]):
-        self.requests = requests
-        self.scheduler = scheduler
-        self.fail = fail
-        self.changed: set[str] = set()
-        self.num_generation_tokens = 0
+    def __init__(
+        self,
+        tokenizer,
+        stop: Callable[[str, int, int, str], None],
+        abort: Callable[[str], None],
+    ):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.abort = abort
+        self.requests: dict[str, RequestState] = {}
+        self._order: dict[str, int] = {}  # request id -> arrival rank (outputs come in that order)
+        self._next = 0
+        self._changed: set[str] = set()
+        self._failed: dict[str, str] = {}  # request id -> why, until its output is returned
 
-    def process(self, appended: list[tuple[int, Sequence, int]], result: StepResult) -> None:
-        """Records every appended token of a step (`Scheduler.postprocess`'s return value) with
-        its logprobs from `result`."""
-        for i, seq, count in appended:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        """Tracks a request the core has accepted (its `params` resolved: `n`, `max_tokens`)."""
+        self.requests[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time
+        )
+        self._order[request_id], self._next = self._next, self._next + 1
+
+    def process(self, deltas: list[SeqDelta]) -> None:
+        """Records a step's deltas; deltas of requests no longer tracked here are ignored."""
+        now = time.time()
+        for delta in deltas:
+            state = self.requests.get(delta.request_id)
+            if state is None or delta.request_id in self._failed:
+                continue  # finished or failed here first: the core's surplus
             try:
-                self._record(i, seq, count, result)
+                self._record(state, state.completions[delta.index], delta, now)
             except Exception as err:
-                logger.exception("request %s failed; the engine goes on without it", seq.request_id)
-                self.fail(seq.request_id, err)
+                self._fail(delta.request_id, err)
 
-    def _record(self, i: int, seq: Sequence, count: int, result: StepResult) -> None:
-        state = self.requests[seq.request_id]
-        completion = state.completions[seq.index]
-        first = seq.num_output_tokens - count
-        for j in range(count):
-            token = seq.output_token_ids[first + j]
-            sample = result.sample(i, j)
-            self.num_generation_tokens += 1
-            if "top_ids" in sample and sample["top_ids"].size:
+    def _record(self, state: RequestState, completion: Completion, delta: SeqDelta, now: float) -> None:
+        if completion.finished:
+            return  # stopped here on a stop string before the core knew
+        completion.num_cached_tokens = delta.num_cached_tokens
+        if delta.token_ids and completion.first_token_time is None:
+            completion.first_token_time = now
+        for j, token in enumerate(delta.token_ids):
+            completion.token_ids.append(token)
+            if delta.logprobs is not None:
                 state.record_logprobs(
                     completion,
                     token,
-                    float(sample["logprobs"]),
-                    int(sample["ranks"]),
-                    sample["top_ids"],
-                    sample["top_logprobs"],
+                    float(delta.logprobs[j]),
+                    int(delta.ranks[j]),
+                    delta.top_ids[j],
+                    delta.top_logprobs[j],
                 )
-            else:
-                state.record_logprobs(completion, token, float(sample["logprobs"]), 0, (), ())
             if completion.detokenizer.add_token(token):
-                self.scheduler.stop_on_string(seq, first + j + 1, completion.detokenizer.stop_reason)
+                completion.finish_reason, completion.stop_reason = "stop", completion.detokenizer.stop_reason
+                self.stop(delta.request_id, delta.index, len(completion.token_ids), completion.stop_reason)
                 break
-        self.changed.add(seq.request_id)
+        else:
+            completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
+        if completion.finished:
+            completion.finish_time = now
+        self._changed.add(delta.request_id)
+
+    def outputs(self) -> list[RequestOutput]:
+        """The outputs of requests that changed since the last call, in arrival order (for
+        `RequestOutputKind.FINAL_ONLY` requests, only once they finish); finished requests are
+        forgotten."""
+        outputs = []
+        for request_id in sorted(self._changed, key=self._order.__getitem__):
+            state = self.requests[request_id]
+            if state.final_only and not state.finished and request_id not in self._failed:
+                continue
+            output = self._guarded(request_id, state.make_output)
+            outputs.append(output if output is not None else self._failed_output(request_id))
+            if state.finished or request_id in self._failed:
+                del self.requests[request_id], self._order[request_id]
+        self._changed.clear()
+        self._failed.clear()
+        return outputs
+
+    # -- failures of one request ------------------------------------------------------------
+
+    def _guarded(self, request_id: str, fn, *args):
+        """Runs one request's host work; if it raises, that request fails and the others go on."""
+        if request_id in self._failed:
+            return None
+        try:
+            return fn(*args)
+        except Exception as err:
+            self._fail(request_id, err)
+            return None
+
+    def _fail(self, request_id: str, err: Exception) -> None:
+        """Fails one request (its host work raised): it is aborted and its output says why."""
+        logger.exception("request %s failed; the engine goes on without it", request_id, exc_info=err)
+        self._failed[request_id] = f"processing the request failed ({type(err).__name__})"
+        self.abort(request_id)
+        self._changed.add(request_id)
+
+    def _failed_output(self, request_id: str) -> RequestOutput:
+        state = self.requests[request_id]
+        outs = [
+            CompletionOutput(
+                index=c.index, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason="error"
+            )
+            for c in state.completions
+        ]
+        return RequestOutput(
+            request_id, state.prompt, state.prompt_token_ids, outs, finished=True, error=self._failed[request_id]
+        )

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server (`jaxpaged serve`).
 
-- `async_engine.AsyncEngine`: the `LLMEngine` on its own thread, for asyncio callers.
+- `async_engine.AsyncEngine`: the `LLMEngine` on its own thread or in a child process, for asyncio
+  callers.
 - `protocol`: OpenAI request models, their `SamplingParams`, OpenAI's error shape.
 - `serving`: the completions and chat-completions handlers (JSON and SSE).
 - `app.build_app`: the FastAPI app (routes, API key, body limit, error handlers).

@@ -1,4 +1,5 @@
-"""`AsyncEngine`: an `LLMEngine` on a thread of its own, fed and drained from asyncio.
+"""`AsyncEngine`: an `LLMEngine` on a thread of its own, or in a process of its own, fed and
+drained from asyncio.
 
 How a request flows:
   1. A handler awaits `add_requests(...)` (or iterates `generate(...)`). The request joins a
@@ -13,18 +14,40 @@ How a request flows:
 
 The engine is not thread-safe: only the engine thread ever calls into it. Everything else
 reads `stats`, a snapshot of `LLMEngine.get_stats()` taken after every step.
+
+With an `EngineCoreProcess` (what `jaxpaged serve` uses by default) the engine steps in a child
+process (`engine/core_process.py`) and the engine thread here becomes the output thread: it
+receives each step's deltas, runs the `OutputProcessor` over them (detokenization and stop
+strings, off the engine's critical path) and delivers outputs as in step 3; a sender thread
+forwards commands (adds, aborts, the stop strings found here). Adds are answered by the child, so
+a bad request still raises its `ValueError` in its handler. If the child dies, every request in
+flight gets `EngineDeadError` and `on_dead` runs, as for a failed step.
 """
 
 import asyncio
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from jaxpaged.engine.core_messages import (
+    Abort,
+    AddRequests,
+    AddResult,
+    CoreFailed,
+    CoreReady,
+    CoreStep,
+    CoreStopped,
+    Shutdown,
+    StopOnString,
+)
+from jaxpaged.engine.core_process import EngineCoreProcess
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -97,13 +120,15 @@ class AsyncEngine:
 
     Args:
       engine: a started engine, or a function that builds one: it is then called on the
-        engine thread, so a server can answer (liveness, "starting") while it compiles.
+        engine thread, so a server can answer (liveness, "starting") while it compiles; or an
+        `EngineCoreProcess`, the engine starting in a child process.
       max_num_waiting: sequences that may wait beyond the engine's `max_num_seqs` running
         ones; adding more raises `EngineOverloadedError` (None: no limit).
       on_dead: called once, on the engine thread, if the engine fails (not on shutdown).
 
     Attributes:
-      engine: the wrapped engine, None while starting (do not call it from other threads).
+      engine: the wrapped engine, None while starting or in a child process (do not call it
+        from other threads).
       tokenizer_dir: where the server's tokenizers load from (None without a tokenizer).
       stats: the latest `LLMEngine.get_stats()` snapshot.
       output_observers: callables `(output, now)` run on the engine thread for each output
@@ -114,7 +139,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: LLMEngine | Callable[[], LLMEngine],
+        engine: LLMEngine | Callable[[], LLMEngine] | EngineCoreProcess,
         *,
         max_num_waiting: int | None = None,
         on_dead: Callable[[BaseException], None] | None = None,
@@ -136,19 +161,29 @@ class AsyncEngine:
         self._unfinished_seqs = 0  # added and not finished (guarded by _cond)
         self._seqs_of: dict[str, int] = {}  # engine thread only: request id -> its sequences
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._core = engine if isinstance(engine, EngineCoreProcess) else None
+        self._pending: dict[int, tuple] = {}  # core mode: add tag -> its command, until answered
+        self._tags = itertools.count()
+        self._aborted_at_shutdown = 0  # core mode: requests left when the core was told to stop
         if isinstance(engine, LLMEngine):
             self._adopt(engine)
-            factory = None
+            target, args = self._run, (None,)
+        elif self._core is not None:
+            target, args = self._run_core, ()
         else:
-            factory = engine
-        self._thread = threading.Thread(target=self._run, args=(factory,), name="jaxpaged-engine", daemon=True)
+            target, args = self._run, (engine,)
+        self._thread = threading.Thread(target=target, args=args, name="jaxpaged-engine", daemon=True)
         self._thread.start()
 
     def _adopt(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.config = engine.config
-        self.tokenizer_dir = engine.config.load.tokenizer
-        self.stats = engine.get_stats()
+        self._become_ready(engine.config, engine.config.load.tokenizer, engine.get_stats())
+
+    def _become_ready(self, config, tokenizer_dir: str | None, stats: dict[str, Any]) -> None:
+        """Records the ready engine's `EngineConfig`, tokenizer directory and stats; runs the
+        `when_ready` callbacks; sets `ready`."""
+        self.config, self.tokenizer_dir, self.stats = config, tokenizer_dir, stats
+        self.max_num_seqs = config.scheduling.max_num_seqs
         for callback in self._ready_callbacks:
             callback()
         self.ready.set()
@@ -160,10 +195,6 @@ class AsyncEngine:
             callback()
         else:
             self._ready_callbacks.append(callback)
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.engine.config.scheduling.max_num_seqs
 
     # -- event-loop side ---------------------------------------------------------------------
 
@@ -240,9 +271,13 @@ class AsyncEngine:
         blocks return to the pool) and their streams get `EngineDeadError`."""
         with self._cond:
             self._stopping = True
-            self._cond.notify()
+            self._cond.notify_all()
+        if self._core is not None and not self.ready.is_set():
+            self._core.stop(timeout=0.0)  # still starting: nothing to drain
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._core is not None:
+            self._core.stop(timeout=0.0 if self._thread.is_alive() else 5.0)
 
     def _submit(self, command: tuple, num_seqs: int = 0) -> None:
         with self._cond:
@@ -301,16 +336,123 @@ class AsyncEngine:
         self.engine.shutdown()  # releases the follower processes of a multi-process engine
         self._die(EngineDeadError("the engine was shut down"), fatal=False)
 
+    # -- engine-core process: the output thread and the sender thread ------------------------
+
+    def _run_core(self) -> None:
+        """Core mode's engine thread: waits for the child to be ready, then turns each step's
+        deltas into outputs until the child stops or dies."""
+        try:
+            ready: CoreReady = self._core.wait_ready()
+            tokenizer = None if ready.tokenizer_dir is None else _load_tokenizer(ready.tokenizer_dir)
+        except (EOFError, OSError):  # it died, or was stopped by `shutdown` while starting
+            self._die(EngineDeadError(f"the engine failed to start: {self._core.died()}"), fatal=not self._stopping)
+            return
+        except BaseException as err:  # the child's start-up error, the same exception
+            logger.error("the engine failed to start", exc_info=err)
+            self._die(EngineDeadError(f"the engine failed to start: {type(err).__name__}"), fatal=True)
+            return
+        self._outputs = OutputProcessor(tokenizer, self._stop_on_string, lambda request_id: self.abort(request_id))
+        self._become_ready(ready.config, ready.tokenizer_dir, ready.stats)
+        threading.Thread(target=self._forward_commands, name="jaxpaged-engine-sender", daemon=True).start()
+        try:
+            while True:
+                message = self._core.recv()
+                if isinstance(message, CoreStopped):
+                    break
+                if isinstance(message, CoreFailed):
+                    raise message.error
+                self._take_step(message)
+        except (EOFError, OSError):
+            err = EngineDeadError(self._core.died())
+            logger.error("%s; every request in flight fails and no new one is accepted", err)
+            self._die(err, fatal=True)
+            return
+        except BaseException as err:
+            logger.error("the engine loop failed; every request in flight fails", exc_info=err)
+            self._die(EngineDeadError(f"the engine loop failed ({type(err).__name__})"), fatal=True)
+            return
+        self._log_stopped(message.stats, self._aborted_at_shutdown)
+        self._die(EngineDeadError("the engine was shut down"), fatal=False)
+
+    def _take_step(self, step: CoreStep) -> None:
+        for result in step.added:
+            self._answer_add(result)
+        self._outputs.process(step.deltas)
+        self.stats = step.stats
+        self._deliver(self._outputs.outputs())
+
+    def _answer_add(self, result: AddResult) -> None:
+        with self._cond:
+            _, stream, _, params, _, arrival, done = self._pending.pop(result.tag)
+        if result.error is not None:
+            self._finished_seqs(len(stream.request_ids) * params.n)
+            done.set_exception(result.error)
+            return
+        for request_id, prompt, prompt_token_ids, resolved in result.accepted:
+            self._outputs.add_request(request_id, prompt, prompt_token_ids, resolved, arrival)
+            self._streams[request_id] = stream
+            self._seqs_of[request_id] = params.n
+        done.set_result(None)
+
+    def _stop_on_string(self, request_id: str, index: int, num_output_tokens: int, stop: str) -> None:
+        with self._cond:
+            self._commands.append(("stop", StopOnString(request_id, index, num_output_tokens, stop)))
+            self._cond.notify_all()
+
+    def _forward_commands(self) -> None:
+        """Core mode's sender thread: sends commands to the child (never blocking an event loop or
+        the output thread on the pipe); at shutdown, asks the child to stop."""
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping):
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                for command in commands:
+                    message = self._core_message(command)
+                    if message is not None:
+                        self._core.send(message)
+                if stopping:
+                    self._aborted_at_shutdown = len(self._streams)  # the core aborts what is left
+                    self._core.send(Shutdown())
+                    return
+        except OSError:  # the child is gone; the output thread reports it
+            pass
+
+    def _core_message(self, command: tuple):
+        kind = command[0]
+        if kind == "stop":
+            return command[1]
+        if kind == "abort":
+            return Abort([command[1]] if isinstance(command[1], str) else list(command[1]))
+        if kind == "abort_all":
+            return Abort(None)
+        _, stream, prompts, params, cache_salt, arrival, done = command
+        if not done.set_running_or_notify_cancel():
+            self._finished_seqs(len(stream.request_ids) * params.n)
+            return None  # the caller went away before the request was added
+        tag = next(self._tags)
+        with self._cond:
+            self._pending[tag] = command
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)  # streams carry deltas
+        return AddRequests(tag, stream.request_ids, prompts, params, cache_salt, arrival)
+
+    # -- shutdown ----------------------------------------------------------------------------
+
     def _abort_all(self) -> None:
         """At shutdown: aborts what is left so every KV block returns to the pool."""
         unfinished = list(self._streams)
         if unfinished:
             self.engine.abort_request(unfinished)
             self._deliver(self.engine.step())
-        stats = self.engine.get_stats()
+        self._log_stopped(self.engine.get_stats(), len(unfinished))
+
+    @staticmethod
+    def _log_stopped(stats: dict[str, Any], num_aborted: int) -> None:
         logger.info(
             "engine stopped: %d request(s) aborted at shutdown; %d of %d KV blocks free",
-            len(unfinished),
+            num_aborted,
             stats["num_free_blocks"],
             stats["num_total_blocks"],
         )
@@ -375,14 +517,21 @@ class AsyncEngine:
             self.dead = err
             self._unfinished_seqs = 0
             commands, self._commands = self._commands, []
-        for command in commands:
-            if command[0] == "add" and command[-1].set_running_or_notify_cancel():
+            pending, self._pending = list(self._pending.values()), {}
+        for command in commands + pending:
+            if command[0] == "add" and (command[-1].running() or command[-1].set_running_or_notify_cancel()):
                 command[-1].set_exception(err)
         streams, self._streams = self._streams, {}
         for stream in set(streams.values()):
             _call_soon(stream.loop, _put_all, [(stream, err)])
         if fatal and self._on_dead is not None:
             self._on_dead(err)
+
+
+def _load_tokenizer(tokenizer_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def _put_all(items: list) -> None:

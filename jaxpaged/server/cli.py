@@ -71,6 +71,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="most sequences (prompts x n) one request may ask for; more get 400",
     )
     parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in a child process and detokenize in the server's (off the engine's critical "
+        "path); --no-engine-process runs it on a thread of the server's process",
+    )
+    parser.add_argument(
         "--tokenizer-pool-size",
         type=int,
         default=2,
@@ -118,9 +125,10 @@ def serve(args: argparse.Namespace) -> int:
     engine_args = cli_flags.engine_args(args, model=model)  # every flag checked before JAX loads
     name = args.served_model_name or model or DEMO_MODEL_NAME
     logger.info(
-        "starting the engine for %s on its own thread (loading JAX and the model, then compiling); "
+        "starting the engine for %s in its own %s (loading JAX and the model, then compiling); "
         "/live answers now, /health once it is ready",
         engine_args.model,
+        "process" if args.engine_process else "thread",
     )
     import uvicorn
 
@@ -145,7 +153,13 @@ def serve(args: argparse.Namespace) -> int:
         _log_start_up(engine, time.perf_counter() - start)
         return engine
 
-    async_engine = AsyncEngine(build, max_num_waiting=args.max_num_waiting, on_dead=on_dead)
+    if args.engine_process:
+        from jaxpaged.engine.core_process import EngineCoreProcess
+
+        engine = EngineCoreProcess(engine_args, on_ready=_log_start_up)
+    else:
+        engine = build
+    async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting, on_dead=on_dead)
     app = build_app(
         async_engine,
         name,

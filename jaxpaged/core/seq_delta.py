@@ -1,0 +1,76 @@
+"""`SeqDelta`: what one sequence gained in one engine step, the engine core's whole output (host
+only, no JAX). The output processor turns deltas into text and `RequestOutput`s, on the engine's
+thread (`LLM`) or in the server process while the engine core steps in its own process; deltas
+are small dataclasses of lists and numpy arrays, cheap to pickle.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxpaged.core.sequence import Sequence
+
+
+@dataclasses.dataclass
+class SeqDelta:
+    """One sequence's news from one step (T new tokens, K = the request's `logprobs`).
+
+    Attributes:
+      request_id, index: the sequence (its request and which of the `n` samples).
+      token_ids: the new tokens `[T]` (empty when it only finished, e.g. aborted).
+      logprobs: each new token's log-probability `[T]` float32; None unless the request asked
+        for logprobs.
+      ranks: each new token's rank `[T]` int32 (0 when the step computed no top-k); with logprobs.
+      top_ids: the top-K alternatives `[T, K]` int32; with logprobs.
+      top_logprobs: their log-probabilities `[T, K]` float32; with logprobs.
+      finish_reason: "stop", "length" or "abort" once the core finished it, else None.
+      stop_reason: the stop token id that finished it, else None.
+      num_cached_tokens: its tokens served by the prefix cache at its last admission.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+def seq_delta(seq: Sequence, count: int, sample: Callable[[int], dict[str, Any]] | None = None) -> SeqDelta:
+    """The delta of `seq` after a step appended its last `count` output tokens.
+
+    Args:
+      seq: the sequence (read only).
+      count: how many tokens the step appended (0: it only finished).
+      sample: `sample(j)`: the step's arrays for the j-th new token (`StepResult.sample`); needed
+        when the request asks for logprobs.
+    """
+    tokens = seq.output_token_ids[len(seq.output_token_ids) - count :] if count else []
+    delta = SeqDelta(
+        seq.request_id,
+        seq.index,
+        tokens,
+        finish_reason=seq.status.finish_reason,
+        stop_reason=seq.stop_reason,
+        num_cached_tokens=seq.num_cached_tokens,
+    )
+    k = seq.sampling_params.logprobs
+    if k is None or not count:
+        return delta
+    samples = [sample(j) for j in range(count)]
+    delta.logprobs = np.array([s["logprobs"] for s in samples], np.float32)
+    if "top_ids" in samples[0] and samples[0]["top_ids"].size:
+        delta.ranks = np.array([s["ranks"] for s in samples], np.int32)
+        delta.top_ids = np.stack([s["top_ids"][:k] for s in samples]).astype(np.int32)
+        delta.top_logprobs = np.stack([s["top_logprobs"][:k] for s in samples]).astype(np.float32)
+    else:
+        delta.ranks = np.zeros(count, np.int32)
+        delta.top_ids = np.zeros((count, 0), np.int32)
+        delta.top_logprobs = np.zeros((count, 0), np.float32)
+    return delta

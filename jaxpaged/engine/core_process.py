@@ -1,0 +1,192 @@
+"""The engine core in a child process: the server's half and the child's loop.
+
+Output processing (detokenization, stop strings, `RequestOutput`s) is a large part of a step's
+host work; on the engine's thread it delays the next dispatch, and on a second thread of the same
+process it would still take the GIL from the engine every step. So `jaxpaged serve` runs the
+`LLMEngine` in a child process (vLLM V1's engine core) and processes outputs in the server:
+
+  1. `EngineCoreProcess(args)` spawns the child (a fresh interpreter: JAX, the model, compiling);
+     the child answers `CoreReady`, or `CoreFailed` with the start-up error itself (an
+     `EngineArgsError` naming its field arrives as one).
+  2. The child's loop: read every pending command (add, abort, stop-on-string, shutdown), run one
+     `LLMEngine.step_deltas()`, send one `CoreStep` (the adds' answers, the deltas, the stats);
+     when idle, block on the pipe.
+  3. The server (`server/async_engine.py`) turns deltas into outputs with the `OutputProcessor`
+     and sends `StopOnString` back when it finds a stop string.
+  4. `Shutdown` aborts what is left, steps until idle and exits. The child ignores SIGINT and
+     SIGTERM (the server drains on them, then shuts the core down), and exits when the server's
+     end of the pipe closes (the server died).
+"""
+
+import logging
+import multiprocessing
+import pickle
+import signal
+import time
+from collections.abc import Callable
+
+from jaxpaged.engine.core_messages import (
+    Abort,
+    AddRequests,
+    AddResult,
+    CoreFailed,
+    CoreReady,
+    CoreStep,
+    CoreStopped,
+    Shutdown,
+    StopOnString,
+)
+from jaxpaged.engine_args import EngineArgs
+
+logger = logging.getLogger("jaxpaged")
+
+# Steps the core may take after `Shutdown` to deliver its aborts (the step in flight, then one).
+SHUTDOWN_STEPS = 4
+
+
+class EngineCoreProcess:
+    """The server's handle on an engine core running in a child process.
+
+    Args:
+      args: the engine's arguments (checked; the child resolves them against the model).
+      on_ready: called in the child as `on_ready(engine, seconds)` once the engine is built (the
+        server logs what it sized and compiled); a module-level function (it is pickled).
+
+    The pipe is used by one sender and one receiver thread at a time (`send` and `recv`).
+    """
+
+    def __init__(self, args: EngineArgs, on_ready: Callable | None = None):
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        level = logging.getLogger("jaxpaged").getEffectiveLevel()
+        self.process = context.Process(
+            target=run_engine_core,
+            args=(args, child_conn, level, on_ready),
+            name="jaxpaged-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()  # the child's end lives in the child only: its death closes the pipe
+
+    def wait_ready(self) -> CoreReady:
+        """Waits for the engine to be built; raises its start-up error (the same exception)."""
+        message = self.recv()
+        if isinstance(message, CoreFailed):
+            raise message.error
+        return message
+
+    def send(self, message) -> None:
+        """Sends a command (raises `OSError` once the child is gone)."""
+        self._conn.send(message)
+
+    def recv(self):
+        """The child's next message; raises `EOFError` once it has died."""
+        return self._conn.recv()
+
+    def stop(self, timeout: float) -> None:
+        """Waits up to `timeout` seconds for the child to exit, then kills it."""
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._conn.close()
+
+    def died(self) -> str:
+        """Why the child is gone, for errors and logs."""
+        self.process.join(5)
+        return f"the engine process died (exit code {self.process.exitcode})"
+
+
+def run_engine_core(args: EngineArgs, conn, log_level: int, on_ready: Callable | None) -> None:
+    """The child's main function: builds the engine and serves commands until `Shutdown` or the
+    server's end of the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on these, then shuts us down
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxpaged").setLevel(log_level)
+    from jaxpaged.engine.llm_engine import LLMEngine  # JAX loads here, in the child only
+
+    start = time.perf_counter()
+    try:
+        engine = LLMEngine(args)
+        if on_ready is not None:
+            on_ready(engine, time.perf_counter() - start)
+    except BaseException as err:
+        conn.send(CoreFailed(_picklable(err), starting=True))
+        return
+    conn.send(CoreReady(engine.config, engine.config.load.tokenizer, engine.get_stats()))
+    try:
+        _serve(engine, conn)
+    except (EOFError, OSError):  # the server is gone
+        pass
+    except BaseException as err:
+        logger.exception("the engine core failed")
+        conn.send(CoreFailed(_picklable(err), starting=False))
+    finally:
+        engine.shutdown()
+
+
+def _serve(engine, conn) -> None:
+    while True:
+        if not engine.has_unfinished_requests():
+            conn.poll(None)  # idle: sleep until a command comes (or the pipe closes)
+        added = []
+        while conn.poll(0):
+            command = conn.recv()
+            if isinstance(command, Shutdown):
+                _drain(engine, conn, added)
+                return
+            result = _apply(engine, command)
+            if result is not None:
+                added.append(result)
+        deltas = engine.step_deltas() if engine.has_unfinished_requests() else []
+        conn.send(CoreStep(added, deltas, engine.get_stats()))
+
+
+def _apply(engine, command) -> AddResult | None:
+    if isinstance(command, StopOnString):
+        engine.stop_on_string(command.request_id, command.index, command.num_output_tokens, command.stop)
+    elif isinstance(command, Abort):
+        engine.abort_request(engine.unfinished_request_ids() if command.request_ids is None else command.request_ids)
+    elif isinstance(command, AddRequests):
+        return _add(engine, command)
+    else:
+        raise TypeError(f"unknown engine-core command {command!r}")
+    return None
+
+
+def _add(engine, command: AddRequests) -> AddResult:
+    accepted = []
+    try:
+        for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
+            resolved = engine.add_sequences(
+                request_id, prompt, command.params, arrival_time=command.arrival_time, cache_salt=command.cache_salt
+            )
+            accepted.append((request_id, *resolved))
+    except Exception as err:  # the caller's error (a ValueError, usually): hand it back
+        if accepted:  # their abort deltas reach no request on the server
+            engine.abort_request([a[0] for a in accepted])
+        return AddResult(command.tag, [], _picklable(err))
+    return AddResult(command.tag, accepted)
+
+
+def _drain(engine, conn, added: list[AddResult]) -> None:
+    """At shutdown: aborts what is left (every KV block returns), sends the last deltas."""
+    engine.abort_request(engine.unfinished_request_ids())
+    for _ in range(SHUTDOWN_STEPS):
+        if not engine.has_unfinished_requests():
+            break
+        conn.send(CoreStep(added, engine.step_deltas(), engine.get_stats()))
+        added = []
+    conn.send(CoreStep(added, [], engine.get_stats()))
+    conn.send(CoreStopped(engine.get_stats()))
+
+
+def _picklable(err: BaseException) -> BaseException:
+    """`err` itself if it survives pickling (the server re-raises it), else a RuntimeError with
+    its type and message."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")

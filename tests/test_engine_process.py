@@ -1,0 +1,171 @@
+"""The engine core in a child process (`jaxpaged serve`'s default) against the engine on a thread:
+the same requests give the same text, tokens, logprobs and finish reasons (greedy and seeded
+sampling, n > 1, logprobs, stop strings, one ending inside a fused window, exact max_tokens,
+streamed deltas); aborts free the child's blocks; a bad request fails alone; start-up errors are
+the same exceptions; the child's death fails requests at once. One child serves every test (it
+imports JAX and compiles); the test that kills it runs last.
+"""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from jaxpaged.engine.core_process import EngineCoreProcess
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError
+
+# Fused windows of 4 decode steps: a stop string can end inside one (its later tokens dropped).
+ARGS = EngineArgs(
+    model=DEMO_MODEL_DIR,
+    dtype="float32",
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    num_scheduler_steps=4,
+)
+PROMPT = "And God said, Let there be light"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(on a thread, in a child process), both ready."""
+    process = AsyncEngine(EngineCoreProcess(ARGS))  # starts in the child while the other compiles
+    threaded = AsyncEngine(LLMEngine(ARGS))
+    assert process.ready.wait(300), process.dead
+    yield threaded, process
+    threaded.shutdown()
+    process.shutdown()
+
+
+def collect(engine: AsyncEngine, prompt, params: SamplingParams, request_id: str) -> dict:
+    """Every delta of one request, and what they add up to per completion."""
+
+    async def run():
+        deltas = []
+        async for output in engine.generate(prompt, params, request_id):
+            deltas.append(
+                [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in output.outputs]
+            )
+        return deltas
+
+    deltas = asyncio.run(run())
+    total = {}
+    for step in deltas:
+        for index, text, tokens, logprobs, finish, stop in step:
+            c = total.setdefault(index, {"text": "", "tokens": [], "logprobs": []})
+            c["text"] += text
+            c["tokens"] += tokens
+            c["logprobs"] += logprobs or []
+            c["finish"], c["stop"] = finish, stop
+    return {"deltas": deltas, "total": total}
+
+
+def test_outputs_are_the_same_with_the_engine_in_a_process(engines):
+    threaded, process = engines
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reference = collect(threaded, PROMPT, greedy, "ref")["total"][0]
+    words = reference["text"].split()
+    assert len(words) > 4, reference
+    cases = {
+        "greedy": greedy,
+        "seeded, n=3": SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=3, max_tokens=16),
+        "logprobs": SamplingParams(temperature=0.7, seed=3, max_tokens=8, logprobs=3),
+        # a stop string late in the text: it ends inside a fused window of 4 tokens
+        "stop string": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[words[-3]]),
+        "stop kept": SamplingParams(temperature=0, max_tokens=24, stop=[words[2]], include_stop_str_in_output=True),
+        "max_tokens": SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    }
+    dropped = []  # tokens of a fused window after a stop string, dropped by the engine on a thread
+    stop_on_string = threaded.engine.scheduler.stop_on_string
+    threaded.engine.scheduler.stop_on_string = lambda seq, n, stop: (
+        dropped.append(len(seq.output_token_ids) - n),
+        stop_on_string(seq, n, stop),
+    )
+    for name, params in cases.items():
+        dropped.clear()
+        a = collect(threaded, PROMPT, params, f"t-{name}")
+        b = collect(process, PROMPT, params, f"p-{name}")
+        assert a == b, name
+        if name == "stop string":
+            assert dropped and dropped[0] > 0, "the stop string should end inside a fused window"
+    stopped = collect(process, PROMPT, cases["stop string"], "p-stop-again")["total"][0]
+    assert stopped["finish"] == "stop" and stopped["stop"] == words[-3] and words[-3] not in stopped["text"]
+    assert len(stopped["tokens"]) < 24
+    assert len(collect(process, PROMPT, cases["max_tokens"], "p-max")["total"][0]["tokens"]) == 7
+
+
+def test_concurrent_requests_match(engines):
+    """Steps differ in who shares them (timing), not in any request's tokens."""
+    threaded, process = engines
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=12, n=2)
+
+    async def run(engine: AsyncEngine, tag: str):
+        async def one(i):
+            return [o async for o in engine.generate(f"{PROMPT} {i}", params, f"{tag}{i}")]
+
+        outs = await asyncio.gather(*(one(i) for i in range(12)))
+        return [
+            [sum((c.token_ids for o in out for c in o.outputs if c.index == k), []) for k in (0, 1)] for out in outs
+        ]
+
+    assert asyncio.run(run(threaded, "t")) == asyncio.run(run(process, "p"))
+
+
+def test_abort_frees_the_child_s_blocks_and_a_bad_request_fails_alone(engines):
+    _, process = engines
+
+    async def run():
+        stream = await process.add_requests(["long"], [PROMPT], SamplingParams(max_tokens=100, ignore_eos=True))
+        first = await stream.__anext__()
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await process.add_requests(["bad"], [{"prompt_token_ids": [10**9]}], SamplingParams())
+        stream.abort()
+        for _ in range(200):
+            stats = process.stats
+            if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
+                return first
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"blocks not returned: {process.stats}")
+
+    assert asyncio.run(run()).outputs[0].token_ids
+    assert process.num_unfinished_seqs == 0 and process.is_ready
+
+
+def test_start_up_errors_are_the_same_exceptions(tmp_path):
+    args = EngineArgs(model=str(tmp_path / "missing"))
+    with pytest.raises(EngineArgsError) as in_process:
+        LLMEngine(args)
+    core = EngineCoreProcess(args)
+    with pytest.raises(EngineArgsError) as in_child:
+        core.wait_ready()
+    core.stop(timeout=30.0)
+    assert str(in_child.value) == str(in_process.value) and in_child.value.field == "model"
+
+
+def test_the_child_s_death_fails_requests_at_once(engines):
+    _, process = engines
+    deaths = []
+    process._on_dead = deaths.append
+
+    async def run():
+        stream = await process.add_requests(["doomed"], [PROMPT], SamplingParams(max_tokens=100, ignore_eos=True))
+        await stream.__anext__()
+        os.kill(process._core.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="engine process died"):
+            async with asyncio.timeout(30):
+                async for _ in stream:
+                    pass
+        with pytest.raises(EngineDeadError):
+            await process.add_requests(["after"], [PROMPT], SamplingParams())
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while not deaths and time.monotonic() < deadline:  # `on_dead` runs after the streams are failed
+        time.sleep(0.01)
+    assert not process.is_ready and deaths

@@ -11,7 +11,13 @@ import os
 
 from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
-from jaxpaged.config.checks import OptionError, check_block_size, check_choice, check_memory_fraction
+from jaxpaged.config.checks import (
+    OptionError,
+    check_batch_limits,
+    check_block_size,
+    check_choice,
+    check_memory_fraction,
+)
 from jaxpaged.config.defaults import MAX_COMPILE_THREADS
 from jaxpaged.config.presets import PRESETS
 from jaxpaged.config.quantization import (
@@ -263,21 +269,14 @@ class EngineArgs:
             self.max_num_batched_tokens = defaults.max_num_batched_tokens(self.max_num_seqs)
         if self.compile_threads is None:
             self.compile_threads = max(1, min((os.cpu_count() or 1) // 2, MAX_COMPILE_THREADS))
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise EngineArgsError(
-                "max_num_batched_tokens",
-                self.max_num_batched_tokens,
-                f"must be at least max_num_seqs ({self.max_num_seqs})",
-            )
+        check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
 
     def _check_offloading(self) -> None:
         size = self.kv_offloading_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < 2**20):
             raise EngineArgsError("kv_offloading_size", size, "must be a positive number of GiB")
-        if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
-            raise EngineArgsError(
-                "preemption_mode", self.preemption_mode, f"must be one of {', '.join(PREEMPTION_MODES)}"
-            )
+        if self.preemption_mode is not None:
+            check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         if self.preemption_mode == "swap" and size is None:
             raise EngineArgsError("preemption_mode", "swap", "swaps to the host tier: set `kv_offloading_size` too")
         if self.kv_cache_dir is not None:

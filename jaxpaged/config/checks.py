@@ -40,6 +40,16 @@ def check_block_size(block_size: int) -> None:
         raise OptionError("block_size", block_size, "must be a power of two (8, 16, 32, ...)")
 
 
+def check_batch_limits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """Raises OptionError unless a step's token budget holds one decode token of every sequence."""
+    if max_num_batched_tokens < max_num_seqs:
+        raise OptionError(
+            "max_num_batched_tokens",
+            max_num_batched_tokens,
+            f"must be at least max_num_seqs ({max_num_seqs}); raise it or lower max_num_seqs",
+        )
+
+
 def check_memory_fraction(gpu_memory_utilization: float) -> None:
     """Raises OptionError unless `gpu_memory_utilization` is a number in (0, 1]."""
     value = gpu_memory_utilization

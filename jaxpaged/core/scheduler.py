@@ -36,6 +36,7 @@ import time
 from collections import deque
 
 from jaxpaged.config import defaults
+from jaxpaged.config.checks import check_batch_limits, check_choice
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier, KVTransfers
@@ -81,15 +82,10 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {self.num_blocks}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_num_seqs ({self.max_num_seqs}); raise it or lower max_num_seqs"
-            )
+        check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
         if self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be at least 0, got {self.num_host_blocks}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         if self.preemption_mode == "swap" and not self.num_host_blocks:
             raise ValueError("preemption_mode='swap' needs a host tier (num_host_blocks > 0)")
 

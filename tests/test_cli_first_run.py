@@ -5,8 +5,10 @@ config-only directories and presets with dummy weights, and `generate ""` agreei
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -16,13 +18,15 @@ from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
+def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`jaxpaged ARGV` in a fresh interpreter that reports whether JAX got imported."""
     code = (
         "import sys; from jaxpaged.cli import main; rc = main(sys.argv[1:]); "
         "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX', file=sys.stderr); sys.exit(rc)"
     )
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,6 +50,10 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
         (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
         (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
         (["serve", "--port", "80000"], "80000 is not a TCP port"),
+        (
+            ["serve", "--max-model-len", "4096"],
+            "--max-model-len=4096 exceeds the model's max_position_embeddings=1024; pass a smaller --max-model-len",
+        ),
         (["generate", "--kv-offloading-size", "0", "hi"], "--kv-offloading-size 0.0: must be a positive number of GiB"),
         (
             ["generate", "--preemption-mode", "swap", "hi"],
@@ -72,6 +80,35 @@ def test_bad_input_is_named_by_its_flag_before_jax_loads(argv, message):
     assert message in result.stderr, result.stderr
     assert "NO_JAX" in result.stderr, "the error came after JAX was imported"
     assert "Traceback" not in result.stderr
+
+
+def test_serve_reports_a_busy_port_at_once_naming_the_flag():
+    """The port is bound before anything loads: a port in use is one line within seconds, not an
+    error after the model has loaded and every program compiled."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        result = run_cli("serve", "--port", str(port))
+    assert time.monotonic() - start < 20
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"jaxpaged: error: --port {port}: 127.0.0.1:{port} is already in use; choose another --port "
+        "(0 picks a free one) or stop the process listening there",
+        "NO_JAX",
+    ]
+
+
+def test_serve_reports_missing_devices_before_http_starts():
+    """`--tensor-parallel-size 2` on one device: one line naming the flag, before the server
+    starts (the engine's own thread would report it with a traceback, after listening)."""
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device
+    result = run_cli("serve", "--tensor-parallel-size", "2", "--port", "0", env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[-2] == "jaxpaged: error: --tensor-parallel-size 2: needs as many devices, but JAX sees 1 (cpu devices)"
+    assert "Traceback" not in result.stderr and "listening" not in result.stderr, result.stderr
 
 
 def test_every_flag_has_help_with_its_default():

@@ -114,11 +114,7 @@ def prepare_device_worker(
         logger.info("engine seed: %d (process 0's)", seed)
         config = config.with_seed(seed)
     use_compilation_cache(config.compile.compilation_cache_dir)
-    try:
-        parallel = TensorParallel(config.layout, make_mesh(config.layout.size, devices))
-    except TensorParallelError as err:  # too few devices
-        reason = str(err).removeprefix(f"tensor_parallel_size={config.layout.size} ")
-        raise EngineArgsError("tensor_parallel_size", config.layout.size, reason) from None
+    parallel = engine_mesh(config, devices)
     if not abstract:
         check_host_memory(config, parallel)
     model = build_model(config, parallel, abstract)
@@ -149,6 +145,33 @@ def prepare_device_worker(
             draft.num_proposals,
         )
     return DeviceWorker(config, parallel, plan, runner, 0.0, draft)
+
+
+def engine_mesh(config: EngineConfig, devices: list | None = None) -> TensorParallel:
+    """The engine's mesh of `devices` (default: every process's) and its sharding table.
+
+    Raises:
+      EngineArgsError: fewer devices than `tensor_parallel_size`, naming how many there are.
+    """
+    try:
+        return TensorParallel(config.layout, make_mesh(config.layout.size, devices))
+    except TensorParallelError as err:  # too few devices
+        reason = str(err).removeprefix(f"tensor_parallel_size={config.layout.size} ")
+        raise EngineArgsError("tensor_parallel_size", config.layout.size, reason) from None
+
+
+def check_engine_fits(config: EngineConfig) -> None:
+    """What start-up checks on this machine before it allocates anything, for a caller that wants
+    the answer before it starts the engine elsewhere (`jaxpaged serve`, whose engine starts on its
+    own thread): enough devices for `tensor_parallel_size` and, on a CPU, enough host memory.
+    With several processes (`nnodes` > 1) the devices are only known once they have met: nothing
+    is checked.
+
+    Raises:
+      EngineArgsError: naming the option.
+    """
+    if config.parallel.nnodes == 1:
+        check_host_memory(config, engine_mesh(config))
 
 
 def build_draft_model(

@@ -2,6 +2,7 @@
 checked before compiling, progress shown while compiling, JSONL options honoured or rejected,
 config-only directories and presets with dummy weights, and `generate ""` agreeing with the server."""
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -109,6 +110,51 @@ def test_serve_reports_missing_devices_before_http_starts():
     lines = result.stderr.splitlines()
     assert lines[-2] == "jaxpaged: error: --tensor-parallel-size 2: needs as many devices, but JAX sees 1 (cpu devices)"
     assert "Traceback" not in result.stderr and "listening" not in result.stderr, result.stderr
+
+
+def test_version_names_the_installed_package(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"jaxpaged {importlib.metadata.version('jaxpaged')}\n"
+
+
+@pytest.mark.parametrize(
+    "argv, level",
+    [
+        (["generate", "hi"], "INFO"),
+        (["--log-level", "DEBUG", "generate", "hi"], "DEBUG"),
+        (["generate", "--log-level", "WARNING", "hi"], "WARNING"),
+        (["serve", "--log-level", "ERROR"], "ERROR"),
+        (["--log-level", "DEBUG", "plan", "--model", "llama-3.1-8b", "--log-level", "WARNING"], "WARNING"),
+        (["bench", "latency", "--log-level", "WARNING"], "WARNING"),
+    ],
+)
+def test_log_level_goes_before_or_after_the_subcommand(argv, level):
+    assert build_parser().parse_args(argv).log_level == level
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["generate", "--max-num-seq", "3", "hi"],
+            "jaxpaged generate: error: unrecognized arguments: --max-num-seq (did you mean --max-num-seqs?)",
+        ),
+        (["generate", "--temprature=0", "hi"], "unrecognized arguments: --temprature=0 (did you mean --temperature?)"),
+        (
+            ["serve", "--tensor-paralel-size", "2"],
+            "jaxpaged serve: error: unrecognized arguments: --tensor-paralel-size (did you mean --tensor-parallel-size?)",
+        ),
+        (
+            ["bench", "serve", "--num-promts", "3"],
+            "jaxpaged bench serve: error: unrecognized arguments: --num-promts 3 (did you mean --num-prompts?)",
+        ),
+        (["serve", "--frobnicate"], "jaxpaged serve: error: unrecognized arguments: --frobnicate\n"),  # no guess
+        (["generate", "--log-level", "LOUD", "hi"], "jaxpaged generate: error: --log-level LOUD: use DEBUG, INFO"),
+    ],
+)
+def test_a_mistyped_flag_is_answered_with_the_closest_one(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_every_flag_has_help_with_its_default():

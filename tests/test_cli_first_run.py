@@ -157,6 +157,61 @@ def test_a_mistyped_flag_is_answered_with_the_closest_one(capsys, argv, message)
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["serve", "/models/m", "-tp", "2"], dict(model_tag="/models/m", tensor_parallel_size=2)),
+        (
+            ["serve", "--model", "/m", "--trust-remote-code", "--enforce-eager", "--disable-log-requests"],
+            dict(model="/m", trust_remote_code=True, enforce_eager=True, disable_log_requests=True),
+        ),
+        (
+            ["serve", "/m", "--host", "0.0.0.0", "--port", "8001", "--api-key", "k", "--served-model-name", "m"]
+            + ["--max-model-len", "4096", "--gpu-memory-utilization", "0.85", "--max-num-seqs", "128"]
+            + ["--max-num-batched-tokens", "8192", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8"]
+            + ["--quantization", "fp8", "--block-size", "32", "--no-enable-prefix-caching", "--seed", "7"]
+            + ["--load-format", "dummy", "--tensor-parallel-size=4", "--enable-log-requests"],
+            dict(
+                host="0.0.0.0",
+                port=8001,
+                max_model_len=4096,
+                gpu_memory_utilization=0.85,
+                max_num_batched_tokens=8192,
+                kv_cache_dtype="fp8",
+                enable_prefix_caching=False,
+                seed=7,
+                tensor_parallel_size=4,
+                enable_log_requests=True,
+            ),
+        ),
+        (["generate", "-tp", "2", "--enforce-eager", "hi"], dict(tensor_parallel_size=2, enforce_eager=True)),
+        (
+            ["bench", "throughput", "--model", "/m", "-tp", "8", "--trust-remote-code"],
+            dict(tensor_parallel_size=8, trust_remote_code=True),
+        ),
+        (["bench", "latency", "-tp", "2", "--batch-size", "8"], dict(tensor_parallel_size=2, batch_size=8)),
+    ],
+)
+def test_vllm_command_lines_parse(argv, expected):
+    """vLLM's command lines run unchanged: its flags, its short forms, its compatibility flags."""
+    args = build_parser().parse_args(argv)
+    assert {name: getattr(args, name) for name in expected} == expected
+
+
+def test_compatibility_options_say_what_they_mean_here():
+    from jaxpaged.engine_args import EngineArgs, compatibility_notes
+
+    assert compatibility_notes(EngineArgs(model="m")) == []
+    notes = compatibility_notes(EngineArgs(model="m", trust_remote_code=True, enforce_eager=True))
+    assert [note.split(": ")[0] for note in notes] == ["trust_remote_code", "enforce_eager"]
+    assert all("accepted for vLLM compatibility; changes nothing: " in note for note in notes)
+    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    flags = serve._option_string_actions
+    for flag in ("--trust-remote-code", "--enforce-eager", "--disable-log-requests"):
+        assert flags[flag].help.startswith("accepted for vLLM compatibility; changes nothing: "), flag
+    assert flags["-tp"] is flags["--tensor-parallel-size"]
+
+
 def test_every_flag_has_help_with_its_default():
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from jaxpaged.engine_args import compatibility_notes
 from jaxpaged.entrypoints import cli_flags
 from jaxpaged.entrypoints.cli_flags import PORT
 from jaxpaged.server.limits import RESERVED_FILES, add_limit_flags, limits_from
@@ -28,6 +29,10 @@ API_KEY_ENV = "JAXPAGED_API_KEY"
 DEAD_DRAIN_SECONDS = 2.0
 # After the drain aborts what is left, its clients get their last events for this long.
 ABORT_FLUSH_SECONDS = 1.0
+DISABLE_LOG_REQUESTS = (
+    "accepted for vLLM compatibility; changes nothing: request logs hold ids and token counts, and prompt text "
+    "only with --enable-log-requests"
+)
 # What the `server` extra installs (pyproject.toml), checked before anything slow starts.
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -51,6 +56,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="uvicorn's log level",
     )
     parser.add_argument("--enable-log-requests", action="store_true", help="include prompt text in request logs")
+    parser.add_argument("--disable-log-requests", action="store_true", help=DISABLE_LOG_REQUESTS)
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -120,6 +126,11 @@ def serve(args: argparse.Namespace) -> int:
     _make_room_for_connections(limits.max_connections + RESERVED_FILES)
     model = args.model_tag or args.model
     engine_args = cli_flags.engine_args(args, model=model)  # every flag checked before JAX loads
+    notes = compatibility_notes(engine_args) + (
+        [f"disable_log_requests: {DISABLE_LOG_REQUESTS}"] if args.disable_log_requests else []
+    )
+    for note in notes:
+        logger.info(note)
     listener = _bind(args.host, args.port)  # a port in use is reported now, not after compiling
     port = listener.getsockname()[1]
     name = args.served_model_name or model or DEMO_MODEL_NAME

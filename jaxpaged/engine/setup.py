@@ -364,8 +364,8 @@ def _abstract_model(load: LoadConfig, dtype, parallel: TensorParallel) -> Llama:
 
 def _dummy_model(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorParallel) -> Llama:
     """Random weights of the checkpoint's shapes (the same values for every tensor-parallel size),
-    quantized with `load.quantization`, made on the mesh one parameter (and layer) at a time:
-    every device computes only its shard (`jaxpaged.checkpoint.dummy`)."""
+    quantized with `load.quantization`, made on the mesh a decoder layer at a time, each array
+    straight into its sharding (`jaxpaged.checkpoint.dummy`)."""
     graphdef, state = nnx.split(_abstract_model(load, dtype, parallel))
     params = nnx.to_pure_dict(state)
     for path, value in dummy_params(config, dtype, load, parallel).items():

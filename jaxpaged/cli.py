@@ -12,6 +12,8 @@ says what it is doing within a second of starting.
 """
 
 import argparse
+import difflib
+import importlib.metadata
 import logging
 import os
 import sys
@@ -26,6 +28,8 @@ from jaxpaged.server.cli import add_serve_flags
 
 __all__ = ["build_parser", "main"]
 
+DEFAULT_LOG_LEVEL = "INFO"
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxpaged` parser with its `generate`, `serve`, `plan` and `bench` subcommands."""
@@ -35,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("--log-level", default="INFO", help="level of jaxpaged's own log lines (on stderr)")
+    parser.add_argument("--version", action="version", version=f"jaxpaged {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser(
@@ -104,7 +108,31 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_plan)
 
     add_bench_parser(commands)
+    for command in (parser, *_subparsers(parser)):  # before or after the subcommand
+        command.add_argument(
+            "--log-level",
+            default=DEFAULT_LOG_LEVEL if command is parser else argparse.SUPPRESS,
+            metavar="LEVEL",
+            help=f"level of jaxpaged's own log lines on stderr (default: {DEFAULT_LOG_LEVEL})",
+        )
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxpaged")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every subcommand's parser below `parser` (`bench serve`'s included)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += [sub, *_subparsers(sub)]
+    return found
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -130,16 +158,30 @@ def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return _subparser(command, args.bench_command) if args.command == "bench" else command
 
 
+def _did_you_mean(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """ " (did you mean --max-num-seqs?)" for the flags of `parser` closest to the unknown ones
+    (argparse's own `suggest_on_error` is Python 3.14's, and covers choices only)."""
+    flags = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+    guesses = []
+    for word in unknown:
+        if word.startswith("-"):
+            guesses += difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.75)
+    return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxpaged` console script; returns the exit code (2 for bad input)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as done:  # --help, or a flag argparse rejected (already printed)
+        args, unknown = parser.parse_known_args(argv)
+        command = _command_parser(parser, args)
+        if unknown:
+            command.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(unknown, command)}")
+        level = args.log_level.upper()
+        if not isinstance(logging.getLevelName(level), int):
+            command.error(f"--log-level {args.log_level}: use DEBUG, INFO, WARNING or ERROR")
+    except SystemExit as done:  # --help, --version, or a flag rejected (already printed)
         return int(done.code or 0)
-    level = args.log_level.upper()
-    if not isinstance(logging.getLevelName(level), int):
-        parser.error(f"--log-level {args.log_level}: use DEBUG, INFO, WARNING or ERROR")
     # Other libraries stay at WARNING; jaxpaged's start-up progress shows at INFO.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxpaged").setLevel(level)
@@ -148,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
-        print(f"jaxpaged: error: {describe_error(err, _command_parser(parser, args))}", file=sys.stderr)
+        print(f"jaxpaged: error: {describe_error(err, command)}", file=sys.stderr)
         return 2
 
 

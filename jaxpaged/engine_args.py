@@ -44,12 +44,41 @@ def default_compilation_cache_dir() -> str:
 MAX_SEED = 2**62  # the processes of a multi-process engine pass the seed as two 31-bit words
 
 
-def _option(default, help: str, *, choices: tuple | None = None, metavar: str | None = None, per_process: bool = False):
-    """A field: its default, its `--help` text, and `per_process` when the processes of one
-    multi-process engine may set it differently (paths, local resources); the others must agree."""
-    return dataclasses.field(
-        default=default, metadata=dict(help=help, choices=choices, metavar=metavar, per_process=per_process)
+def _option(
+    default,
+    help: str,
+    *,
+    choices: tuple | None = None,
+    metavar: str | None = None,
+    per_process: bool = False,
+    aliases: tuple[str, ...] = (),
+    compatibility: bool = False,
+):
+    """A field: its default, its `--help` text, `per_process` when the processes of one
+    multi-process engine may set it differently (paths, local resources; the others must agree),
+    its flag's `aliases` besides `--field-name` (vLLM's short forms, e.g. `-tp`), and
+    `compatibility` for an option accepted only so that vLLM's arguments run unchanged (its help
+    says what it means here; logged when set: `compatibility_notes`)."""
+    if compatibility:
+        help = f"accepted for vLLM compatibility; changes nothing: {help}"
+    metadata = dict(
+        help=help,
+        choices=choices,
+        metavar=metavar,
+        per_process=per_process,
+        aliases=aliases,
+        compatibility=compatibility,
     )
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def compatibility_notes(args: "EngineArgs") -> list[str]:
+    """One line for each vLLM-compatibility option `args` sets: what it means here (for the log)."""
+    return [
+        f"{f.name}: {f.metadata['help']}"
+        for f in dataclasses.fields(args)
+        if f.metadata["compatibility"] and getattr(args, f.name)
+    ]
 
 
 @dataclasses.dataclass
@@ -142,6 +171,7 @@ class EngineArgs:
     tensor_parallel_size: int = _option(
         defaults.TENSOR_PARALLEL_SIZE,
         "devices to split the model over (Megatron tensor parallelism); must divide the attention heads",
+        aliases=("-tp",),
     )
     nnodes: int = _option(1, "processes (machines) the engine spans; each runs jaxpaged serve with its own --node-rank")
     node_rank: int = _option(
@@ -208,6 +238,18 @@ class EngineArgs:
     )
     skip_tokenizer_init: bool = _option(
         False, "run without a tokenizer: token-id prompts in, token ids out, no stop strings", per_process=True
+    )
+    trust_remote_code: bool = _option(
+        False,
+        "jaxpaged runs no code from a model directory; its architectures are built in (config/architectures)",
+        per_process=True,
+        compatibility=True,
+    )
+    enforce_eager: bool = _option(
+        False,
+        "vLLM's switch from CUDA graphs to eager mode; jaxpaged always runs its compiled XLA step programs",
+        per_process=True,
+        compatibility=True,
     )
 
     def __post_init__(self):

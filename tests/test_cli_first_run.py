@@ -2,11 +2,14 @@
 checked before compiling, progress shown while compiling, JSONL options honoured or rejected,
 config-only directories and presets with dummy weights, and `generate ""` agreeing with the server."""
 
+import importlib.metadata
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -16,13 +19,15 @@ from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
+def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`jaxpaged ARGV` in a fresh interpreter that reports whether JAX got imported."""
     code = (
         "import sys; from jaxpaged.cli import main; rc = main(sys.argv[1:]); "
         "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX', file=sys.stderr); sys.exit(rc)"
     )
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,6 +51,10 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
         (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
         (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
         (["serve", "--port", "80000"], "80000 is not a TCP port"),
+        (
+            ["serve", "--max-model-len", "4096"],
+            "--max-model-len=4096 exceeds the model's max_position_embeddings=1024; pass a smaller --max-model-len",
+        ),
         (["generate", "--kv-offloading-size", "0", "hi"], "--kv-offloading-size 0.0: must be a positive number of GiB"),
         (
             ["generate", "--preemption-mode", "swap", "hi"],
@@ -72,6 +81,135 @@ def test_bad_input_is_named_by_its_flag_before_jax_loads(argv, message):
     assert message in result.stderr, result.stderr
     assert "NO_JAX" in result.stderr, "the error came after JAX was imported"
     assert "Traceback" not in result.stderr
+
+
+def test_serve_reports_a_busy_port_at_once_naming_the_flag():
+    """The port is bound before anything loads: a port in use is one line within seconds, not an
+    error after the model has loaded and every program compiled."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        result = run_cli("serve", "--port", str(port))
+    assert time.monotonic() - start < 20
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"jaxpaged: error: --port {port}: 127.0.0.1:{port} is already in use; choose another --port "
+        "(0 picks a free one) or stop the process listening there",
+        "NO_JAX",
+    ]
+
+
+def test_serve_reports_missing_devices_before_http_starts():
+    """`--tensor-parallel-size 2` on one device: one line naming the flag, before the server
+    starts (the engine's own thread would report it with a traceback, after listening)."""
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device
+    result = run_cli("serve", "--tensor-parallel-size", "2", "--port", "0", env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[-2] == "jaxpaged: error: --tensor-parallel-size 2: needs as many devices, but JAX sees 1 (cpu devices)"
+    assert "Traceback" not in result.stderr and "listening" not in result.stderr, result.stderr
+
+
+def test_version_names_the_installed_package(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"jaxpaged {importlib.metadata.version('jaxpaged')}\n"
+
+
+@pytest.mark.parametrize(
+    "argv, level",
+    [
+        (["generate", "hi"], "INFO"),
+        (["--log-level", "DEBUG", "generate", "hi"], "DEBUG"),
+        (["generate", "--log-level", "WARNING", "hi"], "WARNING"),
+        (["serve", "--log-level", "ERROR"], "ERROR"),
+        (["--log-level", "DEBUG", "plan", "--model", "llama-3.1-8b", "--log-level", "WARNING"], "WARNING"),
+        (["bench", "latency", "--log-level", "WARNING"], "WARNING"),
+    ],
+)
+def test_log_level_goes_before_or_after_the_subcommand(argv, level):
+    assert build_parser().parse_args(argv).log_level == level
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["generate", "--max-num-seq", "3", "hi"],
+            "jaxpaged generate: error: unrecognized arguments: --max-num-seq (did you mean --max-num-seqs?)",
+        ),
+        (["generate", "--temprature=0", "hi"], "unrecognized arguments: --temprature=0 (did you mean --temperature?)"),
+        (
+            ["serve", "--tensor-paralel-size", "2"],
+            "jaxpaged serve: error: unrecognized arguments: --tensor-paralel-size (did you mean --tensor-parallel-size?)",
+        ),
+        (
+            ["bench", "serve", "--num-promts", "3"],
+            "jaxpaged bench serve: error: unrecognized arguments: --num-promts 3 (did you mean --num-prompts?)",
+        ),
+        (["serve", "--frobnicate"], "jaxpaged serve: error: unrecognized arguments: --frobnicate\n"),  # no guess
+        (["generate", "--log-level", "LOUD", "hi"], "jaxpaged generate: error: --log-level LOUD: use DEBUG, INFO"),
+    ],
+)
+def test_a_mistyped_flag_is_answered_with_the_closest_one(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["serve", "/models/m", "-tp", "2"], dict(model_tag="/models/m", tensor_parallel_size=2)),
+        (
+            ["serve", "--model", "/m", "--trust-remote-code", "--enforce-eager", "--disable-log-requests"],
+            dict(model="/m", trust_remote_code=True, enforce_eager=True, disable_log_requests=True),
+        ),
+        (
+            ["serve", "/m", "--host", "0.0.0.0", "--port", "8001", "--api-key", "k", "--served-model-name", "m"]
+            + ["--max-model-len", "4096", "--gpu-memory-utilization", "0.85", "--max-num-seqs", "128"]
+            + ["--max-num-batched-tokens", "8192", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8"]
+            + ["--quantization", "fp8", "--block-size", "32", "--no-enable-prefix-caching", "--seed", "7"]
+            + ["--load-format", "dummy", "--tensor-parallel-size=4", "--enable-log-requests"],
+            dict(
+                host="0.0.0.0",
+                port=8001,
+                max_model_len=4096,
+                gpu_memory_utilization=0.85,
+                max_num_batched_tokens=8192,
+                kv_cache_dtype="fp8",
+                enable_prefix_caching=False,
+                seed=7,
+                tensor_parallel_size=4,
+                enable_log_requests=True,
+            ),
+        ),
+        (["generate", "-tp", "2", "--enforce-eager", "hi"], dict(tensor_parallel_size=2, enforce_eager=True)),
+        (
+            ["bench", "throughput", "--model", "/m", "-tp", "8", "--trust-remote-code"],
+            dict(tensor_parallel_size=8, trust_remote_code=True),
+        ),
+        (["bench", "latency", "-tp", "2", "--batch-size", "8"], dict(tensor_parallel_size=2, batch_size=8)),
+    ],
+)
+def test_vllm_command_lines_parse(argv, expected):
+    """vLLM's command lines run unchanged: its flags, its short forms, its compatibility flags."""
+    args = build_parser().parse_args(argv)
+    assert {name: getattr(args, name) for name in expected} == expected
+
+
+def test_compatibility_options_say_what_they_mean_here():
+    from jaxpaged.engine_args import EngineArgs, compatibility_notes
+
+    assert compatibility_notes(EngineArgs(model="m")) == []
+    notes = compatibility_notes(EngineArgs(model="m", trust_remote_code=True, enforce_eager=True))
+    assert [note.split(": ")[0] for note in notes] == ["trust_remote_code", "enforce_eager"]
+    assert all("accepted for vLLM compatibility; changes nothing: " in note for note in notes)
+    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    flags = serve._option_string_actions
+    for flag in ("--trust-remote-code", "--enforce-eager", "--disable-log-requests"):
+        assert flags[flag].help.startswith("accepted for vLLM compatibility; changes nothing: "), flag
+    assert flags["-tp"] is flags["--tensor-parallel-size"]
 
 
 def test_every_flag_has_help_with_its_default():

@@ -50,6 +50,11 @@ class Shutdown:
 
 
 @dataclasses.dataclass
+class CoreChecked:
+    """The child's devices and memory fit the engine (`check_engine_fits`); building begins."""
+
+
+@dataclasses.dataclass
 class CoreReady:
     """The engine is built: its resolved config, where its tokenizer loads from, its stats."""
 

@@ -5,9 +5,11 @@ host work; on the engine's thread it delays the next dispatch, and on a second t
 process it would still take the GIL from the engine every step. So `jaxpaged serve` runs the
 `LLMEngine` in a child process (vLLM V1's engine core) and processes outputs in the server:
 
-  1. `EngineCoreProcess(args)` spawns the child (a fresh interpreter: JAX, the model, compiling);
-     the child answers `CoreReady`, or `CoreFailed` with the start-up error itself (an
-     `EngineArgsError` naming its field arrives as one).
+  1. `EngineCoreProcess(args)` spawns the child (a fresh interpreter: JAX, the model, compiling).
+     The child first checks that its devices and memory fit the engine and answers `CoreChecked`
+     (only the child touches the devices: JAX in the server's process would take GPU memory the
+     engine needs), then builds the engine and answers `CoreReady`; or `CoreFailed` with the
+     start-up error itself (an `EngineArgsError` naming its field arrives as one).
   2. The child's loop: read every pending command (add, abort, stop-on-string, shutdown), run one
      `LLMEngine.step_deltas()`, send one `CoreStep` (the adds' answers, the deltas, the stats);
      when idle, block on the pipe.
@@ -29,6 +31,7 @@ from jaxpaged.engine.core_messages import (
     Abort,
     AddRequests,
     AddResult,
+    CoreChecked,
     CoreFailed,
     CoreReady,
     CoreStep,
@@ -67,9 +70,20 @@ class EngineCoreProcess:
         )
         self.process.start()
         child_conn.close()  # the child's end lives in the child only: its death closes the pipe
+        self._checked = False
+
+    def wait_checked(self) -> None:
+        """Waits until the child has checked its devices and memory (seconds: JAX's import);
+        raises the check's error (the same exception), e.g. too few devices."""
+        if not self._checked:
+            message = self.recv()
+            if isinstance(message, CoreFailed):
+                raise message.error
+            self._checked = True
 
     def wait_ready(self) -> CoreReady:
         """Waits for the engine to be built; raises its start-up error (the same exception)."""
+        self.wait_checked()
         message = self.recv()
         if isinstance(message, CoreFailed):
             raise message.error
@@ -105,8 +119,16 @@ def run_engine_core(args: EngineArgs, conn, log_level: int, on_ready: Callable |
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxpaged").setLevel(log_level)
     from jaxpaged.engine.llm_engine import LLMEngine  # JAX loads here, in the child only
+    from jaxpaged.engine.setup import check_engine_fits
+    from jaxpaged.engine_config import EngineConfig
 
     start = time.perf_counter()
+    try:
+        check_engine_fits(EngineConfig.resolve(args))
+    except BaseException as err:
+        conn.send(CoreFailed(_picklable(err), starting=True))
+        return
+    conn.send(CoreChecked())
     try:
         engine = LLMEngine(args)
         if on_ready is not None:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpaged.checkpoint.dummy import dummy_params
 from jaxpaged.checkpoint.format import TOKENIZER_FILES
 from jaxpaged.checkpoint.kv_scales import checkpoint_kv_scales
 from jaxpaged.checkpoint.loader import load_model, resolve_dtype
@@ -20,11 +21,12 @@ from jaxpaged.config.sections import LoadConfig
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.engine_args import EngineArgsError, default_compilation_cache_dir
 from jaxpaged.engine_config import EngineConfig
-from jaxpaged.model import LayerArrays, Llama, kv_storage_dtype, state_shardings
+from jaxpaged.model import Llama, kv_storage_dtype
 from jaxpaged.parallel import multihost
-from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
+from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 from jaxpaged.planning.memory import GiB, KVCachePlan, format_bytes, plan_kv_cache, sequence_state_bytes
+from jaxpaged.planning.plan import weight_bytes_per_gpu
 from jaxpaged.worker.draft_runner import DraftRunner, draft_engine_config
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.step_programs import Program
@@ -112,11 +114,9 @@ def prepare_device_worker(
         logger.info("engine seed: %d (process 0's)", seed)
         config = config.with_seed(seed)
     use_compilation_cache(config.compile.compilation_cache_dir)
-    try:
-        parallel = TensorParallel(config.layout, make_mesh(config.layout.size, devices))
-    except TensorParallelError as err:  # too few devices
-        reason = str(err).removeprefix(f"tensor_parallel_size={config.layout.size} ")
-        raise EngineArgsError("tensor_parallel_size", config.layout.size, reason) from None
+    parallel = engine_mesh(config, devices)
+    if not abstract:
+        check_host_memory(config, parallel)
     model = build_model(config, parallel, abstract)
     draft_model, draft_parallel = build_draft_model(config, parallel, abstract)
     plan = plan_cache(config, model, parallel, draft=draft_model)
@@ -145,6 +145,34 @@ def prepare_device_worker(
             draft.num_proposals,
         )
     return DeviceWorker(config, parallel, plan, runner, 0.0, draft)
+
+
+def engine_mesh(config: EngineConfig, devices: list | None = None) -> TensorParallel:
+    """The engine's mesh of `devices` (default: every process's) and its sharding table.
+
+    Raises:
+      EngineArgsError: fewer devices than `tensor_parallel_size`, naming how many there are.
+    """
+    try:
+        return TensorParallel(config.layout, make_mesh(config.layout.size, devices))
+    except TensorParallelError as err:  # too few devices
+        reason = str(err).removeprefix(f"tensor_parallel_size={config.layout.size} ")
+        raise EngineArgsError("tensor_parallel_size", config.layout.size, reason) from None
+
+
+def check_engine_fits(config: EngineConfig) -> None:
+    """What start-up checks on this machine before it allocates anything, for a caller that wants
+    the answer before the engine is built (`jaxpaged serve`: in the engine's process, or before the
+    engine's thread starts): enough devices for `tensor_parallel_size` and, on a CPU, enough host
+    memory.
+    With several processes (`nnodes` > 1) the devices are only known once they have met: nothing
+    is checked.
+
+    Raises:
+      EngineArgsError: naming the option.
+    """
+    if config.parallel.nnodes == 1:
+        check_host_memory(config, engine_mesh(config))
 
 
 def build_draft_model(
@@ -337,23 +365,15 @@ def _abstract_model(load: LoadConfig, dtype, parallel: TensorParallel) -> Llama:
 
 def _dummy_model(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorParallel) -> Llama:
     """Random weights of the checkpoint's shapes (the same values for every tensor-parallel size),
-    quantized with `load.quantization`, made on the mesh: every device computes only its shard."""
+    quantized with `load.quantization`, made on the mesh a decoder layer at a time, each array
+    straight into its sharding (`jaxpaged.checkpoint.dummy`)."""
     graphdef, state = nnx.split(_abstract_model(load, dtype, parallel))
-
-    def init():
-        model = Llama(
-            config, dtype, rngs=nnx.Rngs(load.seed), scan_layers=load.scan_layers, quantization=load.quantization
-        )
-
-        def to_mesh(path, x):
-            if isinstance(x, LayerArrays):
-                return LayerArrays(parallel.to_mesh_layout(param_path(path), a, one_layer=True) for a in x.arrays)
-            return parallel.to_mesh_layout(param_path(path), x)
-
-        params = nnx.to_pure_dict(nnx.state(model))
-        return jax.tree_util.tree_map_with_path(to_mesh, params, is_leaf=lambda x: isinstance(x, LayerArrays))
-
-    params = jax.jit(init, out_shardings=state_shardings(nnx.to_pure_dict(state), parallel))()
+    params = nnx.to_pure_dict(state)
+    for path, value in dummy_params(config, dtype, load, parallel).items():
+        tree = params
+        for key in path[:-1]:
+            tree = tree[key]
+        tree[path[-1]] = value
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 
@@ -374,6 +394,77 @@ def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
 def host_memory_bytes() -> int:
     """Physical memory of this machine (what a CPU "device" has)."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Memory this process can still take: the kernel's MemAvailable, or less where a cgroup v2
+    limit (a container's) leaves less; the physical memory where neither can be read."""
+    available = host_memory_bytes()
+    if os.path.isfile(meminfo):
+        with open(meminfo) as f:
+            found = [line.split()[1] for line in f if line.startswith("MemAvailable:")]
+        available = int(found[0]) * 1024 if found else available
+    limit, current = os.path.join(cgroup, "memory.max"), os.path.join(cgroup, "memory.current")
+    if os.path.isfile(limit) and os.path.isfile(current):
+        with open(limit) as f, open(current) as g:
+            text, used = f.read().strip(), int(g.read())
+        if text != "max":
+            available = min(available, int(text) - used)
+    return available
+
+
+def check_host_memory(config: EngineConfig, parallel: TensorParallel, available: int | None = None) -> None:
+    """On a CPU, whose devices' memory is this machine's: refuses an engine whose weights, KV pool
+    and host tier need more memory than is available, before anything is allocated.
+
+    Counted: each of this process's devices' share of the weights (a draft model's too) and its
+    pool (`kv_cache_memory_bytes`, or sized from the job as `plan_cache` sizes it), and the host
+    tier; the step programs' temporaries come on top.
+
+    Args:
+      available: the bytes available (default `host_available_bytes()`).
+
+    Raises:
+      EngineArgsError: naming the bytes needed and available and the options that lower them.
+    """
+    if parallel.platform != "cpu":
+        return
+    load, cache, n = config.load, config.cache, parallel.size
+    devices = sum(d.process_index == jax.process_index() for d in parallel.mesh.devices.flat)
+    dtype = model_dtype(config)
+    weights = devices * weight_bytes_per_gpu(config.model, dtype.name, load.quantization, n)
+    if config.draft is not None:
+        draft_dtype = jnp.dtype(resolve_dtype(load.dtype, config.draft.checkpoint_dtype)).name
+        weights += devices * weight_bytes_per_gpu(config.draft.model, draft_dtype, None, n)
+    pool = cache.kv_cache_memory_bytes
+    if pool is None:
+        element = kv_storage_dtype(cache.kv_dtype(dtype), parallel.platform).itemsize
+        budget = _cpu_budget(
+            cache.block_size,
+            config.scheduling.max_num_seqs,
+            parallel.layout.device_config,
+            element,
+            config.max_model_len,
+        )
+        pool = budget["kv_cache_memory_bytes"]
+    host_tier = int(cache.kv_offloading_size * GiB) if cache.kv_offloading_size is not None else 0
+    needed = weights + devices * pool + host_tier
+    available = host_available_bytes() if available is None else available
+    if needed <= available:
+        return
+    tier = f", host KV tier {format_bytes(host_tier)}" if host_tier else ""
+    quantized = f", {load.quantization}" if load.quantization else ""
+    if weights > available:
+        fix = "quantize the weights (`quantization` int8: 1 byte each) or use a machine with more memory"
+    else:
+        fix = "lower `kv_cache_memory_bytes` (or `max_model_len`, `max_num_seqs`, `kv_offloading_size`)"
+    raise EngineArgsError(
+        "model",
+        load.model,
+        f"needs at least {format_bytes(needed)} of this machine's memory on the CPU (weights "
+        f"{format_bytes(weights)} in {dtype.name}{quantized}, KV cache {format_bytes(pool)} x {devices} "
+        f"device(s){tier}) but {format_bytes(available)} is available; {fix}",
+    )
 
 
 def device_weight_bytes(model: Llama) -> int:

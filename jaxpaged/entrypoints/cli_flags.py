@@ -129,7 +129,7 @@ def add_engine_flags(
             flag_type = _FLAG_TYPES.get(f.name) or _plain_type(f.type)
             kwargs.update(type=flag_type, choices=meta["choices"])
             kwargs["metavar"] = meta["metavar"] or (None if meta["choices"] else _METAVARS.get(flag_type, "TEXT"))
-        parser.add_argument(flag_name(f.name), **kwargs)
+        parser.add_argument(flag_name(f.name), *meta["aliases"], **kwargs)
 
 
 _METAVARS = {int: "N", float: "X"}

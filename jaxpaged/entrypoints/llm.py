@@ -2,17 +2,20 @@
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from jaxpaged.engine.llm_engine import LLMEngine
-from jaxpaged.engine_args import EngineArgs
+from jaxpaged.engine_args import EngineArgs, compatibility_notes
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict
+
+logger = logging.getLogger("jaxpaged")
 
 
 class LLM:
@@ -41,7 +44,10 @@ class LLM:
             raise TypeError(
                 f"LLM got unknown keyword arguments {unknown}; the engine takes {sorted(fields - {'model'})}"
             )
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        for note in compatibility_notes(args):
+            logger.info(note)
+        self.llm_engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

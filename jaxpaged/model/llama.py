@@ -26,6 +26,8 @@ is vocabulary-parallel and the logits are gathered whole for the sampler.
 
 import dataclasses
 import functools
+import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,7 @@ import pallas_kernels
 from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import KV_HEADS, QUANT_SUFFIX, SCALE_SUFFIX, Path
+from jaxpaged.config.params import KV_HEADS, QUANT_SUFFIX, SCALE_SUFFIX, ParamSpec, Path
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
@@ -48,6 +50,7 @@ from jaxpaged.params.tables import param_specs
 from pallas_kernels import reference
 
 INIT_STDDEV = 0.02
+INIT_CHUNK = 1 << 22  # elements of random values made at once (see `initial_value`)
 
 
 def resolve_attention_backend(name: str) -> str:
@@ -60,6 +63,41 @@ def resolve_attention_backend(name: str) -> str:
     return name
 
 
+def initial_value(spec: ParamSpec, config: ModelConfig, dtype, key: jax.Array, layer=None) -> jax.Array:
+    """A parameter's initial value (one layer's, for a per-layer parameter): `INIT_STDDEV` x
+    normal values from `key` folded with the parameter's path and `layer`, or ones, or zeros.
+
+    Each value depends only on the key, the path and the layer, never on which other parameters
+    the model holds, in what order they are made, or whether the layers are stacked: so a model
+    made whole (`Llama`) and one made a parameter and a layer at a time (dummy weights,
+    `jaxpaged.engine.setup`) hold the same values.
+
+    Args:
+      spec: the parameter's declaration.
+      config: the model's configuration (its shape's sizes).
+      dtype: the value's dtype.
+      key: the model's random key.
+      layer: the decoder layer (an int or a traced int32) of a per-layer parameter; else None.
+    """
+    shape = spec.shape(config)
+    if spec.init != "normal":
+        return (jnp.ones if spec.init == "ones" else jnp.zeros)(shape, dtype)
+    key = jax.random.fold_in(key, zlib.crc32("/".join(spec.path).encode()) % 2**31)  # stable across processes
+    if layer is not None:
+        key = jax.random.fold_in(key, layer)
+    # Made in chunks of whole rows (row chunk i from key i): the generator's temporaries, several
+    # times the values' bytes on a CPU, stay a chunk's.
+    rows, row_elements = shape[0], math.prod(shape[1:])
+    chunks = next((c for c in range(1, rows + 1) if rows % c == 0 and rows // c * row_elements <= INIT_CHUNK), rows)
+
+    def rows_chunk(i):
+        return INIT_STDDEV * jax.random.normal(jax.random.fold_in(key, i), (rows // chunks, *shape[1:]), dtype)
+
+    if chunks == 1:
+        return rows_chunk(0)
+    return jax.lax.map(rows_chunk, jnp.arange(chunks)).reshape(shape)
+
+
 class ParamDeclarer:
     """Creates a model's parameters from its architecture's table (`jaxpaged.config.architectures`) while its
     modules are built: each module asks for the parameters under its own path.
@@ -67,7 +105,7 @@ class ParamDeclarer:
     Args:
       config: the model's configuration (the mesh layout's under tensor parallelism).
       dtype: the parameters' dtype (a quantized pair keeps its own).
-      rngs: random initialisation of the "normal" parameters.
+      rngs: random initialisation of the "normal" parameters (one key drawn; see `initial_value`).
       quantization: "fp8" or "int8": quantizable weights become their quantized pairs.
       per_layer_arrays: per-layer parameters as `LayerArrays` (one array per layer, for unrolled
         layers) instead of stacked `[L, ...]` (for a scan). The values are the same either way.
@@ -76,7 +114,7 @@ class ParamDeclarer:
     def __init__(
         self, config: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str | None, per_layer_arrays: bool = False
     ):
-        self.config, self.dtype, self.rngs, self.quantization = config, dtype, rngs, quantization
+        self.config, self.dtype, self.key, self.quantization = config, dtype, rngs.params(), quantization
         self.per_layer_arrays = per_layer_arrays
         self.specs = param_specs(config)
         self.declared: set[Path] = set()
@@ -88,21 +126,24 @@ class ParamDeclarer:
         for spec in self.specs:
             if spec.path[:-1] != prefix:
                 continue
-            stack = (self.config.num_layers,) if spec.per_layer else ()
-            shape = (*stack, *spec.shape(self.config))
-            if spec.init == "normal":
-                value = INIT_STDDEV * jax.random.normal(self.rngs.params(), shape, self.dtype)
-            else:
-                value = (jnp.ones if spec.init == "ones" else jnp.zeros)(shape, self.dtype)
-            if self.quantization is not None and spec.quantize:
-                values = quantize_weight(value, self.quantization, spec.num_in, len(stack))
-                names = [path[-1] for path in spec.quantized_paths]
-            else:
-                values, names = (value,), (spec.name,)
-            for name, value in zip(names, values):
-                split = spec.per_layer and self.per_layer_arrays
-                setattr(module, name, nnx.Param(LayerArrays(value[i] for i in range(stack[0])) if split else value))
+            layers = range(self.config.num_layers) if spec.per_layer else (None,)
+            values = [self._values(spec, layer) for layer in layers]  # per layer: the array or its pair
+            names = [path[-1] for path in spec.quantized_paths] if len(values[0]) == 2 else [spec.name]
+            for i, name in enumerate(names):
+                if not spec.per_layer:
+                    value = values[0][i]
+                elif self.per_layer_arrays:
+                    value = LayerArrays(v[i] for v in values)
+                else:
+                    value = jnp.stack([v[i] for v in values])
+                setattr(module, name, nnx.Param(value))
             self.declared.add(spec.path)
+
+    def _values(self, spec: ParamSpec, layer: int | None) -> tuple[jax.Array, ...]:
+        value = initial_value(spec, self.config, self.dtype, self.key, layer)
+        if self.quantization is not None and spec.quantize:
+            return quantize_weight(value, self.quantization, spec.num_in)
+        return (value,)
 
     def check_all_declared(self) -> None:
         """Raises naming every parameter of the table no module asked for."""
@@ -295,7 +336,8 @@ class Llama(nnx.Module):
     Args:
       config: the model's static configuration.
       dtype: parameter and activation dtype (float32 or bfloat16).
-      rngs: random initialisation (used as-is for `load_format="dummy"`; replaced on load).
+      rngs: random initialisation (`initial_value`: `load_format="dummy"` makes the same values
+        from `nnx.Rngs(seed)`; replaced on load).
       attention: "auto", "reference" or "pallas" (see `resolve_attention_backend`).
       parallel: the mesh and sharding table under tensor parallelism; `config` is then the
         mesh layout (`parallel.layout.mesh_config`, kv heads repeated). None: one device.

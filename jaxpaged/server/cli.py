@@ -5,14 +5,17 @@ jaxpaged serve /path/to/model --port 8000 --max-model-len 4096 --api-key sk-loca
 """
 
 import argparse
+import errno
 import importlib.util
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 
+from jaxpaged.engine_args import compatibility_notes
 from jaxpaged.entrypoints import cli_flags
 from jaxpaged.entrypoints.cli_flags import PORT
 from jaxpaged.server.limits import RESERVED_FILES, add_limit_flags, limits_from
@@ -26,6 +29,10 @@ API_KEY_ENV = "JAXPAGED_API_KEY"
 DEAD_DRAIN_SECONDS = 2.0
 # After the drain aborts what is left, its clients get their last events for this long.
 ABORT_FLUSH_SECONDS = 1.0
+DISABLE_LOG_REQUESTS = (
+    "accepted for vLLM compatibility; changes nothing: request logs hold ids and token counts, and prompt text "
+    "only with --enable-log-requests"
+)
 # What the `server` extra installs (pyproject.toml), checked before anything slow starts.
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -49,6 +56,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="uvicorn's log level",
     )
     parser.add_argument("--enable-log-requests", action="store_true", help="include prompt text in request logs")
+    parser.add_argument("--disable-log-requests", action="store_true", help=DISABLE_LOG_REQUESTS)
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -90,8 +98,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Runs the server until SIGTERM/SIGINT (exit 0 after draining) or an engine failure (exit 1).
 
-    1. Flags are checked, then HTTP starts at once: `/live` answers while the engine loads and
-       compiles on its own thread; `/health` (readiness) turns 200 when it is ready.
+    1. Flags are checked and the port bound before JAX loads, then the devices and (on a CPU)
+       the host memory, each error one line naming its flag (exit 2). Then HTTP starts: `/live`
+       answers while the engine loads and compiles on its own thread; `/health` (readiness) turns
+       200 when it is ready.
     2. On SIGTERM or SIGINT the server stops admitting (503), lets in-flight requests finish for
        up to `--shutdown-timeout` seconds, aborts the rest (their KV blocks return) and exits 0.
     3. If the engine fails, every request in flight fails at once, `/health` turns 503, and the
@@ -123,7 +133,24 @@ def serve(args: argparse.Namespace) -> int:
     _make_room_for_connections(limits.max_connections + RESERVED_FILES)
     model = args.model_tag or args.model
     engine_args = cli_flags.engine_args(args, model=model)  # every flag checked before JAX loads
+    notes = compatibility_notes(engine_args) + (
+        [f"disable_log_requests: {DISABLE_LOG_REQUESTS}"] if args.disable_log_requests else []
+    )
+    for note in notes:
+        logger.info(note)
+    listener = _bind(args.host, args.port)  # a port in use is reported now, not after compiling
+    port = listener.getsockname()[1]
     name = args.served_model_name or model or DEMO_MODEL_NAME
+    if args.engine_process:
+        from jaxpaged.engine.core_process import EngineCoreProcess
+
+        engine = EngineCoreProcess(engine_args, on_ready=_log_start_up)
+        engine.wait_checked()  # devices and host memory, checked where the engine runs, before HTTP starts
+    else:
+        from jaxpaged.engine.setup import check_engine_fits
+        from jaxpaged.engine_config import EngineConfig
+
+        check_engine_fits(EngineConfig.resolve(engine_args))  # devices and host memory, before HTTP starts
     logger.info(
         "starting the engine for %s in its own %s (loading JAX and the model, then compiling); "
         "/live answers now, /health once it is ready",
@@ -153,11 +180,7 @@ def serve(args: argparse.Namespace) -> int:
         _log_start_up(engine, time.perf_counter() - start)
         return engine
 
-    if args.engine_process:
-        from jaxpaged.engine.core_process import EngineCoreProcess
-
-        engine = EngineCoreProcess(engine_args, on_ready=_log_start_up)
-    else:
+    if not args.engine_process:
         engine = build
     async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting, on_dead=on_dead)
     app = build_app(
@@ -174,7 +197,7 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app,
         host=args.host,
-        port=args.port,
+        port=port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=ABORT_FLUSH_SECONDS,
         http=guarded_h11_protocol(limits),
@@ -186,7 +209,7 @@ def serve(args: argparse.Namespace) -> int:
     logger.info(
         "listening at http://%s:%d/v1 (API key %s)",
         args.host,
-        args.port,
+        port,
         "required" if args.api_key else "not required",
     )
     if threading.current_thread() is threading.main_thread():
@@ -194,13 +217,38 @@ def serve(args: argparse.Namespace) -> int:
         # process exits normally (0, or 1 after an engine failure) instead of dying of it.
         signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
-        server.run()
+        server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     finally:
         async_engine.shutdown()  # aborts what is left; every KV block returns
     logger.info("server stopped (exit code %d)", exit_code)
     return exit_code
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to `host`:`port` (uvicorn listens on it).
+
+    Raises:
+      ValueError: the port is in use, or the address cannot be bound, naming the flag.
+    """
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host}: not an address of this machine ({err.strerror})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts need no wait
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"--port {port}: {host}:{port} is already in use; choose another --port (0 picks a free one) "
+                "or stop the process listening there"
+            ) from None
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror})") from None
+    return sock
 
 
 def _make_room_for_connections(files: int) -> None:

@@ -56,10 +56,9 @@ class CoreChecked:
 
 @dataclasses.dataclass
 class CoreReady:
-    """The engine is built: its resolved config, where its tokenizer loads from, its stats."""
+    """The engine is built: its resolved config (its tokenizer's directory included), its stats."""
 
     config: EngineConfig
-    tokenizer_dir: str | None
     stats: dict[str, Any]
 
 

@@ -136,7 +136,7 @@ def run_engine_core(args: EngineArgs, conn, log_level: int, on_ready: Callable |
     except BaseException as err:
         conn.send(CoreFailed(_picklable(err), starting=True))
         return
-    conn.send(CoreReady(engine.config, engine.config.load.tokenizer, engine.get_stats()))
+    conn.send(CoreReady(engine.config, engine.get_stats()))
     try:
         _serve(engine, conn)
     except (EOFError, OSError):  # the server is gone

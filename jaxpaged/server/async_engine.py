@@ -177,12 +177,12 @@ class AsyncEngine:
 
     def _adopt(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._become_ready(engine.config, engine.config.load.tokenizer, engine.get_stats())
+        self._become_ready(engine.config, engine.get_stats())
 
-    def _become_ready(self, config, tokenizer_dir: str | None, stats: dict[str, Any]) -> None:
+    def _become_ready(self, config, stats: dict[str, Any]) -> None:
         """Records the ready engine's `EngineConfig`, tokenizer directory and stats; runs the
         `when_ready` callbacks; sets `ready`."""
-        self.config, self.tokenizer_dir, self.stats = config, tokenizer_dir, stats
+        self.config, self.tokenizer_dir, self.stats = config, config.load.tokenizer, stats
         self.max_num_seqs = config.scheduling.max_num_seqs
         for callback in self._ready_callbacks:
             callback()
@@ -343,7 +343,8 @@ class AsyncEngine:
         deltas into outputs until the child stops or dies."""
         try:
             ready: CoreReady = self._core.wait_ready()
-            tokenizer = None if ready.tokenizer_dir is None else _load_tokenizer(ready.tokenizer_dir)
+            tokenizer_dir = ready.config.load.tokenizer
+            tokenizer = None if tokenizer_dir is None else _load_tokenizer(tokenizer_dir)
         except (EOFError, OSError):  # it died, or was stopped by `shutdown` while starting
             self._die(EngineDeadError(f"the engine failed to start: {self._core.died()}"), fatal=not self._stopping)
             return
@@ -352,7 +353,7 @@ class AsyncEngine:
             self._die(EngineDeadError(f"the engine failed to start: {type(err).__name__}"), fatal=True)
             return
         self._outputs = OutputProcessor(tokenizer, self._stop_on_string, lambda request_id: self.abort(request_id))
-        self._become_ready(ready.config, ready.tokenizer_dir, ready.stats)
+        self._become_ready(ready.config, ready.stats)
         threading.Thread(target=self._forward_commands, name="jaxpaged-engine-sender", daemon=True).start()
         try:
             while True:

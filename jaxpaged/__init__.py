@@ -28,6 +28,7 @@ _EXPORTS = {
     "ModelConfig": "jaxpaged.config.model_config",
     "SamplingParams": "jaxpaged.sampling_params",
     "RequestOutputKind": "jaxpaged.sampling_params",
+    "StructuredOutputsParams": "jaxpaged.sampling_params",
     "RequestOutput": "jaxpaged.outputs",
     "CompletionOutput": "jaxpaged.outputs",
 }

@@ -61,6 +61,69 @@ def check_text(name: str, text: object) -> None:
         raise ValueError(f"{name} holds an invalid character (a lone surrogate at position {err.start})") from None
 
 
+# The constraint kinds of `StructuredOutputsParams`, exactly one of which a request sets.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@typing.no_type_check
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's `StructuredOutputsParams`, same names).
+
+    Exactly one of `json`, `regex`, `choice`, `grammar`, `json_object` and `structural_tag` is set.
+
+    Attributes:
+      json: a JSON schema (a dict, or its JSON text); the output is a JSON document it accepts.
+      regex: the output matches this regular expression in full.
+      choice: the output is exactly one of these strings.
+      grammar: a context-free grammar (Lark syntax, or GBNF/EBNF as llama.cpp writes it).
+      json_object: True: the output is any JSON object.
+      structural_tag: vLLM's structural tag (its JSON text): free text with tagged constrained parts.
+      disable_any_whitespace: JSON without optional whitespace (jaxpaged's default is compact
+        JSON either way: a model cannot spin on whitespace until `max_tokens`; see the README).
+      disable_additional_properties: a schema's objects take no properties it does not list.
+      whitespace_pattern: the regex of whitespace allowed between JSON tokens (None: compact).
+      disable_fallback: accepted for vLLM compatibility; jaxpaged has one backend and never
+        falls back.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+
+    def __post_init__(self):
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams takes exactly one of "
+                f"{', '.join(STRUCTURED_KINDS)}; got {', '.join(given) if given else 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise _bad("structured_outputs.choice", self.choice, "a non-empty list of str")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise _bad(f"structured_outputs.{name}", value, "a str")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise _bad("structured_outputs.json", self.json, "a JSON schema (a dict or its JSON text)")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of `STRUCTURED_KINDS`."""
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+
+
 # The class validates its own inputs (ints are fine for float fields, wrong types raise
 # ValueError naming the field), so the test-time jaxtyping/beartype hook must not pre-empt it.
 @typing.no_type_check
@@ -91,6 +154,13 @@ class SamplingParams:
       output_kind: CUMULATIVE (default), DELTA (streaming) or FINAL_ONLY (offline batches).
       speculate: with a `speculative_config`, this request may be given proposals (False: it
         decodes one token per step). jaxpaged's own option, not vLLM's.
+      structured_outputs: a constraint on the output (JSON schema, regex, choice, grammar).
+      logit_bias: token id -> bias added to its logit before sampling (OpenAI's -100..100).
+      allowed_token_ids: only these tokens may be sampled.
+      bad_words: words (strings) the output may not contain, as the tokenizer encodes them.
+      truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last max_model_len).
+      prompt_logprobs: number of top log-probabilities to return per prompt token (plus the
+        prompt token's own), or None for none.
     """
 
     n: int = 1
@@ -113,6 +183,12 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     speculate: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
     # `stop_token_ids` as a set, made once: the scheduler looks each new token up in it.
     stop_token_id_set: frozenset = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -207,6 +283,38 @@ class SamplingParams:
             raise _bad("logprobs", self.logprobs, "non-negative")
         if self.temperature < SAMPLING_EPS and self.n > 1:
             raise _bad("n", self.n, "1 when using greedy sampling (temperature 0)")
+        self._verify_token_controls()
+
+    def _verify_token_controls(self) -> None:
+        """Types and ranges of the structured-output and token-control fields (vocabulary bounds
+        are the engine's to check: it knows the vocabulary)."""
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                _is_int(k) and _is_number(v) for k, v in self.logit_bias.items()
+            ):
+                raise _bad("logit_bias", self.logit_bias, "a dict of int token id -> float bias")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise _bad("allowed_token_ids", ids, "a non-empty list of non-negative int token ids")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
+                raise _bad("bad_words", words, "a list of non-empty str")
+        for name in ("truncate_prompt_tokens", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or abs(value) > INT32_MAX):
+                raise _bad(name, value, f"an int or None (within ±{INT32_MAX})")
+        if (
+            self.truncate_prompt_tokens is not None
+            and self.truncate_prompt_tokens != -1
+            and self.truncate_prompt_tokens < 1
+        ):
+            raise _bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "-1 (max_model_len) or at least 1")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise _bad("prompt_logprobs", self.prompt_logprobs, "non-negative")
 
     @property
     def greedy(self) -> bool:

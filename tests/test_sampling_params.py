@@ -92,3 +92,33 @@ def test_text_must_be_valid_unicode_and_any_seed_is_accepted():
     with pytest.raises(ValueError, match="SamplingParams.stop holds an invalid character"):
         SamplingParams(stop=["ok", "\ud800"])
     assert SamplingParams(seed=2**70).seed == 2**70  # the device folds seeds to 32 bits
+
+
+def test_structured_outputs_params_takes_exactly_one_constraint():
+    from jaxpaged.sampling_params import StructuredOutputsParams
+
+    assert StructuredOutputsParams(choice=["a", "b"]).kind == "choice"
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+    with pytest.raises(ValueError, match="exactly one of .*got json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="structured_outputs.choice must be a non-empty list of str"):
+        StructuredOutputsParams(choice=[])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logit_bias", {"a": 1.0}),
+        ("allowed_token_ids", []),
+        ("bad_words", [""]),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
+        ("prompt_logprobs", -1),
+        ("structured_outputs", {"json": {}}),
+    ],
+)
+def test_token_control_fields_are_validated(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} must be"):
+        SamplingParams(**{field: value})

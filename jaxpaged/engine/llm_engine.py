@@ -54,6 +54,17 @@ from jaxpaged.worker.step_packer import MAX_BANNED
 logger = logging.getLogger("jaxpaged")
 
 
+# SamplingParams fields declared (vLLM's names) but not yet carried out: refused, never ignored.
+NOT_YET_IMPLEMENTED = (
+    "structured_outputs",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
+)
+
+
 class LLMEngine:
     """The engine behind `LLM` and the server (vLLM's name and verbs).
 
@@ -166,6 +177,9 @@ class LLMEngine:
                 f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported; "
                 f"got {len(params.stop_token_ids)} stop_token_ids"
             )
+        unimplemented = [name for name in NOT_YET_IMPLEMENTED if getattr(params, name) is not None]
+        if unimplemented:
+            raise ValueError(f"SamplingParams.{unimplemented[0]} is not supported yet")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the engine runs with skip_tokenizer_init=True")
         if cache_salt is not None:

@@ -5,6 +5,7 @@
     jaxpaged bench serve [--base-url URL] [--request-rate 4] [--save-result]                      # any OpenAI server
     jaxpaged bench plot RESULT.json ... --output chart.png                                        # serve results
     jaxpaged bench startup                                                                         # start-up time
+    jaxpaged bench extraction [--num-prompts 64]                               # clinical notes to JSON, constrained or not
 
 Building the parser imports no JAX; each command imports what it needs when it runs.
 """
@@ -13,7 +14,7 @@ import argparse
 
 from jaxpaged.entrypoints.cli_flags import HelpFormatter, add_engine_flags
 
-COMMANDS = ("throughput", "latency", "serve", "plot", "startup")
+COMMANDS = ("throughput", "latency", "serve", "plot", "startup", "extraction")
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -57,3 +58,10 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     parser = command("startup", "start-up time of the engine")
     startup.add_startup_flags(parser)
     parser.set_defaults(run=startup.run)
+
+    from jaxpaged.bench import extraction
+
+    parser = command("extraction", "the clinical-notes extraction workload: JSON-constrained vs free, prefix caching")
+    extraction.add_extraction_flags(parser)
+    add_engine_flags(parser, job_sized=("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
+    parser.set_defaults(run=extraction.run)

@@ -1,0 +1,98 @@
+"""One configuration of `jaxpaged bench extraction`, in a process of its own:
+
+    python -m jaxpaged.bench.extraction_run ARGS.json CONFIG OUT.json
+
+ARGS.json holds the parsed flags of `bench extraction`; the result dict is written to OUT.json.
+"""
+
+import argparse
+import collections
+import dataclasses
+import json
+import random
+import sys
+import time
+
+from jaxpaged.bench import extraction, extraction_data
+from jaxpaged.bench.datasets import dataset_tokenizer_dir
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
+from jaxpaged.entrypoints.cli_generate import size_to_job
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def run_config(args: argparse.Namespace, config: str) -> dict:
+    """Starts the engine `config` describes, runs every request at once, measures."""
+    from transformers import AutoTokenizer
+
+    note_len = extraction.check_flags(args)
+    constrained, cache = config.split("+", 1)
+    model = args.model or DEMO_MODEL_DIR
+    tokenizer = AutoTokenizer.from_pretrained(dataset_tokenizer_dir(model, args.tokenizer))
+    prompts = [
+        {"prompt_token_ids": ids}
+        for ids in extraction_data.extraction_prompts(
+            tokenizer, args.num_prompts, args.prefix_len, note_len, seed=args.seed or 0
+        )
+    ]
+    structured = StructuredOutputsParams(json=extraction_data.SCHEMA) if constrained == "json" else None
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, structured_outputs=structured)
+    overrides = dict(
+        enable_prefix_caching=cache != "no-prefix-cache",
+        kv_offloading_size=(args.kv_offloading_size or extraction.DEFAULT_HOST_GIB) if cache == "host-tier" else None,
+    )
+    placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
+    checked = engine_config(args, **overrides, **placeholder)
+    sizes = size_to_job(args, checked.model, prompts, [params] * len(prompts))
+    options = engine_args(args, **sizes, **overrides)
+
+    from jaxpaged.entrypoints.llm import LLM  # JAX is imported from here on
+
+    llm = LLM(**dataclasses.asdict(options))
+    # Warm-up: one request that shares nothing with the timed ones (no prefix hit), with the same
+    # constraint (its grammar is compiled and cached here, as on a server that has seen the schema).
+    rng = random.Random(1)
+    warm = {"prompt_token_ids": [rng.randrange(10, tokenizer.vocab_size) for _ in range(32)]}
+    llm.generate(warm, dataclasses.replace(params, max_tokens=8), use_tqdm=False)
+    before = llm.get_stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    after = llm.get_stats()
+    ttft, tpot, out_tokens = [], [], 0
+    for out in outputs:
+        m, n = out.metrics, len(out.outputs[0].token_ids)
+        out_tokens += n
+        ttft.append(m.first_token_time - m.arrival_time)
+        if n > 1:
+            tpot.append((m.finished_time - m.first_token_time) / (n - 1))
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    return {
+        "config": config,
+        "engine_sizes": sizes,
+        "num_requests": len(outputs),
+        "elapsed_s": elapsed,
+        "requests_per_second": len(outputs) / elapsed,
+        "output_tokens_per_second": out_tokens / elapsed,
+        "total_output_tokens": out_tokens,
+        "total_prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
+        "ttft_ms": extraction.summary(ttft),
+        "tpot_ms": extraction.summary(tpot),
+        "finish_reasons": dict(collections.Counter(o.outputs[0].finish_reason for o in outputs)),
+        "valid_fraction": sum(extraction_data.is_valid(o.outputs[0].text) for o in outputs) / len(outputs),
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings_file, config, out = argv if argv is not None else sys.argv[1:]
+    with open(settings_file) as f:
+        args = argparse.Namespace(**json.load(f))
+    result = run_config(args, config)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""`bench extraction`: the clinical-notes workload's prompts, schema check and flags, and one
+constrained configuration end to end on the demo model."""
+
+import argparse
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from jaxpaged.bench import extraction, extraction_data
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+
+
+def test_prompts_share_an_exact_prefix_and_notes_keep_their_lengths():
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    prompts = extraction_data.extraction_prompts(tokenizer, 6, prefix_len=700, note_len=(20, 90), seed=3)
+    cue = tokenizer.encode("\nJSON: ", add_special_tokens=False)
+    assert all(p[:700] == prompts[0][:700] for p in prompts)  # one shared prefix (repeated examples to 700)
+    assert all(20 <= len(p) - 700 - len(cue) <= 90 and p[-len(cue) :] == cue for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 6
+    assert prompts == extraction_data.extraction_prompts(tokenizer, 6, prefix_len=700, note_len=(20, 90), seed=3)
+
+
+def test_schema_accepts_the_examples_and_nothing_else():
+    for _, answer in extraction_data.EXAMPLES:
+        assert extraction_data.is_valid(json.dumps(answer))
+    wrong = dict(extraction_data.EXAMPLES[0][1], severity="fatal")
+    assert not extraction_data.is_valid(json.dumps(wrong))
+    assert not extraction_data.is_valid(json.dumps(extraction_data.EXAMPLES[0][1])[:-1])  # cut short
+    assert not extraction_data.is_valid("Patient is a 67 year old male")
+    assert len(extraction_data.SCHEMA["properties"]) == 12
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("note_len", "100", "--note-len '100': give MIN,MAX"),
+        ("note_len", "50,10", "need 1 <= MIN <= MAX"),
+        ("configs", "json+prefix-cache,fast", "--configs: unknown fast"),
+        ("num_prompts", 0, "--num-prompts 0"),
+    ],
+)
+def test_bad_flags_are_named(flag, value, message):
+    args = argparse.Namespace(
+        note_len="10,20", num_prompts=4, output_len=8, prefix_len=0, configs=",".join(extraction.CONFIGS)
+    )
+    setattr(args, flag, value)
+    with pytest.raises(ValueError, match=message):
+        extraction.check_flags(args)

@@ -146,10 +146,28 @@ def test_random_dataset_lengths_and_context_check():
         )
 
 
+def test_random_dataset_with_vllms_range_ratio_and_prefix():
+    parser = argparse.ArgumentParser()
+    datasets.add_dataset_flags(parser, default_num_prompts=64)
+    flags = "--dataset-name random --random-input-len 20 --random-output-len 10 --random-range-ratio 0.5"
+    a = parser.parse_args([*flags.split(), "--random-prefix-len", "7"])
+    datasets.check_dataset_flags(a)
+    requests = datasets.get_requests(a, tokenizer=None, vocab_size=100, max_model_len=64, seed=3)
+    assert all(r.prompt_token_ids[:7] == requests[0].prompt_token_ids[:7] for r in requests)
+    inputs, outputs = {r.prompt_len - 7 for r in requests}, {r.output_len for r in requests}
+    assert min(inputs) >= 10 and max(inputs) <= 30 and len(inputs) > 5  # [L(1-R), L(1+R)]
+    assert min(outputs) >= 5 and max(outputs) <= 15 and len(outputs) > 3
+    with pytest.raises(ValueError, match="--input-len 30 after --random-prefix-len 7 plus --output-len 15 is 52"):
+        datasets.get_requests(a, tokenizer=None, vocab_size=100, max_model_len=40, seed=3)
+    assert parser.parse_args(["--sharegpt-output-len", "9"]).output_len == 9  # vLLM's names: one flag
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (dict(dataset_name="sharegpt", input_len=5), "--input-len applies to --dataset-name random, not sharegpt"),
+        (dict(dataset_name="random", random_range_ratio=1.0), "--random-range-ratio 1.0: must be in \\[0, 1\\)"),
+        (dict(dataset_name="prefix", random_prefix_len=3), "--random-prefix-len applies to --dataset-name random"),
         (dict(dataset_name="random", prefix_len=5), "--prefix-len applies to --dataset-name prefix, not random"),
         (dict(dataset_name="random", num_prefixes=2), "--num-prefixes applies to --dataset-name prefix, not random"),
         (dict(dataset_name="prefix", num_prefixes=0), "--num-prefixes 0: must be at least 1"),

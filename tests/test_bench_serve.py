@@ -120,6 +120,7 @@ def test_sharegpt_at_full_rate_saves_vllms_keys(server_url, tmp_path):
         "ttft:100000",
         "e2el:100000",
         "--save-result",
+        "--save-detailed",
         "--result-dir",
         str(tmp_path),
         "--result-filename",
@@ -143,7 +144,7 @@ def test_sharegpt_at_full_rate_saves_vllms_keys(server_url, tmp_path):
     )
 
 
-def test_prefix_dataset_at_a_poisson_rate(server_url):
+def test_prefix_dataset_at_a_poisson_rate(server_url, tmp_path):
     proc, _ = bench_serve(
         "--base-url",
         server_url,
@@ -165,8 +166,22 @@ def test_prefix_dataset_at_a_poisson_rate(server_url):
         "ttft,e2el",
         "--metric-percentiles",
         "50,90",
+        "--backend",  # vLLM's flags: the completions API, two untimed requests first, a label on the file
+        "openai",
+        "--num-warmups",
+        "2",
+        "--label",
+        "prefix-run",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    (saved,) = tmp_path.glob("prefix-run-20qps-*.json")
+    result = json.loads(saved.read_text())
+    assert result["label"] == "prefix-run" and result["backend"] == "openai" and result["completed"] == 6
+    assert not any(key in result for key in ("ttfts", "itls", "generated_texts"))  # without --save-detailed
+    assert "2 warm-up requests" in proc.stderr
     out = proc.stdout
     assert (
         "Successful requests:                     6" in out and "Request rate configured (RPS):           20.00" in out

@@ -190,6 +190,18 @@ def test_a_mistyped_flag_is_answered_with_the_closest_one(capsys, argv, message)
             dict(tensor_parallel_size=8, trust_remote_code=True),
         ),
         (["bench", "latency", "-tp", "2", "--batch-size", "8"], dict(tensor_parallel_size=2, batch_size=8)),
+        (
+            ["bench", "throughput", "--dataset-name", "random", "--random-input-len", "512"]
+            + ["--random-output-len", "128", "--random-range-ratio", "0.1", "--n", "4"],
+            dict(input_len=512, output_len=128, random_range_ratio=0.1, n=4),
+        ),
+        (
+            ["bench", "serve", "--backend", "openai-chat", "--dataset-name", "sharegpt", "--sharegpt-output-len", "64"]
+            + ["--label", "run1", "--save-result", "--save-detailed", "--num-warmups", "4"]
+            + ["--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99", "--random-prefix-len", "0"],
+            dict(backend="openai-chat", output_len=64, label="run1", save_detailed=True, num_warmups=4),
+        ),
+        (["bench", "serve", "--endpoint-type", "openai-chat"], dict(backend="openai-chat", endpoint=None)),
     ],
 )
 def test_vllm_command_lines_parse(argv, expected):

@@ -49,14 +49,33 @@ def add_dataset_flags(parser: argparse.ArgumentParser, *, default_num_prompts: i
     )
     group.add_argument("--num-prompts", type=int, default=default_num_prompts, metavar="N", help="requests to send")
     group.add_argument(
-        "--input-len", type=int, metavar="N", help=f"random: prompt tokens (default: {DEFAULT_INPUT_LEN})"
+        "--input-len",
+        "--random-input-len",
+        type=int,
+        metavar="N",
+        help=f"random: prompt tokens (default: {DEFAULT_INPUT_LEN}; --random-input-len is vLLM's name)",
     )
     group.add_argument(
         "--output-len",
+        "--random-output-len",
+        "--sharegpt-output-len",
         type=int,
         metavar="N",
-        help="tokens to generate per request (default: "
-        f"sharegpt the reply's length, random and prefix {DEFAULT_OUTPUT_LEN})",
+        help="tokens to generate per request (default: sharegpt the reply's length, random and prefix "
+        f"{DEFAULT_OUTPUT_LEN}; vLLM's --random-output-len and --sharegpt-output-len are the same flag)",
+    )
+    group.add_argument(
+        "--random-range-ratio",
+        type=float,
+        metavar="R",
+        help="random: draw each prompt's and output's length uniformly from [L(1-R), L(1+R)] around "
+        "--input-len and --output-len, as vLLM does (default: 0, every request the same lengths)",
+    )
+    group.add_argument(
+        "--random-prefix-len",
+        type=int,
+        metavar="N",
+        help="random: N random tokens every prompt starts with, before its own --input-len (default: 0)",
     )
     group.add_argument(
         "--prefix-len",
@@ -87,6 +106,8 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
     """
     applies = {
         "input_len": ("random",),
+        "random_range_ratio": ("random",),
+        "random_prefix_len": ("random",),
         "prefix_len": ("prefix",),
         "suffix_len": ("prefix",),
         "num_prefixes": ("prefix",),
@@ -102,9 +123,12 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
         ("--output-len", args.output_len, 1),
         ("--prefix-len", args.prefix_len, 0),
         ("--num-prefixes", args.num_prefixes, 1),
+        ("--random-prefix-len", args.random_prefix_len, 0),
     ):
         if value is not None and value < minimum:
             raise ValueError(f"{flag} {value}: must be at least {minimum}")
+    if args.random_range_ratio is not None and not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio {args.random_range_ratio}: must be in [0, 1)")
     if args.dataset_path is not None and not os.path.isfile(args.dataset_path):
         raise FileNotFoundError(f"--dataset-path {args.dataset_path}: no such file")
 
@@ -150,9 +174,16 @@ def get_requests(
     ids = [t for t in range(vocab_size) if t not in special]
     output_len = args.output_len or DEFAULT_OUTPUT_LEN
     if args.dataset_name == "random":
-        input_len = args.input_len or DEFAULT_INPUT_LEN
-        _check_fits(f"--input-len {input_len}", input_len, output_len, max_model_len)
-        return [SampleRequest(rng.choices(ids, k=input_len), output_len) for _ in range(args.num_prompts)]
+        return random_requests(
+            rng,
+            ids,
+            args.num_prompts,
+            args.input_len or DEFAULT_INPUT_LEN,
+            output_len,
+            args.random_range_ratio or 0.0,
+            args.random_prefix_len or 0,
+            max_model_len,
+        )
     return prefix_requests(
         rng,
         ids,
@@ -163,6 +194,32 @@ def get_requests(
         max_model_len,
         args.num_prefixes or 1,
     )
+
+
+def random_requests(
+    rng: random.Random,
+    ids: list[int],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    prefix_len: int,
+    max_model_len: int,
+) -> list[SampleRequest]:
+    """Prompts of random ids: one shared `prefix_len` prefix, then each prompt's own ids; input
+    and output lengths drawn uniformly from `[L(1 - range_ratio), L(1 + range_ratio)]` (at least 1)."""
+
+    def bounds(length: int) -> tuple[int, int]:
+        return max(1, int(length * (1 - range_ratio))), max(1, int(length * (1 + range_ratio)))
+
+    (in_low, in_high), (out_low, out_high) = bounds(input_len), bounds(output_len)
+    what = f"--input-len {in_high}" + (f" after --random-prefix-len {prefix_len}" if prefix_len else "")
+    _check_fits(what, prefix_len + in_high, out_high, max_model_len)
+    prefix = rng.choices(ids, k=prefix_len)
+    return [
+        SampleRequest(prefix + rng.choices(ids, k=rng.randint(in_low, in_high)), rng.randint(out_low, out_high))
+        for _ in range(num_prompts)
+    ]
 
 
 def prefix_requests(

@@ -24,6 +24,9 @@ from jaxpaged.bench import datasets, metrics, sharegpt
 from jaxpaged.entrypoints.cli_flags import PORT
 
 RESULT_WIDTH = 50
+BACKENDS = ("vllm", "openai", "openai-chat")
+# What a result keeps without --save-detailed (vLLM drops these per-request lists too).
+DETAILED_KEYS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
 
 
 def _rate(text: str) -> float:
@@ -41,10 +44,17 @@ def add_serve_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", metavar="HOST", help="the server's host (without --base-url)")
     parser.add_argument("--port", type=PORT, default=8000, help="the server's port (without --base-url)")
     parser.add_argument(
+        "--backend",
+        "--endpoint-type",
+        choices=BACKENDS,
+        help="the API to speak (vLLM's names): vllm and openai send completions, openai-chat chat "
+        "completions (ShareGPT prompts only); --endpoint-type is vLLM's older name of this flag (default: "
+        "openai-chat with a chat --endpoint, else vllm)",
+    )
+    parser.add_argument(
         "--endpoint",
-        default="/v1/completions",
         metavar="PATH",
-        help="the route to load: /v1/completions, or /v1/chat/completions (ShareGPT prompts only)",
+        help="the route to load (default: /v1/chat/completions with --backend openai-chat, else /v1/completions)",
     )
     parser.add_argument(
         "--model", metavar="NAME", help="the model name to send (default: the first of the server's /v1/models)"
@@ -109,7 +119,25 @@ def add_serve_bench_flags(parser: argparse.ArgumentParser) -> None:
         help="service-level objectives for goodput, "
         "e.g. ttft:500 tpot:50 e2el:5000 (ms): requests/s that meet all of them",
     )
+    parser.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send the first N requests once, untimed, before the run",
+    )
     parser.add_argument("--save-result", action="store_true", help="write the result JSON")
+    parser.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="keep the per-request lists in the result JSON (input_lens, output_lens, start_times, ttfts, itls, "
+        "generated_texts, errors)",
+    )
+    parser.add_argument(
+        "--label",
+        metavar="NAME",
+        help="the run's label: saved in the result and the file name's start (default: jaxpaged)",
+    )
     parser.add_argument("--result-dir", metavar="DIR", help="directory of the result JSON (default: the current one)")
     parser.add_argument(
         "--result-filename",
@@ -133,7 +161,18 @@ def run(args: argparse.Namespace) -> int:
     percentiles = metrics.parse_metric_percentiles(args.metric_percentiles)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: must be at least 1")
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups {args.num_warmups}: must be at least 0")
+    if args.endpoint is None:  # from --backend (vLLM's default: vllm, the completions API)
+        args.endpoint = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
     chat = args.endpoint.rstrip("/").endswith("chat/completions")
+    if args.backend is None:  # from --endpoint
+        args.backend = "openai-chat" if chat else "vllm"
+    if chat != (args.backend == "openai-chat"):
+        raise ValueError(
+            f"--endpoint {args.endpoint} does not fit --backend {args.backend}: openai-chat speaks "
+            "/v1/chat/completions, vllm and openai /v1/completions"
+        )
     if chat and args.dataset_name != "sharegpt":
         raise ValueError(
             f"--endpoint {args.endpoint} takes text; --dataset-name {args.dataset_name} makes token-id "
@@ -141,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
         )
     result = asyncio.run(_benchmark(args, chat=chat, slos=slos, selected=selected, percentiles=percentiles))
     _print_result(result, args, selected, percentiles)
+    if not args.save_detailed:
+        for key in DETAILED_KEYS:
+            result.pop(key)
     if args.save_result:
         path = _result_path(args, result["model_id"], result["date"])
         with open(path, "w") as f:
@@ -174,6 +216,15 @@ async def _benchmark(args, *, chat: bool, slos: dict, selected: list[str], perce
             serve_client.request_body(r, model=model, chat=chat, ignore_eos=ignore_eos, temperature=args.temperature)
             for r in requests
         ]
+        if args.num_warmups:
+            warm = [bodies[i % len(bodies)] for i in range(args.num_warmups)]
+            print(f"{len(warm)} warm-up requests (untimed) ...", file=sys.stderr)
+            warmed, _ = await serve_client.run_requests(
+                client, base_url + args.endpoint, warm, [0] * len(warm), [0.0] * len(warm), args.max_concurrency, False
+            )
+            failed = [r.error for r in warmed if not r.success]
+            if failed:
+                print(f"{len(failed)} warm-up requests failed: {failed[0]}", file=sys.stderr)
         send_at = serve_client.arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
         print(
             f"{len(requests)} {args.dataset_name} requests to {base_url}{args.endpoint} (model {model}); request rate "
@@ -192,7 +243,8 @@ async def _benchmark(args, *, chat: bool, slos: dict, selected: list[str], perce
     summary = metrics.summarize(results, duration, percentile_metrics=selected, percentiles=percentiles, goodput=slos)
     setup = {
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai",
+        "backend": args.backend,
+        "label": args.label,
         "endpoint": args.endpoint,
         "model_id": model,
         "tokenizer_id": tokenizer_dir,
@@ -225,7 +277,10 @@ async def _server_model(client, base_url: str, model: str | None) -> tuple[str, 
 
 def _result_path(args, model: str, date: str) -> str:
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
-    name = args.result_filename or f"jaxpaged-{rate}qps-{os.path.basename(model.rstrip('/'))}-{date}.json"
+    name = (
+        args.result_filename
+        or f"{args.label or 'jaxpaged'}-{rate}qps-{os.path.basename(model.rstrip('/'))}-{date}.json"
+    )
     if args.result_dir:
         os.makedirs(args.result_dir, exist_ok=True)
         return os.path.join(args.result_dir, name)

@@ -15,6 +15,7 @@
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,6 +36,7 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of `bench throughput` beyond the engine's (vLLM's names)."""
     datasets.add_dataset_flags(parser, default_num_prompts=1000)
+    parser.add_argument("--n", type=int, default=1, metavar="N", help="sequences generated per prompt (default: 1)")
     parser.add_argument("--output-json", metavar="FILE", help="write the result here")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -58,6 +60,15 @@ def run(args: argparse.Namespace) -> int:
     datasets.check_dataset_flags(args)
     if args.transformers_timeout <= 0:
         raise ValueError(f"--transformers-timeout {args.transformers_timeout}: must be positive")
+    if args.n < 1:
+        raise ValueError(f"--n {args.n}: must be at least 1")
+    if args.compare_transformers and args.n > 1:
+        raise ValueError(f"--compare-transformers generates one sequence per prompt; drop --n {args.n}")
+    if args.compare_transformers and importlib.util.find_spec("torch") is None:
+        raise ValueError(
+            "--compare-transformers runs Hugging Face transformers, which needs torch: pip install torch "
+            "(see the README for the CPU build), or drop --compare-transformers"
+        )
     model = args.model or DEMO_MODEL_DIR
     skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
@@ -71,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         args, tokenizer=tokenizer, vocab_size=config["vocab_size"], max_model_len=context, seed=args.seed
     )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    params = [
+        SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
+    ]
     sizes = size_to_job(args, checked.model, prompts, params)
     engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=checked.load.seed)
     theirs, their_error = None, None
@@ -89,11 +102,12 @@ def run(args: argparse.Namespace) -> int:
     outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     result = {
         "model": model,
         "dtype": engine.dtype,
         "dataset_name": args.dataset_name,
+        "n": args.n,
         "engine_sizes": sizes,
         "elapsed_time": elapsed,
         "num_requests": len(outputs),

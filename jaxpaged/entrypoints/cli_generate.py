@@ -154,7 +154,8 @@ def size_to_job(
     sizes = {"max_model_len": given or lengths[longest]}
     if args.max_num_seqs is None:
         most = defaults.MAX_NUM_SEQS
-        sizes["max_num_seqs"] = min(most, len(prompts), args.max_num_batched_tokens or most)
+        sequences = sum(sp.n for sp in params)  # n > 1: each prompt runs n sequences
+        sizes["max_num_seqs"] = min(most, sequences, args.max_num_batched_tokens or most)
     if args.max_num_batched_tokens is None:
         seqs = sizes.get("max_num_seqs", args.max_num_seqs)
         total = sum(len(p["prompt_token_ids"]) for p in prompts)

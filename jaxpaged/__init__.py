@@ -3,7 +3,7 @@
 Offline use follows vLLM::
 
     from jaxpaged import LLM, SamplingParams
-    llm = LLM("path/to/model")
+    llm = LLM("path/to/model")          # or LLM() / LLM("demo"): the tiny demo model in the package
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=64))
 
 `jaxpaged.functional.step` is the engine's pure step function, for use inside your own JAX code.
@@ -20,6 +20,9 @@ import os
 # GPU backend (set the variables yourself otherwise).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# transformers is the tokenizer here: its advisory warnings ("PyTorch was not found. Models won't
+# be available ...") are noise to a jaxpaged user (its real warnings and errors still show).
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 _EXPORTS = {
     "LLM": "jaxpaged.entrypoints.llm",

@@ -92,7 +92,8 @@ class EngineArgs:
     model: str = _option(
         None,
         "model directory (Hugging Face or jaxpaged-convert); with --load-format dummy also a directory "
-        f"holding only config.json, or a preset ({', '.join(PRESETS)})",
+        f"holding only config.json, or a preset ({', '.join(PRESETS)}); '{defaults.DEMO_MODEL_NAME}' is the "
+        "demo model shipped in the package",
         metavar="DIR",
         per_process=True,
     )
@@ -259,6 +260,8 @@ class EngineArgs:
         Raises:
           EngineArgsError: naming the option.
         """
+        if self.model == defaults.DEMO_MODEL_NAME:
+            self.model = defaults.DEMO_MODEL_DIR
         try:
             self._check()
         except OptionError as err:

@@ -3,6 +3,7 @@ checked before compiling, progress shown while compiling, JSONL options honoured
 config-only directories and presets with dummy weights, and `generate ""` agreeing with the server."""
 
 import importlib.metadata
+import inspect
 import json
 import logging
 import os
@@ -242,13 +243,52 @@ def test_help_answers_without_jax():
     assert result.returncode == 0 and "--max-num-seqs N" in result.stdout and "NO_JAX" in result.stderr
 
 
+def test_python_api_logs_at_info_unless_configured_or_switched_off(monkeypatch):
+    from jaxpaged.entrypoints.logging_setup import configure_default_logging
+
+    jaxpaged_logger, root = logging.getLogger("jaxpaged"), logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # an application that configured nothing
+    monkeypatch.setattr(jaxpaged_logger, "handlers", [])
+    monkeypatch.setattr(jaxpaged_logger, "level", logging.NOTSET)
+    monkeypatch.setenv("JAXPAGED_CONFIGURE_LOGGING", "0")
+    configure_default_logging()
+    assert jaxpaged_logger.handlers == []  # the quiet switch
+    monkeypatch.delenv("JAXPAGED_CONFIGURE_LOGGING")
+    monkeypatch.setenv("JAXPAGED_LOGGING_LEVEL", "loud")
+    with pytest.raises(ValueError, match="JAXPAGED_LOGGING_LEVEL='loud': use one of DEBUG, INFO, WARNING, ERROR"):
+        configure_default_logging()
+    monkeypatch.delenv("JAXPAGED_LOGGING_LEVEL")
+    configure_default_logging()
+    (handler,) = jaxpaged_logger.handlers
+    assert isinstance(handler, logging.StreamHandler) and jaxpaged_logger.level == logging.INFO
+    configure_default_logging()
+    assert len(jaxpaged_logger.handlers) == 1  # once
+    monkeypatch.setattr(jaxpaged_logger, "handlers", [])
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])  # the application's own setup stays
+    configure_default_logging()
+    assert jaxpaged_logger.handlers == []
+
+
+def test_demo_is_the_default_model_and_transformers_advice_is_silenced():
+    from jaxpaged.engine_args import EngineArgs
+    from jaxpaged.entrypoints.llm import LLM
+
+    assert EngineArgs(model="demo").model == DEMO_MODEL_DIR
+    assert inspect.signature(LLM).parameters["model"].default == "demo"
+    # transformers' "PyTorch was not found" banner is an advisory warning: none shows after importing jaxpaged
+    code = "import jaxpaged, transformers.utils.logging as l; l.get_logger('probe').warning_advice('ADVICE')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "ADVICE" not in result.stderr, result.stderr
+
+
 def test_generate_shows_progress_while_compiling(caplog):
     with caplog.at_level(logging.INFO, logger="jaxpaged"):
         assert main(["generate", "--temperature", "0", "--max-tokens", "4", "In the beginning"]) == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "jaxpaged"]
     assert lines[0].startswith("generate: 1 prompt(s)")
     # a mixed step, a decode step, fused decode steps, two samplers
-    assert any(line.startswith("compiling 5 step programs") for line in lines), lines
+    assert any(line.startswith("compiling 6 step programs") for line in lines), lines
+    assert any(line.startswith("compiled 6 step programs in") for line in lines), lines  # the same count
     progress = [line for line in lines if line.startswith("compiled step program ")]  # + the penalty-row seeding
     assert sorted(line.split(":")[0] for line in progress) == [f"compiled step program {i}/6" for i in range(1, 7)]
     assert any(": mixed step, 16 tokens x 1 step(s), 1 seqs in " in line for line in progress), progress

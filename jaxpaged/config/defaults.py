@@ -7,6 +7,13 @@ and its flags), `jaxpaged generate`'s sizing to the job, the model (`Llama`) and
 tests/test_engine_config.py checks that they agree.
 """
 
+import os
+
+# The model shipped inside the package (jaxpaged/demo_model): what `--model` / `LLM()` give when no
+# model is named, and what the name "demo" means.
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")
+DEMO_MODEL_NAME = "demo"
+
 BLOCK_SIZE = 16  # tokens per KV cache block
 GPU_MEMORY_UTILIZATION = 0.9  # fraction of a GPU's memory for weights, activations and the KV cache
 MAX_NUM_SEQS = 256  # sequences running at once

@@ -6,16 +6,12 @@ No JAX here: every flag is parsed and checked before anything slow is imported.
 
 import argparse
 import dataclasses
-import os
 import re
 
 from jaxpaged.config.checks import OptionError
+from jaxpaged.config.defaults import DEMO_MODEL_DIR  # the CLI's modules import it from here
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_config import EngineConfig
-
-DEMO_MODEL_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model"
-)  # jaxpaged/demo_model
 
 _UNITS = {
     "": 1,

@@ -8,8 +8,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jaxpaged.config.defaults import DEMO_MODEL_NAME
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, compatibility_notes
+from jaxpaged.entrypoints.logging_setup import configure_default_logging
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -22,7 +24,10 @@ class LLM:
     """Generates text for batches of prompts with continuous batching over a paged KV cache.
 
     Args:
-      model: a Hugging Face or converted model directory.
+      model: a Hugging Face or converted model directory, a preset name (with
+        `load_format="dummy"`), or "demo" (the default): the tiny demo model shipped in the
+        package (jaxpaged/demo_model, a 4M-parameter Llama that writes King-James-flavoured
+        English), for trying the API without a download.
       **kwargs: any other `EngineArgs` field (vLLM's names): `dtype`, `max_model_len`,
         `gpu_memory_utilization`, `kv_cache_memory_bytes`, `max_num_seqs`, `seed`,
         `load_format`, ... ; each field's help text says what it does.
@@ -37,13 +42,14 @@ class LLM:
       >>> outs[0].outputs[0].text
     """
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str = DEMO_MODEL_NAME, **kwargs):
         fields = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(kwargs) - fields)
         if unknown:
             raise TypeError(
                 f"LLM got unknown keyword arguments {unknown}; the engine takes {sorted(fields - {'model'})}"
             )
+        configure_default_logging()
         args = EngineArgs(model=model, **kwargs)
         for note in compatibility_notes(args):
             logger.info(note)

@@ -204,13 +204,6 @@ class ModelRunner:
         """Compiles every program (and the penalty-row seeding), `threads` at a time, logging each
         as it finishes; returns the seconds it took."""
         programs = self.programs()
-        logger.info(
-            "compiling %d step programs (token buckets %s, fused decode steps %d) in %d thread(s)",
-            len(programs),
-            sorted(self.layouts),
-            self.num_decode_steps,
-            threads,
-        )
         start = time.perf_counter()
         jobs = [
             (self.step_programs.describe(p), lambda p=p: self.step_programs.lower(p, self.params, self.cache))
@@ -219,6 +212,13 @@ class ModelRunner:
         jobs.append(("penalty-row seeding", lambda: self.step_programs.lower_seed(self.cache)))
         if self.kv_transfer is not None:
             jobs += self.kv_transfer.lower(self.cache)
+        logger.info(  # one count, the one the progress lines below count to
+            "compiling %d step programs (token buckets %s, fused decode steps %d) in %d thread(s)",
+            len(jobs),
+            sorted(self.layouts),
+            self.num_decode_steps,
+            threads,
+        )
         results = self.compile_report = compile_all(jobs, threads, logger.info)
         for program, result in zip(programs, results):
             self._keep(program, result.executable)
@@ -226,7 +226,7 @@ class ModelRunner:
         if self.kv_transfer is not None:
             self.kv_transfer.set_compiled([r.executable for r in results[len(programs) + 1 :]])
         seconds = time.perf_counter() - start
-        logger.info("compiled %d step programs in %.1f s", len(self.compiled), seconds)
+        logger.info("compiled %d step programs in %.1f s", len(jobs), seconds)
         return seconds
 
     def seed_penalty_slot(self, slot: int, token_ids: list[int], prompt_len: int) -> None:

@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory",
         default=80 * 2**30,
         type=BYTES_WITH_UNIT,
-        help="memory of one GPU with its unit, e.g. 80GiB or 141GB",
+        help="memory of one GPU with its unit, e.g. 80GiB or 141GB (default: 80GiB)",
     )
     plan.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's limit)")
     plan.add_argument(

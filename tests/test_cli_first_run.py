@@ -325,7 +325,7 @@ def test_jsonl_lines_carry_their_own_sampling_options(tmp_path, capsys):
     [
         ({"prompt": "x", "max_token": 3}, "in.jsonl:1: unknown field(s) ['max_token']"),
         ({"prompt": "x", "n": 2}, "unknown field(s) ['n']"),
-        ({"prompt": "x", "temperature": -2}, "in.jsonl:1: --temperature must be non-negative"),
+        ({"prompt": "x", "temperature": -2}, "in.jsonl:1: field \"temperature\" must be non-negative"),
         ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one of prompt, prompt_token_ids, messages"),
         ({"text": "x"}, "exactly one of prompt, prompt_token_ids, messages (got none)"),
     ],
@@ -367,3 +367,20 @@ def test_empty_prompt_generates_from_bos_as_the_server_does(capsys):
     the tokenizer adds one, as in vLLM and OpenAI; a prompt with no tokens at all is rejected."""
     assert main(["generate", "--temperature", "0", "--max-tokens", "5", ""]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_messages_name_what_the_user_wrote(tmp_path, capsys):
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "hi", "max_tokens": 0}\n')
+    assert main(["generate", "--input", str(lines)]) == 2
+    assert f'{lines}:1: field "max_tokens" must be at least 1, got 0' in capsys.readouterr().err  # not --max-tokens
+    assert main(["generate", "--max-tokens", "0", "hi"]) == 2
+    assert "error: --max-tokens must be at least 1, got 0" in capsys.readouterr().err
+    from jaxpaged.entrypoints.convert_cli import main as convert
+
+    with pytest.raises(SystemExit) as done:
+        convert(["--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    assert done.value.code == 2
+    assert f"--hf-dir {tmp_path / 'nope'} is not a directory; give a downloaded" in capsys.readouterr().err
+    plan = next(a for a in build_parser()._actions if a.dest == "command").choices["plan"]
+    assert "(default: 80GiB)" in plan.format_help().replace("\n", " ").replace("  ", "")

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 
 from jaxpaged.checkpoint.format import has_tokenizer
@@ -98,7 +99,13 @@ def sampling_params(args: argparse.Namespace, item: dict) -> SamplingParams:
     try:
         return SamplingParams(**options)
     except ValueError as err:
-        raise ValueError(f"{item['_where']}: {err}" if "_where" in item else str(err)) from None
+        if "_where" not in item:
+            raise
+        text = str(err)
+        own = re.match(r"SamplingParams\.(\w+)", text)
+        if own and own.group(1) in item:  # the line's own field, not the flag's value
+            text = f'field "{own.group(1)}"{text[own.end() :]}'
+        raise ValueError(f"{item['_where']}: {text}") from None
 
 
 def tokenize(items: list[dict], tokenizer) -> list[dict]:

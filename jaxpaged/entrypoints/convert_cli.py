@@ -7,6 +7,7 @@ still in float8 (see `jaxpaged.checkpoint.convert`).
 """
 
 import argparse
+import os
 import sys
 
 PROG = "jaxpaged-convert"
@@ -41,6 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
+        what = "has no config.json" if os.path.isdir(args.hf_dir) else "is not a directory"
+        parser.exit(
+            2,
+            f"{PROG}: error: --hf-dir {args.hf_dir} {what}; give a downloaded Hugging Face model directory "
+            "(config.json and *.safetensors; a Hub id must be downloaded first, e.g. with "
+            "`huggingface-cli download ID --local-dir DIR`)\n",
+        )
     from jaxpaged.checkpoint.convert import convert_checkpoint  # after parsing: --help stays fast
 
     try:

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             2,
             f"{PROG}: error: --hf-dir {args.hf_dir} {what}; give a downloaded Hugging Face model directory "
             "(config.json and *.safetensors; a Hub id must be downloaded first, e.g. with "
-            "`huggingface-cli download ID --local-dir DIR`)\n",
+            "`hf download ID --local-dir DIR`)\n",
         )
     from jaxpaged.checkpoint.convert import convert_checkpoint  # after parsing: --help stays fast
 

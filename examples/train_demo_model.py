@@ -476,10 +476,17 @@ def save_all(model, tok, out_dir: Path, stats: dict, args, command: str) -> None
 
     model = model.to(torch.bfloat16)
     model.config.use_cache = True
+    # The sampling the model's card recommends, as real checkpoints ship it: LLM.generate, `jaxpaged
+    # generate` and the server default to it (greedy decoding soon loops on a model this small).
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        do_sample=True,
+        temperature=0.8,
+        top_p=0.95,
+        top_k=40,
+        max_new_tokens=64,
     )
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -166,6 +166,13 @@ class EngineArgs:
         "'random' (None) draws a fresh seed every run",
         metavar="N|random",
     )
+    generation_config: str = _option(
+        "auto",
+        "default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+        "for requests that do not set them: 'auto' from the model's generation_config.json, 'vllm' "
+        "SamplingParams' own defaults, or a directory holding a generation_config.json",
+        metavar="auto|vllm|DIR",
+    )
     load_format: str = _option(
         "auto", "auto reads the weights; dummy makes random weights of the model's shapes", choices=LOAD_FORMATS
     )

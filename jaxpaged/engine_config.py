@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from jaxpaged.checkpoint.format import TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
+from jaxpaged.config.generation import sampling_defaults
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import CONFIG_FILE, PRESETS, get_preset, load_config_dict
 from jaxpaged.config.quantization import CheckpointQuantizationError, resolve_quantization
@@ -25,6 +26,7 @@ from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.scheduler import SchedulerConfig
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
+from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpaged")
 
@@ -88,11 +90,25 @@ class EngineConfig:
         if not args.skip_tokenizer_init:
             _check_tokenizer(args)
         tokenizer = None if args.skip_tokenizer_init else args.tokenizer or args.model
+        try:
+            defaults = sampling_defaults(args.model, args.generation_config)
+            SamplingParams(**defaults)  # its values checked now, not at the first request
+        except ValueError as err:
+            raise EngineArgsError("generation_config", args.generation_config, str(err)) from None
         resolved = dict(
-            seed=seed, quantization=quantization, checkpoint_dtype=checkpoint_dtype(raw), tokenizer=tokenizer
+            seed=seed,
+            quantization=quantization,
+            checkpoint_dtype=checkpoint_dtype(raw),
+            tokenizer=tokenizer,
+            sampling_defaults=tuple(sorted(defaults.items())),
         )
         parts = {name: _part(part, args, resolved) for name, part in SECTIONS.items()}
         return cls(model, max_model_len, layout, **parts, speculative=args.speculative_config, draft=draft)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The parameters of a request that sets none (vLLM's `get_default_sampling_params`):
+        `SamplingParams`' defaults, overridden by the model's generation config."""
+        return SamplingParams(**dict(self.load.sampling_defaults))
 
     def option(self, name: str):
         """The resolved value of the `EngineArgs` option `name` (from the part that holds it)."""

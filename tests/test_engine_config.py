@@ -15,6 +15,7 @@ from jaxpaged.engine_config import EngineConfig
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.planning.memory import plan_kv_cache
 from jaxpaged.planning.plan import make_plan
+from jaxpaged.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -132,7 +133,7 @@ def test_every_option_lands_in_exactly_one_part():
     assert {name: holders.get(name, []) for name in options if len(holders.get(name, [])) != 1} == dict.fromkeys(
         on_config, []
     )
-    decided_at_start_up = {"checkpoint_dtype", "num_blocks", "num_host_blocks"}
+    decided_at_start_up = {"checkpoint_dtype", "num_blocks", "num_host_blocks", "sampling_defaults"}
     assert set(holders) - set(options) == decided_at_start_up
     args = EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=3, block_size=32, compile_threads=3, nnodes=2, node_rank=1)
     config = EngineConfig.resolve(args)
@@ -160,3 +161,38 @@ def test_components_below_the_engine_never_see_the_options_object():
             if isinstance(node, ast.Name) and node.id == "EngineArgs" and path.name != "engine_config.py":
                 offenders.append(f"{path.name}:{node.lineno} EngineArgs")
     assert offenders == []
+
+
+def test_generation_config_gives_every_entry_point_the_same_defaults(tmp_path):
+    """`--generation-config auto` (the default) reads the model's generation_config.json: the
+    demo model's recommends temperature 0.8, top-p 0.95, top-k 40 and 64 tokens; `vllm` ignores it;
+    a directory reads that one. LLM.generate and `jaxpaged generate` start from the same values."""
+    import argparse
+
+    from jaxpaged.entrypoints.cli_generate import add_generate_flags, sampling_params
+    from jaxpaged.entrypoints.llm import LLM
+
+    demo = EngineConfig.resolve(EngineArgs(model="demo"))
+    expected = dict(temperature=0.8, top_p=0.95, top_k=40, max_tokens=64)
+    got = demo.default_sampling_params()
+    assert {k: getattr(got, k) for k in expected} == expected
+    assert EngineConfig.resolve(EngineArgs(model="demo", generation_config="vllm")).default_sampling_params() == (
+        SamplingParams()
+    )
+    parser = argparse.ArgumentParser()
+    add_generate_flags(parser)
+    cli = sampling_params(parser.parse_args(["hi"]), {}, dict(demo.load.sampling_defaults))
+    assert {k: getattr(cli, k) for k in expected} == expected  # the CLI: the same defaults
+    flagged = sampling_params(parser.parse_args(["--temperature", "0", "hi"]), {}, dict(demo.load.sampling_defaults))
+    assert flagged.temperature == 0 and flagged.max_tokens == 64  # a flag overrides only itself
+    assert "get_default_sampling_params" in vars(LLM)  # LLM.generate's default (delegates to the config)
+    other = tmp_path / "gen"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"temperature": 0.3, "repetition_penalty": 1.1, "top_k": 5}')
+    mine = EngineConfig.resolve(EngineArgs(model="demo", generation_config=str(other))).default_sampling_params()
+    assert (mine.temperature, mine.repetition_penalty, mine.top_k, mine.max_tokens) == (0.3, 1.1, 5, 16)
+    with pytest.raises(EngineArgsError, match="generation_config=.*no generation_config.json there"):
+        EngineConfig.resolve(EngineArgs(model="demo", generation_config=str(tmp_path)))
+    (other / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(EngineArgsError, match="generation_config=.*temperature must be non-negative"):
+        EngineConfig.resolve(EngineArgs(model="demo", generation_config=str(other)))

@@ -28,6 +28,9 @@ class LoadConfig:
       attention_backend: "auto", "pallas" or "reference".
       scan_layers: layers as one loop body over stacked weights.
       seed: the engine seed (resolved: never None).
+      generation_config: the option ("auto", "vllm" or a directory).
+      sampling_defaults: what the generation config sets, as `SamplingParams` fields (resolved
+        from `generation_config`: a tuple of (field, value) pairs).
     """
 
     model: str
@@ -40,6 +43,8 @@ class LoadConfig:
     attention_backend: str
     scan_layers: bool
     seed: int
+    generation_config: str
+    sampling_defaults: tuple
 
 
 @dataclasses.dataclass(frozen=True)

@@ -157,7 +157,8 @@ class LLMEngine:
         Args:
           request_id: unique among unfinished requests.
           prompt: text, `{"prompt": text}`, `{"prompt_token_ids": [...]}`, or a token-id list.
-          params: sampling parameters (default `SamplingParams()`).
+          params: sampling parameters (default: `EngineConfig.default_sampling_params()`, the
+            model's generation config over `SamplingParams`' defaults).
           arrival_time: `time.time()` of arrival (default now).
           cache_salt: isolates this request's prefix-cache entries.
 
@@ -167,7 +168,7 @@ class LLMEngine:
         Raises:
           ValueError: duplicate id, a bad prompt, or a request that can never fit.
         """
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.config.default_sampling_params()
         if request_id in self._seqs or request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:

@@ -40,10 +40,13 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         f"'messages' field, optionally with sampling options ({', '.join(LINE_OPTIONS)})",
     )
     parser.add_argument("--output", metavar="FILE", help="write JSONL results here instead of printing")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling; 1 is off")
-    parser.add_argument("--top-k", type=int, default=40, help="0 is off")
+    # Unset sampling flags take the model's generation_config.json (--generation-config), else
+    # SamplingParams' defaults: what LLM.generate and the server use too.
+    model_default = "(default: the model's generation_config.json, else {})"
+    parser.add_argument("--max-tokens", type=int, help="tokens to generate per prompt " + model_default.format(16))
+    parser.add_argument("--temperature", type=float, help="0 for greedy " + model_default.format(1.0))
+    parser.add_argument("--top-p", type=float, help="nucleus sampling; 1 is off " + model_default.format(1.0))
+    parser.add_argument("--top-k", type=int, help="0 is off " + model_default.format(0))
     parser.add_argument(
         "--sampling-seed", type=int, default=None, help="seed of every request (default: each draws one from --seed)"
     )
@@ -84,9 +87,10 @@ def _parse_line(where: str, line: str) -> dict:
     return item
 
 
-def sampling_params(args: argparse.Namespace, item: dict) -> SamplingParams:
-    """The flags' sampling options, overridden by the item's own."""
-    options = dict(
+def sampling_params(args: argparse.Namespace, item: dict, defaults: dict | None = None) -> SamplingParams:
+    """The item's own sampling options, else the flags', else `defaults` (the model's generation
+    config: `EngineConfig.load.sampling_defaults`), else `SamplingParams`' own."""
+    flags = dict(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -95,6 +99,8 @@ def sampling_params(args: argparse.Namespace, item: dict) -> SamplingParams:
         stop=args.stop or None,
         ignore_eos=args.ignore_eos,
     )
+    options = dict(defaults or {})
+    options.update({k: v for k, v in flags.items() if v is not None})
     options.update({k: v for k, v in item.items() if k in LINE_OPTIONS})
     try:
         return SamplingParams(**options)
@@ -173,13 +179,13 @@ def size_to_job(
 def run(args: argparse.Namespace) -> int:
     """`jaxpaged generate` with parsed arguments."""
     items = read_items(args)
-    params = [sampling_params(args, item) for item in items]
     # A model directory without tokenizer files (or a preset) runs on token ids.
     model = args.model or DEMO_MODEL_DIR
     skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
     resolved = engine_config(args, skip_tokenizer_init=skip, **placeholder)  # every flag checked before anything slow
     load = resolved.load
+    params = [sampling_params(args, item, dict(load.sampling_defaults)) for item in items]
     logger.info("generate: %d prompt(s); model %s", len(items), load.model)
     tokenizer = None
     if not skip:

@@ -59,6 +59,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without `sampling_params`: `SamplingParams`' defaults,
+        overridden by the model's generation_config.json (see `EngineArgs.generation_config`)."""
+        return self.llm_engine.config.default_sampling_params()
+
     def get_stats(self) -> dict[str, float | int]:
         """KV-cache and scheduler statistics (see `LLMEngine.get_stats`)."""
         return self.llm_engine.get_stats()
@@ -74,7 +79,8 @@ class LLM:
         Args:
           prompts: a string, a `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dict, or a list of
             them (anything else is a ValueError naming it).
-          sampling_params: one for all prompts, or one per prompt (default `SamplingParams()`).
+          sampling_params: one for all prompts, or one per prompt (default
+            `get_default_sampling_params()`: the model's generation config).
           use_tqdm: show a progress bar.
 
         Raises:
@@ -84,7 +90,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

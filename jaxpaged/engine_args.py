@@ -53,14 +53,19 @@ def _option(
     per_process: bool = False,
     aliases: tuple[str, ...] = (),
     compatibility: bool = False,
+    refused: bool = False,
 ):
     """A field: its default, its `--help` text, `per_process` when the processes of one
     multi-process engine may set it differently (paths, local resources; the others must agree),
     its flag's `aliases` besides `--field-name` (vLLM's short forms, e.g. `-tp`), and
     `compatibility` for an option accepted only so that vLLM's arguments run unchanged (its help
-    says what it means here; logged when set: `compatibility_notes`)."""
+    says what it means here; logged when set: `compatibility_notes`), and `refused` for a vLLM
+    option jaxpaged cannot honour: any value but the default is an error whose reason is `help`
+    (clearer than an unknown flag)."""
     if compatibility:
         help = f"accepted for vLLM compatibility; changes nothing: {help}"
+    if refused:
+        help = f"vLLM's option, refused here: {help}"
     metadata = dict(
         help=help,
         choices=choices,
@@ -68,6 +73,7 @@ def _option(
         per_process=per_process,
         aliases=aliases,
         compatibility=compatibility,
+        refused=refused,
     )
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -77,7 +83,7 @@ def compatibility_notes(args: "EngineArgs") -> list[str]:
     return [
         f"{f.name}: {f.metadata['help']}"
         for f in dataclasses.fields(args)
-        if f.metadata["compatibility"] and getattr(args, f.name)
+        if f.metadata["compatibility"] and getattr(args, f.name) != f.default
     ]
 
 
@@ -259,6 +265,31 @@ class EngineArgs:
         per_process=True,
         compatibility=True,
     )
+    enable_chunked_prefill: bool = _option(
+        True,
+        "jaxpaged always chunks long prompts into steps of --max-num-batched-tokens tokens, mixed with decodes",
+        per_process=True,
+        compatibility=True,
+    )
+    swap_space: float = _option(
+        4.0,
+        "vLLM's CPU swap space (GiB); jaxpaged swaps preempted sequences to the host tier of the KV cache, "
+        "sized by --kv-offloading-size",
+        per_process=True,
+        compatibility=True,
+    )
+    revision: str | None = _option(
+        None,
+        "jaxpaged reads local directories and downloads nothing: download the revision you want "
+        "(hf download ID --revision REV --local-dir DIR) and give that directory as the model",
+        metavar="REV",
+        per_process=True,
+        refused=True,
+    )
+    max_logprobs: int = _option(
+        defaults.MAX_LOGPROBS,
+        f"most logprobs a request may ask for, per token (at most {defaults.MAX_LOGPROBS}: what the sampler returns)",
+    )
 
     def __post_init__(self):
         """Checks every option's type and range, and the options against each other; reads no
@@ -279,6 +310,13 @@ class EngineArgs:
     def _check(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise EngineArgsError("model", self.model, "give a model directory")
+        for f in dataclasses.fields(self):
+            if f.metadata["refused"] and getattr(self, f.name) != f.default:
+                raise EngineArgsError(f.name, getattr(self, f.name), f.metadata["help"])
+        if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= defaults.MAX_LOGPROBS:
+            raise EngineArgsError(
+                "max_logprobs", self.max_logprobs, f"must be an integer from 0 to {defaults.MAX_LOGPROBS}"
+            )
         for name, allowed in (
             ("dtype", DTYPES),
             ("load_format", LOAD_FORMATS),

@@ -52,6 +52,12 @@ def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
         (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
         (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
         (["serve", "--port", "80000"], "80000 is not a TCP port"),
+        (["serve", "--revision", "v2"], "--revision v2: vLLM's option, refused here: jaxpaged reads local directories"),
+        (["generate", "--max-logprobs", "21", "hi"], "--max-logprobs 21: must be an integer from 0 to 20"),
+        (
+            ["generate", "--generation-config", "/no/dir", "hi"],
+            "--generation-config /no/dir: that directory holds no generation_config.json",
+        ),
         (
             ["serve", "--max-model-len", "4096"],
             "--max-model-len=4096 exceeds the model's max_position_embeddings=1024; pass a smaller --max-model-len",
@@ -203,6 +209,11 @@ def test_a_mistyped_flag_is_answered_with_the_closest_one(capsys, argv, message)
             dict(backend="openai-chat", output_len=64, label="run1", save_detailed=True, num_warmups=4),
         ),
         (["bench", "serve", "--endpoint-type", "openai-chat"], dict(backend="openai-chat", endpoint=None)),
+        (
+            ["serve", "/m", "--enable-chunked-prefill", "--swap-space", "8", "--max-logprobs", "5"]
+            + ["--generation-config", "vllm"],
+            dict(enable_chunked_prefill=True, swap_space=8.0, max_logprobs=5, generation_config="vllm"),
+        ),
     ],
 )
 def test_vllm_command_lines_parse(argv, expected):
@@ -217,6 +228,9 @@ def test_compatibility_options_say_what_they_mean_here():
     assert compatibility_notes(EngineArgs(model="m")) == []
     notes = compatibility_notes(EngineArgs(model="m", trust_remote_code=True, enforce_eager=True))
     assert [note.split(": ")[0] for note in notes] == ["trust_remote_code", "enforce_eager"]
+    assert compatibility_notes(EngineArgs(model="m", enable_chunked_prefill=True)) == []  # what happens anyway
+    notes = compatibility_notes(EngineArgs(model="m", enable_chunked_prefill=False, swap_space=16.0))
+    assert [note.split(": ")[0] for note in notes] == ["enable_chunked_prefill", "swap_space"]
     assert all("accepted for vLLM compatibility; changes nothing: " in note for note in notes)
     serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
     flags = serve._option_string_actions
@@ -325,7 +339,7 @@ def test_jsonl_lines_carry_their_own_sampling_options(tmp_path, capsys):
     [
         ({"prompt": "x", "max_token": 3}, "in.jsonl:1: unknown field(s) ['max_token']"),
         ({"prompt": "x", "n": 2}, "unknown field(s) ['n']"),
-        ({"prompt": "x", "temperature": -2}, "in.jsonl:1: field \"temperature\" must be non-negative"),
+        ({"prompt": "x", "temperature": -2}, 'in.jsonl:1: field "temperature" must be non-negative'),
         ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one of prompt, prompt_token_ids, messages"),
         ({"text": "x"}, "exactly one of prompt, prompt_token_ids, messages (got none)"),
     ],

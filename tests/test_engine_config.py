@@ -127,8 +127,10 @@ def test_every_option_lands_in_exactly_one_part():
     for name, part in SECTIONS.items():
         for f in dataclasses.fields(part):
             holders.setdefault(f.name, []).append(name)
-    # vLLM-compatibility options change nothing: no part holds them
-    options = [f.name for f in dataclasses.fields(EngineArgs) if not f.metadata["compatibility"]]
+    # vLLM-compatibility options change nothing and refused ones are refused: no part holds them
+    options = [
+        f.name for f in dataclasses.fields(EngineArgs) if not (f.metadata["compatibility"] or f.metadata["refused"])
+    ]
     on_config = {"max_model_len", "speculative_config"}
     assert {name: holders.get(name, []) for name in options if len(holders.get(name, [])) != 1} == dict.fromkeys(
         on_config, []
@@ -191,7 +193,7 @@ def test_generation_config_gives_every_entry_point_the_same_defaults(tmp_path):
     (other / "generation_config.json").write_text('{"temperature": 0.3, "repetition_penalty": 1.1, "top_k": 5}')
     mine = EngineConfig.resolve(EngineArgs(model="demo", generation_config=str(other))).default_sampling_params()
     assert (mine.temperature, mine.repetition_penalty, mine.top_k, mine.max_tokens) == (0.3, 1.1, 5, 16)
-    with pytest.raises(EngineArgsError, match="generation_config=.*no generation_config.json there"):
+    with pytest.raises(EngineArgsError, match="generation_config=.*holds no generation_config.json"):
         EngineConfig.resolve(EngineArgs(model="demo", generation_config=str(tmp_path)))
     (other / "generation_config.json").write_text('{"temperature": -1}')
     with pytest.raises(EngineArgsError, match="generation_config=.*temperature must be non-negative"):

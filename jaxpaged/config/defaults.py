@@ -17,6 +17,7 @@ DEMO_MODEL_NAME = "demo"
 BLOCK_SIZE = 16  # tokens per KV cache block
 GPU_MEMORY_UTILIZATION = 0.9  # fraction of a GPU's memory for weights, activations and the KV cache
 MAX_NUM_SEQS = 256  # sequences running at once
+MAX_LOGPROBS = 20  # the most top logprobs the sampler returns per token (vLLM's --max-logprobs default)
 MIN_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step, unless max_num_seqs asks for more
 ENABLE_PREFIX_CACHING = True
 NUM_SCHEDULER_STEPS = 4  # decode steps fused into one device program

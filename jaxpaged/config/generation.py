@@ -40,7 +40,7 @@ def sampling_defaults(model_dir: str, generation_config: str) -> dict:
     path = os.path.join(directory, "generation_config.json")
     if not os.path.isfile(path):
         if generation_config != "auto":
-            raise ValueError(f"generation_config {generation_config!r}: no generation_config.json there")
+            raise ValueError("that directory holds no generation_config.json")
         return {}
     with open(path) as f:
         try:

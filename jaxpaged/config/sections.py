@@ -96,12 +96,14 @@ class SchedulingConfig:
       max_num_batched_tokens: tokens computed per step.
       num_scheduler_steps: decode steps fused into one device program.
       async_scheduling: dispatch each step before the previous one's tokens reach the host.
+      max_logprobs: most logprobs per token a request may ask for.
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     num_scheduler_steps: int
     async_scheduling: bool
+    max_logprobs: int
 
 
 @dataclasses.dataclass(frozen=True)

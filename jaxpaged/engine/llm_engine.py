@@ -43,7 +43,6 @@ from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
-from jaxpaged.model.sampler import MAX_LOGPROBS
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import SamplingParams, check_text
@@ -171,8 +170,11 @@ class LLMEngine:
         params = params if params is not None else self.config.default_sampling_params()
         if request_id in self._seqs or request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
+        most = self.config.scheduling.max_logprobs
+        if params.logprobs is not None and params.logprobs > most:
+            raise ValueError(
+                f"SamplingParams.logprobs={params.logprobs} exceeds the maximum of {most} (the engine's max_logprobs)"
+            )
         if params.min_tokens and len(banned_ids(params, self.scheduler.eos_token_ids)) > MAX_BANNED:
             raise ValueError(
                 f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported; "

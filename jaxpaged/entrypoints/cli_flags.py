@@ -172,8 +172,9 @@ def describe_error(err: Exception, parser: argparse.ArgumentParser) -> str:
         text = str(err)
     text = re.sub(r"`([a-z_]+)`", lambda m: flag(m.group(1), m.group(1)), text)
     # "SamplingParams.top_k", "max_model_len=...": a qualified field, or one with an underscore.
-    # A name in double quotes is a JSON key (a --input line's own field), not a flag.
-    pattern = r"(?:\bSamplingParams\.)?(?<!\")\b([a-z]+(?:_[a-z]+)+|(?<=SamplingParams\.)[a-z]+)\b(?!\")"
+    # A name in double quotes is a JSON key (a --input line's own field), and one with an
+    # extension a file name (generation_config.json): neither is a flag.
+    pattern = r"(?:\bSamplingParams\.)?(?<!\")\b([a-z]+(?:_[a-z]+)+|(?<=SamplingParams\.)[a-z]+)\b(?!\"|\.\w)"
     return re.sub(pattern, lambda m: flag(m.group(1), m.group(0)), text)
 
 

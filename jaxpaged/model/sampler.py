@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-MAX_LOGPROBS = 20
+from jaxpaged.config.defaults import MAX_LOGPROBS  # L: the top logprobs per token
 
 
 class SamplerOptions(typing.NamedTuple):

@@ -152,3 +152,24 @@ def test_logit_bias_with_sampling_and_limits(llm):
     # The engine keeps running.
     [ok] = llm.generate([prompt], greedy(2, logit_bias={i: -100.0 for i in range(300)}), use_tqdm=False)
     assert all(t >= 300 for t in ok.outputs[0].token_ids)
+
+
+@pytest.mark.isolated
+def test_prompt_logprobs_and_logit_bias_agree_under_tensor_parallelism(tmp_path):
+    import tp_workload
+    from tiny_models import save_hf_model
+
+    from jaxpaged.engine.llm_engine import LLMEngine
+    from jaxpaged.engine_args import EngineArgs
+
+    hf = save_hf_model("llama_tp", str(tmp_path))
+    prompt = random_prompt(8, 40)  # three chunks of 16
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, logit_bias={7: -100.0, 11: 5.0})
+    outs = {}
+    for n in (1, 2):
+        engine = LLMEngine(EngineArgs(**tp_workload.engine_options(str(tmp_path), n)))
+        engine.add_request("r", {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            outs.update((n, o) for o in engine.step() if o.finished)
+    check_against_transformers(outs[2].prompt_logprobs, prompt, hf_log_softmax(hf, prompt), 2)
+    assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids and 7 not in outs[2].outputs[0].token_ids

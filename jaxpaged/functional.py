@@ -16,7 +16,8 @@ sampling sequence's newest token. The engine dispatches step N + 1 before it has
 tokens this way.
 
 Dimension letters: T tokens (padded), S sequences (padded), P block-table width, B banned ids,
-R penalty-table rows (slots), V vocabulary, L logprobs per token; SR sampling rows (S times the
+R penalty-table rows (slots), V vocabulary, L logprobs per token, LB logit-bias entries per row,
+W = 2 + 2L packed prompt-logprob columns; SR sampling rows (S times the
 rows per sequence: 1, or 1 + proposals with speculative decoding).
 
 Example (see examples/step_function.py for a full loop)::

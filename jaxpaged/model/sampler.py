@@ -1,7 +1,7 @@
 """Token sampling on device: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
 
 Dimension letters: S sequences (padded), V vocabulary, R slots of the penalty tables,
-T tokens in the step, L = MAX_LOGPROBS.
+T tokens in the step, L = MAX_LOGPROBS, LB logit-bias entries per row.
 
 Every sequence carries its own seed; its key for a token is `fold_in(fold_in(key(seed),
 index), position)`, so a seeded request yields the same tokens whatever shares its batch.
@@ -11,7 +11,7 @@ tokens.
 
 No branch depends on a device value: on a GPU, XLA runs a `lax.cond` by copying its predicate to
 the host and waiting for the stream, a host sync inside the step. What every batch needs
-(temperature, min-p, penalties, banned ids) is computed branch-free (neutral parameters leave the
+(temperature, min-p, penalties, banned ids, logit bias) is computed branch-free (neutral parameters leave the
 logits exactly as they are); the two expensive paths, sorting for top-k / top-p and the top-L
 logprobs search, are static `SamplerOptions` that the runner picks per step from its requests
 (one compiled sampler per option set and row bucket: `ENGINE_SAMPLER_OPTIONS`).

@@ -173,3 +173,25 @@ def test_prompt_logprobs_and_logit_bias_agree_under_tensor_parallelism(tmp_path)
             outs.update((n, o) for o in engine.step() if o.finished)
     check_against_transformers(outs[2].prompt_logprobs, prompt, hf_log_softmax(hf, prompt), 2)
     assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids and 7 not in outs[2].outputs[0].token_ids
+
+
+def test_prompt_logprobs_survive_preemption(tmp_path):
+    """Three scored prompts in a pool too small for them at once: preempted mid-prompt (by
+    recompute) they compute everything again, and still equal transformers."""
+    import tp_workload
+    from tiny_models import save_hf_model
+
+    from jaxpaged.engine.llm_engine import LLMEngine
+    from jaxpaged.engine_args import EngineArgs
+
+    hf = save_hf_model("llama_tp", str(tmp_path))
+    engine = LLMEngine(EngineArgs(**tp_workload.engine_options(str(tmp_path), 1)))
+    prompts = [random_prompt(10 + i, 40) for i in range(3)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, greedy(3, prompt_logprobs=1))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert engine.get_stats()["num_preemptions"] > 0
+    for i, p in enumerate(prompts):
+        check_against_transformers(done[str(i)].prompt_logprobs, p, hf_log_softmax(hf, p), 1)

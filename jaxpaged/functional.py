@@ -16,7 +16,8 @@ sampling sequence's newest token. The engine dispatches step N + 1 before it has
 tokens this way.
 
 Dimension letters: T tokens (padded), S sequences (padded), P block-table width, B banned ids,
-R penalty-table rows (slots), V vocabulary, L logprobs per token; SR sampling rows (S times the
+R penalty-table rows (slots), V vocabulary, L logprobs per token, LB logit-bias entries per row,
+W = 2 + 2L packed prompt-logprob columns; SR sampling rows (S times the
 rows per sequence: 1, or 1 + proposals with speculative decoding).
 
 Example (see examples/step_function.py for a full loop)::
@@ -41,6 +42,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model import AttentionMetadata, KVPool, init_kv_pool
+from jaxpaged.model.prompt_logprobs import prompt_logprobs
 from jaxpaged.model.sampler import SampleResult, SamplerOptions, SamplingTensors, sample, update_penalty_tables
 
 
@@ -87,6 +89,10 @@ class StepInput:
         token (R: it samples nothing this step).
       num_drafts: `[S]` proposals at the end of each sequence's tokens, checked when R > 1
         (None: R = 1, none).
+      logit_bias_ids, logit_bias_values: `[SR, LB]` each row's logit bias (OpenAI's
+        `logit_bias`), added to its logits before sampling; padding ids are V (None: no bias).
+      prompt_targets: `[T]` the prompt token after each token (read by
+        `forward_prompt_logprobs` only; None elsewhere).
     """
 
     token_ids: Int[Array, " T"]
@@ -100,6 +106,9 @@ class StepInput:
     from_last: Bool[Array, " T"]
     last_slot: Int[Array, " S"]
     num_drafts: Int[Array, " S"] | None = None
+    logit_bias_ids: Int[Array, "SR LB"] | None = None
+    logit_bias_values: Float[Array, "SR LB"] | None = None
+    prompt_targets: Int[Array, " T"] | None = None
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
@@ -115,6 +124,7 @@ class SamplerInput:
       last_slot: `[S]` as in `StepInput`.
       proposals: `[S, R - 1]` the proposed tokens each sequence checks (None: R = 1).
       num_drafts: `[S]` how many of them are real (None: R = 1).
+      logit_bias_ids, logit_bias_values: `[SR, LB]` as in `StepInput` (None: no bias).
     """
 
     sampling: SamplingTensors
@@ -122,6 +132,8 @@ class SamplerInput:
     last_slot: Int[Array, " S"]
     proposals: Int[Array, "S R1"] | None = None
     num_drafts: Int[Array, " S"] | None = None
+    logit_bias_ids: Int[Array, "SR LB"] | None = None
+    logit_bias_values: Float[Array, "SR LB"] | None = None
 
 
 def init_cache(
@@ -248,10 +260,33 @@ def forward(
     ), logits
 
 
+def forward_prompt_logprobs(
+    graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache, inp: StepInput
+) -> tuple[DeviceCache, Float[Array, "SR V"], Int[Array, "T W"]]:
+    """`forward`, plus every token's log-probabilities of the prompt token after it
+    (`inp.prompt_targets`), computed from the same hidden states (see
+    `jaxpaged.model.prompt_logprobs`).
+
+    Returns:
+      The cache, the logits at the sampling rows, and `[T, 2 + 2L]` packed prompt logprobs.
+    """
+    model = nnx.merge(graphdef, params)
+    token_ids = input_token_ids(inp, cache.last_tokens)
+    prompt_mask, output_counts = update_penalty_tables(
+        cache.prompt_mask, cache.output_counts, token_ids, inp.token_slot, inp.token_is_output, inp.reset_slots
+    )
+    hidden, kv = model(token_ids, cache.kv, inp.metadata)
+    logits = model.compute_logits(hidden[inp.logits_indices])
+    packed = prompt_logprobs(hidden, model.compute_logits, inp.prompt_targets)
+    cache = DeviceCache(kv=kv, prompt_mask=prompt_mask, output_counts=output_counts, last_tokens=cache.last_tokens)
+    return cache, logits, packed
+
+
 def sampler_input(inp: StepInput) -> SamplerInput:
     """The part of a step's inputs the sampler reads (proposals are never `from_last` tokens)."""
+    bias = dict(logit_bias_ids=inp.logit_bias_ids, logit_bias_values=inp.logit_bias_values)
     if inp.num_drafts is None:
-        return SamplerInput(sampling=inp.sampling, banned_ids=inp.banned_ids, last_slot=inp.last_slot)
+        return SamplerInput(sampling=inp.sampling, banned_ids=inp.banned_ids, last_slot=inp.last_slot, **bias)
     rows_per_seq = inp.logits_indices.shape[0] // inp.num_drafts.shape[0]
     first = inp.logits_indices.reshape(-1, rows_per_seq)[:, 0]
     j = jnp.arange(rows_per_seq - 1)
@@ -262,6 +297,7 @@ def sampler_input(inp: StepInput) -> SamplerInput:
         last_slot=inp.last_slot,
         proposals=proposals,
         num_drafts=inp.num_drafts,
+        **bias,
     )
 
 
@@ -278,7 +314,8 @@ def sample_tokens(
     Returns:
       `last_tokens` with each sampling sequence's newest token (donate it), and the samples.
     """
-    result = sample(logits, inp.sampling, prompt_mask, output_counts, inp.banned_ids, options)
+    bias = None if inp.logit_bias_ids is None else (inp.logit_bias_ids, inp.logit_bias_values)
+    result = sample(logits, inp.sampling, prompt_mask, output_counts, inp.banned_ids, options, logit_bias=bias)
     num_seqs = inp.last_slot.shape[0]
     rows_per_seq = logits.shape[0] // num_seqs
     newest = result.token_ids.reshape(num_seqs, rows_per_seq)[:, 0]

@@ -54,6 +54,10 @@ class RequestOutput:
     In streaming (`LLMEngine.step` with delta outputs), `text` and `token_ids` of each
     completion hold only what is new since the previous output of the same request.
 
+    `prompt_logprobs` (with `SamplingParams.prompt_logprobs`): None for the first prompt token,
+    then per prompt token {token_id: Logprob} for that token and the top-k (vLLM's shape); in
+    streaming, in the first output that has it only.
+
     `error` is set when processing this request failed inside the engine (the request is
     finished, its completions' `finish_reason` is "error"; other requests are unaffected).
     """
@@ -66,3 +70,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

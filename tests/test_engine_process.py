@@ -117,6 +117,21 @@ def test_concurrent_requests_match(engines):
     assert asyncio.run(run(threaded, "t")) == asyncio.run(run(process, "p"))
 
 
+def test_prompt_logprobs_and_logit_bias_cross_the_process(engines):
+    """Prompt logprobs travel in the deltas (numpy arrays, pickled) and come out the same."""
+    threaded, process = engines
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, logit_bias={100: 100.0})
+
+    async def run(engine: AsyncEngine, request_id: str):  # (streamed: deltas, prompt logprobs once)
+        outputs = [o async for o in engine.generate(PROMPT, params, request_id)]
+        [prompt_logprobs] = [o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None]
+        return prompt_logprobs, [t for o in outputs for t in o.outputs[0].token_ids], outputs[0].prompt_token_ids
+
+    (a, a_tokens, prompt), (b, b_tokens, _) = asyncio.run(run(threaded, "t-plp")), asyncio.run(run(process, "p-plp"))
+    assert a == b and len(a) == len(prompt) and a[0] is None
+    assert a_tokens == b_tokens == [100] * 4
+
+
 def test_abort_frees_the_child_s_blocks_and_a_bad_request_fails_alone(engines):
     _, process = engines
 

@@ -264,7 +264,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias is not supported"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1000}}, 400, "logit_bias values must be numbers"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
     ("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413, "exceeds the limit"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages: Field required"),

@@ -175,7 +175,8 @@ class BlockManager:
         A sequence swapped out reuses its swapped blocks (all in the host tier); one with a
         `parent` forks its computed full prompt blocks; otherwise the prefix cache is looked up
         block by block, on the device first and then in the host tier, until a block is in
-        neither.
+        neither. A sequence that still needs its prompt logprobs reuses nothing (its blocks are
+        still registered for others).
 
         Args:
           seq: a sequence holding no blocks.
@@ -185,6 +186,8 @@ class BlockManager:
         if tier is not None and seq.seq_id in tier.swapped:
             slots, tokens = tier.swapped[seq.seq_id]
             return ComputedPrefix([None] * len(slots), list(slots), tokens)
+        if seq.needs_prompt_logprobs:
+            return ComputedPrefix([], [], 0)  # every prompt position is computed (as vLLM does)
         limit = seq.num_tokens - 1
         if parent is not None:
             limit = min(limit, parent.num_computed_tokens, parent.num_prompt_tokens, seq.num_prompt_tokens)

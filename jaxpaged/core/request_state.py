@@ -4,6 +4,7 @@ logprobs and finish state, built from the engine core's `SeqDelta`s (no JAX)."""
 import dataclasses
 
 from jaxpaged.core.detokenizer import IncrementalDetokenizer, NoDetokenizer
+from jaxpaged.core.prompt_logprobs import PromptLogprobs
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -63,6 +64,8 @@ class RequestState:
         self.stream = params.output_kind is RequestOutputKind.DELTA
         self.final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         self.tokenizer = tokenizer
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._prompt_logprobs_reported = False
         self.completions = [
             Completion(
                 index=i,
@@ -97,6 +100,17 @@ class RequestState:
             entry.setdefault(int(tid), Logprob(float(lp), r, self._token_text(int(tid))))
         completion.logprobs.append(entry)
 
+    def record_prompt_logprobs(self, prompt: PromptLogprobs) -> None:
+        """Keeps the prompt logprobs (vLLM's shape: None for the first token, then each prompt
+        token's entry and the top `params.prompt_logprobs` alternatives)."""
+        entries: list[dict[int, Logprob] | None] = [None]
+        for j, token_id in enumerate(self.prompt_token_ids[1:]):
+            entry = {token_id: Logprob(float(prompt.logprobs[j]), int(prompt.ranks[j]), self._token_text(token_id))}
+            for r, (tid, lp) in enumerate(zip(prompt.top_ids[j].tolist(), prompt.top_logprobs[j].tolist()), start=1):
+                entry.setdefault(tid, Logprob(lp, r, self._token_text(tid)))
+            entries.append(entry)
+        self.prompt_logprobs = entries
+
     def _token_text(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
@@ -120,6 +134,10 @@ class RequestState:
                     stop_reason=c.stop_reason,
                 )
             )
+        prompt_logprobs = self.prompt_logprobs
+        if self.stream:  # once, in the first output that has them
+            prompt_logprobs = None if self._prompt_logprobs_reported else prompt_logprobs
+            self._prompt_logprobs_reported |= prompt_logprobs is not None
         first_token_times = [c.first_token_time for c in self.completions if c.first_token_time]
         finish_times = [c.finish_time for c in self.completions if c.finish_time]
         return RequestOutput(
@@ -134,4 +152,5 @@ class RequestState:
                 first_token_time=min(first_token_times, default=None),
                 finished_time=max(finish_times) if self.finished and finish_times else None,
             ),
+            prompt_logprobs=prompt_logprobs,
         )

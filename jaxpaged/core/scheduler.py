@@ -358,6 +358,9 @@ class Scheduler:
         prefix = None
         if admitted and c and _has_penalties(sp):
             prefix = seq.token_ids_slice(0, c)
+        targets = None
+        if seq.needs_prompt_logprobs and c + 1 < seq.num_prompt_tokens:
+            targets = seq.token_ids_slice(c + 1, min(c + own + 1, seq.num_prompt_tokens))
         return ScheduledSequence(
             token_ids=(known or [0]) + proposal,
             num_computed=c,
@@ -371,6 +374,7 @@ class Scheduler:
             prompt_len=seq.num_prompt_tokens,
             admitted=admitted,
             prefix_token_ids=prefix,
+            prompt_targets=targets,
         )
 
     def _live_steps(self, seq: Sequence, num_steps: int) -> int:

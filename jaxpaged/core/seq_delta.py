@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpaged.core.prompt_logprobs import PromptLogprobs
 from jaxpaged.core.sequence import Sequence
 
 
@@ -28,6 +29,8 @@ class SeqDelta:
       finish_reason: "stop", "length" or "abort" once the core finished it, else None.
       stop_reason: the stop token id that finished it, else None.
       num_cached_tokens: its tokens served by the prefix cache at its last admission.
+      prompt_logprobs: the request's prompt logprobs, in the delta of its first token (first
+        sequence only, when the request asked for them), else None.
     """
 
     request_id: str
@@ -40,13 +43,16 @@ class SeqDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def seq_delta(seq: Sequence, count: int, sample: Callable[[int], dict[str, Any]] | None = None) -> SeqDelta:
     """The delta of `seq` after a step appended its last `count` output tokens.
 
+    The first delta with tokens carries the prompt logprobs (then `seq.prompt_logprobs_sent`).
+
     Args:
-      seq: the sequence (read only).
+      seq: the sequence.
       count: how many tokens the step appended (0: it only finished).
       sample: `sample(j)`: the step's arrays for the j-th new token (`StepResult.sample`); needed
         when the request asks for logprobs.
@@ -60,6 +66,10 @@ def seq_delta(seq: Sequence, count: int, sample: Callable[[int], dict[str, Any]]
         stop_reason=seq.stop_reason,
         num_cached_tokens=seq.num_cached_tokens,
     )
+    if count and seq.needs_prompt_logprobs:
+        if not seq.prompt_logprobs.complete:
+            raise RuntimeError(f"{seq} sampled before its prompt logprobs were all computed")
+        delta.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
     k = seq.sampling_params.logprobs
     if k is None or not count:
         return delta

@@ -14,6 +14,7 @@ import enum
 import itertools
 import time
 
+from jaxpaged.core.prompt_logprobs import PromptLogprobs
 from jaxpaged.sampling_params import SamplingParams
 
 
@@ -70,6 +71,9 @@ class Sequence:
       spec_token_ids: a draft model's proposals for the tokens after its current ones (vLLM's
         name), from the output of the step that appended its newest tokens; the next step may
         check them (empty: none).
+      prompt_logprobs: the request's prompt logprobs as steps compute them (its first sequence
+        only, with `prompt_logprobs` set; else None); handed out once, with its first token.
+      prompt_logprobs_sent: they were handed out (the sequence no longer needs them computed).
     """
 
     def __init__(
@@ -111,6 +115,9 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []
+        k = self.sampling_params.prompt_logprobs
+        self.prompt_logprobs = None if k is None or index else PromptLogprobs.empty(len(self.prompt_token_ids), k)
+        self.prompt_logprobs_sent = False
 
     def __repr__(self) -> str:
         return (
@@ -145,6 +152,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are still to compute: it computes its whole prompt (no prefix-cache
+        hit, no fork) and its prompt chunks compute them."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Tokens `[start, end)` of the prompt followed by the outputs, without building that list."""

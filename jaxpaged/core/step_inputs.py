@@ -30,6 +30,9 @@ class ScheduledSequence:
         row is reset, or seeded with `prefix_token_ids`.
       prefix_token_ids: with `admitted` and penalties, the tokens whose K/V it reuses (prefix
         cache or swap); the step records only the tokens it computes.
+      prompt_targets: with prompt logprobs still to compute, the prompt token after each of
+        its computed prompt tokens (one fewer than `token_ids` when the chunk ends the prompt);
+        None: none wanted.
     """
 
     token_ids: list[int]
@@ -44,3 +47,4 @@ class ScheduledSequence:
     prompt_len: int = 0
     admitted: bool = False
     prefix_token_ids: list[int] | None = None
+    prompt_targets: list[int] | None = None

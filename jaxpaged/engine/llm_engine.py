@@ -45,10 +45,10 @@ from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.parallel.multihost import STOP
-from jaxpaged.sampling_params import SamplingParams, check_text
+from jaxpaged.sampling_params import FLOAT32_MAX, SamplingParams, check_text
 from jaxpaged.worker.input_batch import banned_ids
 from jaxpaged.worker.model_runner import StepHandle
-from jaxpaged.worker.step_packer import MAX_BANNED
+from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS
 
 logger = logging.getLogger("jaxpaged")
 
@@ -56,11 +56,9 @@ logger = logging.getLogger("jaxpaged")
 # SamplingParams fields declared (vLLM's names) but not yet carried out: refused, never ignored.
 NOT_YET_IMPLEMENTED = (
     "structured_outputs",
-    "logit_bias",
     "allowed_token_ids",
     "bad_words",
     "truncate_prompt_tokens",
-    "prompt_logprobs",
 )
 
 
@@ -171,10 +169,14 @@ class LLMEngine:
         if request_id in self._seqs or request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         most = self.config.scheduling.max_logprobs
-        if params.logprobs is not None and params.logprobs > most:
-            raise ValueError(
-                f"SamplingParams.logprobs={params.logprobs} exceeds the maximum of {most} (the engine's max_logprobs)"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > most:
+                raise ValueError(
+                    f"SamplingParams.{name}={asked} exceeds the maximum of {most} (the engine's max_logprobs)"
+                )
+        if params.logit_bias:
+            self._check_logit_bias(params.logit_bias)
         if params.min_tokens and len(banned_ids(params, self.scheduler.eos_token_ids)) > MAX_BANNED:
             raise ValueError(
                 f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported; "
@@ -210,6 +212,21 @@ class LLMEngine:
         self._seqs[request_id] = seqs
         self.num_prompt_tokens += len(token_ids)
         return text, token_ids, params
+
+    def _check_logit_bias(self, logit_bias: dict) -> None:
+        """At most `MAX_LOGIT_BIAS` entries, ids in the vocabulary, finite float32 biases."""
+        if len(logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"SamplingParams.logit_bias has {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS} are supported"
+            )
+        vocab_size = self.config.model.vocab_size
+        bad = [t for t in logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"SamplingParams.logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+            )
+        if not all(abs(v) <= FLOAT32_MAX for v in logit_bias.values()):  # also refuses NaN
+            raise ValueError("SamplingParams.logit_bias values must be finite numbers")
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -298,6 +315,10 @@ class LLMEngine:
     def _postprocess(self, handle: StepHandle) -> list[SeqDelta]:
         """Reads a step's results (waiting for the device), appends its tokens; returns the deltas."""
         result = self.runner.fetch(handle)
+        for i, (first, *arrays) in result.prompt_logprobs.items():
+            seq = handle.output.scheduled[i][0]
+            if seq.needs_prompt_logprobs:  # (aborted sequences hold theirs still)
+                seq.prompt_logprobs.record(first, *arrays)
         if result.num_accepted is not None:
             self._count_speculation(result.num_drafts, result.num_accepted)
         appended = self.scheduler.postprocess(handle.output, result.tokens, result.proposals)

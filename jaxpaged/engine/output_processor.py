@@ -81,6 +81,8 @@ class OutputProcessor:
         if completion.finished:
             return  # stopped here on a stop string before the core knew
         completion.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            state.record_prompt_logprobs(delta.prompt_logprobs)
         if delta.token_ids and completion.first_token_time is None:
             completion.first_token_time = now
         for j, token in enumerate(delta.token_ids):

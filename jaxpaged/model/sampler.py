@@ -1,7 +1,7 @@
 """Token sampling on device: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
 
 Dimension letters: S sequences (padded), V vocabulary, R slots of the penalty tables,
-T tokens in the step, L = MAX_LOGPROBS.
+T tokens in the step, L = MAX_LOGPROBS, LB logit-bias entries per row.
 
 Every sequence carries its own seed; its key for a token is `fold_in(fold_in(key(seed),
 index), position)`, so a seeded request yields the same tokens whatever shares its batch.
@@ -11,7 +11,7 @@ tokens.
 
 No branch depends on a device value: on a GPU, XLA runs a `lax.cond` by copying its predicate to
 the host and waiting for the stream, a host sync inside the step. What every batch needs
-(temperature, min-p, penalties, banned ids) is computed branch-free (neutral parameters leave the
+(temperature, min-p, penalties, banned ids, logit bias) is computed branch-free (neutral parameters leave the
 logits exactly as they are); the two expensive paths, sorting for top-k / top-p and the top-L
 logprobs search, are static `SamplerOptions` that the runner picks per step from its requests
 (one compiled sampler per option set and row bucket: `ENGINE_SAMPLER_OPTIONS`).
@@ -186,6 +186,7 @@ def sample(
     output_counts: Int[Array, "R V"],
     banned_ids: Int[Array, "S B"],
     options: SamplerOptions = SamplerOptions(),
+    logit_bias: tuple[Int[Array, "S LB"], Float[Array, "S LB"]] | None = None,
 ) -> SampleResult:
     """Samples one token per row of float32 logits, with no branch on a device value.
 
@@ -196,8 +197,13 @@ def sample(
       banned_ids: token ids each row may not sample while `position < ban_until` (padding: V).
       options: the static paths: top-k / top-p filtering (rows with top_k 0 and top_p 1 are
         left as they are by it), the top-L logprobs. Static: pass it as a jit static argument.
+      logit_bias: `(ids, values)` added to each row's logits before penalties and sampling
+        (OpenAI's `logit_bias`; padding ids V are dropped); the reported logprobs stay raw.
     """
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if logit_bias is not None:
+        bias_ids, bias_values = logit_bias
+        logits = logits.at[jnp.arange(logits.shape[0])[:, None], bias_ids].add(bias_values, mode="drop")
     banned = jnp.where((params.position < params.ban_until)[:, None], banned_ids, logits.shape[-1])
     logits = logits.at[jnp.arange(logits.shape[0])[:, None], banned].set(-jnp.inf, mode="drop")
     logits = _apply_penalties(logits, params, prompt_mask, output_counts)  # neutral rows: unchanged

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, model_validator
 
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.step_packer import MAX_LOGIT_BIAS
 
 MAX_STOP_STRINGS = 16  # stop strings are matched on every new token; keep the list short
 MAX_N = 128
@@ -109,7 +110,7 @@ class _SamplingRequest(Request):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict | None = None  # refused when given: its entries are never validated one by one
+    logit_bias: dict | None = None  # token id (a string in JSON) -> bias in [-100, 100]
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -123,7 +124,9 @@ class _SamplingRequest(Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, vocab_size: int, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The request's `SamplingParams`.
 
         Raises:
@@ -136,8 +139,7 @@ class _SamplingRequest(Request):
             )
         if self.n > MAX_N:
             raise APIError(f"n: at most {MAX_N} completions per prompt are supported, got {self.n}", param="n")
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+        logit_bias = self._logit_bias(vocab_size) if self.logit_bias else None
         bad = [t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size]
         if bad:
             raise APIError(
@@ -166,11 +168,41 @@ class _SamplingRequest(Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=logit_bias,
+            prompt_logprobs=prompt_logprobs,
         )
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in ("max_tokens",)})
         except ValueError as err:
             raise api_error_from(err) from None
+
+    def _logit_bias(self, vocab_size: int) -> dict[int, float]:
+        """OpenAI's `logit_bias` (keys are token ids as strings) as ids -> floats: at most
+        `MAX_LOGIT_BIAS` entries, ids in the vocabulary, biases in [-100, 100]; else a 400."""
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise APIError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are supported",
+                param="logit_bias",
+            )
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(
+                    f"logit_bias keys must be token ids, got {echo(str(key))!r}", param="logit_bias"
+                ) from None
+            if not 0 <= token < vocab_size:
+                raise APIError(
+                    f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})", param="logit_bias"
+                )
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise APIError(
+                    f"logit_bias values must be numbers in [-100, 100], got {echo(repr(value))} for token {token}",
+                    param="logit_bias",
+                )
+            out[token] = float(value)
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -186,14 +218,26 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: `prompt_logprobs` in each choice
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt (and its logprobs) alone, as vLLM answers."""
+        return self.echo and self.max_tokens == 0
 
     def sampling_params(self, vocab_size: int) -> SamplingParams:
-        """`SamplingParams` (OpenAI's default max_tokens=16); 400 for echo / suffix."""
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
+        """`SamplingParams` (OpenAI's default max_tokens=16); 400 for suffix. With `echo` and
+        `logprobs` the prompt's logprobs are computed too (`prompt_logprobs`, as vLLM does); with
+        `echo` and max_tokens 0 one token is generated and dropped."""
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        return self.to_sampling_params(self.max_tokens, self.logprobs, vocab_size)
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError("prompt_logprobs are not available when stream=true", param="prompt_logprobs")
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self.to_sampling_params(max_tokens, self.logprobs, vocab_size, prompt_logprobs)
 
 
 class ContentPart(BaseModel):

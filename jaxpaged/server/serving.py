@@ -209,7 +209,24 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
         ctx.check_length(len(p["prompt_token_ids"]), params.max_tokens, "prompt")
     lens = [len(p["prompt_token_ids"]) for p in prompts]
     ctx.check_response_size(num_prompts * params.n, lens, params, body.logprobs)
-    return await _run(ctx, raw, body, params, prompts, _Kind(chat=False, num_logprobs=body.logprobs))
+    kind = _Kind(chat=False, num_logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None)
+    if body.echo:
+        kind.echo = await _echo_texts(ctx, prompts)
+        kind.echo_only = body.echo_only
+    return await _run(ctx, raw, body, params, prompts, kind)
+
+
+async def _echo_texts(ctx: ServingContext, prompts: list[dict]) -> list[tuple[str, str, list[int]]]:
+    """Per prompt, what `echo` prepends: its text (decoded for token-id prompts), its first
+    token's text (which has no logprob) and its token ids."""
+
+    def texts(tok):
+        return [
+            (p["prompt"] if "prompt" in p else tok.decode(p["prompt_token_ids"]), tok.decode(p["prompt_token_ids"][:1]))
+            for p in prompts
+        ]
+
+    return [(text, first, p["prompt_token_ids"]) for (text, first), p in zip(await ctx.pool.run(texts), prompts)]
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -231,6 +248,21 @@ class _Kind:
 
     chat: bool
     num_logprobs: int | None
+    prompt_logprobs: bool = False  # choices carry vLLM's `prompt_logprobs`
+    # completions' `echo`: per prompt (in order), its text, first token's text and token ids
+    echo: list[tuple[str, str, list[int]]] | None = None
+    echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
+    prompt_of: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> prompt index
+
+    def echoed(self, prompt_index: int, text: str, token_ids: list, logprobs: list | None, prompt_lps: list | None):
+        """`(text, token_ids, logprobs, first token's text)` of a choice with the prompt in front
+        (`echo`), prompt logprobs first (the first token's is None)."""
+        prompt_text, first, prompt_ids = self.echo[prompt_index]
+        if self.echo_only:
+            text, token_ids, logprobs = "", [], []
+        if self.num_logprobs is None:
+            return prompt_text + text, prompt_ids + token_ids, None, first
+        return prompt_text + text, prompt_ids + token_ids, list(prompt_lps or []) + list(logprobs or []), first
 
     @property
     def prefix(self) -> str:
@@ -248,13 +280,14 @@ class _Kind:
         c: CompletionOutput,
         chunk: bool,
         offset: int = 0,
+        first_text: str = "",
     ) -> dict:
         lps = None
         if self.num_logprobs is not None and logprobs is not None:
             lps = (
                 _chat_logprobs(token_ids, logprobs, self.num_logprobs)
                 if self.chat
-                else _completion_logprobs(token_ids, logprobs, self.num_logprobs, offset)
+                else _completion_logprobs(token_ids, logprobs, self.num_logprobs, offset, first_text)
             )
         if not self.chat:
             body = {"index": index, "text": text}
@@ -304,6 +337,8 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: _Kind
             logger.info("%s: prompt %r", rid, p.get("prompt") or p["prompt_token_ids"])
     head = {"id": request_id, "object": kind.object(body.stream), "created": int(time.time()), "model": ctx.model_name}
     index_of = {rid: i * params.n for i, rid in enumerate(ids)}
+    if kind.echo is not None:
+        kind.prompt_of = {rid: i for i, rid in enumerate(ids)}
     if body.stream:
         events = _events(stream, kind, head, index_of, params.n * len(prompts), body.include_usage)
         return EventStreamResponse(events, on_close=stream.abort, write_timeout=ctx.limits.stream_write_timeout)
@@ -322,25 +357,59 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: _Kind
 def _render(kind: _Kind, head: dict, acc: dict, usage: "_Usage") -> bytes:
     """The response body: `head`, the choices in index order, and the usage, as JSON bytes."""
     dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    choices = (kind.choice(i, a["text"], a["ids"], a["lps"], a["c"], chunk=False) for i, a in sorted(acc.items()))
+    choices = (_final_choice(kind, i, a) for i, a in sorted(acc.items()))
     parts = ",".join(dumps(choice) for choice in choices)
     return f'{dumps(head)[:-1]},"choices":[{parts}],"usage":{dumps(usage.to_dict())}}}'.encode()
+
+
+def _final_choice(kind: _Kind, index: int, a: dict) -> dict:
+    """One choice of a whole response, the prompt in front with `echo`."""
+    text, ids, lps, first = a["text"], a["ids"], a["lps"], ""
+    if kind.echo is not None:
+        text, ids, lps, first = kind.echoed(kind.prompt_of[a["rid"]], text, ids, lps, a["prompt_lps"])
+    choice = kind.choice(index, text, ids, lps, a["c"], chunk=False, first_text=first)
+    if kind.prompt_logprobs:
+        choice["prompt_logprobs"] = _prompt_logprobs_json(a["prompt_lps"])
+    return choice
+
+
+def _prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's `prompt_logprobs` of a choice: None, then {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 async def _collect(stream: RequestStream, kind: _Kind, head: dict, index_of: dict) -> tuple[dict, dict, "_Usage"]:
     """Every output of the stream, accumulated per choice (the stream is aborted on the way out)."""
     usage, acc = _Usage(), {}
     try:
+        prompt_lps = {}  # request id -> its prompt logprobs (in one output)
         async for out in stream:
             usage.add(out)
+            if out.prompt_logprobs is not None:
+                prompt_lps[out.request_id] = out.prompt_logprobs
             for c in out.outputs:
-                a = acc.setdefault(index_of[out.request_id] + c.index, {"text": "", "ids": [], "lps": [], "c": c})
+                new = {"text": "", "ids": [], "lps": [], "c": c, "rid": out.request_id}
+                a = acc.setdefault(index_of[out.request_id] + c.index, new)
                 a["text"] += c.text
                 a["ids"] += c.token_ids
                 a["lps"] += c.logprobs or []
                 a["c"] = c
     finally:
         stream.abort()
+    for a in acc.values():
+        a["prompt_lps"] = prompt_lps.get(a["rid"])
+    if kind.echo_only:  # the token generated to get there is not part of the answer
+        usage.completion = 0
     return head, acc, usage
 
 
@@ -355,18 +424,38 @@ async def _events(
                 delta = {"role": "assistant", "content": ""}
                 role = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None}
                 yield _sse({**head, "choices": [role], **extra})
+        prompt_lps, held = {}, {}  # echo: request id -> prompt logprobs; choice -> output held for them
         async for out in stream:
             usage.add(out)
+            if out.prompt_logprobs is not None:
+                prompt_lps[out.request_id] = out.prompt_logprobs
             for c in out.outputs:
                 i = index_of[out.request_id] + c.index
                 if i in done or not (c.text or c.token_ids or c.finish_reason):
                     continue
+                text, ids, lps, first = c.text, c.token_ids, c.logprobs, ""
+                if kind.echo is not None and i not in offsets:  # the prompt goes first, once
+                    pending = held.pop(i, None)
+                    if pending is not None:  # what came while its prompt logprobs had not
+                        text, ids = pending[0] + text, pending[1] + ids
+                        lps = None if lps is None else pending[2] + lps
+                    if kind.num_logprobs is not None and out.request_id not in prompt_lps:
+                        held[i] = (text, ids, list(lps or []))  # a sibling computes them: wait for it
+                        continue
+                    text, ids, lps, first = kind.echoed(
+                        kind.prompt_of[out.request_id], text, ids, lps, prompt_lps.get(out.request_id)
+                    )
+                elif kind.echo_only:
+                    text, ids, lps = "", [], []
                 if c.finish_reason:
                     done.add(i)
-                choice = kind.choice(i, c.text, c.token_ids, c.logprobs, c, chunk=True, offset=offsets.get(i, 0))
-                offsets[i] = offsets.get(i, 0) + len(c.text)
+                offset = offsets.get(i, 0)
+                choice = kind.choice(i, text, ids, lps, c, chunk=True, offset=offset, first_text=first)
+                offsets[i] = offset + len(text)
                 yield _sse({**head, "choices": [choice], **extra})
         if include_usage:
+            if kind.echo_only:
+                usage.completion = 0
             yield _sse({**head, "choices": [], "usage": usage.to_dict()})
         logger.info("%s: finished, %d completion tokens", head["id"], usage.completion)
         yield "data: [DONE]\n\n"
@@ -444,13 +533,20 @@ def _finite(x: float) -> float:
     return max(x, -9999.0)  # JSON has no -inf
 
 
-def _completion_logprobs(token_ids: list[int], logprobs: list, num: int, offset: int) -> dict:
+def _completion_logprobs(token_ids: list[int], logprobs: list, num: int, offset: int, first_text: str = "") -> dict:
+    """OpenAI's completions `logprobs`; an entry None (an echoed prompt's first token, which
+    nothing precedes) has token `first_text` and null logprobs."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, logprobs):
-        text = entry[token_id].decoded_token or ""
+        if entry is None:
+            text = first_text
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            text = entry[token_id].decoded_token or ""
+            token_lps.append(_finite(entry[token_id].logprob))
+            tops.append({(lp.decoded_token or ""): _finite(lp.logprob) for lp in _top(entry, num)})
         tokens.append(text)
-        token_lps.append(_finite(entry[token_id].logprob))
-        tops.append({(lp.decoded_token or ""): _finite(lp.logprob) for lp in _top(entry, num)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -10,6 +10,8 @@ options.
 
 import dataclasses
 
+import numpy as np
+
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.worker.step_packer import MAX_BANNED, SequenceRow, StepPacker, sampling_row
@@ -102,4 +104,11 @@ class InputBatch:
         banned = banned_ids(sp, self.eos_token_ids) if sp.min_tokens else ()
         if len(banned) > MAX_BANNED:  # add_request refuses these first
             raise ValueError(f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported")
-        return SequenceRow(inp.seq_id, sampling_row(sp, inp.index, inp.prompt_len), slot, inp.prompt_len, banned)
+        bias = None
+        if sp.logit_bias:  # add_request checked the count and the ids
+            bias = (
+                np.fromiter(sp.logit_bias.keys(), np.int32, len(sp.logit_bias)),
+                np.fromiter(sp.logit_bias.values(), np.float32, len(sp.logit_bias)),
+            )
+        row = sampling_row(sp, inp.index, inp.prompt_len)
+        return SequenceRow(inp.seq_id, row, slot, inp.prompt_len, banned, bias)

@@ -28,6 +28,7 @@ from jaxpaged.engine_config import EngineConfig
 from jaxpaged.functional import DeviceCache, init_cache
 from jaxpaged.model import Llama
 from jaxpaged.model.layer_arrays import place_params, state_shardings
+from jaxpaged.model.prompt_logprobs import unpack_prompt_logprobs
 from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
@@ -46,11 +47,14 @@ class StepHandle:
       output: what the scheduler planned.
       packed: the results, one int32 vector (`[steps, N]` for fused steps).
       layout: how to read them.
+      prompt_packed: with prompt logprobs, `[T, 2 + 2L]` per token (see
+        `jaxpaged.model.prompt_logprobs`), else None.
     """
 
     output: SchedulerOutput
     packed: jax.Array
     layout: ResultLayout
+    prompt_packed: jax.Array | None = None
 
 
 @dataclasses.dataclass
@@ -66,6 +70,9 @@ class StepResult:
       num_accepted: proposals kept per entry (speculative decoding), else None.
       proposals: a draft model's k tokens after the new tokens of each `drafting` entry, by
         seq_id (for the next step to check).
+      prompt_logprobs: by entry index, the prompt logprobs its step computed: `(first prompt
+        index, logprobs [N], ranks [N], top_ids [N, L], top_logprobs [N, L])`, entry j of
+        the arrays being prompt token `first + j`'s (it follows token `first + j - 1`).
     """
 
     tokens: list[list[int]]
@@ -74,6 +81,7 @@ class StepResult:
     num_drafts: list[int]
     num_accepted: list[int] | None
     proposals: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
     def sample(self, i: int, j: int) -> dict[str, typing.Any]:
         """Entry i's j-th token's entries of every fetched array."""
@@ -265,45 +273,66 @@ class ModelRunner:
             self.seed_penalty_slot(slot, tokens, prompt_len)
         num_drafts = [len(d) for d in output.drafts]
         program, layout, flat = self._pack(output.step_inputs, prepared, output.num_steps, num_drafts)
-        packed = self.run_packed(program, prepared.options, flat)
+        packed, prompt_packed = self._run(program, prepared.options, flat)
         self.move_kv(output.stores)  # write-through of what the step computed
         packed.copy_to_host_async()
+        if prompt_packed is not None:
+            prompt_packed.copy_to_host_async()
         rows = layout.num_seqs * layout.rows_per_seq
         speculative = program.steps == 1 and layout.rows_per_seq > 1
         logprobs = prepared.options.logprobs if program.steps == 1 else program.options.logprobs
-        return StepHandle(output, packed, ResultLayout(rows, layout.num_seqs, logprobs, speculative))
+        result_layout = ResultLayout(rows, layout.num_seqs, logprobs, speculative)
+        return StepHandle(output, packed, result_layout, prompt_packed)
 
     def _pack(self, inputs: list[ScheduledSequence], prepared, steps: int, num_drafts: list[int]):
         """The step's program, layout and packed buffer (sent to the other processes first)."""
         t = self.packer.bucket_for(sum(len(s.token_ids) for s in inputs), len(inputs))
-        decode = all(len(s.token_ids) == 1 for s in inputs)
-        program = Program(t, steps, decode, self.step_programs.fused_options if steps > 1 else SamplerOptions())
-        if program not in self.compiled:
+        prompt_logprobs = any(s.prompt_targets for s in inputs)  # the mixed variant (never fused)
+        decode = all(len(s.token_ids) == 1 for s in inputs) and not prompt_logprobs
+        options = self.step_programs.fused_options if steps > 1 else SamplerOptions()
+        program = Program(t, steps, decode, options, prompt_logprobs)
+        if program not in self.compiled and not prompt_logprobs:
             raise RuntimeError(f"no compiled program {program}: call warm_up() first")
         live = [s.live_steps for s in inputs] if steps > 1 else None
         t, flat = self.packer.pack(inputs, prepared.rows, prepared.resets, num_drafts, decode=decode, live_steps=live)
         if self.channel is not None:
             options = prepared.options if steps == 1 else program.options
-            self.channel.send(
-                EXECUTE, (program.tokens, program.steps, int(program.decode), _option_bits(options)), flat
-            )
+            bits = _option_bits(options) | int(program.prompt_logprobs) << 2
+            self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode), bits), flat)
         return program, self.step_programs.layout(program), flat
 
     def run_packed(self, program: Program, options: SamplerOptions, flat: np.ndarray) -> jax.Array:
         """Runs a compiled program (and, for one step, the sampler with `options`) on a packed step
         buffer; returns the packed results (the followers of a multi-process engine get the same
         arguments from the leader)."""
+        return self._run(program, options, flat)[0]
+
+    def _run(self, program: Program, options: SamplerOptions, flat: np.ndarray) -> tuple[jax.Array, jax.Array | None]:
+        """`run_packed`, also returning the packed prompt logprobs of a `prompt_logprobs` program
+        (None otherwise). That variant is compiled the first time a step needs it."""
         flat = jax.device_put(flat, self._whole)
         if program.steps > 1:
             self.cache, packed = self.compiled[program](self.params, self.cache, flat)
-            return packed
-        self.cache, logits, sampler_input = self.compiled[program](self.params, self.cache, flat)
+            return packed, None
+        prompt_packed = None
+        if program.prompt_logprobs:
+            if program not in self.compiled:
+                start = time.perf_counter()
+                self.compile_program(program)
+                logger.info(
+                    "compiled %s (first request with prompt_logprobs in this bucket) in %.1f s",
+                    self.step_programs.describe(program),
+                    time.perf_counter() - start,
+                )
+            self.cache, logits, sampler_input, prompt_packed = self.compiled[program](self.params, self.cache, flat)
+        else:
+            self.cache, logits, sampler_input = self.compiled[program](self.params, self.cache, flat)
         sampler = self.compiled[sampler_for(self.step_programs.layout(program), options)]
         last_tokens, packed = sampler(
             self.cache.prompt_mask, self.cache.output_counts, self.cache.last_tokens, logits, sampler_input
         )
         self.cache = dataclasses.replace(self.cache, last_tokens=last_tokens)
-        return packed
+        return packed, prompt_packed
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """Waits for a step's results; returns them per scheduled entry, with a draft model's
@@ -326,7 +355,10 @@ class ModelRunner:
             for i, (inp, samples) in enumerate(zip(out.step_inputs, out.samples)):
                 n = inp.live_steps if steps > 1 else 1
                 tokens.append(token_ids[:n, i * r].tolist() if samples else [])
-        return StepResult(tokens, values, r, num_drafts, accepted, self._draft_proposals(out, tokens))
+        result = StepResult(tokens, values, r, num_drafts, accepted, self._draft_proposals(out, tokens))
+        if handle.prompt_packed is not None:
+            result.prompt_logprobs = _prompt_logprobs_of(out.step_inputs, np.asarray(handle.prompt_packed))
+        return result
 
     def _draft_proposals(self, output: SchedulerOutput, tokens: list[list[int]]) -> dict[int, list[int]]:
         """The draft model's proposals after a step's new `tokens`, for its `drafting` entries that
@@ -345,7 +377,20 @@ class ModelRunner:
         """The program (and sampler options) the leader named in a step-channel header."""
         options = SamplerOptions(filter=bool(fields[3] & 1), logprobs=bool(fields[3] & 2))
         steps = fields[1]
-        return Program(fields[0], steps, bool(fields[2]), options if steps > 1 else SamplerOptions()), options
+        fused = options if steps > 1 else SamplerOptions()
+        return Program(fields[0], steps, bool(fields[2]), fused, bool(fields[3] & 4)), options
+
+
+def _prompt_logprobs_of(inputs: list[ScheduledSequence], packed: np.ndarray) -> dict[int, tuple]:
+    """Each entry's rows of a step's packed prompt logprobs (see `StepResult.prompt_logprobs`)."""
+    logprobs, ranks, top_ids, top_logprobs = unpack_prompt_logprobs(packed)
+    out, start = {}, 0
+    for i, seq in enumerate(inputs):
+        if seq.prompt_targets:
+            rows = slice(start, start + len(seq.prompt_targets))
+            out[i] = (seq.num_computed + 1, logprobs[rows], ranks[rows], top_ids[rows], top_logprobs[rows])
+        start += len(seq.token_ids)
+    return out
 
 
 def _option_bits(options: SamplerOptions) -> int:

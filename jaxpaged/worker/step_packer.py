@@ -21,6 +21,9 @@ from jaxpaged.core.step_inputs import ScheduledSequence
 MIN_TOKEN_BUCKET = 16
 # Token ids a sequence may not sample yet (EOS and stop_token_ids before min_tokens), per row.
 MAX_BANNED = 16
+# Logit-bias entries per request (OpenAI's limit for `logit_bias`): each sampling row carries
+# this many (token id, bias) pairs, padded with id V.
+MAX_LOGIT_BIAS = 300
 # Rows of `SamplingTensors`, in buffer order; float rows are bit-cast.
 SAMPLING_FIELDS = (
     ("temperature", np.float32),
@@ -83,6 +86,9 @@ class Layout:
             ("block_tables", (s, p)),
             ("banned_ids", (r, MAX_BANNED)),
             ("num_seqs", ()),
+            ("prompt_targets", (t,)),  # the prompt token after each token (prompt logprobs)
+            ("logit_bias_ids", (r, MAX_LOGIT_BIAS)),
+            ("logit_bias_values", (r, MAX_LOGIT_BIAS)),  # float32 bit-cast
         ]
 
     @property
@@ -109,6 +115,7 @@ class SequenceRow:
       slot: its row in the block-table matrix and the penalty tables (< max_num_seqs).
       prompt_len: tokens of its prompt (later positions are generated tokens).
       banned_ids: token ids it may not sample before its row's `ban_until` position.
+      logit_bias: `(ids int32, values float32)` of its `logit_bias` (None: none).
     """
 
     seq_id: int
@@ -116,6 +123,7 @@ class SequenceRow:
     slot: int
     prompt_len: int
     banned_ids: tuple[int, ...] = ()
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def sampling_row(params, index: int, prompt_len: int = 0) -> np.ndarray:
@@ -288,8 +296,16 @@ class StepPacker:
         sampling[_POSITION_ROW, : n * r] = (computed + lens - drafts)[:, None].repeat(r, axis=1).ravel() + j.ravel()
         sampling[_SLOT_ROW, : n * r] = np.repeat(slots, r)
         v["banned_ids"][:] = self.vocab_size  # out of range: dropped on device
+        v["logit_bias_ids"][:] = self.vocab_size  # out of range: dropped on device
         for i, row in enumerate(rows):
             if row.banned_ids:
                 v["banned_ids"][i * r : (i + 1) * r, : len(row.banned_ids)] = row.banned_ids
+            if row.logit_bias is not None:
+                ids, values = row.logit_bias
+                v["logit_bias_ids"][i * r : (i + 1) * r, : len(ids)] = ids
+                v["logit_bias_values"][i * r : (i + 1) * r, : len(ids)] = values.view(np.int32)
+        for i, seq in enumerate(inputs):
+            if seq.prompt_targets:
+                v["prompt_targets"][starts[i] : starts[i] + len(seq.prompt_targets)] = seq.prompt_targets
         v["num_seqs"][...] = n
         return t, self.buffers[key]

@@ -31,7 +31,16 @@ import numpy as np
 
 from jaxpaged.config.quantization import is_fp8
 from jaxpaged.engine_config import EngineConfig
-from jaxpaged.functional import DeviceCache, SamplerInput, StepInput, forward, sample_tokens, sampler_input, step
+from jaxpaged.functional import (
+    DeviceCache,
+    SamplerInput,
+    StepInput,
+    forward,
+    forward_prompt_logprobs,
+    sample_tokens,
+    sampler_input,
+    step,
+)
 from jaxpaged.model import AttentionMetadata, KVPool, KVQuant
 from jaxpaged.model.sampler import (
     ENGINE_SAMPLER_OPTIONS,
@@ -43,7 +52,7 @@ from jaxpaged.model.sampler import (
 )
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import KV_SCALE_AXES
-from jaxpaged.worker.step_packer import MAX_BANNED, SAMPLING_FIELDS, Layout, StepPacker
+from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS, SAMPLING_FIELDS, Layout, StepPacker
 
 
 def unpack(layout: Layout, flat: jax.Array) -> StepInput:
@@ -72,6 +81,9 @@ def unpack(layout: Layout, flat: jax.Array) -> StepInput:
         banned_ids=v["banned_ids"],
         from_last=v["from_last"] != 0,
         last_slot=v["last_slot"],
+        logit_bias_ids=v["logit_bias_ids"],
+        logit_bias_values=jax.lax.bitcast_convert_type(v["logit_bias_values"], jnp.float32),
+        prompt_targets=v["prompt_targets"],
     )
 
 
@@ -83,6 +95,14 @@ def _model_program(layout: Layout, decode: bool, graphdef, params, cache: Device
         inp = dataclasses.replace(inp, metadata=dataclasses.replace(inp.metadata, decode_only=True))
     cache, logits = forward(graphdef, params, cache, inp)
     return cache, logits, sampler_input(inp)
+
+
+def _prompt_logprobs_program(layout: Layout, graphdef, params, cache: DeviceCache, flat: jax.Array):
+    """A mixed step that also computes prompt logprobs at every token (the variant of a step
+    with a request that asks for them: `Program.prompt_logprobs`)."""
+    inp = unpack(layout, flat)
+    cache, logits, prompt = forward_prompt_logprobs(graphdef, params, cache, inp)
+    return cache, logits, sampler_input(inp), prompt
 
 
 def _sampler_program(options: SamplerOptions, prompt_mask, output_counts, last_tokens, logits, inp: SamplerInput):
@@ -155,15 +175,18 @@ class Program(typing.NamedTuple):
       decode: every sequence has one token: the decode kernel, no ragged attention. A mixed
         program runs the ragged kernel, which also serves decode-only batches.
       options: the sampler paths of fused steps (1-step programs have their own samplers).
+      prompt_logprobs: a mixed step that also returns every token's prompt logprobs
+        (compiled on first use, not at warm-up: see `ModelRunner.run_packed`).
     """
 
     tokens: int
     steps: int
     decode: bool
     options: SamplerOptions = SamplerOptions()
+    prompt_logprobs: bool = False
 
     def describe(self) -> str:
-        kind = "decode" if self.decode else "mixed"
+        kind = "decode" if self.decode else "mixed + prompt logprobs" if self.prompt_logprobs else "mixed"
         sampler = f", sampler {self.options.describe()}" if self.steps > 1 else ""
         return f"{kind} step, {self.tokens} tokens x {self.steps} step(s){sampler}"
 
@@ -258,6 +281,12 @@ class StepPrograms:
             donate_argnums=(5,),
             out_shardings=(cache_shardings, whole),
         )
+        self._prompt_logprobs = jax.jit(
+            _prompt_logprobs_program,
+            static_argnums=(0, 1),
+            donate_argnums=(3,),
+            out_shardings=(cache_shardings, whole, whole, whole),
+        )
         self.seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,), out_shardings=cache_shardings)
 
     @classmethod
@@ -326,6 +355,8 @@ class StepPrograms:
         flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         if program.steps > 1:
             return self._fused.lower(layout, program.steps, program.options, self.graphdef, params, cache, flat)
+        if program.prompt_logprobs:
+            return self._prompt_logprobs.lower(layout, self.graphdef, params, cache, flat)
         return self._model.lower(layout, program.decode, self.graphdef, params, cache, flat)
 
     def _lower_sampler(self, program: SamplerProgram, cache: DeviceCache) -> jax.stages.Lowered:
@@ -343,6 +374,8 @@ class StepPrograms:
             last_slot=ints(s),
             proposals=ints(s, r - 1) if r > 1 else None,
             num_drafts=ints(s) if r > 1 else None,
+            logit_bias_ids=ints(rows, MAX_LOGIT_BIAS),
+            logit_bias_values=floats(rows, MAX_LOGIT_BIAS),
         )
         return self._sampler.lower(
             program.options, cache.prompt_mask, cache.output_counts, cache.last_tokens, floats(rows, vocab), inp

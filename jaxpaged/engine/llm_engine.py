@@ -60,7 +60,6 @@ NOT_YET_IMPLEMENTED = (
     "logit_bias",
     "allowed_token_ids",
     "bad_words",
-    "truncate_prompt_tokens",
     "prompt_logprobs",
 )
 
@@ -162,7 +161,9 @@ class LLMEngine:
           cache_salt: isolates this request's prefix-cache entries.
 
         Returns:
-          `(prompt text or None, prompt token ids, params with max_tokens and seed resolved)`.
+          `(prompt text or None, prompt token ids, params with max_tokens and seed resolved)`; with
+          `params.truncate_prompt_tokens` the ids are the prompt's last k (and the text None when
+          that dropped any).
 
         Raises:
           ValueError: duplicate id, a bad prompt, or a request that can never fit.
@@ -185,6 +186,11 @@ class LLMEngine:
         if cache_salt is not None:
             check_text("cache_salt", cache_salt)
         text, token_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # keep the last k tokens (-1: max_model_len)
+            keep = params.truncate_prompt_tokens
+            keep = self.config.max_model_len if keep == -1 else keep
+            if len(token_ids) > keep:
+                text, token_ids = None, token_ids[-keep:]  # the text no longer matches the tokens
         vocab_size = self.config.model.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:

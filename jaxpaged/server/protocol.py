@@ -1,62 +1,31 @@
 """OpenAI request models (plus vLLM's extra sampling fields), their `SamplingParams`, and errors.
 
-Unknown fields are ignored, as OpenAI's server does. Field types are checked by pydantic;
-values by `SamplingParams` (one source of truth), whose `ValueError` names the field.
+Every field a model here declares is honoured; OpenAI's and vLLM's other fields are accepted
+with no effect or refused by `fields.screen` (the README's table), and an unknown field is a 400
+naming it. Field types are checked by pydantic; values by `SamplingParams` (one source of
+truth), whose `ValueError` names the field.
 """
 
-import re
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.server import fields
+from jaxpaged.server.errors import APIError, api_error_from, echo, error_body  # noqa: F401 (re-exported)
+from jaxpaged.server.structured_request import ResponseFormat, StructuredOutputsRequest, structured_outputs_of
+from jaxpaged.server.tools import Tool, ToolChoice
 
 MAX_STOP_STRINGS = 16  # stop strings are matched on every new token; keep the list short
 MAX_N = 128
-MAX_ECHO_CHARS = 64  # error messages quote at most this much of a client's input
+MAX_REQUEST_ID_CHARS = 256  # vLLM's request_id names the response and appears in logs
 _INT32 = 2**31
-
-
-def echo(text: str) -> str:
-    """A bounded prefix of client input for an error message."""
-    return text if len(text) <= MAX_ECHO_CHARS else f"{text[:MAX_ECHO_CHARS]}... ({len(text)} characters)"
 
 
 def _list(item: Any) -> Any:
     """A list field whose validation stops at its first bad element: one error, not one per element."""
     return Annotated[list[item], Field(fail_fast=True)]
-
-
-class APIError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def api_error_from(err: ValueError) -> APIError:
-    """A 400 from a `SamplingParams` / engine `ValueError`, with `param` when the message names it."""
-    match = re.search(r"SamplingParams\.(\w+)", str(err))
-    return APIError(str(err).replace("SamplingParams.", ""), param=match.group(1) if match else None)
 
 
 def _invalid_text(data: Any) -> str | None:
@@ -110,7 +79,7 @@ class _SamplingRequest(Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None  # refused when given: its entries are never validated one by one
-    user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -122,9 +91,42 @@ class _SamplingRequest(Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    bad_words: _list(str) | None = None
+    allowed_token_ids: _list(int) | None = None
+    request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID_CHARS)] | None = None
+    # structured outputs (structured_request.py)
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: _list(str) | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
-        """The request's `SamplingParams`.
+    endpoint: ClassVar[str] = fields.BOTH
+    _constraint_field: str | None = PrivateAttr(default=None)
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field whose constraint `sampling_params` put in `structured_outputs` (for errors)."""
+        return self._constraint_field
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen_fields(cls, data: Any) -> Any:
+        """No-effect and neutral refused fields dropped; others and unknown fields a 400 naming them."""
+        return fields.screen(data, cls.model_fields, cls.endpoint) if isinstance(data, dict) else data
+
+    def to_sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        vocab_size: int,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """The request's `SamplingParams` (`structured`: the output constraint, see
+        `structured_request.structured_outputs_of`).
 
         Raises:
           APIError: a value out of range (400, naming the field) or an unsupported option.
@@ -166,6 +168,10 @@ class _SamplingRequest(Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=structured,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
         )
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in ("max_tokens",)})
@@ -186,14 +192,18 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True
+
+    endpoint: ClassVar[str] = fields.COMPLETIONS
 
     def sampling_params(self, vocab_size: int) -> SamplingParams:
         """`SamplingParams` (OpenAI's default max_tokens=16); 400 for echo / suffix."""
         if self.echo:
             raise APIError("echo is not supported", param="echo")
         if self.suffix:
-            raise APIError("suffix is not supported", param="suffix")
-        return self.to_sampling_params(self.max_tokens, self.logprobs, vocab_size)
+            raise APIError("suffix is not supported: there is no fill-in-the-middle", param="suffix")
+        structured, self._constraint_field = structured_outputs_of(self)
+        return self.to_sampling_params(self.max_tokens, self.logprobs, vocab_size, structured)
 
 
 class ContentPart(BaseModel):
@@ -201,10 +211,38 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call in an assistant message of the history."""
+
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
+    """One message; keys it does not know are accepted only with null values (what clients echo
+    back from a response, e.g. `refusal`), anything else is a 400 naming the key."""
+
     role: str
     content: str | _list(ContentPart) | None = None
     name: str | None = None
+    tool_calls: _list(AssistantToolCall) | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = next((k for k, v in data.items() if k not in cls.model_fields and v is not None), None)
+            if unknown is not None:
+                raise ValueError(f"unrecognized message field {echo(str(unknown))!r}")
+            return {k: v for k, v in data.items() if k in cls.model_fields}
+        return data
 
     def to_template(self) -> dict:
         """The message as the chat template wants it (text parts joined by newlines)."""
@@ -216,7 +254,22 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:  # arguments as a dict, as templates (Llama 3.1's `| tojson`) expect
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _arguments(call: AssistantToolCall) -> Any:
+    try:
+        value = json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+    return value if isinstance(value, dict) else call.function.arguments
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -228,15 +281,61 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: _list(dict[str, str]) | None = None
+    structural_tag: str | None = None  # vLLM's older top-level form of structured_outputs.structural_tag
+    tools: _list(Tool) | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def sampling_params(self, vocab_size: int) -> SamplingParams:
+    endpoint: ClassVar[str] = fields.CHAT
+
+    def sampling_params(self, vocab_size: int, tool_schema: dict | None = None) -> SamplingParams:
         """`SamplingParams`: max_completion_tokens (or max_tokens, or up to max_model_len);
-        logprobs=true returns the sampled token's logprob plus `top_logprobs` alternatives."""
+        logprobs=true returns the sampled token's logprob plus `top_logprobs` alternatives;
+        `tool_schema`: the schema `tool_choice` constrains the output to (`tools.tool_mode`)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in self.model_fields_set
+        ):
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
+            )
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.to_sampling_params(max_tokens, logprobs, vocab_size)
+        structured, self._constraint_field = structured_outputs_of(self, tool_schema)
+        return self.to_sampling_params(max_tokens, logprobs, vocab_size, structured)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What `apply_chat_template` receives beside the conversation (tools, documents, the
+        client's `chat_template_kwargs`, which may not replace these)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & TEMPLATE_RESERVED)
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}", param="chat_template_kwargs"
+            )
+        continuing = self.continue_final_message
+        kwargs.update(
+            add_generation_prompt=self.add_generation_prompt and not continuing, continue_final_message=continuing
+        )
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        if self.documents:
+            kwargs["documents"] = self.documents
+        return kwargs
+
+
+# apply_chat_template's own arguments: chat_template_kwargs cannot override them
+TEMPLATE_RESERVED = frozenset(
+    "conversation tools documents chat_template add_generation_prompt continue_final_message tokenize padding "
+    "truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
 
 
 class TokenizeRequest(Request):

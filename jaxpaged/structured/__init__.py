@@ -6,6 +6,8 @@ applies on the device.
 a 400 before a request reaches the engine).
 """
 
+from jaxpaged.structured.backend import GrammarBackend
+from jaxpaged.structured.constraint import SequenceConstraint, bad_words_token_ids, fill_bitmask
 from jaxpaged.structured.grammar import check, grammar_text
 
-__all__ = ["check", "grammar_text"]
+__all__ = ["GrammarBackend", "SequenceConstraint", "bad_words_token_ids", "check", "fill_bitmask", "grammar_text"]

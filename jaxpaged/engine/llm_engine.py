@@ -2,7 +2,11 @@
 
 How a request flows:
   1. `add_request` tokenizes the prompt, validates its `SamplingParams`, resolves its seed
-     and queues `n` `Sequence`s with the `Scheduler` (which rejects what can never fit).
+     and queues `n` `Sequence`s with the `Scheduler` (which rejects what can never fit). A
+     constrained request (structured outputs, allowed_token_ids, bad_words) has its grammar
+     checked here (a ValueError naming the field) and compiled on the `GrammarBackend`'s
+     threads; each sequence gets its own `SequenceConstraint` (its matcher), and is not
+     scheduled before its grammar is compiled.
   2. `step()` is schedule -> execute -> postprocess -> outputs. The scheduler picks this
      step's batch: one decode token per running sequence, then prefill chunks, under
      `max_num_seqs` and `max_num_batched_tokens`; blocks come from the `BlockManager`
@@ -20,7 +24,10 @@ How a request flows:
      their blocks back (and, at the next step, their runner slots). Without async scheduling (and
      in steps that speculate, whose proposals follow the newest tokens) each step's results
      are read before the next is scheduled; with a draft model, reading a speculating step's
-     results has the draft propose for the next step.
+     results has the draft propose for the next step. While a running sequence has a grammar,
+     each step is read before the next is scheduled too (its next mask needs the token), and
+     the step's packed token mask is filled from the matchers (`fill_bitmask`) and applied by
+     the sampler on the device.
   5. `step()` returns a `RequestOutput` for every request that changed.
 """
 
@@ -127,6 +134,8 @@ class LLMEngine:
         finishes the disk tier's writes. The engine runs no more steps afterwards."""
         if self.disk_tier is not None:
             self.disk_tier.close()
+        if self.grammars is not None:
+            self.grammars.close()
         channel, self.runner.channel = self.runner.channel, None
         if channel is not None:
             channel.send(STOP, (), np.zeros(0, np.int32))

@@ -17,7 +17,8 @@ tokens this way.
 
 Dimension letters: T tokens (padded), S sequences (padded), P block-table width, B banned ids,
 R penalty-table rows (slots), V vocabulary, L logprobs per token; SR sampling rows (S times the
-rows per sequence: 1, or 1 + proposals with speculative decoding).
+rows per sequence: 1, or 1 + proposals with speculative decoding), W = ceil(V / 32) words of a
+packed token mask.
 
 Example (see examples/step_function.py for a full loop)::
 
@@ -115,6 +116,9 @@ class SamplerInput:
       last_slot: `[S]` as in `StepInput`.
       proposals: `[S, R - 1]` the proposed tokens each sequence checks (None: R = 1).
       num_drafts: `[S]` how many of them are real (None: R = 1).
+      token_mask: `[SR, W]` packed bits of the tokens each row may sample (W = ceil(V / 32);
+        constrained rows: structured outputs, allowed_token_ids, bad_words), with the
+        sampler's `mask` option; None without.
     """
 
     sampling: SamplingTensors
@@ -122,6 +126,7 @@ class SamplerInput:
     last_slot: Int[Array, " S"]
     proposals: Int[Array, "S R1"] | None = None
     num_drafts: Int[Array, " S"] | None = None
+    token_mask: Int[Array, "SR W"] | None = None
 
 
 def init_cache(
@@ -278,7 +283,7 @@ def sample_tokens(
     Returns:
       `last_tokens` with each sampling sequence's newest token (donate it), and the samples.
     """
-    result = sample(logits, inp.sampling, prompt_mask, output_counts, inp.banned_ids, options)
+    result = sample(logits, inp.sampling, prompt_mask, output_counts, inp.banned_ids, options, inp.token_mask)
     num_seqs = inp.last_slot.shape[0]
     rows_per_seq = logits.shape[0] // num_seqs
     newest = result.token_ids.reshape(num_seqs, rows_per_seq)[:, 0]

@@ -70,6 +70,9 @@ class Sequence:
       spec_token_ids: a draft model's proposals for the tokens after its current ones (vLLM's
         name), from the output of the step that appended its newest tokens; the next step may
         check them (empty: none).
+      constraint: what it may sample next (a `jaxpaged.structured.SequenceConstraint`: its
+        grammar's matcher, allowed_token_ids, bad_words), advanced with each output token;
+        None: unconstrained, or finished (released).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []
+        self.constraint = None
 
     def __repr__(self) -> str:
         return (

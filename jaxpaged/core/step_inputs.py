@@ -30,6 +30,8 @@ class ScheduledSequence:
         row is reset, or seeded with `prefix_token_ids`.
       prefix_token_ids: with `admitted` and penalties, the tokens whose K/V it reuses (prefix
         cache or swap); the step records only the tokens it computes.
+      constraint: what it may sample (structured outputs, allowed_token_ids, bad_words; a
+        `jaxpaged.structured.SequenceConstraint` up to date with its outputs), or None.
     """
 
     token_ids: list[int]
@@ -44,3 +46,4 @@ class ScheduledSequence:
     prompt_len: int = 0
     admitted: bool = False
     prefix_token_ids: list[int] | None = None
+    constraint: object | None = None

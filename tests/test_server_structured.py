@@ -341,6 +341,23 @@ def test_json_schema_and_choice_outputs_are_valid(server):
     assert out.choices[0].text in ("yes", "no")
 
 
+@needs_engine
+def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}
+    error = bad_request(
+        lambda: server.client.chat.completions.create(model="demo", messages=MESSAGES, response_format=fmt)
+    )
+    assert error["param"] == "response_format" and "structured_outputs.json" in error["message"]
+    error = _post(server, "completions", guided_grammar="start: (").json()["error"]
+    assert error["param"] == "guided_grammar"
+
+
+def test_stream_options_keys(server):
+    error = _post(server, "completions", stream=True, stream_options={"continuous_usage_stats": True}).json()["error"]
+    assert "continuous_usage_stats" in error["message"]
+    assert "colour" in _post(server, "chat", stream=True, stream_options={"colour": 1}).json()["error"]["message"]
+
+
 # --- truncate_prompt_tokens ---------------------------------------------------------------------
 
 
@@ -606,6 +623,44 @@ def test_auto_tool_choice_needs_the_flag_and_parses_free_text_as_content(server,
     assert out.choices[0].message.content and not out.choices[0].message.tool_calls
     none = server.client.chat.completions.create(**args, tool_choice="none")
     assert none.choices[0].message.content == out.choices[0].message.content
+
+
+UNIT = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["celsius", "kelvin"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@needs_engine
+def test_named_and_required_tool_calls_always_parse(server):
+    named = {"type": "function", "function": {"name": "set_unit"}}
+    for temperature in (0, 1):
+        args = dict(model="demo", messages=MESSAGES, tools=[UNIT, TIME], max_tokens=100, temperature=temperature)
+        out = server.client.chat.completions.create(**args, tool_choice=named)
+        (call,) = out.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments)["unit"] in ("celsius", "kelvin")
+        assert out.choices[0].finish_reason == "stop"
+        out = server.client.chat.completions.create(**args, tool_choice="required", parallel_tool_calls=False)
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name in ("set_unit", "get_time") and out.choices[0].finish_reason == "tool_calls"
+        assert isinstance(json.loads(call.function.arguments), dict)
+        chunks = list(
+            server.client.chat.completions.create(
+                **args, tool_choice="required", parallel_tool_calls=False, stream=True
+            )
+        )
+        calls = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
+        assert calls[0].id.startswith("chatcmpl-tool-") and calls[0].function.name in ("set_unit", "get_time")
+        assert isinstance(json.loads("".join(tc.function.arguments or "" for tc in calls)), dict)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 @needs_engine

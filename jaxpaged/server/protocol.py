@@ -9,7 +9,7 @@ truth), whose `ValueError` names the field.
 import json
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpaged.server import fields
@@ -60,9 +60,18 @@ class Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: `include_usage` adds a final chunk with `usage` and no choices."""
+    """`stream_options`: `include_usage` adds a final chunk with `usage` and no choices; vLLM's
+    `continuous_usage_stats` (usage in every chunk) is refused; other keys are a 400."""
 
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_continuous_usage(self):
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats is not supported (include_usage gives a final usage chunk)")
+        return self
 
 
 class _SamplingRequest(Request):

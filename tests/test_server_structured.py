@@ -454,7 +454,10 @@ PARSER_CASES = [
     ),
     (tool_parsers.llama3_json, ' {"name": "f", "arguments": {"q": "a\\"}"}}', None, [("f", {"q": 'a"}'})]),
     (tool_parsers.llama3_json, "The weather is fine.", "The weather is fine.", []),
-    (tool_parsers.llama3_json, '{"name": "f", "parameters": {"cut', '{"name": "f", "parameters": {"cut', []),
+    (tool_parsers.llama3_json, '{"parameters": {"cut', '{"parameters": {"cut', []),  # cut short, no head: text
+    (tool_parsers.llama3_json, '{"parameters": {"q": 1}, "name": "f"}', None, [("f", {"q": 1})]),  # name last
+    (tool_parsers.hermes, "<tool_call>[1]</tool_call>", "<tool_call>[1]</tool_call>", []),  # not an object
+    (tool_parsers.hermes, '<tool_call> "f" </tool_call>ok', '<tool_call> "f" </tool_call>ok', []),
     (
         tool_parsers.required,
         '[{"name": "a", "parameters": {"x": [1, {"y": 2}]}}, {"name": "b", "parameters": {}}]',
@@ -475,6 +478,23 @@ def test_tool_parsers_whole_and_streamed(make, text, content, calls):
         streamed_content, streamed_calls = _streamed(make, text, piece)
         assert streamed_content == (content or "").strip() or streamed_content == (content or "")
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls] == calls
+
+
+def test_arguments_stream_as_they_are_generated():
+    """A call that names its function first: head at once, then the arguments piece by piece, as
+    written (a call cut short keeps what was generated, as vLLM's stream does)."""
+    for make, text in [
+        (tool_parsers.hermes, '<tool_call>{"name": "get_weather", "arguments": {"city":"Paris"}}</tool_call>'),
+        (tool_parsers.llama3_json, '{"name": "get_weather", "parameters": {"city":"Paris"}}'),
+        (tool_parsers.required, '[{"name":"get_weather","parameters":{"city":"Paris"}}]'),
+    ]:
+        stream = make()
+        deltas = [stream.feed(ch) for ch in text]
+        fragments = [d for ds in deltas for d in ds if "tool_calls" in d and "id" not in d["tool_calls"][0]]
+        assert len(fragments) > 5 and stream.calls[0]["function"]["arguments"] == '{"city":"Paris"}'
+        assert not stream.finish()
+    content, calls = tool_parsers.extract(tool_parsers.llama3_json(), '{"name": "f", "parameters": {"cut')
+    assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"cut'}
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():

@@ -10,18 +10,26 @@
 - `named`: the whole reply is the arguments of the one function `tool_choice` names.
 
 Each parser is a small state machine over the growing text (`feed` the new text, then `finish`):
-it emits content as soon as it cannot be part of a tool call, and each tool call once its JSON
-object is complete, as two deltas: the call's `id`, `type` and `name` (arguments `""`), then its
-arguments. Scanning is incremental, so a long reply costs time linear in its length. The whole
-text's result (`extract`) is the same machine run once, so streamed and whole replies agree.
+it emits content as soon as it cannot be part of a tool call, and each tool call as vLLM streams
+it: a first delta with the call's `id`, `type` and `name` (arguments `""`), then fragments of its
+arguments. When a call's object names the function first (`{"name": ..., "arguments": {`, as
+models and the required schema write it), the head goes out as soon as the name is complete and
+the arguments stream as they are generated, as the model wrote them; otherwise the call goes out
+once its object is complete (arguments re-serialised). Scanning is incremental, so a long reply
+costs time linear in its length. The whole text's result (`extract`) is the same machine run
+once, so streamed and whole replies agree.
 """
 
 import json
+import re
 import uuid
 
 TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+# a call object that names its function before its (object or array) arguments
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
+HEAD_WINDOW = 1024  # the head must appear within this many characters of the object's start
 
 
 def tool_call_id() -> str:
@@ -47,10 +55,13 @@ class _JsonEnd:
 
     def __init__(self):
         self.depth, self.in_string, self.escaped, self.scanned = 0, False, False, 0
+        self.end: int | None = None
 
     def feed(self, text: str) -> int | None:
         """Scans `text` (the value so far, starting at its bracket) past what was scanned before;
         returns the index just past the value's end, or None while it is open."""
+        if self.end is not None:
+            return self.end
         for i in range(self.scanned, len(text)):
             ch = text[i]
             if self.in_string:
@@ -67,7 +78,7 @@ class _JsonEnd:
             elif ch in "}]":
                 self.depth -= 1
                 if self.depth == 0:
-                    self.scanned = i + 1
+                    self.scanned = self.end = i + 1
                     return i + 1
         self.scanned = len(text)
         return None
@@ -112,15 +123,56 @@ class ToolCallStream:
             self.content += text
             out.append({"content": text})
 
-    def _emit_call(self, out: list[dict], name: str, arguments: str) -> None:
+    def _emit_head(self, out: list[dict], name: str) -> int | None:
+        """A new call's first delta; its index (None past `max_calls`: the call is dropped)."""
         if self.max_calls is not None and len(self.calls) >= self.max_calls:
-            return  # parallel_tool_calls=false: the first call only
+            return None  # parallel_tool_calls=false: the first call only
         index, call_id = len(self.calls), tool_call_id()
-        self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}})
         head = {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
         out.append({"tool_calls": [head]})
-        if arguments:
-            out.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+        return index
+
+    def _emit_arguments(self, out: list[dict], index: int | None, fragment: str) -> None:
+        if index is not None and fragment:
+            self.calls[index]["function"]["arguments"] += fragment
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+
+    def _emit_call(self, out: list[dict], name: str, arguments: str) -> None:
+        self._emit_arguments(out, self._emit_head(out, name), arguments)
+
+
+class _CallObject:
+    """One tool-call JSON object as it streams (`text` is the object so far, from its `{`)."""
+
+    def __init__(self, args_keys: tuple[str, ...]):
+        self.args_keys, self.end = args_keys, _JsonEnd()
+        self.args: _JsonEnd | None = None  # set once the head has gone out
+        self.args_start = self.sent = 0
+        self.index: int | None = None
+
+    def feed(self, owner: ToolCallStream, text: str, out: list[dict]) -> int | None:
+        """Emits what `text` adds; returns the object's end once it is complete (then it has
+        been emitted as a call, or as content when it is not one)."""
+        end = self.end.feed(text)
+        if self.args is None:
+            head = _HEAD.match(text[:HEAD_WINDOW])
+            if head is not None and (end is not None or len(text) > head.end()):
+                self.index = owner._emit_head(out, json.loads(head.group(1)))
+                self.args, self.args_start = _JsonEnd(), head.end()
+        if self.args is not None:
+            args_text = text[self.args_start :]
+            args_end = self.args.feed(args_text)
+            upto = args_end if args_end is not None else len(args_text)
+            owner._emit_arguments(out, self.index, args_text[self.sent : upto])
+            self.sent = upto
+        elif end is not None:  # no head first: the whole object, parsed
+            call = _call_from(text[:end], self.args_keys)
+            if call is None:
+                owner._emit_content(out, text[:end])
+            else:
+                owner._emit_call(out, *call)
+        return end
 
 
 class NamedStream(ToolCallStream):
@@ -154,7 +206,7 @@ class ObjectSequenceStream(ToolCallStream):
         super().__init__(max_calls)
         self.separators, self.args_keys, self.opening = separators, tuple(args_keys), opening
         self.state = "start" if content_unless_object else "between"
-        self.scan: _JsonEnd | None = None
+        self.call: _CallObject | None = None
 
     def _advance(self, out: list[dict], final: bool) -> None:
         while self.pos < len(self.text):
@@ -175,57 +227,85 @@ class ObjectSequenceStream(ToolCallStream):
                 if ch.isspace() or ch in self.separators:
                     self.pos += 1
                 elif ch == "{":
-                    self.state, self.scan = "object", _JsonEnd()
+                    self.state, self.call = "object", _CallObject(self.args_keys)
                 else:
                     self.state = "content"
             else:  # inside an object
-                end = self.scan.feed(rest)
+                end = self.call.feed(self, rest, out)
                 if end is None:
+                    if final:  # cut short: what has not gone out as a call is content
+                        self.pos += self.call.args_start + self.call.sent if self.call.args else 0
                     return
-                call = _call_from(rest[:end], self.args_keys)
-                if call is None:
-                    self._emit_content(out, rest[:end])
-                else:
-                    self._emit_call(out, *call)
                 self.pos += end
                 self.state = "between"
 
 
 class HermesStream(ToolCallStream):
-    """`<tool_call>{...}</tool_call>` blocks inside free text (the tag's beginning is held back
-    until it is certain; an unclosed block at the end is parsed if it can be)."""
+    """`<tool_call>{...}</tool_call>` blocks inside free text. The tag's beginning is held back
+    until it is certain; a block's object streams as a call (`_CallObject`); a block that does not
+    hold a JSON object is parsed once it closes, or at the end."""
 
     def __init__(self, max_calls=None):
         super().__init__(max_calls)
-        self.inside, self.searched = False, 0
+        self.state, self.searched = "text", 0  # text | pre (after the tag) | object | post | raw
+        self.call: _CallObject | None = None
 
     def _advance(self, out: list[dict], final: bool) -> None:
         while True:
             rest = self.text[self.pos :]
-            if self.inside:
+            if self.state == "text":
+                start = rest.find(HERMES_OPEN)
+                if start < 0:
+                    hold = 0 if final else _partial_suffix(rest, HERMES_OPEN)
+                    self._emit_content(out, rest[: len(rest) - hold])
+                    self.pos += len(rest) - hold
+                    return
+                self._emit_content(out, rest[:start])
+                self.pos += start + len(HERMES_OPEN)
+                self.state = "pre"
+            elif self.state == "pre":
+                stripped = rest.lstrip()
+                if not stripped:
+                    if final:
+                        self._emit_content(out, HERMES_OPEN)
+                    return
+                if stripped[0] == "{":
+                    self.pos += len(rest) - len(stripped)
+                    self.state, self.call = "object", _CallObject(("arguments", "parameters"))
+                else:
+                    self.state, self.searched = "raw", self.pos
+            elif self.state == "object":
+                end = self.call.feed(self, rest, out)
+                if end is None:
+                    if final and self.call.args is not None:
+                        self.pos += self.call.args_start + self.call.sent
+                    elif final:
+                        self._emit_content(out, HERMES_OPEN)
+                    return
+                self.pos += end
+                self.state = "post"
+            elif self.state == "post":
+                stripped = rest.lstrip()
+                if stripped.startswith(HERMES_CLOSE):
+                    self.pos += len(rest) - len(stripped) + len(HERMES_CLOSE)
+                    self.state = "text"
+                elif HERMES_CLOSE.startswith(stripped) and not final:
+                    return  # maybe the closing tag
+                else:
+                    self.state = "text"  # no closing tag: what follows is text
+            else:  # raw: not an object; parsed as a whole once the block closes
                 end = self.text.find(HERMES_CLOSE, max(self.pos, self.searched))
                 if end < 0:
                     self.searched = max(self.pos, len(self.text) - len(HERMES_CLOSE) + 1)
-                    if final:  # an unclosed block at the end: a call if it parses
-                        self._close_call(out, rest, HERMES_OPEN + rest)
+                    if final:
+                        self._close_raw(out, rest, HERMES_OPEN + rest)
                         self.pos = len(self.text)
                     return
                 body = self.text[self.pos : end]
-                self._close_call(out, body, HERMES_OPEN + body + HERMES_CLOSE)
-                self.pos, self.inside = end + len(HERMES_CLOSE), False
-                continue
-            start = rest.find(HERMES_OPEN)
-            if start >= 0:
-                self._emit_content(out, rest[:start])
-                self.pos += start + len(HERMES_OPEN)
-                self.inside, self.searched = True, self.pos
-                continue
-            hold = 0 if final else _partial_suffix(rest, HERMES_OPEN)
-            self._emit_content(out, rest[: len(rest) - hold])
-            self.pos += len(rest) - hold
-            return
+                self._close_raw(out, body, HERMES_OPEN + body + HERMES_CLOSE)
+                self.pos, self.state = end + len(HERMES_CLOSE), "text"
 
-    def _close_call(self, out: list[dict], body: str, raw: str) -> None:
+    def _close_raw(self, out: list[dict], body: str, raw: str) -> None:
         call = _call_from(body.strip(), ("arguments", "parameters"))
         if call is None:
             self._emit_content(out, raw)

@@ -355,6 +355,16 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(server):
     assert error["param"] == "guided_grammar"
 
 
+def test_new_list_fields_are_bounded_before_validation(server):
+    for field, value in [
+        ("allowed_token_ids", list(range(4097))),  # the demo vocabulary has 4096 tokens
+        ("bad_words", ["w"] * 1025),
+        ("tools", [TIME] * 129),
+    ]:
+        error = _post(server, "chat", **{field: value}).json()["error"]
+        assert error["param"] == field and "at most" in error["message"], error
+
+
 def test_stream_options_keys(server):
     error = _post(server, "completions", stream=True, stream_options={"continuous_usage_stats": True}).json()["error"]
     assert "continuous_usage_stats" in error["message"]

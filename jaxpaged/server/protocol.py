@@ -18,6 +18,8 @@ from jaxpaged.server.structured_request import ResponseFormat, StructuredOutputs
 from jaxpaged.server.tools import Tool, ToolChoice
 
 MAX_STOP_STRINGS = 16  # stop strings are matched on every new token; keep the list short
+MAX_BAD_WORDS = 1024  # each is tokenized (twice) when the engine takes the request
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
 MAX_N = 128
 MAX_REQUEST_ID_CHARS = 256  # vLLM's request_id names the response and appears in logs
 _INT32 = 2**31

@@ -95,7 +95,10 @@ class ServingContext:
     def list_limits(self) -> ListLimits:
         """The longest list each body field may hold (known once the engine's config is)."""
         return ListLimits(
-            self.engine.config.max_model_len, self.max_sequences_per_request, self.limits.max_stop_token_ids
+            self.engine.config.max_model_len,
+            self.max_sequences_per_request,
+            self.limits.max_stop_token_ids,
+            self.engine.config.model.vocab_size,
         )
 
     def check_model(self, model: str | None) -> None:
@@ -214,8 +217,12 @@ async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
     """Renders the conversation with the tokenizer's chat template and tokenizes it (off the loop)."""
     conversation = [m.to_template() for m in body.messages]
     # every string the template sees counts (role and name too), before any is rendered
-    ctx.check_text_length(sum(len(v) for m in conversation for v in m.values() if isinstance(v, str)), "messages")
     kwargs = body.template_kwargs()
+    # every string the template may render counts: tools and documents as their JSON
+    extra = len(json.dumps([kwargs.get("tools"), kwargs.get("documents")])) if body.tools or body.documents else 0
+    ctx.check_text_length(
+        sum(len(v) for m in conversation for v in m.values() if isinstance(v, str)) + extra, "messages"
+    )
     special = body.add_special_tokens
 
     def render(tokenizer):

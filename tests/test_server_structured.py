@@ -314,6 +314,13 @@ def test_constraint_is_compiled_off_the_event_loop_and_health_answers_meanwhile(
     assert error["message"].startswith("response_format: structured_outputs.json:")
 
 
+def test_tool_schemas_are_built_off_the_event_loop(server, monkeypatch):
+    threads, real = [], serving.tool_mode
+    monkeypatch.setattr(serving, "tool_mode", lambda *a: (threads.append(threading.current_thread().name), real(*a))[1])
+    response = _post(server, "chat", tools=[TIME], tool_choice="none", max_tokens=1)
+    assert response.status_code == 200 and threads[0].startswith("jaxpaged-tokenizer")
+
+
 def test_structured_outputs_reach_the_engine(server):
     """Without the engine side the engine's refusal is a 400 naming the field; with it, output."""
     body = dict(model="demo", prompt="In the beginning", max_tokens=8, temperature=0)
@@ -581,6 +588,9 @@ def test_template_receives_tools_documents_and_history():
 
         def check_text_length(self, chars, what):
             pass
+
+        async def run_blocking(self, fn, *args):
+            return fn(*args)
 
     history = [
         {"role": "user", "content": "weather?"},

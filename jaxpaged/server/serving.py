@@ -216,10 +216,15 @@ async def completion_prompts(ctx: ServingContext, prompt, add_special_tokens: bo
 async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
     """Renders the conversation with the tokenizer's chat template and tokenizes it (off the loop)."""
     conversation = [m.to_template() for m in body.messages]
+
+    def template_inputs() -> tuple[dict, int]:
+        kwargs = body.template_kwargs()  # the template may render tools and documents: their JSON counts
+        extra = len(json.dumps([kwargs.get("tools"), kwargs.get("documents")])) if body.tools or body.documents else 0
+        return kwargs, extra
+
+    # megabytes of tools or documents are copied and measured off the event loop
+    kwargs, extra = await ctx.run_blocking(template_inputs) if body.tools or body.documents else template_inputs()
     # every string the template sees counts (role and name too), before any is rendered
-    kwargs = body.template_kwargs()
-    # every string the template may render counts: tools and documents as their JSON
-    extra = len(json.dumps([kwargs.get("tools"), kwargs.get("documents")])) if body.tools or body.documents else 0
     ctx.check_text_length(
         sum(len(v) for m in conversation for v in m.values() if isinstance(v, str)) + extra, "messages"
     )
@@ -270,8 +275,14 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
     """`POST /v1/chat/completions`: the conversation through the chat template, one request."""
     ctx.check_model(body.model)
-    tools = tool_mode(body, ctx.tool_call_parser)
-    params = body.sampling_params(ctx.engine.config.model.vocab_size, tools.schema if tools else None)
+    vocab_size = ctx.engine.config.model.vocab_size
+
+    def params_and_tools():
+        tools = tool_mode(body, ctx.tool_call_parser)
+        return body.sampling_params(vocab_size, tools.schema if tools else None), tools
+
+    # tool schemas are copied into the required schema: megabytes of them never on the event loop
+    params, tools = await ctx.run_blocking(params_and_tools) if body.tools else params_and_tools()
     ctx.check_sequences(1, params.n)
     ctx.check_cache_salt(body.cache_salt)
     await ctx.check_structured(params, body.constraint_field)

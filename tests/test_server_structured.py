@@ -131,6 +131,16 @@ REFUSED_VALUES = {
     "prediction": {"type": "content", "content": "x"},
     "web_search_options": {"search_context_size": "low"},
     "verbosity": "low",
+    "truncation_side": "right",
+    "thinking_token_budget": 10,
+    "watermarking": True,
+    "logprob_token_ids": [1],
+    "repetition_detection": {"max_pattern_size": 4},
+    "stream_interval": 4,
+    "return_prompt_text": True,
+    "routed_experts_prompt_start": 1,
+    "ec_transfer_params": {"a": 1},
+    "media_io_kwargs": {"image": {}},
 }
 REFUSED_CASES = [
     (name, endpoint)

@@ -42,6 +42,9 @@ NO_EFFECT: dict[str, tuple[str, str]] = {
     "service_tier": (BOTH, "OpenAI's latency tier; this server has one tier"),
     "prompt_cache_key": (BOTH, "a routing hint for OpenAI's prompt cache; prefix caching here is automatic"),
     "include_reasoning": (CHAT, "vLLM's switch for a reasoning parser's output; there is no reasoning parser here"),
+    "session_id": (BOTH, "vLLM's stable session id for routing; one server routes nothing"),
+    "return_token_offsets": (BOTH, "vLLM's: only its render endpoints use it; generation ignores it there too"),
+    "return_mm_kwargs": (BOTH, "vLLM's: only its render endpoints use it; there is no multimodal input"),
 }
 
 REFUSED: dict[str, tuple[str, Refused]] = {
@@ -56,6 +59,16 @@ REFUSED: dict[str, tuple[str, Refused]] = {
     "return_token_ids": (BOTH, Refused("responses carry text, not token ids")),
     "mm_processor_kwargs": (BOTH, Refused("there is no multimodal input")),
     "prompt_logprobs": (BOTH, Refused("prompt logprobs are not supported yet", lambda v, body: v is None)),
+    "truncation_side": (BOTH, Refused("truncation keeps the last tokens", lambda v, body: v in (None, "left"))),
+    "thinking_token_budget": (BOTH, Refused("there is no reasoning model support")),
+    "watermarking": (BOTH, Refused("there is no watermarking")),
+    "logprob_token_ids": (BOTH, Refused("logprobs are the top ones (top_logprobs / logprobs)")),
+    "repetition_detection": (BOTH, Refused("there is no repetition detection")),
+    "stream_interval": (BOTH, Refused("every step's tokens are streamed", lambda v, body: v in (None, 1))),
+    "return_prompt_text": (BOTH, Refused("responses do not carry the rendered prompt")),
+    "routed_experts_prompt_start": (BOTH, Refused("there are no experts", lambda v, body: v in (None, 0))),
+    "ec_transfer_params": (BOTH, Refused("disaggregated encoding is not supported")),
+    "media_io_kwargs": (BOTH, Refused("there is no multimodal input")),
     "prompt_embeds": (COMPLETIONS, Refused("prompts are text or token ids")),
     # chat's echo is vLLM's (prepend the last message to the reply); completions' echo is its own field
     "echo": (CHAT, Refused("chat's echo (prepend the last message to the reply) is not supported")),

@@ -382,6 +382,13 @@ def test_new_list_fields_are_bounded_before_validation(server):
         assert error["param"] == field and "at most" in error["message"], error
 
 
+def test_request_id_names_the_response(server):
+    out = server.client.completions.create(model="demo", prompt="x", max_tokens=1, extra_body={"request_id": "abc-1"})
+    assert out.id == "cmpl-abc-1"
+    error = _post(server, "chat", request_id="two\nlines").json()["error"]
+    assert error["param"] == "request_id"
+
+
 def test_stream_options_keys(server):
     error = _post(server, "completions", stream=True, stream_options={"continuous_usage_stats": True}).json()["error"]
     assert "continuous_usage_stats" in error["message"]
@@ -696,7 +703,9 @@ UNIT = {
 def test_named_and_required_tool_calls_always_parse(server):
     named = {"type": "function", "function": {"name": "set_unit"}}
     for temperature in (0, 1):
-        args = dict(model="demo", messages=MESSAGES, tools=[UNIT, TIME], max_tokens=100, temperature=temperature)
+        args = dict(
+            model="demo", messages=MESSAGES, tools=[UNIT, TIME], max_tokens=100, temperature=temperature, seed=5
+        )
         out = server.client.chat.completions.create(**args, tool_choice=named)
         (call,) = out.choices[0].message.tool_calls
         assert json.loads(call.function.arguments)["unit"] in ("celsius", "kelvin")

@@ -105,7 +105,8 @@ class _SamplingRequest(Request):
     truncate_prompt_tokens: int | None = None
     bad_words: _list(str) | None = None
     allowed_token_ids: _list(int) | None = None
-    request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID_CHARS)] | None = None
+    # printable ASCII without spaces: it names the response and appears in logs (no forged log lines)
+    request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[!-~]+$")] | None = None
     # structured outputs (structured_request.py)
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict | str | None = None

@@ -52,7 +52,8 @@ class NamedToolChoice(BaseModel):
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
-EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# a function without `parameters` takes none: `{}` (vLLM allows any object; that lets sampling run on to max_tokens)
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclasses.dataclass(frozen=True)

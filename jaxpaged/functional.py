@@ -18,7 +18,8 @@ tokens this way.
 Dimension letters: T tokens (padded), S sequences (padded), P block-table width, B banned ids,
 R penalty-table rows (slots), V vocabulary, L logprobs per token, LB logit-bias entries per row,
 W = 2 + 2L packed prompt-logprob columns; SR sampling rows (S times the
-rows per sequence: 1, or 1 + proposals with speculative decoding).
+rows per sequence: 1, or 1 + proposals with speculative decoding); MW = ceil(V / 32) words of a
+packed token mask.
 
 Example (see examples/step_function.py for a full loop)::
 
@@ -125,6 +126,9 @@ class SamplerInput:
       proposals: `[S, R - 1]` the proposed tokens each sequence checks (None: R = 1).
       num_drafts: `[S]` how many of them are real (None: R = 1).
       logit_bias_ids, logit_bias_values: `[SR, LB]` as in `StepInput` (None: no bias).
+      token_mask: `[SR, MW]` packed bits of the tokens each row may sample (MW = ceil(V / 32);
+        constrained rows: structured outputs, allowed_token_ids, bad_words), with the
+        sampler's `mask` option; None without.
     """
 
     sampling: SamplingTensors
@@ -134,6 +138,7 @@ class SamplerInput:
     num_drafts: Int[Array, " S"] | None = None
     logit_bias_ids: Int[Array, "SR LB"] | None = None
     logit_bias_values: Float[Array, "SR LB"] | None = None
+    token_mask: Int[Array, "SR MW"] | None = None
 
 
 def init_cache(
@@ -315,7 +320,9 @@ def sample_tokens(
       `last_tokens` with each sampling sequence's newest token (donate it), and the samples.
     """
     bias = None if inp.logit_bias_ids is None else (inp.logit_bias_ids, inp.logit_bias_values)
-    result = sample(logits, inp.sampling, prompt_mask, output_counts, inp.banned_ids, options, logit_bias=bias)
+    result = sample(
+        logits, inp.sampling, prompt_mask, output_counts, inp.banned_ids, options, inp.token_mask, logit_bias=bias
+    )
     num_seqs = inp.last_slot.shape[0]
     rows_per_seq = logits.shape[0] // num_seqs
     newest = result.token_ids.reshape(num_seqs, rows_per_seq)[:, 0]

@@ -80,6 +80,7 @@ def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
             "--max-num-batched-tokens 4: must be at least --max-num-seqs (8)",
         ),
         (["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80"], "'80' has no unit; write e.g. 80GiB"),
+        (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     ],
 )
 def test_bad_input_is_named_by_its_flag_before_jax_loads(argv, message):
@@ -190,6 +191,10 @@ def test_a_mistyped_flag_is_answered_with_the_closest_one(capsys, argv, message)
                 tensor_parallel_size=4,
                 enable_log_requests=True,
             ),
+        ),
+        (
+            ["serve", "/m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"],
+            dict(enable_auto_tool_choice=True, tool_call_parser="llama3_json"),
         ),
         (["generate", "-tp", "2", "--enforce-eager", "hi"], dict(tensor_parallel_size=2, enforce_eager=True)),
         (

@@ -6,7 +6,8 @@ Each engine step:
      and the free blocks the decodes left: see `jaxpaged.core.speculation`), then prefill
      chunks of running sequences that are still prefilling (including ones resumed after
      preemption; a chunk shrinks to the free blocks before anything is preempted), then waiting
-     sequences in FCFS order; all under `max_num_seqs` running sequences and
+     sequences in FCFS order (one whose grammar is still compiling is passed over, like vLLM's
+     WAITING_FOR_FSM; its `constraint` is not `ready`); all under `max_num_seqs` running sequences and
      `max_num_batched_tokens` tokens per step. Blocks come from the `BlockManager`; when a
      running sequence cannot get one, the most recently admitted running sequence not yet
      scheduled this step is preempted: by recompute, its blocks are freed (they stay in the
@@ -26,7 +27,9 @@ Each engine step:
   3. `postprocess(output, sampled_token_ids)` appends the sampled token of every entry whose
      step reached its last token (or the accepted proposals and the token after them, or a
      fused window's tokens), checks token-id stop rules and frees finished sequences. String
-     stops are the detokenizer's: the engine calls `finish_sequence`.
+     stops are the detokenizer's: the engine calls `finish_sequence`. A constrained sequence's
+     `constraint` advances with every token appended; its grammar completing finishes it
+     ("stop"). Constrained sequences never fuse decode steps nor get proposals.
 Every `schedule` is followed by its `postprocess`, at most one other `schedule` in between.
 """
 
@@ -41,7 +44,13 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier, KVTransfers
 from jaxpaged.core.sequence import Sequence, SequenceStatus
-from jaxpaged.core.speculation import NGRAM_LOOKBACK, DraftModelProposer, NgramProposer, speculation_allowed
+from jaxpaged.core.speculation import (
+    NGRAM_LOOKBACK,
+    DraftModelProposer,
+    NgramProposer,
+    is_constrained,
+    speculation_allowed,
+)
 from jaxpaged.core.step_inputs import ScheduledSequence
 
 # What a preempted sequence loses: recompute frees its blocks, swap copies them to the host tier.
@@ -180,6 +189,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._released: list[int] = []  # seq_ids finished or preempted since the last schedule
+        self.failed: list[Sequence] = []  # aborted because their grammar failed to compile
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -242,6 +252,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
         seq.status, seq.stop_reason, seq.finish_time = status, stop_reason, time.time()
+        seq.constraint = None  # its matcher is released
         self._released.append(seq.seq_id)
 
     def stop_on_string(self, seq: Sequence, num_output_tokens: int, stop: str) -> None:
@@ -256,6 +267,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def needs_last_tokens(self) -> bool:
+        """Whether a running sequence's next token mask depends on the token it sampled last (a
+        grammar): the engine reads each step's results before scheduling the next."""
+        return any(seq.constraint is not None and seq.constraint.needs_last_token for seq in self.running)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -296,9 +312,13 @@ class Scheduler:
         # 3. Waiting sequences, FCFS; the queue's head blocks the rest (also while it waits for
         # a pending token: it was preempted with a step in flight).
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
-            seq = self.waiting[0]
-            if seq.num_pending_tokens:
+            seq = next((s for s in self.waiting if s.constraint is None or s.constraint.ready), None)
+            if seq is None or seq.num_pending_tokens:
                 break
+            if seq.constraint is not None and seq.constraint.error is not None:
+                self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
+                self.failed.append(seq)
+                continue
             parent = self._fork_parent(seq)
             if parent is None:
                 bm.promote_from_disk(seq)
@@ -306,7 +326,7 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             if not bm.can_allocate(seq, n, parent):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             bm.allocate(seq, parent)
             bm.may_append(seq, n)
             seq.status = SequenceStatus.RUNNING
@@ -375,6 +395,7 @@ class Scheduler:
             admitted=admitted,
             prefix_token_ids=prefix,
             prompt_targets=targets,
+            constraint=seq.constraint,
         )
 
     def _live_steps(self, seq: Sequence, num_steps: int) -> int:
@@ -514,6 +535,8 @@ class Scheduler:
             for token in tokens:
                 seq.output_token_ids.append(int(token))
                 count += 1
+                if seq.constraint is not None:
+                    seq.constraint.accept(int(token))
                 stop = self._check_stop(seq)
                 if stop is not None:
                     self.finish_sequence(seq, *stop)
@@ -570,6 +593,8 @@ class Scheduler:
                 return SequenceStatus.FINISHED_STOPPED, None
             if token in sp.stop_token_id_set:
                 return SequenceStatus.FINISHED_STOPPED, token
+        if seq.constraint is not None and seq.constraint.is_stopped:  # the grammar is complete
+            return SequenceStatus.FINISHED_STOPPED, None
         if seq.num_tokens >= self.config.max_model_len or (
             sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens
         ):
@@ -583,5 +608,5 @@ def _has_penalties(sp) -> bool:
 
 def fusable(sp) -> bool:
     """Whether a sequence's sampling runs in fused decode steps, which sample without top-k /
-    top-p filtering and top logprobs (see `jaxpaged.model.sampler.SamplerOptions`)."""
-    return not sp.logprobs and sp.top_k <= 0 and sp.top_p >= 1
+    top-p filtering, top logprobs and token masks (see `jaxpaged.model.sampler.SamplerOptions`)."""
+    return not sp.logprobs and sp.top_k <= 0 and sp.top_p >= 1 and not is_constrained(sp)

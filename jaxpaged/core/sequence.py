@@ -74,6 +74,9 @@ class Sequence:
       prompt_logprobs: the request's prompt logprobs as steps compute them (its first sequence
         only, with `prompt_logprobs` set; else None); handed out once, with its first token.
       prompt_logprobs_sent: they were handed out (the sequence no longer needs them computed).
+      constraint: what it may sample next (a `jaxpaged.structured.SequenceConstraint`: its
+        grammar's matcher, allowed_token_ids, bad_words), advanced with each output token;
+        None: unconstrained, or finished (released).
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class Sequence:
         k = self.sampling_params.prompt_logprobs
         self.prompt_logprobs = None if k is None or index else PromptLogprobs.empty(len(self.prompt_token_ids), k)
         self.prompt_logprobs_sent = False
+        self.constraint = None
 
     def __repr__(self) -> str:
         return (

@@ -41,12 +41,20 @@ SPEC_DECODE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens"
 SPEC_DECODE_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 
 
+def is_constrained(params: SamplingParams) -> bool:
+    """Whether a request's tokens are masked (structured outputs, allowed_token_ids, bad_words)."""
+    return params.structured_outputs is not None or params.allowed_token_ids is not None or bool(params.bad_words)
+
+
 def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a sequence may be given proposals now: not with penalties (they would have to see
     each proposal as generated before sampling the next position), nor before `min_tokens` (its
-    banned tokens change within the window), nor when the request opted out."""
+    banned tokens change within the window), nor with a token mask (a grammar's mask after a
+    proposal needs the proposal accepted first: constrained rows decode one token per step), nor
+    when the request opted out."""
     return (
         params.speculate
+        and not is_constrained(params)
         and params.presence_penalty == 0
         and params.frequency_penalty == 0
         and params.repetition_penalty == 1

@@ -33,6 +33,8 @@ class ScheduledSequence:
       prompt_targets: with prompt logprobs still to compute, the prompt token after each of
         its computed prompt tokens (one fewer than `token_ids` when the chunk ends the prompt);
         None: none wanted.
+      constraint: what it may sample (structured outputs, allowed_token_ids, bad_words; a
+        `jaxpaged.structured.SequenceConstraint` up to date with its outputs), or None.
     """
 
     token_ids: list[int]
@@ -48,3 +50,4 @@ class ScheduledSequence:
     admitted: bool = False
     prefix_token_ids: list[int] | None = None
     prompt_targets: list[int] | None = None
+    constraint: object | None = None

@@ -2,7 +2,11 @@
 
 How a request flows:
   1. `add_request` tokenizes the prompt, validates its `SamplingParams`, resolves its seed
-     and queues `n` `Sequence`s with the `Scheduler` (which rejects what can never fit).
+     and queues `n` `Sequence`s with the `Scheduler` (which rejects what can never fit). A
+     constrained request (structured outputs, allowed_token_ids, bad_words) has its grammar
+     checked here (a ValueError naming the field) and compiled on the `GrammarBackend`'s
+     threads; each sequence gets its own `SequenceConstraint` (its matcher), and is not
+     scheduled before its grammar is compiled.
   2. `step()` is schedule -> execute -> postprocess -> outputs. The scheduler picks this
      step's batch: one decode token per running sequence, then prefill chunks, under
      `max_num_seqs` and `max_num_batched_tokens`; blocks come from the `BlockManager`
@@ -20,7 +24,10 @@ How a request flows:
      their blocks back (and, at the next step, their runner slots). Without async scheduling (and
      in steps that speculate, whose proposals follow the newest tokens) each step's results
      are read before the next is scheduled; with a draft model, reading a speculating step's
-     results has the draft propose for the next step.
+     results has the draft propose for the next step. While a running sequence has a grammar,
+     each step is read before the next is scheduled too (its next mask needs the token), and
+     the step's packed token mask is filled from the matchers (`fill_bitmask`) and applied by
+     the sampler on the device.
   5. `step()` returns a `RequestOutput` for every request that changed.
 """
 
@@ -38,7 +45,13 @@ from transformers import AutoTokenizer
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.core.seq_delta import SeqDelta, seq_delta
 from jaxpaged.core.sequence import Sequence
-from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, SpeculationGovernor, make_proposer
+from jaxpaged.core.speculation import (
+    SPEC_DECODE_COUNTERS,
+    SPEC_DECODE_PER_POSITION,
+    SpeculationGovernor,
+    is_constrained,
+    make_proposer,
+)
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
@@ -46,20 +59,12 @@ from jaxpaged.engine_config import EngineConfig
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import FLOAT32_MAX, SamplingParams, check_text
+from jaxpaged.structured import GrammarBackend, SequenceConstraint, bad_words_token_ids, check
 from jaxpaged.worker.input_batch import banned_ids
 from jaxpaged.worker.model_runner import StepHandle
 from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS
 
 logger = logging.getLogger("jaxpaged")
-
-
-# SamplingParams fields declared (vLLM's names) but not yet carried out: refused, never ignored.
-NOT_YET_IMPLEMENTED = (
-    "structured_outputs",
-    "allowed_token_ids",
-    "bad_words",
-    "truncate_prompt_tokens",
-)
 
 
 class LLMEngine:
@@ -101,6 +106,8 @@ class LLMEngine:
         self._aborted: list[Sequence] = []  # aborted since the last step (their deltas go out next)
         self.num_generation_tokens = 0  # tokens handed out in deltas
         self.output_processor = OutputProcessor(self.tokenizer, self.stop_on_string, self.abort_request)
+        # Structured outputs: grammars compiled on their own threads, cached by grammar text.
+        self.grammars = None if self.tokenizer is None else GrammarBackend(self.tokenizer, config.model.vocab_size, eos)
         # Steps overlap (one in flight while the next is scheduled); a step that speculates waits
         # for the previous one (proposals follow the newest tokens) and is read at its end (a
         # draft model proposes for the next step from its tokens).
@@ -118,6 +125,8 @@ class LLMEngine:
         finishes the disk tier's writes. The engine runs no more steps afterwards."""
         if self.disk_tier is not None:
             self.disk_tier.close()
+        if self.grammars is not None:
+            self.grammars.close()
         channel, self.runner.channel = self.runner.channel, None
         if channel is not None:
             channel.send(STOP, (), np.zeros(0, np.int32))
@@ -160,7 +169,9 @@ class LLMEngine:
           cache_salt: isolates this request's prefix-cache entries.
 
         Returns:
-          `(prompt text or None, prompt token ids, params with max_tokens and seed resolved)`.
+          `(prompt text or None, prompt token ids, params with max_tokens and seed resolved)`; with
+          `params.truncate_prompt_tokens` the ids are the prompt's last k (and the text None when
+          that dropped any).
 
         Raises:
           ValueError: duplicate id, a bad prompt, or a request that can never fit.
@@ -182,14 +193,17 @@ class LLMEngine:
                 f"with min_tokens > 0, at most {MAX_BANNED} stop_token_ids plus EOS ids are supported; "
                 f"got {len(params.stop_token_ids)} stop_token_ids"
             )
-        unimplemented = [name for name in NOT_YET_IMPLEMENTED if getattr(params, name) is not None]
-        if unimplemented:
-            raise ValueError(f"SamplingParams.{unimplemented[0]} is not supported yet")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the engine runs with skip_tokenizer_init=True")
         if cache_salt is not None:
             check_text("cache_salt", cache_salt)
+        make_constraint = self._constraint_factory(params)
         text, token_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # keep the last k tokens (-1: max_model_len)
+            keep = params.truncate_prompt_tokens
+            keep = self.config.max_model_len if keep == -1 else keep
+            if len(token_ids) > keep:
+                text, token_ids = None, token_ids[-keep:]  # the text no longer matches the tokens
         vocab_size = self.config.model.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -204,6 +218,7 @@ class LLMEngine:
             for i in range(params.n)
         ]
         for i, seq in enumerate(seqs):
+            seq.constraint = make_constraint()  # each sequence its own matcher
             try:
                 self.scheduler.add(seq)
             except ValueError:
@@ -227,6 +242,32 @@ class LLMEngine:
             )
         if not all(abs(v) <= FLOAT32_MAX for v in logit_bias.values()):  # also refuses NaN
             raise ValueError("SamplingParams.logit_bias values must be finite numbers")
+
+    def _constraint_factory(self, params: SamplingParams) -> Callable[[], SequenceConstraint | None]:
+        """Validates a request's token constraints (its grammar checked cheaply, its compilation
+        started off this thread); returns what makes each of its sequences' `constraint`.
+
+        Raises:
+          ValueError: naming the field (`structured_outputs.<kind>: ...`, `allowed_token_ids`,
+            `bad_words`).
+        """
+        if not is_constrained(params):
+            return lambda: None
+        vocab_size = self.config.model.vocab_size
+        if (params.structured_outputs is not None or params.bad_words) and self.grammars is None:
+            field = "structured_outputs" if params.structured_outputs is not None else "bad_words"
+            raise ValueError(f"{field} needs a tokenizer; the engine runs with skip_tokenizer_init=True")
+        grammar = None
+        if params.structured_outputs is not None:
+            check(params.structured_outputs)
+            grammar = self.grammars.compile(params.structured_outputs)
+        allowed = params.allowed_token_ids
+        if allowed is not None and max(allowed) >= vocab_size:
+            bad = [t for t in allowed if t >= vocab_size]
+            raise ValueError(f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else None
+        valid_ids = None if self.grammars is None else self.grammars.valid_ids
+        return lambda: SequenceConstraint(vocab_size, grammar, valid_ids, allowed, bad_words)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -293,9 +334,15 @@ class LLMEngine:
             emit(self._deltas([(seq, 0, None) for seq in aborted]))
         start, tokens, running = time.perf_counter(), self.num_generation_tokens, self.scheduler.num_running
         propose = self.governor is not None and self.governor.speculate(running)
-        if propose and self._in_flight is not None:  # proposals follow the newest tokens
+        # Proposals and grammars' masks follow the newest tokens: no overlap for those steps.
+        if (propose or self.scheduler.needs_last_tokens()) and self._in_flight is not None:
             emit(self._postprocess(self._take_in_flight()))
         output = self.scheduler.schedule(propose=propose)
+        if self.scheduler.failed:  # their grammar did not compile: finished "abort"
+            for seq in self.scheduler.failed:
+                logger.error("request %s: its grammar failed to compile", seq.request_id)
+            self._aborted += self.scheduler.failed
+            self.scheduler.failed = []
         handle = self.runner.execute(output)
         self._queue_disk_writes(output)
         previous, self._in_flight = self._in_flight, handle

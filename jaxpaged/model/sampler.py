@@ -1,7 +1,8 @@
 """Token sampling on device: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
 
 Dimension letters: S sequences (padded), V vocabulary, R slots of the penalty tables,
-T tokens in the step, L = MAX_LOGPROBS, LB logit-bias entries per row.
+T tokens in the step, L = MAX_LOGPROBS, LB logit-bias entries per row, W = ceil(V / 32) words of a
+packed token mask.
 
 Every sequence carries its own seed; its key for a token is `fold_in(fold_in(key(seed),
 index), position)`, so a seeded request yields the same tokens whatever shares its batch.
@@ -14,7 +15,9 @@ the host and waiting for the stream, a host sync inside the step. What every bat
 (temperature, min-p, penalties, banned ids, logit bias) is computed branch-free (neutral parameters leave the
 logits exactly as they are); the two expensive paths, sorting for top-k / top-p and the top-L
 logprobs search, are static `SamplerOptions` that the runner picks per step from its requests
-(one compiled sampler per option set and row bucket: `ENGINE_SAMPLER_OPTIONS`).
+(one compiled sampler per option set and row bucket: `ENGINE_SAMPLER_OPTIONS`). So is the token
+mask (structured outputs, `allowed_token_ids`, `bad_words`): packed bits `[S, W]` computed on
+the host, applied before everything else; a step without a constrained row carries none.
 """
 
 import dataclasses
@@ -33,10 +36,13 @@ class SamplerOptions(typing.NamedTuple):
     Attributes:
       filter: top-k / top-p filtering (a sort over the vocabulary); off when no row filters.
       logprobs: the top-L alternatives and the sampled token's rank; off when no row asks.
+      mask: a packed token mask `[S, W]` (bit `i % 32` of word `i // 32` allows token i); off
+        when no row is constrained.
     """
 
     filter: bool = False
     logprobs: bool = False
+    mask: bool = False
 
     def describe(self) -> str:
         return "+".join(name for name, on in zip(self._fields, self) if on) or "plain"
@@ -45,7 +51,10 @@ class SamplerOptions(typing.NamedTuple):
 # The option sets an engine compiles: plain, and both paths at once (a batch that needs either
 # takes both: two samplers to compile per row count instead of four, at the cost of a top-L
 # search when only filtering was needed, or a sort when only logprobs were).
-ENGINE_SAMPLER_OPTIONS = (SamplerOptions(), SamplerOptions(filter=True, logprobs=True))
+# Each with and without a token mask (constrained rows): four samplers per row count.
+ENGINE_SAMPLER_OPTIONS = tuple(
+    SamplerOptions(filter=full, logprobs=full, mask=mask) for mask in (False, True) for full in (False, True)
+)
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
@@ -186,6 +195,7 @@ def sample(
     output_counts: Int[Array, "R V"],
     banned_ids: Int[Array, "S B"],
     options: SamplerOptions = SamplerOptions(),
+    token_mask: Int[Array, "S W"] | None = None,
     logit_bias: tuple[Int[Array, "S LB"], Float[Array, "S LB"]] | None = None,
 ) -> SampleResult:
     """Samples one token per row of float32 logits, with no branch on a device value.
@@ -196,7 +206,10 @@ def sample(
       prompt_mask, output_counts: the penalty tables (already holding this step's inputs).
       banned_ids: token ids each row may not sample while `position < ban_until` (padding: V).
       options: the static paths: top-k / top-p filtering (rows with top_k 0 and top_p 1 are
-        left as they are by it), the top-L logprobs. Static: pass it as a jit static argument.
+        left as they are by it), the top-L logprobs, the token mask. Static: pass it as a jit
+        static argument.
+      token_mask: with `options.mask`, the tokens each row may sample, packed (all ones:
+        unconstrained). Sampling renormalises over them; reported logprobs stay the raw ones.
       logit_bias: `(ids, values)` added to each row's logits before penalties and sampling
         (OpenAI's `logit_bias`; padding ids V are dropped); the reported logprobs stay raw.
     """
@@ -204,6 +217,8 @@ def sample(
     if logit_bias is not None:
         bias_ids, bias_values = logit_bias
         logits = logits.at[jnp.arange(logits.shape[0])[:, None], bias_ids].add(bias_values, mode="drop")
+    if options.mask:
+        logits = apply_token_mask(logits, token_mask)
     banned = jnp.where((params.position < params.ban_until)[:, None], banned_ids, logits.shape[-1])
     logits = logits.at[jnp.arange(logits.shape[0])[:, None], banned].set(-jnp.inf, mode="drop")
     logits = _apply_penalties(logits, params, prompt_mask, output_counts)  # neutral rows: unchanged
@@ -220,6 +235,14 @@ def sample(
         top_logprobs, top_ids = jnp.zeros((rows, 0), raw_logprobs.dtype), jnp.zeros((rows, 0), jnp.int32)
         ranks = jnp.zeros((rows,), jnp.int32)
     return SampleResult(token_ids=token_ids, logprobs=chosen, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def apply_token_mask(logits: Float[Array, "S V"], token_mask: Int[Array, "S W"]) -> Float[Array, "S V"]:
+    """Sets the logits of tokens whose bit is clear to -inf (bits past V are ignored)."""
+    vocab = logits.shape[-1]
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(token_mask.shape[0], -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def pack_result(result: SampleResult) -> Int[Array, " N"]:

@@ -2,7 +2,11 @@
 
 - `async_engine.AsyncEngine`: the `LLMEngine` on its own thread or in a child process, for asyncio
   callers.
-- `protocol`: OpenAI request models, their `SamplingParams`, OpenAI's error shape.
+- `protocol`: OpenAI request models and their `SamplingParams` (`chat_messages`: chat
+  messages; `errors`: OpenAI's error shape).
+- `fields`: the fields accepted with no effect or refused (the README's table); others are 400.
+- `structured_request`: `response_format`, `structured_outputs`, `guided_*` -> one constraint.
+- `tools`, `tool_parsers`: `tools` / `tool_choice` in, `tool_calls` out (whole and streamed).
 - `serving`: the completions and chat-completions handlers (JSON and SSE).
 - `app.build_app`: the FastAPI app (routes, API key, body limit, error handlers).
 - `metrics.ServerMetrics`: Prometheus metrics with vLLM's names.

@@ -60,6 +60,7 @@ def build_app(
     max_sequences_per_request: int = 1024,
     tokenizer_pool_size: int = 2,
     limits: ServerLimits | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over an `AsyncEngine` (which may still be starting).
 
@@ -71,11 +72,19 @@ def build_app(
       max_sequences_per_request: prompts x n above this get 400.
       tokenizer_pool_size: threads that tokenize and detokenize off the event loop.
       limits: the body, request and stream limits (`ServerLimits()`'s defaults when None).
+      tool_call_parser: the parser of `tool_choice: "auto"` replies (`tool_parsers.TOOL_PARSERS`);
+        None refuses "auto" (vLLM's `--enable-auto-tool-choice` not given).
     """
     limits = limits or ServerLimits()
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     ctx = ServingContext(
-        async_engine, served_model_name, log_prompts, max_sequences_per_request, tokenizer_pool_size, limits
+        async_engine,
+        served_model_name,
+        log_prompts,
+        max_sequences_per_request,
+        tokenizer_pool_size,
+        limits,
+        tool_call_parser,
     )
     metrics = ServerMetrics(async_engine, served_model_name)
     created = int(time.time())

@@ -19,6 +19,7 @@ from jaxpaged.engine_args import compatibility_notes
 from jaxpaged.entrypoints import cli_flags
 from jaxpaged.entrypoints.cli_flags import PORT
 from jaxpaged.server.limits import RESERVED_FILES, add_limit_flags, limits_from
+from jaxpaged.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -90,7 +91,21 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         metavar="N",
-        help="threads that tokenize and detokenize off the event loop",
+        help="threads that tokenize and detokenize (and compile structured-output grammars) off the event loop",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='vLLM\'s: chat requests may send tool_choice "auto" (the default when they send tools): the '
+        'model\'s own tool-call format is parsed by --tool-call-parser. Without it "auto" gets 400; '
+        '"none", "required" and a named function work either way',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="vLLM's: the model's tool-call format, for --enable-auto-tool-choice: llama3_json (Llama 3.1/3.2 "
+        'JSON tool calls, {"name": ..., "parameters": ...}), hermes (<tool_call>{...}</tool_call>: Hermes, Qwen)',
     )
     add_limit_flags(parser)
 
@@ -129,6 +144,10 @@ def serve(args: argparse.Namespace) -> int:
     ):
         if value < minimum:
             raise ValueError(f"{flag} {value}: must be at least {minimum}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(
+            f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})"
+        )
     limits = limits_from(args)
     _make_room_for_connections(limits.max_connections + RESERVED_FILES)
     model = args.model_tag or args.model
@@ -191,6 +210,7 @@ def serve(args: argparse.Namespace) -> int:
         max_sequences_per_request=args.max_sequences_per_request,
         tokenizer_pool_size=args.tokenizer_pool_size,
         limits=limits,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     from jaxpaged.server.http_protocol import guarded_h11_protocol
 

@@ -1,63 +1,34 @@
 """OpenAI request models (plus vLLM's extra sampling fields), their `SamplingParams`, and errors.
 
-Unknown fields are ignored, as OpenAI's server does. Field types are checked by pydantic;
-values by `SamplingParams` (one source of truth), whose `ValueError` names the field.
+Every field a model here declares is honoured; OpenAI's and vLLM's other fields are accepted
+with no effect or refused by `fields.screen` (the README's table), and an unknown field is a 400
+naming it. Field types are checked by pydantic; values by `SamplingParams` (one source of
+truth), whose `ValueError` names the field.
 """
 
-import re
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.server import fields
+from jaxpaged.server.chat_messages import ChatMessage
+from jaxpaged.server.errors import APIError, api_error_from, echo, error_body  # noqa: F401 (re-exported)
+from jaxpaged.server.structured_request import ResponseFormat, StructuredOutputsRequest, structured_outputs_of
+from jaxpaged.server.tools import Tool, ToolChoice
 from jaxpaged.worker.step_packer import MAX_LOGIT_BIAS
 
 MAX_STOP_STRINGS = 16  # stop strings are matched on every new token; keep the list short
+MAX_BAD_WORDS = 1024  # each is tokenized (twice) when the engine takes the request
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
 MAX_N = 128
-MAX_ECHO_CHARS = 64  # error messages quote at most this much of a client's input
+MAX_REQUEST_ID_CHARS = 256  # vLLM's request_id names the response and appears in logs
 _INT32 = 2**31
-
-
-def echo(text: str) -> str:
-    """A bounded prefix of client input for an error message."""
-    return text if len(text) <= MAX_ECHO_CHARS else f"{text[:MAX_ECHO_CHARS]}... ({len(text)} characters)"
 
 
 def _list(item: Any) -> Any:
     """A list field whose validation stops at its first bad element: one error, not one per element."""
     return Annotated[list[item], Field(fail_fast=True)]
-
-
-class APIError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def api_error_from(err: ValueError) -> APIError:
-    """A 400 from a `SamplingParams` / engine `ValueError`, with `param` when the message names it."""
-    match = re.search(r"SamplingParams\.(\w+)", str(err))
-    return APIError(str(err).replace("SamplingParams.", ""), param=match.group(1) if match else None)
 
 
 def _invalid_text(data: Any) -> str | None:
@@ -92,9 +63,18 @@ class Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: `include_usage` adds a final chunk with `usage` and no choices."""
+    """`stream_options`: `include_usage` adds a final chunk with `usage` and no choices; vLLM's
+    `continuous_usage_stats` (usage in every chunk) is refused; other keys are a 400."""
 
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_continuous_usage(self):
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats is not supported (include_usage gives a final usage chunk)")
+        return self
 
 
 class _SamplingRequest(Request):
@@ -111,7 +91,7 @@ class _SamplingRequest(Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None  # token id (a string in JSON) -> bias in [-100, 100]
-    user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -123,11 +103,44 @@ class _SamplingRequest(Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    bad_words: _list(str) | None = None
+    allowed_token_ids: _list(int) | None = None
+    # printable ASCII without spaces: it names the response and appears in logs (no forged log lines)
+    request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[!-~]+$")] | None = None
+    # structured outputs (structured_request.py)
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: _list(str) | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+
+    endpoint: ClassVar[str] = fields.BOTH
+    _constraint_field: str | None = PrivateAttr(default=None)
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field whose constraint `sampling_params` put in `structured_outputs` (for errors)."""
+        return self._constraint_field
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen_fields(cls, data: Any) -> Any:
+        """No-effect and neutral refused fields dropped; others and unknown fields a 400 naming them."""
+        return fields.screen(data, cls.model_fields, cls.endpoint) if isinstance(data, dict) else data
 
     def to_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, vocab_size: int, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        vocab_size: int,
+        structured: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """The request's `SamplingParams`.
+        """The request's `SamplingParams` (`structured`: the output constraint, see
+        `structured_request.structured_outputs_of`; `prompt_logprobs`: per prompt token).
 
         Raises:
           APIError: a value out of range (400, naming the field) or an unsupported option.
@@ -170,6 +183,10 @@ class _SamplingRequest(Request):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=logit_bias,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
         )
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in ("max_tokens",)})
@@ -219,6 +236,9 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: `prompt_logprobs` in each choice
+    add_special_tokens: bool = True
+
+    endpoint: ClassVar[str] = fields.COMPLETIONS
 
     @property
     def echo_only(self) -> bool:
@@ -230,37 +250,15 @@ class CompletionRequest(_SamplingRequest):
         `logprobs` the prompt's logprobs are computed too (`prompt_logprobs`, as vLLM does); with
         `echo` and max_tokens 0 one token is generated and dropped."""
         if self.suffix:
-            raise APIError("suffix is not supported", param="suffix")
+            raise APIError("suffix is not supported: there is no fill-in-the-middle", param="suffix")
         if self.stream and self.prompt_logprobs is not None:
             raise APIError("prompt_logprobs are not available when stream=true", param="prompt_logprobs")
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
         max_tokens = 1 if self.echo_only else self.max_tokens
-        return self.to_sampling_params(max_tokens, self.logprobs, vocab_size, prompt_logprobs)
-
-
-class ContentPart(BaseModel):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str | _list(ContentPart) | None = None
-    name: str | None = None
-
-    def to_template(self) -> dict:
-        """The message as the chat template wants it (text parts joined by newlines)."""
-        content = self.content
-        if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise APIError("only text content parts are supported", param="messages")
-            content = "\n".join(part.text or "" for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name:
-            message["name"] = self.name
-        return message
+        structured, self._constraint_field = structured_outputs_of(self)
+        return self.to_sampling_params(max_tokens, self.logprobs, vocab_size, structured, prompt_logprobs)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -272,15 +270,61 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: _list(dict[str, str]) | None = None
+    structural_tag: str | None = None  # vLLM's older top-level form of structured_outputs.structural_tag
+    tools: _list(Tool) | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def sampling_params(self, vocab_size: int) -> SamplingParams:
+    endpoint: ClassVar[str] = fields.CHAT
+
+    def sampling_params(self, vocab_size: int, tool_schema: dict | None = None) -> SamplingParams:
         """`SamplingParams`: max_completion_tokens (or max_tokens, or up to max_model_len);
-        logprobs=true returns the sampled token's logprob plus `top_logprobs` alternatives."""
+        logprobs=true returns the sampled token's logprob plus `top_logprobs` alternatives;
+        `tool_schema`: the schema `tool_choice` constrains the output to (`tools.tool_mode`)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in self.model_fields_set
+        ):
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
+            )
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.to_sampling_params(max_tokens, logprobs, vocab_size)
+        structured, self._constraint_field = structured_outputs_of(self, tool_schema)
+        return self.to_sampling_params(max_tokens, logprobs, vocab_size, structured)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What `apply_chat_template` receives beside the conversation (tools, documents, the
+        client's `chat_template_kwargs`, which may not replace these)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & TEMPLATE_RESERVED)
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}", param="chat_template_kwargs"
+            )
+        continuing = self.continue_final_message
+        kwargs.update(
+            add_generation_prompt=self.add_generation_prompt and not continuing, continue_final_message=continuing
+        )
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        if self.documents:
+            kwargs["documents"] = self.documents
+        return kwargs
+
+
+# apply_chat_template's own arguments: chat_template_kwargs cannot override them
+TEMPLATE_RESERVED = frozenset(
+    "conversation tools documents chat_template add_generation_prompt continue_final_message tokenize padding "
+    "truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
 
 
 class TokenizeRequest(Request):

@@ -5,7 +5,8 @@
    token ids takes a fraction of a second to parse, and the event loop must not wait on it.
 3. Before any element is validated, each list field's length is checked against what the
    request can use (`max_model_len` tokens, `--max-sequences-per-request` prompts,
-   `--max-stop-token-ids`), so no field costs more than its limit allows (`/detokenize`'s
+   `--max-stop-token-ids`, the vocabulary for `allowed_token_ids`, `MAX_BAD_WORDS`, `MAX_TOOLS`),
+   so no field costs more than its limit allows (`/detokenize`'s
    `tokens` are bounded by the body's size alone, as in vLLM).
 4. Validation errors become one 400 naming at most `MAX_ERRORS_SHOWN` of them, each cut to a
    bounded length (list fields stop at their first bad element, see `protocol.py`).
@@ -18,7 +19,7 @@ import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from jaxpaged.server.protocol import MAX_STOP_STRINGS, APIError, echo
+from jaxpaged.server.protocol import MAX_BAD_WORDS, MAX_STOP_STRINGS, MAX_TOOLS, APIError, echo
 
 OFF_LOOP_BYTES = 64 * 2**10
 MAX_ERRORS_SHOWN = 3
@@ -31,6 +32,7 @@ class ListLimits:
     max_model_len: int
     max_sequences_per_request: int
     max_stop_token_ids: int
+    vocab_size: int = 2**31 - 1
 
     def check(self, data: dict) -> None:
         """400 naming the field when a list is longer than its limit (no element is looked at)."""
@@ -44,6 +46,9 @@ class ListLimits:
         _check_length("messages", data.get("messages"), self.max_model_len, tokens + ": one message per token")
         _check_length("stop_token_ids", data.get("stop_token_ids"), self.max_stop_token_ids, "--max-stop-token-ids")
         _check_length("stop", data.get("stop"), MAX_STOP_STRINGS, "stop strings per request")
+        _check_length("allowed_token_ids", data.get("allowed_token_ids"), self.vocab_size, "the vocabulary's size")
+        _check_length("bad_words", data.get("bad_words"), MAX_BAD_WORDS, "bad words per request")
+        _check_length("tools", data.get("tools"), MAX_TOOLS, "tools per request")
 
 
 def _check_length(field: str, value, limit: int, why: str) -> None:

@@ -26,6 +26,13 @@ from jaxpaged.server.limits import ServerLimits
 from jaxpaged.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, echo, error_body
 from jaxpaged.server.request_body import ListLimits
 from jaxpaged.server.tokenizer_pool import TokenizerPool
+from jaxpaged.server.tools import ToolMode, tool_mode
+from jaxpaged.server.tools import message as tools_message
+
+try:  # the engine side of structured outputs (issue 26): compiles a constraint, ValueError if it cannot
+    from jaxpaged.structured import check as structured_check
+except ImportError:  # not there yet: the engine refuses structured_outputs itself (a 400 too)
+    structured_check = None
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -43,6 +50,7 @@ class ServingContext:
     max_sequences_per_request: int = 1024
     tokenizer_pool_size: int = 2
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
+    tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice, else None
     _pool: TokenizerPool | None = None
 
     def require_ready(self) -> None:
@@ -67,11 +75,30 @@ class ServingContext:
             raise APIError("the model is served without a tokenizer: send token ids", param="prompt")
         return self._pool
 
+    async def run_blocking(self, fn, *args):
+        """`fn(*args)` on a worker thread (the tokenizer threads when there are: they bound how
+        many such jobs run at once), never on the event loop."""
+        if self._pool is None:
+            return await asyncio.to_thread(fn, *args)
+        return await self._pool.run(lambda _tokenizer: fn(*args))
+
+    async def check_structured(self, params, field: str | None) -> None:
+        """400 naming the request's constraint field when its grammar cannot be compiled; the
+        compilation (seconds for a huge schema) runs off the event loop."""
+        if params.structured_outputs is None or structured_check is None:
+            return
+        err = await self.run_blocking(_check_quietly, structured_check, params.structured_outputs)
+        if err is not None:
+            raise APIError(f"{field}: {str(err)[:500]}", param=field)
+
     @property
     def list_limits(self) -> ListLimits:
         """The longest list each body field may hold (known once the engine's config is)."""
         return ListLimits(
-            self.engine.config.max_model_len, self.max_sequences_per_request, self.limits.max_stop_token_ids
+            self.engine.config.max_model_len,
+            self.max_sequences_per_request,
+            self.limits.max_stop_token_ids,
+            self.engine.config.model.vocab_size,
         )
 
     def check_model(self, model: str | None) -> None:
@@ -145,7 +172,25 @@ class ServingContext:
             )
 
 
-async def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
+def _check_quietly(check, structured) -> ValueError | None:
+    try:
+        check(structured)
+    except ValueError as err:
+        return err
+    return None
+
+
+def truncate(prompt: dict, keep: int | None, max_model_len: int) -> dict:
+    """`truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: max_model_len), as the engine
+    keeps them; the text is dropped when tokens were."""
+    if keep is None:
+        return prompt
+    keep = max_model_len if keep == -1 else keep
+    ids = prompt["prompt_token_ids"]
+    return prompt if len(ids) <= keep else {"prompt_token_ids": ids[-keep:]}
+
+
+async def completion_prompts(ctx: ServingContext, prompt, add_special_tokens: bool = True) -> list[dict]:
     """`LLMEngine.add_request` prompts for the `prompt` field's four forms (tokenized off the loop)."""
     items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
     if not items:
@@ -153,7 +198,10 @@ async def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
     texts = [item for item in items if isinstance(item, str)]
     for text in texts:
         ctx.check_text_length(len(text), "prompt")
-    encoded = iter(await ctx.pool.run(lambda tok: [tok.encode(t) for t in texts]) if texts else [])
+    special = add_special_tokens
+    encoded = iter(
+        await ctx.pool.run(lambda tok: [tok.encode(t, add_special_tokens=special) for t in texts]) if texts else []
+    )
     prompts = []
     for item in items:
         if isinstance(item, str):  # "" is BOS alone when the tokenizer adds one, as in vLLM
@@ -168,17 +216,26 @@ async def completion_prompts(ctx: ServingContext, prompt) -> list[dict]:
 async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
     """Renders the conversation with the tokenizer's chat template and tokenizes it (off the loop)."""
     conversation = [m.to_template() for m in body.messages]
+
+    def template_inputs() -> tuple[dict, int]:
+        kwargs = body.template_kwargs()  # the template may render tools and documents: their JSON counts
+        extra = len(json.dumps([kwargs.get("tools"), kwargs.get("documents")])) if body.tools or body.documents else 0
+        return kwargs, extra
+
+    # megabytes of tools or documents are copied and measured off the event loop
+    kwargs, extra = await ctx.run_blocking(template_inputs) if body.tools or body.documents else template_inputs()
     # every string the template sees counts (role and name too), before any is rendered
-    ctx.check_text_length(sum(len(v) for m in conversation for v in m.values()), "messages")
+    ctx.check_text_length(
+        sum(len(v) for m in conversation for v in m.values() if isinstance(v, str)) + extra, "messages"
+    )
+    special = body.add_special_tokens
 
     def render(tokenizer):
         try:
-            text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=body.add_generation_prompt, tokenize=False
-            )
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as err:  # no template, or the template rejects the conversation
             return err
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=special)}
 
     result = await ctx.pool.run(render)
     if isinstance(result, Exception):
@@ -204,7 +261,10 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
     )
     ctx.check_sequences(num_prompts, params.n)
     ctx.check_cache_salt(body.cache_salt)
-    prompts = await completion_prompts(ctx, body.prompt)
+    await ctx.check_structured(params, body.constraint_field)
+    max_len = ctx.engine.config.max_model_len
+    prompts = await completion_prompts(ctx, body.prompt, body.add_special_tokens)
+    prompts = [truncate(p, params.truncate_prompt_tokens, max_len) for p in prompts]
     for p in prompts:
         ctx.check_length(len(p["prompt_token_ids"]), params.max_tokens, "prompt")
     lens = [len(p["prompt_token_ids"]) for p in prompts]
@@ -232,14 +292,22 @@ async def _echo_texts(ctx: ServingContext, prompts: list[dict]) -> list[tuple[st
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
     """`POST /v1/chat/completions`: the conversation through the chat template, one request."""
     ctx.check_model(body.model)
-    params = body.sampling_params(ctx.engine.config.model.vocab_size)
+    vocab_size = ctx.engine.config.model.vocab_size
+
+    def params_and_tools():
+        tools = tool_mode(body, ctx.tool_call_parser)
+        return body.sampling_params(vocab_size, tools.schema if tools else None), tools
+
+    # tool schemas are copied into the required schema: megabytes of them never on the event loop
+    params, tools = await ctx.run_blocking(params_and_tools) if body.tools else params_and_tools()
     ctx.check_sequences(1, params.n)
     ctx.check_cache_salt(body.cache_salt)
-    prompt = await chat_prompt(ctx, body)
+    await ctx.check_structured(params, body.constraint_field)
+    prompt = truncate(await chat_prompt(ctx, body), params.truncate_prompt_tokens, ctx.engine.config.max_model_len)
     ctx.check_length(len(prompt["prompt_token_ids"]), params.max_tokens, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     ctx.check_response_size(params.n, [len(prompt["prompt_token_ids"])], params, num_logprobs)
-    return await _run(ctx, raw, body, params, [prompt], _Kind(chat=True, num_logprobs=num_logprobs))
+    return await _run(ctx, raw, body, params, [prompt], _Kind(chat=True, num_logprobs=num_logprobs, tools=tools))
 
 
 @dataclasses.dataclass
@@ -264,6 +332,8 @@ class _Kind:
             return prompt_text + text, prompt_ids + token_ids, None, first
         return prompt_text + text, prompt_ids + token_ids, list(prompt_lps or []) + list(logprobs or []), first
 
+    tools: ToolMode | None = None  # chat with tools: replies parsed into tool calls
+
     @property
     def prefix(self) -> str:
         return "chatcmpl" if self.chat else "cmpl"
@@ -282,13 +352,16 @@ class _Kind:
         offset: int = 0,
         first_text: str = "",
     ) -> dict:
-        lps = None
-        if self.num_logprobs is not None and logprobs is not None:
-            lps = (
-                _chat_logprobs(token_ids, logprobs, self.num_logprobs)
-                if self.chat
-                else _completion_logprobs(token_ids, logprobs, self.num_logprobs, offset, first_text)
-            )
+        lps = self.logprobs(token_ids, logprobs, offset, first_text)
+        if self.tools is not None and not chunk:
+            message, reason = tools_message(self.tools, text, c.finish_reason)
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": lps,
+                "finish_reason": reason,
+                "stop_reason": c.stop_reason,
+            }
         if not self.chat:
             body = {"index": index, "text": text}
         elif chunk:
@@ -296,6 +369,35 @@ class _Kind:
         else:
             body = {"index": index, "message": {"role": "assistant", "content": text}}
         return {**body, "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def logprobs(self, token_ids: list, logprobs: list | None, offset: int = 0, first_text: str = "") -> dict | None:
+        """The choice's `logprobs` object (chat's or completions' shape), or None."""
+        if self.num_logprobs is None or logprobs is None:
+            return None
+        if self.chat:
+            return _chat_logprobs(token_ids, logprobs, self.num_logprobs)
+        return _completion_logprobs(token_ids, logprobs, self.num_logprobs, offset, first_text)
+
+    def tool_chunks(self, index: int, c: CompletionOutput, stream) -> list[dict]:
+        """Streamed choices of one output with tools: content and tool-call deltas as the parser
+        finds them (the output's logprobs ride on the first; the finish reason on the last)."""
+        deltas = stream.feed(c.text)
+        if c.finish_reason:
+            deltas += stream.finish()
+        lps = self.logprobs(c.token_ids, c.logprobs)
+        if not deltas and (lps is not None or c.finish_reason):
+            deltas = [{}]
+        reason = self.tools.finish_reason(stream.calls, c.finish_reason) if c.finish_reason else None
+        return [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": lps if j == 0 else None,
+                "finish_reason": reason if j == len(deltas) - 1 else None,
+                "stop_reason": c.stop_reason if j == len(deltas) - 1 else None,
+            }
+            for j, delta in enumerate(deltas)
+        ]
 
 
 class _Usage:
@@ -320,8 +422,10 @@ class _Usage:
 
 
 async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: _Kind) -> Response:
-    request_id = f"{kind.prefix}-{uuid.uuid4().hex}"
-    ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+    engine_id = f"{kind.prefix}-{uuid.uuid4().hex}"
+    ids = [f"{engine_id}-{i}" for i in range(len(prompts))]
+    # vLLM's request_id names the response; the engine's ids stay unique whatever clients send
+    request_id = f"{kind.prefix}-{body.request_id}" if body.request_id else engine_id
     stream = await ctx.engine.add_requests(ids, prompts, params, cache_salt=body.cache_salt)
     logger.info(
         "%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s",
@@ -416,7 +520,7 @@ async def _collect(stream: RequestStream, kind: _Kind, head: dict, index_of: dic
 async def _events(
     stream: RequestStream, kind: _Kind, head: dict, index_of: dict, num_choices: int, include_usage: bool
 ):
-    usage, done, offsets = _Usage(), set(), {}
+    usage, done, offsets, tool_streams = _Usage(), set(), {}, {}
     extra = {"usage": None} if include_usage else {}
     try:
         if kind.chat:
@@ -449,6 +553,11 @@ async def _events(
                     text, ids, lps = "", [], []
                 if c.finish_reason:
                     done.add(i)
+                if kind.tools is not None:
+                    stream_i = tool_streams.setdefault(i, kind.tools.stream())
+                    for choice in kind.tool_chunks(i, c, stream_i):
+                        yield _sse({**head, "choices": [choice], **extra})
+                    continue
                 offset = offsets.get(i, 0)
                 choice = kind.choice(i, text, ids, lps, c, chunk=True, offset=offset, first_text=first)
                 offsets[i] = offset + len(text)

@@ -80,7 +80,7 @@ class InputBatch:
         """The rows of a step's sequences; a sequence that starts this step (`admitted`) takes a
         free slot, reset in the step or seeded before it."""
         rows, resets, seeds = [], [], []
-        filtering = logprobs = False
+        filtering = logprobs = masked = False
         for inp in inputs:
             row = self._rows.get(inp.seq_id)
             if row is None:
@@ -94,9 +94,10 @@ class InputBatch:
             sp = inp.params
             filtering |= sp.top_k > 0 or sp.top_p < 1
             logprobs |= bool(sp.logprobs)
+            masked |= inp.constraint is not None
             rows.append(row)
         full = filtering or logprobs  # one sampler takes both paths (see ENGINE_SAMPLER_OPTIONS)
-        return PreparedStep(rows, resets, seeds, SamplerOptions(filter=full, logprobs=full))
+        return PreparedStep(rows, resets, seeds, SamplerOptions(filter=full, logprobs=full, mask=masked))
 
     def _new_row(self, inp: ScheduledSequence) -> SequenceRow:
         sp = inp.params

@@ -18,6 +18,7 @@ import time
 import typing
 
 import jax
+import llguidance
 import numpy as np
 from flax import nnx
 
@@ -32,6 +33,7 @@ from jaxpaged.model.prompt_logprobs import unpack_prompt_logprobs
 from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
+from jaxpaged.structured.constraint import fill_bitmask
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_transfer import KVTransfer
 from jaxpaged.worker.step_programs import Program, ResultLayout, SamplerProgram, StepPrograms, compile_all, sampler_for
@@ -160,6 +162,7 @@ class ModelRunner:
         self.temp_bytes: dict[Program | SamplerProgram, int] = {}  # temporaries of each
         self._seed = None  # the compiled penalty-row seeding
         self.compile_report = []  # warm-up's `CompiledProgram`s: names and seconds
+        self.mask_executor = llguidance.LLExecutor(num_threads=2)  # fills grammars' mask rows
 
     def zero_cache(self, num_blocks: int) -> DeviceCache:
         """A cache of `num_blocks` pool blocks made where it lives: the pool split over kv heads (no
@@ -294,22 +297,34 @@ class ModelRunner:
         if program not in self.compiled and not prompt_logprobs:
             raise RuntimeError(f"no compiled program {program}: call warm_up() first")
         live = [s.live_steps for s in inputs] if steps > 1 else None
-        t, flat = self.packer.pack(inputs, prepared.rows, prepared.resets, num_drafts, decode=decode, live_steps=live)
+        masked = prepared.options.mask and steps == 1
+        t, flat = self.packer.pack(
+            inputs, prepared.rows, prepared.resets, num_drafts, decode=decode, live_steps=live, masked=masked
+        )
+        if masked:  # the constrained rows' masks (the others stay all ones)
+            r = self.step_programs.layout(program).rows_per_seq
+            rows = [(s.constraint, i * r) for i, s in enumerate(inputs) if s.constraint is not None]
+            fill_bitmask(self.mask_executor, rows, self.packer.mask_of(self.step_programs.layout(program), flat))
         if self.channel is not None:
             options = prepared.options if steps == 1 else program.options
-            bits = _option_bits(options) | int(program.prompt_logprobs) << 2
+            bits = _option_bits(options) | int(program.prompt_logprobs) << 3  # bits 0-2: the sampler's
             self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode), bits), flat)
         return program, self.step_programs.layout(program), flat
 
     def run_packed(self, program: Program, options: SamplerOptions, flat: np.ndarray) -> jax.Array:
         """Runs a compiled program (and, for one step, the sampler with `options`) on a packed step
         buffer; returns the packed results (the followers of a multi-process engine get the same
-        arguments from the leader)."""
+        arguments from the leader). With `options.mask` the buffer's tail is the token mask, sent
+        to the device as the sampler's own array."""
         return self._run(program, options, flat)[0]
 
     def _run(self, program: Program, options: SamplerOptions, flat: np.ndarray) -> tuple[jax.Array, jax.Array | None]:
         """`run_packed`, also returning the packed prompt logprobs of a `prompt_logprobs` program
         (None otherwise). That variant is compiled the first time a step needs it."""
+        mask = None
+        if options.mask:
+            layout = self.step_programs.layout(program)
+            mask, flat = jax.device_put(self.packer.mask_of(layout, flat), self._whole), flat[: layout.size]
         flat = jax.device_put(flat, self._whole)
         if program.steps > 1:
             self.cache, packed = self.compiled[program](self.params, self.cache, flat)
@@ -328,6 +343,8 @@ class ModelRunner:
         else:
             self.cache, logits, sampler_input = self.compiled[program](self.params, self.cache, flat)
         sampler = self.compiled[sampler_for(self.step_programs.layout(program), options)]
+        if mask is not None:
+            sampler_input = dataclasses.replace(sampler_input, token_mask=mask)
         last_tokens, packed = sampler(
             self.cache.prompt_mask, self.cache.output_counts, self.cache.last_tokens, logits, sampler_input
         )
@@ -375,10 +392,10 @@ class ModelRunner:
     @staticmethod
     def program_from_fields(fields: tuple[int, ...]) -> tuple[Program, SamplerOptions]:
         """The program (and sampler options) the leader named in a step-channel header."""
-        options = SamplerOptions(filter=bool(fields[3] & 1), logprobs=bool(fields[3] & 2))
+        options = SamplerOptions(filter=bool(fields[3] & 1), logprobs=bool(fields[3] & 2), mask=bool(fields[3] & 4))
         steps = fields[1]
         fused = options if steps > 1 else SamplerOptions()
-        return Program(fields[0], steps, bool(fields[2]), fused, bool(fields[3] & 4)), options
+        return Program(fields[0], steps, bool(fields[2]), fused, bool(fields[3] & 8)), options
 
 
 def _prompt_logprobs_of(inputs: list[ScheduledSequence], packed: np.ndarray) -> dict[int, tuple]:
@@ -394,4 +411,4 @@ def _prompt_logprobs_of(inputs: list[ScheduledSequence], packed: np.ndarray) -> 
 
 
 def _option_bits(options: SamplerOptions) -> int:
-    return int(options.filter) | int(options.logprobs) << 1
+    return int(options.filter) | int(options.logprobs) << 1 | int(options.mask) << 2

@@ -6,7 +6,10 @@
 2. Each bucket owns one preallocated buffer; every input of the step (token ids, attention
    metadata, sampling parameters with floats bit-cast to int32) is written into fixed views
    of it, so a step is one host->device transfer. `step_programs.unpack` is the device side.
-3. Block tables live in a persistent `[max_num_seqs, P]` matrix indexed by the sequence's
+3. A step with constrained rows (structured outputs, allowed_token_ids, bad_words) has its packed
+   token mask `[rows, W]` (W = ceil(V / 32)) after the step's fields in a longer buffer of the
+   same layout; the model program reads the fields, the sampler the mask (see step_programs.py).
+4. Block tables live in a persistent `[max_num_seqs, P]` matrix indexed by the sequence's
    slot, extended as blocks are appended; a step copies the rows it needs in one gather.
    Everything else is computed with vectorised numpy over the batch.
 """
@@ -41,6 +44,11 @@ SAMPLING_FIELDS = (
 )
 _POSITION_ROW = [name for name, _ in SAMPLING_FIELDS].index("position")
 _SLOT_ROW = [name for name, _ in SAMPLING_FIELDS].index("slot")
+
+
+def mask_words(vocab_size: int) -> int:
+    """W: int32 words of one row of a packed token mask."""
+    return -(-vocab_size // 32)
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -182,6 +190,7 @@ class StepPacker:
         # packed before this one has run; the one after it only once this one's results are read.
         self.buffers = {(layout, turn): np.zeros(layout.size, np.int32) for layout in every for turn in (0, 1)}
         self._views = {key: key[0].views(buffer) for key, buffer in self.buffers.items()}
+        self._masked: dict[tuple[Layout, int], tuple[np.ndarray, dict]] = {}  # made on first use
         self._turn = 0
         self.tables = np.zeros((max_num_seqs, self.pages), np.int32)  # null block 0 where unused
         self._known = np.zeros(max_num_seqs, np.int64)  # entries written per slot
@@ -224,6 +233,7 @@ class StepPacker:
         num_drafts: list[int] | None = None,
         decode: bool = False,
         live_steps: list[int] | None = None,
+        masked: bool = False,
     ) -> tuple[int, np.ndarray]:
         """Writes one step into its bucket's buffer.
 
@@ -247,8 +257,11 @@ class StepPacker:
         layout = (self.decode_layouts if decode else self.layouts)[t]
         self._turn ^= 1
         key = (layout, self._turn)
-        v, r = self._views[key], layout.rows_per_seq
-        self.buffers[key].fill(0)
+        r = layout.rows_per_seq
+        buffer, v = self._masked_buffer(key) if masked else (self.buffers[key], self._views[key])
+        buffer.fill(0)
+        if masked:
+            self.mask_of(layout, buffer).fill(-1)
         self._sync_tables(inputs, rows)
         drafts = np.zeros(n, np.int64) if num_drafts is None else np.asarray(num_drafts, np.int64)
         if drafts.size and drafts.max() > r - 1:
@@ -308,4 +321,17 @@ class StepPacker:
             if seq.prompt_targets:
                 v["prompt_targets"][starts[i] : starts[i] + len(seq.prompt_targets)] = seq.prompt_targets
         v["num_seqs"][...] = n
-        return t, self.buffers[key]
+        return t, buffer
+
+    def mask_of(self, layout: Layout, buffer: np.ndarray) -> np.ndarray:
+        """The `[S * R, W]` token mask of a masked buffer (a view)."""
+        return buffer[layout.size :].reshape(layout.num_seqs * layout.rows_per_seq, mask_words(self.vocab_size))
+
+    def _masked_buffer(self, key: tuple[Layout, int]) -> tuple[np.ndarray, dict]:
+        if key not in self._masked:
+            layout = key[0]
+            buffer = np.zeros(
+                layout.size + layout.num_seqs * layout.rows_per_seq * mask_words(self.vocab_size), np.int32
+            )
+            self._masked[key] = (buffer, layout.views(buffer[: layout.size]))
+        return self._masked[key]

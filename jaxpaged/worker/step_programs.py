@@ -8,6 +8,9 @@ is two programs run back to back on the device, with no host work between them:
   updated, logits at the sampling rows out), the cache donated;
 - the sampler program of its row count and `SamplerOptions` (`functional.sample_tokens`),
   `last_tokens` donated; its results come back as one int32 vector (`sampler.pack_result`).
+  A step with constrained rows (`SamplerOptions.mask`) packs its token mask after the step's
+  fields (`StepPacker.pack(masked=True)`); the mask reaches the sampler as its own array, so the
+  model programs are the same with or without one (not one more model program per bucket).
 
 Splitting them keeps the (expensive) model programs independent of which sampler paths a batch
 needs, with no `lax.cond` anywhere: on a GPU a conditional waits for its predicate on the host.
@@ -52,7 +55,7 @@ from jaxpaged.model.sampler import (
 )
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import KV_SCALE_AXES
-from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS, SAMPLING_FIELDS, Layout, StepPacker
+from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS, SAMPLING_FIELDS, Layout, StepPacker, mask_words
 
 
 def unpack(layout: Layout, flat: jax.Array) -> StepInput:
@@ -376,6 +379,7 @@ class StepPrograms:
             num_drafts=ints(s) if r > 1 else None,
             logit_bias_ids=ints(rows, MAX_LOGIT_BIAS),
             logit_bias_values=floats(rows, MAX_LOGIT_BIAS),
+            token_mask=ints(rows, mask_words(vocab)) if program.options.mask else None,
         )
         return self._sampler.lower(
             program.options, cache.prompt_mask, cache.output_counts, cache.last_tokens, floats(rows, vocab), inp

@@ -1,0 +1,182 @@
+"""Structured outputs (a JSON schema) against unconstrained generation, in the same run on the
+same engine; and grammar compile times.
+
+For each batch size one demo-model engine is built (its defaults: async scheduling, fused decode
+steps). B requests, sampled at temperature 0.8, run unconstrained (OUTPUT_LEN tokens, EOS
+ignored) and constrained by the clinical-notes schema of tests/structured_workload.py (a dozen
+fields; a document ends when it is complete), alternately, twice each; the better run of each is
+kept. Per mode: output tokens/s, TPOT (ms per output token of one sequence: wall time x B /
+output tokens), and the host's time filling grammar masks per step. Constrained steps run
+without async overlap and without fused decode steps (the next mask needs the sampled token):
+that, the masks' host time and the masked sampler are what the ratio measures.
+
+Compile times: the schema's check (`jaxpaged.structured.check`), its compilation cold (a new
+backend: no cache) and cached, and the first mask of a fresh matcher; the engine's start-up
+compile of the masked samplers against the rest.
+
+    python -m benchmarks.structured_outputs [--batches 1 16 64] [--output FILE.json]
+
+Results: benchmarks/results/structured_outputs_cpu_demo.{json,md}.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import llguidance
+import llguidance.numpy
+
+import jaxpaged.worker.model_runner as model_runner
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.structured import GrammarBackend, check
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from structured_workload import SCHEMA, obeys  # noqa: E402
+
+OUTPUT_LEN = 128
+PROMPT = "And the LORD spake unto Moses, saying, Write the record of the sick man"
+
+
+def run_once(engine: LLMEngine, batch: int, constrained: bool, fill_times: list[float]) -> dict:
+    so = StructuredOutputsParams(json=SCHEMA) if constrained else None
+    params = SamplingParams(
+        temperature=0.8,
+        max_tokens=400 if constrained else OUTPUT_LEN,
+        ignore_eos=not constrained,
+        structured_outputs=so,
+    )
+    tag = f"{constrained}-{time.perf_counter()}"
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", f"{PROMPT} {i}", params)
+    fill_times.clear()
+    steps, tokens, valid, start = 0, 0, 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+                valid += obeys("json", out.outputs[0].text) if constrained else 1
+        steps += 1
+    seconds = time.perf_counter() - start
+    return {
+        "tokens_per_s": round(tokens / seconds, 1),
+        "tpot_ms": round(1000 * seconds * batch / tokens, 3),
+        "output_tokens": tokens,
+        "steps": steps,
+        "mask_fill_ms_per_step": round(1000 * sum(fill_times) / steps, 3),
+        "valid_fraction": valid / batch,
+    }
+
+
+def measure(batch: int) -> dict:
+    engine = LLMEngine(
+        EngineArgs(model=DEMO_MODEL_DIR, max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=max(256, batch))
+    )
+    samplers = {True: 0.0, False: 0.0}
+    for program in engine.runner.compile_report:
+        if program.name.startswith("sampler"):
+            samplers["mask" in program.name] += program.compile_s
+    fill_times: list[float] = []
+    fill = model_runner.fill_bitmask
+
+    def timed_fill(*args):
+        start = time.perf_counter()
+        fill(*args)
+        fill_times.append(time.perf_counter() - start)
+
+    model_runner.fill_bitmask = timed_fill
+    run_once(engine, min(batch, 4), True, fill_times)  # warm-up (and the grammar compiled)
+    runs = {False: [], True: []}
+    for constrained in (False, True, False, True):
+        runs[constrained].append(run_once(engine, batch, constrained, fill_times))
+    best = {mode: max(r, key=lambda x: x["tokens_per_s"]) for mode, r in runs.items()}
+    row = {
+        "batch": batch,
+        "unconstrained": best[False],
+        "json_schema": best[True],
+        "throughput_ratio": round(best[True]["tokens_per_s"] / best[False]["tokens_per_s"], 3),
+        "tpot_ratio": round(best[True]["tpot_ms"] / best[False]["tpot_ms"], 3),
+        "compile_s_samplers_masked": round(samplers[True], 1),
+        "compile_s_samplers_unmasked": round(samplers[False], 1),
+        "compile_s_all": round(engine.compile_seconds, 1),
+    }
+    model_runner.fill_bitmask = fill
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def compile_times(repeats: int = 5) -> dict:
+    """Milliseconds: the schema's check, its compilation cold and cached, a fresh matcher's first
+    mask (medians of `repeats`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    so = StructuredOutputsParams(json=SCHEMA)
+    timings = {"check_ms": [], "compile_cold_ms": [], "compile_cached_ms": [], "first_mask_ms": []}
+    for _ in range(repeats):
+        backend = GrammarBackend(tokenizer, 4096, [1])
+        backend.compile(StructuredOutputsParams(regex="x")).result()  # llguidance's tokenizer made
+        start = time.perf_counter()
+        check(so)
+        timings["check_ms"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        template = backend.compile(so).result()
+        timings["compile_cold_ms"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        backend.compile(so).result()
+        timings["compile_cached_ms"].append(time.perf_counter() - start)
+        mask = llguidance.numpy.allocate_token_bitmask(1, 4096)
+        start = time.perf_counter()
+        llguidance.numpy.fill_next_token_bitmask(template.deep_copy(), mask)
+        timings["first_mask_ms"].append(time.perf_counter() - start)
+        backend.close()
+    out = {name: round(1000 * statistics.median(values), 3) for name, values in timings.items()}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| batch | unconstrained tok/s | JSON schema tok/s | throughput ratio | TPOT unconstrained ms | "
+        "TPOT JSON ms | TPOT ratio | mask fill ms/step | valid |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        u, j = r["unconstrained"], r["json_schema"]
+        lines.append(
+            f"| {r['batch']} | {u['tokens_per_s']} | {j['tokens_per_s']} | {r['throughput_ratio']:.2f}x | "
+            f"{u['tpot_ms']} | {j['tpot_ms']} | {r['tpot_ratio']:.2f}x | {j['mask_fill_ms_per_step']} | "
+            f"{j['valid_fraction']:.0%} |"
+        )
+    c = result["compile"]
+    lines += [
+        "",
+        f"Schema check {c['check_ms']} ms; compile cold {c['compile_cold_ms']} ms, cached {c['compile_cached_ms']} ms; "
+        f"a fresh matcher's first mask {c['first_mask_ms']} ms (medians).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--output", help="write the results as JSON (and markdown beside it)")
+    args = parser.parse_args()
+    result = {"compile": compile_times(), "rows": []}
+    for batch in args.batches:
+        result["rows"].append(measure(batch))
+        if args.output:  # after every row: a slow one never costs the others
+            with open(args.output, "w") as f:
+                json.dump(result, f, indent=1)
+                f.write("\n")
+            with open(os.path.splitext(args.output)[0] + ".md", "w") as f:
+                f.write(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

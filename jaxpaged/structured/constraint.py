@@ -1,0 +1,132 @@
+"""A sequence's token constraint (host only): its grammar matcher, `allowed_token_ids` and
+`bad_words`, advanced with every token appended to it, and the packed bitmask rows of a step.
+
+Bit i of row word `i // 32` (bit `i % 32`) allows token i; `[S, W]` int32 with W = ceil(V / 32).
+"""
+
+import concurrent.futures
+import logging
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from jaxpaged.structured.backend import pack_bits
+
+logger = logging.getLogger("jaxpaged")
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer) -> list[list[int]]:
+    """vLLM's encoding of `bad_words`: each word as it would start the text, and with a leading
+    space when that gives a different first token and the same number of tokens (a word inside
+    the text)."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out += [plain] if plain and plain not in out else []
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain) and spaced not in out:
+            out.append(spaced)
+    return out
+
+
+class SequenceConstraint:
+    """What one sequence may sample next.
+
+    Args:
+      vocab_size: V.
+      grammar: the compiled grammar (a future of an `LLMatcher` at its start state), or None.
+      valid_ids: with a grammar, `[W]` int32 bits of the ids the tokenizer has (a grammar
+        allows no other; `GrammarBackend.valid_ids`).
+      allowed_token_ids: only these may be sampled (None: any).
+      bad_words: token-id sequences the output may not contain (`bad_words_token_ids`).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        grammar: concurrent.futures.Future | None = None,
+        valid_ids: np.ndarray | None = None,
+        allowed_token_ids: list[int] | None = None,
+        bad_words: list[list[int]] | None = None,
+    ):
+        self.vocab_size = vocab_size
+        self.valid_ids = valid_ids
+        self.grammar = grammar
+        self.matcher: llguidance.LLMatcher | None = None
+        self.error: str | None = None  # the grammar failed to compile
+        self.static_mask: np.ndarray | None = None  # [W] of allowed_token_ids
+        if allowed_token_ids is not None:
+            allowed = np.zeros(32 * -(-vocab_size // 32), bool)
+            allowed[allowed_token_ids] = True
+            self.static_mask = pack_bits(allowed[None])[0]
+        self.bad_words = bad_words or []
+        self.history: list[int] = []  # outputs so far (for multi-token bad words)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the grammar is compiled (or failed: see `error`); until then the sequence is
+        not scheduled."""
+        if self.grammar is None or self.matcher is not None or self.error is not None:
+            return True
+        if not self.grammar.done():
+            return False
+        try:
+            self.matcher = self.grammar.result().deep_copy()
+        except Exception as err:  # noqa: BLE001 - any compile failure fails this request only
+            self.error = str(err)
+        return True
+
+    @property
+    def needs_last_token(self) -> bool:
+        """Whether its next mask depends on the token just sampled (a grammar, or a bad word of
+        several tokens): its step cannot be scheduled before the previous one is read."""
+        return self.grammar is not None or any(len(w) > 1 for w in self.bad_words)
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar is complete and nothing may follow (the sequence finishes: "stop")."""
+        return self.matcher is not None and self.matcher.is_stopped()
+
+    def accept(self, token_id: int) -> None:
+        """Advances the constraint over a token appended to the sequence's output."""
+        if self.bad_words:
+            self.history.append(token_id)
+        if self.matcher is not None and not self.matcher.is_stopped() and not self.matcher.consume_token(token_id):
+            logger.warning(
+                "structured outputs: the grammar rejected sampled token %d: %s", token_id, self.matcher.get_error()
+            )
+
+    def banned_now(self) -> list[int]:
+        """Bad words' tokens banned at the next position: a one-token word always, a longer
+        word's last token when the output ends with its other tokens."""
+        out = []
+        for word in self.bad_words:
+            prefix = word[:-1]
+            if not prefix or self.history[len(self.history) - len(prefix) :] == prefix:
+                out.append(word[-1])
+        return out
+
+
+def fill_bitmask(
+    executor: llguidance.LLExecutor, constraints: list[tuple[SequenceConstraint, int]], bitmask: np.ndarray
+) -> None:
+    """Writes the rows of constrained sequences into a step's `[rows, W]` bitmask (the other rows
+    are left as they are: all ones). Grammars fill their rows in parallel (llguidance's threads).
+
+    Args:
+      executor: llguidance's thread pool.
+      constraints: `(constraint, row)` of each constrained sequence of the step.
+      bitmask: `[rows, W]` int32, C-contiguous.
+    """
+    matchers = [(c.matcher, row) for c, row in constraints if c.matcher is not None]
+    if matchers:
+        llguidance.numpy.fill_next_token_bitmask_par(executor, matchers, bitmask)
+    for c, row in constraints:
+        if c.matcher is not None:
+            bitmask[row] &= c.valid_ids
+        if c.static_mask is not None:
+            bitmask[row] &= c.static_mask
+        words = bitmask.view(np.uint32)
+        for token in c.banned_now():
+            words[row, token // 32] &= ~np.uint32(1 << (token % 32))

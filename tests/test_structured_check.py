@@ -1,0 +1,56 @@
+"""`jaxpaged.structured.check`: cheap validation of a constraint without an engine (the server's
+400s), and the grammar text (compact JSON by default)."""
+
+import pytest
+
+from jaxpaged.sampling_params import StructuredOutputsParams
+from jaxpaged.structured import check, grammar_text
+
+VALID = [
+    StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    StructuredOutputsParams(json='{"type": "array", "items": {"enum": ["x", "y"]}}'),
+    StructuredOutputsParams(json_object=True),
+    StructuredOutputsParams(regex=r"\d{3}-[a-z]+"),
+    StructuredOutputsParams(choice=["yes", "no"]),
+    StructuredOutputsParams(grammar='start: "a" b\nb: /[0-9]+/'),
+    StructuredOutputsParams(grammar='root ::= "yes" | "no"'),  # GBNF
+    StructuredOutputsParams(
+        structural_tag='{"structures": [{"begin": "<f=x>", "schema": {"type": "object"}, "end": "</f>"}], '
+        '"triggers": ["<f="]}'
+    ),
+]
+
+INVALID = [
+    (StructuredOutputsParams(json='{"type": "nope"}'), "structured_outputs.json:"),
+    (StructuredOutputsParams(json="{not json"), "structured_outputs.json: not valid JSON"),
+    (StructuredOutputsParams(regex="a[b"), "structured_outputs.regex:"),
+    (StructuredOutputsParams(grammar="start: undefined_rule"), "structured_outputs.grammar:"),
+    (StructuredOutputsParams(grammar="root ::= ("), "structured_outputs.grammar:"),
+    (StructuredOutputsParams(structural_tag="{}"), "structured_outputs.structural_tag:"),
+]
+
+
+@pytest.mark.parametrize("params", VALID, ids=lambda p: p.kind)
+def test_valid_constraints_pass(params):
+    check(params)
+
+
+@pytest.mark.parametrize(("params", "prefix"), INVALID, ids=lambda x: getattr(x, "kind", ""))
+def test_invalid_constraints_name_the_field(params, prefix):
+    with pytest.raises(ValueError) as err:
+        check(params)
+    assert str(err.value).startswith(prefix)
+
+
+def test_json_is_compact_unless_a_whitespace_pattern_is_given():
+    compact = grammar_text(StructuredOutputsParams(json={"type": "object"}))
+    assert '"whitespace_flexible":false' in compact and '"item_separator":","' in compact
+    spaced = grammar_text(StructuredOutputsParams(json={"type": "object"}, whitespace_pattern=r"[ ]?"))
+    assert '"whitespace_pattern":"[ ]?"' in spaced
+
+
+def test_disable_additional_properties_closes_every_object():
+    schema = {"type": "object", "properties": {"inner": {"type": "object", "properties": {}}}}
+    text = grammar_text(StructuredOutputsParams(json=schema, disable_additional_properties=True))
+    assert text.count('"additionalProperties":false') == 2
+    assert "additionalProperties" not in str(schema)  # the request's schema is left alone

@@ -1,0 +1,132 @@
+"""Structured outputs, allowed_token_ids and bad_words on the demo model: every constrained output
+obeys its constraint (JSON schema, regex, choice, Lark grammar), greedy and sampled, n > 1, with
+prefix-cache hits, under preemption, with n-gram speculation configured and under tensor
+parallelism; invalid constraints are a ValueError naming the field and the engine goes on.
+(The masked distribution itself: tests/test_sampler_mask.py.)"""
+
+import time
+
+import pytest
+from structured_workload import CONSTRAINTS, obeys
+
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+
+DEMO_MODEL = "jaxpaged/demo_model"
+PROMPT = (  # a few full KV blocks, so a second request reuses them from the prefix cache
+    "And the LORD spake unto Moses, saying, Speak unto the children of Israel, and say unto them, "
+    "When ye be come into the land which I give unto you, then shall the land keep a sabbath unto the LORD."
+)
+BLOCK_BYTES = 2 * 4 * 2 * 64 * 4 * 16  # K and V, 4 layers, 2 kv heads, head_dim 64, float32, 16 tokens
+
+
+def make_engine(**kwargs) -> LLMEngine:
+    start = time.perf_counter()
+    options = dict(model=DEMO_MODEL, dtype="float32", max_num_seqs=8, max_model_len=384, max_num_batched_tokens=64)
+    engine = LLMEngine(EngineArgs(**{**options, **kwargs}))
+    print(f"engine {kwargs} started in {time.perf_counter() - start:.1f} s")
+    return engine
+
+
+def run(engine: LLMEngine, requests: list[tuple[str, SamplingParams]]) -> dict[str, list]:
+    """Runs `(request_id, params)` requests on PROMPT; returns each request's completions."""
+    start = time.perf_counter()
+    for request_id, params in requests:
+        engine.add_request(request_id, PROMPT, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs) for o in engine.step() if o.finished)
+    print(f"{len(requests)} requests in {time.perf_counter() - start:.1f} s")
+    return done
+
+
+def constrained_requests(tag: str, n: int = 2) -> list[tuple[str, SamplingParams]]:
+    """Each constraint greedy and sampled (n completions, seeded)."""
+    out = []
+    for kind, so in CONSTRAINTS.items():
+        out.append((f"{tag}-{kind}-greedy", SamplingParams(temperature=0, max_tokens=300, structured_outputs=so)))
+        sampled = SamplingParams(temperature=1.0, n=n, seed=7, max_tokens=300, structured_outputs=so)
+        out.append((f"{tag}-{kind}-sampled", sampled))
+    return out
+
+
+def check_all_obey(done: dict[str, list]) -> None:
+    for request_id, completions in done.items():
+        kind = request_id.split("-")[1]
+        if kind not in CONSTRAINTS:
+            continue
+        for c in completions:
+            assert c.finish_reason == "stop", (request_id, c.text, c.finish_reason)
+            assert obeys(kind, c.text), (request_id, c.text)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return make_engine()  # fused decode steps and async scheduling on (the defaults)
+
+
+def test_every_output_obeys_its_constraint_with_prefix_hits(engine):
+    plain = ("free-text", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    first = run(engine, constrained_requests("a") + [plain])
+    check_all_obey(first)
+    assert first["free-text"][0].finish_reason == "length"  # unconstrained rows beside them are untouched
+    hits = engine.get_stats()["prefix_cache_hits"]
+    again = run(engine, constrained_requests("b"))
+    check_all_obey(again)
+    assert engine.get_stats()["prefix_cache_hits"] > hits
+    for kind in CONSTRAINTS:  # greedy is deterministic, whatever the batch
+        assert again[f"b-{kind}-greedy"][0].token_ids == first[f"a-{kind}-greedy"][0].token_ids
+
+
+def test_running_out_of_max_tokens_is_length(engine):
+    params = SamplingParams(temperature=0, max_tokens=3, structured_outputs=CONSTRAINTS["json"])
+    (c,) = run(engine, [("short", params)])["short"]
+    assert c.finish_reason == "length" and len(c.token_ids) == 3
+
+
+def test_allowed_token_ids_and_bad_words(engine):
+    allowed = list(range(100, 140))
+    free = run(engine, [("free", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))])["free"][0]
+    word = engine.tokenizer.decode(free.token_ids[2:4]).strip()  # a word greedy decoding does say
+    params = [
+        ("allowed", SamplingParams(temperature=1.0, seed=3, max_tokens=16, allowed_token_ids=allowed)),
+        ("bad", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=[word])),
+    ]
+    done = run(engine, params)
+    assert set(done["allowed"][0].token_ids) <= set(allowed)
+    assert word not in done["bad"][0].text and done["bad"][0].token_ids != free.token_ids
+
+
+def test_invalid_requests_are_value_errors_and_the_engine_serves_on(engine):
+    bad = {
+        "structured_outputs.regex": SamplingParams(structured_outputs=StructuredOutputsParams(regex="a[b")),
+        "structured_outputs.json": SamplingParams(structured_outputs=StructuredOutputsParams(json='{"type": 5}')),
+        "allowed_token_ids": SamplingParams(allowed_token_ids=[1, 10**6]),
+    }
+    for field, params in bad.items():
+        with pytest.raises(ValueError) as err:
+            engine.add_request(f"bad-{field}", PROMPT, params)
+        assert str(err.value).startswith(field)
+    assert not engine.has_unfinished_requests()
+    check_all_obey(run(engine, [("c-choice-ok", SamplingParams(structured_outputs=CONSTRAINTS["choice"]))]))
+
+
+def test_valid_under_preemption_and_with_speculation():
+    engine = make_engine(kv_cache_memory_bytes=40 * BLOCK_BYTES, num_scheduler_steps=1)
+    check_all_obey(run(engine, constrained_requests("p", n=3)))
+    assert engine.get_stats()["num_preemptions"] > 0
+    spec = make_engine(num_scheduler_steps=1, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    repeat = (
+        "free-text",
+        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+    )  # greedy demo output repeats itself
+    check_all_obey(run(spec, constrained_requests("s") + [repeat]))
+    stats = spec.get_stats()
+    assert stats["spec_decode_num_drafts"] > 0  # the unconstrained row speculated
+
+
+@pytest.mark.isolated
+def test_valid_under_tensor_parallelism():
+    engine = make_engine(tensor_parallel_size=2, num_scheduler_steps=1)
+    check_all_obey(run(engine, constrained_requests("t")))

@@ -34,6 +34,7 @@ import llguidance
 import llguidance.numpy
 
 import jaxpaged.worker.model_runner as model_runner
+from benchmarks.results_files import save_results
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
@@ -185,7 +186,7 @@ def markdown(result: dict) -> str:
         f"Schema check {c['check_ms']} ms; compile cold {c['compile_cold_ms']} ms, cached {c['compile_cached_ms']} ms; "
         f"a fresh matcher's first mask {c['first_mask_ms']} ms (medians).",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -197,11 +198,7 @@ def main() -> None:
     for batch in args.batches:
         result["rows"].append(measure(batch))
         if args.output:  # after every row: a slow one never costs the others
-            with open(args.output, "w") as f:
-                json.dump(result, f, indent=1)
-                f.write("\n")
-            with open(os.path.splitext(args.output)[0] + ".md", "w") as f:
-                f.write(markdown(result))
+            save_results(args.output, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def test_bench_startup_compiles_and_reports_every_program(tmp_path, capsys, scan
     report = json.loads(out.read_text())
     names = [row["program"] for row in report["programs"]]
     # token buckets 16 and 32 (2 seqs each) -> 2 mixed steps; decode bucket 16 -> a decode step and
-    # fused steps; 2 seqs of 1 row -> two samplers
+    # fused steps; 2 seqs of 1 row -> four samplers (with and without a token mask)
     assert names == [
         "memory probe: mixed step, 32 tokens x 1 step(s), 2 seqs",
         "mixed step, 16 tokens x 1 step(s), 2 seqs",
@@ -39,9 +39,11 @@ def test_bench_startup_compiles_and_reports_every_program(tmp_path, capsys, scan
         "decode step, 16 tokens x 4 step(s), sampler plain, 2 seqs",
         "sampler plain, 2 seqs x 1 row(s)",
         "sampler filter+logprobs, 2 seqs x 1 row(s)",
+        "sampler mask, 2 seqs x 1 row(s)",
+        "sampler filter+logprobs+mask, 2 seqs x 1 row(s)",
         "penalty-row seeding",
     ]
-    assert report["num_programs"] == 8 and report["scan_layers"] is scan and report["compile_threads"] == 2
+    assert report["num_programs"] == 10 and report["scan_layers"] is scan and report["compile_threads"] == 2
     assert report["num_layers"] == 4 and report["platform"] == "cpu" and report["compilation_cache_dir"] is None
     # (the samplers and the seeding program are the same in both cases: JAX may reuse them from
     # memory within a process)

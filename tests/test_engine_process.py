@@ -17,7 +17,7 @@ from jaxpaged.engine.core_process import EngineCoreProcess
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError
 
 # Fused windows of 4 decode steps: a stop string can end inside one (its later tokens dropped).
@@ -130,6 +130,27 @@ def test_prompt_logprobs_and_logit_bias_cross_the_process(engines):
     (a, a_tokens, prompt), (b, b_tokens, _) = asyncio.run(run(threaded, "t-plp")), asyncio.run(run(process, "p-plp"))
     assert a == b and len(a) == len(prompt) and a[0] is None
     assert a_tokens == b_tokens == [100] * 4
+
+
+def test_structured_outputs_in_the_child_match_and_a_bad_grammar_fails_alone(engines):
+    """Matchers live in the child: the same constrained outputs as on a thread (greedy, seeded
+    n=2); an invalid grammar is the ValueError naming the field, from the child."""
+    threaded, process = engines
+    cases = {
+        "regex": SamplingParams(
+            temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,6}-[0-9]{2}")
+        ),
+        "choice, n=2": SamplingParams(
+            temperature=1.0, seed=5, n=2, structured_outputs=StructuredOutputsParams(choice=["light", "dark"])
+        ),
+    }
+    for name, params in cases.items():
+        a = collect(threaded, PROMPT, params, f"t-so-{name}")
+        assert a == collect(process, PROMPT, params, f"p-so-{name}"), name
+        assert all(c["finish"] == "stop" for c in a["total"].values()), a
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a[b"))
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex:"):
+        collect(process, PROMPT, bad, "p-so-bad")
 
 
 def test_abort_frees_the_child_s_blocks_and_a_bad_request_fails_alone(engines):

@@ -8,7 +8,7 @@ import sys
 import jaxpaged
 
 # Whole subpackages that must stay JAX-free (every module in them, found from the tree).
-HOST_PACKAGES = ("config", "core", "params", "planning")
+HOST_PACKAGES = ("config", "core", "params", "planning", "structured")
 HOST_MODULES = [
     "jaxpaged",
     "jaxpaged.engine",

@@ -20,6 +20,7 @@ LAYERS = (
     "config",  # static facts: the model's configuration, its architecture and parameter table, options, quantization
     "params",  # a model state's arrays derived from the architectures' parameter tables (no JAX)
     "core",  # the host side: sequences, block manager, scheduler, detokenizer (no JAX)
+    "structured",  # structured outputs: llguidance grammars, matchers, token masks (no JAX)
     "parallel",  # the sharding rules, the device mesh, several processes
     "model",  # the NNX model, its KV pool and metadata, the sampler
     "checkpoint",  # checkpoint files, the HF tensor map, loading and conversion

@@ -173,8 +173,8 @@ def test_bench_startup_compiles_the_demo_engine_for_an_h100(tmp_path):
     report = json.loads(out.read_text())
     assert report["device"] == "NVIDIA H100 80GB HBM3" and report["deviceless"] is True
     assert report["platform"] == "gpu" and report["scan_layers"] is False
-    # probe, 2 mixed, a decode and fused decode steps, 2 samplers, seeding
-    assert report["num_programs"] == len(report["programs"]) == 8
+    # probe, 2 mixed, a decode and fused decode steps, 4 samplers (with and without a mask), seeding
+    assert report["num_programs"] == len(report["programs"]) == 10
     assert np.isclose(report["total_compile_s"], sum(p["compile_s"] for p in report["programs"]), atol=0.01)
 
 
@@ -205,5 +205,5 @@ def test_no_h100_sampler_waits_on_the_host(tmp_path, options):
     """The samplers an H100 runs (both variants; with proposals, R rows per sequence) wait on
     nothing (the step programs are checked with the pool sizes above, in every configuration)."""
     compiled, _ = compile_for_h100(tiny_dir(tmp_path), SMALL_POOL, samplers=True, **options)
-    assert any("sampler filter+logprobs" in p for p in compiled) and all("sampler" in p for p in compiled)
+    assert any("sampler filter+logprobs+mask" in p for p in compiled) and all("sampler" in p for p in compiled)
     assert_no_host_waits(compiled)

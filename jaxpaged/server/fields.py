@@ -58,7 +58,13 @@ REFUSED: dict[str, tuple[str, Refused]] = {
     "return_tokens_as_token_ids": (BOTH, Refused("logprobs name tokens by their text")),
     "return_token_ids": (BOTH, Refused("responses carry text, not token ids")),
     "mm_processor_kwargs": (BOTH, Refused("there is no multimodal input")),
-    "prompt_logprobs": (BOTH, Refused("prompt logprobs are not supported yet", lambda v, body: v is None)),
+    # completions declare prompt_logprobs (and echo) themselves; on chat they are refused
+    "prompt_logprobs": (
+        CHAT,
+        Refused(
+            "prompt logprobs are answered on /v1/completions (with echo or prompt_logprobs)", lambda v, body: v is None
+        ),
+    ),
     "truncation_side": (BOTH, Refused("truncation keeps the last tokens", lambda v, body: v in (None, "left"))),
     "thinking_token_budget": (BOTH, Refused("there is no reasoning model support")),
     "watermarking": (BOTH, Refused("there is no watermarking")),

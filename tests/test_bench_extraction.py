@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxpaged.bench import extraction, extraction_data
+from jaxpaged.cli import main
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
 
@@ -47,3 +48,26 @@ def test_bad_flags_are_named(flag, value, message):
     setattr(args, flag, value)
     with pytest.raises(ValueError, match=message):
         extraction.check_flags(args)
+
+
+def test_a_constrained_configuration_end_to_end(tmp_path, capsys):
+    """One configuration in its own process (the others differ only in engine flags and whether
+    the schema is sent): every output follows the schema, the shared prefix is hit."""
+    out = tmp_path / "extraction.json"
+    argv = ["bench", "extraction", "--num-prompts", "4", "--prefix-len", "200", "--note-len", "20,60"]
+    argv += ["--output-len", "450", "--configs", "json+prefix-cache", "--output-json", str(out)]
+    argv += [
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "64",
+        "--num-scheduler-steps",
+        "1",
+        "--dtype",
+        "float32",
+    ]
+    assert main(argv) == 0
+    run = json.loads(out.read_text())["runs"]["json+prefix-cache"]
+    assert run["valid_fraction"] == 1.0 and run["finish_reasons"] == {"stop": 4} and run["num_requests"] == 4
+    assert run["prefix_cache_hit_rate"] > 0 and run["ttft_ms"]["p99"] >= run["ttft_ms"]["p50"] > 0
+    assert "| json+prefix-cache | " in capsys.readouterr().out

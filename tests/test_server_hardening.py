@@ -34,10 +34,13 @@ import uvicorn
 from jaxpaged.core.request_state import RequestState
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.entrypoints.llm import LLM
+from jaxpaged.outputs import CompletionOutput, Logprob
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine
 from jaxpaged.server.http_protocol import guarded_h11_protocol
 from jaxpaged.server.limits import ServerLimits
+from jaxpaged.server.serving import _Choice, _Kind
 
 SETTINGS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=1)
 KEY = "sk-hardening"
@@ -411,6 +414,64 @@ def test_response_size_budget(demo):
     assert over.status_code == 400 and error["param"] == "max_tokens" and "--max-response-entries" in error["message"]
     assert "6000" in error["message"]
     assert demo.complete(n=8, max_tokens=100, logprobs=5, temperature=1).status_code == 200  # 4,800
+
+
+def _deltas(num_tokens: int, top: int, chunk: int) -> list[CompletionOutput]:
+    """One completion's outputs, `chunk` tokens each, with made-up logprobs (-inf and odd text included)."""
+    outs = []
+    for start in range(0, num_tokens, chunk):
+        ids = list(range(start, min(start + chunk, num_tokens)))
+        lps = [
+            {
+                t: Logprob(-0.5 * t, 1 + t % 3, f't{t}"é'),
+                **{100 + r: Logprob(float("-inf") if r == 2 else -float(r), r, None) for r in range(1, top + 1)},
+            }
+            for t in ids
+        ]
+        done = start + chunk >= num_tokens
+        text = "".join(f't{t}"é' for t in ids)
+        outs.append(CompletionOutput(0, text, ids, None, lps, "length" if done else None))
+    return outs
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_non_streamed_response_is_rendered_as_its_outputs_arrive(chat):
+    """Each delta's logprobs become JSON strings at once (no `Logprob` object outlives its delta: a
+    response of n x max_tokens x top logprobs entries leaves nothing for full GCs to walk); the
+    body is the same as rendering every token's logprobs at the end."""
+    kind = _Kind(chat=chat, num_logprobs=3)
+    outs = _deltas(num_tokens=11, top=3, chunk=4)
+    choice = _Choice(kind, outs[0])
+    for out in outs:
+        choice.add(out)
+    assert all(isinstance(part, str) for parts in choice.parts.values() for part in parts)
+    ids = [t for out in outs for t in out.token_ids]
+    lps = [entry for out in outs for entry in out.logprobs]
+    text = "".join(out.text for out in outs)
+    whole = kind.choice(2, text, ids, lps, outs[-1], chunk=False)
+    assert json.loads(choice.render(2)) == whole
+    assert choice.render(2) == json.dumps(whole, ensure_ascii=False, separators=(",", ":"))
+    no_logprobs = _Choice(_Kind(chat=chat, num_logprobs=None), outs[0])
+    no_logprobs.add(outs[0])
+    assert json.loads(no_logprobs.render(0))["logprobs"] is None
+
+
+def test_streamed_logprobs_are_handed_out_not_kept():
+    state = RequestState(
+        "r", None, [1, 2], SamplingParams(n=2, logprobs=3, output_kind=RequestOutputKind.DELTA), None, 0.0
+    )
+    for step in range(5):
+        for c in state.completions:
+            c.token_ids.append(step)
+            state.record_logprobs(c, step, -1.0, 1, [step, 7, 8], [-1.0, -2.0, -3.0])
+        out = state.make_output()
+        assert [len(c.logprobs) for c in out.outputs] == [1, 1] and out.outputs[0].logprobs[0][step].logprob == -1.0
+        assert [c.logprobs for c in state.completions] == [[], []]
+    cumulative = RequestState("r", None, [1], SamplingParams(logprobs=1), None, 0.0)
+    for step in range(3):
+        cumulative.completions[0].token_ids.append(step)
+        cumulative.record_logprobs(cumulative.completions[0], step, -1.0, 1, [step], [-1.0])
+        assert len(cumulative.make_output().outputs[0].logprobs) == step + 1
 
 
 def test_tiny_top_p_is_refused_or_keeps_the_top_token(demo):

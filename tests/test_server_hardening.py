@@ -15,6 +15,7 @@ CI's venv built from `pip install -e '.[server]'` alone).
   bounded echoes of client input, and a second SIGTERM's shapes.
 """
 
+import argparse
 import asyncio
 import gc
 import json
@@ -521,6 +522,73 @@ def test_error_messages_echo_a_bounded_prefix(demo):
 def test_head_health(demo):
     assert httpx.head(demo.url + "/health", trust_env=False).status_code == 200
     assert httpx.head(demo.url + "/live", trust_env=False).status_code == 200
+
+
+def test_at_the_connection_cap_the_503_is_openai_shaped_with_retry_after():
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    limits = ServerLimits(limit_concurrency=2)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="error", http=guarded_h11_protocol(limits), limit_concurrency=limits.limit_concurrency
+    )
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        assert httpx.get(url, trust_env=False).status_code == 200  # one connection: under the cap
+        with socket.create_connection(("127.0.0.1", port)):  # a second one, open: the cap is reached
+            time.sleep(0.2)
+            busy = httpx.get(url, trust_env=False)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        error = busy.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "server_overloaded"
+        assert "--limit-concurrency" in error["message"]
+        time.sleep(0.2)
+        assert httpx.get(url, trust_env=False).status_code == 200
+    finally:
+        server.should_exit = True
+
+
+PREFLIGHT = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+
+
+def test_cors_preflights_need_no_key_and_follow_vllms_defaults(demo):
+    preflight = httpx.options(demo.url + "/v1/chat/completions", headers=PREFLIGHT, trust_env=False)
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-credentials" not in preflight.headers
+    # the 401 itself carries CORS headers, so a browser app can read why it failed
+    refused = httpx.get(demo.url + "/v1/models", headers={"Origin": "https://app.example"}, trust_env=False)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_flags(demo):
+    from starlette.testclient import TestClient
+
+    from jaxpaged.server.app import CorsPolicy
+    from jaxpaged.server.cli import _json_list
+
+    closed = TestClient(build_app(demo.async_engine, "demo", api_key=KEY, cors=CorsPolicy(allowed_origins=())))
+    response = closed.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert response.status_code == 405 and "access-control-allow-origin" not in response.headers  # not 401
+    policy = CorsPolicy(("https://app.example",), ("POST",), ("authorization",), allow_credentials=True)
+    strict = TestClient(build_app(demo.async_engine, "demo", api_key=KEY, cors=policy))
+    allowed = strict.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+    assert allowed.headers["access-control-allow-credentials"] == "true"
+    other = strict.options("/v1/chat/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    assert _json_list('["*"]') == ["*"]
+    for bad in ("*", '"*"', "[1]"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _json_list(bad)
 
 
 def test_second_sigterm_ends_the_drain_with_clean_shapes(tmp_path):

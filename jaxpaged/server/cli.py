@@ -8,6 +8,7 @@ import argparse
 import errno
 import gc
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -93,7 +94,35 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="threads that tokenize and detokenize off the event loop",
     )
+    for name, what in (
+        ("origins", "origins (e.g. https://app.example)"),
+        ("methods", "methods"),
+        ("headers", "headers"),
+    ):
+        parser.add_argument(
+            f"--allowed-{name}",
+            type=_json_list,
+            default=["*"],
+            metavar="JSON",
+            help=f"vLLM's CORS flag, as a JSON list: the {what} browsers may use across origins "
+            f'(default: ["*"], any, as in vLLM{"; [] sends no CORS headers at all" if name == "origins" else ""})',
+        )
+    parser.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="vLLM's CORS flag: allow credentials (default: off, as in vLLM)",
+    )
     add_limit_flags(parser)
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON list of strings, e.g. '[\"*\"]'")
+    return value
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -160,7 +189,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     import uvicorn
 
-    from jaxpaged.server.app import build_app
+    from jaxpaged.server.app import CorsPolicy, build_app
     from jaxpaged.server.async_engine import AsyncEngine
 
     exit_code = 0
@@ -193,6 +222,12 @@ def serve(args: argparse.Namespace) -> int:
         max_sequences_per_request=args.max_sequences_per_request,
         tokenizer_pool_size=args.tokenizer_pool_size,
         limits=limits,
+        cors=CorsPolicy(
+            tuple(args.allowed_origins),
+            tuple(args.allowed_methods),
+            tuple(args.allowed_headers),
+            args.allow_credentials,
+        ),
     )
     from jaxpaged.server.http_protocol import guarded_h11_protocol
 

@@ -380,7 +380,9 @@ async def _collect(stream: RequestStream, kind: _Kind, index_of: dict) -> tuple[
                 i = index_of[out.request_id] + c.index
                 choice = choices.get(i) or choices.setdefault(i, _Choice(kind, c))
                 choice.add(c)
-            await asyncio.sleep(0)  # a backlog of outputs is rendered one at a time, between other work
+                # one sequence's tokens of one step at a time, between other work (`/health`):
+                # an output of n sequences x K steps x top logprobs is tens of milliseconds
+                await asyncio.sleep(0)
     finally:
         stream.abort()
     return choices, usage

@@ -591,6 +591,28 @@ def test_cors_flags(demo):
             _json_list(bad)
 
 
+def test_readme_lists_every_limit_with_its_flag_and_default():
+    import dataclasses
+    import pathlib
+    import re
+
+    from jaxpaged.server.cli import add_serve_flags
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### Running in production")[1].split("\n## ")[0]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\s*\| .* \| `(--[a-z0-9-]+)` \| ([^|]+) \|$", section, re.M)}
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    defaults = {action.option_strings[0]: action.default for action in parser._actions if action.option_strings}
+    for f in dataclasses.fields(ServerLimits):
+        defaults[f"--{f.name.replace('_', '-')}"] = f.default  # --limit-concurrency's parser default is None
+        assert f"--{f.name.replace('_', '-')}" in rows, f.name
+    for flag, cell in rows.items():
+        number, unit = re.match(r"([\d,.]+)( [KM]iB)?", cell).groups()
+        value = float(number.replace(",", "")) * {None: 1, " KiB": 2**10, " MiB": 2**20}[unit]
+        assert value == defaults[flag], (flag, cell, defaults[flag])
+
+
 def test_second_sigterm_ends_the_drain_with_clean_shapes(tmp_path):
     proc, url, log = _serve(tmp_path, "--shutdown-timeout", "600", "--max-model-len", "1024")
     body = {"prompt": "And", "max_tokens": 1000, "ignore_eos": True}

@@ -375,6 +375,20 @@ def test_long_lists_of_bad_elements_get_small_400s(demo):
     assert error["param"] == "prompt" and "at most 128 items" in error["message"] and "100000" in error["message"]
 
 
+def test_large_integer_list_bodies_are_parsed_off_the_event_loop(demo, monkeypatch):
+    from jaxpaged.server import request_body
+
+    on_loop = []
+    parse = request_body._parse
+    monkeypatch.setattr(
+        request_body, "_parse", lambda *a: on_loop.append(asyncio._get_running_loop() is not None) or parse(*a)
+    )
+    small = _post_json(demo, "/v1/completions", {"prompt": [5] * 10, "max_tokens": 1})
+    big = _post_json(demo, "/v1/completions", {"prompt": [5] * 500_000, "max_tokens": 1})  # 1.5 MB
+    assert small.status_code == 200 and big.status_code == 400 and len(big.content) < 1024
+    assert on_loop == [True, False]  # a small body on the loop; the big one on a worker thread
+
+
 def test_connections_without_headers_are_closed_after_the_header_timeout(demo):
     sockets = [socket.create_connection(("127.0.0.1", demo.port)) for _ in range(20)]
     for s in sockets:

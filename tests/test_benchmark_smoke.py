@@ -3,7 +3,8 @@
 The real runs need a GPU; these keep the scripts from rotting:
 - `benchmarks/kernels_gpu.py`, as gpu_run.py's kernels stage runs it: its bandwidth probe,
   correctness checks, timing loops, peers (JAX's Pallas paged attention is lowered for CUDA, not
-  run), table and JSON;
+  run), table and JSON; then the stage's `benchmarks/kv_transfer_bandwidth.py` on tiny shapes,
+  every copy path reported (one run serves both: it was also run on its own before);
 - `benchmarks/gpu_run.py`: the ShareGPT preparation, then every stage in its own processes, each
   stage's JSON and log, the summary after every stage, and a stage out of time recorded as such
   while the later stages still run;
@@ -50,6 +51,11 @@ def test_kernel_benchmark_smoke(tmp_path):
         record["headline"]["kv_offload_GBps"] > 0 and record["headline"]["kv_load_GBps"] > 0
     )  # the host tier's copies
     assert record["headline"]["checks"] == len(results["checks"]) and record["headline"]["best_decode"]
+    # the stage's second step, `kv_transfer_bandwidth.py --blocks 8 --repeats 1` on the demo model
+    transfer = json.loads((work / "kv_transfer_result.json").read_text())
+    assert set(transfer["GB_per_s"]) == {"offload", "load", "device_get", "device_put", "to_pinned"}
+    assert all(rate > 0 for rate in transfer["GB_per_s"].values()) and transfer["memory_kind"] == "pinned_host"
+    assert transfer["bytes"] == 8 * transfer["block_bytes"]
 
 
 STAGES = ("kernels", "startup", "engine_start", "latency", "throughput", "serve")
@@ -120,36 +126,6 @@ def test_gpu_run_refuses_without_a_gpu(tmp_path):
     proc = run_gpu_script("--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), timeout=120)
     assert proc.returncode == 2 and "REFUSED" in proc.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["device"]["refused"] is True
-
-
-def test_kv_transfer_bandwidth_runs_and_reports_every_path(tmp_path):
-    """`benchmarks/kv_transfer_bandwidth.py` (for the GPU run's host-tier figures) on tiny shapes."""
-    out = tmp_path / "bw.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.kv_transfer_bandwidth",
-            "--model",
-            os.path.join(ROOT, "jaxpaged", "demo_model"),
-            "--blocks",
-            "8",
-            "--repeats",
-            "1",
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert set(result["GB_per_s"]) == {"offload", "load", "device_get", "device_put", "to_pinned"}
-    assert all(rate > 0 for rate in result["GB_per_s"].values()) and result["memory_kind"] == "pinned_host"
-    assert result["bytes"] == 8 * result["block_bytes"]
 
 
 def test_kv_tiers_benchmark_runs_its_configurations_in_processes(tmp_path):

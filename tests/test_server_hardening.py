@@ -15,6 +15,7 @@ CI's venv built from `pip install -e '.[server]'` alone).
   bounded echoes of client input, and a second SIGTERM's shapes.
 """
 
+import argparse
 import asyncio
 import gc
 import json
@@ -34,10 +35,13 @@ import uvicorn
 from jaxpaged.core.request_state import RequestState
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.entrypoints.llm import LLM
+from jaxpaged.outputs import CompletionOutput, Logprob
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine
 from jaxpaged.server.http_protocol import guarded_h11_protocol
 from jaxpaged.server.limits import ServerLimits
+from jaxpaged.server.serving import _Choice, _Kind
 
 SETTINGS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=1)
 KEY = "sk-hardening"
@@ -371,6 +375,20 @@ def test_long_lists_of_bad_elements_get_small_400s(demo):
     assert error["param"] == "prompt" and "at most 128 items" in error["message"] and "100000" in error["message"]
 
 
+def test_large_integer_list_bodies_are_parsed_off_the_event_loop(demo, monkeypatch):
+    from jaxpaged.server import request_body
+
+    on_loop = []
+    parse = request_body._parse
+    monkeypatch.setattr(
+        request_body, "_parse", lambda *a: on_loop.append(asyncio._get_running_loop() is not None) or parse(*a)
+    )
+    small = _post_json(demo, "/v1/completions", {"prompt": [5] * 10, "max_tokens": 1})
+    big = _post_json(demo, "/v1/completions", {"prompt": [5] * 500_000, "max_tokens": 1})  # 1.5 MB
+    assert small.status_code == 200 and big.status_code == 400 and len(big.content) < 1024
+    assert on_loop == [True, False]  # a small body on the loop; the big one on a worker thread
+
+
 def test_connections_without_headers_are_closed_after_the_header_timeout(demo):
     sockets = [socket.create_connection(("127.0.0.1", demo.port)) for _ in range(20)]
     for s in sockets:
@@ -411,6 +429,64 @@ def test_response_size_budget(demo):
     assert over.status_code == 400 and error["param"] == "max_tokens" and "--max-response-entries" in error["message"]
     assert "6000" in error["message"]
     assert demo.complete(n=8, max_tokens=100, logprobs=5, temperature=1).status_code == 200  # 4,800
+
+
+def _deltas(num_tokens: int, top: int, chunk: int) -> list[CompletionOutput]:
+    """One completion's outputs, `chunk` tokens each, with made-up logprobs (-inf and odd text included)."""
+    outs = []
+    for start in range(0, num_tokens, chunk):
+        ids = list(range(start, min(start + chunk, num_tokens)))
+        lps = [
+            {
+                t: Logprob(-0.5 * t, 1 + t % 3, f't{t}"é'),
+                **{100 + r: Logprob(float("-inf") if r == 2 else -float(r), r, None) for r in range(1, top + 1)},
+            }
+            for t in ids
+        ]
+        done = start + chunk >= num_tokens
+        text = "".join(f't{t}"é' for t in ids)
+        outs.append(CompletionOutput(0, text, ids, None, lps, "length" if done else None))
+    return outs
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_non_streamed_response_is_rendered_as_its_outputs_arrive(chat):
+    """Each delta's logprobs become JSON strings at once (no `Logprob` object outlives its delta: a
+    response of n x max_tokens x top logprobs entries leaves nothing for full GCs to walk); the
+    body is the same as rendering every token's logprobs at the end."""
+    kind = _Kind(chat=chat, num_logprobs=3)
+    outs = _deltas(num_tokens=11, top=3, chunk=4)
+    choice = _Choice(kind, outs[0], "r")
+    for out in outs:
+        choice.add(out)
+    assert all(isinstance(part, str) for parts in choice.parts.values() for part in parts)
+    ids = [t for out in outs for t in out.token_ids]
+    lps = [entry for out in outs for entry in out.logprobs]
+    text = "".join(out.text for out in outs)
+    whole = kind.choice(2, text, ids, lps, outs[-1], chunk=False)
+    assert json.loads(choice.render(2)) == whole
+    assert choice.render(2) == json.dumps(whole, ensure_ascii=False, separators=(",", ":"))
+    no_logprobs = _Choice(_Kind(chat=chat, num_logprobs=None), outs[0], "r")
+    no_logprobs.add(outs[0])
+    assert json.loads(no_logprobs.render(0))["logprobs"] is None
+
+
+def test_streamed_logprobs_are_handed_out_not_kept():
+    state = RequestState(
+        "r", None, [1, 2], SamplingParams(n=2, logprobs=3, output_kind=RequestOutputKind.DELTA), None, 0.0
+    )
+    for step in range(5):
+        for c in state.completions:
+            c.token_ids.append(step)
+            state.record_logprobs(c, step, -1.0, 1, [step, 7, 8], [-1.0, -2.0, -3.0])
+        out = state.make_output()
+        assert [len(c.logprobs) for c in out.outputs] == [1, 1] and out.outputs[0].logprobs[0][step].logprob == -1.0
+        assert [c.logprobs for c in state.completions] == [[], []]
+    cumulative = RequestState("r", None, [1], SamplingParams(logprobs=1), None, 0.0)
+    for step in range(3):
+        cumulative.completions[0].token_ids.append(step)
+        cumulative.record_logprobs(cumulative.completions[0], step, -1.0, 1, [step], [-1.0])
+        assert len(cumulative.make_output().outputs[0].logprobs) == step + 1
 
 
 def test_tiny_top_p_is_refused_or_keeps_the_top_token(demo):
@@ -460,6 +536,95 @@ def test_error_messages_echo_a_bounded_prefix(demo):
 def test_head_health(demo):
     assert httpx.head(demo.url + "/health", trust_env=False).status_code == 200
     assert httpx.head(demo.url + "/live", trust_env=False).status_code == 200
+
+
+def test_at_the_connection_cap_the_503_is_openai_shaped_with_retry_after():
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    limits = ServerLimits(limit_concurrency=2)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="error", http=guarded_h11_protocol(limits), limit_concurrency=limits.limit_concurrency
+    )
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        assert httpx.get(url, trust_env=False).status_code == 200  # one connection: under the cap
+        with socket.create_connection(("127.0.0.1", port)):  # a second one, open: the cap is reached
+            time.sleep(0.2)
+            busy = httpx.get(url, trust_env=False)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        error = busy.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "server_overloaded"
+        assert "--limit-concurrency" in error["message"]
+        time.sleep(0.2)
+        assert httpx.get(url, trust_env=False).status_code == 200
+    finally:
+        server.should_exit = True
+
+
+PREFLIGHT = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+
+
+def test_cors_preflights_need_no_key_and_follow_vllms_defaults(demo):
+    preflight = httpx.options(demo.url + "/v1/chat/completions", headers=PREFLIGHT, trust_env=False)
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-credentials" not in preflight.headers
+    # the 401 itself carries CORS headers, so a browser app can read why it failed
+    refused = httpx.get(demo.url + "/v1/models", headers={"Origin": "https://app.example"}, trust_env=False)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_flags(demo):
+    from starlette.testclient import TestClient
+
+    from jaxpaged.server.app import CorsPolicy
+    from jaxpaged.server.cli import _json_list
+
+    closed = TestClient(build_app(demo.async_engine, "demo", api_key=KEY, cors=CorsPolicy(allowed_origins=())))
+    response = closed.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert response.status_code == 405 and "access-control-allow-origin" not in response.headers  # not 401
+    policy = CorsPolicy(("https://app.example",), ("POST",), ("authorization",), allow_credentials=True)
+    strict = TestClient(build_app(demo.async_engine, "demo", api_key=KEY, cors=policy))
+    allowed = strict.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+    assert allowed.headers["access-control-allow-credentials"] == "true"
+    other = strict.options("/v1/chat/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    assert _json_list('["*"]') == ["*"]
+    for bad in ("*", '"*"', "[1]"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _json_list(bad)
+
+
+def test_readme_lists_every_limit_with_its_flag_and_default():
+    import dataclasses
+    import pathlib
+    import re
+
+    from jaxpaged.server.cli import add_serve_flags
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### Running in production")[1].split("\n## ")[0]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\s*\| .* \| `(--[a-z0-9-]+)` \| ([^|]+) \|$", section, re.M)}
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    defaults = {action.option_strings[0]: action.default for action in parser._actions if action.option_strings}
+    for f in dataclasses.fields(ServerLimits):
+        defaults[f"--{f.name.replace('_', '-')}"] = f.default  # --limit-concurrency's parser default is None
+        assert f"--{f.name.replace('_', '-')}" in rows, f.name
+    for flag, cell in rows.items():
+        number, unit = re.match(r"([\d,.]+)( [KM]iB)?", cell).groups()
+        value = float(number.replace(",", "")) * {None: 1, " KiB": 2**10, " MiB": 2**20}[unit]
+        assert value == defaults[flag], (flag, cell, defaults[flag])
 
 
 def test_second_sigterm_ends_the_drain_with_clean_shapes(tmp_path):

@@ -16,7 +16,7 @@ class Completion:
 
     index: int
     detokenizer: IncrementalDetokenizer | NoDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: list[dict[int, Logprob]] | None  # when streaming, only those not yet handed out
     token_ids: list[int] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -121,7 +121,11 @@ class RequestState:
             delta = c.detokenizer.take_delta(c.finished)
             c.text += delta
             new_tokens = c.token_ids[c.reported_tokens :]
-            new_logprobs = c.logprobs[c.reported_tokens :] if c.logprobs is not None else None
+            new_logprobs = c.logprobs
+            if self.stream and c.logprobs is not None:
+                # Handed out, not kept: a long request with top logprobs would otherwise keep
+                # tokens x K `Logprob`s alive until it ends, for every full GC to walk.
+                c.logprobs = []
             c.reported_tokens = len(c.token_ids)
             outs.append(
                 CompletionOutput(

@@ -20,6 +20,7 @@ process it would still take the GIL from the engine every step. So `jaxpaged ser
      end of the pipe closes (the server died).
 """
 
+import gc
 import logging
 import multiprocessing
 import pickle
@@ -136,6 +137,11 @@ def run_engine_core(args: EngineArgs, conn, log_level: int, on_ready: Callable |
     except BaseException as err:
         conn.send(CoreFailed(_picklable(err), starting=True))
         return
+    # Everything alive now (JAX, the model, compiled programs) lives as long as the process: the
+    # GC's full collections need not walk it every time requests' objects trigger one (vLLM's
+    # engine core does the same).
+    gc.collect()
+    gc.freeze()
     conn.send(CoreReady(engine.config, engine.get_stats()))
     try:
         _serve(engine, conn)

@@ -5,6 +5,9 @@
     GET  /health (readiness: 200 once serving), /live (liveness: 200 while the process answers)
     POST /tokenize, /detokenize                  (vLLM's shapes)
 
+CORS follows vLLM's flags and defaults (any origin, method and header; no credentials): a
+preflight (`OPTIONS` with `Access-Control-Request-Method`) never needs the API key.
+
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: validation errors
 and bad values are 400, an unknown model 404 (`model_not_found`), a missing or wrong API key
 401 (also when more than one Authorization header is sent), an oversized body 413, an engine
@@ -13,6 +16,7 @@ that is starting, draining or at capacity 503 (at capacity with `Retry-After`), 
 internals. Request logs carry ids and token counts, never prompt text.
 """
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -22,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from jaxpaged.server.async_engine import (
@@ -31,7 +36,7 @@ from jaxpaged.server.async_engine import (
     EngineOverloadedError,
     RequestFailedError,
 )
-from jaxpaged.server.limits import ServerLimits
+from jaxpaged.server.limits import RETRY_AFTER_SECONDS, ServerLimits
 from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.protocol import (
     APIError,
@@ -47,9 +52,20 @@ from jaxpaged.server.serving import ServingContext, chat_prompt, create_chat_com
 
 logger = logging.getLogger("jaxpaged.server")
 
-RETRY_AFTER_SECONDS = 1  # what a 503 at capacity tells clients to wait
 # Probes and Prometheus scrape without the API key (as in vLLM, whose key guards only /v1).
 UNAUTHENTICATED_PATHS = ("/health", "/live", "/metrics")
+
+
+@dataclasses.dataclass(frozen=True)
+class CorsPolicy:
+    """Cross-origin access from browsers: vLLM's `--allowed-origins`, `--allowed-methods`,
+    `--allowed-headers` and `--allow-credentials`, with vLLM's defaults. No origins: no CORS
+    headers at all (browsers then refuse cross-origin calls)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 def build_app(
@@ -61,6 +77,7 @@ def build_app(
     tokenizer_pool_size: int = 2,
     limits: ServerLimits | None = None,
     tool_call_parser: str | None = None,
+    cors: CorsPolicy | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over an `AsyncEngine` (which may still be starting).
 
@@ -74,6 +91,7 @@ def build_app(
       limits: the body, request and stream limits (`ServerLimits()`'s defaults when None).
       tool_call_parser: the parser of `tool_choice: "auto"` replies (`tool_parsers.TOOL_PARSERS`);
         None refuses "auto" (vLLM's `--enable-auto-tool-choice` not given).
+      cors: which browser origins may call (`CorsPolicy()`, vLLM's defaults, when None).
     """
     limits = limits or ServerLimits()
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -90,6 +108,15 @@ def build_app(
     created = int(time.time())
     app.state.ctx, app.state.metrics = ctx, metrics
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_request_body_bytes)
+    cors = cors or CorsPolicy()
+    if cors.allowed_origins:  # outside the guard: preflights are answered here, and 401s carry CORS headers
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
     _add_error_handlers(app)
 
     async def body_of(raw: Request, model):
@@ -229,7 +256,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class _Guard:
-    """ASGI middleware: the API key check and the body-size cap, before any route runs."""
+    """ASGI middleware: the API key check (not for CORS preflights, which carry no credentials) and
+    the body-size cap, before any route runs."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.max_body_bytes = app, max_body_bytes
@@ -243,7 +271,8 @@ class _Guard:
         # A response sent before the whole body was read closes the connection: otherwise the
         # server would go on reading (and parsing) a body nobody wants, e.g. one byte per chunk.
         body_unread = b"transfer-encoding" in headers or length not in (b"", b"0")
-        if self.expected and scope["path"] not in UNAUTHENTICATED_PATHS:
+        preflight = scope["method"] == "OPTIONS" and b"access-control-request-method" in headers
+        if self.expected and scope["path"] not in UNAUTHENTICATED_PATHS and not preflight:
             given = [value for name, value in scope["headers"] if name == b"authorization"]
             if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
                 message = "invalid or missing API key; send 'Authorization: Bearer <key>'"

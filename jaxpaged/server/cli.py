@@ -6,7 +6,9 @@ jaxpaged serve /path/to/model --port 8000 --max-model-len 4096 --api-key sk-loca
 
 import argparse
 import errno
+import gc
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -107,7 +109,35 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="vLLM's: the model's tool-call format, for --enable-auto-tool-choice: llama3_json (Llama 3.1/3.2 "
         'JSON tool calls, {"name": ..., "parameters": ...}), hermes (<tool_call>{...}</tool_call>: Hermes, Qwen)',
     )
+    for name, what in (
+        ("origins", "origins (e.g. https://app.example)"),
+        ("methods", "methods"),
+        ("headers", "headers"),
+    ):
+        parser.add_argument(
+            f"--allowed-{name}",
+            type=_json_list,
+            default=["*"],
+            metavar="JSON",
+            help=f"vLLM's CORS flag, as a JSON list: the {what} browsers may use across origins "
+            f'(default: ["*"], any, as in vLLM{"; [] sends no CORS headers at all" if name == "origins" else ""})',
+        )
+    parser.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="vLLM's CORS flag: allow credentials (default: off, as in vLLM)",
+    )
     add_limit_flags(parser)
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON list of strings, e.g. '[\"*\"]'")
+    return value
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -178,7 +208,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     import uvicorn
 
-    from jaxpaged.server.app import build_app
+    from jaxpaged.server.app import CorsPolicy, build_app
     from jaxpaged.server.async_engine import AsyncEngine
 
     exit_code = 0
@@ -202,6 +232,7 @@ def serve(args: argparse.Namespace) -> int:
     if not args.engine_process:
         engine = build
     async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting, on_dead=on_dead)
+    async_engine.when_ready(_freeze_startup_heap)
     app = build_app(
         async_engine,
         name,
@@ -211,6 +242,12 @@ def serve(args: argparse.Namespace) -> int:
         tokenizer_pool_size=args.tokenizer_pool_size,
         limits=limits,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        cors=CorsPolicy(
+            tuple(args.allowed_origins),
+            tuple(args.allowed_methods),
+            tuple(args.allowed_headers),
+            args.allow_credentials,
+        ),
     )
     from jaxpaged.server.http_protocol import guarded_h11_protocol
 
@@ -244,6 +281,18 @@ def serve(args: argparse.Namespace) -> int:
         async_engine.shutdown()  # aborts what is left; every KV block returns
     logger.info("server stopped (exit code %d)", exit_code)
     return exit_code
+
+
+def _freeze_startup_heap() -> None:
+    """Takes what start-up left alive (modules, tokenizer, app) out of the GC's full collections.
+
+    A full collection walks every tracked object while holding the interpreter lock: over the
+    start-up heap that is a few hundred milliseconds of nobody answering `/health`, each time
+    requests' garbage triggers one. Frozen objects are never walked again (vLLM's API server does
+    the same once it is up). Runs once, before `/health` says ready.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -5,15 +5,38 @@ headers and then nothing stays open forever, and it accepts every connection it 
 client holding thousands of half-sent requests exhausts the process's file descriptors and
 `/health` stops answering. Here a connection must complete each request's header block within
 `timeout_header` seconds of opening (or of its previous response), and connections past
-`max_connections` are closed as soon as they open.
+`max_connections` are closed as soon as they open. Requests past uvicorn's `limit_concurrency`
+get a 503 in OpenAI's error shape with `Retry-After` (uvicorn's own is plain text).
 """
 
 import asyncio
+import json
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from jaxpaged.server.limits import ServerLimits
+from jaxpaged.server.limits import RETRY_AFTER_SECONDS, ServerLimits
+from jaxpaged.server.protocol import error_body
+
+_AT_CAPACITY = json.dumps(
+    error_body(
+        "the server is at its limit of concurrent connections and requests (--limit-concurrency); retry later",
+        "server_error",
+        code="server_overloaded",
+    )
+).encode()
+
+
+async def _at_capacity(scope, receive, send) -> None:
+    """The 503 for requests past `limit_concurrency` (the connection is closed after it, as uvicorn's)."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(_AT_CAPACITY)).encode()),
+        (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": _AT_CAPACITY})
 
 
 def guarded_h11_protocol(limits: ServerLimits) -> type[H11Protocol]:
@@ -21,6 +44,12 @@ def guarded_h11_protocol(limits: ServerLimits) -> type[H11Protocol]:
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            # uvicorn's check, made here so that the answer has OpenAI's shape
+            self._limit_concurrency, self.limit_concurrency = self.limit_concurrency, None
+            self._app = self.app
 
         def connection_made(self, transport) -> None:  # uvloop transports are not asyncio.Transport
             if len(self.connections) >= limits.max_connections:
@@ -41,6 +70,9 @@ def guarded_h11_protocol(limits: ServerLimits) -> type[H11Protocol]:
 
         def handle_events(self) -> None:
             cycle = self.cycle
+            limit = self._limit_concurrency
+            busy = limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
+            self.app = _at_capacity if busy else self._app  # read by the request this call starts, if any
             super().handle_events()
             if self.cycle is not cycle:  # a request's header block arrived
                 self._disarm_header_timer()

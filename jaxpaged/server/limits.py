@@ -20,6 +20,8 @@ from jaxpaged.entrypoints.cli_flags import flag_name
 # Connections above `limit_concurrency` that are still accepted (and answered 503 by uvicorn),
 # so probes and metrics scrapes reach a saturated server; more are closed as they open.
 CONNECTION_HEADROOM = 64
+# What a 503 at capacity (requests or connections) tells clients to wait, in seconds.
+RETRY_AFTER_SECONDS = 1
 # File descriptors the process keeps for itself beyond its connections (model files, logs, pipes).
 RESERVED_FILES = 256
 

@@ -446,35 +446,90 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: _Kind
     if body.stream:
         events = _events(stream, kind, head, index_of, params.n * len(prompts), body.include_usage)
         return EventStreamResponse(events, on_close=stream.abort, write_timeout=ctx.limits.stream_write_timeout)
-    result = await run_until_disconnect(raw, _collect(stream, kind, head, index_of))
+    result = await run_until_disconnect(raw, _collect(stream, kind, index_of))
     if result is None:
         logger.info("%s: client disconnected; aborted", request_id)
         return Response(status_code=499)
-    # A response may be megabytes (n x max_tokens x top logprobs): it is built and serialised on
-    # a worker thread, one choice per `json.dumps` call, so the event loop gets the interpreter
-    # back between calls and `/health` answers meanwhile.
-    content = await asyncio.to_thread(_render, kind, *result)
-    logger.info("%s: finished, %d completion tokens, %d response bytes", head["id"], result[2].completion, len(content))
+    choices, usage = result
+    # Only the joining of finished JSON fragments is left (megabytes at most: one C call each).
+    content = await asyncio.to_thread(_render, kind, head, choices, usage)
+    logger.info("%s: finished, %d completion tokens, %d response bytes", head["id"], usage.completion, len(content))
     return Response(content, media_type="application/json")
 
 
-def _render(kind: _Kind, head: dict, acc: dict, usage: "_Usage") -> bytes:
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class _Choice:
+    """One choice of a non-streamed response, built as its outputs arrive.
+
+    Its logprobs are turned into JSON fragments (strings) delta by delta, on the event loop, a
+    step's tokens at a time: a response of n x max_tokens x top logprobs entries keeps no such
+    number of Python objects alive. That matters beyond memory: the garbage collector's full
+    collections walk every live container while holding the interpreter lock, and with a
+    quarter of a million `Logprob`s alive they stalled `/health` for up to a second (py-spy:
+    `gc_collect_main` under the render and output threads). Strings are not tracked by the GC.
+    """
+
+    KEYS = {False: ("tokens", "token_logprobs", "top_logprobs", "text_offset"), True: ("content",)}
+
+    def __init__(self, kind: _Kind, c: CompletionOutput, request_id: str):
+        self.kind, self.last, self.text, self.offset = kind, c, "", 0
+        self.request_id = request_id
+        self.parts: dict[str, list[str]] = {key: [] for key in self.KEYS[kind.chat]}
+        # With echo or prompt_logprobs the choice is rendered whole at the end (the prompt's
+        # logprobs come with a sibling's first output): scoring requests, a few tokens long.
+        self.whole = kind.echo is not None or kind.prompt_logprobs
+        self.ids: list[int] = []
+        self.lps: list = []
+        self.prompt_lps: list | None = None  # set by `_collect` when the stream ends
+
+    def add(self, c: CompletionOutput) -> None:
+        self.text += c.text
+        self.last = c
+        if self.whole:
+            self.ids += c.token_ids
+            self.lps += c.logprobs or []
+            return
+        if self.kind.num_logprobs is None or not c.logprobs:
+            return
+        if self.kind.chat:
+            lps = _chat_logprobs(c.token_ids, c.logprobs, self.kind.num_logprobs)
+        else:
+            lps = _completion_logprobs(c.token_ids, c.logprobs, self.kind.num_logprobs, self.offset)
+            self.offset += sum(len(token) for token in lps["tokens"])
+        for key, parts in self.parts.items():
+            parts.append(_dumps(lps[key])[1:-1])  # the list's items, without its brackets
+
+    def render(self, index: int) -> str:
+        """The choice's JSON (the same as `_Kind.choice` with every token's logprobs)."""
+        if self.whole:
+            return _dumps(self._whole_choice(index))
+        body = self.kind.choice(index, self.text, [], None, self.last, chunk=False)
+        keys = list(body)
+        cut = keys.index("logprobs")
+        left, right = (_dumps({k: body[k] for k in part}) for part in (keys[:cut], keys[cut + 1 :]))
+        lps = "null"
+        if self.kind.num_logprobs is not None:
+            lps = "{" + ",".join(f'"{key}":[{",".join(p for p in parts if p)}]' for key, parts in self.parts.items())
+            lps += "}"
+        return f'{left[:-1]},"logprobs":{lps},{right[1:]}'
+
+    def _whole_choice(self, index: int) -> dict:
+        """The choice with the prompt in front (`echo`) and vLLM's `prompt_logprobs` when asked."""
+        kind, text, ids, lps, first = self.kind, self.text, self.ids, self.lps, ""
+        if kind.echo is not None:
+            text, ids, lps, first = kind.echoed(kind.prompt_of[self.request_id], text, ids, lps, self.prompt_lps)
+        choice = kind.choice(index, text, ids, lps, self.last, chunk=False, first_text=first)
+        if kind.prompt_logprobs:
+            choice["prompt_logprobs"] = _prompt_logprobs_json(self.prompt_lps)
+        return choice
+
+
+def _render(kind: _Kind, head: dict, choices: dict[int, _Choice], usage: "_Usage") -> bytes:
     """The response body: `head`, the choices in index order, and the usage, as JSON bytes."""
-    dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    choices = (_final_choice(kind, i, a) for i, a in sorted(acc.items()))
-    parts = ",".join(dumps(choice) for choice in choices)
-    return f'{dumps(head)[:-1]},"choices":[{parts}],"usage":{dumps(usage.to_dict())}}}'.encode()
-
-
-def _final_choice(kind: _Kind, index: int, a: dict) -> dict:
-    """One choice of a whole response, the prompt in front with `echo`."""
-    text, ids, lps, first = a["text"], a["ids"], a["lps"], ""
-    if kind.echo is not None:
-        text, ids, lps, first = kind.echoed(kind.prompt_of[a["rid"]], text, ids, lps, a["prompt_lps"])
-    choice = kind.choice(index, text, ids, lps, a["c"], chunk=False, first_text=first)
-    if kind.prompt_logprobs:
-        choice["prompt_logprobs"] = _prompt_logprobs_json(a["prompt_lps"])
-    return choice
+    parts = ",".join(choices[i].render(i) for i in sorted(choices))
+    return f'{_dumps(head)[:-1]},"choices":[{parts}],"usage":{_dumps(usage.to_dict())}}}'.encode()
 
 
 def _prompt_logprobs_json(entries: list | None) -> list | None:
@@ -492,9 +547,9 @@ def _prompt_logprobs_json(entries: list | None) -> list | None:
     ]
 
 
-async def _collect(stream: RequestStream, kind: _Kind, head: dict, index_of: dict) -> tuple[dict, dict, "_Usage"]:
+async def _collect(stream: RequestStream, kind: _Kind, index_of: dict) -> tuple[dict[int, _Choice], "_Usage"]:
     """Every output of the stream, accumulated per choice (the stream is aborted on the way out)."""
-    usage, acc = _Usage(), {}
+    usage, choices = _Usage(), {}
     try:
         prompt_lps = {}  # request id -> its prompt logprobs (in one output)
         async for out in stream:
@@ -502,19 +557,19 @@ async def _collect(stream: RequestStream, kind: _Kind, head: dict, index_of: dic
             if out.prompt_logprobs is not None:
                 prompt_lps[out.request_id] = out.prompt_logprobs
             for c in out.outputs:
-                new = {"text": "", "ids": [], "lps": [], "c": c, "rid": out.request_id}
-                a = acc.setdefault(index_of[out.request_id] + c.index, new)
-                a["text"] += c.text
-                a["ids"] += c.token_ids
-                a["lps"] += c.logprobs or []
-                a["c"] = c
+                i = index_of[out.request_id] + c.index
+                choice = choices.get(i) or choices.setdefault(i, _Choice(kind, c, out.request_id))
+                choice.add(c)
+                # one sequence's tokens of one step at a time, between other work (`/health`):
+                # an output of n sequences x K steps x top logprobs is tens of milliseconds
+                await asyncio.sleep(0)
     finally:
         stream.abort()
-    for a in acc.values():
-        a["prompt_lps"] = prompt_lps.get(a["rid"])
+    for choice in choices.values():
+        choice.prompt_lps = prompt_lps.get(choice.request_id)
     if kind.echo_only:  # the token generated to get there is not part of the answer
         usage.completion = 0
-    return head, acc, usage
+    return choices, usage
 
 
 async def _events(

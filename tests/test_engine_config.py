@@ -188,6 +188,14 @@ def test_generation_config_gives_every_entry_point_the_same_defaults(tmp_path):
     flagged = sampling_params(parser.parse_args(["--temperature", "0", "hi"]), {}, dict(demo.load.sampling_defaults))
     assert flagged.temperature == 0 and flagged.max_tokens == 64  # a flag overrides only itself
     assert "get_default_sampling_params" in vars(LLM)  # LLM.generate's default (delegates to the config)
+    from jaxpaged.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    defaults = dict(demo.load.sampling_defaults)  # the server's (ServingContext.sampling_defaults)
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    served = chat.sampling_params(4096, defaults=defaults)
+    assert {k: getattr(served, k) for k in expected} == expected
+    completion = CompletionRequest.model_validate({"prompt": "hi", "temperature": 0.2}).sampling_params(4096, defaults)
+    assert (completion.temperature, completion.top_p, completion.max_tokens) == (0.2, 0.95, 16)  # OpenAI's 16
     other = tmp_path / "gen"
     other.mkdir()
     (other / "generation_config.json").write_text('{"temperature": 0.3, "repetition_penalty": 1.1, "top_k": 5}')

@@ -138,9 +138,11 @@ class _SamplingRequest(Request):
         vocab_size: int,
         structured: StructuredOutputsParams | None = None,
         prompt_logprobs: int | None = None,
+        defaults: dict | None = None,
     ) -> SamplingParams:
         """The request's `SamplingParams` (`structured`: the output constraint, see
-        `structured_request.structured_outputs_of`; `prompt_logprobs`: per prompt token).
+        `structured_request.structured_outputs_of`; `prompt_logprobs`: per prompt token;
+        `defaults`: the model's generation config, for the fields the request leaves unset).
 
         Raises:
           APIError: a value out of range (400, naming the field) or an unsupported option.
@@ -188,6 +190,9 @@ class _SamplingRequest(Request):
             bad_words=self.bad_words,
             allowed_token_ids=self.allowed_token_ids,
         )
+        for name, value in (defaults or {}).items():  # vLLM: the generation config fills what is unset
+            if values.get(name) is None:
+                values[name] = value
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in ("max_tokens",)})
         except ValueError as err:
@@ -245,8 +250,9 @@ class CompletionRequest(_SamplingRequest):
         """`echo` with `max_tokens: 0`: the prompt (and its logprobs) alone, as vLLM answers."""
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self, vocab_size: int) -> SamplingParams:
-        """`SamplingParams` (OpenAI's default max_tokens=16); 400 for suffix. With `echo` and
+    def sampling_params(self, vocab_size: int, defaults: dict | None = None) -> SamplingParams:
+        """`SamplingParams` (OpenAI's default max_tokens=16; `defaults`: the model's generation
+        config for unset fields); 400 for suffix. With `echo` and
         `logprobs` the prompt's logprobs are computed too (`prompt_logprobs`, as vLLM does); with
         `echo` and max_tokens 0 one token is generated and dropped."""
         if self.suffix:
@@ -258,7 +264,7 @@ class CompletionRequest(_SamplingRequest):
             prompt_logprobs = self.logprobs
         max_tokens = 1 if self.echo_only else self.max_tokens
         structured, self._constraint_field = structured_outputs_of(self)
-        return self.to_sampling_params(max_tokens, self.logprobs, vocab_size, structured, prompt_logprobs)
+        return self.to_sampling_params(max_tokens, self.logprobs, vocab_size, structured, prompt_logprobs, defaults)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -281,8 +287,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     endpoint: ClassVar[str] = fields.CHAT
 
-    def sampling_params(self, vocab_size: int, tool_schema: dict | None = None) -> SamplingParams:
-        """`SamplingParams`: max_completion_tokens (or max_tokens, or up to max_model_len);
+    def sampling_params(
+        self, vocab_size: int, tool_schema: dict | None = None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """`SamplingParams`: max_completion_tokens (or max_tokens, or the generation config's
+        `max_new_tokens`, or up to max_model_len); `defaults`: the model's generation config;
         logprobs=true returns the sampled token's logprob plus `top_logprobs` alternatives;
         `tool_schema`: the schema `tool_choice` constrains the output to (`tools.tool_mode`)."""
         if self.top_logprobs is not None and not self.logprobs:
@@ -298,7 +307,7 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         structured, self._constraint_field = structured_outputs_of(self, tool_schema)
-        return self.to_sampling_params(max_tokens, logprobs, vocab_size, structured)
+        return self.to_sampling_params(max_tokens, logprobs, vocab_size, structured, defaults=defaults)
 
     def template_kwargs(self) -> dict[str, Any]:
         """What `apply_chat_template` receives beside the conversation (tools, documents, the

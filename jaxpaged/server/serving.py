@@ -28,11 +28,7 @@ from jaxpaged.server.request_body import ListLimits
 from jaxpaged.server.tokenizer_pool import TokenizerPool
 from jaxpaged.server.tools import ToolMode, tool_mode
 from jaxpaged.server.tools import message as tools_message
-
-try:  # the engine side of structured outputs (issue 26): compiles a constraint, ValueError if it cannot
-    from jaxpaged.structured import check as structured_check
-except ImportError:  # not there yet: the engine refuses structured_outputs itself (a 400 too)
-    structured_check = None
+from jaxpaged.structured import check as structured_check
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -85,11 +81,16 @@ class ServingContext:
     async def check_structured(self, params, field: str | None) -> None:
         """400 naming the request's constraint field when its grammar cannot be compiled; the
         compilation (seconds for a huge schema) runs off the event loop."""
-        if params.structured_outputs is None or structured_check is None:
+        if params.structured_outputs is None:
             return
-        err = await self.run_blocking(_check_quietly, structured_check, params.structured_outputs)
+        err = await self.run_blocking(_check_quietly, params.structured_outputs)
         if err is not None:
             raise APIError(f"{field}: {str(err)[:500]}", param=field)
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation config (`--generation-config`): defaults of unset request fields."""
+        return dict(self.engine.config.load.sampling_defaults)
 
     @property
     def list_limits(self) -> ListLimits:
@@ -172,9 +173,10 @@ class ServingContext:
             )
 
 
-def _check_quietly(check, structured) -> ValueError | None:
+def _check_quietly(structured) -> ValueError | None:
+    """`jaxpaged.structured.check`'s error, returned rather than raised (off the event loop)."""
     try:
-        check(structured)
+        structured_check(structured)
     except ValueError as err:
         return err
     return None
@@ -255,7 +257,7 @@ def _template_reason(err: Exception) -> str:
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: Request) -> Response:
     """`POST /v1/completions`: one engine request per prompt, choices indexed prompt-major."""
     ctx.check_model(body.model)
-    params = body.sampling_params(ctx.engine.config.model.vocab_size)
+    params = body.sampling_params(ctx.engine.config.model.vocab_size, ctx.sampling_defaults)
     num_prompts = (
         1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
     )
@@ -296,7 +298,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
     def params_and_tools():
         tools = tool_mode(body, ctx.tool_call_parser)
-        return body.sampling_params(vocab_size, tools.schema if tools else None), tools
+        return body.sampling_params(vocab_size, tools.schema if tools else None, ctx.sampling_defaults), tools
 
     # tool schemas are copied into the required schema: megabytes of them never on the event loop
     params, tools = await ctx.run_blocking(params_and_tools) if body.tools else params_and_tools()

@@ -305,11 +305,11 @@ def test_generate_shows_progress_while_compiling(caplog):
         assert main(["generate", "--temperature", "0", "--max-tokens", "4", "In the beginning"]) == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "jaxpaged"]
     assert lines[0].startswith("generate: 1 prompt(s)")
-    # a mixed step, a decode step, fused decode steps, two samplers
-    assert any(line.startswith("compiling 6 step programs") for line in lines), lines
-    assert any(line.startswith("compiled 6 step programs in") for line in lines), lines  # the same count
+    # a mixed step, a decode step, fused decode steps, four samplers (plain, full, and both masked)
+    assert any(line.startswith("compiling 8 step programs") for line in lines), lines
+    assert any(line.startswith("compiled 8 step programs in") for line in lines), lines  # the same count
     progress = [line for line in lines if line.startswith("compiled step program ")]  # + the penalty-row seeding
-    assert sorted(line.split(":")[0] for line in progress) == [f"compiled step program {i}/6" for i in range(1, 7)]
+    assert sorted(line.split(":")[0] for line in progress) == [f"compiled step program {i}/8" for i in range(1, 9)]
     assert any(": mixed step, 16 tokens x 1 step(s), 1 seqs in " in line for line in progress), progress
     sized = next(line for line in lines if line.startswith("KV cache:"))
     assert "sized from the job: max_num_seqs=1 x max_model_len=8 tokens (CPU)" in sized, sized

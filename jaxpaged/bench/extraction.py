@@ -22,8 +22,8 @@ All requests are submitted at once (`LLM.generate`), so TTFT includes queueing b
 `--max-num-seqs`. Reports requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99), how the
 requests finished, the prefix-cache hit rate, and the fraction of outputs the schema accepts
 (validated with `jsonschema`); then each constrained configuration's ratios to its unconstrained
-twin. Unconstrained outputs stop only at EOS or `--output-len`, constrained ones when the
-document is complete, so compare TPOT (per token) rather than requests/s between the two.
+twin. Unconstrained requests ignore EOS and write `--output-len` tokens, constrained ones stop
+when the document is complete: compare TPOT and output tokens/s (per token), not requests/s.
 """
 
 import argparse

@@ -35,7 +35,15 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
         )
     ]
     structured = StructuredOutputsParams(json=extraction_data.SCHEMA) if constrained == "json" else None
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, structured_outputs=structured)
+    # Unconstrained requests ignore EOS and write --output-len tokens (as vLLM's benchmarks do):
+    # a toy or random-weight model would otherwise stop after a few tokens, and what the two modes
+    # should compare is the cost of a token, not how soon a model gives up.
+    params = SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.output_len,
+        structured_outputs=structured,
+        ignore_eos=structured is None,
+    )
     overrides = dict(
         enable_prefix_caching=cache != "no-prefix-cache",
         kv_offloading_size=(args.kv_offloading_size or extraction.DEFAULT_HOST_GIB) if cache == "host-tier" else None,

@@ -52,6 +52,7 @@ def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
         (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
         (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
         (["serve", "--port", "80000"], "80000 is not a TCP port"),
+        (["serve", "--chat-template", "/no/t.jinja"], "--chat-template /no/t.jinja: no such file"),
         (["serve", "--revision", "v2"], "--revision v2: vLLM's option, refused here: jaxpaged reads local directories"),
         (["generate", "--max-logprobs", "21", "hi"], "--max-logprobs 21: must be an integer from 0 to 20"),
         (
@@ -214,6 +215,10 @@ def test_a_mistyped_flag_is_answered_with_the_closest_one(capsys, argv, message)
             dict(backend="openai-chat", output_len=64, label="run1", save_detailed=True, num_warmups=4),
         ),
         (["bench", "serve", "--endpoint-type", "openai-chat"], dict(backend="openai-chat", endpoint=None)),
+        (
+            ["serve", "--chat-template", "t.jinja", "--root-path", "/api", "--disable-uvicorn-access-log"],
+            dict(chat_template="t.jinja", root_path="/api", disable_uvicorn_access_log=True),
+        ),
         (
             ["serve", "/m", "--enable-chunked-prefill", "--swap-space", "8", "--max-logprobs", "5"]
             + ["--generation-config", "vllm"],

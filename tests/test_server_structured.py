@@ -719,3 +719,27 @@ def test_auto_tool_calls_in_each_parsers_format(server, monkeypatch, parser, reg
     calls = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
     assert calls[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == json.loads(call.function.arguments)
+
+
+def test_chat_template_flag_replaces_the_tokenizers(server, monkeypatch, tmp_path):
+    """`--chat-template` (a file, or the template itself) renders every chat instead of the
+    tokenizer's; a missing file or a template Jinja cannot parse is named before anything loads."""
+    from transformers import AutoTokenizer
+
+    from jaxpaged.server.cli import load_chat_template
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}ANSWER:"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template == load_chat_template(template)
+    with pytest.raises(ValueError, match="--chat-template /no/such.jinja: no such file"):
+        load_chat_template("/no/such.jinja")
+    with pytest.raises(ValueError, match="--chat-template: not a valid Jinja template"):
+        load_chat_template("{% if %}")
+    monkeypatch.setattr(server.ctx, "chat_template", template)
+    out = server.client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=1)
+    rendered = "".join(f"[{m['role']}] {m['content']}\n" for m in MESSAGES) + "ANSWER:"
+    expected = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).encode(
+        rendered, add_special_tokens=False
+    )  # chat's default
+    assert out.usage.prompt_tokens == len(expected)

@@ -78,6 +78,7 @@ def build_app(
     limits: ServerLimits | None = None,
     tool_call_parser: str | None = None,
     cors: CorsPolicy | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over an `AsyncEngine` (which may still be starting).
 
@@ -92,6 +93,7 @@ def build_app(
       tool_call_parser: the parser of `tool_choice: "auto"` replies (`tool_parsers.TOOL_PARSERS`);
         None refuses "auto" (vLLM's `--enable-auto-tool-choice` not given).
       cors: which browser origins may call (`CorsPolicy()`, vLLM's defaults, when None).
+      chat_template: a Jinja chat template used instead of the tokenizer's (`--chat-template`).
     """
     limits = limits or ServerLimits()
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -103,6 +105,7 @@ def build_app(
         tokenizer_pool_size,
         limits,
         tool_call_parser,
+        chat_template,
     )
     metrics = ServerMetrics(async_engine, served_model_name)
     created = int(time.time())

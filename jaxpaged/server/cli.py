@@ -40,6 +40,29 @@ DISABLE_LOG_REQUESTS = (
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
 
+def load_chat_template(value: str) -> str:
+    """`--chat-template`: a file's text, or the value itself when it is a template (vLLM's rule),
+    checked as Jinja before anything loads.
+
+    Raises:
+      ValueError: naming --chat-template: no such file, or a template Jinja cannot parse.
+    """
+    import jinja2
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template either")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {err.lineno}: {err.message})") from None
+    return template
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """The server's own flags (vLLM's names); the engine flags come from `add_engine_flags`."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model directory (default: the demo model)")
@@ -57,6 +80,20 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level",
+    )
+    parser.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no uvicorn access-log line per request"
+    )
+    parser.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="the path prefix a reverse proxy serves this server under (FastAPI's root_path; default: none)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's",
     )
     parser.add_argument("--enable-log-requests", action="store_true", help="include prompt text in request logs")
     parser.add_argument("--disable-log-requests", action="store_true", help=DISABLE_LOG_REQUESTS)
@@ -178,6 +215,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})"
         )
+    chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     limits = limits_from(args)
     _make_room_for_connections(limits.max_connections + RESERVED_FILES)
     model = args.model_tag or args.model
@@ -242,6 +280,7 @@ def serve(args: argparse.Namespace) -> int:
         tokenizer_pool_size=args.tokenizer_pool_size,
         limits=limits,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        chat_template=chat_template,
         cors=CorsPolicy(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),
@@ -256,6 +295,8 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=port,
         log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        root_path=args.root_path,
         timeout_graceful_shutdown=ABORT_FLUSH_SECONDS,
         http=guarded_h11_protocol(limits),
         limit_concurrency=limits.limit_concurrency,

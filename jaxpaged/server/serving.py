@@ -47,6 +47,7 @@ class ServingContext:
     tokenizer_pool_size: int = 2
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice, else None
+    chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
     _pool: TokenizerPool | None = None
 
     def require_ready(self) -> None:
@@ -234,7 +235,9 @@ async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
 
     def render(tokenizer):
         try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, chat_template=ctx.chat_template, **kwargs
+            )
         except Exception as err:  # no template, or the template rejects the conversation
             return err
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=special)}

@@ -1,8 +1,9 @@
 """Structured outputs, allowed_token_ids and bad_words on the demo model: every constrained output
 obeys its constraint (JSON schema, regex, choice, Lark grammar), greedy and sampled, n > 1, with
 prefix-cache hits, under preemption, with n-gram speculation configured and under tensor
-parallelism; invalid constraints are a ValueError naming the field and the engine goes on.
-(The masked distribution itself: tests/test_sampler_mask.py.)"""
+parallelism; invalid constraints are a ValueError naming the field and the engine goes on; with
+async scheduling (masks filled while the step's model program runs) the outputs are the
+synchronous engine's, token for token. (The masked distribution itself: tests/test_sampler_mask.py.)"""
 
 import time
 

@@ -1,8 +1,9 @@
 """Structured outputs, allowed_token_ids and bad_words on the demo model: every constrained output
 obeys its constraint (JSON schema, regex, choice, Lark grammar), greedy and sampled, n > 1, with
 prefix-cache hits, under preemption, with n-gram speculation configured and under tensor
-parallelism; invalid constraints are a ValueError naming the field and the engine goes on.
-(The masked distribution itself: tests/test_sampler_mask.py.)"""
+parallelism; invalid constraints are a ValueError naming the field and the engine goes on; with
+async scheduling (masks filled while the step's model program runs) the outputs are the
+synchronous engine's, token for token. (The masked distribution itself: tests/test_sampler_mask.py.)"""
 
 import time
 
@@ -124,6 +125,36 @@ def test_valid_under_preemption_and_with_speculation():
     check_all_obey(run(spec, constrained_requests("s") + [repeat]))
     stats = spec.get_stats()
     assert stats["spec_decode_num_drafts"] > 0  # the unconstrained row speculated
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(kv_cache_memory_bytes=40 * BLOCK_BYTES, num_scheduler_steps=1)],
+    ids=["fused-default", "preempt"],
+)
+def test_overlapped_masks_equal_synchronous_steps(options):
+    """Async scheduling dispatches a masked step's model program before the previous step's
+    tokens are read, and its sampler once they have advanced the matchers: the outputs are the
+    synchronous engine's, token for token, constrained rows beside unconstrained ones."""
+    sync, overlapped = make_engine(async_scheduling=False, **options), make_engine(**options)
+    deferred = []
+    sample = overlapped.runner.sample
+    overlapped.runner.sample = lambda handle: (deferred.append(handle and handle.pending is not None), sample(handle))
+    word = "the"
+    requests = constrained_requests("o", n=3) + [
+        ("free-greedy", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),
+        ("free-sampled", SamplingParams(temperature=0.9, n=2, seed=5, max_tokens=30)),
+        ("x-allowed", SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=list(range(100, 140)))),
+        ("x-bad", SamplingParams(temperature=0.8, seed=4, max_tokens=24, bad_words=[word, "LORD unto"])),
+    ]
+    outputs = [
+        {rid: [(c.token_ids, c.text, c.finish_reason) for c in cs] for rid, cs in run(engine, requests).items()}
+        for engine in (sync, overlapped)
+    ]
+    assert outputs[1] == outputs[0]
+    assert any(deferred)  # masks were filled after the model programs were dispatched
+    if "kv_cache_memory_bytes" in options:
+        assert overlapped.get_stats()["num_preemptions"] > 0
 
 
 @pytest.mark.isolated

@@ -270,7 +270,8 @@ class Scheduler:
 
     def needs_last_tokens(self) -> bool:
         """Whether a running sequence's next token mask depends on the token it sampled last (a
-        grammar): the engine reads each step's results before scheduling the next."""
+        grammar): a multi-process engine reads each step's results before scheduling the next
+        (a single process fills the masks after dispatching the model program instead)."""
         return any(seq.constraint is not None and seq.constraint.needs_last_token for seq in self.running)
 
     # -- one step ---------------------------------------------------------------------------

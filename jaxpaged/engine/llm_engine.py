@@ -24,10 +24,13 @@ How a request flows:
      their blocks back (and, at the next step, their runner slots). Without async scheduling (and
      in steps that speculate, whose proposals follow the newest tokens) each step's results
      are read before the next is scheduled; with a draft model, reading a speculating step's
-     results has the draft propose for the next step. While a running sequence has a grammar,
-     each step is read before the next is scheduled too (its next mask needs the token), and
-     the step's packed token mask is filled from the matchers (`fill_bitmask`) and applied by
-     the sampler on the device.
+     results has the draft propose for the next step. A step with grammars (or other token
+     masks) is dispatched in two halves: its model program at once, then, once the previous
+     step's tokens have advanced the matchers, its packed token mask is filled
+     (`fill_bitmask`) and its sampler program dispatched (`runner.sample`), so the mask work
+     overlaps the step's forward pass on the device. A sequence whose grammar completes has one
+     surplus step, dropped like one after EOS. With several processes such steps are read
+     before the next is scheduled instead (the step channel sends a step whole).
   5. `step()` returns a `RequestOutput` for every request that changed.
 """
 
@@ -334,8 +337,11 @@ class LLMEngine:
             emit(self._deltas([(seq, 0, None) for seq in aborted]))
         start, tokens, running = time.perf_counter(), self.num_generation_tokens, self.scheduler.num_running
         propose = self.governor is not None and self.governor.speculate(running)
-        # Proposals and grammars' masks follow the newest tokens: no overlap for those steps.
-        if (propose or self.scheduler.needs_last_tokens()) and self._in_flight is not None:
+        # Proposals follow the newest tokens: no overlap for those steps. Grammars' masks do too,
+        # but they are filled after the step's model program is dispatched (`runner.sample`),
+        # except with other processes (their step channel sends a step whole, masks included).
+        sync_masks = self.runner.channel is not None and self.scheduler.needs_last_tokens()
+        if (propose or sync_masks) and self._in_flight is not None:
             emit(self._postprocess(self._take_in_flight()))
         output = self.scheduler.schedule(propose=propose)
         if self.scheduler.failed:  # their grammar did not compile: finished "abort"
@@ -348,6 +354,7 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, handle
         if previous is not None:
             emit(self._postprocess(previous))
+        self.runner.sample(handle)  # a masked step's sampler, its masks following `previous`
         if self._in_flight is not None and (
             not self.async_scheduling or output.num_draft_tokens or any(output.drafting)
         ):

@@ -3,7 +3,10 @@ transfer per step in and one copy of its results out.
 
 `execute` carries out a `SchedulerOutput`: the host tier's copies, the slots it frees and takes
 (`InputBatch`), the packed step, the model and sampler programs dispatched, the results' copy
-to the host started; it returns a `StepHandle` at once, without waiting for the device. `fetch`
+to the host started; it returns a `StepHandle` at once, without waiting for the device. A step
+with grammars is dispatched in two halves: `execute` dispatches its model program, and `sample`
+fills its token masks and dispatches its sampler once the previous step's tokens have advanced
+the matchers (so the host's mask work overlaps the device's forward pass). `fetch`
 waits for a handle's results (and, with a draft model, has it propose for the next step from
 them). Between the two the host is free: the engine schedules and dispatches the next step
 before it fetches this one (async scheduling).
@@ -51,12 +54,34 @@ class StepHandle:
       layout: how to read them.
       prompt_packed: with prompt logprobs, `[T, 2 + 2L]` per token (see
         `jaxpaged.model.prompt_logprobs`), else None.
+      pending: a step whose sampler waits for its token masks (`ModelRunner.sample`); `packed`
+        is None until then.
     """
 
     output: SchedulerOutput
-    packed: jax.Array
+    packed: jax.Array | None
     layout: ResultLayout
     prompt_packed: jax.Array | None = None
+    pending: "PendingSample | None" = None
+
+
+@dataclasses.dataclass
+class PendingSample:
+    """The sampler half of a masked step, its model half already dispatched.
+
+    Attributes:
+      sampler: the compiled sampler program.
+      logits: the model program's logits at the sampling rows.
+      sampler_input: the model program's `SamplerInput` (its `token_mask` still to come).
+      mask: `[rows, W]` int32, the packed buffer's mask (all ones until filled).
+      rows: `(entry index, row)` of each constrained entry.
+    """
+
+    sampler: object
+    logits: jax.Array
+    sampler_input: typing.Any
+    mask: np.ndarray
+    rows: list[tuple[int, int]]
 
 
 @dataclasses.dataclass
@@ -275,20 +300,48 @@ class ModelRunner:
         for slot, tokens, prompt_len in prepared.seeds:
             self.seed_penalty_slot(slot, tokens, prompt_len)
         num_drafts = [len(d) for d in output.drafts]
-        program, layout, flat = self._pack(output.step_inputs, prepared, output.num_steps, num_drafts)
-        packed, prompt_packed = self._run(program, prepared.options, flat)
-        self.move_kv(output.stores)  # write-through of what the step computed
-        packed.copy_to_host_async()
-        if prompt_packed is not None:
-            prompt_packed.copy_to_host_async()
+        # Without other processes a masked step's sampler waits for `sample` (its masks follow
+        # the previous step's tokens); their step channel sends a step whole, masks included.
+        defer = prepared.options.mask and output.num_steps == 1 and self.channel is None
+        program, layout, flat = self._pack(output.step_inputs, prepared, output.num_steps, num_drafts, defer)
         rows = layout.num_seqs * layout.rows_per_seq
         speculative = program.steps == 1 and layout.rows_per_seq > 1
         logprobs = prepared.options.logprobs if program.steps == 1 else program.options.logprobs
-        result_layout = ResultLayout(rows, layout.num_seqs, logprobs, speculative)
-        return StepHandle(output, packed, result_layout, prompt_packed)
+        handle = StepHandle(output, None, ResultLayout(rows, layout.num_seqs, logprobs, speculative))
+        if defer:
+            logits, sampler_input, handle.prompt_packed = self._run_model(program, flat[: layout.size])
+            sampler = self.compiled[sampler_for(layout, prepared.options)]
+            constrained = [
+                (i, i * layout.rows_per_seq) for i, s in enumerate(output.step_inputs) if s.constraint is not None
+            ]
+            mask = self.packer.mask_of(layout, flat)
+            handle.pending = PendingSample(sampler, logits, sampler_input, mask, constrained)
+        else:
+            handle.packed, handle.prompt_packed = self._run(program, prepared.options, flat)
+            handle.packed.copy_to_host_async()
+        self.move_kv(output.stores)  # write-through of what the step computed
+        if handle.prompt_packed is not None:
+            handle.prompt_packed.copy_to_host_async()
+        return handle
 
-    def _pack(self, inputs: list[ScheduledSequence], prepared, steps: int, num_drafts: list[int]):
-        """The step's program, layout and packed buffer (sent to the other processes first)."""
+    def sample(self, handle: StepHandle | None) -> None:
+        """Fills a masked step's token masks from its sequences' constraints (as the previous
+        step's tokens left them) and dispatches its sampler; nothing for other steps. A sequence
+        that finished since it was scheduled keeps an all-ones row (its token is surplus)."""
+        pending = None if handle is None else handle.pending
+        if pending is None:
+            return
+        handle.pending = None
+        scheduled, inputs = handle.output.scheduled, handle.output.step_inputs
+        rows = [(inputs[i].constraint, row) for i, row in pending.rows if not scheduled[i][0].is_finished]
+        fill_bitmask(self.mask_executor, rows, pending.mask)
+        mask = jax.device_put(pending.mask, self._whole)
+        handle.packed = self._run_sampler(pending.sampler, pending.logits, pending.sampler_input, mask)
+        handle.packed.copy_to_host_async()
+
+    def _pack(self, inputs: list[ScheduledSequence], prepared, steps: int, num_drafts: list[int], defer: bool):
+        """The step's program, layout and packed buffer (sent to the other processes first); its
+        masks are filled now unless `defer` (then `sample` fills them)."""
         t = self.packer.bucket_for(sum(len(s.token_ids) for s in inputs), len(inputs))
         prompt_logprobs = any(s.prompt_targets for s in inputs)  # the mixed variant (never fused)
         decode = all(len(s.token_ids) == 1 for s in inputs) and not prompt_logprobs
@@ -301,7 +354,7 @@ class ModelRunner:
         t, flat = self.packer.pack(
             inputs, prepared.rows, prepared.resets, num_drafts, decode=decode, live_steps=live, masked=masked
         )
-        if masked:  # the constrained rows' masks (the others stay all ones)
+        if masked and not defer:  # the constrained rows' masks (the others stay all ones)
             r = self.step_programs.layout(program).rows_per_seq
             rows = [(s.constraint, i * r) for i, s in enumerate(inputs) if s.constraint is not None]
             fill_bitmask(self.mask_executor, rows, self.packer.mask_of(self.step_programs.layout(program), flat))
@@ -325,10 +378,18 @@ class ModelRunner:
         if options.mask:
             layout = self.step_programs.layout(program)
             mask, flat = jax.device_put(self.packer.mask_of(layout, flat), self._whole), flat[: layout.size]
-        flat = jax.device_put(flat, self._whole)
         if program.steps > 1:
-            self.cache, packed = self.compiled[program](self.params, self.cache, flat)
+            self.cache, packed = self.compiled[program](self.params, self.cache, jax.device_put(flat, self._whole))
             return packed, None
+        logits, sampler_input, prompt_packed = self._run_model(program, flat)
+        sampler = self.compiled[sampler_for(self.step_programs.layout(program), options)]
+        return self._run_sampler(sampler, logits, sampler_input, mask), prompt_packed
+
+    def _run_model(self, program: Program, flat: np.ndarray):
+        """Dispatches a single step's model program on its packed fields (no mask); returns its
+        logits, `SamplerInput` and packed prompt logprobs (None unless `prompt_logprobs`). That
+        variant is compiled the first time a step needs it."""
+        flat = jax.device_put(flat, self._whole)
         prompt_packed = None
         if program.prompt_logprobs:
             if program not in self.compiled:
@@ -342,18 +403,23 @@ class ModelRunner:
             self.cache, logits, sampler_input, prompt_packed = self.compiled[program](self.params, self.cache, flat)
         else:
             self.cache, logits, sampler_input = self.compiled[program](self.params, self.cache, flat)
-        sampler = self.compiled[sampler_for(self.step_programs.layout(program), options)]
+        return logits, sampler_input, prompt_packed
+
+    def _run_sampler(self, sampler, logits: jax.Array, sampler_input, mask: jax.Array | None) -> jax.Array:
+        """Dispatches a sampler program (with `mask` as the token mask); returns its packed results."""
         if mask is not None:
             sampler_input = dataclasses.replace(sampler_input, token_mask=mask)
         last_tokens, packed = sampler(
             self.cache.prompt_mask, self.cache.output_counts, self.cache.last_tokens, logits, sampler_input
         )
         self.cache = dataclasses.replace(self.cache, last_tokens=last_tokens)
-        return packed, prompt_packed
+        return packed
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """Waits for a step's results; returns them per scheduled entry, with a draft model's
-        proposals for its `drafting` entries."""
+        proposals for its `drafting` entries. A masked step's sampler is dispatched first if it
+        still waits (`sample`)."""
+        self.sample(handle)
         out = handle.output
         values = handle.layout.unpack(np.asarray(handle.packed))
         steps = out.num_steps

@@ -17,6 +17,7 @@ CI's venv built from `pip install -e '.[server]'` alone).
 
 import argparse
 import asyncio
+import concurrent.futures
 import gc
 import json
 import os
@@ -387,6 +388,37 @@ def test_large_integer_list_bodies_are_parsed_off_the_event_loop(demo, monkeypat
     big = _post_json(demo, "/v1/completions", {"prompt": [5] * 500_000, "max_tokens": 1})  # 1.5 MB
     assert small.status_code == 200 and big.status_code == 400 and len(big.content) < 1024
     assert on_loop == [True, False]  # a small body on the loop; the big one on a worker thread
+
+
+def test_large_bodies_are_parsed_one_at_a_time(demo, monkeypatch):
+    """A parse holds the interpreter lock throughout: two at once would make the event loop wait
+    for both. Three concurrent 1.5 MB bodies never overlap in `_parse`."""
+    import threading
+    import time as clock
+
+    from jaxpaged.server import request_body
+
+    lock, state = threading.Lock(), {"now": 0, "most": 0}
+    parse = request_body._parse
+
+    def counted(*a):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        try:
+            clock.sleep(0.2)  # long enough for the others to arrive
+            return parse(*a)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    monkeypatch.setattr(request_body, "_parse", counted)
+    body = {"prompt": [5] * 500_000, "max_tokens": 1}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        codes = [
+            f.result().status_code for f in [pool.submit(_post_json, demo, "/v1/completions", body) for _ in range(3)]
+        ]
+    assert codes == [400] * 3 and state["most"] == 1
 
 
 def test_connections_without_headers_are_closed_after_the_header_timeout(demo):

@@ -1,8 +1,11 @@
 """Request bodies to request models, at a bounded cost to the event loop.
 
 1. The body's bytes are read (the app's guard has capped them at `--max-request-body-bytes`).
-2. Bodies over `OFF_LOOP_BYTES` are parsed and validated on a worker thread: a 4 MiB list of
-   token ids takes a fraction of a second to parse, and the event loop must not wait on it.
+2. Bodies over `OFF_LOOP_BYTES` are parsed and validated on a worker thread, one at a time: a
+   4 MiB list of token ids takes a fraction of a second to parse, and the event loop must not
+   wait on it. JSON parsing holds the interpreter lock for the whole call, so several at once
+   would keep the event loop (and `/health`) waiting for all of them in turn; one at a time, it
+   waits for at most one body's parse.
 3. Before any element is validated, each list field's length is checked against what the
    request can use (`max_model_len` tokens, `--max-sequences-per-request` prompts,
    `--max-stop-token-ids`, the vocabulary for `allowed_token_ids`, `MAX_BAD_WORDS`, `MAX_TOOLS`),
@@ -23,6 +26,7 @@ from jaxpaged.server.protocol import MAX_BAD_WORDS, MAX_STOP_STRINGS, MAX_TOOLS,
 
 OFF_LOOP_BYTES = 64 * 2**10
 MAX_ERRORS_SHOWN = 3
+_large_bodies: anyio.CapacityLimiter | None = None  # one large body parsed at a time (made in the loop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +94,10 @@ async def parse_body(request: Request, model: type[BaseModel], limits: ListLimit
       APIError: 400 for a body that is not JSON, a list over its limit, or a field of the wrong
         type or value (bounded messages naming the fields).
     """
+    global _large_bodies
     raw = await request.body()
     if len(raw) <= OFF_LOOP_BYTES:
         return _parse(raw, model, limits)
-    return await anyio.to_thread.run_sync(_parse, raw, model, limits)
+    if _large_bodies is None:
+        _large_bodies = anyio.CapacityLimiter(1)
+    return await anyio.to_thread.run_sync(_parse, raw, model, limits, limiter=_large_bodies)

@@ -290,6 +290,14 @@ class SamplingParams:
         are the engine's to check: it knows the vocabulary)."""
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+        if self.structured_outputs is not None and self.min_tokens:
+            # min_tokens bans EOS, which a complete document allows alone: nothing could be sampled
+            raise _bad(
+                "min_tokens",
+                self.min_tokens,
+                "0 with structured_outputs (the grammar decides where the output ends: EOS is allowed "
+                "exactly when it accepts)",
+            )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                 _is_int(k) and _is_number(v) for k, v in self.logit_bias.items()

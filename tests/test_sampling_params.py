@@ -122,3 +122,12 @@ def test_structured_outputs_params_takes_exactly_one_constraint():
 def test_token_control_fields_are_validated(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} must be"):
         SamplingParams(**{field: value})
+
+
+def test_min_tokens_and_a_grammar_are_refused_together():
+    """min_tokens bans EOS, which a complete document allows alone: refused, naming min_tokens."""
+    from jaxpaged.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="SamplingParams.min_tokens must be 0 with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert SamplingParams(min_tokens=2, allowed_token_ids=[5, 6]).min_tokens == 2  # no grammar: fine

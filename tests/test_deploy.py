@@ -143,7 +143,8 @@ def test_probe_paths_need_no_api_key():
     async def status(path: str) -> int:
         sent = []
         guard = jaxpaged.server.app._Guard(route, api_key="sk-test", max_body_bytes=1024)
-        await guard({"type": "http", "path": path, "headers": []}, None, lambda m: asyncio.sleep(0, sent.append(m)))
+        scope = {"type": "http", "method": "GET", "path": path, "headers": []}  # as ASGI servers send it
+        await guard(scope, None, lambda m: asyncio.sleep(0, sent.append(m)))
         return sent[0]["status"]
 
     assert {path: asyncio.run(status(path)) for path in ("/health", "/live", "/v1/models")} == {

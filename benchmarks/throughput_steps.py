@@ -35,8 +35,8 @@ def instrument() -> list[dict]:
         records.append(dict(current))
         return outputs
 
-    def recorded_pack(self, inputs, prepared, steps, num_drafts):
-        packed = pack(self, inputs, prepared, steps, num_drafts)
+    def recorded_pack(self, inputs, prepared, steps, *rest):
+        packed = pack(self, inputs, prepared, steps, *rest)
         program = packed[0]
         current["program"] = f"{'decode' if program.decode else 'mixed'} {program.tokens} tokens x {program.steps}"
         current["tokens"] = sum(len(s.token_ids) for s in inputs)

@@ -10,12 +10,11 @@ import collections
 import concurrent.futures
 import threading
 
-import llguidance
-import llguidance.hf
 import numpy as np
 
 from jaxpaged.sampling_params import StructuredOutputsParams
 from jaxpaged.structured.grammar import grammar_text
+from jaxpaged.structured.llg import llguidance
 
 CACHE_SIZE = 256  # compiled grammars kept (LRU)
 
@@ -53,7 +52,7 @@ class GrammarBackend:
         # llguidance's view of the tokenizer (about a second for a 128K vocabulary), made off
         # the engine thread too; compilations wait for it.
         self._ll_tokenizer = self._pool.submit(
-            llguidance.hf.from_tokenizer, tokenizer, n_vocab=vocab_size, eos_token=eos
+            lambda: llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         )
         self._cache: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -76,8 +75,8 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
             return future
 
-    def _compile(self, text: str) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._ll_tokenizer.result(), text, log_level=0)
+    def _compile(self, text: str):
+        matcher = llguidance().LLMatcher(self._ll_tokenizer.result(), text, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         return matcher

@@ -7,11 +7,10 @@ Bit i of row word `i // 32` (bit `i % 32`) allows token i; `[S, W]` int32 with W
 import concurrent.futures
 import logging
 
-import llguidance
-import llguidance.numpy
 import numpy as np
 
 from jaxpaged.structured.backend import pack_bits
+from jaxpaged.structured.llg import llguidance
 
 logger = logging.getLogger("jaxpaged")
 
@@ -59,7 +58,7 @@ class SequenceConstraint:
         self.vocab_size = vocab_size
         self.valid_ids = valid_ids
         self.grammar = grammar
-        self.matcher: llguidance.LLMatcher | None = None
+        self.matcher = None  # an llguidance LLMatcher once the grammar is compiled
         self.error: str | None = None  # the grammar failed to compile
         self.static_mask: np.ndarray | None = None  # [W] of allowed_token_ids
         if allowed_token_ids is not None:
@@ -114,9 +113,7 @@ class SequenceConstraint:
         return out
 
 
-def fill_bitmask(
-    executor: llguidance.LLExecutor, constraints: list[tuple[SequenceConstraint, int]], bitmask: np.ndarray
-) -> None:
+def fill_bitmask(executor, constraints: list[tuple[SequenceConstraint, int]], bitmask: np.ndarray) -> None:
     """Writes the rows of constrained sequences into a step's `[rows, W]` bitmask (the other rows
     are left as they are: all ones). Grammars fill their rows on this thread, or in parallel on
     llguidance's threads when there is enough work to pay for waking them (`PARALLEL_MIN_BITS`).
@@ -128,10 +125,10 @@ def fill_bitmask(
     """
     matchers = [(c.matcher, row) for c, row in constraints if c.matcher is not None]
     if len(matchers) * bitmask.shape[1] * 32 >= PARALLEL_MIN_BITS:
-        llguidance.numpy.fill_next_token_bitmask_par(executor, matchers, bitmask)
+        llguidance().numpy.fill_next_token_bitmask_par(executor, matchers, bitmask)
     else:
         for matcher, row in matchers:
-            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)
+            llguidance().numpy.fill_next_token_bitmask(matcher, bitmask, row)
     grammar_rows = [(c, row) for c, row in constraints if c.matcher is not None]
     if grammar_rows:  # the engine's constraints share one tokenizer: one `valid_ids`
         bitmask[[row for _, row in grammar_rows]] &= grammar_rows[0][0].valid_ids

@@ -11,9 +11,8 @@ JSON is compact unless the request gives a `whitespace_pattern`: no whitespace b
 import copy
 import json
 
-from llguidance import LLMatcher, StructTag, grammar_from
-
 from jaxpaged.sampling_params import StructuredOutputsParams
+from jaxpaged.structured.llg import llguidance
 
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -32,11 +31,11 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "json_object":
             return _json_grammar(params, {"type": "object"})
         if kind == "regex":
-            return LLMatcher.grammar_from_regex(params.regex)
+            return llguidance().LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
-            return grammar_from("choice", list(params.choice))
+            return llguidance().grammar_from("choice", list(params.choice))
         if kind == "grammar":
-            return grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
+            return llguidance().grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
         return _structural_tag_grammar(params.structural_tag)
     except (ValueError, TypeError, KeyError, AssertionError) as err:
         raise ValueError(f"structured_outputs.{kind}: {err}") from None
@@ -50,7 +49,7 @@ def check(params: StructuredOutputsParams) -> None:
       ValueError: with a message starting `structured_outputs.<kind>:` naming what is wrong.
     """
     text = grammar_text(params)
-    error = LLMatcher.validate_grammar(text)
+    error = llguidance().LLMatcher.validate_grammar(text)
     if error:
         raise ValueError(f"structured_outputs.{params.kind}: {error.strip()}")
 
@@ -68,7 +67,7 @@ def _json_grammar(params: StructuredOutputsParams, schema) -> str:
     options = dict(_COMPACT)
     if params.whitespace_pattern is not None:
         options = {"whitespace_flexible": False, "whitespace_pattern": params.whitespace_pattern}
-    return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    return llguidance().LLMatcher.grammar_from_json_schema(schema, overrides=options)
 
 
 def _no_additional_properties(schema):
@@ -99,5 +98,7 @@ def _structural_tag_grammar(text: str) -> str:
         trigger = next((t for t in spec["triggers"] if s["begin"].startswith(t)), None)
         if trigger is None:
             raise ValueError(f"no trigger starts the structure beginning {s['begin']!r}")
-        tags.append(StructTag(trigger=trigger, begin=s["begin"], grammar=s.get("schema", {}), end=s["end"]))
-    return LLMatcher.grammar_from_lark(StructTag.to_grammar(tags))
+        tags.append(
+            llguidance().StructTag(trigger=trigger, begin=s["begin"], grammar=s.get("schema", {}), end=s["end"])
+        )
+    return llguidance().LLMatcher.grammar_from_lark(llguidance().StructTag.to_grammar(tags))

@@ -21,7 +21,6 @@ import time
 import typing
 
 import jax
-import llguidance
 import numpy as np
 from flax import nnx
 
@@ -37,6 +36,7 @@ from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
 from jaxpaged.structured.constraint import fill_bitmask
+from jaxpaged.structured.llg import llguidance
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_transfer import KVTransfer
 from jaxpaged.worker.step_programs import Program, ResultLayout, SamplerProgram, StepPrograms, compile_all, sampler_for
@@ -187,7 +187,13 @@ class ModelRunner:
         self.temp_bytes: dict[Program | SamplerProgram, int] = {}  # temporaries of each
         self._seed = None  # the compiled penalty-row seeding
         self.compile_report = []  # warm-up's `CompiledProgram`s: names and seconds
-        self.mask_executor = llguidance.LLExecutor(num_threads=2)  # fills grammars' mask rows
+        self._mask_executor = None  # llguidance's threads that fill grammars' mask rows (made on first use)
+
+    def mask_executor(self):
+        """llguidance's thread pool for mask rows (made by the first masked step)."""
+        if self._mask_executor is None:
+            self._mask_executor = llguidance().LLExecutor(num_threads=2)
+        return self._mask_executor
 
     def zero_cache(self, num_blocks: int) -> DeviceCache:
         """A cache of `num_blocks` pool blocks made where it lives: the pool split over kv heads (no
@@ -334,7 +340,7 @@ class ModelRunner:
         handle.pending = None
         scheduled, inputs = handle.output.scheduled, handle.output.step_inputs
         rows = [(inputs[i].constraint, row) for i, row in pending.rows if not scheduled[i][0].is_finished]
-        fill_bitmask(self.mask_executor, rows, pending.mask)
+        fill_bitmask(self.mask_executor(), rows, pending.mask)
         mask = jax.device_put(pending.mask, self._whole)
         handle.packed = self._run_sampler(pending.sampler, pending.logits, pending.sampler_input, mask)
         handle.packed.copy_to_host_async()
@@ -357,7 +363,7 @@ class ModelRunner:
         if masked and not defer:  # the constrained rows' masks (the others stay all ones)
             r = self.step_programs.layout(program).rows_per_seq
             rows = [(s.constraint, i * r) for i, s in enumerate(inputs) if s.constraint is not None]
-            fill_bitmask(self.mask_executor, rows, self.packer.mask_of(self.step_programs.layout(program), flat))
+            fill_bitmask(self.mask_executor(), rows, self.packer.mask_of(self.step_programs.layout(program), flat))
         if self.channel is not None:
             options = prepared.options if steps == 1 else program.options
             bits = _option_bits(options) | int(program.prompt_logprobs) << 3  # bits 0-2: the sampler's

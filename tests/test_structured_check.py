@@ -54,3 +54,17 @@ def test_disable_additional_properties_closes_every_object():
     text = grammar_text(StructuredOutputsParams(json=schema, disable_additional_properties=True))
     assert text.count('"additionalProperties":false') == 2
     assert "additionalProperties" not in str(schema)  # the request's schema is left alone
+
+
+def test_without_llguidance_a_constraint_is_a_clear_error(monkeypatch):
+    """The engine imports llguidance only for a constraint: without it (the GPU image) the rest
+    runs, and a constrained request gets a ValueError saying how to install it."""
+    import sys
+
+    from jaxpaged.structured.llg import llguidance
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as if not installed
+    with pytest.raises(ValueError, match="need llguidance, which is not installed: pip install llguidance"):
+        llguidance()
+    with pytest.raises(ValueError, match="need llguidance"):
+        check(StructuredOutputsParams(regex="a+"))

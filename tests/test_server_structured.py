@@ -579,6 +579,7 @@ def test_template_receives_tools_documents_and_history():
 
     class Ctx:
         pool = Pool()
+        chat_template = None  # the tokenizer's own (no --chat-template)
 
         def check_text_length(self, chars, what):
             pass

@@ -253,16 +253,21 @@ def forward(
     Returns:
       The cache (pool and penalty tables updated; `last_tokens` as it was) and the logits.
     """
+    model, hidden, cache = _run_model(graphdef, params, cache, inp)
+    return cache, model.compute_logits(hidden[inp.logits_indices])
+
+
+def _run_model(graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache, inp: StepInput):
+    """The model, its hidden states `[T, D]` for the step's tokens, and the cache with the pool and
+    penalty tables updated (`last_tokens` as it was)."""
     model = nnx.merge(graphdef, params)
     token_ids = input_token_ids(inp, cache.last_tokens)
     prompt_mask, output_counts = update_penalty_tables(
         cache.prompt_mask, cache.output_counts, token_ids, inp.token_slot, inp.token_is_output, inp.reset_slots
     )
     hidden, kv = model(token_ids, cache.kv, inp.metadata)
-    logits = model.compute_logits(hidden[inp.logits_indices])
-    return DeviceCache(
-        kv=kv, prompt_mask=prompt_mask, output_counts=output_counts, last_tokens=cache.last_tokens
-    ), logits
+    cache = DeviceCache(kv=kv, prompt_mask=prompt_mask, output_counts=output_counts, last_tokens=cache.last_tokens)
+    return model, hidden, cache
 
 
 def forward_prompt_logprobs(
@@ -275,16 +280,9 @@ def forward_prompt_logprobs(
     Returns:
       The cache, the logits at the sampling rows, and `[T, 2 + 2L]` packed prompt logprobs.
     """
-    model = nnx.merge(graphdef, params)
-    token_ids = input_token_ids(inp, cache.last_tokens)
-    prompt_mask, output_counts = update_penalty_tables(
-        cache.prompt_mask, cache.output_counts, token_ids, inp.token_slot, inp.token_is_output, inp.reset_slots
-    )
-    hidden, kv = model(token_ids, cache.kv, inp.metadata)
+    model, hidden, cache = _run_model(graphdef, params, cache, inp)
     logits = model.compute_logits(hidden[inp.logits_indices])
-    packed = prompt_logprobs(hidden, model.compute_logits, inp.prompt_targets)
-    cache = DeviceCache(kv=kv, prompt_mask=prompt_mask, output_counts=output_counts, last_tokens=cache.last_tokens)
-    return cache, logits, packed
+    return cache, logits, prompt_logprobs(hidden, model.compute_logits, inp.prompt_targets)
 
 
 def sampler_input(inp: StepInput) -> SamplerInput:

@@ -123,18 +123,20 @@ def fill_bitmask(executor, constraints: list[tuple[SequenceConstraint, int]], bi
       constraints: `(constraint, row)` of each constrained sequence of the step.
       bitmask: `[rows, W]` int32, C-contiguous.
     """
-    matchers = [(c.matcher, row) for c, row in constraints if c.matcher is not None]
-    if len(matchers) * bitmask.shape[1] * 32 >= PARALLEL_MIN_BITS:
-        llguidance().numpy.fill_next_token_bitmask_par(executor, matchers, bitmask)
-    else:
-        for matcher, row in matchers:
-            llguidance().numpy.fill_next_token_bitmask(matcher, bitmask, row)
     grammar_rows = [(c, row) for c, row in constraints if c.matcher is not None]
-    if grammar_rows:  # the engine's constraints share one tokenizer: one `valid_ids`
+    if grammar_rows:
+        fill = llguidance().numpy
+        matchers = [(c.matcher, row) for c, row in grammar_rows]
+        if len(matchers) * bitmask.shape[1] * 32 >= PARALLEL_MIN_BITS:
+            fill.fill_next_token_bitmask_par(executor, matchers, bitmask)
+        else:
+            for matcher, row in matchers:
+                fill.fill_next_token_bitmask(matcher, bitmask, row)
+        # the engine's constraints share one tokenizer: one `valid_ids`
         bitmask[[row for _, row in grammar_rows]] &= grammar_rows[0][0].valid_ids
+    words = bitmask.view(np.uint32)
     for c, row in constraints:
         if c.static_mask is not None:
             bitmask[row] &= c.static_mask
-        words = bitmask.view(np.uint32)
         for token in c.banned_now():
             words[row, token // 32] &= ~np.uint32(1 << (token % 32))

@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"jaxpaged: error: {describe_error(err, command)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command handles it (while JAX loads, say)
+        print(f"jaxpaged {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -119,6 +120,53 @@ def test_serve_reports_missing_devices_before_http_starts():
     lines = result.stderr.splitlines()
     assert lines[-2] == "jaxpaged: error: --tensor-parallel-size 2: needs as many devices, but JAX sees 1 (cpu devices)"
     assert "Traceback" not in result.stderr and "listening" not in result.stderr, result.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:  # it ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the parenthesised name
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_serve_interrupted_while_the_engine_starts_exits_and_ends_the_engine_process():
+    """Ctrl-C while the engine process loads JAX (the server waits for its device check): one line,
+    status 130, and the engine process is gone. It ignores SIGTERM (the server drains on it), so
+    multiprocessing's exit used to wait on it forever."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jaxpaged.cli", "serve", "--port", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (engines := [pid for pid in _children(server.pid) if _alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engines, "no engine process started"
+        time.sleep(0.5)  # the server is past starting it, waiting for its check (JAX takes seconds to load)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=30) == 130
+    finally:
+        server.kill()
+    stderr = server.stderr.read()
+    assert "jaxpaged serve: interrupted" in stderr.splitlines() and "Traceback" not in stderr, stderr
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in engines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in engines)
 
 
 def test_version_names_the_installed_package(capsys):

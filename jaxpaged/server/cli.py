@@ -226,13 +226,27 @@ def serve(args: argparse.Namespace) -> int:
     for note in notes:
         logger.info(note)
     listener = _bind(args.host, args.port)  # a port in use is reported now, not after compiling
-    port = listener.getsockname()[1]
     name = args.served_model_name or model or DEMO_MODEL_NAME
+    core = None
     if args.engine_process:
         from jaxpaged.engine.core_process import EngineCoreProcess
 
-        engine = EngineCoreProcess(engine_args, on_ready=_log_start_up)
-        engine.wait_checked()  # devices and host memory, checked where the engine runs, before HTTP starts
+        core = EngineCoreProcess(engine_args, on_ready=_log_start_up)
+    try:
+        return _run(args, engine_args, core, listener, name, limits, chat_template)
+    finally:
+        # Whatever ended the server (an error or Ctrl-C while starting included), the engine process
+        # goes with it: it ignores SIGTERM, so multiprocessing's exit would otherwise wait on it forever.
+        if core is not None:
+            core.stop(timeout=0.0)
+
+
+def _run(args, engine_args, core, listener, name: str, limits, chat_template: str | None) -> int:
+    """`serve` once its flags are checked and its port bound: checks the devices and host memory
+    (in the engine process `core`, or here without one), then runs uvicorn until it stops."""
+    port = listener.getsockname()[1]
+    if core is not None:
+        core.wait_checked()  # devices and host memory, checked where the engine runs, before HTTP starts
     else:
         from jaxpaged.engine.setup import check_engine_fits
         from jaxpaged.engine_config import EngineConfig
@@ -267,9 +281,9 @@ def serve(args: argparse.Namespace) -> int:
         _log_start_up(engine, time.perf_counter() - start)
         return engine
 
-    if not args.engine_process:
-        engine = build
-    async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting, on_dead=on_dead)
+    async_engine = AsyncEngine(
+        core if core is not None else build, max_num_waiting=args.max_num_waiting, on_dead=on_dead
+    )
     async_engine.when_ready(_freeze_startup_heap)
     app = build_app(
         async_engine,

@@ -842,13 +842,9 @@ def _special(rng: random.Random) -> list[Case]:
     raw("completions", C, encode({"prompt": _long_text(rng, BODY_CAP - 64), "max_tokens": 1}), "4 MiB - 30 B prompt")
     raw("chat", CH, encode({"messages": [{"role": "user", "content": _long_text(rng, 2**20)}]}), "1 MiB chat content")
     raw("tokenize", "/tokenize", encode({"prompt": _long_text(rng, 2**20)}), "tokenize 1 MiB prompt")
-    raw(
-        "detokenize",
-        "/detokenize",
-        encode({"tokens": [rng.randrange(VOCAB) for _ in range(200_000)]}),
-        "detokenize 200k tokens",
-        expect=200,
-    )
+    for count, expect in ((MAX_MODEL_LEN, 200), (200_000, 400)):  # no sequence is longer than max_model_len
+        tokens = [rng.randrange(VOCAB) for _ in range(count)]
+        raw("detokenize", "/detokenize", encode({"tokens": tokens}), f"detokenize {count} tokens", expect=expect)
     raw("completions", C, encode({"prompt": [[1, 2, 3]] * 100_000, "max_tokens": 1}), "100k token-id prompts")
     raw("completions", C, encode({"prompt": ["x"] * 100_000 + [5], "max_tokens": 1}), "100k prompts, last an int")
     raw("chat", CH, encode({"messages": [{"role": "user", "content": "x"}] * 50_000}), "50k chat messages")

@@ -111,3 +111,13 @@ def test_plot_draws_saved_results(tmp_path, capsys):
     (tmp_path / "bad.json").write_text('{"completed": 3}')
     assert main(["bench", "plot", str(tmp_path / "bad.json")]) == 2
     assert "bad.json: not a bench serve result" in capsys.readouterr().err
+
+
+def test_compare_transformers_without_torch_is_refused_before_the_run(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a))
+    assert main(["bench", "throughput", "--compare-transformers"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare-transformers runs Hugging Face transformers, which needs torch: pip install torch" in err, err

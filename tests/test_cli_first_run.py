@@ -268,6 +268,16 @@ def test_a_mistyped_flag_is_answered_with_the_closest_one(capsys, argv, message)
             dict(chat_template="t.jinja", root_path="/api", disable_uvicorn_access_log=True),
         ),
         (
+            ["serve", "--allowed-origins", '["https://app.example"]', "--allowed-methods", '["POST"]']
+            + ["--allow-credentials", "--uvicorn-log-level", "debug"],
+            dict(
+                allowed_origins=["https://app.example"],
+                allowed_methods=["POST"],
+                allow_credentials=True,
+                uvicorn_log_level="debug",
+            ),
+        ),
+        (
             ["serve", "/m", "--enable-chunked-prefill", "--swap-space", "8", "--max-logprobs", "5"]
             + ["--generation-config", "vllm"],
             dict(enable_chunked_prefill=True, swap_space=8.0, max_logprobs=5, generation_config="vllm"),

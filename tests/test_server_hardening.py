@@ -374,32 +374,44 @@ def test_long_lists_of_bad_elements_get_small_400s(demo):
     too_long = _post_json(demo, "/v1/completions", {"prompt": [5] * 100_000})  # refused by length, unvalidated
     error = too_long.json()["error"]
     assert error["param"] == "prompt" and "at most 128 items" in error["message"] and "100000" in error["message"]
+    error = _post_json(demo, "/detokenize", {"tokens": [5] * 129}).json()["error"]  # no sequence is longer
+    assert error["param"] == "tokens" and "at most 128 items" in error["message"]
 
 
-def test_large_integer_list_bodies_are_parsed_off_the_event_loop(demo, monkeypatch):
+def test_large_bodies_are_parsed_in_a_child_process(demo, monkeypatch):
+    """`json.loads` holds the interpreter lock for the whole call, so a large body's never runs in
+    the server's process: its 400 comes back from the parser process whole, a valid one arrives as
+    the same request, and a parser process that died is replaced."""
     from jaxpaged.server import request_body
 
-    on_loop = []
-    parse = request_body._parse
-    monkeypatch.setattr(
-        request_body, "_parse", lambda *a: on_loop.append(asyncio._get_running_loop() is not None) or parse(*a)
-    )
+    parsed_here = []
+    load = request_body._load
+    monkeypatch.setattr(request_body, "_load", lambda raw, limits: parsed_here.append(len(raw)) or load(raw, limits))
     small = _post_json(demo, "/v1/completions", {"prompt": [5] * 10, "max_tokens": 1})
     big = _post_json(demo, "/v1/completions", {"prompt": [5] * 500_000, "max_tokens": 1})  # 1.5 MB
     assert small.status_code == 200 and big.status_code == 400 and len(big.content) < 1024
-    assert on_loop == [True, False]  # a small body on the loop; the big one on a worker thread
+    assert "prompt: at most 128 items" in big.json()["error"]["message"]
+    padded = json.dumps({"prompt": [5, 6], "max_tokens": 1, "temperature": 0}) + " " * request_body.OFF_LOOP_BYTES
+    for _ in range(2):
+        valid = demo.http.post("/v1/completions", content=padded, headers={"Content-Type": "application/json"})
+        assert valid.status_code == 200 and valid.json()["usage"]["prompt_tokens"] == 2
+        parser = request_body._body_parser.process
+        assert parser.is_alive() and parser.pid != os.getpid()
+        parser.kill()
+        parser.join()
+    assert parsed_here == [len(json.dumps({"prompt": [5] * 10, "max_tokens": 1}))]
 
 
 def test_large_bodies_are_parsed_one_at_a_time(demo, monkeypatch):
-    """A parse holds the interpreter lock throughout: two at once would make the event loop wait
-    for both. Three concurrent 1.5 MB bodies never overlap in `_parse`."""
+    """One parser process, one pipe: three concurrent 1.5 MB bodies never overlap in
+    `BodyParser.parse`, and each gets its own answer."""
     import threading
     import time as clock
 
     from jaxpaged.server import request_body
 
     lock, state = threading.Lock(), {"now": 0, "most": 0}
-    parse = request_body._parse
+    parse = request_body.BodyParser.parse
 
     def counted(*a):
         with lock:
@@ -412,13 +424,12 @@ def test_large_bodies_are_parsed_one_at_a_time(demo, monkeypatch):
             with lock:
                 state["now"] -= 1
 
-    monkeypatch.setattr(request_body, "_parse", counted)
-    body = {"prompt": [5] * 500_000, "max_tokens": 1}
+    monkeypatch.setattr(request_body.BodyParser, "parse", counted)
+    bodies = [{"prompt": [5] * (500_000 + i), "max_tokens": 1} for i in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        codes = [
-            f.result().status_code for f in [pool.submit(_post_json, demo, "/v1/completions", body) for _ in range(3)]
-        ]
-    assert codes == [400] * 3 and state["most"] == 1
+        answers = [f.result() for f in [pool.submit(_post_json, demo, "/v1/completions", b) for b in bodies]]
+    assert [a.status_code for a in answers] == [400] * 3 and state["most"] == 1
+    assert [str(500_000 + i) in a.json()["error"]["message"] for i, a in enumerate(answers)] == [True] * 3
 
 
 def test_connections_without_headers_are_closed_after_the_header_timeout(demo):

@@ -1,10 +1,10 @@
 """`/health` latency while one hostile client attacks `jaxpaged serve` (issue 25's defects).
 
 Starts the demo-model server in a subprocess (with an API key), then runs each attack in turn
-while a prober asks `GET /health` every 20 ms; reports the probes' p50, p99 and max, probes that
-failed, and what the attack itself saw (response bytes, whether the server closed the
-connection, how long a small concurrent completion took). Attack sizes are scaled so the whole
-run takes a few minutes on a 2-core CPU.
+while a prober (a process of its own) asks `GET /health` every 20 ms; reports the probes' p50,
+p99 and max, probes that failed, and what the attack itself saw (response bytes, whether the
+server closed the connection, how long a small concurrent completion took). Attack sizes are
+scaled so the whole run takes a few minutes on a 2-core CPU.
 
     python -m benchmarks.health_under_attack --json benchmarks/results/health_under_attack_cpu_demo_after.json
     python -m benchmarks.health_under_attack --serve-arg=--timeout-header --serve-arg=5 ...
@@ -14,6 +14,7 @@ Attacks (D-numbers are issue 25's):
   float_list    D1: `prompt: [1.5] * 250,000` (1 MiB), three times
   role_list     D1: chat `messages: [{"role": 1}] * 60,000`, three times
   int_list      D8: four concurrent `prompt: [5] * 500,000` (1.5 MiB each)
+  detokenize_list  D8: `/detokenize` of 1,000,000 ids (3 MiB), three times
   header_hold   D2: 2,000 sockets send `GET /health HTTP/1.1\\r\\nHost: x\\r\\n` and nothing more
   chunked_401   D3: a chunked body without the key, one byte per chunk, for 10 s
   stop_ids      D4: `stop_token_ids` of 200,000 ids with n=16, beside a small completion
@@ -25,6 +26,7 @@ Attacks (D-numbers are issue 25's):
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
 import socket
@@ -82,21 +84,25 @@ class Server:
             self.proc.kill()
 
 
-def probe(server: Server, stop: threading.Event) -> tuple[list[float], int]:
-    """Seconds each `/health` took until `stop`, and how many failed (error, timeout, not 200)."""
+def probe(port: int, stop, started, results) -> None:
+    """Runs in a process of its own (the attacks' own JSON encoding holds this process's
+    interpreter lock for a fifth of a second, which a prober thread here would count): sends
+    `results` the seconds each `/health` took until `stop`, and how many failed (error, timeout,
+    not 200); sets `started` after the first."""
     latencies, failures = [], 0
     while not stop.is_set():
         start = time.perf_counter()
         try:
-            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:  # a new connection, as a probe
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # a new connection, as a probe
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 ok = s.recv(64).startswith(b"HTTP/1.1 200")
         except OSError:
             ok = False
         latencies.append(time.perf_counter() - start)
         failures += not ok
+        started.set()
         time.sleep(PROBE_INTERVAL)
-    return latencies, failures
+    results.send((latencies, failures))
 
 
 def victim(server: Server) -> float:
@@ -124,6 +130,10 @@ def float_list(server):
 
 def role_list(server):
     return post_repeatedly(server, "/v1/chat/completions", {"messages": [{"role": 1}] * 60_000}, 3)
+
+
+def detokenize_list(server):
+    return post_repeatedly(server, "/detokenize", {"tokens": [5] * 1_000_000}, 3)
 
 
 def long_role(server):
@@ -224,6 +234,7 @@ ATTACKS = [
     float_list,
     role_list,
     int_list,
+    detokenize_list,
     header_hold,
     chunked_401,
     stop_ids,
@@ -238,10 +249,12 @@ def _p99(latencies: list[float]) -> float:
 
 
 def measure(server: Server, attack) -> dict:
-    stop = threading.Event()
-    probes: list = []
-    prober = threading.Thread(target=lambda: probes.extend(probe(server, stop)))
+    context = multiprocessing.get_context("spawn")
+    stop, started = context.Event(), context.Event()
+    receive, send = context.Pipe(duplex=False)
+    prober = context.Process(target=probe, args=(server.port, stop, started, send))
     prober.start()
+    started.wait(60)
     start = time.perf_counter()
     try:
         seen = attack(server)
@@ -249,8 +262,8 @@ def measure(server: Server, attack) -> dict:
         seen = {"attack_error": f"{type(err).__name__}: {err}"[:200]}
     seconds = time.perf_counter() - start
     stop.set()
+    latencies, failures = receive.recv()
     prober.join()
-    latencies, failures = probes
     time.sleep(1.0)  # let the server settle before the next attack
     return {
         "attack": attack.__name__,

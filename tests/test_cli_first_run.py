@@ -144,6 +144,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _waiting(pid: int, seconds: float = 0.3) -> bool:
+    """Whether `pid`'s main thread stays in one system call, with the same arguments, for `seconds`
+    (the server waiting for its engine process's check, as JAX loads there)."""
+    with open(f"/proc/{pid}/syscall") as f:
+        first = f.read()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        with open(f"/proc/{pid}/syscall") as f:
+            if f.read() != first or first.startswith("running"):
+                return False
+    return True
+
+
 def test_serve_interrupted_while_the_engine_starts_exits_and_ends_the_engine_process():
     """Ctrl-C while the engine process loads JAX (the server waits for its device check): one line,
     status 130, and the engine process is gone. It ignores SIGTERM (the server drains on it), so
@@ -156,7 +170,8 @@ def test_serve_interrupted_while_the_engine_starts_exits_and_ends_the_engine_pro
         while not (engines := [pid for pid in _children(server.pid) if _alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engines, "no engine process started"
-        time.sleep(0.5)  # the server is past starting it, waiting for its check (JAX takes seconds to load)
+        while not _waiting(server.pid) and time.monotonic() < deadline:
+            pass
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=30) == 130
     finally:

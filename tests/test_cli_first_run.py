@@ -53,6 +53,7 @@ def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
         (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
         (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
         (["serve", "--port", "80000"], "80000 is not a TCP port"),
+        (["serve", "/no/such/dir"], "--model /no/such/dir: is not a directory (nothing is downloaded)"),
         (["serve", "--chat-template", "/no/t.jinja"], "--chat-template /no/t.jinja: no such file"),
         (["serve", "--revision", "v2"], "--revision v2: vLLM's option, refused here: jaxpaged reads local directories"),
         (["generate", "--max-logprobs", "21", "hi"], "--max-logprobs 21: must be an integer from 0 to 20"),

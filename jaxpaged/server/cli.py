@@ -17,10 +17,10 @@ import sys
 import threading
 import time
 
-from jaxpaged.engine_args import compatibility_notes
+from jaxpaged.engine_args import EngineArgs, compatibility_notes
 from jaxpaged.entrypoints import cli_flags
 from jaxpaged.entrypoints.cli_flags import PORT
-from jaxpaged.server.limits import RESERVED_FILES, add_limit_flags, limits_from
+from jaxpaged.server.limits import RESERVED_FILES, ServerLimits, add_limit_flags, limits_from
 from jaxpaged.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("jaxpaged.server")
@@ -241,9 +241,18 @@ def serve(args: argparse.Namespace) -> int:
             core.stop(timeout=0.0)
 
 
-def _run(args, engine_args, core, listener, name: str, limits, chat_template: str | None) -> int:
+def _run(
+    args: argparse.Namespace,
+    engine_args: EngineArgs,
+    core,
+    listener: socket.socket,
+    name: str,
+    limits: ServerLimits,
+    chat_template: str | None,
+) -> int:
     """`serve` once its flags are checked and its port bound: checks the devices and host memory
-    (in the engine process `core`, or here without one), then runs uvicorn until it stops."""
+    (in the engine process `core`, an `EngineCoreProcess`, or here when it is None), then runs
+    uvicorn until it stops."""
     port = listener.getsockname()[1]
     if core is not None:
         core.wait_checked()  # devices and host memory, checked where the engine runs, before HTTP starts

@@ -140,9 +140,7 @@ class SequenceConstraint:
         return n
 
 
-def fill_bitmask(
-    executor, constraints: list[tuple[SequenceConstraint, int, list[int]]], bitmask: np.ndarray
-) -> None:
+def fill_bitmask(executor, constraints: list[tuple[SequenceConstraint, int, list[int]]], bitmask: np.ndarray) -> None:
     """Writes the rows of constrained sequences into a step's `[rows, W]` bitmask (the other rows
     are left as they are: all ones). Grammars fill their first rows on this thread, or in parallel
     on llguidance's threads when there is enough work to pay for waking them

@@ -15,6 +15,12 @@ async steps (as constrained steps run now) and in single synchronous steps (as t
 the overlap), split the costs: the ratio of the constrained run to the first is the grammar's
 own cost.
 
+A last mode runs the constrained requests on a second engine with n-gram speculation
+(`SPECULATIVE_CONFIG`, the measured rule deciding which steps speculate): constrained rows then
+check the tokens their grammar forces (a schema's keys and punctuation) and n-gram proposals the
+grammar allows, each position under its own mask; its ratio is against the first engine's
+unconstrained run, with its output tokens per step and how many proposals were checked and kept.
+
 Compile times: the schema's check (`jaxpaged.structured.check`), its compilation cold (a new
 backend: no cache) and cached, and the first mask of a fresh matcher; the engine's start-up
 compile of the masked samplers against the rest.
@@ -47,6 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from structured_workload import SCHEMA, obeys  # noqa: E402
 
 MAX_TOKENS = 400  # more than any document of the schema takes
+SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 PROMPT = "And the LORD spake unto Moses, saying, Write the record of the sick man"
 
 
@@ -94,16 +101,21 @@ def run_once(
     }
 
 
-def measure(batch: int) -> dict:
-    engine = LLMEngine(
-        EngineArgs(
-            model=DEMO_MODEL_DIR,
-            max_model_len=512,
-            max_num_seqs=batch,
-            max_num_batched_tokens=max(256, batch),
-            compilation_cache_dir="none",
-        )
+def make_engine(batch: int, speculative_config: dict | None = None) -> LLMEngine:
+    rows = 1 + (speculative_config or {}).get("num_speculative_tokens", 0)  # room for every proposal
+    args = EngineArgs(
+        model=DEMO_MODEL_DIR,
+        max_model_len=512,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(256, batch * rows),
+        compilation_cache_dir="none",
+        speculative_config=speculative_config,
     )
+    return LLMEngine(args)
+
+
+def measure(batch: int) -> dict:
+    engine, spec_engine = make_engine(batch), make_engine(batch, SPECULATIVE_CONFIG)
     samplers = {True: 0.0, False: 0.0}
     for program in engine.runner.compile_report:
         if program.name.startswith("sampler"):
@@ -118,11 +130,14 @@ def measure(batch: int) -> dict:
 
     model_runner.fill_bitmask = timed_fill
     run_once(engine, min(batch, 4), None, fill_times)  # warm-up (and the grammar compiled)
+    run_once(spec_engine, min(batch, 4), None, fill_times)
+    spec_engine.spec_stats = dict.fromkeys(spec_engine.spec_stats, 0)
     runs = {
         "unconstrained": [],
         "json_schema": [],
         "unconstrained_single_async_steps": [],
         "unconstrained_single_sync_steps": [],
+        "json_schema_speculation": [],
     }
     for _ in range(2):
         runs["json_schema"].append(run_once(engine, batch, None, fill_times))
@@ -132,6 +147,7 @@ def measure(batch: int) -> dict:
         runs["unconstrained_single_async_steps"].append(single)
         single_sync = run_once(engine, batch, lengths, fill_times, single_steps=True, sync=True)
         runs["unconstrained_single_sync_steps"].append(single_sync)
+        runs["json_schema_speculation"].append(run_once(spec_engine, batch, None, fill_times))
     best = {mode: max(r, key=lambda x: x["tokens_per_s"]) for mode, r in runs.items()}
     for r in best.values():
         del r["lengths"]
@@ -144,6 +160,10 @@ def measure(batch: int) -> dict:
         "tpot_ratio": round(json_["tpot_ms"] / plain["tpot_ms"], 3),
         "grammar_only_throughput_ratio": round(json_["tokens_per_s"] / single["tokens_per_s"], 3),
         "vs_single_sync_throughput_ratio": round(json_["tokens_per_s"] / single_sync["tokens_per_s"], 3),
+        "speculation_throughput_ratio": round(
+            best["json_schema_speculation"]["tokens_per_s"] / plain["tokens_per_s"], 3
+        ),
+        "speculation_counters": spec_engine.spec_stats,  # over both runs
         "compile_s_samplers_masked": round(samplers[True], 1),
         "compile_s_samplers_unmasked": round(samplers[False], 1),
         "compile_s_all": round(engine.compile_seconds, 1),
@@ -187,17 +207,23 @@ def markdown(result: dict) -> str:
     lines = [
         "| batch | unconstrained tok/s | JSON schema tok/s | throughput ratio | TPOT unconstrained ms | "
         "TPOT JSON ms | TPOT ratio | unconstrained, single async steps tok/s | JSON vs that | "
-        "unconstrained, single sync steps tok/s | JSON vs that | mask fill ms/step | valid |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "unconstrained, single sync steps tok/s | JSON vs that | mask fill ms/step | valid | "
+        "JSON + grammar speculation tok/s | vs unconstrained | its tokens per step (JSON's) | proposals kept |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        u, j = r["unconstrained"], r["json_schema"]
+        u, j, sp = r["unconstrained"], r["json_schema"], r["json_schema_speculation"]
+        counters = r["speculation_counters"]
         s, ss = r["unconstrained_single_async_steps"], r["unconstrained_single_sync_steps"]
         lines.append(
             f"| {r['batch']} | {u['tokens_per_s']} | {j['tokens_per_s']} | {r['throughput_ratio']:.2f}x | "
             f"{u['tpot_ms']} | {j['tpot_ms']} | {r['tpot_ratio']:.2f}x | {s['tokens_per_s']} | "
             f"{r['grammar_only_throughput_ratio']:.2f}x | {ss['tokens_per_s']} | "
-            f"{r['vs_single_sync_throughput_ratio']:.2f}x | {j['mask_fill_ms_per_step']} | {j['valid_fraction']:.0%} |"
+            f"{r['vs_single_sync_throughput_ratio']:.2f}x | {j['mask_fill_ms_per_step']} | {j['valid_fraction']:.0%} | "
+            f"{sp['tokens_per_s']} ({sp['valid_fraction']:.0%} valid) | {r['speculation_throughput_ratio']:.2f}x | "
+            f"{sp['output_tokens'] / sp['steps']:.2f} ({j['output_tokens'] / j['steps']:.2f}) | "
+            f"{counters['spec_decode_num_accepted_tokens']} of "
+            f"{counters['spec_decode_num_draft_tokens']} |"
         )
     c = result["compile"]
     lines += [

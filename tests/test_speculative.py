@@ -22,7 +22,7 @@ from jaxpaged.core.speculation import NgramProposer
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 DEMO_MODEL = "jaxpaged/demo_model"
 # Every step that can speculates ("adaptive": False): these tests check what speculation does
@@ -160,6 +160,12 @@ def test_greedy_speculation_gives_plain_greedy_tokens(tiny_dir, engine):
 # The demo model computes in bfloat16: a position's logits computed in another batch shape (one
 # token, or a window of proposals) differ by bfloat16 rounding (~2e-3 measured).
 BF16_LOGPROB_ATOL = 2e-2
+SMALL_SCHEMA = {  # a document fits the demo runs' max_model_len
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "sex": {"enum": ["female", "male", "unknown"]}},
+    "required": ["name", "sex"],
+    "additionalProperties": False,
+}
 KJV = [
     "And the LORD spake unto Moses, saying, Speak unto the children of Israel, and say unto them,",
     "And it came to pass, when the king heard the words of the law, that he rent his clothes. And the king",
@@ -239,18 +245,23 @@ def test_sampled_tokens_follow_the_plain_distribution(demo_draft, method):
 def test_stop_strings_max_tokens_and_streaming_match_plain(demo_draft, method):
     """The demo model on King James prompts (real repetition for the lookup; a noisy copy of the
     demo model as the draft): text, finish reasons, max_tokens exactly, and streamed deltas that
-    add up to the final output."""
-    prompts = KJV
+    add up to the final output; a JSON-constrained request beside them (its grammar's forced
+    tokens proposed, and n-gram tokens the grammar allows; the draft's are not)."""
+    prompts = KJV + KJV[:1]
     stops = [
         SamplingParams(temperature=0, max_tokens=60, stop=["Israel"]),
         SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=48, stop=[", and"]),
+        SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=SMALL_SCHEMA)),
     ]
     plain, _ = run_demo(prompts, stops)
     spec, engine = run_demo(prompts, stops, speculative_config=methods(demo_draft)[method])
     for a, b in zip(spec, plain):
         assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
     assert len(spec[1].token_ids) == 33 and spec[0].finish_reason == "stop"
+    assert (
+        spec[3].finish_reason == "stop" and json.loads(spec[3].text)["sex"] in SMALL_SCHEMA["properties"]["sex"]["enum"]
+    )
     stats = engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"] > 0.2
     engine.add_request(

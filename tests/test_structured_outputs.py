@@ -1,7 +1,8 @@
 """Structured outputs, allowed_token_ids and bad_words on the demo model: every constrained output
 obeys its constraint (JSON schema, regex, choice, Lark grammar), greedy and sampled, n > 1, with
-prefix-cache hits, under preemption, with n-gram speculation configured and under tensor
-parallelism; invalid constraints are a ValueError naming the field and the engine goes on; with
+prefix-cache hits, under preemption and under tensor parallelism; with grammar speculation
+(forced tokens and n-gram proposals checked against the grammar) the outputs are the plain
+engine's, token for token; invalid constraints are a ValueError naming the field and the engine goes on; with
 async scheduling (masks filled while the step's model program runs) the outputs are the
 synchronous engine's, token for token. (The masked distribution itself: tests/test_sampler_mask.py.)"""
 
@@ -113,18 +114,32 @@ def test_invalid_requests_are_value_errors_and_the_engine_serves_on(engine):
     check_all_obey(run(engine, [("c-choice-ok", SamplingParams(structured_outputs=CONSTRAINTS["choice"]))]))
 
 
-def test_valid_under_preemption_and_with_speculation():
-    engine = make_engine(kv_cache_memory_bytes=40 * BLOCK_BYTES, num_scheduler_steps=1)
-    check_all_obey(run(engine, constrained_requests("p", n=3)))
-    assert engine.get_stats()["num_preemptions"] > 0
-    spec = make_engine(num_scheduler_steps=1, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    repeat = (
-        "free-text",
-        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
-    )  # greedy demo output repeats itself
-    check_all_obey(run(spec, constrained_requests("s") + [repeat]))
+def test_grammar_speculation_gives_the_plain_tokens_under_preemption_and_prefix_hits(engine):
+    """Constrained rows check the tokens their grammar forces and n-gram proposals the grammar
+    allows, each position sampled under its own mask: greedy and seeded outputs are the plain
+    engine's, token for token, also when preempted and on prefix-cache hits."""
+    spec = make_engine(
+        kv_cache_memory_bytes=40 * BLOCK_BYTES,
+        num_scheduler_steps=1,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    )
+    requests = constrained_requests("s", n=3) + [
+        ("free-greedy", SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)),  # repeats itself
+        ("x-allowed", SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=list(range(100, 140)))),
+        ("x-bad", SamplingParams(temperature=0.6, seed=2, max_tokens=24, ignore_eos=True, bad_words=["the", "LORD"])),
+    ]
+    tokens = lambda done: {rid: [c.token_ids for c in cs] for rid, cs in done.items()}  # noqa: E731
+    plain = tokens(run(engine, requests))
+    first = run(spec, requests)
+    check_all_obey(first)
+    assert tokens(first) == plain
     stats = spec.get_stats()
-    assert stats["spec_decode_num_drafts"] > 0  # the unconstrained row speculated
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    json_tokens = sum(len(c.token_ids) for c in first["s-json-greedy"] + first["s-json-sampled"])
+    assert stats["spec_decode_num_accepted_tokens"] > json_tokens / 2  # most of a schema's tokens are forced
+    hits = stats["prefix_cache_hits"]
+    assert tokens(run(spec, requests)) == plain
+    assert spec.get_stats()["prefix_cache_hits"] > hits
 
 
 @pytest.mark.parametrize(
@@ -147,10 +162,9 @@ def test_overlapped_masks_equal_synchronous_steps(options):
         ("x-allowed", SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=list(range(100, 140)))),
         ("x-bad", SamplingParams(temperature=0.8, seed=4, max_tokens=24, bad_words=[word, "LORD unto"])),
     ]
-    outputs = [
-        {rid: [(c.token_ids, c.text, c.finish_reason) for c in cs] for rid, cs in run(engine, requests).items()}
-        for engine in (sync, overlapped)
-    ]
+    runs = [run(engine, requests) for engine in (sync, overlapped)]
+    check_all_obey(runs[1])
+    outputs = [{rid: [(c.token_ids, c.text, c.finish_reason) for c in cs] for rid, cs in r.items()} for r in runs]
     assert outputs[1] == outputs[0]
     assert any(deferred)  # masks were filled after the model programs were dispatched
     if "kv_cache_memory_bytes" in options:

@@ -29,7 +29,9 @@ Each engine step:
      fused window's tokens), checks token-id stop rules and frees finished sequences. String
      stops are the detokenizer's: the engine calls `finish_sequence`. A constrained sequence's
      `constraint` advances with every token appended; its grammar completing finishes it
-     ("stop"). Constrained sequences never fuse decode steps nor get proposals.
+     ("stop"). Constrained sequences never fuse decode steps; their proposals (speculative
+     decoding) are the tokens their grammar forces, then the proposer's, cut at the first their
+     constraint rejects (see `jaxpaged.structured.constraint`).
 Every `schedule` is followed by its `postprocess`, at most one other `schedule` in between.
 """
 
@@ -465,6 +467,8 @@ class Scheduler:
         the step's tokens it follows). False (no draft proposals for it) without them, or when
         it may not speculate."""
         k = self.proposer.k
+        if seq.constraint is not None:  # the draft samples without its mask (see `_propose`)
+            return False
         if not speculation_allowed(seq.sampling_params, seq.num_output_tokens + seq.num_pending_tokens):
             return False
         if seq.num_computed_tokens + k > self.config.max_model_len or not self.block_manager.can_append_from_free(
@@ -484,10 +488,21 @@ class Scheduler:
         room = self.config.max_model_len - seq.num_tokens - 1
         if sp.max_tokens is not None:
             room = min(room, sp.max_tokens - seq.num_output_tokens - 1)
-        if self.proposer.needs_model:  # the draft's, from the previous step's output
-            return seq.spec_token_ids[: max(0, min(room, budget))]
-        start = max(0, seq.num_tokens - NGRAM_LOOKBACK)
-        return self.proposer.propose(seq.token_ids_slice(start, seq.num_tokens), min(room, budget))
+        limit = min(room, budget, self.proposer.k)
+        c = seq.constraint
+        if c is None:
+            if self.proposer.needs_model:  # the draft's, from the previous step's output
+                return seq.spec_token_ids[: max(0, limit)]
+            start = max(0, seq.num_tokens - NGRAM_LOOKBACK)
+            return self.proposer.propose(seq.token_ids_slice(start, seq.num_tokens), limit)
+        # A constrained sequence: the tokens its grammar forces, then (n-gram) those that followed
+        # them before, cut where the constraint rejects one (a draft proposes without the mask).
+        proposal = c.forced_tokens(limit)
+        if not self.proposer.needs_model and len(proposal) < limit:
+            start = max(0, seq.num_tokens - NGRAM_LOOKBACK)
+            tokens = seq.token_ids_slice(start, seq.num_tokens) + proposal
+            proposal += self.proposer.propose(tokens, limit - len(proposal))
+        return proposal[: c.valid_prefix(proposal)]
 
     def postprocess(
         self,

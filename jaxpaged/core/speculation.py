@@ -49,12 +49,12 @@ def is_constrained(params: SamplingParams) -> bool:
 def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a sequence may be given proposals now: not with penalties (they would have to see
     each proposal as generated before sampling the next position), nor before `min_tokens` (its
-    banned tokens change within the window), nor with a token mask (a grammar's mask after a
-    proposal needs the proposal accepted first: constrained rows decode one token per step), nor
-    when the request opted out."""
+    banned tokens change within the window), nor when the request opted out. A constrained
+    sequence may: its proposals are checked against its constraint first, and each position is
+    sampled under the mask the constraint has after the proposals before it (see
+    `jaxpaged.structured.constraint`)."""
     return (
         params.speculate
-        and not is_constrained(params)
         and params.presence_penalty == 0
         and params.frequency_penalty == 0
         and params.repetition_penalty == 1

@@ -2,6 +2,12 @@
 `bad_words`, advanced with every token appended to it, and the packed bitmask rows of a step.
 
 Bit i of row word `i // 32` (bit `i % 32`) allows token i; `[S, W]` int32 with W = ceil(V / 32).
+
+With speculative decoding a constrained sequence checks proposals too: the tokens its grammar
+forces next (`forced_tokens`: a JSON schema's keys and punctuation), then the proposer's, all cut
+at the first the constraint rejects (`valid_prefix`). Its step has a mask row per position: row j
+is what the constraint allows after the first j proposals (`fill_bitmask` advances the matcher
+over them and rolls it back), so each position samples exactly as plain decoding would there.
 """
 
 import concurrent.futures
@@ -102,41 +108,74 @@ class SequenceConstraint:
                 "structured outputs: the grammar rejected sampled token %d: %s", token_id, self.matcher.get_error()
             )
 
-    def banned_now(self) -> list[int]:
-        """Bad words' tokens banned at the next position: a one-token word always, a longer
-        word's last token when the output ends with its other tokens."""
+    def banned_now(self, ahead: list[int] = ()) -> list[int]:
+        """Bad words' tokens banned at the next position (after the output and then `ahead`): a
+        one-token word always, a longer word's last token when the output ends with its other
+        tokens."""
+        history = self.history + list(ahead) if ahead else self.history
         out = []
         for word in self.bad_words:
             prefix = word[:-1]
-            if not prefix or self.history[len(self.history) - len(prefix) :] == prefix:
+            if not prefix or history[len(history) - len(prefix) :] == prefix:
                 out.append(word[-1])
         return out
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (none without a grammar, or when it can
+        end here or choose: see llguidance's `compute_ff_tokens`)."""
+        if self.matcher is None or self.matcher.is_stopped() or limit <= 0:
+            return []
+        return self.matcher.compute_ff_tokens()[:limit]
 
-def fill_bitmask(executor, constraints: list[tuple[SequenceConstraint, int]], bitmask: np.ndarray) -> None:
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the constraint allows, each after the ones before it."""
+        n = len(tokens)
+        if self.matcher is not None and n:
+            n = 0 if self.matcher.is_stopped() else self.matcher.validate_tokens(tokens)
+        if self.static_mask is not None:
+            words = self.static_mask.view(np.uint32)
+            n = next((j for j, t in enumerate(tokens[:n]) if not words[t // 32] >> (t % 32) & 1), n)
+        if self.bad_words:
+            n = next((j for j in range(n) if tokens[j] in self.banned_now(tokens[:j])), n)
+        return n
+
+
+def fill_bitmask(executor, constraints: list[tuple[SequenceConstraint, int, list[int]]], bitmask: np.ndarray) -> None:
     """Writes the rows of constrained sequences into a step's `[rows, W]` bitmask (the other rows
-    are left as they are: all ones). Grammars fill their rows on this thread, or in parallel on
-    llguidance's threads when there is enough work to pay for waking them (`PARALLEL_MIN_BITS`).
+    are left as they are: all ones). Grammars fill their first rows on this thread, or in parallel
+    on llguidance's threads when there is enough work to pay for waking them
+    (`PARALLEL_MIN_BITS`); a sequence's rows after its proposals' on this thread, its matcher
+    advanced over them and rolled back.
 
     Args:
       executor: llguidance's thread pool.
-      constraints: `(constraint, row)` of each constrained sequence of the step.
+      constraints: `(constraint, row, proposals)` of each constrained sequence of the step: its
+        first row, and the proposals it checks (row + j is sampled after the first j of them,
+        which its constraint allows: `SequenceConstraint.valid_prefix`).
       bitmask: `[rows, W]` int32, C-contiguous.
     """
-    grammar_rows = [(c, row) for c, row in constraints if c.matcher is not None]
+    grammar_rows = [(c, row, p) for c, row, p in constraints if c.matcher is not None]
     if grammar_rows:
         fill = llguidance().numpy
-        matchers = [(c.matcher, row) for c, row in grammar_rows]
+        matchers = [(c.matcher, row) for c, row, _ in grammar_rows]
         if len(matchers) * bitmask.shape[1] * 32 >= PARALLEL_MIN_BITS:
             fill.fill_next_token_bitmask_par(executor, matchers, bitmask)
         else:
             for matcher, row in matchers:
                 fill.fill_next_token_bitmask(matcher, bitmask, row)
+        for c, row, proposals in grammar_rows:
+            if proposals and not c.matcher.is_stopped():
+                for j, token in enumerate(proposals, 1):
+                    c.matcher.consume_token(token)
+                    fill.fill_next_token_bitmask(c.matcher, bitmask, row + j)
+                c.matcher.rollback(len(proposals))
         # the engine's constraints share one tokenizer: one `valid_ids`
-        bitmask[[row for _, row in grammar_rows]] &= grammar_rows[0][0].valid_ids
+        rows = [row + j for _, row, p in grammar_rows for j in range(len(p) + 1)]
+        bitmask[rows] &= grammar_rows[0][0].valid_ids
     words = bitmask.view(np.uint32)
-    for c, row in constraints:
+    for c, row, proposals in constraints:
         if c.static_mask is not None:
-            bitmask[row] &= c.static_mask
-        for token in c.banned_now():
-            words[row, token // 32] &= ~np.uint32(1 << (token % 32))
+            bitmask[row : row + len(proposals) + 1] &= c.static_mask
+        for j in range(len(proposals) + 1):
+            for token in c.banned_now(proposals[:j]):
+                words[row + j, token // 32] &= ~np.uint32(1 << (token % 32))

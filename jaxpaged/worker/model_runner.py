@@ -74,14 +74,14 @@ class PendingSample:
       logits: the model program's logits at the sampling rows.
       sampler_input: the model program's `SamplerInput` (its `token_mask` still to come).
       mask: `[rows, W]` int32, the packed buffer's mask (all ones until filled).
-      rows: `(entry index, row)` of each constrained entry.
+      entries: the indices of the constrained entries.
     """
 
     sampler: object
     logits: jax.Array
     sampler_input: typing.Any
     mask: np.ndarray
-    rows: list[tuple[int, int]]
+    entries: list[int]
 
 
 @dataclasses.dataclass
@@ -305,7 +305,7 @@ class ModelRunner:
         prepared = self.input_batch.prepare(output.step_inputs)
         for slot, tokens, prompt_len in prepared.seeds:
             self.seed_penalty_slot(slot, tokens, prompt_len)
-        num_drafts = [len(d) for d in output.drafts]
+        num_drafts = [len(d) for d in output.drafts] or [0] * output.num_seqs
         # Without other processes a masked step's sampler waits for `sample` (its masks follow
         # the previous step's tokens); their step channel sends a step whole, masks included.
         defer = prepared.options.mask and output.num_steps == 1 and self.channel is None
@@ -317,9 +317,7 @@ class ModelRunner:
         if defer:
             logits, sampler_input, handle.prompt_packed = self._run_model(program, flat[: layout.size])
             sampler = self.compiled[sampler_for(layout, prepared.options)]
-            constrained = [
-                (i, i * layout.rows_per_seq) for i, s in enumerate(output.step_inputs) if s.constraint is not None
-            ]
+            constrained = [i for i, s in enumerate(output.step_inputs) if s.constraint is not None]
             mask = self.packer.mask_of(layout, flat)
             handle.pending = PendingSample(sampler, logits, sampler_input, mask, constrained)
         else:
@@ -338,9 +336,11 @@ class ModelRunner:
         if pending is None:
             return
         handle.pending = None
-        scheduled, inputs = handle.output.scheduled, handle.output.step_inputs
-        rows = [(inputs[i].constraint, row) for i, row in pending.rows if not scheduled[i][0].is_finished]
-        fill_bitmask(self.mask_executor(), rows, pending.mask)
+        output = handle.output
+        live = [i for i in pending.entries if not output.scheduled[i][0].is_finished]
+        num_drafts = [len(d) for d in output.drafts] or [0] * output.num_seqs
+        r = handle.layout.rows // handle.layout.num_seqs
+        fill_bitmask(self.mask_executor(), _mask_rows(output.step_inputs, num_drafts, live, r), pending.mask)
         mask = jax.device_put(pending.mask, self._whole)
         handle.packed = self._run_sampler(pending.sampler, pending.logits, pending.sampler_input, mask)
         handle.packed.copy_to_host_async()
@@ -361,9 +361,10 @@ class ModelRunner:
             inputs, prepared.rows, prepared.resets, num_drafts, decode=decode, live_steps=live, masked=masked
         )
         if masked and not defer:  # the constrained rows' masks (the others stay all ones)
-            r = self.step_programs.layout(program).rows_per_seq
-            rows = [(s.constraint, i * r) for i, s in enumerate(inputs) if s.constraint is not None]
-            fill_bitmask(self.mask_executor(), rows, self.packer.mask_of(self.step_programs.layout(program), flat))
+            layout = self.step_programs.layout(program)
+            entries = [i for i, s in enumerate(inputs) if s.constraint is not None]
+            rows = _mask_rows(inputs, num_drafts, entries, layout.rows_per_seq)
+            fill_bitmask(self.mask_executor(), rows, self.packer.mask_of(layout, flat))
         if self.channel is not None:
             options = prepared.options if steps == 1 else program.options
             bits = _option_bits(options) | int(program.prompt_logprobs) << 3  # bits 0-2: the sampler's
@@ -468,6 +469,16 @@ class ModelRunner:
         steps = fields[1]
         fused = options if steps > 1 else SamplerOptions()
         return Program(fields[0], steps, bool(fields[2]), fused, bool(fields[3] & 8)), options
+
+
+def _mask_rows(inputs: list[ScheduledSequence], num_drafts: list[int], entries: list[int], rows_per_seq: int):
+    """`(constraint, first row, proposals)` of constrained entries, for `fill_bitmask` (an entry's
+    proposals are its last `num_drafts` tokens)."""
+    out = []
+    for i in entries:
+        tokens, d = inputs[i].token_ids, num_drafts[i]
+        out.append((inputs[i].constraint, i * rows_per_seq, tokens[len(tokens) - d :] if d else []))
+    return out
 
 
 def _prompt_logprobs_of(inputs: list[ScheduledSequence], packed: np.ndarray) -> dict[int, tuple]:

@@ -1,0 +1,90 @@
+"""Speculation for constrained sequences on the host (no model): a JSON schema's forced tokens are
+proposed, n-gram proposals are cut at the first token the grammar rejects, and each proposal
+position gets the mask the grammar has after the proposals before it, the matcher left as it was.
+(Engine outputs with grammar speculation: tests/test_structured_outputs.py.)"""
+
+import llguidance.numpy
+import numpy as np
+import pytest
+from structured_workload import SCHEMA
+from transformers import AutoTokenizer
+
+from jaxpaged.config.speculative import SpeculativeConfig
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.sequence import Sequence
+from jaxpaged.core.speculation import NgramProposer
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.structured import GrammarBackend, SequenceConstraint, fill_bitmask
+
+VOCAB = 4096  # the demo model's
+
+
+@pytest.fixture(scope="module")
+def grammar():
+    tokenizer = AutoTokenizer.from_pretrained("jaxpaged/demo_model")
+    backend = GrammarBackend(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    so = StructuredOutputsParams(json=SCHEMA)
+    yield tokenizer, backend, so, backend.compile(so)
+    backend.close()
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_forced_then_ngram_proposals_stop_at_the_first_the_grammar_rejects(grammar):
+    tokenizer, backend, so, compiled = grammar
+    seq = Sequence("r", encode(tokenizer, "Moses"), SamplingParams(max_tokens=100, structured_outputs=so))
+    seq.constraint = SequenceConstraint(VOCAB, compiled, backend.valid_ids)
+    reference = compiled.result().deep_copy()
+    written = encode(tokenizer, '{"patient":"Moses"')
+    assert reference.consume_tokens(written)
+    forced = reference.compute_ff_tokens()  # ,"age":
+    assert tokenizer.decode(forced) == ',"age":'
+    # Earlier in the prompt the forced tokens were followed by an age, then a brace the schema
+    # does not allow yet (the other fields are required).
+    age, brace = encode(tokenizer, "42"), encode(tokenizer, "}")
+    seq.prompt_token_ids += forced + age + brace + encode(tokenizer, "Moses")
+    config = SchedulerConfig(max_model_len=256, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    k = len(forced) + len(age) + 2
+    proposer = NgramProposer(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k}))
+    scheduler = Scheduler(config, proposer=proposer)
+    scheduler.add(seq)
+    for token in written:  # one token a step, as a plain constrained decode would
+        scheduler.postprocess(scheduler.schedule(propose=False), [token])
+    output = scheduler.schedule()
+    assert output.drafts == [forced + age]
+    assert seq.constraint.valid_prefix(forced + age + brace) == len(forced + age)
+
+
+def test_each_position_is_masked_after_the_proposals_before_it(grammar):
+    tokenizer, backend, _, compiled = grammar
+    constraint = SequenceConstraint(VOCAB, compiled, backend.valid_ids)
+    assert constraint.ready
+    proposals = encode(tokenizer, '{"patient":"M')
+    assert constraint.forced_tokens(100) == proposals[:-1] and constraint.valid_prefix(proposals) == len(proposals)
+    mask = np.full((1 + 2 * len(proposals), VOCAB // 32), -1, np.int32)
+    fill_bitmask(None, [(constraint, 1, proposals)], mask)
+    assert (mask[0] == -1).all() and (mask[2 + len(proposals) :] == -1).all()  # other rows untouched
+    matcher = compiled.result().deep_copy()
+    expected = llguidance.numpy.allocate_token_bitmask(1, VOCAB)
+    for j in range(len(proposals) + 1):
+        llguidance.numpy.fill_next_token_bitmask(matcher, expected, 0)
+        assert (mask[1 + j] == expected[0] & backend.valid_ids).all(), j
+        if j < len(proposals):
+            matcher.consume_token(proposals[j])
+    # the matcher is back where it was: the next step's first row is this one's
+    again = np.full((1, VOCAB // 32), -1, np.int32)
+    fill_bitmask(None, [(constraint, 0, [])], again)
+    assert (again[0] == mask[1]).all()
+
+
+def test_bad_words_ban_their_last_token_at_the_positions_after_their_first(grammar):
+    tokenizer = grammar[0]
+    quote, age = encode(tokenizer, '"age')
+    constraint = SequenceConstraint(VOCAB, bad_words=[[quote, age]])
+    assert constraint.valid_prefix([age, quote, quote, age]) == 3
+    mask = np.full((4, VOCAB // 32), -1, np.int32)
+    fill_bitmask(None, [(constraint, 0, [age, quote, quote])], mask)
+    banned = [not mask.view(np.uint32)[j, age // 32] >> (age % 32) & 1 for j in range(4)]
+    assert banned == [False, False, True, True]

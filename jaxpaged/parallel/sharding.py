@@ -5,6 +5,7 @@ Megatron-style tensor parallelism over the mesh axis `TENSOR_AXIS`:
 
     q/k/v projections, gate/up     split over heads / kv heads / MLP width (column parallel)
     o_proj, down_proj              split over their input (row parallel: one all-reduce each)
+    experts [E, ...]               every expert split over its FFN width, like the MLP
     embedding, LM head             split over the vocabulary (rows of the table / its columns)
     norms, o_bias                  replicated
     KV pool [L * NB, BS, K, H]     split over kv heads
@@ -26,7 +27,7 @@ import dataclasses
 import math
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB, axis_sizes
+from jaxpaged.config.params import EXPERT_MLP, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, SHARED_MLP, VOCAB, axis_sizes
 from jaxpaged.params.tables import find_state_param
 
 # Mesh axis names: declared once here.
@@ -48,7 +49,16 @@ KEY_VALUE_AXES = (None, KV_HEADS, HEAD_DIM)
 
 # Logical axis -> mesh axis. Every split axis must divide evenly, except the vocabulary, which
 # stays whole (replicated) when it does not.
-RULES: dict[str, str] = {HEADS: TENSOR_AXIS, KV_HEADS: TENSOR_AXIS, MLP: TENSOR_AXIS, VOCAB: TENSOR_AXIS}
+# A mixture of experts' experts split like the MLP: each device holds every expert's share of
+# the FFN width (and of the shared expert's); the router stays whole.
+RULES: dict[str, str] = {
+    HEADS: TENSOR_AXIS,
+    KV_HEADS: TENSOR_AXIS,
+    MLP: TENSOR_AXIS,
+    VOCAB: TENSOR_AXIS,
+    EXPERT_MLP: TENSOR_AXIS,
+    SHARED_MLP: TENSOR_AXIS,
+}
 
 
 class TensorParallelError(ValueError):
@@ -84,6 +94,11 @@ class TensorParallelLayout:
             )
         if c.intermediate_size % n:
             raise TensorParallelError(f"tensor_parallel_size={n} must divide intermediate_size={c.intermediate_size}")
+        if c.moe is not None and (c.moe.expert_size % n or c.moe.shared_expert_size % n):
+            raise TensorParallelError(
+                f"tensor_parallel_size={n} must divide each expert's FFN width ({c.moe.expert_size}) and the "
+                f"shared expert's ({c.moe.shared_expert_size})"
+            )
 
     @property
     def kv_replicas(self) -> int:

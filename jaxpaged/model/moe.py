@@ -8,25 +8,29 @@ M = T * K routed rows, F one expert's FFN width, S the shared expert's width.
 2. Sort the T * K (token, expert) pairs by expert (a stable argsort): each expert's rows are
    contiguous, `group_sizes[E]` says how many. No padding: the rows are exactly T * K (T is the
    step's token bucket), whatever the routing; an expert no token chose has an empty group.
-3. The experts' SwiGLU over the sorted rows as three grouped matmuls (`jax.lax.ragged_dot`:
-   row block e times expert e's weight).
+3. The experts' SwiGLU over the sorted rows as three grouped matmuls (grouped_matmul.py: row
+   group e times expert e's weight; the work is the M rows plus a bounded padding, not M x E).
 4. Undo the permutation (a gather by the inverse order) and sum each token's K outputs weighted
    by its router weights.
-
-What `ragged_dot` costs depends on how XLA lowers it: JAX 0.10 on a CPU and XLA's GPU compiler
-(JAX 0.11, an H100) expand it into one dense product of every row with every expert, masked
-(see benchmarks/results/moe_ragged_dot.md); a grouped-GEMM kernel would do T * K rows' work.
 """
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.moe import MoeConfig
 from jaxpaged.config.params import QUANT_SUFFIX, SCALE_SUFFIX
-from jaxpaged.model.quant import matmul, quantize_weight, quantized_matmul
+from jaxpaged.model.grouped_matmul import grouped_matmul
+from jaxpaged.model.quant import matmul, quantized_matmul
+from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.parallel.sharding import TENSOR_AXIS
+from jaxpaged.params.tables import find_state_param
 
 
 def route(
@@ -48,33 +52,57 @@ def route(
     return weights, experts.astype(jnp.int32)
 
 
-def sort_by_expert(experts: Int[Array, "T K"], num_experts: int) -> tuple[Int[Array, " M"], Int[Array, " E"]]:
-    """The order that groups the flattened (token, expert) rows by expert, and each group's size."""
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+def sort_by_expert(
+    experts: Int[Array, "T K"], num_experts: int, first_expert: Int[Array, ""] | int = 0
+) -> tuple[Int[Array, " M"], Int[Array, " E"]]:
+    """The order that groups the flattened (token, expert) rows by expert, and each group's size,
+    over the experts `first_expert ..` `+ num_experts` (one device's under expert parallelism):
+    rows routed to other experts sort last, in no group, and are never computed."""
+    local = experts.reshape(-1) - first_expert
+    local = jnp.where((local >= 0) & (local < num_experts), local, num_experts)
+    order = jnp.argsort(local, stable=True).astype(jnp.int32)
+    group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[local].add(1)[:num_experts]
     return order, group_sizes
 
 
-def grouped_matmul(
-    rows: Float[Array, "M I"], module: nnx.Module, name: str, group_sizes: Int[Array, " E"]
-) -> Float[Array, "M O"]:
-    """`rows` (sorted by expert, `group_sizes` of them each) times each group's expert weight
-    `name` of `module`: plain `[E, I, O]`, or its quantized pair `[E, O, I]` with `[E, O]` scales."""
-    if module.quantization is None:
-        return jax.lax.ragged_dot(rows, getattr(module, name)[...], group_sizes)
-    q, scale = getattr(module, name + QUANT_SUFFIX)[...], getattr(module, name + SCALE_SUFFIX)[...]
-    dims = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
-    if module.quantization == "fp8":  # each row quantized with its own scale, as `quantized_matmul` does
-        xq, x_scale = quantize_weight(rows, "fp8", num_in=1, num_lead=1)
-        y = jax.lax.ragged_dot_general(xq, q, group_sizes, dims, preferred_element_type=jnp.float32)
-        y = y * x_scale[:, None]
-    else:
-        y = jax.lax.ragged_dot_general(
-            rows, q.astype(rows.dtype), group_sizes, dims, preferred_element_type=jnp.float32
-        )
-    expert_of_row = jnp.repeat(jnp.arange(q.shape[0]), group_sizes, total_repeat_length=rows.shape[0])
-    return (y * scale[expert_of_row]).astype(rows.dtype)
+def expert_matmul(
+    arrays: dict[str, Array], quantization: str | None, name: str
+) -> Callable[[Float[Array, "TM I"], Int[Array, ""]], Float[Array, "TM O"]]:
+    """`(tile, e) -> tile` times expert e's weight `name`: plain `[E, I, O]`, or its quantized
+    pair `[E, O, I]` with `[E, O]` scales (the dense layers' matmuls, on one expert)."""
+    if quantization is None:
+        return lambda x, e: matmul(x, arrays[name][e], 1)
+    q, scale = arrays[name + QUANT_SUFFIX], arrays[name + SCALE_SUFFIX]
+    return lambda x, e: quantized_matmul(x, q[e], scale[e], quantization, 1)
+
+
+def experts_ffn(
+    arrays: dict[str, Array],
+    quantization: str | None,
+    top_k: int,
+    x: Float[Array, "T D"],
+    weights: Float[Array, "T K"],
+    experts: Int[Array, "T K"],
+    first_expert: Int[Array, ""] | int = 0,
+) -> Float[Array, "T D"]:
+    """Every token through its experts' SwiGLU (steps 2-4 of the module docstring).
+
+    Args:
+      arrays: the experts' weights by name (`gate_proj`, ... or their quantized pairs): all of
+        them, or one device's share (of their FFN width, or of the experts from `first_expert`).
+      quantization: None, "fp8" or "int8".
+    """
+    gate_name = "gate_proj" if quantization is None else "gate_proj" + QUANT_SUFFIX
+    num_experts = arrays[gate_name].shape[0]
+    width = arrays[gate_name].shape[-1 if quantization is None else 1]
+    order, group_sizes = sort_by_expert(experts, num_experts, first_expert)
+    rows = x[order // top_k]  # [M, D]: each routed row's token, in expert order
+
+    def grouped(rows, name, out_width):
+        return grouped_matmul(rows, group_sizes, expert_matmul(arrays, quantization, name), out_width)
+
+    hidden = jax.nn.silu(grouped(rows, "gate_proj", width)) * grouped(rows, "up_proj", width)
+    return combine(grouped(hidden, "down_proj", x.shape[1]), order, weights)
 
 
 def _project(module: nnx.Module, name: str, x: Float[Array, "T I"]) -> Float[Array, "T O"]:
@@ -99,24 +127,56 @@ class SparseMoe(nnx.Module):
     """A layer's router, experts (and Qwen2-MoE's gated shared expert), from the table's
     parameters under `("layers", "moe")` (stacked over the layers, or per-layer arrays)."""
 
-    def __init__(self, config: ModelConfig, params):
+    def __init__(self, config: ModelConfig, params, parallel: TensorParallel | None = None):
         params.declare(self, ("layers", "moe"))  # router [D, E], experts [E, D, F] / [E, F, D], shared ones
         self.moe = config.moe
         self.quantization = params.quantization
         self.shared_expert = hasattr(self, "shared_expert_gate")
+        self.parallel = parallel
+        self.expert_names = tuple(
+            n
+            for n in ("gate_proj", "up_proj", "down_proj")
+            for n in (n, n + QUANT_SUFFIX, n + SCALE_SUFFIX)
+            if hasattr(self, n)
+        )
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         weights, experts = route(x, self.router[...], self.moe)
-        order, group_sizes = sort_by_expert(experts, self.moe.num_experts)
-        rows = x[order // self.moe.top_k]  # [M, D]: each routed row's token, in expert order
-        gate = grouped_matmul(rows, self, "gate_proj", group_sizes)
-        up = grouped_matmul(rows, self, "up_proj", group_sizes)
-        out = combine(grouped_matmul(jax.nn.silu(gate) * up, self, "down_proj", group_sizes), order, weights)
+        arrays = {name: getattr(self, name)[...] for name in self.expert_names}
+        ffn = functools.partial(experts_ffn, quantization=self.quantization, top_k=self.moe.top_k)
+        if self.parallel is None:
+            out = ffn(arrays, x=x, weights=weights, experts=experts)
+        else:
+            out = on_every_device(self.parallel, ffn, arrays, x, weights, experts)
         if self.shared_expert:
             shared = _project(self, "shared_gate_proj", x)
             shared = _project(self, "shared_down_proj", jax.nn.silu(shared) * _project(self, "shared_up_proj", x))
             out = out + jax.nn.sigmoid(x @ self.shared_expert_gate[...])[:, None] * shared
         return out
+
+
+def on_every_device(parallel: TensorParallel, ffn, arrays: dict[str, Array], x, weights, experts):
+    """`ffn` on every device over its share of the experts' weights (`shard_map`; the tokens and
+    their routing are whole on every device), the devices' partial outputs summed: each holds
+    a slice of every expert's FFN width, or, under expert parallelism, whole experts (those from
+    `axis_index * E_local`); rows routed elsewhere are not computed there."""
+    layout = parallel.layout
+    specs = {
+        name: PartitionSpec(*layout.mesh_axes(find_state_param(layout.config, ("layers", "moe", name)).axes[1:]))
+        for name in arrays
+    }
+
+    def local(arrays, x, weights, experts):
+        first = 0
+        if layout.expert_parallel:
+            first = jax.lax.axis_index(TENSOR_AXIS) * next(iter(arrays.values())).shape[0]
+        out = ffn(arrays, x=x, weights=weights, experts=experts, first_expert=first)
+        return jax.lax.psum(out, TENSOR_AXIS)
+
+    whole = PartitionSpec()
+    return jax.shard_map(
+        local, mesh=parallel.mesh, in_specs=(specs, whole, whole, whole), out_specs=whole, check_vma=False
+    )(arrays, x, weights, experts)
 
 
 def dense_experts_reference(

@@ -197,6 +197,13 @@ def test_engine_tokens_equal_transformers_unsharded_and_split(moe_model, n, expe
                 assert np.prod(shard.data.shape) * n == np.prod(array.shape), name
 
 
+@pytest.mark.parametrize(("field", "value"), [("decoder_sparse_step", 2), ("mlp_only_layers", [0])])
+def test_layers_mixing_dense_and_sparse_mlps_are_refused_by_name(field, value):
+    hf = {**BASE, **VARIANTS["qwen3_moe"][2], "architectures": ["Qwen3MoeForCausalLM"], field: value}
+    with pytest.raises(ValueError, match=f"{field}=.* is not supported"):
+        ModelConfig.from_hf(hf)
+
+
 def test_expert_parallel_needs_experts_that_split():
     config = ModelConfig.from_hf({**BASE, **VARIANTS["mixtral_moe"][2], "architectures": ["MixtralForCausalLM"]})
     with pytest.raises(TensorParallelError, match="must divide the number of experts \\(6\\)"):

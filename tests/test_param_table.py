@@ -131,7 +131,13 @@ def test_model_sharding_and_plan_agree_for_every_size(variant, quantization):
 
 @pytest.mark.parametrize(
     ("variant", "quantization", "n"),
-    [("qwen3", "fp8", 4), ("llama_attention_bias_tied", "int8", 8), ("qwen2", None, 8), ("mistral", "fp8", 2)],
+    [
+        ("qwen3", "fp8", 4),
+        ("llama_attention_bias_tied", "int8", 8),
+        ("qwen2", None, 8),
+        ("mistral", "fp8", 2),
+        ("qwen2_moe", "fp8", 4),
+    ],
 )
 def test_placed_arrays_are_where_the_table_says(tmp_path, variant, quantization, n):
     """The engine's own start-up (dummy weights) places every array, split into per-layer arrays,

@@ -133,12 +133,9 @@ class SparseMoe(nnx.Module):
         self.quantization = params.quantization
         self.shared_expert = hasattr(self, "shared_expert_gate")
         self.parallel = parallel
-        self.expert_names = tuple(
-            n
-            for n in ("gate_proj", "up_proj", "down_proj")
-            for n in (n, n + QUANT_SUFFIX, n + SCALE_SUFFIX)
-            if hasattr(self, n)
-        )
+        weights = ("gate_proj", "up_proj", "down_proj")
+        variants = [(w,) if self.quantization is None else (w + QUANT_SUFFIX, w + SCALE_SUFFIX) for w in weights]
+        self.expert_names = tuple(name for names in variants for name in names)  # the arrays of the experts
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         weights, experts = route(x, self.router[...], self.moe)

@@ -49,7 +49,8 @@ def test_grouped_matmul_equals_numpy_for_any_routing(num_tokens, num_experts, to
         order = np.argsort(flat, kind="stable")
         rows = rng.normal(size=(flat.size, D)).astype(np.float32)
         sizes = np.bincount(flat, minlength=num_experts).astype(np.int32)
-        ours = grouped_matmul(jnp.asarray(rows), jnp.asarray(sizes), lambda x, e: x @ jnp.asarray(w)[e], F)
+        matmul = jax.jit(lambda rows, sizes, w: grouped_matmul(rows, sizes, lambda x, e: x @ w[e], F))
+        ours = matmul(jnp.asarray(rows), jnp.asarray(sizes), jnp.asarray(w))
         expected = np.einsum("MD,MDF->MF", rows, w[flat[order]])
         np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5, err_msg=name)
 
@@ -136,7 +137,7 @@ def test_quantized_experts_equal_the_dense_product_of_their_values(method):
         q, scale = quantize_weight(jnp.asarray(rng.normal(size=(4, *shape)), jnp.float32), method, 1, num_lead=1)
         arrays[name + "_quant"], arrays[name + "_scale"] = q, scale
         plain[name] = jnp.swapaxes(q.astype(jnp.float32) * scale[..., None], 1, 2)  # back to [E, in, out]
-    ours = experts_ffn(arrays, method, 2, x, weights, experts)
+    ours = jax.jit(experts_ffn, static_argnums=(1, 2))(arrays, method, 2, x, weights, experts)
     expected = dense_experts_reference(x, weights, experts, plain["gate_proj"], plain["up_proj"], plain["down_proj"])
     tolerance = 1e-5 if method == "int8" else 0.1
     err = float(jnp.linalg.norm(ours - expected) / jnp.linalg.norm(expected))

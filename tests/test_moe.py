@@ -147,13 +147,11 @@ def test_quantized_experts_equal_the_dense_product_of_their_values(method):
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
-    """(model dir, prompts, transformers' greedy continuations) of the tiny Mixtral (8 experts)."""
-    path = str(tmp_path_factory.mktemp("mixtral_moe"))
-    hf = save_hf_model("mixtral_moe", path)
+def tiny_model(name: str, path: str) -> tuple[list, list]:
+    """(prompts, transformers' greedy continuations) of the named tiny variant, saved to `path`."""
+    hf = save_hf_model(name, path)
     prompts = tp_workload.prompts()
-    return path, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    return prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
 
 
 def run_engine(path: str, n: int, prompts, **kwargs) -> tuple[list[list[int]], LLMEngine]:
@@ -177,19 +175,22 @@ def expert_arrays(engine: LLMEngine) -> list:
 
 
 @pytest.mark.isolated
-@pytest.mark.parametrize(("n", "expert_parallel"), [(1, False), (2, False), (4, True)])
-def test_engine_tokens_equal_transformers_unsharded_and_split(moe_model, n, expert_parallel):
-    """Prefix caching, chunked prefill and preemption (tp_workload), one device, experts split
-    over their FFN width on 2, and 8 experts as 2 whole experts on each of 4 devices."""
-    path, prompts, references = moe_model
-    tokens, engine = run_engine(path, n, prompts, enable_expert_parallel=expert_parallel)
+@pytest.mark.parametrize(
+    ("variant", "n", "expert_parallel"), [("mixtral_moe", 1, False), ("qwen2_moe", 2, False), ("mixtral_moe", 4, True)]
+)
+def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant, n, expert_parallel):
+    """Prefix caching, chunked prefill and preemption (tp_workload): Mixtral's 8 experts on one
+    device; Qwen2-MoE's 4 experts and its shared expert split over their FFN width on 2; and
+    Mixtral's as 2 whole experts on each of 4 devices."""
+    prompts, references = tiny_model(variant, str(tmp_path))
+    tokens, engine = run_engine(str(tmp_path), n, prompts, enable_expert_parallel=expert_parallel)
     assert tokens == references
-    num_experts = 8
+    num_experts = ModelConfig.from_pretrained(str(tmp_path)).moe.num_experts
     for name, array in expert_arrays(engine):
         for shard in array.addressable_shards:
             experts, *rest = shard.index
             held = range(num_experts)[experts]
-            if expert_parallel:  # device d holds experts 2d, 2d + 1, whole
+            if expert_parallel:  # device d holds experts 2d, 2d + 1, whole (8 over 4)
                 d = list(array.sharding.mesh.devices.flat).index(shard.device)
                 assert list(held) == [2 * d, 2 * d + 1], name
                 assert shard.data.shape[1:] == array.shape[1:], name

@@ -187,6 +187,11 @@ class EngineArgs:
         "devices to split the model over (Megatron tensor parallelism); must divide the attention heads",
         aliases=("-tp",),
     )
+    enable_expert_parallel: bool = _option(
+        False,
+        "split a mixture of experts' experts over the --tensor-parallel-size devices (whole experts "
+        "on each) instead of splitting every expert's FFN width; attention stays tensor parallel",
+    )
     nnodes: int = _option(1, "processes (machines) the engine spans; each runs jaxpaged serve with its own --node-rank")
     node_rank: int = _option(
         0,

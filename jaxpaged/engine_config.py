@@ -80,7 +80,7 @@ class EngineConfig:
         raw = load_config_dict(args.model)[1]
         quantization = _quantization(args.model, args.quantization, raw)
         model = ModelConfig.from_hf(raw)
-        layout = _layout(model, args.tensor_parallel_size)
+        layout = _layout(model, args.tensor_parallel_size, args.enable_expert_parallel)
         draft = None
         if args.speculative_config is not None and args.speculative_config.model is not None:
             draft = _draft_model(args, model)
@@ -237,12 +237,14 @@ def _quantization(model: str, requested: str | None, raw: dict) -> str | None:
         raise EngineArgsError("quantization", requested, str(err).split(": ", 1)[1]) from None
 
 
-def _layout(model: ModelConfig, tensor_parallel_size: int) -> TensorParallelLayout:
+def _layout(model: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False) -> TensorParallelLayout:
     try:
-        return TensorParallelLayout(model, tensor_parallel_size)
+        return TensorParallelLayout(model, tensor_parallel_size, expert_parallel)
     except TensorParallelError as err:
         reason = str(err).removeprefix(f"tensor_parallel_size={tensor_parallel_size} ")
-        raise EngineArgsError("tensor_parallel_size", tensor_parallel_size, reason) from None
+        field = "enable_expert_parallel" if expert_parallel and "expert" in reason else "tensor_parallel_size"
+        value = expert_parallel if field == "enable_expert_parallel" else tensor_parallel_size
+        raise EngineArgsError(field, value, reason) from None
 
 
 def _draft_model(args: EngineArgs, target: ModelConfig) -> DraftModel:

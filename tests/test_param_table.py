@@ -44,6 +44,17 @@ VARIANTS = {
     "mistral": dict(architectures=["MistralForCausalLM"], sliding_window=None),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"]),
+    "mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        architectures=["Qwen2MoeForCausalLM"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
 }
 QUANTIZATIONS = (None, "fp8", "int8")
 SIZES = (1, 2, 4, 8)
@@ -73,10 +84,13 @@ def test_checkpoint_keys_target_exactly_the_model_state(variant):
         shapes = state_shapes(config, prequantized)
         specs = hf_key_specs(config, prequantized)
         assert {s.target for s in specs} == set(shapes)
-        per_layer = sum(1 for p in state_params(config, prequantized is not None).values() if p.spec.per_layer)
-        assert len(specs) == len(shapes) + (config.num_layers - 1) * per_layer
+        arrays = state_params(config, prequantized is not None).values()
+        experts = config.moe.num_experts if config.moe else 1
+        per_layer = sum(experts if p.spec.per_expert else 1 for p in arrays if p.spec.per_layer)
+        assert len(specs) == sum(not p.spec.per_layer for p in arrays) + config.num_layers * per_layer
         for s in specs:
-            assert (s.shape if s.layer is None else (config.num_layers, *s.shape)) == shapes[s.target], s
+            lead = () if s.layer is None else (config.num_layers,) if s.expert is None else (config.num_layers, experts)
+            assert (*lead, *s.shape) == shapes[s.target], s
             assert math.prod(s.hf_shape) == math.prod(s.shape), s
 
 
@@ -117,7 +131,13 @@ def test_model_sharding_and_plan_agree_for_every_size(variant, quantization):
 
 @pytest.mark.parametrize(
     ("variant", "quantization", "n"),
-    [("qwen3", "fp8", 4), ("llama_attention_bias_tied", "int8", 8), ("qwen2", None, 8), ("mistral", "fp8", 2)],
+    [
+        ("qwen3", "fp8", 4),
+        ("llama_attention_bias_tied", "int8", 8),
+        ("qwen2", None, 8),
+        ("mistral", "fp8", 2),
+        ("qwen2_moe", "fp8", 4),
+    ],
 )
 def test_placed_arrays_are_where_the_table_says(tmp_path, variant, quantization, n):
     """The engine's own start-up (dummy weights) places every array, split into per-layer arrays,

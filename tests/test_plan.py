@@ -62,7 +62,14 @@ def test_tensor_parallel_halves_per_gpu_kv_and_weights(capsys):
 
 
 def test_presets_are_the_public_configs():
-    assert set(PRESETS) == {"llama-3.1-8b", "llama-3.1-70b", "mistral-7b-v0.3", "qwen2.5-7b"}
+    assert set(PRESETS) == {
+        "llama-3.1-8b",
+        "llama-3.1-70b",
+        "mistral-7b-v0.3",
+        "qwen2.5-7b",
+        "mixtral-8x7b",
+        "qwen3-30b-a3b",
+    }
     assert get_preset("meta-llama/Llama-3.1-8B") == PRESETS["llama-3.1-8b"] and get_preset("gpt-2") is None
     assert count_parameters(ModelConfig.from_hf(get_preset("Mistral-7B-v0.3")))[0] == 7_248_023_552
     qwen = ModelConfig.from_hf(get_preset("Qwen2.5-7B"))
@@ -71,7 +78,23 @@ def test_presets_are_the_public_configs():
     assert r["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2 and r["kv_bytes_per_request"] == 1792 * MiB
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa4", "qwen2_bias", "llama_tied"])
+def test_mixtral_8x7b_on_two_80gb_gpus_in_bfloat16_or_one_in_fp8(capsys):
+    """46.7B parameters of which 12.9B compute each token (2 of 8 experts; Qwen3-30B-A3B: 30.5B and
+    3.3B, 8 of 128): bfloat16 weights take 87 GiB, over one 80 GB GPU; two hold them, and so does
+    one with fp8 weights."""
+    one = plan_json(capsys, "--model", "mixtral-8x7b", "--gpu-memory", "80GB", "--context", "32768", fits=False)
+    assert one["num_parameters"] == 46_702_792_704 and one["num_active_parameters"] == 12_879_925_248
+    assert "--tensor-parallel-size 2 fits" in one["note"]
+    two = plan_json(capsys, "--model", "mixtral-8x7b", "--gpu-memory", "80GB", "--tensor-parallel-size", "2")
+    fp8 = plan_json(capsys, "--model", "mixtral-8x7b", "--gpu-memory", "80GB", "--quantization", "fp8")
+    assert two["fits"] and fp8["fits"] and fp8["weight_bytes_per_gpu"] < 44 * GiB
+    qwen = plan_json(capsys, "--model", "qwen3-30b-a3b", "--gpu-memory", "80GB")
+    assert qwen["num_parameters"] == 30_532_122_624 and qwen["num_active_parameters"] == 3_353_032_704
+    assert main(["plan", "--model", "mixtral-8x7b", "--tensor-parallel-size", "2"]) == 0
+    assert "46,702,792,704 (12,879,925,248 active per token)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa4", "qwen2_bias", "llama_tied", "qwen2_moe"])
 def test_parameter_count_is_exact_and_directories_work(tmp_path, capsys, variant):
     hf = build_hf_model(variant)
     hf.config.architectures = [type(hf).__name__]

@@ -93,6 +93,36 @@ VARIANTS = {
         transformers.MistralForCausalLM,
         dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, sliding_window=None),
     ),
+    # Mixtures of experts: 8 experts, top-2, renormalised (Mixtral); top-2 of 4 with a gated shared
+    # expert, not renormalised (Qwen2-MoE); top-8 of 16, renormalised, q/k norms (Qwen3-MoE)
+    "mixtral_moe": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+    ),
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+        ),
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=16,
+            num_experts_per_tok=8,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+    ),
 }
 
 

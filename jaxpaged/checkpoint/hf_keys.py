@@ -6,6 +6,9 @@ target path in `nnx.state(Llama).to_pure_dict()` (and, for a decoder layer's ten
 that stacked parameter), its HF shape and the transform to our einsum-ready layout.
 Dimension letters: D hidden, N query heads, K kv heads, H head_dim, F MLP width, V vocabulary.
 
+A mixture of experts' checkpoint stores each expert's projection as a tensor of its own
+(`...experts.{expert}.w1.weight`); each is one expert's row of our `[E, ...]` parameter.
+
 HF stores a linear layer as `weight[out, in]` (`y = x @ W.T`); we store `[in, ...out]` with the
 head axes split out: q `[N*H, D] -> [D, N, H]`, o `[D, N*H] -> [N, H, D]`, mlp `[F, D] -> [D, F]`.
 
@@ -56,6 +59,8 @@ class KeySpec:
       shape: our shape after the transform (of one layer for a stacked parameter).
       transpose: whether the transform transposes (a 2-D HF weight) before reshaping to `shape`.
       layer: the tensor's index in the stacked parameter `target` (None: not a layer's).
+      expert: the expert's index in the layer's `[E, ...]` array of a per-expert parameter
+        (None: not an expert's); `shape` is then one expert's.
       dtype: the dtype the tensor keeps whatever the model's dtype, a key of `KEPT_DTYPES`
         ("float8_e4m3fn": a pre-quantized weight, "float32": its scale); None: a plain tensor,
         cast to the model's dtype.
@@ -71,6 +76,7 @@ class KeySpec:
     layer: int | None = None
     dtype: str | None = None
     broadcast: bool = False
+    expert: int | None = None
 
     def check(self, shape: tuple[int, ...], stored_dtype: str | None = None) -> None:
         """Checks a stored shape (and the safetensors dtype, when given) from the header.
@@ -155,15 +161,19 @@ def hf_key_specs(config: ModelConfig, prequantized: str | None = None) -> list[K
     order += [(p, None) for p in after]
     specs = []
     for param, layer in order:
-        spec = KeySpec(
-            param.hf_key(layer),
-            param.path,
-            param.hf_shape(config),
-            param.shape(config),
-            param.hf_layout == "linear",
-            layer,
-        )
-        specs += _prequantized(spec, param, prequantized) if prequantized is not None and param.quantize else [spec]
+        experts = range(config.moe.num_experts) if param.per_expert else (None,)
+        for expert in experts:
+            spec = KeySpec(
+                param.hf_key(layer, expert),
+                param.path,
+                param.hf_shape(config),
+                param.shape(config)[param.num_lead :],
+                param.hf_layout == "linear",
+                layer,
+                expert=expert,
+            )
+            quantized = prequantized is not None and param.quantize
+            specs += _prequantized(spec, param, prequantized) if quantized else [spec]
     return specs
 
 
@@ -182,6 +192,7 @@ def _prequantized(spec: KeySpec, param: ParamSpec, method: str) -> list[KeySpec]
             False,
             spec.layer,
             dtype=QUANTIZED_WEIGHT_DTYPES[method],
+            expert=spec.expert,
         ),
         KeySpec(
             spec.hf_name + "_scale",
@@ -192,6 +203,7 @@ def _prequantized(spec: KeySpec, param: ParamSpec, method: str) -> list[KeySpec]
             spec.layer,
             dtype="float32",
             broadcast=True,
+            expert=spec.expert,
         ),
     ]
 

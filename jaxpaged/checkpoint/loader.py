@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jaxpaged.checkpoint.experts import stack_experts
 from jaxpaged.checkpoint.format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
 from jaxpaged.checkpoint.hf_keys import (
     Path,
@@ -152,7 +153,8 @@ def iter_hf_params(
 
     Returns:
       An iterator of `(params path, layer, array in our layout)`; `layer` is the tensor's row
-      of a stacked parameter (None for the others); each array is read when reached.
+      of a stacked parameter (None for the others); each array is read when reached (a
+      per-expert parameter's layer once all its experts are: `stack_experts`).
 
     Raises:
       ValueError: missing, unexpected, duplicate, wrongly shaped or wrongly typed tensors, each
@@ -181,10 +183,10 @@ def iter_hf_params(
         with tqdm(total=len(specs), desc="loading tensors", unit="tensor", disable=not progress) as bar:
             for name, array in ckpt.iter_tensors(by_name):
                 spec = by_name[name]
-                yield spec.target, spec.layer, spec.transform(array, dtype)
+                yield spec, spec.transform(array, dtype)
                 bar.update()
 
-    return tensors()
+    return stack_experts(tensors(), 0 if config.moe is None else config.moe.num_experts)
 
 
 def read_hf_params(
@@ -350,7 +352,7 @@ def _quantize_tensors(
             yield path, layer, array
             continue
         pair = spec.quantized_paths
-        num_lead = 1 if layer is None and spec.per_layer else 0
+        num_lead = (1 if layer is None and spec.per_layer else 0) + spec.num_lead  # stacked layers, experts
         quantize = functools.partial(quantize_weight, method=quantization, num_in=spec.num_in, num_lead=num_lead)
         if isinstance(array, jax.Array) and parallel is not None and layer is None:
             shardings = (parallel.param_sharding(pair[0]), parallel.param_sharding(pair[1]))

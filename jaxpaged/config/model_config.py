@@ -1,7 +1,8 @@
 """Model configuration: the static description of a Llama-family network.
 
 `ModelConfig.from_hf` reads a Hugging Face `config.json` dictionary (the architectures of
-`jaxpaged.config.architectures`: Llama, Mistral, Qwen2 and Qwen3 causal LMs) and refuses anything this engine would compute differently from
+`jaxpaged.config.architectures`: Llama, Mistral, Qwen2 and Qwen3 causal LMs, and the
+Mixtral, Qwen2-MoE and Qwen3-MoE mixtures of experts) and refuses anything this engine would compute differently from
 transformers, naming the field, its value and what would fix it.
 """
 
@@ -9,6 +10,7 @@ import dataclasses
 import os
 from typing import Any
 
+from jaxpaged.config.moe import MoeConfig, moe_from_hf
 from jaxpaged.config.presets import read_config_json
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -38,7 +40,7 @@ class ModelConfig:
     """Static configuration of a decoder-only Llama-family model (hashable, jit-static).
 
     Attributes:
-      architecture: "llama", "mistral", "qwen2" or "qwen3" (declared, with its parameter table, in
+      architecture: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe" or "qwen3_moe" (declared, with its parameter table, in
         `jaxpaged.config.architectures`).
       vocab_size: V, rows of the embedding table.
       hidden_size: D, the residual width.
@@ -56,6 +58,7 @@ class ModelConfig:
       sliding_window: Mistral/Qwen2 sliding-window size, or None. Attention is full
         attention as long as the context stays within it, so the usable context is capped.
       bos_token_id, eos_token_ids: special tokens from the config (may be empty).
+      moe: every layer's sparse MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), or None: a dense MLP.
     """
 
     architecture: str
@@ -75,6 +78,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -140,6 +144,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         attention_bias = bool(hf.get("attention_bias", False))
+        qkv_bias = {"qkv": True, "qkv_bias": bool(hf.get("qkv_bias", True))}.get(arch.biases, attention_bias)
         return cls(
             architecture=arch.name,
             vocab_size=int(hf["vocab_size"]),
@@ -153,11 +158,12 @@ class ModelConfig:
             rope=_rope_from_hf(hf),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch.biases == "qkv" or attention_bias,
-            o_bias=arch.biases != "qkv" and attention_bias,
+            qkv_bias=qkv_bias,
+            o_bias=arch.biases == "attention_bias" and attention_bias,
             sliding_window=_sliding_window_from_hf(arch.sliding_window_opt_in, hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=None if arch.moe is None else moe_from_hf(arch.moe, hf),
         )
 
     @classmethod

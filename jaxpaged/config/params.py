@@ -38,6 +38,11 @@ LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = (
     "mlp",
 )
 
+# Mixture-of-experts axes (`jaxpaged.config.moe`): E experts, one expert's FFN width, the shared
+# expert's FFN width. A parameter with an `EXPERTS` axis leads with it, and its checkpoint stores
+# one tensor per expert (`{expert}` in its name).
+EXPERTS, EXPERT_MLP, SHARED_MLP = "experts", "expert_mlp", "shared_mlp"
+
 # The module whose parameters exist once per decoder layer (the first key of their paths).
 LAYER_STACK = "layers"
 # The names of a quantized weight's pair: `<name>_quant`, `<name>_scale`.
@@ -57,7 +62,15 @@ def axis_sizes(config: ModelConfig) -> dict[str, int]:
         KV_HEADS: config.num_kv_heads,
         HEAD_DIM: config.head_dim,
         MLP: config.intermediate_size,
+        **_moe_axis_sizes(config),
     }
+
+
+def _moe_axis_sizes(config: ModelConfig) -> dict[str, int]:
+    moe = config.moe
+    if moe is None:
+        return {}
+    return {EXPERTS: moe.num_experts, EXPERT_MLP: moe.expert_size, SHARED_MLP: moe.shared_expert_size}
 
 
 def always(_: ModelConfig) -> bool:
@@ -71,7 +84,8 @@ class ParamSpec:
     Attributes:
       path: its path in the model state, e.g. `("layers", "attn", "q_proj")`.
       axes: its logical axes (of one layer for a per-layer parameter).
-      hf_name: its checkpoint name; `{layer}` stands for the decoder layer's index.
+      hf_name: its checkpoint name; `{layer}` stands for the decoder layer's index, `{expert}`
+        for the expert's (a per-expert parameter: one tensor per expert, stacked on `EXPERTS`).
       hf_layout: how the checkpoint stores it, one of `HF_LAYOUTS` (see the module docstring).
       num_in: for "linear": how many leading axes are inputs.
       quantize: weight quantization replaces it by its quantized pair.
@@ -93,6 +107,7 @@ class ParamSpec:
         assert (self.hf_layout == "linear") == (self.num_in > 0) and 0 <= self.num_in < len(self.axes) + 1, self
         assert not self.quantize or self.hf_layout == "linear", self
         assert self.per_layer == ("{layer}" in self.hf_name), self
+        assert self.per_expert == (self.axes[:1] == (EXPERTS,)), self
 
     @property
     def name(self) -> str:
@@ -103,29 +118,41 @@ class ParamSpec:
         """The parameter exists once per decoder layer."""
         return self.path[0] == LAYER_STACK
 
+    @property
+    def per_expert(self) -> bool:
+        """The checkpoint stores one tensor per expert; our parameter stacks them on a leading
+        `EXPERTS` axis (a batch axis of every layout, never an input or output)."""
+        return "{expert}" in self.hf_name
+
+    @property
+    def num_lead(self) -> int:
+        """Leading batch axes (the experts' axis) before the inputs."""
+        return 1 if self.per_expert else 0
+
     def shape(self, config: ModelConfig) -> tuple[int, ...]:
         """Our shape (of one layer)."""
         sizes = axis_sizes(config)
         return tuple(sizes[a] for a in self.axes)
 
     def hf_shape(self, config: ModelConfig) -> tuple[int, ...]:
-        """The shape the checkpoint stores."""
-        shape = self.shape(config)
+        """The shape the checkpoint stores (of one expert's tensor for a per-expert parameter)."""
+        shape = self.shape(config)[self.num_lead :]
         if self.hf_layout == "same":
             return shape
         if self.hf_layout == "flat":
             return (math.prod(shape),)
         return math.prod(shape[self.num_in :]), math.prod(shape[: self.num_in])
 
-    def hf_key(self, layer: int | None) -> str:
-        return self.hf_name.format(layer=layer) if self.per_layer else self.hf_name
+    def hf_key(self, layer: int | None, expert: int | None = None) -> str:
+        return self.hf_name.format(layer=layer, expert=expert) if self.per_layer else self.hf_name
 
     @property
     def quantized_axes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The logical axes of the quantized pair: `<name>_quant` `[*out, *in]`, `<name>_scale`
-        `[*out]`."""
-        inputs, outputs = self.axes[: self.num_in], self.axes[self.num_in :]
-        return outputs + inputs, outputs
+        """The logical axes of the quantized pair: `<name>_quant` `[*lead, *out, *in]`,
+        `<name>_scale` `[*lead, *out]` (lead: the experts' axis of a per-expert weight)."""
+        lead, rest = self.axes[: self.num_lead], self.axes[self.num_lead :]
+        inputs, outputs = rest[: self.num_in], rest[self.num_in :]
+        return lead + outputs + inputs, lead + outputs
 
     @property
     def quantized_paths(self) -> tuple[Path, Path]:

@@ -112,6 +112,7 @@ class ParallelConfig:
 
     Attributes:
       tensor_parallel_size: devices the model is split over.
+      enable_expert_parallel: a mixture of experts' experts split over them whole.
       nnodes: processes of the engine.
       node_rank: this process among them (0 schedules).
       master_addr: where the processes meet.
@@ -119,6 +120,7 @@ class ParallelConfig:
     """
 
     tensor_parallel_size: int
+    enable_expert_parallel: bool
     nnodes: int
     node_rank: int
     master_addr: str

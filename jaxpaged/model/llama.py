@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in Flax NNX over a block-paged KV pool.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; with moe.py's sparse MLP Mixtral,
+Qwen2-MoE, Qwen3-MoE) in Flax NNX over a block-paged KV pool.
 
 Dimension letters: T tokens in the step, D hidden, N query heads, K kv heads, H head_dim,
 F MLP width, V vocabulary, NB pool blocks, BS block size.
@@ -42,6 +43,7 @@ from jaxpaged.config.params import KV_HEADS, QUANT_SUFFIX, SCALE_SUFFIX, ParamSp
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
+from jaxpaged.model.moe import SparseMoe
 from jaxpaged.model.quant import matmul, quantize_weight, quantized_matmul
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
@@ -142,7 +144,7 @@ class ParamDeclarer:
     def _values(self, spec: ParamSpec, layer: int | None) -> tuple[jax.Array, ...]:
         value = initial_value(spec, self.config, self.dtype, self.key, layer)
         if self.quantization is not None and spec.quantize:
-            return quantize_weight(value, self.quantization, spec.num_in)
+            return quantize_weight(value, self.quantization, spec.num_in, spec.num_lead)
         return (value,)
 
     def check_all_declared(self) -> None:
@@ -321,12 +323,16 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(params, ("layers", "input_norm"), config.rms_norm_eps)
         self.attn = Attention(config, params, attention=attention, parallel=parallel)
         self.post_attention_norm = RMSNorm(params, ("layers", "post_attention_norm"), config.rms_norm_eps)
-        self.mlp = MLP(params)
+        if config.moe is None:
+            self.mlp = MLP(params)
+        else:  # a mixture of experts (moe.py)
+            self.moe = SparseMoe(config, params, parallel)
 
     def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata, kv_quant: KVQuant | None = None):
         attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta, kv_quant)
         x = x + attn
-        x = x + self.mlp(self.post_attention_norm(x))
+        feed_forward = self.moe if hasattr(self, "moe") else self.mlp
+        x = x + feed_forward(self.post_attention_norm(x))
         return x, k_pool, v_pool
 
 

@@ -5,6 +5,8 @@ Megatron-style tensor parallelism over the mesh axis `TENSOR_AXIS`:
 
     q/k/v projections, gate/up     split over heads / kv heads / MLP width (column parallel)
     o_proj, down_proj              split over their input (row parallel: one all-reduce each)
+    experts [E, ...]               every expert split over its FFN width, like the MLP; under
+                                   expert parallelism whole experts, E / size per device
     embedding, LM head             split over the vocabulary (rows of the table / its columns)
     norms, o_bias                  replicated
     KV pool [L * NB, BS, K, H]     split over kv heads
@@ -26,7 +28,18 @@ import dataclasses
 import math
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB, axis_sizes
+from jaxpaged.config.params import (
+    EXPERT_MLP,
+    EXPERTS,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    MLP,
+    SHARED_MLP,
+    VOCAB,
+    axis_sizes,
+)
 from jaxpaged.params.tables import find_state_param
 
 # Mesh axis names: declared once here.
@@ -48,7 +61,18 @@ KEY_VALUE_AXES = (None, KV_HEADS, HEAD_DIM)
 
 # Logical axis -> mesh axis. Every split axis must divide evenly, except the vocabulary, which
 # stays whole (replicated) when it does not.
-RULES: dict[str, str] = {HEADS: TENSOR_AXIS, KV_HEADS: TENSOR_AXIS, MLP: TENSOR_AXIS, VOCAB: TENSOR_AXIS}
+# A mixture of experts' experts split like the MLP: each device holds every expert's share of
+# the FFN width (and of the shared expert's); the router stays whole.
+RULES: dict[str, str] = {
+    HEADS: TENSOR_AXIS,
+    KV_HEADS: TENSOR_AXIS,
+    MLP: TENSOR_AXIS,
+    VOCAB: TENSOR_AXIS,
+    EXPERT_MLP: TENSOR_AXIS,
+    SHARED_MLP: TENSOR_AXIS,
+}
+# Expert parallelism (`enable_expert_parallel`): each device holds whole experts instead.
+EXPERT_PARALLEL_RULES: dict[str, str | None] = {**RULES, EXPERTS: TENSOR_AXIS, EXPERT_MLP: None}
 
 
 class TensorParallelError(ValueError):
@@ -62,14 +86,18 @@ class TensorParallelLayout:
     Args:
       config: the model as its checkpoint describes it.
       size: devices on the tensor-parallel axis.
+      expert_parallel: a mixture of experts' experts split over the devices (E / size whole
+        experts each, `EXPERT_PARALLEL_RULES`) instead of every expert's FFN width.
 
     Raises:
       TensorParallelError: `size` does not divide the query heads or the MLP width, or neither of
-        `size` and the kv heads divides the other.
+        `size` and the kv heads divides the other; or the experts (their number under expert
+        parallelism, else their FFN width).
     """
 
     config: ModelConfig
     size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self):
         c, n = self.config, self.size
@@ -84,6 +112,25 @@ class TensorParallelLayout:
             )
         if c.intermediate_size % n:
             raise TensorParallelError(f"tensor_parallel_size={n} must divide intermediate_size={c.intermediate_size}")
+        if self.expert_parallel and c.moe is None:
+            raise TensorParallelError(
+                f"tensor_parallel_size={n} with enable_expert_parallel: {c.architecture} has no experts; "
+                "drop --enable-expert-parallel"
+            )
+        if c.moe is not None and c.moe.shared_expert_size % n:
+            raise TensorParallelError(
+                f"tensor_parallel_size={n} must divide the shared expert's FFN width ({c.moe.shared_expert_size})"
+            )
+        if self.expert_parallel and c.moe.num_experts % n:
+            raise TensorParallelError(
+                f"tensor_parallel_size={n} must divide the number of experts ({c.moe.num_experts}) under "
+                "expert parallelism (--enable-expert-parallel)"
+            )
+        if c.moe is not None and not self.expert_parallel and c.moe.expert_size % n:
+            raise TensorParallelError(
+                f"tensor_parallel_size={n} must divide each expert's FFN width ({c.moe.expert_size}); "
+                "or split whole experts with --enable-expert-parallel"
+            )
 
     @property
     def kv_replicas(self) -> int:
@@ -110,9 +157,10 @@ class TensorParallelLayout:
     def mesh_axes(self, axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
         """The mesh axis each logical axis is split over (None: whole on every device); the
         argument of a `PartitionSpec`."""
+        rules = EXPERT_PARALLEL_RULES if self.expert_parallel else RULES
         out = []
         for axis in axes:
-            mesh_axis = RULES.get(axis) if self.size > 1 else None
+            mesh_axis = rules.get(axis) if self.size > 1 else None
             if mesh_axis is not None and axis == VOCAB and self.axis_size(VOCAB) % self.size:
                 mesh_axis = None  # an uneven vocabulary stays whole
             out.append(mesh_axis)

@@ -1,5 +1,7 @@
 """`jaxpaged plan`: what a model needs on a GPU (weights, KV cache, concurrency), without a GPU.
 
+    parameters           = all of them, and those one token computes with (a mixture of experts:
+                           its top-k experts' share of the experts' parameters)
     weights per GPU      = every parameter of the architecture's table (jaxpaged.config.architectures),
                            split over the tensor-parallel GPUs by the engine's sharding rules
                            (jaxpaged.parallel.sharding: heads, MLP width, vocabulary); with
@@ -47,6 +49,17 @@ def count_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tupl
     shapes = state_shapes(config)
     layout = TensorParallelLayout(config, tensor_parallel_size)
     return sum(math.prod(s) for s in shapes.values()), layout.device_elements(shapes)
+
+
+def count_active_parameters(config: ModelConfig) -> int:
+    """Parameters one token computes with: all of a dense model's; of a mixture of experts, its
+    `top_k` experts' share of the experts' parameters and everything else."""
+    total = sum(math.prod(s) for s in state_shapes(config).values())
+    if config.moe is None:
+        return total
+    shapes = state_shapes(config)
+    experts = sum(math.prod(shapes[path]) for path, p in state_params(config).items() if p.spec.per_expert)
+    return total - experts * (config.moe.num_experts - config.moe.top_k) // config.moe.num_experts
 
 
 def weight_bytes_per_gpu(config: ModelConfig, dtype: str, quantization: str | None, tensor_parallel_size: int) -> int:
@@ -112,6 +125,7 @@ def make_plan(
         "model": name,
         "architecture": raw["architectures"][0],
         "num_parameters": total_params,
+        "num_active_parameters": count_active_parameters(config),
         "dtype": dtype,
         "quantization": quantization,
         "kv_cache_dtype": kv_dtype,
@@ -178,6 +192,11 @@ def _fits(model: str, tensor_parallel_size: int, options: dict) -> bool:
         return False
 
 
+def _active(r: dict) -> str:
+    active = r["num_active_parameters"]
+    return "" if active == r["num_parameters"] else f" ({active:,} active per token)"
+
+
 def _size(n: int) -> str:
     return f"{n:,} B" + (f" ({format_bytes(n)})" if n >= 2**10 else "")
 
@@ -187,7 +206,7 @@ def format_plan(r: dict) -> str:
     tp = r["tensor_parallel_size"]
     rows = [
         ("model", f"{r['model']} [{r['architecture']}]"),
-        ("parameters", f"{r['num_parameters']:,}"),
+        ("parameters", f"{r['num_parameters']:,}" + _active(r)),
         ("dtype / KV cache dtype", f"{r['dtype']} / {r['kv_cache_dtype']}"),
         ("weight quantization", r["quantization"] or "none"),
         ("tensor parallel", f"{tp} GPU(s), {r['kv_heads_per_gpu']} KV head(s) per GPU"),

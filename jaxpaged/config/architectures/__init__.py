@@ -14,7 +14,8 @@ import pkgutil
 
 from jaxpaged.config.params import ParamSpec
 
-BIAS_RULES = ("attention_bias", "qkv")
+BIAS_RULES = ("attention_bias", "qkv", "qkv_bias")
+MOE_KINDS = ("mixtral", "qwen")  # how config.json describes the experts (jaxpaged.config.moe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +27,12 @@ class Architecture:
       hf_names: the config.json `architectures` entries that mean it.
       params: its parameter table, in the model state's order.
       biases: "attention_bias": config.json's `attention_bias` gives q/k/v and o biases (Llama);
-        "qkv": q/k/v always carry a bias and o never does (Qwen2).
+        "qkv": q/k/v always carry a bias and o never does (Qwen2); "qkv_bias": q/k/v carry one
+        unless config.json's `qkv_bias` is false, o never does (Qwen2-MoE).
       sliding_window_opt_in: config.json's `sliding_window` applies only with `use_sliding_window`
         or sliding `layer_types` (Qwen2, Qwen3); otherwise it always applies (Mistral).
+      moe: a mixture of experts, one of `MOE_KINDS` (how config.json sizes and routes them);
+        None: a dense model.
     """
 
     name: str
@@ -36,10 +40,13 @@ class Architecture:
     params: tuple[ParamSpec, ...]
     biases: str = "attention_bias"
     sliding_window_opt_in: bool = False
+    moe: str | None = None
 
     def __post_init__(self):
         if self.biases not in BIAS_RULES:
             raise ValueError(f"Architecture {self.name}: biases={self.biases!r} must be one of {BIAS_RULES}")
+        if self.moe not in (None, *MOE_KINDS):
+            raise ValueError(f"Architecture {self.name}: moe={self.moe!r} must be None or one of {MOE_KINDS}")
 
 
 def _discover() -> dict[str, Architecture]:

@@ -1,0 +1,215 @@
+"""Mixtures of experts: the grouped matmul against numpy for routings that leave experts empty or
+give one expert every row; its work does not grow with the number of experts; quantized experts;
+and the engine (prefix caching, chunked prefill, preemption) equal to transformers unsharded,
+with experts split over their FFN width, and with whole experts per device (expert parallelism),
+each expert's weights on the device the sharding table names.
+
+Logits and greedy tokens of the three architectures against transformers: test_hf_parity.py
+(variants mixtral_moe, qwen2_moe, qwen3_moe).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tp_workload
+from engine_fixtures import hf_greedy
+from tiny_models import BASE, VARIANTS, save_hf_model
+
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.model.grouped_matmul import grouped_matmul, num_tiles, tile_rows
+from jaxpaged.model.moe import dense_experts_reference, experts_ffn
+from jaxpaged.model.quant import quantize_weight
+from jaxpaged.parallel.mesh import param_path
+from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
+from jaxpaged.sampling_params import SamplingParams
+
+D, F = 16, 24
+
+
+def routings(rng, num_tokens: int, num_experts: int, top_k: int) -> dict[str, np.ndarray]:
+    """`[T, K]` expert choices: random; every token to the same top-k (those get every row, the
+    rest none); only the last experts; a token's experts distinct as a router gives them."""
+    random = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)])
+    same = np.tile(np.arange(top_k), (num_tokens, 1))
+    last = np.tile(np.arange(num_experts - top_k, num_experts), (num_tokens, 1))
+    return {"random": random, "same experts": same, "last experts": last}
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(1, 8, 2), (5, 8, 2), (40, 8, 2), (9, 16, 8)])
+def test_grouped_matmul_equals_numpy_for_any_routing(num_tokens, num_experts, top_k):
+    rng = np.random.default_rng(num_tokens)
+    w = rng.normal(size=(num_experts, D, F)).astype(np.float32)
+    for name, experts in routings(rng, num_tokens, num_experts, top_k).items():
+        flat = experts.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        rows = rng.normal(size=(flat.size, D)).astype(np.float32)
+        sizes = np.bincount(flat, minlength=num_experts).astype(np.int32)
+        matmul = jax.jit(lambda rows, sizes, w: grouped_matmul(rows, sizes, lambda x, e: x @ w[e], F))
+        ours = matmul(jnp.asarray(rows), jnp.asarray(sizes), jnp.asarray(w))
+        expected = np.einsum("MD,MDF->MF", rows, w[flat[order]])
+        np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_tiles_bound_the_padding_and_not_the_experts():
+    """NT tiles of TM rows hold any routing; with no more rows than experts (decode) the work is
+    exactly the rows, for 8 experts or 128."""
+    for rows, experts in [(16, 8), (16, 128), (4096, 8), (4096, 128), (7, 3)]:
+        tile = tile_rows(rows, experts)
+        worst = rows + min(experts, rows) * (tile - 1)  # every non-empty group wastes tile - 1 rows
+        assert num_tiles(rows, experts, tile) * tile <= worst < (num_tiles(rows, experts, tile) + 1) * tile
+    assert num_tiles(16, 16, tile_rows(16, 16)) * tile_rows(16, 16) == 16
+    assert num_tiles(16, 128, tile_rows(16, 128)) * tile_rows(16, 128) == 16
+
+
+def matmul_flops(fn, *args) -> int:
+    """2 x multiply-adds of every `dot_general` in `fn`'s program, a loop's body times its trip
+    count. (XLA's `cost_analysis()` counts a loop body once, so it cannot tell.)"""
+
+    def count(jaxpr) -> int:
+        total = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                (contract, _), _ = eqn.params["dimension_numbers"]
+                lhs = eqn.invars[0].aval.shape
+                total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(np.prod([lhs[d] for d in contract]))
+            trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+            for sub in _subjaxprs(eqn):
+                total += trips * count(sub)
+        return total
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+            elif hasattr(v, "eqns"):
+                yield v
+
+
+def test_matmul_work_is_the_routed_rows_not_the_experts():
+    """At top-2 the experts' FFN does the same matmul work for 16 and 64 experts, exactly the
+    T * K routed rows' (decode: no more rows than experts, tiles of one row), where the dense
+    all-experts product grows 4x."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, D)), jnp.float32)
+    weights = jnp.full((8, 2), 0.5, jnp.float32)
+    work = {}
+    for num_experts in (16, 64):
+        experts = jnp.asarray(np.stack([rng.permutation(num_experts)[:2] for _ in range(8)]), jnp.int32)
+        arrays = {
+            n: jnp.asarray(rng.normal(size=(num_experts, *s)), jnp.float32)
+            for n, s in (("gate_proj", (D, F)), ("up_proj", (D, F)), ("down_proj", (F, D)))
+        }
+        grouped = matmul_flops(lambda a, x, w, e: experts_ffn(a, None, 2, x, w, e), arrays, x, weights, experts)
+        dense = matmul_flops(
+            lambda a, x, w, e: dense_experts_reference(x, w, e, a["gate_proj"], a["up_proj"], a["down_proj"]),
+            arrays,
+            x,
+            weights,
+            experts,
+        )
+        work[num_experts] = grouped, dense
+    rows = 8 * 2
+    combine = 2 * 8 * 2 * D  # the weighted sum of each token's 2 outputs
+    assert work[16][0] == work[64][0] == 3 * 2 * rows * D * F + combine
+    assert work[64][1] > 3.9 * work[16][1]
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_experts_equal_the_dense_product_of_their_values(method):
+    """Each expert weight as its quantized pair (`[E, out, in]` and `[E, out]` scales) gives what
+    the dense reference gives with the dequantized weights (fp8 also quantizes the activations
+    per row: a looser tolerance)."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(6, D)), jnp.float32)
+    experts = jnp.asarray(routings(rng, 6, 4, 2)["random"], jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(6, 2)), jnp.float32)
+    plain, arrays = {}, {}
+    for name, shape in (("gate_proj", (D, F)), ("up_proj", (D, F)), ("down_proj", (F, D))):
+        q, scale = quantize_weight(jnp.asarray(rng.normal(size=(4, *shape)), jnp.float32), method, 1, num_lead=1)
+        arrays[name + "_quant"], arrays[name + "_scale"] = q, scale
+        plain[name] = jnp.swapaxes(q.astype(jnp.float32) * scale[..., None], 1, 2)  # back to [E, in, out]
+    ours = jax.jit(experts_ffn, static_argnums=(1, 2))(arrays, method, 2, x, weights, experts)
+    expected = dense_experts_reference(x, weights, experts, plain["gate_proj"], plain["up_proj"], plain["down_proj"])
+    tolerance = 1e-5 if method == "int8" else 0.1
+    err = float(jnp.linalg.norm(ours - expected) / jnp.linalg.norm(expected))
+    assert err < tolerance, err
+
+
+MAX_TOKENS = 10
+
+
+def tiny_model(name: str, path: str) -> tuple[list, list]:
+    """(prompts, transformers' greedy continuations) of the named tiny variant, saved to `path`."""
+    hf = save_hf_model(name, path)
+    prompts = tp_workload.prompts()
+    return prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+
+
+def run_engine(path: str, n: int, prompts, **kwargs) -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine(EngineArgs(**{**tp_workload.engine_options(path, n), **kwargs}))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((int(o.request_id), o) for o in engine.step() if o.finished)
+    return [done[i].outputs[0].token_ids for i in range(len(prompts))], engine
+
+
+def expert_arrays(engine: LLMEngine) -> list:
+    """`(path, array)` of every expert weight of the engine's model (one layer's each)."""
+    leaves = jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]
+    names = ("gate_proj", "up_proj", "down_proj")
+    found = [(param_path(p), leaf) for p, leaf in leaves if param_path(p)[1:] in [("moe", n) for n in names]]
+    assert len(found) == 3 * 2  # 3 weights, 2 layers
+    return found
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize(
+    ("variant", "n", "expert_parallel"), [("mixtral_moe", 1, False), ("qwen2_moe", 2, False), ("mixtral_moe", 4, True)]
+)
+def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant, n, expert_parallel):
+    """Prefix caching, chunked prefill and preemption (tp_workload): Mixtral's 8 experts on one
+    device; Qwen2-MoE's 4 experts and its shared expert split over their FFN width on 2; and
+    Mixtral's as 2 whole experts on each of 4 devices."""
+    prompts, references = tiny_model(variant, str(tmp_path))
+    tokens, engine = run_engine(str(tmp_path), n, prompts, enable_expert_parallel=expert_parallel)
+    assert tokens == references
+    num_experts = ModelConfig.from_pretrained(str(tmp_path)).moe.num_experts
+    for name, array in expert_arrays(engine):
+        for shard in array.addressable_shards:
+            experts, *rest = shard.index
+            held = range(num_experts)[experts]
+            if expert_parallel:  # device d holds experts 2d, 2d + 1, whole (8 over 4)
+                d = list(array.sharding.mesh.devices.flat).index(shard.device)
+                assert list(held) == [2 * d, 2 * d + 1], name
+                assert shard.data.shape[1:] == array.shape[1:], name
+            else:  # every expert, a 1/n share of its FFN width
+                assert len(held) == num_experts, name
+                assert np.prod(shard.data.shape) * n == np.prod(array.shape), name
+
+
+@pytest.mark.parametrize(("field", "value"), [("decoder_sparse_step", 2), ("mlp_only_layers", [0])])
+def test_layers_mixing_dense_and_sparse_mlps_are_refused_by_name(field, value):
+    hf = {**BASE, **VARIANTS["qwen3_moe"][2], "architectures": ["Qwen3MoeForCausalLM"], field: value}
+    with pytest.raises(ValueError, match=f"{field}=.* is not supported"):
+        ModelConfig.from_hf(hf)
+
+
+def test_expert_parallel_needs_experts_that_split():
+    config = ModelConfig.from_hf({**BASE, **VARIANTS["mixtral_moe"][2], "architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(TensorParallelError, match="must divide the number of experts \\(6\\)"):
+        TensorParallelLayout(dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=6)), 4, True)
+    dense = dataclasses.replace(config, architecture="llama", moe=None)
+    with pytest.raises(TensorParallelError, match="has no experts; drop --enable-expert-parallel"):
+        TensorParallelLayout(dense, 2, True)

@@ -57,6 +57,7 @@ from jaxpaged.core.speculation import (
 )
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
+from jaxpaged.engine.training_loop import TrainingLoopControls
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.outputs import RequestOutput
@@ -70,7 +71,7 @@ from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS
 logger = logging.getLogger("jaxpaged")
 
 
-class LLMEngine:
+class LLMEngine(TrainingLoopControls):
     """The engine behind `LLM` and the server (vLLM's name and verbs).
 
     Args:
@@ -335,6 +336,10 @@ class LLMEngine:
         if self._aborted:
             aborted, self._aborted = self._aborted, []
             emit(self._deltas([(seq, 0, None) for seq in aborted]))
+        if self._idle():  # paused or asleep: only a step already in flight is read
+            if self._in_flight is not None:
+                emit(self._postprocess(self._take_in_flight()))
+            return
         start, tokens, running = time.perf_counter(), self.num_generation_tokens, self.scheduler.num_running
         propose = self.governor is not None and self.governor.speculate(running)
         # Proposals follow the newest tokens: no overlap for those steps. Grammars' masks do too,

@@ -33,7 +33,6 @@ from flax import nnx
 
 from jaxpaged.checkpoint.hf_keys import format_names, hf_key_specs, quantizable
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import LAYER_STACK
 from jaxpaged.model.quant import quantize_weight
 from jaxpaged.parallel.mesh import TensorParallel, param_path
 

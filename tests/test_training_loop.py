@@ -201,3 +201,51 @@ def test_scoring_path_matches_the_samplers_logprobs(dirs):
     grads = jax.grad(lambda p: token_logprobs(graphdef, p, seq).sum())(trainer)
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in jax.tree.leaves(grads))
     assert float(jnp.abs(grads["embed"][...].astype(jnp.float32)).sum()) > 0
+
+
+def test_dev_mode_routes(dirs, monkeypatch):
+    """/sleep, /wake_up, /pause, ... exist only with JAXPAGED_SERVER_DEV_MODE=1 and drive the
+    engine between steps (this test ends the module: the server's thread takes the engine)."""
+    import asyncio
+
+    import httpx
+
+    from jaxpaged.server.app import build_app
+    from jaxpaged.server.async_engine import AsyncEngine
+    from jaxpaged.server.dev_routes import DEV_MODE_ENV
+
+    engine = _engine(dirs[0], 1, None)
+    served = AsyncEngine(engine)
+
+    async def calls(app, requests):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            return [await http.request(method, url) for method, url in requests]
+
+    try:
+        [off] = asyncio.run(calls(build_app(served, "m"), [("POST", "/sleep")]))
+        assert off.status_code == 404
+        monkeypatch.setenv(DEV_MODE_ENV, "1")
+        app = build_app(served, "m")
+        sleeping = asyncio.run(calls(app, [("POST", "/sleep?level=1"), ("GET", "/is_sleeping")]))
+        assert [r.status_code for r in sleeping] == [200, 200] and sleeping[1].json() == {"is_sleeping": True}
+        assert engine.is_sleeping()
+        rest = asyncio.run(
+            calls(
+                app,
+                [
+                    ("POST", "/wake_up"),
+                    ("POST", "/reset_prefix_cache"),
+                    ("POST", "/pause?mode=keep"),
+                    ("GET", "/is_paused"),
+                    ("POST", "/pause?mode=later"),
+                    ("POST", "/resume"),
+                    ("GET", "/is_sleeping"),
+                ],
+            )
+        )
+        assert [r.status_code for r in rest] == [200, 200, 200, 200, 400, 200, 200]
+        assert rest[3].json() == {"is_paused": True} and rest[6].json() == {"is_sleeping": False}
+        assert "mode='later'" in rest[4].json()["error"]["message"]
+        assert not engine.is_paused() and not engine.is_sleeping()
+    finally:
+        served.shutdown()

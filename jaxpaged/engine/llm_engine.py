@@ -310,7 +310,10 @@ class LLMEngine(TrainingLoopControls):
         return list(self._seqs)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborted)
+        """Whether `step()` has work: unfinished sequences (not while paused or asleep, when steps
+        schedule nothing), a step in flight, or aborts to deliver."""
+        waiting = self.scheduler.has_unfinished() and not (self._paused or self._slept is not None)
+        return waiting or self._in_flight is not None or bool(self._aborted)
 
     # -- one step ---------------------------------------------------------------------------
 

@@ -181,12 +181,13 @@ class WeightTarget:
                 new[job.keys[0]], new[job.keys[1]] = q, s
                 quantized += _bytes(x)
                 continue
-            placed = jax.device_put(x, self.current[key].sharding)
-            if placed is x:
+            sharding = self.current[key].sharding
+            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+                new[key] = x  # where the engine's lives (the same devices and split): taken as it is
                 shared += _bytes(x)
             else:
+                new[key] = jax.device_put(x, sharding)
                 copied += _bytes(x)
-            new[key] = placed
         return new, WeightUpdateStats(len(new), shared, copied, quantized)
 
     def _quantize(self, job: _Quantize, x) -> tuple[jax.Array, jax.Array]:

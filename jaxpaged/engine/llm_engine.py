@@ -72,7 +72,9 @@ logger = logging.getLogger("jaxpaged")
 
 
 class LLMEngine(TrainingLoopControls):
-    """The engine behind `LLM` and the server (vLLM's name and verbs).
+    """The engine behind `LLM` and the server (vLLM's name and verbs; in a training loop also
+    `get_params`, `update_weights`, `sleep`, `wake_up`, `pause_generation`, ...:
+    `jaxpaged.engine.training_loop`).
 
     Args:
       args: the engine configuration.

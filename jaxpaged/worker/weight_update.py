@@ -63,13 +63,14 @@ class WeightUpdateStats:
 
 
 def _key(path) -> Key:
-    layer = (
-        path[-1]
-        if path and isinstance(path[-1], (jax.tree_util.FlattenedIndexKey, jax.tree_util.SequenceKey))
-        else None
-    )
-    index = None if layer is None else getattr(layer, "key", getattr(layer, "idx", None))
-    return param_path(path), index
+    """A leaf's key: its parameter path, and its index in a `LayerArrays` (or a list of per-layer
+    arrays), if any."""
+    last = path[-1] if path else None
+    if isinstance(last, jax.tree_util.FlattenedIndexKey):
+        return param_path(path), last.key
+    if isinstance(last, jax.tree_util.SequenceKey):
+        return param_path(path), last.idx
+    return param_path(path), None
 
 
 def flatten_params(tree) -> dict[Key, Any]:
@@ -109,7 +110,7 @@ class WeightTarget:
     """
 
     def __init__(self, params, parallel: TensorParallel, quantization: str | None):
-        self.params, self.parallel, self.quantization = params, parallel, quantization
+        self.parallel, self.quantization = parallel, quantization
         self.current = flatten_params(params)
         self.config: ModelConfig = parallel.layout.config  # the checkpoint's (not the mesh layout's)
         self.dtype = jnp.dtype(self.current[(("embed",), None)].dtype)

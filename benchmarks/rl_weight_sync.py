@@ -134,8 +134,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="write the results to this JSON file")
     args = parser.parse_args()
-    result = {"device": str(jax.devices()[0].device_kind), "weight_sync": weight_sync()}
+    result = {"device": str(jax.devices()[0].device_kind)}
     result["logprob_gap"] = {dtype: logprob_gap(dtype) for dtype in ("float32", "bfloat16")}
+    print(json.dumps(result["logprob_gap"]), flush=True)
+    result["weight_sync"] = weight_sync()
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

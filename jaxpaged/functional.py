@@ -45,6 +45,7 @@ from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model import AttentionMetadata, KVPool, init_kv_pool
 from jaxpaged.model.prompt_logprobs import prompt_logprobs
 from jaxpaged.model.sampler import SampleResult, SamplerOptions, SamplingTensors, sample, update_penalty_tables
+from pallas_kernels import reference
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (ArgInfo, specs)
@@ -368,3 +369,69 @@ def accepted_proposals(
     j = jnp.arange(rows_per_seq - 1)
     match = (sampled[:, :-1] == proposals) & (j[None, :] < num_drafts[:, None])
     return jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+
+
+# Rows of logits `token_logprobs` computes at once (bounds the `[C, V]` float32 temporary).
+SCORE_CHUNK = 256
+
+
+def token_logprobs(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    token_ids: Int[Array, "B T"],
+    *,
+    block_size: int = 16,
+    chunk: int = SCORE_CHUNK,
+) -> Float[Array, "B T1"]:
+    """The scoring path: each token's log-probability given the tokens before it, computed by the
+    engine's own model code (the same layers, paged attention and LM head as `step`), as float32.
+
+    For a trainer: the log-probabilities the engine's sampler reports for the tokens it samples
+    (raw: before temperature, penalties and filtering, vLLM's `raw_logprobs`) are this function's
+    up to batch composition and kernel choice (see the README's training-loop section for the
+    measured gap); the trainer's own differentiable log-probabilities of a rollout come from here
+    (`jax.grad` flows through it with the reference attention backend: the Pallas kernels have
+    no gradient). Jit it with `graphdef` static.
+
+    Args:
+      graphdef, params: the model (`LLM.get_graphdef()`, `LLM.get_params()` or the trainer's
+        parameters of the same structure).
+      token_ids: `[B, T]` sequences (pad each at its end: the padding does not change the
+        positions before it).
+      block_size: the scratch pool's block size.
+      chunk: logits rows computed at once.
+
+    Returns:
+      `[B, T - 1]`: entry `[b, t]` is `log p(token_ids[b, t + 1] | token_ids[b, : t + 1])`.
+    """
+    batch, length = token_ids.shape
+    model = nnx.merge(graphdef, params)
+    pages = -(-length // block_size)
+    pool = init_kv_pool(model.config, batch * pages + 1, block_size, model.dtype, jax.default_backend())
+    full = jnp.full((batch,), length, jnp.int32)
+    inp = make_step_input(
+        token_ids.reshape(-1),
+        query_lens=full,
+        kv_lens=full,
+        prompt_lens=full,
+        block_tables=1 + jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages),
+        block_size=block_size,
+        vocab_size=model.config.vocab_size,
+        max_num_seqs=batch,
+    )
+    with reference.every_work_item():  # a loop of static length: differentiable
+        hidden, _ = model(inp.token_ids, pool, inp.metadata)  # [B * T, D]
+    targets = jnp.concatenate([token_ids[:, 1:], token_ids[:, :1]], axis=1).reshape(-1)  # last column unused
+    rows = hidden.shape[0]
+    c = min(chunk, rows)
+    padded = -(-rows // c) * c
+
+    def one(args):
+        h, t = args
+        logprobs = jax.nn.log_softmax(model.compute_logits(h), axis=-1)
+        return jnp.take_along_axis(logprobs, t[:, None], axis=-1)[:, 0]
+
+    h = jnp.pad(hidden, ((0, padded - rows), (0, 0))).reshape(-1, c, hidden.shape[-1])
+    t = jnp.pad(targets, (0, padded - rows)).reshape(-1, c)
+    chosen = jax.lax.map(one, (h, t)).reshape(-1)[:rows]
+    return chosen.reshape(batch, length)[:, :-1]

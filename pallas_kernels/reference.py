@@ -18,6 +18,9 @@ float32 scale per kv head, `[K]`) rounded to float8, and the attention functions
 scales, attend as if the pools held the dequantised values.
 """
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -28,6 +31,22 @@ from pallas_kernels.platform import target_platform
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Query rows per work item of the ragged reference.
 QUERY_BLOCK = 64
+# Traces inside `every_work_item()` run every work item of a bucket (see `ragged_paged_attention`).
+_EVERY_ITEM = contextvars.ContextVar("every_work_item", default=False)
+
+
+@contextlib.contextmanager
+def every_work_item():
+    """Traces inside this block run every work item of the bucket in `ragged_paged_attention`, as
+    for a GPU, also on a CPU: a loop of static length, which reverse-mode differentiation needs
+    (`jaxpaged.functional.token_logprobs` under `jax.grad`)."""
+    token = _EVERY_ITEM.set(True)
+    try:
+        yield
+    finally:
+        _EVERY_ITEM.reset(token)
+
+
 # The dtypes a quantised KV cache may be stored in (`write_kv(..., quant_dtype=...)`).
 FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -228,6 +247,6 @@ def ragged_paged_attention(
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], o, current), first, 0)
 
     max_items = -(-num_tokens // block_q) + num_slots
-    num_items = ends[-1] if target_platform() == "cpu" else max_items
+    num_items = ends[-1] if target_platform() == "cpu" and not _EVERY_ITEM.get() else max_items
     out = jax.lax.fori_loop(0, num_items, one_item, jnp.zeros_like(q_padded))
     return out[:num_tokens]

@@ -92,3 +92,22 @@ def test_make_step_input_runs_a_ragged_batch_like_transformers(tmp_path):
             outputs[s].append(int(result.token_ids[s]))
     for prompt, output in zip(prompts, outputs):
         assert output[:new_tokens] == hf_greedy(hf_model, prompt, new_tokens)
+
+
+def test_rl_grpo_example_trains_with_shared_weights(tmp_path):
+    """A few GRPO iterations: the reward rises and every update takes the trainer's arrays (no
+    copy)."""
+    script = os.path.join(ROOT, "examples", "rl_grpo.py")
+    curve_file = tmp_path / "curve.json"
+    out = subprocess.run(
+        [sys.executable, script, "--iterations", "4", "--json", str(curve_file)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    ).stdout
+    import json
+
+    curve = json.loads(curve_file.read_text())["reward"]
+    assert len(curve) == 4 and curve[-1] > curve[0], curve
+    assert out.count("copied 0 B") == 4, out

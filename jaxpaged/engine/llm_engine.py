@@ -57,6 +57,7 @@ from jaxpaged.core.speculation import (
 )
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
+from jaxpaged.engine.training_loop import TrainingLoopControls
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.outputs import RequestOutput
@@ -70,8 +71,10 @@ from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS
 logger = logging.getLogger("jaxpaged")
 
 
-class LLMEngine:
-    """The engine behind `LLM` and the server (vLLM's name and verbs).
+class LLMEngine(TrainingLoopControls):
+    """The engine behind `LLM` and the server (vLLM's name and verbs; in a training loop also
+    `get_params`, `update_weights`, `sleep`, `wake_up`, `pause_generation`, ...:
+    `jaxpaged.engine.training_loop`).
 
     Args:
       args: the engine configuration.
@@ -309,7 +312,10 @@ class LLMEngine:
         return list(self._seqs)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborted)
+        """Whether `step()` has work: unfinished sequences (not while paused or asleep, when steps
+        schedule nothing), a step in flight, or aborts to deliver."""
+        waiting = self.scheduler.has_unfinished() and not (self._paused or self._slept is not None)
+        return waiting or self._in_flight is not None or bool(self._aborted)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -335,6 +341,10 @@ class LLMEngine:
         if self._aborted:
             aborted, self._aborted = self._aborted, []
             emit(self._deltas([(seq, 0, None) for seq in aborted]))
+        if self._idle():  # paused or asleep: only a step already in flight is read
+            if self._in_flight is not None:
+                emit(self._postprocess(self._take_in_flight()))
+            return
         start, tokens, running = time.perf_counter(), self.num_generation_tokens, self.scheduler.num_running
         propose = self.governor is not None and self.governor.speculate(running)
         # Proposals follow the newest tokens: no overlap for those steps. Grammars' masks do too,

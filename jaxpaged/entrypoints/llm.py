@@ -86,6 +86,9 @@ class LLM:
         Raises:
           ValueError: a bad prompt or parameter (nothing is left queued then).
         """
+        if self.llm_engine.is_paused() or self.llm_engine.is_sleeping():
+            state = "paused (resume_generation())" if self.llm_engine.is_paused() else "asleep (wake_up())"
+            raise RuntimeError(f"generate: the engine is {state}")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -134,6 +137,41 @@ class LLM:
             # The template writes the special tokens itself (BOS included).
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    # -- in a training loop (see `jaxpaged.engine.training_loop`) ---------------------------
+
+    def get_params(self):
+        """The engine's parameter state (`LLMEngine.get_params`): its own arrays, not copies."""
+        return self.llm_engine.get_params()
+
+    def get_graphdef(self):
+        """The model's structure (`LLMEngine.get_graphdef`)."""
+        return self.llm_engine.get_graphdef()
+
+    def update_weights(self, weights):
+        """New weights, served from the next step on (`LLMEngine.update_weights`: the
+        parameter pytree, or Hugging Face `(name, array)` pairs)."""
+        return self.llm_engine.update_weights(weights)
+
+    def reload_weights(self) -> None:
+        """The checkpoint's weights again (`LLMEngine.reload_weights`)."""
+        self.llm_engine.reload_weights()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (vLLM's name)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the engine's device memory (`LLMEngine.sleep`: level 1 keeps the weights in host
+        memory, level 2 discards them)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Takes the device memory again (`LLMEngine.wake_up`)."""
+        self.llm_engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)

@@ -4,6 +4,7 @@
     GET  /v1/models, /metrics, /version
     GET  /health (readiness: 200 once serving), /live (liveness: 200 while the process answers)
     POST /tokenize, /detokenize                  (vLLM's shapes)
+    /sleep, /wake_up, /pause, /resume, ...       with JAXPAGED_SERVER_DEV_MODE=1 only (dev_routes.py)
 
 CORS follows vLLM's flags and defaults (any origin, method and header; no credentials): a
 preflight (`OPTIONS` with `Access-Control-Request-Method`) never needs the API key.
@@ -36,6 +37,7 @@ from jaxpaged.server.async_engine import (
     EngineOverloadedError,
     RequestFailedError,
 )
+from jaxpaged.server.dev_routes import add_dev_routes, dev_mode
 from jaxpaged.server.limits import RETRY_AFTER_SECONDS, ServerLimits
 from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.protocol import (
@@ -121,6 +123,8 @@ def build_app(
             allow_credentials=cors.allow_credentials,
         )
     _add_error_handlers(app)
+    if dev_mode():  # /sleep, /wake_up, /pause, ... (vLLM's development mode)
+        add_dev_routes(app, async_engine)
 
     async def body_of(raw: Request, model):
         ctx.require_ready()  # the list limits need the engine's max_model_len

@@ -429,6 +429,9 @@ class AsyncEngine:
             return Abort([command[1]] if isinstance(command[1], str) else list(command[1]))
         if kind == "abort_all":
             return Abort(None)
+        if kind == "control":
+            command[3].set_exception(NotImplementedError(f"{command[1]} is not supported with the engine-core process"))
+            return None
         _, stream, prompts, params, cache_salt, arrival, done = command
         if not done.set_running_or_notify_cancel():
             self._finished_seqs(len(stream.request_ids) * params.n)
@@ -466,7 +469,23 @@ class AsyncEngine:
         except EngineDeadError:
             pass
 
+    def control(self, method: str, *args) -> concurrent.futures.Future:
+        """Calls one of the engine's training-loop methods (`sleep`, `wake_up`, `is_sleeping`,
+        `reset_prefix_cache`, `pause_generation`, `resume_generation`, `is_paused`) on the engine
+        thread, between steps; the future gets its result or error. Not supported with the
+        engine-core process (the future gets a NotImplementedError)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("control", method, args, done))
+        return done
+
     def _apply(self, command: tuple) -> None:
+        if command[0] == "control":
+            _, method, args, done = command
+            try:
+                done.set_result(getattr(self.engine, method)(*args))
+            except Exception as err:  # the caller's error (e.g. sleep with requests running)
+                done.set_exception(err)
+            return
         if command[0] == "abort":
             self.engine.abort_request(command[1])
             return

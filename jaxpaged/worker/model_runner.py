@@ -150,6 +150,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs = limits.max_num_seqs
         graphdef, params = nnx.split(model)
         self.params_dtype = model.dtype
+        self.quantization = config.load.quantization  # the weights' (re-applied to new weights)
+        self.num_blocks = config.cache.num_blocks
         self.kv_dtype = config.cache.kv_dtype(self.params_dtype)
         self.step_programs = StepPrograms.for_engine(config, graphdef, parallel, self.kv_dtype, fused_options)
         self.packer = self.step_programs.packer
@@ -170,7 +172,7 @@ class ModelRunner:
         self._whole = parallel.sharding()
         self.cache = self.zero_cache(config.cache.num_blocks)
         if kv_scales is not None and self.cache.kv.quant is not None:
-            self._set_kv_scales(*kv_scales)
+            self.set_kv_scales(*kv_scales)
         self.kv_transfer = None  # the host tier's memory and copies
         if config.cache.num_host_blocks:
             k = self.cache.kv.k
@@ -217,7 +219,7 @@ class ModelRunner:
             )
         return jax.jit(make, out_shardings=shardings)()
 
-    def _set_kv_scales(self, k_scale: np.ndarray, v_scale: np.ndarray) -> None:
+    def set_kv_scales(self, k_scale: np.ndarray, v_scale: np.ndarray) -> None:
         """An fp8 pool's per-layer scales, the same for every kv head of a layer."""
         quant = self.cache.kv.quant
         sharding = self.step_programs.cache_shardings.kv.quant.k_scale

@@ -1,0 +1,187 @@
+"""The engine inside a training loop (reinforcement learning): vLLM's verbs for new weights, sleep
+mode and pausing, on `LLMEngine` (which `LLM` forwards).
+
+A trainer and the engine in one JAX process share devices and arrays: `get_params()` is the
+engine's parameter state itself, `update_weights` takes the trainer's arrays where they lie (no
+copy when they already have the engine's sharding), and the engine serves them from its next
+step on. The step programs take the parameters as arguments (never donated, never baked in), so
+new weights of the same shapes need no compilation.
+"""
+
+import logging
+import time
+
+from flax import nnx
+
+from jaxpaged.engine.setup import build_model
+from jaxpaged.model.layer_arrays import place_params
+from jaxpaged.worker import sleep as sleep_mode
+from jaxpaged.worker.weight_update import WeightTarget, WeightUpdateStats, replace_params
+
+logger = logging.getLogger("jaxpaged")
+
+PAUSE_MODES = ("abort", "keep")
+
+
+class TrainingLoopControls:
+    """`LLMEngine`'s methods for a training loop (mixed into it; they use its runner and
+    scheduler)."""
+
+    _slept: sleep_mode.Slept | None = None
+    _paused: bool = False
+    _weightless: bool = False  # slept at level 2 and no complete weights given since
+
+    def get_params(self) -> nnx.State:
+        """The engine's parameter state as the step programs read it (`nnx.State`; per-layer
+        parameters as `LayerArrays` unless `scan_layers`; the mesh layout: kv heads repeated where
+        there are more devices than kv heads; a quantized weight as its `<name>_quant` /
+        `<name>_scale` pair). `nnx.merge(graphdef, params)` is the model (`get_graphdef()`).
+        These are the engine's arrays, not copies: do not delete or donate them."""
+        self._check_awake("get_params")
+        return self.runner.params
+
+    def get_graphdef(self) -> nnx.GraphDef:
+        """The model's structure: `nnx.merge(get_graphdef(), get_params())` is the engine's model
+        (for `jaxpaged.functional.token_logprobs`)."""
+        return self.runner.step_programs.graphdef
+
+    def update_weights(self, weights) -> WeightUpdateStats:
+        """Replaces the engine's weights; the next step computes with them.
+
+        Args:
+          weights: either the parameter state as `get_params()` returns it (an `nnx.State` or
+            its `nnx.to_pure_dict`: every array, same shapes and dtypes; `jax.Array`s already on
+            the engine's devices with its sharding are taken without a copy, others are put
+            there; an engine with quantized weights also takes a quantizable weight plain, in the
+            model's dtype, and quantizes it), or an iterable of Hugging Face `(name, array)`
+            pairs (vLLM's `load_weights`: any subset of the checkpoint's tensors, cast to the
+            model's dtype, quantized where the engine quantizes).
+
+        Returns:
+          What was replaced, shared and copied (`WeightUpdateStats`).
+
+        Raises:
+          WeightUpdateError: (a ValueError) naming the parameter path or tensor and what was
+            expected; the engine is unchanged.
+
+        The prefix cache is reset (its KV was computed with the old weights). Requests still
+        running go on with the new weights (their earlier tokens' KV stays as computed); pause
+        with `pause_generation("abort")` first to drop them. The engine's references to the old
+        arrays are gone when this returns (their memory is freed unless the caller holds them).
+        """
+        if self._slept is not None and self._slept.level == 1:
+            raise RuntimeError("the engine is asleep (level 1): call wake_up() before update_weights()")
+        start = time.perf_counter()
+        target = WeightTarget(self.runner.params, self.runner.parallel, self.runner.quantization)
+        if isinstance(weights, (dict, nnx.State)):
+            new, stats = target.from_tree(weights)
+        else:
+            new, stats = target.from_hf(weights)
+        del target
+        self.runner.params = replace_params(self.runner.params, new)
+        self._weightless = self._weightless and sleep_mode.is_abstract(self.runner.params)
+        self.reset_prefix_cache()
+        logger.info(
+            "weights updated in %.3f s: %d arrays (%d bytes shared, %d copied, %d quantized)",
+            time.perf_counter() - start,
+            stats.arrays,
+            stats.shared_bytes,
+            stats.copied_bytes,
+            stats.quantized_bytes,
+        )
+        return stats
+
+    def reload_weights(self) -> None:
+        """Reads the weights again from the checkpoint (or makes the seeded dummy weights again)
+        and serves them (vLLM's `reload_weights`); the prefix cache is reset."""
+        if self._slept is not None and self._slept.level == 1:
+            raise RuntimeError("the engine is asleep (level 1): call wake_up() before reload_weights()")
+        if not self._weightless:  # the old weights go before the new ones arrive
+            self.runner.params = sleep_mode.abstract(self.runner.params)
+        _, params = nnx.split(build_model(self.config, self.runner.parallel))
+        self.runner.params = place_params(params, self.runner.parallel)
+        self._weightless = False
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (vLLM's name): later requests compute their prompts again.
+        Returns True."""
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
+    # -- sleep mode -----------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the engine's device memory (vLLM's sleep mode): level 1 copies the weights to
+        host memory and drops the KV pool; level 2 drops both (then `wake_up()` and give weights
+        with `update_weights` or `reload_weights`). The prefix cache is reset.
+
+        Raises:
+          RuntimeError: requests are unfinished (finish or abort them, or
+            `pause_generation("abort")`), or the engine runs over several processes.
+          ValueError: a level other than 1 or 2.
+        """
+        if self._slept is not None:
+            return
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"sleep({level}) with {self.scheduler.num_running + self.scheduler.num_waiting} unfinished "
+                "sequences; finish or abort them first (pause_generation('abort') aborts them)"
+            )
+        if self.runner.channel is not None:
+            raise RuntimeError("sleep mode is not supported for an engine over several processes")
+        if self._in_flight is not None:
+            self._postprocess(self._take_in_flight())  # its sequences are finished: nothing to emit
+        self.reset_prefix_cache()
+        self._slept = sleep_mode.sleep(self.runner, level)
+        self._weightless = level == 2
+        logger.info("engine asleep (level %d)", level)
+
+    def wake_up(self) -> None:
+        """Takes the device memory again: a fresh KV pool and, after level 1, the weights as they
+        were. After level 2 the weights are still missing: `update_weights` (every array) or
+        `reload_weights` gives them."""
+        if self._slept is None:
+            return
+        slept, self._slept = self._slept, None
+        sleep_mode.wake_up(self.runner, slept)
+        logger.info("engine awake%s", " (give weights: update_weights or reload_weights)" if slept.level == 2 else "")
+
+    def is_sleeping(self) -> bool:
+        return self._slept is not None
+
+    # -- pausing --------------------------------------------------------------------------------
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stops scheduling (vLLM's `pause_generation`): with "abort" every unfinished request is
+        aborted (its final output comes with the next `step()`); with "keep" requests stay where
+        they are and go on after `resume_generation()`. New requests are queued meanwhile."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation mode={mode!r} must be one of {PAUSE_MODES}")
+        if mode == "abort":
+            self.abort_request(self.unfinished_request_ids())
+        self._paused = True
+
+    def resume_generation(self) -> None:
+        """Schedules again after `pause_generation`."""
+        self._paused = False
+
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def _idle(self) -> bool:
+        """Whether `step()` schedules nothing now (paused or asleep); a step that needs weights the
+        engine does not have is refused."""
+        if self._paused or self._slept is not None:
+            return True
+        if self._weightless and self.scheduler.has_unfinished():
+            self._check_awake("step")
+        return False
+
+    def _check_awake(self, what: str) -> None:
+        if self._slept is not None:
+            raise RuntimeError(f"{what}: the engine is asleep; call wake_up() first")
+        if self._weightless:
+            raise RuntimeError(
+                f"{what}: the engine has no weights (slept at level 2); give them with update_weights() or reload_weights()"
+            )

@@ -1,0 +1,68 @@
+"""Sleep mode (vLLM's meaning): the runner gives its device memory back and takes it again.
+
+    level 1   the weights are copied to host memory, the KV pool and penalty tables are dropped
+    level 2   the weights and the pool are dropped (nothing kept); waking needs new weights
+              (`update_weights`) or the checkpoint read again (`reload_weights`)
+
+"Dropped" means the runner lets go of its arrays: their device memory is freed once nothing else
+holds them (a trainer that shares its arrays with the engine keeps its own alive). While asleep
+the runner holds, in place of each array, its shape, dtype and sharding (`jax.ShapeDtypeStruct`),
+which is what new weights are checked against.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+LEVELS = (1, 2)
+
+
+@dataclasses.dataclass
+class Slept:
+    """What a sleeping runner keeps.
+
+    Attributes:
+      level: 1 or 2.
+      host_params: level 1: the parameter state with host (numpy) arrays, else None.
+      kv_scales: an fp8 pool's per-layer `(k_scale [L], v_scale [L])` (None: no fp8 pool).
+    """
+
+    level: int
+    host_params: object | None
+    kv_scales: tuple[np.ndarray, np.ndarray] | None
+
+
+def abstract(tree):
+    """Every array of `tree` as its shape, dtype and sharding."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def is_abstract(tree) -> bool:
+    """Whether any leaf of `tree` is a shape only (weights dropped by sleep level 2)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def sleep(runner, level: int) -> Slept:
+    """Drops the runner's device arrays (see the module docstring); returns what it must keep.
+
+    Raises:
+      ValueError: a level other than 1 or 2.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"sleep level={level!r} must be 1 (weights to host memory) or 2 (weights discarded)")
+    quant = runner.cache.kv.quant
+    scales = None if quant is None else (np.asarray(quant.k_scale)[:, 0], np.asarray(quant.v_scale)[:, 0])
+    host = jax.tree.map(np.asarray, runner.params) if level == 1 else None
+    runner.params = abstract(runner.params)
+    runner.cache = None
+    return Slept(level, host, scales)
+
+
+def wake_up(runner, slept: Slept) -> None:
+    """A fresh (zeroed) pool and, after level 1, the weights back where they were."""
+    if slept.host_params is not None:
+        runner.params = jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), slept.host_params, runner.params)
+    runner.cache = runner.zero_cache(runner.num_blocks)
+    if slept.kv_scales is not None:
+        runner.set_kv_scales(*slept.kv_scales)

@@ -22,9 +22,14 @@ def model_dir(tmp_path_factory):
     return path, make_model_dir(path)
 
 
+# The engines of this module that load the model's weights take these options: equal options give
+# equal step programs, compiled once (JAX's in-memory cache).
+OPTIONS = dict(dtype="float32", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64)
+
+
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64)
+    return LLM(model_dir[0], **OPTIONS)
 
 
 def greedy(max_tokens=12, **kw):
@@ -106,9 +111,7 @@ def test_chat_applies_the_template(llm):
 
 
 def test_streaming_deltas_add_up_and_abort_frees_blocks(model_dir):
-    engine = LLMEngine(
-        EngineArgs(model=model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
-    )
+    engine = LLMEngine(EngineArgs(model=model_dir[0], **OPTIONS))
     engine.add_request("s", "hello there", greedy(10, output_kind=RequestOutputKind.DELTA))
     engine.add_request("a", "abort me", greedy(50, output_kind=RequestOutputKind.DELTA))
     text, tokens = "", []
@@ -207,14 +210,7 @@ def test_fused_decode_steps_change_nothing(model_dir):
     ]
     results = []
     for steps in (1, 4):
-        llm = LLM(
-            model_dir[0],
-            dtype="float32",
-            max_model_len=128,
-            max_num_seqs=8,
-            max_num_batched_tokens=32,
-            num_scheduler_steps=steps,
-        )
+        llm = LLM(model_dir[0], **OPTIONS, num_scheduler_steps=steps)
         outs = llm.generate(["one", "two three", "four five six"], params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
         bm = llm.llm_engine.scheduler.block_manager

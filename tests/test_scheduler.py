@@ -391,7 +391,7 @@ op_st = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=config_st, ops=st.lists(op_st, min_size=10, max_size=40), seed=st.integers(0, 2**32 - 1))
 def test_random_workloads_keep_invariants_and_finish(config, ops, seed):
     extra, pool_tokens = config.pop("extra_budget"), config.pop("pool_tokens")

@@ -122,6 +122,8 @@ def token_ids_and_stats(engine: LLMEngine, prompts, params: SamplingParams):
     return [done[i] for i in range(len(prompts))], engine.get_stats()
 
 
+# Engines of equal options share their compiled programs (JAX's in-memory cache): the tests
+# below run their engines with these options, so that each set is compiled once per module.
 ENGINES = {
     "roomy": dict(max_num_seqs=8, max_num_batched_tokens=128),
     "preempting": dict(kv_cache_memory_bytes=24 * 2 * 2 * 2 * 16 * 16 * 4, max_num_seqs=8, max_num_batched_tokens=64),
@@ -284,8 +286,8 @@ def test_sequences_opt_out_and_penalties_never_speculate(tiny_dir):
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, min_tokens=16),
     ):
-        plain, _ = run(tiny_dir, prompts, [params] * 4)
-        spec, engine = run(tiny_dir, prompts, [params] * 4, speculative_config=NGRAM)
+        plain, _ = run(tiny_dir, prompts, [params] * 4, **ENGINES["roomy"])
+        spec, engine = run(tiny_dir, prompts, [params] * 4, speculative_config=NGRAM, **ENGINES["roomy"])
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
         assert engine.get_stats()["spec_decode_num_drafts"] == 0
 
@@ -423,12 +425,13 @@ def test_draft_model_sampling_keeps_seeded_tokens_and_couples_its_samples(tiny_d
     samples with the same per-position keys, so every proposal is accepted even at temperature 1."""
     prompts = repetitive_prompts(6, seed=6)
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(6)]
-    plain, _ = run(tiny_dir, prompts, params)
+    plain, _ = run(tiny_dir, prompts, params, **ENGINES["roomy"])
     spec, engine = run(
         tiny_dir,
         prompts,
         params,
-        speculative_config={"model": tiny_dir, "num_speculative_tokens": 4, "adaptive": False},
+        speculative_config={"model": tiny_dir, "num_speculative_tokens": 3, "adaptive": False},
+        **ENGINES["roomy"],
     )
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = engine.get_stats()
@@ -487,8 +490,8 @@ def test_draft_model_catches_up_after_plain_steps_prefix_hits_and_preemption(tin
         SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
         for m in np.random.default_rng(3).integers(8, 40, size=len(prompts))
     ]
+    plain, _ = run(tiny_dir, prompts, params, **ENGINES["preempting"])  # greedy tokens do not depend on the pool
     options = dict(ENGINES["preempting"], kv_cache_memory_bytes=16 * 2 * (2 * 2 * 2 * 16 * 16 * 4))
-    plain, _ = run(tiny_dir, prompts, params, **options)
     engine = LLMEngine(
         EngineArgs(
             model=tiny_dir,

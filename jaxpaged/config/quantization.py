@@ -12,6 +12,8 @@ A checkpoint in the compressed-tensors layout (`quantization_config.quant_method
 
 from typing import Any
 
+from jaxpaged.config.group_formats import CheckpointQuantizationError
+
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The dtype each fp8 name stores (JAX/ml_dtypes names).
 FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -20,10 +22,6 @@ QUANTIZATION_METHODS = ("fp8", "int8")
 QUANTIZED_WEIGHT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
 # Bytes of one element of every dtype a weight or a KV cache entry may have.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
-
-
-class CheckpointQuantizationError(ValueError):
-    """A checkpoint's `quantization_config` this engine cannot read (names the field and value)."""
 
 
 def kv_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:

@@ -1,0 +1,236 @@
+"""Independent packers of the 4/8-bit checkpoint formats, and tiny checkpoints built with them.
+
+Written from the formats' descriptions (AutoAWQ's `WQLinear_GEMM`, AutoGPTQ's v1 `QuantLinear`,
+compressed-tensors' `pack-quantized` compressor), not from jaxpaged's readers: a float weight is
+quantized in groups of input features (min/max scales, as GPTQ's and llm-compressor's observers
+without their error feedback), and the integer codes are packed into int32 words exactly as each
+format lays them out. Each packer also returns its own dequantized weight, `(code - zero) *
+scale` with the scale as stored, the reference a reader must reproduce.
+"""
+
+import json
+import os
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tiny_models import build_hf_model
+
+AWQ_SLOT_FEATURE = (0, 2, 4, 6, 1, 3, 5, 7)  # the output feature (of 8) each 4-bit slot of a word holds
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def quantize(w: np.ndarray, bits: int, groups: np.ndarray, sym: bool, min_zero: int = 0) -> tuple[np.ndarray, ...]:
+    """Min/max quantization of `w [in, out]` with input feature i in group `groups[i]`, an
+    asymmetric zero point at least `min_zero`.
+
+    Returns:
+      `(codes [in, out], scale [G, out] float32, zero [G, out])` (integers in int64), codes in
+      `0 .. 2**bits - 1`; a symmetric zero is `2**(bits - 1)`.
+    """
+    maxq = 2**bits - 1
+    num_groups = int(groups.max()) + 1
+    scale = np.zeros((num_groups, w.shape[1]), np.float32)
+    zero = np.zeros((num_groups, w.shape[1]), np.int64)
+    for g in range(num_groups):
+        rows = w[groups == g]
+        lo, hi = np.minimum(rows.min(0), 0), np.maximum(rows.max(0), 0)
+        if sym:
+            amax = np.maximum(-lo, hi)
+            scale[g] = 2 * amax / maxq
+            zero[g] = 2 ** (bits - 1)
+        else:
+            scale[g] = (hi - lo) / maxq
+            zero[g] = np.clip(np.round(-lo / scale[g]), min_zero, maxq)
+    codes = np.clip(np.round(w / scale[groups]) + zero[groups], 0, maxq).astype(np.int64)
+    return codes, scale, zero
+
+
+def stored_scale(scale: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(scale).to(dtype)
+
+
+def dequantized(codes, scale: torch.Tensor, zero, groups) -> np.ndarray:
+    """`(codes - zero[g]) * scale[g]` `[in, out]`, the scale as stored."""
+    s = scale.to(torch.float32).numpy()
+    return (codes.astype(np.float32) - zero[groups].astype(np.float32)) * s[groups]
+
+
+def pack(codes: np.ndarray, bits: int, axis: int, slot_feature=None) -> torch.Tensor:
+    """Codes packed `32 // bits` per int32 along `axis`: slot j of word c (bits `bits*j` upwards)
+    holds feature `n*c + slot_feature[j]` (in order unless `slot_feature` says otherwise)."""
+    n = 32 // bits
+    slot_feature = slot_feature or tuple(range(n))
+    c = np.moveaxis(codes.astype(np.uint64), axis, 0)
+    words = np.zeros((c.shape[0] // n, *c.shape[1:]), np.uint64)
+    for j in range(n):
+        words |= c[slot_feature[j] :: n] << np.uint64(bits * j)
+    return torch.from_numpy(np.moveaxis(words.astype(np.uint32).view(np.int32), 0, axis).copy())
+
+
+def contiguous_groups(num_in: int, group_size: int | None) -> np.ndarray:
+    return np.arange(num_in) // (group_size or num_in)
+
+
+def shuffled_groups(num_in: int, group_size: int, rng: np.random.Generator) -> np.ndarray:
+    """GPTQ's act-order grouping: groups formed over a permutation of the inputs, each input's
+    group listed in the original order."""
+    order = rng.permutation(num_in)
+    groups = np.empty(num_in, np.int64)
+    groups[order] = np.arange(num_in) // group_size
+    return groups
+
+
+def pack_awq(w: np.ndarray, group_size: int | None, scale_dtype=torch.float16) -> tuple[dict, np.ndarray]:
+    """AWQ GEMM tensors of `w [out, in]` (suffix -> tensor) and the dequantized `[out, in]`."""
+    groups = contiguous_groups(w.shape[1], group_size)
+    codes, scale, zero = quantize(w.T, 4, groups, sym=False)
+    s = stored_scale(scale, scale_dtype)
+    tensors = {
+        "qweight": pack(codes, 4, axis=1, slot_feature=AWQ_SLOT_FEATURE),
+        "qzeros": pack(zero, 4, axis=1, slot_feature=AWQ_SLOT_FEATURE),
+        "scales": s,
+    }
+    return tensors, dequantized(codes, s, zero, groups).T
+
+
+def pack_gptq(
+    w: np.ndarray, bits: int, group_size: int | None, sym: bool, desc_act: bool, rng: np.random.Generator
+) -> tuple[dict, np.ndarray]:
+    """GPTQ v1 tensors of `w [out, in]` (zero points stored minus one) and the dequantized `[out, in]`."""
+    num_in = w.shape[1]
+    groups = shuffled_groups(num_in, group_size, rng) if desc_act else contiguous_groups(num_in, group_size)
+    codes, scale, zero = quantize(w.T, bits, groups, sym, min_zero=1)  # v1 cannot store 0 (its -1 overflows)
+    s = stored_scale(scale, torch.float16)
+    tensors = {
+        "qweight": pack(codes, bits, axis=0),
+        "qzeros": pack(zero - 1, bits, axis=1),
+        "scales": s,
+        "g_idx": torch.from_numpy(groups.astype(np.int32)),
+    }
+    return tensors, dequantized(codes, s, zero, groups).T
+
+
+def pack_compressed(
+    w: np.ndarray, bits: int, group_size: int | None, sym: bool, actorder: bool, rng: np.random.Generator
+) -> tuple[dict, np.ndarray]:
+    """compressed-tensors pack-quantized tensors of `w [out, in]` and the dequantized `[out, in]`.
+    Codes are the signed values plus `2**(bits-1)`; zero points (asymmetric) likewise."""
+    num_in = w.shape[1]
+    groups = shuffled_groups(num_in, group_size, rng) if actorder else contiguous_groups(num_in, group_size)
+    codes, scale, zero = quantize(w.T, bits, groups, sym)
+    s = stored_scale(scale.T.copy(), torch.bfloat16)  # [out, G]
+    tensors = {
+        "weight_packed": pack(codes.T, bits, axis=1),
+        "weight_scale": s,
+        "weight_shape": torch.tensor(w.shape, dtype=torch.int64),
+    }
+    if not sym:
+        tensors["weight_zero_point"] = pack(zero.T, bits, axis=0)
+    if actorder:
+        tensors["weight_g_idx"] = torch.from_numpy(groups.astype(np.int32))
+    return tensors, dequantized(codes, s.T, zero, groups).T
+
+
+def awq_config(group_size: int | None) -> dict:
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size or -1, "zero_point": True, "version": "gemm"}
+
+
+def gptq_config(bits: int, group_size: int | None, sym: bool, desc_act: bool) -> dict:
+    return {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size or -1,
+        "sym": sym,
+        "desc_act": desc_act,
+        "checkpoint_format": "gptq",
+        "damp_percent": 0.01,
+        "true_sequential": True,
+    }
+
+
+def compressed_config(bits: int, group_size: int | None, sym: bool, actorder: bool) -> dict:
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": sym,
+        "strategy": "group" if group_size else "channel",
+        "group_size": group_size,
+        "dynamic": False,
+        "actorder": "group" if actorder else None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+    }
+
+
+# name -> (packer of one weight (w, rng) -> (tensors, dequantized), config.json quantization_config)
+def checkpoint_kinds() -> dict:
+    """The checkpoint variants the tests build, by name."""
+    return {
+        "awq": (lambda w, rng: pack_awq(w, 32), awq_config(32)),
+        "gptq_sym": (lambda w, rng: pack_gptq(w, 4, 32, True, False, rng), gptq_config(4, 32, True, False)),
+        "gptq_act_order_asym": (lambda w, rng: pack_gptq(w, 4, 16, False, True, rng), gptq_config(4, 16, False, True)),
+        "gptq_8bit_channel": (
+            lambda w, rng: pack_gptq(w, 8, None, False, False, rng),
+            gptq_config(8, None, False, False),
+        ),
+        "compressed_group": (
+            lambda w, rng: pack_compressed(w, 4, 32, True, False, rng),
+            compressed_config(4, 32, True, False),
+        ),
+        "compressed_channel": (
+            lambda w, rng: pack_compressed(w, 4, None, True, False, rng),
+            compressed_config(4, None, True, False),
+        ),
+        "compressed_asym_actorder": (
+            lambda w, rng: pack_compressed(w, 4, 16, False, True, rng),
+            compressed_config(4, 16, False, True),
+        ),
+    }
+
+
+def save_int4_checkpoint(variant: str, kind: str, out_dir: str, seed: int = 0) -> torch.nn.Module:
+    """Builds the tiny `variant`, quantizes every decoder projection with the `kind` packer and
+    saves the checkpoint (model.safetensors + config.json with its quantization_config).
+
+    Returns:
+      The float32 model whose projections are the packer's dequantized weights (the model the
+      checkpoint stands for).
+    """
+    packer, qconfig = checkpoint_kinds()[kind]
+    rng = np.random.default_rng(seed)
+    model = build_hf_model(variant, seed)
+    tensors = {name: p.detach().clone().contiguous() for name, p in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    with torch.no_grad():
+        for i in range(model.config.num_hidden_layers):
+            for proj in PROJECTIONS:
+                prefix = f"model.layers.{i}.{proj}"
+                stored, dequant = packer(tensors.pop(prefix + ".weight").numpy(), rng)
+                tensors.update({f"{prefix}.{suffix}": t for suffix, t in stored.items()})
+                model.get_submodule(prefix).weight.copy_(torch.from_numpy(dequant))
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out_dir)
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = qconfig
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    return model

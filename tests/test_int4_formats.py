@@ -19,7 +19,7 @@ from int4_checkpoints import (
 )
 from safetensors.torch import save_file
 
-from jaxpaged.checkpoint.formats import check_linears, quantized_linears, read_linears
+from jaxpaged.checkpoint.formats import check_linears, linear_reader, quantized_linears
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.group_formats import (
     CheckpointQuantizationError,
@@ -52,11 +52,8 @@ def headers(ckpt: SafetensorsCheckpoint) -> dict:
 
 
 def read_one(fmt, ckpt: SafetensorsCheckpoint):
-    linears = [(PREFIX, NUM_IN, NUM_OUT)]
-    names = check_linears(fmt, linears, headers(ckpt))
-    tensors = dict(ckpt.iter_tensors(names))
-    ((_, gq),) = read_linears(fmt, linears, tensors)
-    return gq
+    _, read_linear = linear_reader(fmt, [(PREFIX, NUM_IN, NUM_OUT)], ckpt)
+    return read_linear(PREFIX)
 
 
 @pytest.mark.parametrize("kind", sorted(checkpoint_kinds()))
@@ -185,8 +182,23 @@ def test_tiny_checkpoint_linears(tmp_path):
     ckpt = SafetensorsCheckpoint(tmp_path)
     qconfig = checkpoint_kinds()["gptq_act_order_asym"][1]
     linears = quantized_linears(config)
-    names = check_linears(fmt_of(qconfig), linears, headers(ckpt))
+    names, read_linear = linear_reader(fmt_of(qconfig), linears, ckpt)
     assert len(linears) == 14 and not any(n.endswith(".weight") for n in names)
-    tensors = dict(ckpt.iter_tensors(names))
-    for prefix, gq in read_linears(fmt_of(qconfig), linears, tensors):
+    for prefix, _, _ in linears:
+        expected = model.get_submodule(prefix).weight.detach().numpy().T
+        np.testing.assert_array_equal(read_linear(prefix).dequantize(), expected)
+
+
+def test_channel_weights_regrouped_to_one_model_group_size(tmp_path):
+    """One group per output channel differs between linears of different widths: they are read
+    in the largest group size dividing every input width, the same weights."""
+    model = save_int4_checkpoint("llama_gqa4", "compressed_channel", str(tmp_path))
+    config = ModelConfig.from_hf(model.config.to_dict())
+    linears = quantized_linears(config)
+    _, read_linear = linear_reader(
+        fmt_of(checkpoint_kinds()["compressed_channel"][1]), linears, SafetensorsCheckpoint(tmp_path)
+    )
+    for prefix, num_in, _ in linears:
+        gq = read_linear(prefix)
+        assert gq.group_size == 64 and gq.scale.shape[0] == num_in // 64
         np.testing.assert_array_equal(gq.dequantize(), model.get_submodule(prefix).weight.detach().numpy().T)

@@ -7,20 +7,23 @@ Every format module (`awq`, `gptq`, `pack_quantized`; its docstring states the e
     unpack(fmt, prefix, tensors, num_in) -> GroupQuantized           from that linear's arrays
 
 `check_linears` checks every linear's stored tensors from the headers alone, before any data is
-read; `read_linears` then unpacks them one linear at a time.
+read; `linear_reader` then reads and unpacks them one linear at a time, in the one group size the
+model holds (`model_group_size`).
 
 `prefix` is the linear's name without `.weight` (e.g. `model.layers.0.self_attn.q_proj`);
 `num_in`, `num_out` its input and output features (the HF weight is `[num_out, num_in]`).
 """
 
+import math
 import types
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
 from jaxpaged.checkpoint.formats import awq, gptq, pack_quantized
 from jaxpaged.checkpoint.formats.headers import Header, check_headers
 from jaxpaged.checkpoint.group_quant import GroupQuantized
+from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.group_formats import GroupFormat
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.params.tables import param_specs
@@ -71,13 +74,45 @@ def check_linears(fmt: GroupFormat, linears: Iterable[Linear], headers: Mapping[
     return names
 
 
-def read_linears(
-    fmt: GroupFormat, linears: Iterable[Linear], read: Mapping[str, np.ndarray]
-) -> Iterator[tuple[str, GroupQuantized]]:
-    """`(prefix, GroupQuantized)` of every linear (checked by `check_linears`), each read from
-    `read[name]` (a mapping that may read lazily) as it is reached."""
+def model_group_size(fmt: GroupFormat, linears: Iterable[Linear]) -> int:
+    """The one group size the model holds these weights in: the format's, or for one group per
+    output channel (which differs between linears of different widths) the largest size that
+    divides every linear's inputs (`regroup` repeats each channel's scale and zero over them)."""
+    return fmt.group_size or math.gcd(*(num_in for _, num_in, _ in linears))
+
+
+def regroup(gq: GroupQuantized, group_size: int) -> GroupQuantized:
+    """The same weight in contiguous groups of `group_size` (dividing `gq.group_size`): each
+    group's scale and zero point repeated over the smaller groups it splits into."""
+    assert gq.g_idx is None and gq.group_size % group_size == 0, (gq.group_size, group_size)
+    repeat = gq.group_size // group_size
+    scale, zero = np.repeat(gq.scale, repeat, axis=0), np.repeat(gq.zero, repeat, axis=0)
+    return GroupQuantized(gq.q, scale, zero, None, gq.bits, group_size)
+
+
+def linear_reader(
+    fmt: GroupFormat, linears: list[Linear], ckpt: SafetensorsCheckpoint
+) -> tuple[list[str], Callable[[str], GroupQuantized]]:
+    """Checks every linear's stored tensors from the headers (`check_linears`), then reads them
+    one linear at a time.
+
+    Returns:
+      `(names, read_linear)`: the tensors the linears store (the loader counts them as expected),
+      and the function from a linear's prefix to its `GroupQuantized`, in groups of
+      `model_group_size` (read from the files when called).
+
+    Raises:
+      ValueError: as `check_linears`; `read_linear` as the format's `unpack`.
+    """
     module = reader(fmt)
-    for prefix, num_in, num_out in linears:
-        names = [t.name for t in module.stored_tensors(fmt, prefix, num_in, num_out)]
-        tensors = {name: read[name] for name in names if name in read}
-        yield prefix, module.unpack(fmt, prefix, tensors, num_in)
+    names = check_linears(fmt, linears, {n: (ckpt.shape(n), ckpt.dtype(n)) for n in ckpt.names})
+    group_size = model_group_size(fmt, linears)
+    sizes = {prefix: (num_in, num_out) for prefix, num_in, num_out in linears}
+
+    def read_linear(prefix: str) -> GroupQuantized:
+        num_in, num_out = sizes[prefix]
+        stored = [t.name for t in module.stored_tensors(fmt, prefix, num_in, num_out) if t.name in ckpt.locations]
+        gq = module.unpack(fmt, prefix, dict(ckpt.iter_tensors(stored)), num_in)
+        return gq if gq.group_size == group_size else regroup(gq, group_size)
+
+    return names, read_linear

@@ -176,43 +176,48 @@ def compressed_config(bits: int, group_size: int | None, sym: bool, actorder: bo
     }
 
 
-# name -> (packer of one weight (w, rng) -> (tensors, dequantized), config.json quantization_config)
-def checkpoint_kinds() -> dict:
-    """The checkpoint variants the tests build, by name."""
+def checkpoint_kinds(group_size: int = 32) -> dict:
+    """The checkpoint variants the tests build, by name: (packer of one `[out, in]` weight
+    `(w, rng) -> (tensors, dequantized)`, config.json's quantization_config). Act-order variants
+    use groups of half `group_size` (more groups to shuffle)."""
+    g, half = group_size, group_size // 2
     return {
-        "awq": (lambda w, rng: pack_awq(w, 32), awq_config(32)),
-        "gptq_sym": (lambda w, rng: pack_gptq(w, 4, 32, True, False, rng), gptq_config(4, 32, True, False)),
-        "gptq_act_order_asym": (lambda w, rng: pack_gptq(w, 4, 16, False, True, rng), gptq_config(4, 16, False, True)),
+        "awq": (lambda w, rng: pack_awq(w, g), awq_config(g)),
+        "gptq_sym": (lambda w, rng: pack_gptq(w, 4, g, True, False, rng), gptq_config(4, g, True, False)),
+        "gptq_act_order_asym": (
+            lambda w, rng: pack_gptq(w, 4, half, False, True, rng),
+            gptq_config(4, half, False, True),
+        ),
         "gptq_8bit_channel": (
             lambda w, rng: pack_gptq(w, 8, None, False, False, rng),
             gptq_config(8, None, False, False),
         ),
         "compressed_group": (
-            lambda w, rng: pack_compressed(w, 4, 32, True, False, rng),
-            compressed_config(4, 32, True, False),
+            lambda w, rng: pack_compressed(w, 4, g, True, False, rng),
+            compressed_config(4, g, True, False),
         ),
         "compressed_channel": (
             lambda w, rng: pack_compressed(w, 4, None, True, False, rng),
             compressed_config(4, None, True, False),
         ),
         "compressed_asym_actorder": (
-            lambda w, rng: pack_compressed(w, 4, 16, False, True, rng),
-            compressed_config(4, 16, False, True),
+            lambda w, rng: pack_compressed(w, 4, half, False, True, rng),
+            compressed_config(4, half, False, True),
         ),
     }
 
 
-def save_int4_checkpoint(variant: str, kind: str, out_dir: str, seed: int = 0) -> torch.nn.Module:
-    """Builds the tiny `variant`, quantizes every decoder projection with the `kind` packer and
-    saves the checkpoint (model.safetensors + config.json with its quantization_config).
+def write_int4_checkpoint(model, kind: str, out_dir: str, group_size: int = 32, seed: int = 0):
+    """Quantizes every decoder projection of the HF `model` (in place: each becomes the packer's
+    dequantized weight, float32) with the `kind` packer, and saves the checkpoint to `out_dir`
+    (model.safetensors + config.json with its quantization_config; other tensors as they are).
 
     Returns:
-      The float32 model whose projections are the packer's dequantized weights (the model the
-      checkpoint stands for).
+      `model`, now the model the checkpoint stands for.
     """
-    packer, qconfig = checkpoint_kinds()[kind]
+    packer, qconfig = checkpoint_kinds(group_size)[kind]
     rng = np.random.default_rng(seed)
-    model = build_hf_model(variant, seed)
+    model = model.float()
     tensors = {name: p.detach().clone().contiguous() for name, p in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -231,6 +236,12 @@ def save_int4_checkpoint(variant: str, kind: str, out_dir: str, seed: int = 0) -
     with open(path) as f:
         config = json.load(f)
     config["quantization_config"] = qconfig
+    config["dtype"] = "float32"  # the other tensors as the float32 model holds them
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
     return model
+
+
+def save_int4_checkpoint(variant: str, kind: str, out_dir: str, seed: int = 0) -> torch.nn.Module:
+    """`write_int4_checkpoint` of the tiny `variant` (tests/tiny_models.py)."""
+    return write_int4_checkpoint(build_hf_model(variant, seed), kind, out_dir, seed=seed)

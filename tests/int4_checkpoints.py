@@ -8,24 +8,13 @@ format lays them out. Each packer also returns its own dequantized weight, `(cod
 scale` with the scale as stored, the reference a reader must reproduce.
 """
 
-import json
-import os
-
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from checkpoint_edits import save_quantized_checkpoint
+from fp8_checkpoint import PROJECTIONS
 from tiny_models import build_hf_model
 
 AWQ_SLOT_FEATURE = (0, 2, 4, 6, 1, 3, 5, 7)  # the output feature (of 8) each 4-bit slot of a word holds
-PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 
 
 def quantize(w: np.ndarray, bits: int, groups: np.ndarray, sym: bool, min_zero: int = 0) -> tuple[np.ndarray, ...]:
@@ -228,17 +217,8 @@ def write_int4_checkpoint(model, kind: str, out_dir: str, group_size: int = 32, 
                 stored, dequant = packer(tensors.pop(prefix + ".weight").numpy(), rng)
                 tensors.update({f"{prefix}.{suffix}": t for suffix, t in stored.items()})
                 model.get_submodule(prefix).weight.copy_(torch.from_numpy(dequant))
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    model.config.architectures = [type(model).__name__]
-    model.config.save_pretrained(out_dir)
-    path = os.path.join(out_dir, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["quantization_config"] = qconfig
-    config["dtype"] = "float32"  # the other tensors as the float32 model holds them
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
+    model.config.dtype = torch.float32  # the other tensors as the float32 model holds them
+    save_quantized_checkpoint(model, tensors, out_dir, qconfig)
     return model
 
 

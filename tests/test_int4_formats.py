@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from fp8_checkpoint import quantization_config as fp8_quantization_config
 from int4_checkpoints import (
     checkpoint_kinds,
     compressed_config,
@@ -23,11 +24,13 @@ from jaxpaged.checkpoint.formats import check_linears, linear_reader, quantized_
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.group_formats import (
     CheckpointQuantizationError,
+    GroupFormat,
     awq_format,
     gptq_format,
     pack_quantized_format,
 )
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.quantization import checkpoint_group_format, checkpoint_quantization, resolve_quantization
 
 PREFIX = "model.layers.0.mlp.down_proj"
 NUM_OUT, NUM_IN = 48, 64
@@ -127,11 +130,16 @@ def test_gptq_contradicting_config_refused_when_read(tmp_path):
 
 def test_gptq_v1_all_ones_zero_field_reads_as_two_to_the_bits(tmp_path):
     """AutoGPTQ's v1 packer stores a zero point of 0 as -1 (all ones); its dequantizer masks the
-    field and adds one, reading 16 for 4 bits. The reader keeps that value."""
+    field and adds one, reading 16 for 4 bits. The reader keeps that value; 8 bits' 256 does not
+    fit a uint8 zero point and is refused."""
     stored, _ = pack_gptq(weight(), 4, 32, False, False, None)
     stored["qzeros"] = torch.full_like(stored["qzeros"], -1)
     gq = read_one(gptq_format(gptq_config(4, 32, False, False)), write(tmp_path, stored))
     assert (gq.zero == 16).all()
+    stored, _ = pack_gptq(weight(), 8, 32, False, False, None)
+    stored["qzeros"] = torch.full_like(stored["qzeros"], -1)
+    with pytest.raises(ValueError, match=rf"'{PREFIX}.qzeros' stores -1 for an 8-bit zero point"):
+        read_one(gptq_format(gptq_config(8, 32, False, False)), write(tmp_path, stored))
 
 
 def test_weight_shape_checked(tmp_path):
@@ -202,3 +210,20 @@ def test_channel_weights_regrouped_to_one_model_group_size(tmp_path):
         gq = read_linear(prefix)
         assert gq.group_size == 64 and gq.scale.shape[0] == num_in // 64
         np.testing.assert_array_equal(gq.dequantize(), model.get_submodule(prefix).weight.detach().numpy().T)
+
+
+def test_checkpoint_detection_and_quantization_assertion():
+    """config.json's quantization_config names the format; `--quantization awq|gptq|compressed-tensors`
+    asserts it (compressed-tensors also names an FP8 checkpoint), and a plain checkpoint has none."""
+    awq = {"quantization_config": checkpoint_kinds()["awq"][1]}
+    assert checkpoint_quantization(awq) == "awq" == resolve_quantization("awq", awq) == resolve_quantization(None, awq)
+    gptq = {"quantization_config": gptq_config(4, 128, True, True)}
+    assert checkpoint_group_format(gptq) == GroupFormat("gptq", 4, 128, True, True)
+    with pytest.raises(ValueError, match="quantization='gptq': the checkpoint is already quantized as 'awq'"):
+        resolve_quantization("gptq", awq)
+    with pytest.raises(ValueError, match="quantization='awq': names a pre-quantized awq checkpoint, but config.json"):
+        resolve_quantization("awq", {})
+    fp8 = {"quantization_config": fp8_quantization_config()}
+    assert resolve_quantization("compressed-tensors", fp8) == "fp8" and checkpoint_group_format(fp8) is None
+    packed = {"quantization_config": compressed_config(4, 128, True, False)}
+    assert resolve_quantization("compressed-tensors", packed) == "compressed-tensors"

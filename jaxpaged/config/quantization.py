@@ -7,12 +7,22 @@ with vLLM's names, and how a pre-quantized checkpoint announces itself. No JAX h
                      activations stay in the model's dtype)
 
 A checkpoint in the compressed-tensors layout (`quantization_config.quant_method` of
-"compressed-tensors" with 8-bit float weights) is read as `fp8` without being asked.
+"compressed-tensors" with 8-bit float weights) is read as `fp8` without being asked; one in a
+4/8-bit integer format (AWQ, GPTQ, compressed-tensors pack-quantized; see `group_formats`) as that
+format, whose name `quantization` may give to assert it.
 """
 
 from typing import Any
 
-from jaxpaged.config.group_formats import CheckpointQuantizationError
+from jaxpaged.config.group_formats import (
+    GROUP_FORMATS,
+    CheckpointQuantizationError,
+    GroupFormat,
+    awq_format,
+    gptq_format,
+    is_int_compressed_tensors,
+    pack_quantized_format,
+)
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The dtype each fp8 name stores (JAX/ml_dtypes names).
@@ -36,31 +46,55 @@ def is_fp8(dtype_name: str) -> bool:
     return dtype_name.startswith("float8")
 
 
+def checkpoint_group_format(hf_config: dict[str, Any]) -> GroupFormat | None:
+    """The 4/8-bit integer format a checkpoint's weights are stored in (AWQ, GPTQ,
+    compressed-tensors pack-quantized; from config.json's `quantization_config`), or None.
+
+    Raises:
+      CheckpointQuantizationError: a variant of those formats that is not read (naming the field).
+    """
+    qc = hf_config.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method == "awq":
+        return awq_format(qc)
+    if method == "gptq":
+        return gptq_format(qc)
+    if method == "compressed-tensors" and is_int_compressed_tensors(qc):
+        return pack_quantized_format(qc)
+    return None
+
+
 def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
     """The method a checkpoint's weights are already quantized with (from its config.json), or
     None for plain weights.
 
-    Only compressed-tensors 8-bit float weights (the layout of the public FP8 Llama checkpoints:
-    `weight` in float8_e4m3fn and `weight_scale` per tensor or per output channel) are read.
+    Read are: the 4/8-bit integer formats (`checkpoint_group_format`; the method is the format's
+    name, "awq", "gptq" or "compressed-tensors"), and compressed-tensors 8-bit float weights (the
+    layout of the public FP8 Llama checkpoints: `weight` in float8_e4m3fn and `weight_scale` per
+    tensor or per output channel; the method is "fp8").
 
     Raises:
-      CheckpointQuantizationError: any other `quantization_config` (GPTQ, AWQ, int4, ...).
+      CheckpointQuantizationError: any other `quantization_config` (naming the field).
     """
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
+    group = checkpoint_group_format(hf_config)
+    if group is not None:
+        return group.method
     method = qc.get("quant_method")
     if method != "compressed-tensors":
         raise CheckpointQuantizationError(
-            f"quantization_config.quant_method={method!r} is not supported; jaxpaged reads compressed-tensors FP8 "
-            "checkpoints, or quantizes plain bfloat16/float32 weights itself (quantization fp8 or int8)"
+            f"quantization_config.quant_method={method!r} is not supported; jaxpaged reads awq, gptq and "
+            "compressed-tensors checkpoints, or quantizes plain bfloat16/float32 weights itself (quantization fp8 or "
+            "int8)"
         )
     for name, group in (qc.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise CheckpointQuantizationError(
                 f"quantization_config.config_groups.{name}.weights={weights!r}: only 8-bit float weights "
-                "(compressed-tensors FP8) are supported"
+                "(compressed-tensors FP8) and 4/8-bit integer ones (pack-quantized) are supported"
             )
         if weights.get("strategy") not in ("tensor", "channel"):
             raise CheckpointQuantizationError(
@@ -73,13 +107,26 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
 def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> str | None:
     """The weight quantization an engine runs with: the checkpoint's, else the one requested.
 
+    A checkpoint format's name ("awq", "gptq", "compressed-tensors", as vLLM's `--quantization`
+    takes them) asserts that the checkpoint is stored so; "compressed-tensors" also names a
+    compressed-tensors FP8 checkpoint (read as "fp8").
+
     Raises:
-      ValueError: a pre-quantized checkpoint and a different method requested (names both).
+      ValueError: a pre-quantized checkpoint and a different method requested, or a format named
+        for a checkpoint that is not stored in it (names both).
     """
     stored = checkpoint_quantization(hf_config)
-    if stored is not None and requested not in (None, stored):
+    accepted = {None, stored}
+    if stored == "fp8":
+        accepted.add("compressed-tensors")
+    if stored is not None and requested not in accepted:
         raise ValueError(
             f"quantization={requested!r}: the checkpoint is already quantized as {stored!r} "
             f"(its config.json says so); leave quantization unset or give {stored!r}"
+        )
+    if stored is None and requested in GROUP_FORMATS:
+        raise ValueError(
+            f"quantization={requested!r}: names a pre-quantized {requested} checkpoint, but config.json has no "
+            "quantization_config; leave quantization unset, or quantize at load (fp8, int8)"
         )
     return stored or requested

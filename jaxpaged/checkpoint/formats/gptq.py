@@ -20,7 +20,8 @@ stores:
 
 The +1 is applied as AutoGPTQ's dequantizer applies it, after masking the field: a stored field
 of all ones (what the v1 packer writes for a zero point of 0, its -1 overflowing) reads as
-`2**bits`, the value its own kernels use. With `sym` every zero point must be `2**(bits-1)`
+`2**bits`, the value its own kernels use (4 bits: 16; 8 bits: 256, which a uint8 zero point
+cannot hold, so such an 8-bit file is refused naming `qzeros`). With `sym` every zero point must be `2**(bits-1)`
 (stored `2**(bits-1) - 1`); a file whose zeros say otherwise is refused. A group size of -1 is one
 group over all I inputs.
 """
@@ -89,6 +90,12 @@ def unpack(fmt: GroupFormat, prefix: str, tensors: Mapping[str, np.ndarray], num
     q = unpack_words(tensors[f"{prefix}.qweight"], fmt.bits, axis=0)
     zero = unpack_words(tensors[f"{prefix}.qzeros"], fmt.bits, axis=1).astype(np.int32) + V1_ZERO_OFFSET
     scale = np.asarray(tensors[f"{prefix}.scales"], dtype=np.float32)
+    if zero.max() > np.iinfo(np.uint8).max:
+        raise ValueError(
+            f"tensor {prefix + '.qzeros'!r} stores -1 for an 8-bit zero point (a zero point of 0 that the v1 "
+            "packer cannot write: the field overflowed); re-export the model (gptqmodel, checkpoint_format 'gptq') "
+            "or quantize it symmetrically"
+        )
     if fmt.sym and np.any(zero != 1 << (fmt.bits - 1)):
         raise ValueError(
             f"tensor {prefix + '.qzeros'!r} holds zero points other than {1 << (fmt.bits - 1)} but config.json says "

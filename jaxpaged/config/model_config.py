@@ -56,6 +56,8 @@ class ModelConfig:
       sliding_window: Mistral/Qwen2 sliding-window size, or None. Attention is full
         attention as long as the context stays within it, so the usable context is capped.
       bos_token_id, eos_token_ids: special tokens from the config (may be empty).
+      weight_bits, weight_group_size: the decoder projections' bits and input features per group
+        when they are group-quantized (see `with_weight_groups`); None otherwise.
     """
 
     architecture: str
@@ -75,12 +77,37 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    weight_bits: int | None = None
+    weight_group_size: int | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
+
+    def with_weight_groups(self, groups: tuple[int, int] | None) -> "ModelConfig":
+        """This model with its decoder projections group-quantized: `groups` is `(bits,
+        group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none.
+
+        Raises:
+          ValueError: the group size does not divide a projection's input features (naming both).
+        """
+        if groups is None:
+            return dataclasses.replace(self, weight_bits=None, weight_group_size=None)
+        bits, group_size = groups
+        inputs = {
+            "hidden_size": self.hidden_size,
+            "num_attention_heads * head_dim": self.num_heads * self.head_dim,
+            "intermediate_size": self.intermediate_size,
+        }
+        for name, size in inputs.items():
+            if group_size < 1 or size % group_size:
+                raise ValueError(
+                    f"quantization_group_size={group_size} does not divide {name}={size} (a projection's input "
+                    "features, quantized in groups of that many); pick a group size that divides it"
+                )
+        return dataclasses.replace(self, weight_bits=bits, weight_group_size=group_size)
 
     @property
     def max_context_len(self) -> int:

@@ -17,6 +17,11 @@ How a Hugging Face checkpoint stores a parameter (`hf_layout`):
 A `quantize` parameter (a decoder layer's projection) is replaced under weight quantization by
 its pair `<name>_quant` `[*out, *in]` (outputs first, as the fp8 GEMM wants it) and
 `<name>_scale` `[*out]` (one float32 scale per output channel; see `jaxpaged.model.quant`).
+Group-quantized (a config with `weight_group_size`), it is replaced by `<name>_quant` `[*in, *out]`
+(its own axes: 4- or 8-bit codes), `<name>_scale` and `<name>_zero` `[G, *out]` (see
+`jaxpaged.model.group_quant`). G is the weight's group axis (`GROUP_AXES`, named after its first
+input axis): its inputs flattened, in groups of `weight_group_size`, so it is split over devices
+wherever that first input axis is, and a group never straddles two devices.
 """
 
 import dataclasses
@@ -38,18 +43,23 @@ LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = (
     "mlp",
 )
 
+# The group axis of a weight whose first input axis is the key: its inputs flattened, over the
+# group size (o_proj's inputs are (HEADS, HEAD_DIM), the others' one axis).
+GROUP_AXES = {EMBED: "embed_groups", HEADS: "heads_groups", MLP: "mlp_groups"}
+
 # The module whose parameters exist once per decoder layer (the first key of their paths).
 LAYER_STACK = "layers"
-# The names of a quantized weight's pair: `<name>_quant`, `<name>_scale`.
-QUANT_SUFFIX, SCALE_SUFFIX = "_quant", "_scale"
+# The names of a quantized weight's pair: `<name>_quant`, `<name>_scale`; a group-quantized one's
+# zero points: `<name>_zero`.
+QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX = "_quant", "_scale", "_zero"
 
 HF_LAYOUTS = ("same", "flat", "linear")
 INITS = ("normal", "ones", "zeros")  # normal: the model's INIT_STDDEV (random weights, dummy loads)
 
 
 def axis_sizes(config: ModelConfig) -> dict[str, int]:
-    """Each logical axis' size in `config`."""
-    return {
+    """Each logical axis' size in `config` (the group axes when its weights are group-quantized)."""
+    sizes = {
         LAYERS: config.num_layers,
         VOCAB: config.vocab_size,
         EMBED: config.hidden_size,
@@ -58,6 +68,10 @@ def axis_sizes(config: ModelConfig) -> dict[str, int]:
         HEAD_DIM: config.head_dim,
         MLP: config.intermediate_size,
     }
+    if config.weight_group_size is not None:
+        features = {EMBED: config.hidden_size, HEADS: config.num_heads * config.head_dim, MLP: config.intermediate_size}
+        sizes.update({GROUP_AXES[a]: n // config.weight_group_size for a, n in features.items()})
+    return sizes
 
 
 def always(_: ModelConfig) -> bool:
@@ -130,3 +144,14 @@ class ParamSpec:
     @property
     def quantized_paths(self) -> tuple[Path, Path]:
         return self.path[:-1] + (self.name + QUANT_SUFFIX,), self.path[:-1] + (self.name + SCALE_SUFFIX,)
+
+    @property
+    def grouped_axes(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """The logical axes of the group-quantized triple: `<name>_quant` `[*in, *out]`,
+        `<name>_scale` and `<name>_zero` `[G, *out]`."""
+        groups = (GROUP_AXES[self.axes[0]],) + self.axes[self.num_in :]
+        return self.axes, groups, groups
+
+    @property
+    def grouped_paths(self) -> tuple[Path, Path, Path]:
+        return self.quantized_paths + (self.path[:-1] + (self.name + ZERO_SUFFIX,),)

@@ -4,7 +4,14 @@ with vLLM's names, and how a pre-quantized checkpoint announces itself. No JAX h
     kv_cache_dtype   auto (the model's dtype) | fp8 = fp8_e4m3 (float8_e4m3fn) | fp8_e5m2
     quantization     None | fp8 (float8_e4m3fn weights, per output channel; activations
                      quantized per token at run time) | int8 (int8 weights, per output channel;
-                     activations stay in the model's dtype)
+                     activations stay in the model's dtype) | int4 (4-bit weights rounded to
+                     nearest at load, a scale and a zero point per group of
+                     `quantization_group_size` input features; activations stay in the model's
+                     dtype; see `jaxpaged.model.group_quant`)
+
+Group-quantized methods (`GROUP_QUANT_BITS`) store 4- or 8-bit codes with per-group scales and
+zero points; their bits and group size are the model's (`ModelConfig.weight_bits`,
+`weight_group_size`, set by `weight_groups`), since they shape its state.
 
 A checkpoint in the compressed-tensors layout (`quantization_config.quant_method` of
 "compressed-tensors" with 8-bit float weights) is read as `fp8` without being asked; one in a
@@ -27,11 +34,19 @@ from jaxpaged.config.group_formats import (
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The dtype each fp8 name stores (JAX/ml_dtypes names).
 FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-QUANTIZATION_METHODS = ("fp8", "int8")
-# The dtype each method stores weights in.
+QUANTIZATION_METHODS = ("fp8", "int8", "int4")
+# The dtype each per-channel method stores weights in.
 QUANTIZED_WEIGHT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+# Group-quantized methods and their bits (a pre-quantized format's come from its config.json).
+GROUP_QUANT_BITS = {"int4": 4}
+# The dtype group-quantized codes are stored in, by bits (signed: code - 2**(bits-1)), and their
+# zero points' and scales' dtypes.
+GROUP_CODE_DTYPES = {4: "int4", 8: "int8"}
+GROUP_ZERO_DTYPE, GROUP_SCALE_DTYPE = "int8", "float32"
+# Input features per group of `--quantization int4` unless `quantization_group_size` says otherwise.
+DEFAULT_GROUP_SIZE = 128
 # Bytes of one element of every dtype a weight or a KV cache entry may have.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "int4": 0.5}
 
 
 def kv_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -102,6 +117,20 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
                 "'tensor' and 'channel' weight scales are supported"
             )
     return "fp8"
+
+
+def weight_groups(quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[int, int] | None:
+    """`(bits, group_size)` of a group-quantized method's weights (None for the others), for
+    `ModelConfig.with_weight_groups`.
+
+    Args:
+      quantization: the resolved method (`resolve_quantization`).
+      group_size: input features per group for a method quantized at load (the
+        `quantization_group_size` option).
+    """
+    if quantization not in GROUP_QUANT_BITS:
+        return None
+    return GROUP_QUANT_BITS[quantization], group_size
 
 
 def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> str | None:

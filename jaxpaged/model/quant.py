@@ -18,6 +18,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.model.group_quant import quantize_groups
+
 FP8 = jnp.float8_e4m3fn
 
 
@@ -53,6 +56,17 @@ def quantize_weight(w: Float[Array, "..."], method: str, num_in: int, num_lead: 
     amax = jnp.max(jnp.abs(wt), axis=reduce)
     scale = jnp.where(amax > 0, amax / _qmax(method), 1.0).astype(jnp.float32)
     return _to_storage(wt / scale.reshape(scale.shape + (1,) * num_in), method), scale
+
+
+def quantize_param(
+    w: Float[Array, "..."], method: str, config: ModelConfig, num_in: int, num_lead: int = 0
+) -> tuple[Array, ...]:
+    """A quantizable weight's replacement arrays, in the order of `quantized_paths(config, spec)`:
+    its group-quantized triple when `config.weight_group_size` is set (`quantize_groups`), else
+    its per-channel pair (`quantize_weight` with `method`)."""
+    if config.weight_group_size is not None:
+        return quantize_groups(w, config.weight_bits, config.weight_group_size, num_in, num_lead)
+    return quantize_weight(w, method, num_in, num_lead)
 
 
 def matmul(x: Float[Array, "T ..."], w: Float[Array, "..."], num_in: int) -> Float[Array, "T ..."]:

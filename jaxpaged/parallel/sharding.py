@@ -26,7 +26,7 @@ import dataclasses
 import math
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB, axis_sizes
+from jaxpaged.config.params import GROUP_AXES, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB, axis_sizes
 from jaxpaged.params.tables import find_state_param
 
 # Mesh axis names: declared once here.
@@ -48,7 +48,9 @@ KEY_VALUE_AXES = (None, KV_HEADS, HEAD_DIM)
 
 # Logical axis -> mesh axis. Every split axis must divide evenly, except the vocabulary, which
 # stays whole (replicated) when it does not.
+# A group-quantized weight's scales and zero points split where its first input axis does.
 RULES: dict[str, str] = {HEADS: TENSOR_AXIS, KV_HEADS: TENSOR_AXIS, MLP: TENSOR_AXIS, VOCAB: TENSOR_AXIS}
+RULES |= {GROUP_AXES[a]: RULES[a] for a in GROUP_AXES if a in RULES}
 
 
 class TensorParallelError(ValueError):
@@ -65,7 +67,8 @@ class TensorParallelLayout:
 
     Raises:
       TensorParallelError: `size` does not divide the query heads or the MLP width, or neither of
-        `size` and the kv heads divides the other.
+        `size` and the kv heads divides the other, or (group-quantized weights) the groups of a
+        split input (a quantization group never straddles two devices).
     """
 
     config: ModelConfig
@@ -84,6 +87,14 @@ class TensorParallelLayout:
             )
         if c.intermediate_size % n:
             raise TensorParallelError(f"tensor_parallel_size={n} must divide intermediate_size={c.intermediate_size}")
+        sizes = axis_sizes(c)
+        for axis in GROUP_AXES.values():
+            if axis in RULES and axis in sizes and sizes[axis] % n:
+                raise TensorParallelError(
+                    f"tensor_parallel_size={n} would split a quantization group: the {axis.removesuffix('_groups')} "
+                    f"inputs hold {sizes[axis]} groups of {c.weight_group_size} features, which {n} devices cannot "
+                    "share evenly; use a tensor_parallel_size that divides it (or a smaller group size)"
+                )
 
     @property
     def kv_replicas(self) -> int:

@@ -20,7 +20,12 @@ from jaxpaged.checkpoint.format import TOKENIZER_FILES, WEIGHT_FILES, has_tokeni
 from jaxpaged.config.generation import sampling_defaults
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import CONFIG_FILE, PRESETS, get_preset, load_config_dict
-from jaxpaged.config.quantization import CheckpointQuantizationError, resolve_quantization, weight_groups
+from jaxpaged.config.quantization import (
+    CheckpointQuantizationError,
+    group_size_field,
+    resolve_quantization,
+    weight_groups,
+)
 from jaxpaged.config.sections import SECTIONS, CacheConfig, CompileConfig, LoadConfig, ParallelConfig, SchedulingConfig
 from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.scheduler import SchedulerConfig
@@ -79,7 +84,7 @@ class EngineConfig:
         check_model_dir(args.model, args.load_format)
         raw = load_config_dict(args.model)[1]
         quantization = _quantization(args.model, args.quantization, raw)
-        model = _weight_groups(ModelConfig.from_hf(raw), quantization, args.quantization_group_size)
+        model = _weight_groups(ModelConfig.from_hf(raw), quantization, args, raw)
         layout = _layout(model, args.tensor_parallel_size)
         draft = None
         if args.speculative_config is not None and args.speculative_config.model is not None:
@@ -237,11 +242,16 @@ def _quantization(model: str, requested: str | None, raw: dict) -> str | None:
         raise EngineArgsError("quantization", requested, str(err).split(": ", 1)[1]) from None
 
 
-def _weight_groups(model: ModelConfig, quantization: str | None, group_size: int) -> ModelConfig:
+def _weight_groups(model: ModelConfig, quantization: str | None, args: EngineArgs, raw: dict) -> ModelConfig:
+    field = group_size_field(quantization)
     try:
-        return model.with_weight_groups(weight_groups(quantization, group_size))
+        return model.with_weight_groups(weight_groups(quantization, args.quantization_group_size, raw), field)
     except ValueError as err:
-        raise EngineArgsError("quantization_group_size", group_size, str(err).split(" ", 1)[1]) from None
+        if field != "quantization_group_size":  # the checkpoint's own group size
+            raise EngineArgsError("model", args.model, str(err)) from None
+        raise EngineArgsError(
+            "quantization_group_size", args.quantization_group_size, str(err).split(" ", 1)[1]
+        ) from None
 
 
 def _layout(model: ModelConfig, tensor_parallel_size: int) -> TensorParallelLayout:

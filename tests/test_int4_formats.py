@@ -55,7 +55,7 @@ def headers(ckpt: SafetensorsCheckpoint) -> dict:
 
 
 def read_one(fmt, ckpt: SafetensorsCheckpoint):
-    _, read_linear = linear_reader(fmt, [(PREFIX, NUM_IN, NUM_OUT)], ckpt)
+    _, read_linear = linear_reader(fmt, [(PREFIX, NUM_IN, NUM_OUT)], ckpt, fmt.group_size or NUM_IN)
     return read_linear(PREFIX)
 
 
@@ -190,7 +190,7 @@ def test_tiny_checkpoint_linears(tmp_path):
     ckpt = SafetensorsCheckpoint(tmp_path)
     qconfig = checkpoint_kinds()["gptq_act_order_asym"][1]
     linears = quantized_linears(config)
-    names, read_linear = linear_reader(fmt_of(qconfig), linears, ckpt)
+    names, read_linear = linear_reader(fmt_of(qconfig), linears, ckpt, 16)
     assert len(linears) == 14 and not any(n.endswith(".weight") for n in names)
     for prefix, _, _ in linears:
         expected = model.get_submodule(prefix).weight.detach().numpy().T
@@ -199,13 +199,12 @@ def test_tiny_checkpoint_linears(tmp_path):
 
 def test_channel_weights_regrouped_to_one_model_group_size(tmp_path):
     """One group per output channel differs between linears of different widths: they are read
-    in the largest group size dividing every input width, the same weights."""
+    in the largest group size dividing every input width (`with_weight_groups`), the same weights."""
     model = save_int4_checkpoint("llama_gqa4", "compressed_channel", str(tmp_path))
-    config = ModelConfig.from_hf(model.config.to_dict())
+    config = ModelConfig.from_hf(model.config.to_dict()).with_weight_groups((4, None))
     linears = quantized_linears(config)
-    _, read_linear = linear_reader(
-        fmt_of(checkpoint_kinds()["compressed_channel"][1]), linears, SafetensorsCheckpoint(tmp_path)
-    )
+    fmt = fmt_of(checkpoint_kinds()["compressed_channel"][1])
+    _, read_linear = linear_reader(fmt, linears, SafetensorsCheckpoint(tmp_path), config.weight_group_size)
     for prefix, num_in, _ in linears:
         gq = read_linear(prefix)
         assert gq.group_size == 64 and gq.scale.shape[0] == num_in // 64

@@ -283,7 +283,7 @@ def test_plan_doubles_concurrency_with_fp8_kv_and_counts_quantized_weights():
     "field, value, words",
     [
         ("kv_cache_dtype", "fp4", "must be one of auto, fp8, fp8_e4m3, fp8_e5m2"),
-        ("quantization", "awq", "must be one of fp8, int8"),
+        ("quantization", "bitsandbytes", "must be one of fp8, int8, int4, awq, gptq, compressed-tensors"),
     ],
 )
 def test_bad_quantization_arguments_name_the_field(field, value, words):

@@ -45,6 +45,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxpaged.checkpoint.format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
+from jaxpaged.checkpoint.formats import linear_reader, quantized_linears
+from jaxpaged.checkpoint.group_state import group_tensors
 from jaxpaged.checkpoint.hf_keys import (
     Path,
     check_shape,
@@ -57,11 +59,14 @@ from jaxpaged.checkpoint.hf_keys import (
 )
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config import defaults
+from jaxpaged.config.group_formats import GroupFormat
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
+    checkpoint_group_format,
     checkpoint_quantization,
+    group_size_field,
     resolve_quantization,
     weight_groups,
 )
@@ -150,6 +155,7 @@ def iter_hf_params(
     dtype: np.dtype,
     progress: bool = False,
     prequantized: str | None = None,
+    group_format: GroupFormat | None = None,
 ) -> Iterator[tuple[Path, np.ndarray]]:
     """Checks an HF safetensors checkpoint from its headers, then reads it one tensor at a time.
 
@@ -161,6 +167,10 @@ def iter_hf_params(
       prequantized: the method the checkpoint is already quantized with
         (`checkpoint_quantization` of its config.json; None: plain weights). Its quantized
         weights and their scales keep float8_e4m3fn and float32 whatever `dtype` (see `hf_keys`).
+      group_format: the 4/8-bit integer format the projections are stored in
+        (`checkpoint_group_format`; `config` must hold its weight groups): each projection's
+        tensors are checked by the format's reader (`jaxpaged.checkpoint.formats`) and come,
+        after the plain tensors, as its group-quantized triple (`group_state.group_tensors`).
 
     Returns:
       An iterator of `(params path, layer, array in our layout)`; `layer` is the tensor's row
@@ -171,10 +181,18 @@ def iter_hf_params(
         named (before any data is read).
     """
     ckpt = SafetensorsCheckpoint(model_dir)
-    specs = hf_key_specs(config, prequantized)
-    optional = optional_hf_keys(config, prequantized)
+    if group_format is None:
+        specs, optional = hf_key_specs(config, prequantized), optional_hf_keys(config, prequantized)
+        grouped, read_linear = [], None
+    else:  # the projections as the format stores them (checked from headers), the rest plain
+        linears = quantized_linears(config)
+        grouped, read_linear = linear_reader(group_format, linears, ckpt, config.weight_group_size)
+        quantized = {prefix + ".weight" for prefix, _, _ in linears}
+        specs = [s for s in hf_key_specs(config) if s.hf_name not in quantized]
+        optional = optional_hf_keys(config)
     try:
-        check_names({s.hf_name for s in specs}, set(ckpt.names), f"checkpoint {os.fspath(model_dir)!r}", set(optional))
+        expected = {s.hf_name for s in specs} | set(grouped)
+        check_names(expected, set(ckpt.names), f"checkpoint {os.fspath(model_dir)!r}", set(optional))
     except ValueError as err:
         if prequantized is None and any(name.endswith(".weight_scale") for name in ckpt.names):
             raise ValueError(
@@ -195,6 +213,8 @@ def iter_hf_params(
                 spec = by_name[name]
                 yield spec.target, spec.layer, spec.transform(array, dtype)
                 bar.update()
+        if read_linear is not None:
+            yield from group_tensors(config, read_linear)
 
     return tensors()
 
@@ -205,13 +225,14 @@ def read_hf_params(
     dtype: np.dtype,
     progress: bool = False,
     prequantized: str | None = None,
+    group_format: GroupFormat | None = None,
 ) -> Params:
     """The whole checkpoint as a nested params dict in our layout, decoder layers stacked (see
     `iter_hf_params`)."""
     shapes = param_shapes(config, prequantized)
     stacked: dict[Path, np.ndarray] = {}
     params: Params = {}
-    for path, layer, array in iter_hf_params(model_dir, config, dtype, progress, prequantized):
+    for path, layer, array in iter_hf_params(model_dir, config, dtype, progress, prequantized, group_format):
         if layer is None:
             _insert(params, path, array)
             continue
@@ -238,7 +259,9 @@ def _checkpoint_tensors(
         target, params = _load_converted(model_dir, config, dtype, parallel, prequantized)
         return target, ((path, None, array) for path, array in _flatten(params).items())
     target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
-    return target, iter_hf_params(model_dir, config, target, prequantized=prequantized)
+    return target, iter_hf_params(
+        model_dir, config, target, prequantized=prequantized, group_format=checkpoint_group_format(raw)
+    )
 
 
 def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[ModelConfig, Params]:
@@ -260,9 +283,12 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
         duplicate, misshaped or wrongly typed keys.
     """
     config, raw = read_hf_config(model_dir)
+    prequantized = checkpoint_quantization(raw)
+    config = config.with_weight_groups(weight_groups(prequantized, hf_config=raw), group_size_field(prequantized))
     if not is_converted_dir(model_dir):
         target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
-        return config, read_hf_params(model_dir, config, target, prequantized=checkpoint_quantization(raw))
+        group_format = checkpoint_group_format(raw)
+        return config, read_hf_params(model_dir, config, target, prequantized=prequantized, group_format=group_format)
     _, tensors = _checkpoint_tensors(model_dir, config, raw, dtype)
     params: Params = {}
     for path, _, array in tensors:
@@ -308,7 +334,8 @@ def load_model(
     """
     config, raw = read_hf_config(model_dir)
     quantization = resolve_quantization(quantization, raw)
-    config = config.with_weight_groups(weight_groups(quantization, quantization_group_size))
+    groups = weight_groups(quantization, quantization_group_size, raw)
+    config = config.with_weight_groups(groups, group_size_field(quantization))
     if parallel is not None and parallel.layout.config.weight_group_size != config.weight_group_size:
         raise ValueError(
             f"the tensor-parallel layout is for weight_group_size={parallel.layout.config.weight_group_size}, the "

@@ -6,6 +6,7 @@ transformers, naming the field, its value and what would fix it.
 """
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -86,9 +87,17 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
 
-    def with_weight_groups(self, groups: tuple[int, int] | None) -> "ModelConfig":
+    def with_weight_groups(
+        self, groups: tuple[int, int | None] | None, field: str = "quantization_group_size"
+    ) -> "ModelConfig":
         """This model with its decoder projections group-quantized: `groups` is `(bits,
-        group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none.
+        group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none. A group size
+        of None (one group per output channel, which differs between projections of different
+        widths) becomes the largest size dividing every projection's inputs: each channel's scale
+        and zero point repeated over its groups hold the same weights.
+
+        Args:
+          field: what sets the group size, named in errors.
 
         Raises:
           ValueError: the group size does not divide a projection's input features (naming both).
@@ -101,10 +110,12 @@ class ModelConfig:
             "num_attention_heads * head_dim": self.num_heads * self.head_dim,
             "intermediate_size": self.intermediate_size,
         }
+        if group_size is None:
+            group_size = math.gcd(*inputs.values())
         for name, size in inputs.items():
             if group_size < 1 or size % group_size:
                 raise ValueError(
-                    f"quantization_group_size={group_size} does not divide {name}={size} (a projection's input "
+                    f"{field}={group_size} does not divide {name}={size} (a projection's input "
                     "features, quantized in groups of that many); pick a group size that divides it"
                 )
         return dataclasses.replace(self, weight_bits=bits, weight_group_size=group_size)

@@ -34,7 +34,7 @@ from jaxpaged.config.group_formats import (
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The dtype each fp8 name stores (JAX/ml_dtypes names).
 FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-QUANTIZATION_METHODS = ("fp8", "int8", "int4")
+QUANTIZATION_METHODS = ("fp8", "int8", "int4", *GROUP_FORMATS)
 # The dtype each per-channel method stores weights in.
 QUANTIZED_WEIGHT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
 # Group-quantized methods and their bits (a pre-quantized format's come from its config.json).
@@ -119,7 +119,9 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
     return "fp8"
 
 
-def weight_groups(quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[int, int] | None:
+def weight_groups(
+    quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE, hf_config: dict[str, Any] | None = None
+) -> tuple[int, int | None] | None:
     """`(bits, group_size)` of a group-quantized method's weights (None for the others), for
     `ModelConfig.with_weight_groups`.
 
@@ -127,10 +129,20 @@ def weight_groups(quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE
       quantization: the resolved method (`resolve_quantization`).
       group_size: input features per group for a method quantized at load (the
         `quantization_group_size` option).
+      hf_config: config.json, whose `quantization_config` gives a pre-quantized format's bits
+        and group size (None: one group per output channel).
     """
+    if quantization in GROUP_FORMATS:
+        fmt = checkpoint_group_format(hf_config or {})
+        return fmt.bits, fmt.group_size
     if quantization not in GROUP_QUANT_BITS:
         return None
     return GROUP_QUANT_BITS[quantization], group_size
+
+
+def group_size_field(quantization: str | None) -> str:
+    """Where the group size of `quantization`'s weights comes from (for errors)."""
+    return "quantization_config.group_size" if quantization in GROUP_FORMATS else "quantization_group_size"
 
 
 def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> str | None:
@@ -156,6 +168,6 @@ def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> st
     if stored is None and requested in GROUP_FORMATS:
         raise ValueError(
             f"quantization={requested!r}: names a pre-quantized {requested} checkpoint, but config.json has no "
-            "quantization_config; leave quantization unset, or quantize at load (fp8, int8)"
+            "quantization_config; leave quantization unset, or quantize at load (fp8, int8, int4)"
         )
     return stored or requested

@@ -33,6 +33,7 @@ from jaxpaged.config.quantization import (
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     QUANTIZED_WEIGHT_DTYPES,
+    group_size_field,
     resolve_quantization,
     weight_groups,
 )
@@ -118,7 +119,8 @@ def make_plan(
     except ValueError as err:
         raise ValueError(f"--quantization: {err}") from None
     try:
-        config = config.with_weight_groups(weight_groups(quantization, quantization_group_size))
+        field = group_size_field(quantization)
+        config = config.with_weight_groups(weight_groups(quantization, quantization_group_size, raw), field)
     except ValueError as err:
         raise ValueError(f"--quantization-group-size: {err}") from None
     kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)

@@ -8,13 +8,12 @@ Every format module (`awq`, `gptq`, `pack_quantized`; its docstring states the e
 
 `check_linears` checks every linear's stored tensors from the headers alone, before any data is
 read; `linear_reader` then reads and unpacks them one linear at a time, in the one group size the
-model holds (`model_group_size`).
+model holds.
 
 `prefix` is the linear's name without `.weight` (e.g. `model.layers.0.self_attn.q_proj`);
 `num_in`, `num_out` its input and output features (the HF weight is `[num_out, num_in]`).
 """
 
-import math
 import types
 from collections.abc import Callable, Iterable, Mapping
 
@@ -74,13 +73,6 @@ def check_linears(fmt: GroupFormat, linears: Iterable[Linear], headers: Mapping[
     return names
 
 
-def model_group_size(fmt: GroupFormat, linears: Iterable[Linear]) -> int:
-    """The one group size the model holds these weights in: the format's, or for one group per
-    output channel (which differs between linears of different widths) the largest size that
-    divides every linear's inputs (`regroup` repeats each channel's scale and zero over them)."""
-    return fmt.group_size or math.gcd(*(num_in for _, num_in, _ in linears))
-
-
 def regroup(gq: GroupQuantized, group_size: int) -> GroupQuantized:
     """The same weight in contiguous groups of `group_size` (dividing `gq.group_size`): each
     group's scale and zero point repeated over the smaller groups it splits into."""
@@ -91,22 +83,24 @@ def regroup(gq: GroupQuantized, group_size: int) -> GroupQuantized:
 
 
 def linear_reader(
-    fmt: GroupFormat, linears: list[Linear], ckpt: SafetensorsCheckpoint
+    fmt: GroupFormat, linears: list[Linear], ckpt: SafetensorsCheckpoint, group_size: int
 ) -> tuple[list[str], Callable[[str], GroupQuantized]]:
     """Checks every linear's stored tensors from the headers (`check_linears`), then reads them
-    one linear at a time.
+    one linear at a time, in contiguous groups of `group_size` (the model's
+    `weight_group_size`: the format's, or for one group per output channel a size dividing every
+    linear's inputs, see `ModelConfig.with_weight_groups`; `regroup` repeats each channel's
+    scale and zero point over them).
 
     Returns:
       `(names, read_linear)`: the tensors the linears store (the loader counts them as expected),
-      and the function from a linear's prefix to its `GroupQuantized`, in groups of
-      `model_group_size` (read from the files when called).
+      and the function from a linear's prefix to its `GroupQuantized` (read from the files when
+      called).
 
     Raises:
       ValueError: as `check_linears`; `read_linear` as the format's `unpack`.
     """
     module = reader(fmt)
     names = check_linears(fmt, linears, {n: (ckpt.shape(n), ckpt.dtype(n)) for n in ckpt.names})
-    group_size = model_group_size(fmt, linears)
     sizes = {prefix: (num_in, num_out) for prefix, num_in, num_out in linears}
 
     def read_linear(prefix: str) -> GroupQuantized:

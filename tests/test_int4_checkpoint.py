@@ -64,6 +64,9 @@ def test_bad_files_refused_from_headers_naming_the_tensor(checkpoints, tmp_path)
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.qweight' has shape \[8, 128\]"):
         load_model(path, "float32")
+    save_int4_checkpoint(VARIANT, "gptq_act_order_asym", str(tmp_path / "act_order"))  # groups not contiguous
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj: g_idx .*desc_act"):
+        load_model(tmp_path / "act_order", "float32")
 
 
 def test_quantization_option_asserts_the_format(checkpoints, tmp_path):

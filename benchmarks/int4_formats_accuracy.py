@@ -5,7 +5,8 @@ min/max scales in groups of input features, without AWQ's activation-aware scali
 feedback, so these rows measure the formats' grids, not those algorithms), saved as an AWQ, a GPTQ
 and a compressed-tensors checkpoint, and loaded by jaxpaged like any downloaded checkpoint. Each is
 scored on the held-out King James text (`jaxpaged.bench.perplexity`): perplexity, and top-1
-agreement (the share of positions whose argmax equals the bfloat16 model's).
+agreement (the share of positions whose argmax equals the bfloat16 model's). `--quantization int4`
+(round to nearest at load, the same group size) is listed beside them.
 
     python -m benchmarks.int4_formats_accuracy --json benchmarks/results/int4_formats_accuracy_cpu.json
 """
@@ -63,6 +64,16 @@ def main() -> None:
     _, model = load_model(DEMO_MODEL, "bfloat16")
     base_ppl, _, reference = score(model, windows, None)
     rows = [dict(mode="bfloat16", perplexity=base_ppl, vs_baseline=0.0, top1_agreement=1.0)]
+    _, model = load_model(DEMO_MODEL, "bfloat16", quantization="int4", quantization_group_size=GROUP_SIZE)
+    ppl, agree, _ = score(model, windows, reference)
+    rows.append(
+        dict(
+            mode="--quantization int4 (round to nearest at load, g64)",
+            perplexity=ppl,
+            vs_baseline=ppl / base_ppl - 1,
+            top1_agreement=agree,
+        )
+    )
     for mode, kind in KINDS.items():
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as workdir:

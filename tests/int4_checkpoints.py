@@ -8,6 +8,8 @@ format lays them out. Each packer also returns its own dequantized weight, `(cod
 scale` with the scale as stored, the reference a reader must reproduce.
 """
 
+import functools
+
 import numpy as np
 import torch
 from checkpoint_edits import save_quantized_checkpoint
@@ -165,35 +167,34 @@ def compressed_config(bits: int, group_size: int | None, sym: bool, actorder: bo
     }
 
 
+# name -> (format, bits, group size as a multiple of the base one (None: per channel), symmetric, act order)
+KINDS = {
+    "awq": ("awq", 4, 1, False, False),
+    "gptq_sym": ("gptq", 4, 1, True, False),
+    "gptq_act_order_asym": ("gptq", 4, 0.5, False, True),
+    "gptq_8bit_channel": ("gptq", 8, None, False, False),
+    "compressed_group": ("compressed-tensors", 4, 1, True, False),
+    "compressed_channel": ("compressed-tensors", 4, None, True, False),
+    "compressed_asym_actorder": ("compressed-tensors", 4, 0.5, False, True),
+}
+
+
 def checkpoint_kinds(group_size: int = 32) -> dict:
-    """The checkpoint variants the tests build, by name: (packer of one `[out, in]` weight
-    `(w, rng) -> (tensors, dequantized)`, config.json's quantization_config). Act-order variants
-    use groups of half `group_size` (more groups to shuffle)."""
-    g, half = group_size, group_size // 2
-    return {
-        "awq": (lambda w, rng: pack_awq(w, g), awq_config(g)),
-        "gptq_sym": (lambda w, rng: pack_gptq(w, 4, g, True, False, rng), gptq_config(4, g, True, False)),
-        "gptq_act_order_asym": (
-            lambda w, rng: pack_gptq(w, 4, half, False, True, rng),
-            gptq_config(4, half, False, True),
-        ),
-        "gptq_8bit_channel": (
-            lambda w, rng: pack_gptq(w, 8, None, False, False, rng),
-            gptq_config(8, None, False, False),
-        ),
-        "compressed_group": (
-            lambda w, rng: pack_compressed(w, 4, g, True, False, rng),
-            compressed_config(4, g, True, False),
-        ),
-        "compressed_channel": (
-            lambda w, rng: pack_compressed(w, 4, None, True, False, rng),
-            compressed_config(4, None, True, False),
-        ),
-        "compressed_asym_actorder": (
-            lambda w, rng: pack_compressed(w, 4, half, False, True, rng),
-            compressed_config(4, half, False, True),
-        ),
-    }
+    """The checkpoint variants the tests build (`KINDS`), by name: (packer of one `[out, in]`
+    weight `(w, rng) -> (tensors, dequantized)`, config.json's quantization_config). Act-order
+    variants use groups of half `group_size` (more groups to shuffle)."""
+    kinds = {}
+    for name, (fmt, bits, scale, sym, act_order) in KINDS.items():
+        g = None if scale is None else int(group_size * scale)
+        if fmt == "awq":
+            kinds[name] = (lambda w, rng, g=g: pack_awq(w, g), awq_config(g))
+        elif fmt == "gptq":
+            packer = functools.partial(pack_gptq, bits=bits, group_size=g, sym=sym, desc_act=act_order)
+            kinds[name] = (lambda w, rng, packer=packer: packer(w, rng=rng), gptq_config(bits, g, sym, act_order))
+        else:
+            packer = functools.partial(pack_compressed, bits=bits, group_size=g, sym=sym, actorder=act_order)
+            kinds[name] = (lambda w, rng, packer=packer: packer(w, rng=rng), compressed_config(bits, g, sym, act_order))
+    return kinds
 
 
 def write_int4_checkpoint(model, kind: str, out_dir: str, group_size: int = 32, seed: int = 0):

@@ -58,6 +58,7 @@ class ModelConfig:
       bos_token_id, eos_token_ids: special tokens from the config (may be empty).
       weight_bits, weight_group_size: the decoder projections' bits and input features per group
         when they are group-quantized (see `with_weight_groups`); None otherwise.
+      weight_act_order: group-quantized with the inputs permuted (GPTQ `desc_act`).
     """
 
     architecture: str
@@ -79,6 +80,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     weight_bits: int | None = None
     weight_group_size: int | None = None
+    weight_act_order: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -86,15 +88,17 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
 
-    def with_weight_groups(self, groups: tuple[int, int] | None) -> "ModelConfig":
+    def with_weight_groups(self, groups: tuple[int, int] | None, act_order: bool = False) -> "ModelConfig":
         """This model with its decoder projections group-quantized: `groups` is `(bits,
-        group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none.
+        group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none; `act_order`:
+        the checkpoint's groups are not contiguous (GPTQ `desc_act`), so each projection keeps a
+        permutation of its inputs (see `jaxpaged.config.params`).
 
         Raises:
           ValueError: the group size does not divide a projection's input features (naming both).
         """
         if groups is None:
-            return dataclasses.replace(self, weight_bits=None, weight_group_size=None)
+            return dataclasses.replace(self, weight_bits=None, weight_group_size=None, weight_act_order=False)
         bits, group_size = groups
         inputs = {
             "hidden_size": self.hidden_size,
@@ -107,7 +111,7 @@ class ModelConfig:
                     f"quantization_group_size={group_size} does not divide {name}={size} (a projection's input "
                     "features, quantized in groups of that many); pick a group size that divides it"
                 )
-        return dataclasses.replace(self, weight_bits=bits, weight_group_size=group_size)
+        return dataclasses.replace(self, weight_bits=bits, weight_group_size=group_size, weight_act_order=act_order)
 
     @property
     def max_context_len(self) -> int:

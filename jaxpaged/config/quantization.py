@@ -34,7 +34,16 @@ GROUP_ZERO_DTYPE, GROUP_SCALE_DTYPE = "int8", "float32"
 # Input features per group of `--quantization int4` unless `quantization_group_size` says otherwise.
 DEFAULT_GROUP_SIZE = 128
 # Bytes of one element of every dtype a weight or a KV cache entry may have.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "int4": 0.5}
+DTYPE_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "int4": 0.5,
+    "int32": 4,
+}
 
 
 class CheckpointQuantizationError(ValueError):

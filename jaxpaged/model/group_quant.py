@@ -7,8 +7,15 @@ A weight in our layout `[*in, *out]` is held as three arrays (`ParamSpec.grouped
                                `code_dtype`) or int8 (8 bits)
     <name>_scale  [G, *out]    float32 scale s of each group of `group_size` flattened inputs
     <name>_zero   [G, *out]    int8 zero point z - 2**(bits-1)
+    <name>_perm   [I]          int32, only with `weight_act_order`: stored row i reads input perm[i]
 
     w[i, o] = (c[i, o] - z[g, o]) * s[g, o],   g = i // group_size
+
+GPTQ's `desc_act` checkpoints (groups not contiguous along the inputs, `g_idx`) are stored with
+their inputs sorted by group, contiguous again, and the activation's features gathered by `perm`
+before the product (a `[T, I]` gather, small beside the weight; under tensor parallelism a
+row-parallel layer's activation is gathered whole first). Permuting the weight instead would need
+a `[I, O]` scale per element: the widened copy this layout exists to avoid.
 
 (`jaxpaged.checkpoint.group_quant.GroupQuantized` is the same meaning with unsigned codes, in the
 Hugging Face linear's features.) Codes are signed because XLA's GPU compiler fuses a convert from
@@ -88,12 +95,16 @@ def group_matmul(
     scale: Float[Array, "G ..."],
     zero: Integer[Array, "G ..."],
     num_in: int,
+    perm: Integer[Array, " I"] | None = None,
 ) -> Float[Array, "T ..."]:
     """`x [T, *in]` times the group-quantized weight `(codes [*in, *out], scale, zero [G, *out])`
-    -> `[T, *out]` in x's dtype, accumulated in float32 (see the module docstring)."""
+    (its inputs stored in the order `perm`, when given) -> `[T, *out]` in x's dtype, accumulated
+    in float32 (see the module docstring)."""
     num_tokens, ins, outs = x.shape[0], codes.shape[:num_in], codes.shape[num_in:]
     groups, num_out = scale.shape[0], math.prod(outs)
     group_size = math.prod(ins) // groups
+    if perm is not None:
+        x = jnp.take(x.reshape(num_tokens, -1), perm, axis=1)
     xg = x.reshape(num_tokens, groups, group_size)
     q = codes.reshape(groups, group_size, num_out)
     s = scale.reshape(groups, num_out).astype(jnp.float32)

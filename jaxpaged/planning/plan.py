@@ -67,6 +67,7 @@ def weight_bytes_per_gpu(config: ModelConfig, dtype: str, quantization: str | No
             "quant": DTYPE_BYTES[GROUP_CODE_DTYPES[config.weight_bits]],
             "scale": DTYPE_BYTES[GROUP_SCALE_DTYPE],
             "zero": DTYPE_BYTES[GROUP_ZERO_DTYPE],
+            "perm": DTYPE_BYTES["int32"],
         }
     elif quantization is not None:
         element["quant"] = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]

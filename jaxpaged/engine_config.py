@@ -24,7 +24,7 @@ from jaxpaged.config.quantization import (
     CheckpointQuantizationError,
     group_size_field,
     resolve_quantization,
-    weight_groups,
+    with_quantized_weights,
 )
 from jaxpaged.config.sections import SECTIONS, CacheConfig, CompileConfig, LoadConfig, ParallelConfig, SchedulingConfig
 from jaxpaged.config.speculative import SpeculativeConfig
@@ -245,7 +245,7 @@ def _quantization(model: str, requested: str | None, raw: dict) -> str | None:
 def _weight_groups(model: ModelConfig, quantization: str | None, args: EngineArgs, raw: dict) -> ModelConfig:
     field = group_size_field(quantization)
     try:
-        return model.with_weight_groups(weight_groups(quantization, args.quantization_group_size, raw), field)
+        return with_quantized_weights(model, quantization, args.quantization_group_size, raw)
     except ValueError as err:
         if field != "quantization_group_size":  # the checkpoint's own group size
             raise EngineArgsError("model", args.model, str(err)) from None

@@ -22,20 +22,31 @@ from flax import nnx
 from tiny_models import save_hf_model
 
 from jaxpaged.checkpoint.group_quant import GroupQuantized
-from jaxpaged.checkpoint.group_state import group_state
-from jaxpaged.checkpoint.loader import load_model, read_hf_config
+from jaxpaged.checkpoint.group_state import group_state, group_tensors
+from jaxpaged.checkpoint.loader import load_model, load_params, read_hf_config
 from jaxpaged.config.architectures import llama
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.model import LayerArrays
 from jaxpaged.model.group_quant import code_dtype, group_matmul
+from jaxpaged.model.llama import Llama
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.paged_generate import PagedGenerator
 
 GROUP_SIZE = 32
+# Our (module, weight) -> the HF linear's name in a decoder layer.
+HF_NAMES = {
+    ("attn", "q_proj"): "self_attn.q_proj",
+    ("attn", "k_proj"): "self_attn.k_proj",
+    ("attn", "v_proj"): "self_attn.v_proj",
+    ("attn", "o_proj"): "self_attn.o_proj",
+    ("mlp", "gate_proj"): "mlp.gate_proj",
+    ("mlp", "up_proj"): "mlp.up_proj",
+    ("mlp", "down_proj"): "mlp.down_proj",
+}
 
 
 def dequantize(codes, scale, zero, num_in: int) -> np.ndarray:
@@ -76,9 +87,69 @@ def test_a_readers_weight_becomes_state_the_matmul_reads_exactly(bits, num_token
     x = rng.normal(size=(num_tokens, 4, 16)).astype(np.float32)
     y = group_matmul(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(zero), 2)
     np.testing.assert_allclose(np.asarray(y), x.reshape(num_tokens, 64) @ gq.dequantize(), rtol=1e-5, atol=1e-4)
+    shuffled = GroupQuantized(gq.q, gq.scale, gq.zero, rng.permutation(np.arange(64) // 16), bits, 16)
     with pytest.raises(ValueError, match="q_proj: .*desc_act"):
-        shuffled = GroupQuantized(gq.q, gq.scale, gq.zero, rng.permutation(np.arange(64) // 16), bits, 16)
         group_state(shuffled, o_proj, config, "model.layers.0.self_attn.q_proj")
+    # desc_act: the inputs stored sorted by group, the activation gathered by the permutation
+    act_order = config.with_weight_groups((bits, 16), act_order=True)
+    codes, scale, zero, perm = group_state(shuffled, o_proj, act_order, "model.layers.0.self_attn.o_proj")
+    assert sorted(perm) == list(range(64)) and perm.dtype == np.int32
+    y = group_matmul(*(jnp.asarray(a) for a in (x, codes, scale, zero)), 2, jnp.asarray(perm))
+    np.testing.assert_allclose(np.asarray(y), x.reshape(num_tokens, 64) @ shuffled.dequantize(), rtol=1e-5, atol=1e-4)
+    uneven = GroupQuantized(gq.q, gq.scale, gq.zero, np.minimum(np.arange(64) // 8, 3), bits, 16)
+    with pytest.raises(ValueError, match="o_proj: g_idx does not put exactly 16 inputs in each group"):
+        group_state(uneven, o_proj, act_order, "model.layers.0.self_attn.o_proj")
+
+
+def pack_act_order(weight: np.ndarray, rng, group_size: int) -> GroupQuantized:
+    """An independent act-order quantizer: HF `weight [out, in]` in groups of a shuffled `g_idx`,
+    asymmetric 4-bit min-max codes (written from GPTQ's description, not the loader's code)."""
+    w = weight.T.astype(np.float64)  # [in, out]
+    g_idx = rng.permutation(np.arange(w.shape[0]) // group_size)
+    groups = w.shape[0] // group_size
+    scale, zero = np.empty((groups, w.shape[1])), np.empty((groups, w.shape[1]))
+    for g in range(groups):
+        rows = w[g_idx == g]
+        lo, hi = np.minimum(rows.min(0), 0), np.maximum(rows.max(0), 0)
+        scale[g] = (hi - lo) / 15
+        zero[g] = np.round(-lo / scale[g])
+    q = np.clip(np.round(w / scale[g_idx]) + zero[g_idx], 0, 15)
+    return GroupQuantized(
+        q.astype(np.uint8), scale.astype(np.float32), zero.astype(np.uint8), g_idx.astype(np.int32), 4, group_size
+    )
+
+
+def test_a_desc_act_model_from_the_reader_hook_equals_its_dequantized_float_model(tmp_path):
+    path = str(tmp_path)
+    hf = save_hf_model("llama_hd64", path)
+    rng = np.random.default_rng(1)
+    weights = {}  # HF prefix -> its GroupQuantized
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.endswith(tuple(HF_NAMES.values())):
+                weights[name] = pack_act_order(module.weight.numpy(), rng, GROUP_SIZE)
+                module.weight.copy_(torch.tensor(weights[name].dequantize().T))
+    config = read_hf_config(path)[0].with_weight_groups((4, GROUP_SIZE), act_order=True)
+    params = load_params(path, "float32")[1]
+    for path_, layer, array in group_tensors(config, weights.__getitem__):  # the hook, layer by layer
+        stacked = params["layers"][path_[1]].setdefault(
+            path_[2], np.empty((config.num_layers, *array.shape), array.dtype)
+        )
+        stacked[layer] = array
+    for module, name in HF_NAMES:
+        del params["layers"][module][name]
+    model = Llama(config, jnp.float32, rngs=nnx.Rngs(0), quantization="int4", scan_layers=True)
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    prompt = rng.integers(3, 512, 40).tolist()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].numpy()
+    generator = PagedGenerator(model)
+    np.testing.assert_allclose(generator.prompt_logits(prompt), reference, atol=2e-4)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert generator.generate([prompt], 8)[0] == expected[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -89,17 +160,6 @@ def tiny_int4(tmp_path_factory):
     config, model = load_model(path, "float32", quantization="int4", quantization_group_size=GROUP_SIZE)
     assert (config.weight_bits, config.weight_group_size) == (4, GROUP_SIZE)
     return path, hf, model
-
-
-HF_NAMES = {
-    ("attn", "q_proj"): "self_attn.q_proj",
-    ("attn", "k_proj"): "self_attn.k_proj",
-    ("attn", "v_proj"): "self_attn.v_proj",
-    ("attn", "o_proj"): "self_attn.o_proj",
-    ("mlp", "gate_proj"): "mlp.gate_proj",
-    ("mlp", "up_proj"): "mlp.up_proj",
-    ("mlp", "down_proj"): "mlp.down_proj",
-}
 
 
 def test_int4_logits_and_greedy_tokens_equal_the_dequantized_float_model(tiny_int4):

@@ -24,7 +24,7 @@ from jaxpaged.checkpoint.group_quant import GroupQuantized
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import ParamSpec, Path
 from jaxpaged.model.group_quant import code_dtype
-from jaxpaged.params.tables import param_specs
+from jaxpaged.params.tables import param_specs, quantized_paths
 
 # The reader hook: an HF projection's prefix (its tensors' names without `.qweight` etc.) -> its weight.
 LinearReader = Callable[[str], GroupQuantized]
@@ -35,15 +35,16 @@ def hf_prefix(spec: ParamSpec, layer: int | None) -> str:
     return spec.hf_key(layer).removesuffix(".weight")
 
 
-def group_state(
-    gq: GroupQuantized, spec: ParamSpec, config: ModelConfig, prefix: str
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def group_state(gq: GroupQuantized, spec: ParamSpec, config: ModelConfig, prefix: str) -> tuple[np.ndarray, ...]:
     """One projection's `GroupQuantized` as its state arrays `(codes [*in, *out], scale [G, *out],
-    zero [G, *out])` (one layer's).
+    zero [G, *out])`, and with `config.weight_act_order` `perm [I]` (one layer's): the inputs
+    sorted by their group (`g_idx`; stable, so contiguous groups keep their order and an identity
+    permutation), `perm[i]` the input stored row i reads.
 
     Raises:
-      ValueError: naming `prefix`, when its bits, group size or shapes are not the model's, or its
-        groups are not contiguous (`g_idx` of GPTQ's `desc_act`).
+      ValueError: naming `prefix`, when its bits, group size or shapes are not the model's, its
+        groups are not contiguous and the model is not act-ordered (config.json's `desc_act`), or
+        a group does not hold exactly `group_size` inputs.
     """
     shape = spec.shape(config)
     ins, outs = shape[: spec.num_in], shape[spec.num_in :]
@@ -55,13 +56,21 @@ def group_state(
         )
     if gq.q.shape != expected:
         raise ValueError(f"{prefix}: codes of shape {list(gq.q.shape)}, expected [in, out] = {list(expected)}")
-    if gq.g_idx is not None and not np.array_equal(gq.g_idx, np.arange(expected[0]) // gq.group_size):
-        raise ValueError(f"{prefix}: g_idx orders the groups by activation (desc_act), which is not supported yet")
+    contiguous = np.arange(expected[0]) // gq.group_size
+    perm = np.argsort(gq.groups(), kind="stable").astype(np.int32)
+    if not config.weight_act_order and not np.array_equal(perm, np.arange(expected[0])):
+        raise ValueError(
+            f"{prefix}: g_idx orders the inputs by activation (desc_act), but the model's quantization_config "
+            "does not say desc_act"
+        )
+    if not np.array_equal(gq.groups()[perm], contiguous):
+        raise ValueError(f"{prefix}: g_idx does not put exactly {gq.group_size} inputs in each group")
     offset = 2 ** (gq.bits - 1)
-    codes = (gq.q.astype(np.int16) - offset).astype(code_dtype(gq.bits)).reshape(shape)
+    codes = (gq.q[perm].astype(np.int16) - offset).astype(code_dtype(gq.bits)).reshape(shape)
     groups = (gq.scale.shape[0], *outs)
     zero = (gq.zero.astype(np.int16) - offset).astype(np.int8).reshape(groups)
-    return codes, gq.scale.astype(np.float32).reshape(groups), zero
+    arrays = (codes, gq.scale.astype(np.float32).reshape(groups), zero)
+    return arrays + (perm,) if config.weight_act_order else arrays
 
 
 def group_tensors(config: ModelConfig, read_linear: LinearReader) -> Iterator[tuple[Path, int, np.ndarray]]:
@@ -71,4 +80,5 @@ def group_tensors(config: ModelConfig, read_linear: LinearReader) -> Iterator[tu
     for layer in range(config.num_layers):
         for spec in specs:
             prefix = hf_prefix(spec, layer)
-            yield from zip(spec.grouped_paths, [layer] * 3, group_state(read_linear(prefix), spec, config, prefix))
+            arrays = group_state(read_linear(prefix), spec, config, prefix)
+            yield from ((path, layer, array) for path, array in zip(quantized_paths(config, spec), arrays))

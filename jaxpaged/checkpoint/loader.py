@@ -66,9 +66,8 @@ from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
     checkpoint_group_format,
     checkpoint_quantization,
-    group_size_field,
     resolve_quantization,
-    weight_groups,
+    with_quantized_weights,
 )
 from jaxpaged.model.layer_arrays import LayerArrays, unstack_layers
 from jaxpaged.model.llama import Llama
@@ -284,7 +283,7 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
     """
     config, raw = read_hf_config(model_dir)
     prequantized = checkpoint_quantization(raw)
-    config = config.with_weight_groups(weight_groups(prequantized, hf_config=raw), group_size_field(prequantized))
+    config = with_quantized_weights(config, prequantized, DEFAULT_GROUP_SIZE, raw)
     if not is_converted_dir(model_dir):
         target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
         group_format = checkpoint_group_format(raw)
@@ -334,8 +333,7 @@ def load_model(
     """
     config, raw = read_hf_config(model_dir)
     quantization = resolve_quantization(quantization, raw)
-    groups = weight_groups(quantization, quantization_group_size, raw)
-    config = config.with_weight_groups(groups, group_size_field(quantization))
+    config = with_quantized_weights(config, quantization, quantization_group_size, raw)
     if parallel is not None and parallel.layout.config.weight_group_size != config.weight_group_size:
         raise ValueError(
             f"the tensor-parallel layout is for weight_group_size={parallel.layout.config.weight_group_size}, the "

@@ -59,6 +59,7 @@ class ModelConfig:
       bos_token_id, eos_token_ids: special tokens from the config (may be empty).
       weight_bits, weight_group_size: the decoder projections' bits and input features per group
         when they are group-quantized (see `with_weight_groups`); None otherwise.
+      weight_act_order: group-quantized with the inputs permuted (GPTQ `desc_act`).
     """
 
     architecture: str
@@ -80,6 +81,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     weight_bits: int | None = None
     weight_group_size: int | None = None
+    weight_act_order: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -88,13 +90,15 @@ class ModelConfig:
             )
 
     def with_weight_groups(
-        self, groups: tuple[int, int | None] | None, field: str = "quantization_group_size"
+        self, groups: tuple[int, int | None] | None, act_order: bool = False, field: str = "quantization_group_size"
     ) -> "ModelConfig":
         """This model with its decoder projections group-quantized: `groups` is `(bits,
-        group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none. A group size
-        of None (one group per output channel, which differs between projections of different
-        widths) becomes the largest size dividing every projection's inputs: each channel's scale
-        and zero point repeated over its groups hold the same weights.
+        group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none; `act_order`:
+        the checkpoint's groups are not contiguous (GPTQ `desc_act`), so each projection keeps a
+        permutation of its inputs (see `jaxpaged.config.params`). A group size of None (one group
+        per output channel, which differs between projections of different widths) becomes the
+        largest size dividing every projection's inputs: each channel's scale and zero point
+        repeated over its groups hold the same weights.
 
         Args:
           field: what sets the group size, named in errors.
@@ -103,7 +107,7 @@ class ModelConfig:
           ValueError: the group size does not divide a projection's input features (naming both).
         """
         if groups is None:
-            return dataclasses.replace(self, weight_bits=None, weight_group_size=None)
+            return dataclasses.replace(self, weight_bits=None, weight_group_size=None, weight_act_order=False)
         bits, group_size = groups
         inputs = {
             "hidden_size": self.hidden_size,
@@ -118,7 +122,7 @@ class ModelConfig:
                     f"{field}={group_size} does not divide {name}={size} (a projection's input "
                     "features, quantized in groups of that many); pick a group size that divides it"
                 )
-        return dataclasses.replace(self, weight_bits=bits, weight_group_size=group_size)
+        return dataclasses.replace(self, weight_bits=bits, weight_group_size=group_size, weight_act_order=act_order)
 
     @property
     def max_context_len(self) -> int:

@@ -21,7 +21,10 @@ Group-quantized (a config with `weight_group_size`), it is replaced by `<name>_q
 (its own axes: 4- or 8-bit codes), `<name>_scale` and `<name>_zero` `[G, *out]` (see
 `jaxpaged.model.group_quant`). G is the weight's group axis (`GROUP_AXES`, named after its first
 input axis): its inputs flattened, in groups of `weight_group_size`, so it is split over devices
-wherever that first input axis is, and a group never straddles two devices.
+wherever that first input axis is, and a group never straddles two devices. With
+`weight_act_order` (GPTQ's `desc_act`: groups not contiguous in the checkpoint) the inputs are
+stored sorted by group and `<name>_perm` `[I]` (int32, whole on every device) says which input
+each stored row reads: the matmul gathers the activation's features by it.
 """
 
 import dataclasses
@@ -46,12 +49,14 @@ LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = (
 # The group axis of a weight whose first input axis is the key: its inputs flattened, over the
 # group size (o_proj's inputs are (HEADS, HEAD_DIM), the others' one axis).
 GROUP_AXES = {EMBED: "embed_groups", HEADS: "heads_groups", MLP: "mlp_groups"}
+# The flattened inputs of such a weight (the axis of its act-order permutation).
+FEATURE_AXES = {EMBED: "embed_features", HEADS: "heads_features", MLP: "mlp_features"}
 
 # The module whose parameters exist once per decoder layer (the first key of their paths).
 LAYER_STACK = "layers"
 # The names of a quantized weight's pair: `<name>_quant`, `<name>_scale`; a group-quantized one's
-# zero points: `<name>_zero`.
-QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX = "_quant", "_scale", "_zero"
+# zero points and act-order permutation: `<name>_zero`, `<name>_perm`.
+QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX = "_quant", "_scale", "_zero", "_perm"
 
 HF_LAYOUTS = ("same", "flat", "linear")
 INITS = ("normal", "ones", "zeros")  # normal: the model's INIT_STDDEV (random weights, dummy loads)
@@ -71,6 +76,7 @@ def axis_sizes(config: ModelConfig) -> dict[str, int]:
     if config.weight_group_size is not None:
         features = {EMBED: config.hidden_size, HEADS: config.num_heads * config.head_dim, MLP: config.intermediate_size}
         sizes.update({GROUP_AXES[a]: n // config.weight_group_size for a, n in features.items()})
+        sizes.update({FEATURE_AXES[a]: n for a, n in features.items()})
     return sizes
 
 
@@ -145,13 +151,12 @@ class ParamSpec:
     def quantized_paths(self) -> tuple[Path, Path]:
         return self.path[:-1] + (self.name + QUANT_SUFFIX,), self.path[:-1] + (self.name + SCALE_SUFFIX,)
 
-    @property
-    def grouped_axes(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-        """The logical axes of the group-quantized triple: `<name>_quant` `[*in, *out]`,
-        `<name>_scale` and `<name>_zero` `[G, *out]`."""
+    def grouped_axes(self, act_order: bool = False) -> tuple[tuple[str, ...], ...]:
+        """The logical axes of the group-quantized arrays: `<name>_quant` `[*in, *out]`,
+        `<name>_scale` and `<name>_zero` `[G, *out]`, with `act_order` `<name>_perm` `[I]`."""
         groups = (GROUP_AXES[self.axes[0]],) + self.axes[self.num_in :]
-        return self.axes, groups, groups
+        return (self.axes, groups, groups) + (((FEATURE_AXES[self.axes[0]],),) if act_order else ())
 
-    @property
-    def grouped_paths(self) -> tuple[Path, Path, Path]:
-        return self.quantized_paths + (self.path[:-1] + (self.name + ZERO_SUFFIX,),)
+    def grouped_paths(self, act_order: bool = False) -> tuple[Path, ...]:
+        suffixes = (ZERO_SUFFIX, PERM_SUFFIX) if act_order else (ZERO_SUFFIX,)
+        return self.quantized_paths + tuple(self.path[:-1] + (self.name + suffix,) for suffix in suffixes)

@@ -30,6 +30,7 @@ from jaxpaged.config.group_formats import (
     is_int_compressed_tensors,
     pack_quantized_format,
 )
+from jaxpaged.config.model_config import ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The dtype each fp8 name stores (JAX/ml_dtypes names).
@@ -46,7 +47,16 @@ GROUP_ZERO_DTYPE, GROUP_SCALE_DTYPE = "int8", "float32"
 # Input features per group of `--quantization int4` unless `quantization_group_size` says otherwise.
 DEFAULT_GROUP_SIZE = 128
 # Bytes of one element of every dtype a weight or a KV cache entry may have.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "int4": 0.5}
+DTYPE_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "int4": 0.5,
+    "int32": 4,
+}
 
 
 def kv_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -143,6 +153,20 @@ def weight_groups(
 def group_size_field(quantization: str | None) -> str:
     """Where the group size of `quantization`'s weights comes from (for errors)."""
     return "quantization_config.group_size" if quantization in GROUP_FORMATS else "quantization_group_size"
+
+
+def with_quantized_weights(
+    config: ModelConfig, quantization: str | None, group_size: int, hf_config: dict[str, Any]
+) -> ModelConfig:
+    """`config` with the weight groups `quantization` gives its projections (`weight_groups`;
+    act-ordered when the checkpoint's format stores a group per input, GPTQ `desc_act`).
+
+    Raises:
+      ValueError: the group size does not divide a projection's inputs (naming `group_size_field`).
+    """
+    act_order = quantization in GROUP_FORMATS and checkpoint_group_format(hf_config).act_order
+    groups = weight_groups(quantization, group_size, hf_config)
+    return config.with_weight_groups(groups, act_order, group_size_field(quantization))
 
 
 def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> str | None:

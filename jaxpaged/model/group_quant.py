@@ -7,22 +7,33 @@ A weight in our layout `[*in, *out]` is held as three arrays (`ParamSpec.grouped
                                `code_dtype`) or int8 (8 bits)
     <name>_scale  [G, *out]    float32 scale s of each group of `group_size` flattened inputs
     <name>_zero   [G, *out]    int8 zero point z - 2**(bits-1)
+    <name>_perm   [I]          int32, only with `weight_act_order`: stored row i reads input perm[i]
 
     w[i, o] = (c[i, o] - z[g, o]) * s[g, o],   g = i // group_size
+
+GPTQ's `desc_act` checkpoints (groups not contiguous along the inputs, `g_idx`) are stored with
+their inputs sorted by group, contiguous again, and the activation's features gathered by `perm`
+before the product (a `[T, I]` gather, small beside the weight; under tensor parallelism a
+row-parallel layer's activation is gathered whole first). Permuting the weight instead would need
+a `[I, O]` scale per element: the widened copy this layout exists to avoid.
 
 (`jaxpaged.checkpoint.group_quant.GroupQuantized` is the same meaning with unsigned codes, in the
 Hugging Face linear's features.) Codes are signed because XLA's GPU compiler fuses a convert from
 int4/int8 into its Triton GEMM fusions (the weight enters the GEMM as it lies) but materialises a
 convert from uint4/uint8; it fuses no group-broadcast scale multiply into a GEMM operand at all
 (measured on the programs compiled for an H100, jax 0.11.2; see benchmarks/results/README.md).
-So `group_matmul` contracts each group separately, the scale applied to the float32 partial sums:
+So `group_matmul` contracts each group separately, the scale applied to the partial sums:
 
     y[t, o] = sum_g s[g, o] * (sum_{i in g} x[t, i] c[i, o]) - sum_g s[g, o] z[g, o] xsum[t, g]
 
-a batched dot over the groups whose partials `[G, T, *out]` (float32) are written instead of a
-widened weight. That is fewer bytes than a widened weight while `T * 4 <= group_size *
-itemsize(x)` (decode: T up to 64 at group size 128 in bfloat16); above it (prefill) the weight is
-dequantized into a temporary in x's dtype and multiplied in one dot, which XLA writes to memory.
+a batched dot over the groups (accumulated in float32 inside the GEMM) whose partials
+`[G, T, *out]`, rounded to x's dtype, are written instead of a widened weight and summed in
+float32. That is fewer bytes than a widened weight while T <= group_size (every decode bucket up
+to 128 sequences at the default group size): per weight, 4-bit codes plus `2 * T / group_size`
+elements of partials written and read back, against a widened weight written and read back. Above
+it (prefill) the weight is dequantized into a temporary in x's dtype and multiplied in one dot,
+which XLA writes to memory. A kernel that keeps the partials in registers (Pallas) would read
+the codes alone; XLA offers no such fusion.
 Dimension letters: T tokens, I flattened inputs, O flattened outputs, G groups.
 """
 
@@ -88,22 +99,26 @@ def group_matmul(
     scale: Float[Array, "G ..."],
     zero: Integer[Array, "G ..."],
     num_in: int,
+    perm: Integer[Array, " I"] | None = None,
 ) -> Float[Array, "T ..."]:
     """`x [T, *in]` times the group-quantized weight `(codes [*in, *out], scale, zero [G, *out])`
-    -> `[T, *out]` in x's dtype, accumulated in float32 (see the module docstring)."""
+    (its inputs stored in the order `perm`, when given) -> `[T, *out]` in x's dtype, accumulated
+    in float32 (see the module docstring)."""
     num_tokens, ins, outs = x.shape[0], codes.shape[:num_in], codes.shape[num_in:]
     groups, num_out = scale.shape[0], math.prod(outs)
     group_size = math.prod(ins) // groups
+    if perm is not None:
+        x = jnp.take(x.reshape(num_tokens, -1), perm, axis=1)
     xg = x.reshape(num_tokens, groups, group_size)
     q = codes.reshape(groups, group_size, num_out)
     s = scale.reshape(groups, num_out).astype(jnp.float32)
     z = zero.reshape(groups, num_out).astype(jnp.float32)
-    if num_tokens * 4 <= group_size * x.dtype.itemsize:  # the partials are smaller than a widened weight
+    if num_tokens <= group_size:  # the partials are smaller than a widened weight
         partials = jax.lax.dot_general(
-            xg, q.astype(x.dtype), (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32
+            xg, q.astype(x.dtype), (((2,), (1,)), ((1,), (0,))), preferred_element_type=x.dtype
         )  # [G, T, O]
         xsum = jnp.sum(xg.astype(jnp.float32), axis=2)  # [T, G]
-        y = jnp.einsum("gto,go->to", partials, s) - jnp.einsum("tg,go->to", xsum, s * z)
+        y = jnp.einsum("gto,go->to", partials.astype(jnp.float32), s) - jnp.einsum("tg,go->to", xsum, s * z)
     else:
         w = ((q.astype(jnp.float32) - z[:, None]) * s[:, None]).astype(x.dtype)
         y = jax.lax.dot_general(xg, w, (((1, 2), (0, 1)), ((), ())), preferred_element_type=jnp.float32)  # [T, O]

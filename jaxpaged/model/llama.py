@@ -38,7 +38,7 @@ import pallas_kernels
 from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import KV_HEADS, QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, ParamSpec, Path
+from jaxpaged.config.params import KV_HEADS, PERM_SUFFIX, QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, ParamSpec, Path
 from jaxpaged.model.group_quant import group_matmul
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
@@ -164,7 +164,8 @@ def _project(module: nnx.Module, name: str, x: Float[Array, "T ..."]) -> Float[A
         return matmul(x, getattr(module, name)[...], num_in)
     q, scale = getattr(module, name + QUANT_SUFFIX)[...], getattr(module, name + SCALE_SUFFIX)[...]
     if hasattr(module, name + ZERO_SUFFIX):  # group-quantized
-        return group_matmul(x, q, scale, getattr(module, name + ZERO_SUFFIX)[...], num_in)
+        perm = getattr(module, name + PERM_SUFFIX)[...] if hasattr(module, name + PERM_SUFFIX) else None
+        return group_matmul(x, q, scale, getattr(module, name + ZERO_SUFFIX)[...], num_in, perm)
     return quantized_matmul(x, q, scale, module.quantization, num_in)
 
 

@@ -14,6 +14,8 @@ Both store the contracted axes minor in both operands, the one layout cuBLASLt's
 without a transpose. Dimension letters: T tokens; `*in`, `*out` the weight's input and output axes.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -62,11 +64,16 @@ def quantize_param(
     w: Float[Array, "..."], method: str, config: ModelConfig, num_in: int, num_lead: int = 0
 ) -> tuple[Array, ...]:
     """A quantizable weight's replacement arrays, in the order of `quantized_paths(config, spec)`:
-    its group-quantized triple when `config.weight_group_size` is set (`quantize_groups`), else
-    its per-channel pair (`quantize_weight` with `method`)."""
-    if config.weight_group_size is not None:
-        return quantize_groups(w, config.weight_bits, config.weight_group_size, num_in, num_lead)
-    return quantize_weight(w, method, num_in, num_lead)
+    its group-quantized triple when `config.weight_group_size` is set (`quantize_groups`; with
+    `weight_act_order` an identity permutation after it), else its per-channel pair
+    (`quantize_weight` with `method`)."""
+    if config.weight_group_size is None:
+        return quantize_weight(w, method, num_in, num_lead)
+    arrays = quantize_groups(w, config.weight_bits, config.weight_group_size, num_in, num_lead)
+    if not config.weight_act_order:
+        return arrays
+    num_features = math.prod(w.shape[num_lead : num_lead + num_in])
+    return (*arrays, jnp.broadcast_to(jnp.arange(num_features, dtype=jnp.int32), (*w.shape[:num_lead], num_features)))
 
 
 def matmul(x: Float[Array, "T ..."], w: Float[Array, "..."], num_in: int) -> Float[Array, "T ..."]:

@@ -11,8 +11,9 @@ from jaxpaged.config.architectures import ARCHITECTURES
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import LAYERS, ParamSpec, Path, axis_sizes
 
-# A parameter as declared, or one array of its quantized pair (group-quantized: triple).
-ROLES = ("plain", "quant", "scale", "zero")
+# A parameter as declared, or one array of its quantized pair (group-quantized: triple, and the
+# act-order permutation).
+ROLES = ("plain", "quant", "scale", "zero", "perm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ def state_params(config: ModelConfig, quantized: bool = False) -> dict[Path, Sta
     for spec in param_specs(config):
         lead = (LAYERS,) if spec.per_layer else ()
         if quantized and spec.quantize:
-            axes = spec.grouped_axes if grouped else spec.quantized_axes
+            axes = spec.grouped_axes(config.weight_act_order) if grouped else spec.quantized_axes
             for path, role_axes, role in zip(quantized_paths(config, spec), axes, ROLES[1:]):
                 out[path] = StateParam(path, lead + role_axes, spec, role)
         else:
@@ -58,8 +59,11 @@ def state_params(config: ModelConfig, quantized: bool = False) -> dict[Path, Sta
 
 def quantized_paths(config: ModelConfig, spec: ParamSpec) -> tuple[Path, ...]:
     """The paths of the arrays that replace a quantizable weight under weight quantization: its
-    group-quantized triple when `config.weight_group_size` is set, else its pair."""
-    return spec.grouped_paths if config.weight_group_size is not None else spec.quantized_paths
+    group-quantized triple (and act-order permutation) when `config.weight_group_size` is set,
+    else its pair."""
+    if config.weight_group_size is not None:
+        return spec.grouped_paths(config.weight_act_order)
+    return spec.quantized_paths
 
 
 def find_state_param(config: ModelConfig, path: Path) -> StateParam:

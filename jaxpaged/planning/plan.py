@@ -33,9 +33,8 @@ from jaxpaged.config.quantization import (
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     QUANTIZED_WEIGHT_DTYPES,
-    group_size_field,
     resolve_quantization,
-    weight_groups,
+    with_quantized_weights,
 )
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.params.tables import state_params, state_shapes
@@ -68,6 +67,7 @@ def weight_bytes_per_gpu(config: ModelConfig, dtype: str, quantization: str | No
             "quant": DTYPE_BYTES[GROUP_CODE_DTYPES[config.weight_bits]],
             "scale": DTYPE_BYTES[GROUP_SCALE_DTYPE],
             "zero": DTYPE_BYTES[GROUP_ZERO_DTYPE],
+            "perm": DTYPE_BYTES["int32"],
         }
     elif quantization is not None:
         element["quant"] = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]
@@ -119,8 +119,7 @@ def make_plan(
     except ValueError as err:
         raise ValueError(f"--quantization: {err}") from None
     try:
-        field = group_size_field(quantization)
-        config = config.with_weight_groups(weight_groups(quantization, quantization_group_size, raw), field)
+        config = with_quantized_weights(config, quantization, quantization_group_size, raw)
     except ValueError as err:
         raise ValueError(f"--quantization-group-size: {err}") from None
     kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)

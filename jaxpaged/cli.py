@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=QUANTIZATION_METHODS,
         help="weight quantization (fp8/int8: 1 byte per quantized weight, plus a float32 scale per output channel; "
-        "int4: half a byte, plus a float32 scale and an int8 zero point per group)",
+        "int4: half a byte, plus a float32 scale and an int8 zero point per group; awq, gptq, compressed-tensors: "
+        "a checkpoint in that format, its bits and groups from its config.json)",
     )
     plan.add_argument(
         "--quantization-group-size",

@@ -118,8 +118,10 @@ class EngineArgs:
     quantization: str | None = _option(
         None,
         "weight quantization: fp8 (float8 e4m3 weights with a scale per output channel, activations "
-        "quantized per token) or int8 (weight-only, a scale per output channel); a compressed-tensors FP8 "
-        "checkpoint is read as fp8 without it (default: none)",
+        "quantized per token), int8 (weight-only, a scale per output channel) or int4 (weight-only, 4 bits "
+        "rounded to nearest at load, a scale and a zero point per group of --quantization-group-size inputs); "
+        "a compressed-tensors FP8 checkpoint is read as fp8, and an AWQ, GPTQ or compressed-tensors pack-quantized "
+        "one 4/8-bit, without it; awq, gptq and compressed-tensors assert the checkpoint's format (default: none)",
         choices=QUANTIZATION_METHODS,
     )
     quantization_group_size: int = _option(

@@ -7,9 +7,13 @@ reader hook, tensor parallelism.
 - `--quantization int4` on a tiny Llama: every weight within half a step of its group's scale;
   logits equal transformers' run on the dequantized weights (float32, tight) and greedy tokens
   equal its greedy tokens.
+- GPTQ `desc_act`: a tiny Llama quantized by an independent act-order packer (shuffled `g_idx`,
+  asymmetric zeros) and built through the reader hook (`group_tensors`) gives the logits and
+  greedy tokens of transformers on its dequantized weights.
 - Bad group sizes and tensor-parallel sizes that would split a group name both numbers.
 - Tensor parallelism over 2 and 4 fake devices gives the unsharded tokens, scales and zeros split
   beside their weights.
+- `jaxpaged plan` counts the codes, scales and zero points, and fits Llama-3.1-70B on one 80 GB GPU.
 """
 
 import jax
@@ -33,6 +37,7 @@ from jaxpaged.model.group_quant import code_dtype, group_matmul
 from jaxpaged.model.llama import Llama
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
+from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.paged_generate import PagedGenerator
 
@@ -237,3 +242,14 @@ def test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_thei
             assert array.sharding.spec[1:] == codes.sharding.spec[codes.ndim - array.ndim + 1 :], name
             checked += 1
     assert checked == 14  # q, k, v, o, gate, up, down: scale and zero
+
+
+def test_plan_counts_4_bit_codes_scales_and_zeros_and_fits_70b_on_one_gpu():
+    report = make_plan("llama-3.1-70b", gpu_memory=80 * 10**9, context=8192, dtype="bfloat16", quantization="int4")
+    d, f, kv, layers, vocab = 8192, 28672, 8 * 128, 80, 128256
+    projections = layers * (2 * d * d + 2 * d * kv + 3 * d * f)  # q, o; k, v; gate, up, down
+    plain = 2 * (2 * vocab * d + (2 * layers + 1) * d)  # embedding, LM head, norms in bfloat16
+    assert report["weight_bytes_per_gpu"] == projections // 2 + projections // 128 * (4 + 1) + plain
+    assert report["fits"] and report["max_concurrency"] > 10
+    with pytest.raises(ValueError, match="--quantization-group-size: quantization_group_size=96 does not divide"):
+        make_plan("llama-3.1-8b", gpu_memory=80 * 10**9, quantization="int4", quantization_group_size=96)

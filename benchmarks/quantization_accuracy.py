@@ -10,6 +10,8 @@ same as on a GPU, where an fp8 pool is stored in float8 instead of float8 values
    bfloat16 (`jaxpaged.bench.perplexity`).
 
     python -m benchmarks.quantization_accuracy --json benchmarks/results/quantization_accuracy_cpu.json
+    python -m benchmarks.quantization_accuracy --modes "other dtype,int4 weights (RTN),int4 weights (RTN) + fp8 KV" \
+        --json benchmarks/results/quantization_accuracy_int4_cpu.json
 """
 
 import argparse
@@ -41,7 +43,12 @@ MODES = {
     "int8 weights": ("int8", None),
     "fp8 weights + fp8 KV": ("fp8", "float8_e4m3fn"),
     "int8 weights + fp8 KV": ("int8", "float8_e4m3fn"),
+    "int4 weights (RTN)": ("int4", None),
+    "int4 weights (RTN) + fp8 KV": ("int4", "float8_e4m3fn"),
+    # AWQ, GPTQ and compressed-tensors checkpoints of the demo model: benchmarks/int4_formats_accuracy.py
 }
+# Input features per group of the int4 modes: the demo model's MLP width (704 = 11 x 64) refuses 128.
+INT4_GROUP_SIZE = 64
 # Tiny HF models: (config class, model class, config overrides).
 TINY = {
     "llama-gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
@@ -74,7 +81,7 @@ def save_tiny(name: str, path: str):
     return model
 
 
-def tiny_model_rows(name: str, workdir: str) -> list[dict]:
+def tiny_model_rows(name: str, workdir: str, modes: list[str]) -> list[dict]:
     """Logit and greedy agreement of every mode with transformers on one tiny model."""
     hf = save_tiny(name, workdir)
     rng = np.random.default_rng(0)
@@ -89,8 +96,10 @@ def tiny_model_rows(name: str, workdir: str) -> list[dict]:
             for p in prompts
         ]
     rows = []
-    for mode, (quantization, kv_dtype) in MODES.items():
-        _, model = load_model(workdir, "bfloat16" if mode == "other dtype" else "float32", quantization=quantization)
+    for mode in modes:
+        quantization, kv_dtype = MODES[mode]
+        dtype = "bfloat16" if mode == "other dtype" else "float32"
+        _, model = load_model(workdir, dtype, quantization=quantization, quantization_group_size=INT4_GROUP_SIZE)
         generator = PagedGenerator(model, kv_dtype=kv_dtype)
         errors = [np.abs(generator.prompt_logits(p) - r) for p, r in zip(prompts, ref_logits)]
         argmax = [(generator.prompt_logits(p).argmax(-1) == r.argmax(-1)).mean() for p, r in zip(prompts, ref_logits)]
@@ -119,14 +128,16 @@ def tiny_model_rows(name: str, workdir: str) -> list[dict]:
     return rows
 
 
-def demo_perplexity_rows(window: int, max_windows: int | None) -> list[dict]:
+def demo_perplexity_rows(window: int, max_windows: int | None, modes: list[str]) -> list[dict]:
     """Held-out perplexity of the bfloat16 demo model in every mode."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(DEMO_MODEL)
     windows = heldout_token_windows(tokenizer, window, max_windows)
     rows, base = [], None
-    for mode, (quantization, kv_dtype) in MODES.items():
+    for mode in modes:
+        quantization, kv_dtype = MODES[mode]
         start = time.perf_counter()
-        _, model = load_model(DEMO_MODEL, "float32" if mode == "other dtype" else "bfloat16", quantization=quantization)
+        dtype = "float32" if mode == "other dtype" else "bfloat16"
+        _, model = load_model(DEMO_MODEL, dtype, quantization=quantization, quantization_group_size=INT4_GROUP_SIZE)
         ppl = perplexity(PagedGenerator(model, kv_dtype=kv_dtype), windows)
         base = base or ppl
         rows.append(dict(mode=mode, perplexity=ppl, vs_baseline=ppl / base - 1, tokens=len(windows) * (window - 1)))
@@ -161,7 +172,14 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     parser.add_argument("--max-windows", type=int, default=None, help="at most this many windows (default: all)")
     parser.add_argument("--json", default=None, help="write the report here (and a .md table beside it)")
+    parser.add_argument(
+        "--modes", default=None, help="comma-separated modes to measure after the baseline (default: every mode)"
+    )
     args = parser.parse_args()
+    modes = list(MODES) if args.modes is None else ["baseline", *args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes {args.modes!r}: unknown {unknown}; modes are {list(MODES)}")
     report = dict(
         device=platform.processor() or platform.machine(),
         jax_version=jax.__version__,
@@ -169,11 +187,12 @@ def main() -> None:
         greedy_tokens=GREEDY_TOKENS,
         prompt_lengths=list(PROMPT_LENGTHS),
         window=args.window,
+        int4_group_size=INT4_GROUP_SIZE,
     )
     for name in TINY:
         with tempfile.TemporaryDirectory() as workdir:
-            report["tiny_models"] += tiny_model_rows(name, workdir)
-    report["demo_perplexity"] = demo_perplexity_rows(args.window, args.max_windows)
+            report["tiny_models"] += tiny_model_rows(name, workdir, modes)
+    report["demo_perplexity"] = demo_perplexity_rows(args.window, args.max_windows, modes)
     table = markdown(report)
     print(table)
     if args.json:

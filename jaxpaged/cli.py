@@ -20,7 +20,7 @@ import sys
 
 from jaxpaged.bench.cli import add_bench_parser
 from jaxpaged.config import defaults
-from jaxpaged.config.quantization import QUANTIZATION_METHODS
+from jaxpaged.config.quantization import DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS
 from jaxpaged.entrypoints import cli_generate
 from jaxpaged.entrypoints.cli_flags import BYTES_WITH_UNIT, HelpFormatter, add_engine_flags, describe_error
 from jaxpaged.planning.plan import PLAN_KV_CACHE_DTYPES
@@ -101,7 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default=None,
         choices=QUANTIZATION_METHODS,
-        help="weight quantization (1 byte per quantized weight, plus a float32 scale per output channel)",
+        help="weight quantization (fp8/int8: 1 byte per quantized weight, plus a float32 scale per output channel; "
+        "int4: half a byte, plus a float32 scale and an int8 zero point per group; awq, gptq, compressed-tensors: "
+        "a checkpoint in that format, its bits and groups from its config.json)",
+    )
+    plan.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        help="input features per group of --quantization int4",
     )
     plan.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV cache block")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -21,6 +21,7 @@ from jaxpaged.config.checks import (
 from jaxpaged.config.defaults import MAX_COMPILE_THREADS
 from jaxpaged.config.presets import PRESETS
 from jaxpaged.config.quantization import (
+    DEFAULT_GROUP_SIZE,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
 )
@@ -117,9 +118,16 @@ class EngineArgs:
     quantization: str | None = _option(
         None,
         "weight quantization: fp8 (float8 e4m3 weights with a scale per output channel, activations "
-        "quantized per token) or int8 (weight-only, a scale per output channel); a compressed-tensors FP8 "
-        "checkpoint is read as fp8 without it (default: none)",
+        "quantized per token), int8 (weight-only, a scale per output channel) or int4 (weight-only, 4 bits "
+        "rounded to nearest at load, a scale and a zero point per group of --quantization-group-size inputs); "
+        "a compressed-tensors FP8 checkpoint is read as fp8, and an AWQ, GPTQ or compressed-tensors pack-quantized "
+        "one 4/8-bit, without it; awq, gptq and compressed-tensors assert the checkpoint's format (default: none)",
         choices=QUANTIZATION_METHODS,
+    )
+    quantization_group_size: int = _option(
+        DEFAULT_GROUP_SIZE,
+        "input features per group of --quantization int4 (a scale and a zero point each; must divide every "
+        "projection's inputs)",
     )
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
     gpu_memory_utilization: float = _option(
@@ -329,7 +337,14 @@ class EngineArgs:
             ("attention_backend", ATTENTION_BACKENDS),
         ):
             check_choice(name, getattr(self, name), allowed)
-        for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "nnodes"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "num_scheduler_steps",
+            "tensor_parallel_size",
+            "nnodes",
+            "quantization_group_size",
+        ):
             self._check_int(name, 1)
         self._check_int("node_rank", 0)
         if self.node_rank >= self.nnodes:

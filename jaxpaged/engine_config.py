@@ -20,7 +20,12 @@ from jaxpaged.checkpoint.format import TOKENIZER_FILES, WEIGHT_FILES, has_tokeni
 from jaxpaged.config.generation import sampling_defaults
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import CONFIG_FILE, PRESETS, get_preset, load_config_dict
-from jaxpaged.config.quantization import CheckpointQuantizationError, resolve_quantization
+from jaxpaged.config.quantization import (
+    CheckpointQuantizationError,
+    group_size_field,
+    resolve_quantization,
+    with_quantized_weights,
+)
 from jaxpaged.config.sections import SECTIONS, CacheConfig, CompileConfig, LoadConfig, ParallelConfig, SchedulingConfig
 from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.scheduler import SchedulerConfig
@@ -79,7 +84,7 @@ class EngineConfig:
         check_model_dir(args.model, args.load_format)
         raw = load_config_dict(args.model)[1]
         quantization = _quantization(args.model, args.quantization, raw)
-        model = ModelConfig.from_hf(raw)
+        model = _weight_groups(ModelConfig.from_hf(raw), quantization, args, raw)
         layout = _layout(model, args.tensor_parallel_size, args.enable_expert_parallel)
         draft = None
         if args.speculative_config is not None and args.speculative_config.model is not None:
@@ -235,6 +240,20 @@ def _quantization(model: str, requested: str | None, raw: dict) -> str | None:
         raise EngineArgsError("model", model, str(err)) from None
     except ValueError as err:
         raise EngineArgsError("quantization", requested, str(err).split(": ", 1)[1]) from None
+
+
+def _weight_groups(model: ModelConfig, quantization: str | None, args: EngineArgs, raw: dict) -> ModelConfig:
+    field = group_size_field(quantization)
+    try:
+        return with_quantized_weights(model, quantization, args.quantization_group_size, raw)
+    except ValueError as err:
+        if model.moe is not None:
+            raise EngineArgsError("quantization", quantization, str(err)) from None
+        if field != "quantization_group_size":  # the checkpoint's own group size
+            raise EngineArgsError("model", args.model, str(err)) from None
+        raise EngineArgsError(
+            "quantization_group_size", args.quantization_group_size, str(err).split(" ", 1)[1]
+        ) from None
 
 
 def _layout(model: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False) -> TensorParallelLayout:

@@ -7,11 +7,8 @@ and KV cache scales; embedding, norms and LM head (compressed-tensors' `ignore`)
 config.json carries the `quantization_config`.
 """
 
-import json
-import os
-
 import torch
-from safetensors.torch import save_file
+from checkpoint_edits import save_quantized_checkpoint
 from tiny_models import build_hf_model
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn
@@ -109,14 +106,5 @@ def save_fp8_checkpoint(
             if kv_cache:
                 tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05 + 0.01 * i)
                 tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.04 + 0.01 * i)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    model.config.architectures = [type(model).__name__]
-    model.config.save_pretrained(out_dir)
-    path = os.path.join(out_dir, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["quantization_config"] = quantization_config(strategy, static_input, kv_cache)
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
+    save_quantized_checkpoint(model, tensors, out_dir, quantization_config(strategy, static_input, kv_cache))
     return model

@@ -321,24 +321,27 @@ def test_convert_keeps_fp8(dirs, tmp_path, dtype):
 
 
 def test_other_quantization_methods_are_refused(dirs, tmp_path):
-    """(f) A GPTQ checkpoint (or any quant_method but compressed-tensors FP8) is refused when the
-    configuration is resolved, naming the field and its value."""
+    """(f) A quant_method jaxpaged does not read (bitsandbytes here; AWQ, GPTQ and
+    compressed-tensors are read) is refused when the configuration is resolved, naming the field
+    and its value."""
     path = copy_checkpoint(dirs["channel"][0], tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EngineArgsError, match=r"quantization_config\.quant_method='gptq' is not supported") as exc:
+    with pytest.raises(
+        EngineArgsError, match=r"quantization_config\.quant_method='bitsandbytes' is not supported"
+    ) as exc:
         EngineConfig.resolve(EngineArgs(model=str(path)))
     assert exc.value.field == "model"
-    with pytest.raises(CheckpointQuantizationError, match="quant_method='gptq'"):
+    with pytest.raises(CheckpointQuantizationError, match="quant_method='bitsandbytes'"):
         load_params(path)
-    with pytest.raises(CheckpointQuantizationError, match="quant_method='gptq'"):
+    with pytest.raises(CheckpointQuantizationError, match="quant_method='bitsandbytes'"):
         convert_checkpoint(path, tmp_path / "out", progress=False)
 
     config["quantization_config"] = json.loads((dirs["channel"][0] / "config.json").read_text())["quantization_config"]
     config["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int")
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EngineArgsError, match=r"config_groups\.group_0\.weights"):
+    (path / "config.json").write_text(json.dumps(config))  # 4-bit integer weights, fp8 activations
+    with pytest.raises(EngineArgsError, match=r"config_groups\.group_0\.input_activations=.*quantized activations"):
         EngineConfig.resolve(EngineArgs(model=str(path)))
 
 

@@ -213,3 +213,9 @@ def test_expert_parallel_needs_experts_that_split():
     dense = dataclasses.replace(config, architecture="llama", moe=None)
     with pytest.raises(TensorParallelError, match="has no experts; drop --enable-expert-parallel"):
         TensorParallelLayout(dense, 2, True)
+
+
+def test_group_quantized_experts_are_refused_naming_the_method():
+    config = ModelConfig.from_hf({**BASE, **VARIANTS["mixtral_moe"][2], "architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(ValueError, match="mixture of experts, whose expert weights have no 4/8-bit group"):
+        config.with_weight_groups((4, 16))

@@ -55,7 +55,8 @@ PASS_THROUGH = frozenset(
         "replica-id",
     }
 )
-EIGHT_BIT = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "s8", "u8")
+# 8 bits or fewer: fp8, int8 and the 4-bit codes of group-quantized weights.
+EIGHT_BIT = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "s8", "u8", "s4", "u4")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-$]+)\s*\(.*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-$]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")

@@ -40,7 +40,7 @@ from jaxpaged.checkpoint.loader import (
     read_hf_params,
     resolve_dtype,
 )
-from jaxpaged.config.quantization import checkpoint_quantization
+from jaxpaged.config.quantization import checkpoint_group_format, checkpoint_quantization
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
@@ -92,6 +92,12 @@ def convert_checkpoint(
         raise ValueError(f"--out {out_dir!r} is the HF directory itself; pass a different output directory")
     target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
     prequantized = checkpoint_quantization(raw)
+    if checkpoint_group_format(raw) is not None:
+        raise ValueError(
+            f"--hf-dir {hf_dir!r} is a {prequantized} checkpoint (config.json's quantization_config): "
+            "jaxpaged-convert writes plain and FP8 checkpoints only; serve the Hugging Face directory itself, "
+            "which is read with its weights kept 4/8-bit"
+        )
     _prepare_out_dir(out_dir, overwrite)
 
     params = read_hf_params(hf_dir, config, target, progress=progress, prequantized=prequantized)

@@ -17,16 +17,16 @@ from jaxpaged.config.params import ParamSpec, Path
 from jaxpaged.config.sections import LoadConfig
 from jaxpaged.model import LayerArrays
 from jaxpaged.model.llama import initial_value
-from jaxpaged.model.quant import quantize_weight
+from jaxpaged.model.quant import quantize_param
 from jaxpaged.parallel.mesh import TensorParallel
-from jaxpaged.params.tables import param_specs
+from jaxpaged.params.tables import param_specs, quantized_paths
 
 
 def dummy_programs(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorParallel) -> dict[str, object]:
     """The two jitted programs that make the dummy weights, each `(key, layer) -> {path: array}`:
     "layer" makes layer `layer`'s per-layer parameters (an int32; with `load.scan_layers`, every
     layer's, stacked), "model" the others (`layer` unused). Each array is in the mesh layout and
-    placed with its sharding; a quantizable weight comes as its pair under `load.quantization`.
+    placed with its sharding; a quantizable weight comes as its pair (group-quantized: triple) under `load.quantization`.
     Only the key and the layer vary between calls: each program compiles once.
 
     Args:
@@ -39,9 +39,9 @@ def dummy_programs(config: ModelConfig, dtype, load: LoadConfig, parallel: Tenso
     stacked = load.scan_layers
 
     def make(spec: ParamSpec, key, layer) -> dict[Path, jax.Array]:  # one layer's, or a whole parameter
-        paths = _state_paths(spec, load)
+        paths = _state_paths(spec, config, load)
         value = initial_value(spec, config, dtype, key, layer)
-        values = quantize_weight(value, load.quantization, spec.num_in, spec.num_lead) if len(paths) == 2 else (value,)
+        values = quantize_param(value, load.quantization, config, spec.num_in, spec.num_lead) if len(paths) > 1 else (value,)
         return {p: parallel.to_mesh_layout(p, v, one_layer=spec.per_layer) for p, v in zip(paths, values)}
 
     def one_layer(key, layer):
@@ -57,7 +57,7 @@ def dummy_programs(config: ModelConfig, dtype, load: LoadConfig, parallel: Tenso
 
     def shardings(per_layer: bool) -> dict:
         sharding = parallel.layer_sharding if per_layer and not stacked else parallel.param_sharding
-        return {p: sharding(p) for s in specs if s.per_layer == per_layer for p in _state_paths(s, load)}
+        return {p: sharding(p) for s in specs if s.per_layer == per_layer for p in _state_paths(s, config, load)}
 
     return {
         "layer": jax.jit(layer_params, out_shardings=shardings(True)),
@@ -80,5 +80,5 @@ def dummy_params(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorP
     return {**params, **{path: LayerArrays(layer[path] for layer in layers) for path in layers[0]}}
 
 
-def _state_paths(spec: ParamSpec, load: LoadConfig) -> tuple[Path, ...]:
-    return spec.quantized_paths if load.quantization is not None and spec.quantize else (spec.path,)
+def _state_paths(spec: ParamSpec, config: ModelConfig, load: LoadConfig) -> tuple[Path, ...]:
+    return quantized_paths(config, spec) if load.quantization is not None and spec.quantize else (spec.path,)

@@ -10,21 +10,28 @@
    a decoder layer's tensor becomes that layer's array (unrolled layers: `LayerArrays`), or goes
    into its row of the stacked parameter, in place on the device (scanned layers).
 
-Weight quantization (`quantization` fp8/int8, `jaxpaged.model.quant`) comes two ways:
+Weight quantization (`quantization` fp8/int8, `jaxpaged.model.quant`; int4 in groups,
+`jaxpaged.model.group_quant`) comes two ways:
 
-- a plain checkpoint is quantized by `load_model` as each weight is read (`_quantize_tensors`);
+- a plain checkpoint is quantized by `load_model` as each weight is read (`_quantize_tensors`):
+  its pair, or (int4, `quantization_group_size`) its group-quantized triple, made on the device;
 - a pre-quantized one (compressed-tensors FP8: config.json's `quantization_config`, see
   `jaxpaged.config.quantization.checkpoint_quantization`) already holds the quantized pairs: its
   key map targets `<name>_quant` (float8_e4m3fn, bytes kept) and `<name>_scale` (float32) directly
   (see `hf_keys`), they are exempt from the `dtype` cast, and nothing is quantized again. Its
   method is the model's whatever `quantization` says (a different one is refused); a converted
-  directory of such a checkpoint keeps its config.json and so reads the same way.
+  directory of such a checkpoint keeps its config.json and so reads the same way. A 4/8-bit
+  group-quantized format (AWQ, GPTQ, compressed-tensors pack-quantized) plugs in as a
+  `jaxpaged.checkpoint.group_state.LinearReader` (an HF projection's prefix -> its
+  `GroupQuantized`): `group_state.group_tensors(config, reader)` yields its projections' triples,
+  the other tensors read as plain ones.
 
 Peak host memory: about one tensor from safetensors; one copy of the model from Orbax (which
 restores the whole tree before placing it). Device memory: the model plus one layer's tensor.
 """
 
 import functools
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -40,6 +47,8 @@ from tqdm import tqdm
 
 from jaxpaged.checkpoint.experts import stack_experts
 from jaxpaged.checkpoint.format import FORMAT_FILE, FORMAT_VERSION, PARAMS_DIR
+from jaxpaged.checkpoint.formats import linear_reader, quantized_linears
+from jaxpaged.checkpoint.group_state import group_tensors
 from jaxpaged.checkpoint.hf_keys import (
     Path,
     check_shape,
@@ -52,13 +61,21 @@ from jaxpaged.checkpoint.hf_keys import (
 )
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config import defaults
+from jaxpaged.config.group_formats import GroupFormat
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
-from jaxpaged.config.quantization import checkpoint_quantization, resolve_quantization
+from jaxpaged.config.quantization import (
+    DEFAULT_GROUP_SIZE,
+    checkpoint_group_format,
+    checkpoint_quantization,
+    resolve_quantization,
+    with_quantized_weights,
+)
 from jaxpaged.model.layer_arrays import LayerArrays, unstack_layers
 from jaxpaged.model.llama import Llama
-from jaxpaged.model.quant import quantize_weight
+from jaxpaged.model.quant import quantize_param
 from jaxpaged.parallel.mesh import TensorParallel, param_path
+from jaxpaged.params.tables import quantized_paths
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
@@ -139,6 +156,7 @@ def iter_hf_params(
     dtype: np.dtype,
     progress: bool = False,
     prequantized: str | None = None,
+    group_format: GroupFormat | None = None,
 ) -> Iterator[tuple[Path, np.ndarray]]:
     """Checks an HF safetensors checkpoint from its headers, then reads it one tensor at a time.
 
@@ -150,6 +168,10 @@ def iter_hf_params(
       prequantized: the method the checkpoint is already quantized with
         (`checkpoint_quantization` of its config.json; None: plain weights). Its quantized
         weights and their scales keep float8_e4m3fn and float32 whatever `dtype` (see `hf_keys`).
+      group_format: the 4/8-bit integer format the projections are stored in
+        (`checkpoint_group_format`; `config` must hold its weight groups): each projection's
+        tensors are checked by the format's reader (`jaxpaged.checkpoint.formats`) and come,
+        after the plain tensors, as its group-quantized triple (`group_state.group_tensors`).
 
     Returns:
       An iterator of `(params path, layer, array in our layout)`; `layer` is the tensor's row
@@ -161,10 +183,18 @@ def iter_hf_params(
         named (before any data is read).
     """
     ckpt = SafetensorsCheckpoint(model_dir)
-    specs = hf_key_specs(config, prequantized)
-    optional = optional_hf_keys(config, prequantized)
+    if group_format is None:
+        specs, optional = hf_key_specs(config, prequantized), optional_hf_keys(config, prequantized)
+        grouped, read_linear = [], None
+    else:  # the projections as the format stores them (checked from headers), the rest plain
+        linears = quantized_linears(config)
+        grouped, read_linear = linear_reader(group_format, linears, ckpt, config.weight_group_size)
+        quantized = {prefix + ".weight" for prefix, _, _ in linears}
+        specs = [s for s in hf_key_specs(config) if s.hf_name not in quantized]
+        optional = optional_hf_keys(config)
     try:
-        check_names({s.hf_name for s in specs}, set(ckpt.names), f"checkpoint {os.fspath(model_dir)!r}", set(optional))
+        expected = {s.hf_name for s in specs} | set(grouped)
+        check_names(expected, set(ckpt.names), f"checkpoint {os.fspath(model_dir)!r}", set(optional))
     except ValueError as err:
         if prequantized is None and any(name.endswith(".weight_scale") for name in ckpt.names):
             raise ValueError(
@@ -186,7 +216,8 @@ def iter_hf_params(
                 yield spec, spec.transform(array, dtype)
                 bar.update()
 
-    return stack_experts(tensors(), 0 if config.moe is None else config.moe.num_experts)
+    plain = stack_experts(tensors(), 0 if config.moe is None else config.moe.num_experts)
+    return plain if read_linear is None else itertools.chain(plain, group_tensors(config, read_linear))
 
 
 def read_hf_params(
@@ -195,13 +226,14 @@ def read_hf_params(
     dtype: np.dtype,
     progress: bool = False,
     prequantized: str | None = None,
+    group_format: GroupFormat | None = None,
 ) -> Params:
     """The whole checkpoint as a nested params dict in our layout, decoder layers stacked (see
     `iter_hf_params`)."""
     shapes = param_shapes(config, prequantized)
     stacked: dict[Path, np.ndarray] = {}
     params: Params = {}
-    for path, layer, array in iter_hf_params(model_dir, config, dtype, progress, prequantized):
+    for path, layer, array in iter_hf_params(model_dir, config, dtype, progress, prequantized, group_format):
         if layer is None:
             _insert(params, path, array)
             continue
@@ -228,7 +260,9 @@ def _checkpoint_tensors(
         target, params = _load_converted(model_dir, config, dtype, parallel, prequantized)
         return target, ((path, None, array) for path, array in _flatten(params).items())
     target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
-    return target, iter_hf_params(model_dir, config, target, prequantized=prequantized)
+    return target, iter_hf_params(
+        model_dir, config, target, prequantized=prequantized, group_format=checkpoint_group_format(raw)
+    )
 
 
 def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[ModelConfig, Params]:
@@ -250,9 +284,12 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
         duplicate, misshaped or wrongly typed keys.
     """
     config, raw = read_hf_config(model_dir)
+    prequantized = checkpoint_quantization(raw)
+    config = with_quantized_weights(config, prequantized, DEFAULT_GROUP_SIZE, raw)
     if not is_converted_dir(model_dir):
         target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
-        return config, read_hf_params(model_dir, config, target, prequantized=checkpoint_quantization(raw))
+        group_format = checkpoint_group_format(raw)
+        return config, read_hf_params(model_dir, config, target, prequantized=prequantized, group_format=group_format)
     _, tensors = _checkpoint_tensors(model_dir, config, raw, dtype)
     params: Params = {}
     for path, _, array in tensors:
@@ -267,6 +304,7 @@ def load_model(
     parallel: TensorParallel | None = None,
     scan_layers: bool = defaults.SCAN_LAYERS,
     quantization: str | None = None,
+    quantization_group_size: int = DEFAULT_GROUP_SIZE,
 ) -> tuple[ModelConfig, Llama]:
     """Loads a checkpoint into an NNX `Llama` without random-initialising it first.
 
@@ -279,19 +317,31 @@ def load_model(
       attention: attention backend, "auto", "reference" or "pallas".
       parallel: the mesh and sharding table; None puts everything on the default device.
       scan_layers: see `Llama`.
-      quantization: "fp8" or "int8": quantize the decoder layers' weights as they are read
-        (see `jaxpaged.model.quant`); None keeps them in `dtype`. A pre-quantized checkpoint
-        is read as it is stored (its method, e.g. "fp8", whether this is None or the same).
+      quantization: "fp8", "int8" or "int4": quantize the decoder layers' weights as they are
+        read (see `jaxpaged.model.quant`, `jaxpaged.model.group_quant`); None keeps them in
+        `dtype`. A pre-quantized checkpoint is read as it is stored (its method, e.g. "fp8",
+        whether this is None or the same).
+      quantization_group_size: input features per group of "int4".
 
     Returns:
-      `(config, model)`: the checkpoint's config, and the model (in the mesh layout, kv heads
+      `(config, model)`: the checkpoint's config (with its weight groups, `weight_bits` and
+      `weight_group_size`, when group-quantized), and the model (in the mesh layout, kv heads
       repeated, when `parallel` repeats them).
 
     Raises:
-      ValueError: as `load_params`; or `quantization` differs from a pre-quantized checkpoint's.
+      ValueError: as `load_params`; `quantization` differs from a pre-quantized checkpoint's; the
+        group size does not divide a projection's inputs; `parallel` was laid out for other
+        weight groups than these.
     """
     config, raw = read_hf_config(model_dir)
     quantization = resolve_quantization(quantization, raw)
+    config = with_quantized_weights(config, quantization, quantization_group_size, raw)
+    if parallel is not None and parallel.layout.config.weight_group_size != config.weight_group_size:
+        raise ValueError(
+            f"the tensor-parallel layout is for weight_group_size={parallel.layout.config.weight_group_size}, the "
+            f"weights are quantized in groups of {config.weight_group_size}: lay it out from the config "
+            "with_weight_groups gives"
+        )
     quantize_at_load = None if checkpoint_quantization(raw) else quantization  # pre-quantized: stored so
     target, tensors = _checkpoint_tensors(model_dir, config, raw, dtype, parallel)
     model_config = parallel.layout.mesh_config if parallel is not None else config
@@ -343,7 +393,7 @@ def _quantize_tensors(
     tensors: Iterator, config: ModelConfig, quantization: str | None, parallel: TensorParallel | None
 ) -> Iterator:
     """The checkpoint's `(path, layer, array)` with every quantizable weight replaced by its
-    quantized pair (`quantize_weight`). A numpy tensor is quantized on the default device and
+    quantized pair or group-quantized triple (`quantize_param`). A numpy tensor is quantized on the default device and
     comes back as numpy; one Orbax restored into its shards is quantized where it lies, into
     the shards of its pair (nothing gathered, so also across processes)."""
     for path, layer, array in tensors:
@@ -351,17 +401,19 @@ def _quantize_tensors(
         if spec is None:
             yield path, layer, array
             continue
-        pair = spec.quantized_paths
+        paths = quantized_paths(config, spec)
         num_lead = (1 if layer is None and spec.per_layer else 0) + spec.num_lead  # stacked layers, experts
-        quantize = functools.partial(quantize_weight, method=quantization, num_in=spec.num_in, num_lead=num_lead)
+        quantize = functools.partial(
+            quantize_param, method=quantization, config=config, num_in=spec.num_in, num_lead=num_lead
+        )
         if isinstance(array, jax.Array) and parallel is not None and layer is None:
-            shardings = (parallel.param_sharding(pair[0]), parallel.param_sharding(pair[1]))
-            q, scale = jax.jit(quantize, out_shardings=shardings)(array)
+            shardings = tuple(parallel.param_sharding(path) for path in paths)
+            arrays = jax.jit(quantize, out_shardings=shardings)(array)
         else:
-            q, scale = (np.asarray(x) for x in quantize(jnp.asarray(array)))
+            arrays = [np.asarray(x) for x in quantize(jnp.asarray(array))]
         del array
-        yield pair[0], layer, q
-        yield pair[1], layer, scale
+        for path, quantized in zip(paths, arrays):
+            yield path, layer, quantized
 
 
 def _load_converted(

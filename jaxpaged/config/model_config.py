@@ -7,6 +7,7 @@ transformers, naming the field, its value and what would fix it.
 """
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -59,6 +60,9 @@ class ModelConfig:
         attention as long as the context stays within it, so the usable context is capped.
       bos_token_id, eos_token_ids: special tokens from the config (may be empty).
       moe: every layer's sparse MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), or None: a dense MLP.
+      weight_bits, weight_group_size: the decoder projections' bits and input features per group
+        when they are group-quantized (see `with_weight_groups`); None otherwise.
+      weight_act_order: group-quantized with the inputs permuted (GPTQ `desc_act`).
     """
 
     architecture: str
@@ -79,12 +83,56 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None
+    weight_bits: int | None = None
+    weight_group_size: int | None = None
+    weight_act_order: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
+
+    def with_weight_groups(
+        self, groups: tuple[int, int | None] | None, act_order: bool = False, field: str = "quantization_group_size"
+    ) -> "ModelConfig":
+        """This model with its decoder projections group-quantized: `groups` is `(bits,
+        group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none; `act_order`:
+        the checkpoint's groups are not contiguous (GPTQ `desc_act`), so each projection keeps a
+        permutation of its inputs (see `jaxpaged.config.params`). A group size of None (one group
+        per output channel, which differs between projections of different widths) becomes the
+        largest size dividing every projection's inputs: each channel's scale and zero point
+        repeated over its groups hold the same weights.
+
+        Args:
+          field: what sets the group size, named in errors.
+
+        Raises:
+          ValueError: the group size does not divide a projection's input features (naming both),
+            or the model is a mixture of experts.
+        """
+        if groups is None:
+            return dataclasses.replace(self, weight_bits=None, weight_group_size=None, weight_act_order=False)
+        if self.moe is not None:
+            raise ValueError(
+                f"{self.architecture} is a mixture of experts, whose expert weights have no 4/8-bit group "
+                "quantization yet; use fp8 or int8"
+            )
+        bits, group_size = groups
+        inputs = {
+            "hidden_size": self.hidden_size,
+            "num_attention_heads * head_dim": self.num_heads * self.head_dim,
+            "intermediate_size": self.intermediate_size,
+        }
+        if group_size is None:
+            group_size = math.gcd(*inputs.values())
+        for name, size in inputs.items():
+            if group_size < 1 or size % group_size:
+                raise ValueError(
+                    f"{field}={group_size} does not divide {name}={size} (a projection's input "
+                    "features, quantized in groups of that many); pick a group size that divides it"
+                )
+        return dataclasses.replace(self, weight_bits=bits, weight_group_size=group_size, weight_act_order=act_order)
 
     @property
     def max_context_len(self) -> int:

@@ -17,6 +17,14 @@ How a Hugging Face checkpoint stores a parameter (`hf_layout`):
 A `quantize` parameter (a decoder layer's projection) is replaced under weight quantization by
 its pair `<name>_quant` `[*out, *in]` (outputs first, as the fp8 GEMM wants it) and
 `<name>_scale` `[*out]` (one float32 scale per output channel; see `jaxpaged.model.quant`).
+Group-quantized (a config with `weight_group_size`), it is replaced by `<name>_quant` `[*in, *out]`
+(its own axes: 4- or 8-bit codes), `<name>_scale` and `<name>_zero` `[G, *out]` (see
+`jaxpaged.model.group_quant`). G is the weight's group axis (`GROUP_AXES`, named after its first
+input axis): its inputs flattened, in groups of `weight_group_size`, so it is split over devices
+wherever that first input axis is, and a group never straddles two devices. With
+`weight_act_order` (GPTQ's `desc_act`: groups not contiguous in the checkpoint) the inputs are
+stored sorted by group and `<name>_perm` `[I]` (int32, whole on every device) says which input
+each stored row reads: the matmul gathers the activation's features by it.
 """
 
 import dataclasses
@@ -42,19 +50,25 @@ LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = (
 # expert's FFN width. A parameter with an `EXPERTS` axis leads with it, and its checkpoint stores
 # one tensor per expert (`{expert}` in its name).
 EXPERTS, EXPERT_MLP, SHARED_MLP = "experts", "expert_mlp", "shared_mlp"
+# The group axis of a weight whose first input axis is the key: its inputs flattened, over the
+# group size (o_proj's inputs are (HEADS, HEAD_DIM), the others' one axis).
+GROUP_AXES = {EMBED: "embed_groups", HEADS: "heads_groups", MLP: "mlp_groups"}
+# The flattened inputs of such a weight (the axis of its act-order permutation).
+FEATURE_AXES = {EMBED: "embed_features", HEADS: "heads_features", MLP: "mlp_features"}
 
 # The module whose parameters exist once per decoder layer (the first key of their paths).
 LAYER_STACK = "layers"
-# The names of a quantized weight's pair: `<name>_quant`, `<name>_scale`.
-QUANT_SUFFIX, SCALE_SUFFIX = "_quant", "_scale"
+# The names of a quantized weight's pair: `<name>_quant`, `<name>_scale`; a group-quantized one's
+# zero points and act-order permutation: `<name>_zero`, `<name>_perm`.
+QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX = "_quant", "_scale", "_zero", "_perm"
 
 HF_LAYOUTS = ("same", "flat", "linear")
 INITS = ("normal", "ones", "zeros")  # normal: the model's INIT_STDDEV (random weights, dummy loads)
 
 
 def axis_sizes(config: ModelConfig) -> dict[str, int]:
-    """Each logical axis' size in `config`."""
-    return {
+    """Each logical axis' size in `config` (the group axes when its weights are group-quantized)."""
+    sizes = {
         LAYERS: config.num_layers,
         VOCAB: config.vocab_size,
         EMBED: config.hidden_size,
@@ -64,6 +78,11 @@ def axis_sizes(config: ModelConfig) -> dict[str, int]:
         MLP: config.intermediate_size,
         **_moe_axis_sizes(config),
     }
+    if config.weight_group_size is not None:
+        features = {EMBED: config.hidden_size, HEADS: config.num_heads * config.head_dim, MLP: config.intermediate_size}
+        sizes.update({GROUP_AXES[a]: n // config.weight_group_size for a, n in features.items()})
+        sizes.update({FEATURE_AXES[a]: n for a, n in features.items()})
+    return sizes
 
 
 def _moe_axis_sizes(config: ModelConfig) -> dict[str, int]:
@@ -157,3 +176,13 @@ class ParamSpec:
     @property
     def quantized_paths(self) -> tuple[Path, Path]:
         return self.path[:-1] + (self.name + QUANT_SUFFIX,), self.path[:-1] + (self.name + SCALE_SUFFIX,)
+
+    def grouped_axes(self, act_order: bool = False) -> tuple[tuple[str, ...], ...]:
+        """The logical axes of the group-quantized arrays: `<name>_quant` `[*in, *out]`,
+        `<name>_scale` and `<name>_zero` `[G, *out]`, with `act_order` `<name>_perm` `[I]`."""
+        groups = (GROUP_AXES[self.axes[0]],) + self.axes[self.num_in :]
+        return (self.axes, groups, groups) + (((FEATURE_AXES[self.axes[0]],),) if act_order else ())
+
+    def grouped_paths(self, act_order: bool = False) -> tuple[Path, ...]:
+        suffixes = (ZERO_SUFFIX, PERM_SUFFIX) if act_order else (ZERO_SUFFIX,)
+        return self.quantized_paths + tuple(self.path[:-1] + (self.name + suffix,) for suffix in suffixes)

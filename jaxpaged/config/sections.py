@@ -25,6 +25,8 @@ class LoadConfig:
       dtype: the option ("auto" is `checkpoint_dtype`).
       checkpoint_dtype: config.json's `dtype` (or `torch_dtype`); None: float32.
       quantization: the weights' method (the option, or the checkpoint's), or None.
+      quantization_group_size: input features per group of "int4" (the model config holds the
+        resolved groups: `ModelConfig.weight_group_size`).
       attention_backend: "auto", "pallas" or "reference".
       scan_layers: layers as one loop body over stacked weights.
       seed: the engine seed (resolved: never None).
@@ -40,6 +42,7 @@ class LoadConfig:
     dtype: str
     checkpoint_dtype: str | None
     quantization: str | None
+    quantization_group_size: int
     attention_backend: str
     scan_layers: bool
     seed: int

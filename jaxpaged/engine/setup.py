@@ -330,6 +330,7 @@ def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool =
             parallel=parallel,
             scan_layers=load.scan_layers,
             quantization=load.quantization,
+            quantization_group_size=load.quantization_group_size,
         )
     logger.info(
         "model %s: %s, %d layers, dtype %s%s, KV cache %s",

@@ -39,16 +39,17 @@ import pallas_kernels
 from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import KV_HEADS, QUANT_SUFFIX, SCALE_SUFFIX, ParamSpec, Path
+from jaxpaged.config.params import KV_HEADS, PERM_SUFFIX, QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, ParamSpec, Path
+from jaxpaged.model.group_quant import group_matmul
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.moe import SparseMoe
-from jaxpaged.model.quant import matmul, quantize_weight, quantized_matmul
+from jaxpaged.model.quant import matmul, quantize_param, quantized_matmul
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import KEY_VALUE_AXES, KV_POOL_AXES, QUERY_AXES
-from jaxpaged.params.tables import param_specs
+from jaxpaged.params.tables import param_specs, quantized_paths
 from pallas_kernels import reference
 
 INIT_STDDEV = 0.02
@@ -108,7 +109,8 @@ class ParamDeclarer:
       config: the model's configuration (the mesh layout's under tensor parallelism).
       dtype: the parameters' dtype (a quantized pair keeps its own).
       rngs: random initialisation of the "normal" parameters (one key drawn; see `initial_value`).
-      quantization: "fp8" or "int8": quantizable weights become their quantized pairs.
+      quantization: "fp8", "int8" or a group-quantized method: quantizable weights become their
+        quantized pair (triple when `config.weight_group_size` is set).
       per_layer_arrays: per-layer parameters as `LayerArrays` (one array per layer, for unrolled
         layers) instead of stacked `[L, ...]` (for a scan). The values are the same either way.
     """
@@ -130,7 +132,7 @@ class ParamDeclarer:
                 continue
             layers = range(self.config.num_layers) if spec.per_layer else (None,)
             values = [self._values(spec, layer) for layer in layers]  # per layer: the array or its pair
-            names = [path[-1] for path in spec.quantized_paths] if len(values[0]) == 2 else [spec.name]
+            names = [path[-1] for path in quantized_paths(self.config, spec)] if len(values[0]) > 1 else [spec.name]
             for i, name in enumerate(names):
                 if not spec.per_layer:
                     value = values[0][i]
@@ -144,7 +146,7 @@ class ParamDeclarer:
     def _values(self, spec: ParamSpec, layer: int | None) -> tuple[jax.Array, ...]:
         value = initial_value(spec, self.config, self.dtype, self.key, layer)
         if self.quantization is not None and spec.quantize:
-            return quantize_weight(value, self.quantization, spec.num_in, spec.num_lead)
+            return quantize_param(value, self.quantization, self.config, spec.num_in, spec.num_lead)
         return (value,)
 
     def check_all_declared(self) -> None:
@@ -163,6 +165,9 @@ def _project(module: nnx.Module, name: str, x: Float[Array, "T ..."]) -> Float[A
     if module.quantization is None:
         return matmul(x, getattr(module, name)[...], num_in)
     q, scale = getattr(module, name + QUANT_SUFFIX)[...], getattr(module, name + SCALE_SUFFIX)[...]
+    if hasattr(module, name + ZERO_SUFFIX):  # group-quantized
+        perm = getattr(module, name + PERM_SUFFIX)[...] if hasattr(module, name + PERM_SUFFIX) else None
+        return group_matmul(x, q, scale, getattr(module, name + ZERO_SUFFIX)[...], num_in, perm)
     return quantized_matmul(x, q, scale, module.quantization, num_in)
 
 
@@ -350,7 +355,8 @@ class Llama(nnx.Module):
       scan_layers: stack the layers' parameters and run the layers as a `lax.scan` (one compiled
         body, each layer's weights sliced out of the stack: copied); False holds them as per-layer
         arrays and unrolls the layers (L bodies: the same results, longer to compile).
-      quantization: "fp8" or "int8" decoder-layer weights (see quant.py); None: `dtype` weights.
+      quantization: "fp8" or "int8" decoder-layer weights (see quant.py), or group-quantized ones
+        (`config.weight_group_size`, see group_quant.py); None: `dtype` weights.
         The embedding, the norms and the LM head keep `dtype`.
     """
 

@@ -14,9 +14,14 @@ Both store the contracted axes minor in both operands, the one layout cuBLASLt's
 without a transpose. Dimension letters: T tokens; `*in`, `*out` the weight's input and output axes.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.model.group_quant import quantize_groups
 
 FP8 = jnp.float8_e4m3fn
 
@@ -53,6 +58,22 @@ def quantize_weight(w: Float[Array, "..."], method: str, num_in: int, num_lead: 
     amax = jnp.max(jnp.abs(wt), axis=reduce)
     scale = jnp.where(amax > 0, amax / _qmax(method), 1.0).astype(jnp.float32)
     return _to_storage(wt / scale.reshape(scale.shape + (1,) * num_in), method), scale
+
+
+def quantize_param(
+    w: Float[Array, "..."], method: str, config: ModelConfig, num_in: int, num_lead: int = 0
+) -> tuple[Array, ...]:
+    """A quantizable weight's replacement arrays, in the order of `quantized_paths(config, spec)`:
+    its group-quantized triple when `config.weight_group_size` is set (`quantize_groups`; with
+    `weight_act_order` an identity permutation after it), else its per-channel pair
+    (`quantize_weight` with `method`)."""
+    if config.weight_group_size is None:
+        return quantize_weight(w, method, num_in, num_lead)
+    arrays = quantize_groups(w, config.weight_bits, config.weight_group_size, num_in, num_lead)
+    if not config.weight_act_order:
+        return arrays
+    num_features = math.prod(w.shape[num_lead : num_lead + num_in])
+    return (*arrays, jnp.broadcast_to(jnp.arange(num_features, dtype=jnp.int32), (*w.shape[:num_lead], num_features)))
 
 
 def matmul(x: Float[Array, "T ..."], w: Float[Array, "..."], num_in: int) -> Float[Array, "T ..."]:

@@ -31,6 +31,7 @@ from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import (
     EXPERT_MLP,
     EXPERTS,
+    GROUP_AXES,
     HEAD_DIM,
     HEADS,
     KV_HEADS,
@@ -62,7 +63,8 @@ KEY_VALUE_AXES = (None, KV_HEADS, HEAD_DIM)
 # Logical axis -> mesh axis. Every split axis must divide evenly, except the vocabulary, which
 # stays whole (replicated) when it does not.
 # A mixture of experts' experts split like the MLP: each device holds every expert's share of
-# the FFN width (and of the shared expert's); the router stays whole.
+# the FFN width (and of the shared expert's); the router stays whole. A group-quantized weight's
+# scales and zero points split where its first input axis does.
 RULES: dict[str, str] = {
     HEADS: TENSOR_AXIS,
     KV_HEADS: TENSOR_AXIS,
@@ -71,6 +73,7 @@ RULES: dict[str, str] = {
     EXPERT_MLP: TENSOR_AXIS,
     SHARED_MLP: TENSOR_AXIS,
 }
+RULES |= {GROUP_AXES[a]: RULES[a] for a in GROUP_AXES if a in RULES}
 # Expert parallelism (`enable_expert_parallel`): each device holds whole experts instead.
 EXPERT_PARALLEL_RULES: dict[str, str | None] = {**RULES, EXPERTS: TENSOR_AXIS, EXPERT_MLP: None}
 
@@ -92,7 +95,8 @@ class TensorParallelLayout:
     Raises:
       TensorParallelError: `size` does not divide the query heads or the MLP width, or neither of
         `size` and the kv heads divides the other; or the experts (their number under expert
-        parallelism, else their FFN width).
+        parallelism, else their FFN width); or (group-quantized weights) the groups of a split
+        input (a quantization group never straddles two devices).
     """
 
     config: ModelConfig
@@ -131,6 +135,14 @@ class TensorParallelLayout:
                 f"tensor_parallel_size={n} must divide each expert's FFN width ({c.moe.expert_size}); "
                 "or split whole experts with --enable-expert-parallel"
             )
+        sizes = axis_sizes(c)
+        for axis in GROUP_AXES.values():
+            if axis in RULES and axis in sizes and sizes[axis] % n:
+                raise TensorParallelError(
+                    f"tensor_parallel_size={n} would split a quantization group: the {axis.removesuffix('_groups')} "
+                    f"inputs hold {sizes[axis]} groups of {c.weight_group_size} features, which {n} devices cannot "
+                    "share evenly; use a tensor_parallel_size that divides it (or a smaller group size)"
+                )
 
     @property
     def kv_replicas(self) -> int:

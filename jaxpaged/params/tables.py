@@ -11,7 +11,9 @@ from jaxpaged.config.architectures import ARCHITECTURES
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import LAYERS, ParamSpec, Path, axis_sizes
 
-ROLES = ("plain", "quant", "scale")  # a parameter as declared, or one half of its quantized pair
+# A parameter as declared, or one array of its quantized pair (group-quantized: triple, and the
+# act-order permutation).
+ROLES = ("plain", "quant", "scale", "zero", "perm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,21 +42,32 @@ def param_specs(config: ModelConfig) -> tuple[ParamSpec, ...]:
 
 def state_params(config: ModelConfig, quantized: bool = False) -> dict[Path, StateParam]:
     """Every array of the state of a model of `config` (with `quantized`: its quantizable weights
-    replaced by their pairs), by path, in the table's order."""
+    replaced by their pairs, or their group-quantized triples when `config.weight_group_size` is
+    set), by path, in the table's order."""
     out = {}
+    grouped = config.weight_group_size is not None
     for spec in param_specs(config):
         lead = (LAYERS,) if spec.per_layer else ()
         if quantized and spec.quantize:
-            (quant, scale), (quant_axes, scale_axes) = spec.quantized_paths, spec.quantized_axes
-            out[quant] = StateParam(quant, lead + quant_axes, spec, "quant")
-            out[scale] = StateParam(scale, lead + scale_axes, spec, "scale")
+            axes = spec.grouped_axes(config.weight_act_order) if grouped else spec.quantized_axes
+            for path, role_axes, role in zip(quantized_paths(config, spec), axes, ROLES[1:]):
+                out[path] = StateParam(path, lead + role_axes, spec, role)
         else:
             out[spec.path] = StateParam(spec.path, lead + spec.axes, spec)
     return out
 
 
+def quantized_paths(config: ModelConfig, spec: ParamSpec) -> tuple[Path, ...]:
+    """The paths of the arrays that replace a quantizable weight under weight quantization: its
+    group-quantized triple (and act-order permutation) when `config.weight_group_size` is set,
+    else its pair."""
+    if config.weight_group_size is not None:
+        return spec.grouped_paths(config.weight_act_order)
+    return spec.quantized_paths
+
+
 def find_state_param(config: ModelConfig, path: Path) -> StateParam:
-    """The state array at `path`, plain or one half of a quantized pair.
+    """The state array at `path`, plain or one array of a quantized pair (or group-quantized triple).
 
     Raises:
       KeyError: naming a path no parameter of the table has.

@@ -5,8 +5,10 @@
     weights per GPU      = every parameter of the architecture's table (jaxpaged.config.architectures),
                            split over the tensor-parallel GPUs by the engine's sharding rules
                            (jaxpaged.parallel.sharding: heads, MLP width, vocabulary); with
-                           --quantization the decoder's matrices take 1 byte per weight plus a
-                           float32 scale per output channel
+                           --quantization fp8/int8 the decoder's matrices take 1 byte per weight
+                           plus a float32 scale per output channel; int4: half a byte per weight
+                           plus a float32 scale and an int8 zero point per group of
+                           --quantization-group-size inputs
     KV bytes per token   = 2 x layers x KV heads per GPU x head_dim x KV dtype bytes
     KV pool per GPU      = GPU memory x gpu_memory_utilization - weights per GPU
     max concurrency      = pool blocks / blocks of one request of `context` tokens
@@ -24,12 +26,17 @@ from jaxpaged.config.checks import check_block_size, check_choice, check_memory_
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
+    DEFAULT_GROUP_SIZE,
     DTYPE_BYTES,
     FP8_KV_DTYPES,
+    GROUP_CODE_DTYPES,
+    GROUP_SCALE_DTYPE,
+    GROUP_ZERO_DTYPE,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     QUANTIZED_WEIGHT_DTYPES,
     resolve_quantization,
+    with_quantized_weights,
 )
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.params.tables import state_params, state_shapes
@@ -64,15 +71,25 @@ def count_active_parameters(config: ModelConfig) -> int:
 
 def weight_bytes_per_gpu(config: ModelConfig, dtype: str, quantization: str | None, tensor_parallel_size: int) -> int:
     """Bytes of the parameters on the fullest GPU: `dtype` each, quantized weights 1 byte and
-    their scales float32 (split by the sharding table like their weights)."""
+    their scales float32, or group-quantized (`config.weight_group_size`) their codes'
+    bits, float32 scales and int8 zero points (split by the sharding table like their weights)."""
     layout = TensorParallelLayout(config, tensor_parallel_size)
     element = {"plain": DTYPE_BYTES[dtype], "scale": DTYPE_BYTES["float32"]}
-    if quantization is not None:
+    if config.weight_group_size is not None:
+        element |= {
+            "quant": DTYPE_BYTES[GROUP_CODE_DTYPES[config.weight_bits]],
+            "scale": DTYPE_BYTES[GROUP_SCALE_DTYPE],
+            "zero": DTYPE_BYTES[GROUP_ZERO_DTYPE],
+            "perm": DTYPE_BYTES["int32"],
+        }
+    elif quantization is not None:
         element["quant"] = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]
     roles = {path: p.role for path, p in state_params(config, quantization is not None).items()}
-    return sum(
-        layout.device_elements({path: shape}) * element[roles[path]]
-        for path, shape in state_shapes(config, quantization).items()
+    return int(
+        sum(
+            layout.device_elements({path: shape}) * element[roles[path]]
+            for path, shape in state_shapes(config, quantization).items()
+        )
     )
 
 
@@ -86,6 +103,7 @@ def make_plan(
     dtype: str = defaults.DTYPE,
     kv_cache_dtype: str = defaults.KV_CACHE_DTYPE,
     quantization: str | None = None,
+    quantization_group_size: int = DEFAULT_GROUP_SIZE,
     block_size: int = defaults.BLOCK_SIZE,
 ) -> dict:
     """The plan as a JSON-ready dict (bytes are per GPU unless the key says `_all_gpus`).
@@ -113,6 +131,10 @@ def make_plan(
         quantization = resolve_quantization(quantization, raw)
     except ValueError as err:
         raise ValueError(f"--quantization: {err}") from None
+    try:
+        config = with_quantized_weights(config, quantization, quantization_group_size, raw)
+    except ValueError as err:
+        raise ValueError(f"--quantization-group-size: {err}") from None
     kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
     check_block_size(block_size)
     check_memory_fraction(gpu_memory_utilization)
@@ -128,6 +150,8 @@ def make_plan(
         "num_active_parameters": count_active_parameters(config),
         "dtype": dtype,
         "quantization": quantization,
+        "weight_bits": config.weight_bits,
+        "weight_group_size": config.weight_group_size,
         "kv_cache_dtype": kv_dtype,
         "tensor_parallel_size": tp,
         "gpu_memory_bytes": gpu_memory,
@@ -201,6 +225,12 @@ def _size(n: int) -> str:
     return f"{n:,} B" + (f" ({format_bytes(n)})" if n >= 2**10 else "")
 
 
+def _quantization_row(r: dict) -> str:
+    if r["weight_group_size"] is not None:
+        return f"{r['quantization']} ({r['weight_bits']}-bit, groups of {r['weight_group_size']})"
+    return r["quantization"] or "none"
+
+
 def format_plan(r: dict) -> str:
     """The plan as an aligned, human-readable table."""
     tp = r["tensor_parallel_size"]
@@ -208,7 +238,7 @@ def format_plan(r: dict) -> str:
         ("model", f"{r['model']} [{r['architecture']}]"),
         ("parameters", f"{r['num_parameters']:,}" + _active(r)),
         ("dtype / KV cache dtype", f"{r['dtype']} / {r['kv_cache_dtype']}"),
-        ("weight quantization", r["quantization"] or "none"),
+        ("weight quantization", _quantization_row(r)),
         ("tensor parallel", f"{tp} GPU(s), {r['kv_heads_per_gpu']} KV head(s) per GPU"),
         ("GPU memory x utilization", f"{_size(r['gpu_memory_bytes'])} x {r['gpu_memory_utilization']}"),
         ("weights per GPU", _size(r["weight_bytes_per_gpu"])),
@@ -243,6 +273,7 @@ def run(args) -> int:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         block_size=args.block_size,
     )
     print(json.dumps(report, indent=2) if args.json else format_plan(report))

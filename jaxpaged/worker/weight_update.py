@@ -33,7 +33,8 @@ from flax import nnx
 
 from jaxpaged.checkpoint.hf_keys import format_names, hf_key_specs, quantizable
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.model.quant import quantize_weight
+from jaxpaged.model.quant import quantize_param
+from jaxpaged.params.tables import quantized_paths
 from jaxpaged.parallel.mesh import TensorParallel, param_path
 
 Key = tuple[tuple[str, ...], int | None]  # (parameter path, layer of a per-layer array or None)
@@ -93,9 +94,10 @@ def _bytes(x) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Quantize:
-    """A plain weight to quantize into the pair at `keys` (`num_lead`: a stacked layer axis)."""
+    """A plain weight to quantize into the arrays at `keys` (its pair, or its group-quantized
+    arrays: `quantized_paths`; `num_lead`: a stacked layer axis and an experts' axis)."""
 
-    keys: tuple[Key, Key]
+    keys: tuple[Key, ...]
     num_in: int
     num_lead: int
 
@@ -122,9 +124,9 @@ class WeightTarget:
                     continue
                 plain_path = path[:-1] + (path[-1].removesuffix("_quant"),)
                 spec = quantizable(self.config, plain_path)
-                pair = (key, (spec.quantized_paths[1], layer))
+                keys = tuple((p, layer) for p in quantized_paths(self.config, spec))
                 stacked = spec.per_layer and layer is None
-                self.plain[(plain_path, layer)] = _Quantize(pair, spec.num_in, int(stacked))
+                self.plain[(plain_path, layer)] = _Quantize(keys, spec.num_in, int(stacked) + spec.num_lead)
 
     def plain_shape(self, key: Key) -> tuple[int, ...]:
         """The mesh-layout shape of a quantizable weight given plain."""
@@ -178,8 +180,7 @@ class WeightTarget:
         for key, x in given.items():
             if key in self.plain:
                 job = self.plain[key]
-                q, s = self._quantize(job, x)
-                new[job.keys[0]], new[job.keys[1]] = q, s
+                new.update(zip(job.keys, self._quantize(job, x)))
                 quantized += _bytes(x)
                 continue
             sharding = self.current[key].sharding
@@ -191,9 +192,9 @@ class WeightTarget:
                 copied += _bytes(x)
         return new, WeightUpdateStats(len(new), shared, copied, quantized)
 
-    def _quantize(self, job: _Quantize, x) -> tuple[jax.Array, jax.Array]:
+    def _quantize(self, job: _Quantize, x) -> tuple[jax.Array, ...]:
         shardings = tuple(self.current[k].sharding for k in job.keys)
-        return _quantizer(self.quantization, job.num_in, job.num_lead, shardings)(x)
+        return _quantizer(self.quantization, self.config, job.num_in, job.num_lead, shardings)(x)
 
     # -- the HF form ----------------------------------------------------------------------------
 
@@ -204,6 +205,11 @@ class WeightTarget:
         Raises:
           WeightUpdateError: an unknown or repeated name, or a wrong shape or non-float dtype.
         """
+        if self.config.moe is not None:
+            raise WeightUpdateError(
+                f"{self.config.architecture} is a mixture of experts: Hugging Face (name, array) pairs are not "
+                "taken for its per-expert tensors yet; pass the engine's parameter pytree (get_params())"
+            )
         specs = {s.hf_name: s for s in hf_key_specs(self.config)}
         pairs, seen = [], set()
         for name, array in weights:
@@ -232,7 +238,8 @@ class WeightTarget:
                 parts = [(spec.target, value)]
             else:
                 quantized += value.nbytes
-                parts = zip(plain.quantized_paths, quantize_weight(jnp.asarray(value), self.quantization, plain.num_in))
+                arrays = quantize_param(jnp.asarray(value), self.quantization, self.config, plain.num_in)
+                parts = zip(quantized_paths(self.config, plain), arrays)
             for path, part in parts:
                 if (path, spec.layer) in self.current:  # an array of its own (a layer's, or a whole parameter)
                     key = (path, spec.layer)
@@ -267,9 +274,9 @@ def _set_row(stacked: jax.Array, row: jax.Array, layer: int) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=64)
-def _quantizer(method: str, num_in: int, num_lead: int, shardings: tuple):
-    """The jitted quantization of one weight straight into its pair's shardings."""
-    fn = functools.partial(quantize_weight, method=method, num_in=num_in, num_lead=num_lead)
+def _quantizer(method: str, config: ModelConfig, num_in: int, num_lead: int, shardings: tuple):
+    """The jitted quantization of one weight straight into its arrays' shardings."""
+    fn = functools.partial(quantize_param, method=method, config=config, num_in=num_in, num_lead=num_lead)
     return jax.jit(fn, out_shardings=shardings)
 
 

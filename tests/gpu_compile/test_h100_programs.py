@@ -6,6 +6,8 @@ jaxpaged/bench/gpu_targets.py), and what their memory analysis says on the produ
 - unrolled over per-layer arrays (the default), a step reads every weight where it lies; scanned,
   XLA copies each layer's weights out of the stack before its Triton GEMMs, every step (why
   scanning is not the default: the temporaries hold a layer's weights);
+- at int4, steps of up to 16 tokens read the 4-bit codes inside their GEMM fusions (no widened
+  weight written, no bfloat16 weight in the temporaries);
 - `jaxpaged bench startup --target h100` compiles an engine's whole program set for an H100.
 
 Needs JAX's CUDA plugin (`pip install -e '.[gpu-compile]'`); CI runs these with the GPU
@@ -18,6 +20,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -143,6 +146,24 @@ def test_unrolled_steps_read_weights_in_place_and_scanned_steps_copy_them(tmp_pa
     print("temporaries (MiB, unrolled vs scanned):", temps)
     assert all(u.temp_size_in_bytes < layer_bytes / 4 for u in unrolled.values()), temps
     assert all(s.temp_size_in_bytes >= layer_bytes for s in scanned.values()), temps
+
+
+def test_int4_steps_read_4_bit_weights_inside_their_gemms(tmp_path):
+    """Llama-3.1-8B's shapes at int4 (groups of 128), two layers, steps of at most 16 tokens: every
+    projection's int4 codes enter a Triton GEMM fusion as they lie (converted in registers), no
+    program writes a widened weight (the census's upcasts), and the temporaries (per-group float32
+    partials of 16 tokens among them) stay below one MLP weight in bfloat16 (112 MiB)."""
+    from benchmarks.gpu.hlo_census import census
+
+    model = model_dir(tmp_path, "llama-3.1-8b", num_hidden_layers=2)
+    compiled, params = compile_for_h100(model, SMALL_POOL, dtype="bfloat16", quantization="int4")
+    codes = [x for x in jax.tree.leaves(params["layers"]) if x.dtype == jnp.int4]
+    assert len(codes) == 14  # 7 projections x 2 layers, 4-bit on the GPU
+    mlp_weight_bf16 = max(x.size for x in codes) * 2
+    for program, executable in compiled.items():
+        found = census(executable.as_text(), {x.size for x in codes})["weight_sized"]
+        assert found["upcasts"] == 0 and found["converts_in_gemm_fusions"] >= 14, (program, found)
+        assert executable.memory_analysis().temp_size_in_bytes < mlp_weight_bf16, program
 
 
 def test_bench_startup_compiles_the_demo_engine_for_an_h100(tmp_path):

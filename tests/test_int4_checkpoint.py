@@ -1,0 +1,81 @@
+"""4/8-bit checkpoints end to end: tiny Llama checkpoints in the AWQ, GPTQ and compressed-tensors
+pack-quantized layouts (built by tests/int4_checkpoints.py's independent packers) load with their
+weights group-quantized on the device, detected from config.json, and their logits and greedy tokens
+equal transformers' run on the packer's dequantized weights; a bad file is refused from its
+headers naming the tensor, and `--quantization` asserts the format."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from checkpoint_edits import copy_checkpoint, edit_tensors
+from int4_checkpoints import save_int4_checkpoint
+
+from jaxpaged.checkpoint.convert import convert_checkpoint
+from jaxpaged.checkpoint.loader import load_model, load_params
+from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.model.group_quant import code_dtype
+from jaxpaged.worker.paged_generate import PagedGenerator
+
+VARIANT = "llama_gqa4"  # hidden 64, o_proj inputs 8 x 16 = 128, MLP 128
+PROMPTS = [np.random.default_rng(0).integers(3, 512, n).tolist() for n in (9, 40)]
+# kind -> (bits, the model's group size) of the checkpoints run end to end (one of each format; a
+# channel-wise checkpoint is held in groups of 64, the largest size dividing every projection's
+# inputs); every kind dequantizes exactly at the reader's level (test_int4_formats.py)
+KINDS = {
+    "awq": (4, 32),
+    "gptq_act_order_asym": (4, 16),  # desc_act: a shuffled g_idx, asymmetric zeros
+    "gptq_8bit_channel": (8, 64),
+    "compressed_channel": (4, 64),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """kind -> (directory, the dequantized transformers model)."""
+    root = tmp_path_factory.mktemp("int4")
+    kinds = [*KINDS, "gptq_sym"]
+    return {kind: (str(root / kind), save_int4_checkpoint(VARIANT, kind, str(root / kind))) for kind in kinds}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_logits_and_greedy_tokens_equal_the_dequantized_model(checkpoints, kind):
+    path, hf = checkpoints[kind]
+    config, model = load_model(path, "float32")
+    assert (config.weight_bits, config.weight_group_size) == KINDS[kind]
+    assert config.weight_act_order == ("act_order" in kind)
+    generator = PagedGenerator(model)
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            reference = hf(torch.tensor([prompt])).logits[0].numpy()
+            np.testing.assert_allclose(generator.prompt_logits(prompt), reference, atol=2e-4)
+        for prompt, got in zip(PROMPTS, generator.generate(PROMPTS, 10)):
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+            assert got == out[0, len(prompt) :].tolist()
+
+
+def test_bad_files_refused_from_headers_naming_the_tensor(checkpoints, tmp_path):
+    path = copy_checkpoint(checkpoints["awq"][0], tmp_path / "no_zeros")
+    edit_tensors(path, lambda t: t.pop("model.layers.1.mlp.up_proj.qzeros"))
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.up_proj\.qzeros' is missing"):
+        load_model(path, "float32")
+    path = copy_checkpoint(checkpoints["gptq_sym"][0], tmp_path / "wide")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["bits"] = 8  # the words hold 8 4-bit codes, not 4 8-bit ones
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.qweight' has shape \[8, 128\]"):
+        load_model(path, "float32")
+
+
+def test_quantization_option_asserts_the_format(checkpoints, tmp_path):
+    path = checkpoints["gptq_sym"][0]
+    assert EngineConfig.resolve(EngineArgs(model=path, quantization="gptq", skip_tokenizer_init=True))
+    with pytest.raises(EngineArgsError, match="already quantized as 'gptq'"):
+        EngineConfig.resolve(EngineArgs(model=path, quantization="awq", skip_tokenizer_init=True))
+    with pytest.raises(ValueError, match="jaxpaged-convert writes plain and FP8 checkpoints only"):
+        convert_checkpoint(path, tmp_path / "out", progress=False)
+    config, params = load_params(path)  # numpy, in the model state's layout
+    codes = params["layers"]["attn"]["q_proj_quant"]
+    assert config.weight_group_size == 32 and codes.dtype == code_dtype(4) and codes.shape == (2, 64, 8, 16)

@@ -41,7 +41,9 @@ def dummy_programs(config: ModelConfig, dtype, load: LoadConfig, parallel: Tenso
     def make(spec: ParamSpec, key, layer) -> dict[Path, jax.Array]:  # one layer's, or a whole parameter
         paths = _state_paths(spec, config, load)
         value = initial_value(spec, config, dtype, key, layer)
-        values = quantize_param(value, load.quantization, config, spec.num_in, spec.num_lead) if len(paths) > 1 else (value,)
+        values = (
+            quantize_param(value, load.quantization, config, spec.num_in, spec.num_lead) if len(paths) > 1 else (value,)
+        )
         return {p: parallel.to_mesh_layout(p, v, one_layer=spec.per_layer) for p, v in zip(paths, values)}
 
     def one_layer(key, layer):

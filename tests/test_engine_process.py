@@ -178,9 +178,9 @@ def test_abort_frees_the_child_s_blocks_and_a_bad_request_fails_alone(engines):
 
 def test_dev_mode_routes_drive_the_child_between_steps(engines, monkeypatch):
     """The development-mode routes reach the engine in its process: a paused engine keeps a
-    request waiting, sleep is refused (409) while it waits and a bad mode is a 400, the engine
-    going on after both; after resume, sleep (level 1), a prefix-cache reset and wake_up, the
-    same greedy completion comes back."""
+    request waiting, sleep is refused (409) while it waits and a bad mode or level is a 400, the
+    engine going on after each; after resume, sleep (level 1), a prefix-cache reset and wake_up,
+    the same greedy completion comes back."""
     _, process = engines
     monkeypatch.setenv(DEV_MODE_ENV, "1")
     app = build_app(process, "m")
@@ -198,6 +198,7 @@ def test_dev_mode_routes_drive_the_child_between_steps(engines, monkeypatch):
             first = await waiting
             calls = [
                 await http.post("/sleep?level=1"),
+                await http.post("/sleep?level=5"),
                 await http.get("/is_sleeping"),
                 await http.post("/reset_prefix_cache"),
                 await http.post("/wake_up"),
@@ -209,8 +210,9 @@ def test_dev_mode_routes_drive_the_child_between_steps(engines, monkeypatch):
     assert [r.status_code for r in refused] == [409, 400], [r.text for r in refused]
     assert "unfinished" in refused[0].json()["error"]["message"]
     assert "mode='later'" in refused[1].json()["error"]["message"]
-    assert [r.status_code for r in calls] == [200] * 5
-    assert calls[1].json() == {"is_sleeping": True} and calls[4].json() == {"is_sleeping": False}
+    assert [r.status_code for r in calls] == [200, 400, 200, 200, 200, 200]
+    assert "level=5" in calls[1].json()["error"]["message"]
+    assert calls[2].json() == {"is_sleeping": True} and calls[5].json() == {"is_sleeping": False}
     assert first.status_code == again.status_code == 200, (first.text, again.text)
     text = first.json()["choices"][0]["text"]
     assert text and again.json()["choices"][0]["text"] == text

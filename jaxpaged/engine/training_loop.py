@@ -124,6 +124,7 @@ class TrainingLoopControls:
             `pause_generation("abort")`), or the engine runs over several processes.
           ValueError: a level other than 1 or 2.
         """
+        sleep_mode.check_level(level)  # before anything changes, asleep or not
         if self._slept is not None:
             return
         self._check_one_process(f"sleep({level})")

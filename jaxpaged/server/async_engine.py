@@ -20,8 +20,9 @@ process (`engine/core_process.py`) and the engine thread here becomes the output
 receives each step's deltas, runs the `OutputProcessor` over them (detokenization and stop
 strings, off the engine's critical path) and delivers outputs as in step 3; a sender thread
 forwards commands (adds, aborts, the stop strings found here, training-loop controls). Adds and
-controls are answered by the child, so a bad request still raises its `ValueError` in its handler. If the child dies, every request in
-flight gets `EngineDeadError` and `on_dead` runs, as for a failed step.
+controls are answered by the child, so a bad request still raises its `ValueError` in its
+handler. If the child dies, every request in flight gets `EngineDeadError` and `on_dead` runs, as
+for a failed step.
 """
 
 import asyncio

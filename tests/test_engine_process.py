@@ -1,8 +1,8 @@
 """The engine core in a child process (`jaxpaged serve`'s default) against the engine on a thread:
 the same requests give the same text, tokens, logprobs and finish reasons (greedy and seeded
 sampling, n > 1, logprobs, stop strings, one ending inside a fused window, exact max_tokens,
-streamed deltas); aborts free the child's blocks; a bad request fails alone; start-up errors are
-the same exceptions; the child's death fails requests at once. One child serves every test (it
+streamed deltas); aborts free the child's blocks; a bad request fails alone; the development-mode
+routes (sleep, pause, ...) reach the child; start-up errors are the same exceptions; the child's death fails requests at once. One child serves every test (it
 imports JAX and compiles); the test that kills it runs last.
 """
 
@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 
 from jaxpaged.engine.core_process import EngineCoreProcess
@@ -18,7 +19,9 @@ from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError
+from jaxpaged.server.dev_routes import DEV_MODE_ENV
 
 # Fused windows of 4 decode steps: a stop string can end inside one (its later tokens dropped).
 ARGS = EngineArgs(
@@ -171,6 +174,49 @@ def test_abort_frees_the_child_s_blocks_and_a_bad_request_fails_alone(engines):
 
     assert asyncio.run(run()).outputs[0].token_ids
     assert process.num_unfinished_seqs == 0 and process.is_ready
+
+
+def test_dev_mode_routes_drive_the_child_between_steps(engines, monkeypatch):
+    """The development-mode routes reach the engine in its process: a paused engine keeps a
+    request waiting, sleep is refused (409) while it waits and a bad mode or level is a 400, the
+    engine going on after each; after resume, sleep (level 1), a prefix-cache reset and wake_up,
+    the same greedy completion comes back."""
+    _, process = engines
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    app = build_app(process, "m")
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            assert (await http.post("/pause?mode=keep")).status_code == 200
+            waiting = asyncio.create_task(http.post("/v1/completions", json=body))
+            while process.num_unfinished_seqs == 0:  # added (the child gets it before the next call)
+                await asyncio.sleep(0.01)
+            refused = [await http.post(url) for url in ("/sleep?level=1", "/pause?mode=later")]
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}
+            assert (await http.post("/resume")).status_code == 200
+            first = await waiting
+            calls = [
+                await http.post("/sleep?level=1"),
+                await http.post("/sleep?level=5"),
+                await http.get("/is_sleeping"),
+                await http.post("/reset_prefix_cache"),
+                await http.post("/wake_up"),
+                await http.get("/is_sleeping"),
+            ]
+            return refused, first, calls, await http.post("/v1/completions", json=body)
+
+    refused, first, calls, again = asyncio.run(run())
+    assert [r.status_code for r in refused] == [409, 400], [r.text for r in refused]
+    assert "unfinished" in refused[0].json()["error"]["message"]
+    assert "mode='later'" in refused[1].json()["error"]["message"]
+    assert [r.status_code for r in calls] == [200, 400, 200, 200, 200, 200]
+    assert "level=5" in calls[1].json()["error"]["message"]
+    assert calls[2].json() == {"is_sleeping": True} and calls[5].json() == {"is_sleeping": False}
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    text = first.json()["choices"][0]["text"]
+    assert text and again.json()["choices"][0]["text"] == text
+    assert process.is_ready and process.num_unfinished_seqs == 0
 
 
 def test_start_up_errors_are_the_same_exceptions(tmp_path):

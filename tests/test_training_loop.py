@@ -139,6 +139,28 @@ def test_update_resets_the_prefix_cache(dirs):
     assert engine.get_stats()["num_cached_tokens"] == 0
 
 
+def test_what_followers_cannot_follow_is_refused_over_several_processes(dirs):
+    """With a step channel (the leader of `--nnodes` > 1) sleep and weight updates are refused
+    naming why, nothing changed; pausing and the prefix cache are the leader's alone and work."""
+    engine = _engine(dirs[0], 1, None)
+    before = leaves(engine)
+    engine.runner.channel = object()  # only its presence is read before the refusals
+    try:
+        for call in (
+            lambda: engine.sleep(1),
+            lambda: engine.update_weights(engine.get_params()),
+            engine.reload_weights,
+        ):
+            with pytest.raises(RuntimeError, match="several processes .* followers? .* diverge"):
+                call()
+        assert engine.reset_prefix_cache()
+        engine.pause_generation("keep")
+        engine.resume_generation()
+    finally:
+        engine.runner.channel = None
+    assert not engine.is_sleeping() and all(a is b for a, b in zip(leaves(engine), before))
+
+
 def test_sleep_and_wake_free_and_restore(dirs):
     engine = _engine(dirs[0], 1, None)
     engine.reload_weights()

@@ -1,6 +1,6 @@
 """What the server and the engine-core process (`core_process.py`) say to each other over their
 pipe: small pickled dataclasses (no JAX). Commands go to the core; the core answers once per step
-with a `CoreStep` (batched: the step's deltas, the adds it accepted or refused, its stats)."""
+with a `CoreStep` (batched: the step's deltas, the adds and controls it answered, its stats)."""
 
 import dataclasses
 from typing import Any
@@ -39,6 +39,44 @@ class StopOnString:
     index: int
     num_output_tokens: int
     stop: str
+
+
+# The training-loop controls (`engine/training_loop.py`) the server may call, by the development-
+# mode routes: on the engine's thread or in the engine-core process, always between two steps.
+CONTROL_METHODS = (
+    "sleep",
+    "wake_up",
+    "is_sleeping",
+    "reset_prefix_cache",
+    "pause_generation",
+    "resume_generation",
+    "is_paused",
+)
+
+
+@dataclasses.dataclass
+class Control:
+    """Call `engine.<method>(*args)`, one of `CONTROL_METHODS`; answered by a `ControlResult`.
+
+    Raises:
+      ValueError: `method` is not one of `CONTROL_METHODS`.
+    """
+
+    tag: int
+    method: str
+    args: tuple
+
+    def __post_init__(self):
+        if self.method not in CONTROL_METHODS:
+            raise ValueError(f"engine control {self.method!r} must be one of {CONTROL_METHODS}")
+
+    def run(self, engine) -> "ControlResult":
+        """Calls the method on `engine` (an `LLMEngine`); its error (e.g. sleep with requests
+        running) is the answer, never raised: the engine goes on."""
+        try:
+            return ControlResult(self.tag, getattr(engine, self.method)(*self.args))
+        except Exception as err:
+            return ControlResult(self.tag, None, err)
 
 
 @dataclasses.dataclass
@@ -81,10 +119,20 @@ class AddResult:
 
 
 @dataclasses.dataclass
-class CoreStep:
-    """One step's news: the adds answered before it, its deltas, and the stats after it."""
+class ControlResult:
+    """One `Control`'s answer: what the method returned, or the error it raised."""
 
-    added: list[AddResult]
+    tag: int
+    result: Any
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass
+class CoreStep:
+    """One step's news: the adds and controls answered before it (in the order they came), its
+    deltas, and the stats after it."""
+
+    answers: list[AddResult | ControlResult]
     deltas: list[SeqDelta]
     stats: dict[str, Any]
 

@@ -10,9 +10,10 @@ process it would still take the GIL from the engine every step. So `jaxpaged ser
      (only the child touches the devices: JAX in the server's process would take GPU memory the
      engine needs), then builds the engine and answers `CoreReady`; or `CoreFailed` with the
      start-up error itself (an `EngineArgsError` naming its field arrives as one).
-  2. The child's loop: read every pending command (add, abort, stop-on-string, shutdown), run one
-     `LLMEngine.step_deltas()`, send one `CoreStep` (the adds' answers, the deltas, the stats);
-     when idle, block on the pipe.
+  2. The child's loop: read every pending command (add, abort, stop-on-string, a training-loop
+     control such as sleep or pause, shutdown), run one `LLMEngine.step_deltas()`, send one
+     `CoreStep` (the adds' and controls' answers, the deltas, the stats); when idle, block on the
+     pipe. A control's error is its answer: the engine goes on.
   3. The server (`server/async_engine.py`) turns deltas into outputs with the `OutputProcessor`
      and sends `StopOnString` back when it finds a stop string.
   4. `Shutdown` aborts what is left, steps until idle and exits. The child ignores SIGINT and
@@ -32,6 +33,8 @@ from jaxpaged.engine.core_messages import (
     Abort,
     AddRequests,
     AddResult,
+    Control,
+    ControlResult,
     CoreChecked,
     CoreFailed,
     CoreReady,
@@ -158,26 +161,29 @@ def _serve(engine, conn) -> None:
     while True:
         if not engine.has_unfinished_requests():
             conn.poll(None)  # idle: sleep until a command comes (or the pipe closes)
-        added = []
+        answers = []
         while conn.poll(0):
             command = conn.recv()
             if isinstance(command, Shutdown):
-                _drain(engine, conn, added)
+                _drain(engine, conn, answers)
                 return
-            result = _apply(engine, command)
-            if result is not None:
-                added.append(result)
+            answer = _apply(engine, command)
+            if answer is not None:
+                answers.append(answer)
         deltas = engine.step_deltas() if engine.has_unfinished_requests() else []
-        conn.send(CoreStep(added, deltas, engine.get_stats()))
+        conn.send(CoreStep(answers, deltas, engine.get_stats()))
 
 
-def _apply(engine, command) -> AddResult | None:
+def _apply(engine, command) -> AddResult | ControlResult | None:
     if isinstance(command, StopOnString):
         engine.stop_on_string(command.request_id, command.index, command.num_output_tokens, command.stop)
     elif isinstance(command, Abort):
         engine.abort_request(engine.unfinished_request_ids() if command.request_ids is None else command.request_ids)
     elif isinstance(command, AddRequests):
         return _add(engine, command)
+    elif isinstance(command, Control):
+        answer = command.run(engine)
+        return answer if answer.error is None else ControlResult(answer.tag, None, _picklable(answer.error))
     else:
         raise TypeError(f"unknown engine-core command {command!r}")
     return None
@@ -198,15 +204,15 @@ def _add(engine, command: AddRequests) -> AddResult:
     return AddResult(command.tag, accepted)
 
 
-def _drain(engine, conn, added: list[AddResult]) -> None:
+def _drain(engine, conn, answers: list[AddResult | ControlResult]) -> None:
     """At shutdown: aborts what is left (every KV block returns), sends the last deltas."""
     engine.abort_request(engine.unfinished_request_ids())
     for _ in range(SHUTDOWN_STEPS):
         if not engine.has_unfinished_requests():
             break
-        conn.send(CoreStep(added, engine.step_deltas(), engine.get_stats()))
-        added = []
-    conn.send(CoreStep(added, [], engine.get_stats()))
+        conn.send(CoreStep(answers, engine.step_deltas(), engine.get_stats()))
+        answers = []
+    conn.send(CoreStep(answers, [], engine.get_stats()))
     conn.send(CoreStopped(engine.get_stats()))
 
 

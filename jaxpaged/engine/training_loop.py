@@ -63,6 +63,7 @@ class TrainingLoopControls:
         Raises:
           WeightUpdateError: (a ValueError) naming the parameter path or tensor and what was
             expected; the engine is unchanged.
+          RuntimeError: the engine is asleep at level 1, or runs over several processes.
 
         The prefix cache is reset (its KV was computed with the old weights). Requests still
         running go on with the new weights (their earlier tokens' KV stays as computed); pause
@@ -71,6 +72,7 @@ class TrainingLoopControls:
         """
         if self._slept is not None and self._slept.level == 1:
             raise RuntimeError("the engine is asleep (level 1): call wake_up() before update_weights()")
+        self._check_one_process("update_weights")
         start = time.perf_counter()
         target = WeightTarget(self.runner.params, self.runner.parallel, self.runner.quantization)
         if isinstance(weights, (dict, nnx.State)):
@@ -96,6 +98,7 @@ class TrainingLoopControls:
         and serves them (vLLM's `reload_weights`); the prefix cache is reset."""
         if self._slept is not None and self._slept.level == 1:
             raise RuntimeError("the engine is asleep (level 1): call wake_up() before reload_weights()")
+        self._check_one_process("reload_weights")
         if not self._weightless:  # the old weights go before the new ones arrive
             self.runner.params = sleep_mode.abstract(self.runner.params)
         _, params = nnx.split(build_model(self.config, self.runner.parallel))
@@ -121,15 +124,15 @@ class TrainingLoopControls:
             `pause_generation("abort")`), or the engine runs over several processes.
           ValueError: a level other than 1 or 2.
         """
+        sleep_mode.check_level(level)  # before anything changes, asleep or not
         if self._slept is not None:
             return
+        self._check_one_process(f"sleep({level})")
         if self.scheduler.has_unfinished():
             raise RuntimeError(
                 f"sleep({level}) with {self.scheduler.num_running + self.scheduler.num_waiting} unfinished "
                 "sequences; finish or abort them first (pause_generation('abort') aborts them)"
             )
-        if self.runner.channel is not None:
-            raise RuntimeError("sleep mode is not supported for an engine over several processes")
         if self._in_flight is not None:
             self._postprocess(self._take_in_flight())  # its sequences are finished: nothing to emit
         self.reset_prefix_cache()
@@ -177,6 +180,18 @@ class TrainingLoopControls:
         if self._weightless and self.scheduler.has_unfinished():
             self._check_awake("step")
         return False
+
+    def _check_one_process(self, what: str) -> None:
+        """Refuses what the follower processes of a multi-process engine (`engine/follower.py`)
+        cannot follow: they hold their own shards of the weights and KV pool, and the step channel
+        carries only steps, so the processes would diverge. (Pausing and the prefix cache are the
+        leader's scheduling alone and need no refusal.)"""
+        if self.runner.channel is not None:
+            raise RuntimeError(
+                f"{what} is not supported for an engine over several processes (--nnodes): the follower "
+                "processes hold their own shards of the weights and KV pool and receive only steps, so "
+                "they would diverge from process 0"
+            )
 
     def _check_awake(self, what: str) -> None:
         if self._slept is not None:

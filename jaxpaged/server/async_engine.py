@@ -19,9 +19,10 @@ With an `EngineCoreProcess` (what `jaxpaged serve` uses by default) the engine s
 process (`engine/core_process.py`) and the engine thread here becomes the output thread: it
 receives each step's deltas, runs the `OutputProcessor` over them (detokenization and stop
 strings, off the engine's critical path) and delivers outputs as in step 3; a sender thread
-forwards commands (adds, aborts, the stop strings found here). Adds are answered by the child, so
-a bad request still raises its `ValueError` in its handler. If the child dies, every request in
-flight gets `EngineDeadError` and `on_dead` runs, as for a failed step.
+forwards commands (adds, aborts, the stop strings found here, training-loop controls). Adds and
+controls are answered by the child, so a bad request still raises its `ValueError` in its
+handler. If the child dies, every request in flight gets `EngineDeadError` and `on_dead` runs, as
+for a failed step.
 """
 
 import asyncio
@@ -38,6 +39,8 @@ from jaxpaged.engine.core_messages import (
     Abort,
     AddRequests,
     AddResult,
+    Control,
+    ControlResult,
     CoreFailed,
     CoreReady,
     CoreStep,
@@ -162,7 +165,7 @@ class AsyncEngine:
         self._seqs_of: dict[str, int] = {}  # engine thread only: request id -> its sequences
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._core = engine if isinstance(engine, EngineCoreProcess) else None
-        self._pending: dict[int, tuple] = {}  # core mode: add tag -> its command, until answered
+        self._pending: dict[int, tuple] = {}  # core mode: add or control tag -> its command, until answered
         self._tags = itertools.count()
         self._aborted_at_shutdown = 0  # core mode: requests left when the core was told to stop
         if isinstance(engine, LLMEngine):
@@ -376,8 +379,11 @@ class AsyncEngine:
         self._die(EngineDeadError("the engine was shut down"), fatal=False)
 
     def _take_step(self, step: CoreStep) -> None:
-        for result in step.added:
-            self._answer_add(result)
+        for answer in step.answers:
+            if isinstance(answer, ControlResult):
+                self._answer_control(answer)
+            else:
+                self._answer_add(answer)
         self._outputs.process(step.deltas)
         self.stats = step.stats
         self._deliver(self._outputs.outputs())
@@ -394,6 +400,11 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._seqs_of[request_id] = params.n
         done.set_result(None)
+
+    def _answer_control(self, answer: ControlResult) -> None:
+        with self._cond:
+            _, _, done = self._pending.pop(answer.tag)
+        _settle(done, answer)
 
     def _stop_on_string(self, request_id: str, index: int, num_output_tokens: int, stop: str) -> None:
         with self._cond:
@@ -430,8 +441,12 @@ class AsyncEngine:
         if kind == "abort_all":
             return Abort(None)
         if kind == "control":
-            command[3].set_exception(NotImplementedError(f"{command[1]} is not supported with the engine-core process"))
-            return None
+            _, control, done = command
+            if not done.set_running_or_notify_cancel():
+                return None  # the caller went away first
+            with self._cond:
+                self._pending[control.tag] = command
+            return control
         _, stream, prompts, params, cache_salt, arrival, done = command
         if not done.set_running_or_notify_cancel():
             self._finished_seqs(len(stream.request_ids) * params.n)
@@ -470,21 +485,25 @@ class AsyncEngine:
             pass
 
     def control(self, method: str, *args) -> concurrent.futures.Future:
-        """Calls one of the engine's training-loop methods (`sleep`, `wake_up`, `is_sleeping`,
-        `reset_prefix_cache`, `pause_generation`, `resume_generation`, `is_paused`) on the engine
-        thread, between steps; the future gets its result or error. Not supported with the
-        engine-core process (the future gets a NotImplementedError)."""
+        """Calls one of the engine's training-loop methods (`core_messages.CONTROL_METHODS`:
+        `sleep`, `wake_up`, `is_sleeping`, `reset_prefix_cache`, `pause_generation`,
+        `resume_generation`, `is_paused`) between two steps, on the engine thread or in the
+        engine-core process; the future gets its result or the error it raised (the engine goes
+        on).
+
+        Raises:
+          ValueError: `method` is not a control method.
+          EngineDeadError: the engine has stopped.
+        """
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("control", method, args, done))
+        self._submit(("control", Control(next(self._tags), method, args), done))
         return done
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "control":
-            _, method, args, done = command
-            try:
-                done.set_result(getattr(self.engine, method)(*args))
-            except Exception as err:  # the caller's error (e.g. sleep with requests running)
-                done.set_exception(err)
+            _, control, done = command
+            if done.set_running_or_notify_cancel():  # else the caller went away first
+                _settle(done, control.run(self.engine))
             return
         if command[0] == "abort":
             self.engine.abort_request(command[1])
@@ -539,7 +558,9 @@ class AsyncEngine:
             commands, self._commands = self._commands, []
             pending, self._pending = list(self._pending.values()), {}
         for command in commands + pending:
-            if command[0] == "add" and (command[-1].running() or command[-1].set_running_or_notify_cancel()):
+            if command[0] in ("add", "control") and (
+                command[-1].running() or command[-1].set_running_or_notify_cancel()
+            ):
                 command[-1].set_exception(err)
         streams, self._streams = self._streams, {}
         for stream in set(streams.values()):
@@ -552,6 +573,13 @@ def _load_tokenizer(tokenizer_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _settle(done: concurrent.futures.Future, answer: ControlResult) -> None:
+    if answer.error is None:
+        done.set_result(answer.result)
+    else:
+        done.set_exception(answer.error)
 
 
 def _put_all(items: list) -> None:

@@ -10,8 +10,10 @@ process puts the server's engine to sleep, wakes it, pauses it and resets its pr
     GET  /is_paused              {"is_paused": bool}
 
 They exist only when the environment variable `DEV_MODE_ENV` is "1" when the app is built: they
-change what every client gets, so a production server never has them. They need the engine in
-the server's process (not `--engine-process`: 501 there).
+change what every client gets, so a production server never has them. They work wherever the
+engine runs (`AsyncEngine.control`: on the server's engine thread, or in the engine-core process
+of `--engine-process`, the default), between two steps. A refused call is a 400 (a bad argument)
+or a 409 (the engine's state forbids it: sleep with requests running, or over several processes).
 """
 
 import asyncio
@@ -20,7 +22,7 @@ import os
 from fastapi import FastAPI
 from starlette.responses import JSONResponse, Response
 
-from jaxpaged.server.async_engine import AsyncEngine
+from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
 from jaxpaged.server.errors import error_body
 
 DEV_MODE_ENV = "JAXPAGED_SERVER_DEV_MODE"  # vLLM's VLLM_SERVER_DEV_MODE
@@ -37,8 +39,8 @@ def add_dev_routes(app: FastAPI, engine: AsyncEngine) -> None:
     async def call(method: str, *args):
         try:
             return await asyncio.wrap_future(engine.control(method, *args))
-        except NotImplementedError as err:
-            return JSONResponse(error_body(str(err), "not_implemented"), status_code=501)
+        except (EngineDeadError, EngineNotReadyError):
+            raise  # the app's 503s
         except ValueError as err:
             return JSONResponse(error_body(str(err), "invalid_request_error"), status_code=400)
         except RuntimeError as err:

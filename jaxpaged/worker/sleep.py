@@ -43,14 +43,19 @@ def is_abstract(tree) -> bool:
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
+def check_level(level: int) -> None:
+    """Raises ValueError for a level other than 1 or 2."""
+    if level not in LEVELS:
+        raise ValueError(f"sleep level={level!r} must be 1 (weights to host memory) or 2 (weights discarded)")
+
+
 def sleep(runner, level: int) -> Slept:
     """Drops the runner's device arrays (see the module docstring); returns what it must keep.
 
     Raises:
       ValueError: a level other than 1 or 2.
     """
-    if level not in LEVELS:
-        raise ValueError(f"sleep level={level!r} must be 1 (weights to host memory) or 2 (weights discarded)")
+    check_level(level)
     quant = runner.cache.kv.quant
     scales = None if quant is None else (np.asarray(quant.k_scale)[:, 0], np.asarray(quant.v_scale)[:, 0])
     host = jax.tree.map(np.asarray, runner.params) if level == 1 else None

@@ -1,5 +1,5 @@
 """The engine in a training loop: new weights (the engine's pytree shared, host arrays, plain
-weights quantized by an fp8 engine, Hugging Face pairs) give a fresh engine's tokens on 1, 2 and
+weights quantized by an fp8 or int4 engine, Hugging Face pairs) give a fresh engine's tokens on 1, 2 and
 4 devices; bad weights are refused naming the parameter with nothing changed; the old weights'
 buffers are gone; sleep and wake give back and take the memory they say; pausing; the scoring
 path's log-probabilities equal the sampler's."""
@@ -49,6 +49,7 @@ def _engine(path: str, tp: int, quantization: str | None) -> LLMEngine:
         dtype="bfloat16",
         tensor_parallel_size=tp,
         quantization=quantization,
+        quantization_group_size=32,  # int4: groups that divide the tiny model's 64 inputs
         skip_tokenizer_init=True,
         max_model_len=32,
         max_num_seqs=2,
@@ -86,7 +87,7 @@ def assert_refused(engine: LLMEngine, weights, match: str) -> None:
     assert all(a is b for a, b in zip(leaves(engine), before)), "a refused update changed the engine"
 
 
-@pytest.mark.parametrize("tp,quantization", [(1, None), (1, "fp8"), (2, None), (4, "fp8")])
+@pytest.mark.parametrize("tp,quantization", [(1, None), (1, "int4"), (2, None), (4, "fp8")])
 def test_new_weights_give_a_fresh_engines_tokens(dirs, tp, quantization):
     engine, fresh = _engine(dirs[0], tp, quantization), _engine(dirs[1], tp, quantization)
     expected_a, expected_b = tokens(engine), tokens(fresh)
@@ -125,7 +126,9 @@ def test_new_weights_give_a_fresh_engines_tokens(dirs, tp, quantization):
         stats = engine.update_weights(host)
         assert stats.copied_bytes == total_bytes(leaves(fresh)) and stats.shared_bytes == 0
     else:  # what a trainer holds: plain bfloat16 weights, quantized on the devices
-        _, model = load_model(dirs[1], "bfloat16", parallel=engine.runner.parallel, scan_layers=False)
+        # (int4 on one device: the plain weights on the default device; the engine's layout is for its groups)
+        parallel = None if quantization == "int4" else engine.runner.parallel
+        _, model = load_model(dirs[1], "bfloat16", parallel=parallel, scan_layers=False)
         stats = engine.update_weights(nnx.state(model))
         assert stats.quantized_bytes > 0
     assert tokens(engine) == expected_b

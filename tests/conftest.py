@@ -1,7 +1,6 @@
-"""Test-wide setup: JAX on CPU with 8 fake devices (for sharding tests) and XLA's quick CPU
-compilation, tiny models importable, the engines' default compilation cache in a directory of
-this run (`$XDG_CACHE_HOME` points there, shared by the run's subprocesses, never the user's
-~/.cache), and the `isolated` marker.
+"""Test-wide setup: JAX on CPU with 8 fake devices (for sharding tests), tiny models importable,
+the engines' default compilation cache in a directory of this run (`$XDG_CACHE_HOME` points
+there, shared by the run's subprocesses, never the user's ~/.cache), and the `isolated` marker.
 tests/gpu_compile/ is collected where the gpu-compile extra is installed (CI stage 2).
 
 `isolated` tests run in a fresh Python process of their own (`python -m pytest NODEID`). The
@@ -11,7 +10,6 @@ process that has compiled several hundred programs before, XLA's CPU compiler cr
 those tests alone), taking the whole suite down with it.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,19 +18,8 @@ import tempfile
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(__file__))
-from benchmarks.gpu.plan import SMOKE_XLA_FLAGS  # noqa: E402
-
-# XLA's CPU compiler without its slow LLVM optimisations (as the GPU scripts' smoke runs): a tiny
-# engine's step programs compiled in 37% less time (48.6 s -> 30.7 s, alternating runs on a shared
-# 2-core machine) and ran as fast at the tests' sizes. Not where JAX's CUDA plugin is installed
-# (CI stage 2): tests/gpu_compile compiles for an H100 with the flags the GPU machine uses.
-# Subprocesses inherit the flags (added once).
-_xla_flags = os.environ.get("XLA_FLAGS", "").split()
-_quick = [] if importlib.util.find_spec("jax_plugins") else SMOKE_XLA_FLAGS.split()
-os.environ["XLA_FLAGS"] = " ".join(
-    _xla_flags + [f for f in (*_quick, "--xla_force_host_platform_device_count=8") if f not in _xla_flags]
-)
 if "JAXPAGED_TEST_CACHE_HOME" not in os.environ:  # set once per run; subprocesses inherit it
     os.environ["JAXPAGED_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxpaged-test-cache-")
 os.environ["XDG_CACHE_HOME"] = os.environ["JAXPAGED_TEST_CACHE_HOME"]

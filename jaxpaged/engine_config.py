@@ -21,6 +21,8 @@ from jaxpaged.config.generation import sampling_defaults
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import CONFIG_FILE, PRESETS, get_preset, load_config_dict
 from jaxpaged.config.quantization import (
+    DEFAULT_GROUP_SIZE,
+    GROUP_QUANT_BITS,
     CheckpointQuantizationError,
     group_size_field,
     resolve_quantization,
@@ -243,6 +245,13 @@ def _quantization(model: str, requested: str | None, raw: dict) -> str | None:
 
 
 def _weight_groups(model: ModelConfig, quantization: str | None, args: EngineArgs, raw: dict) -> ModelConfig:
+    if args.quantization_group_size != DEFAULT_GROUP_SIZE and quantization not in GROUP_QUANT_BITS:
+        raise EngineArgsError(
+            "quantization_group_size",
+            args.quantization_group_size,
+            f"sets the groups of weights quantized at load ({', '.join(GROUP_QUANT_BITS)}), and the weights here are "
+            f"{quantization or 'not quantized'}; drop it (a 4-bit checkpoint's groups are its own)",
+        )
     field = group_size_field(quantization)
     try:
         return with_quantized_weights(model, quantization, args.quantization_group_size, raw)
@@ -267,13 +276,18 @@ def _layout(model: ModelConfig, tensor_parallel_size: int, expert_parallel: bool
 
 
 def _draft_model(args: EngineArgs, target: ModelConfig) -> DraftModel:
-    """The draft model, checked: readable like the target, the target's vocabulary and context,
-    split over the same devices."""
+    """The draft model, checked: readable like the target, a plain checkpoint (it runs
+    unquantized), the target's vocabulary and context, split over the same devices."""
     spec, field = args.speculative_config, "speculative_config"
     try:
         check_model_dir(spec.model, args.load_format)
         raw = load_config_dict(spec.model)[1]
-        _quantization(spec.model, args.quantization, raw)
+        stored = _quantization(spec.model, None, raw)  # the draft runs unquantized, whatever the target's method
+        if stored is not None:
+            raise ValueError(
+                f"its checkpoint is quantized ({stored}); a draft model runs unquantized: give it a plain "
+                "bfloat16/float32 checkpoint"
+            )
         draft = ModelConfig.from_hf(raw)
         _layout(draft, args.tensor_parallel_size)
     except (EngineArgsError, ValueError, OSError) as err:

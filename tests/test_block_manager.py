@@ -190,3 +190,20 @@ def test_reset_prefix_cache():
     assert not bm.evictable and not bm.cached_block_hash_to_block
     assert bm.get_computed_blocks(make_seq(range(12))).num_tokens == 0
     check_accounting(bm, [])
+
+
+def test_after_a_reset_running_sequences_register_no_more_blocks():
+    """After `reset_prefix_cache` (new weights: `update_weights`) a running sequence's KV mixes
+    the old weights' with the new ones': its blocks filled later are never offered to others,
+    even behind the same prefix computed again after the reset."""
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    a = make_seq(range(10))  # blocks: full, full, partial
+    compute(a, admit(bm, a))
+    bm.reset_prefix_cache()
+    b = make_seq(range(8))  # admitted after the reset: its two blocks are cached as usual
+    compute(b, admit(bm, b))
+    for t in (10, 11):  # a's third block fills after the reset
+        a.output_token_ids.append(t)
+        bm.may_append(a, 1)
+        compute(a, 1)
+    assert bm.get_computed_blocks(make_seq(list(range(12)) + [7])).num_tokens == 8  # b's blocks, not a's third

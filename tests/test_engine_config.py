@@ -4,6 +4,8 @@ default is declared once (`jaxpaged.config.defaults`) and every component agrees
 
 import dataclasses
 import inspect
+import json
+import shutil
 
 import pytest
 
@@ -46,6 +48,29 @@ def test_resolve_reads_config_json_once(reads, seed):
     assert config.max_model_len == 64 and config.load.seed is not None
 
 
+def test_a_quantized_draft_model_is_refused_and_a_targets_format_is_not_asked_of_the_draft(tmp_path):
+    """The draft runs unquantized: a pre-quantized draft checkpoint is refused naming
+    speculative_config; `quantization` (the target's) is not checked against the draft's files."""
+    draft = tmp_path / "draft"
+    shutil.copytree(DEMO_MODEL_DIR, draft)
+    raw = json.loads((draft / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 64,
+        "zero_point": True,
+        "version": "gemm",
+    }
+    (draft / "config.json").write_text(json.dumps(raw))
+    spec = {"model": str(draft), "num_speculative_tokens": 2}
+    with pytest.raises(EngineArgsError, match="the draft model: its checkpoint is quantized .awq.") as err:
+        EngineConfig.resolve(EngineArgs(model=DEMO_MODEL_DIR, speculative_config=spec))
+    assert err.value.field == "speculative_config"
+    plain = {"model": DEMO_MODEL_DIR, "num_speculative_tokens": 2}
+    config = EngineConfig.resolve(EngineArgs(model=DEMO_MODEL_DIR, quantization="int8", speculative_config=plain))
+    assert config.draft.path == DEMO_MODEL_DIR
+
+
 def test_resolve_reads_a_draft_models_config_json_once(reads):
     spec = {"model": DEMO_MODEL_DIR, "num_speculative_tokens": 2}
     config = EngineConfig.resolve(EngineArgs(model=DEMO_MODEL_DIR, speculative_config=spec, seed=None))
@@ -60,6 +85,7 @@ def test_resolve_reads_a_draft_models_config_json_once(reads):
         (dict(model="llama-3.1-8b"), "model", "is a preset"),
         (dict(tensor_parallel_size=3), "tensor_parallel_size", "must divide"),
         (dict(tokenizer="/no/such/dir"), "tokenizer", "has no tokenizer files"),
+        (dict(quantization="fp8", quantization_group_size=64), "quantization_group_size", "weights here are fp8"),
         (
             dict(speculative_config={"model": "/no/such/dir", "num_speculative_tokens": 2}),
             "speculative_config",

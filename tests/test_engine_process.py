@@ -178,7 +178,8 @@ def test_abort_frees_the_child_s_blocks_and_a_bad_request_fails_alone(engines):
 
 def test_dev_mode_routes_drive_the_child_between_steps(engines, monkeypatch):
     """The development-mode routes reach the engine in its process: a paused engine keeps a
-    request waiting, sleep is refused (409) while it waits and a bad mode or level is a 400, the
+    request waiting, sleep is refused (409) while it waits and a bad mode or level (or level 2,
+    whose weights no route gives back) is a 400, the
     engine going on after each; after resume, sleep (level 1), a prefix-cache reset and wake_up,
     the same greedy completion comes back."""
     _, process = engines
@@ -199,6 +200,7 @@ def test_dev_mode_routes_drive_the_child_between_steps(engines, monkeypatch):
             calls = [
                 await http.post("/sleep?level=1"),
                 await http.post("/sleep?level=5"),
+                await http.post("/sleep?level=2"),  # no route could give the weights back
                 await http.get("/is_sleeping"),
                 await http.post("/reset_prefix_cache"),
                 await http.post("/wake_up"),
@@ -210,9 +212,10 @@ def test_dev_mode_routes_drive_the_child_between_steps(engines, monkeypatch):
     assert [r.status_code for r in refused] == [409, 400], [r.text for r in refused]
     assert "unfinished" in refused[0].json()["error"]["message"]
     assert "mode='later'" in refused[1].json()["error"]["message"]
-    assert [r.status_code for r in calls] == [200, 400, 200, 200, 200, 200]
+    assert [r.status_code for r in calls] == [200, 400, 400, 200, 200, 200, 200]
     assert "level=5" in calls[1].json()["error"]["message"]
-    assert calls[2].json() == {"is_sleeping": True} and calls[5].json() == {"is_sleeping": False}
+    assert calls[2].json()["error"]["param"] == "level" and "level=2" in calls[2].json()["error"]["message"]
+    assert calls[3].json() == {"is_sleeping": True} and calls[6].json() == {"is_sleeping": False}
     assert first.status_code == again.status_code == 200, (first.text, again.text)
     text = first.json()["choices"][0]["text"]
     assert text and again.json()["choices"][0]["text"] == text

@@ -26,6 +26,7 @@ from jaxpaged.model.moe import dense_experts_reference, experts_ffn
 from jaxpaged.model.quant import quantize_weight
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
+from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
 
 D, F = 16, 24
@@ -219,3 +220,5 @@ def test_group_quantized_experts_are_refused_naming_the_method():
     config = ModelConfig.from_hf({**BASE, **VARIANTS["mixtral_moe"][2], "architectures": ["MixtralForCausalLM"]})
     with pytest.raises(ValueError, match="mixture of experts, whose expert weights have no 4/8-bit group"):
         config.with_weight_groups((4, 16))
+    with pytest.raises(ValueError, match="^--quantization: mixtral is a mixture of experts"):
+        make_plan("mixtral-8x7b", gpu_memory=80 * 10**9, quantization="int4")

@@ -400,6 +400,19 @@ def test_large_bodies_are_parsed_in_a_child_process(demo, monkeypatch):
         parser.kill()
         parser.join()
     assert parsed_here == [len(json.dumps({"prompt": [5] * 10, "max_tokens": 1}))]
+    # data the parser cannot send back (nested past pickle's recursion limit) is this body's 400;
+    # the parser process lives on
+    nested = '{"a": ' * 900 + "1" + "}" * 900
+    deep = '{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": %s}' % nested
+    answer = demo.http.post(
+        "/v1/chat/completions",
+        content=deep + " " * request_body.OFF_LOOP_BYTES,
+        headers={"Content-Type": "application/json"},
+    )
+    assert answer.status_code == 400 and "could not be read" in answer.json()["error"]["message"], answer.text
+    parser = request_body._body_parser.process
+    valid = demo.http.post("/v1/completions", content=padded, headers={"Content-Type": "application/json"})
+    assert valid.status_code == 200 and request_body._body_parser.process is parser and parser.is_alive()
 
 
 def test_large_bodies_are_parsed_one_at_a_time(demo, monkeypatch):

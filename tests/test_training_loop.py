@@ -49,7 +49,7 @@ def _engine(path: str, tp: int, quantization: str | None) -> LLMEngine:
         dtype="bfloat16",
         tensor_parallel_size=tp,
         quantization=quantization,
-        quantization_group_size=32,  # int4: groups that divide the tiny model's 64 inputs
+        **({"quantization_group_size": 32} if quantization == "int4" else {}),  # groups dividing its 64 inputs
         skip_tokenizer_init=True,
         max_model_len=32,
         max_num_seqs=2,
@@ -161,6 +161,23 @@ def test_what_followers_cannot_follow_is_refused_over_several_processes(dirs):
         engine.resume_generation()
     finally:
         engine.runner.channel = None
+    assert not engine.is_sleeping() and all(a is b for a, b in zip(leaves(engine), before))
+
+
+def test_a_disk_tier_refuses_new_weights_and_a_draft_model_refuses_sleep(dirs, monkeypatch):
+    """The disk tier's files hold the checkpoint's KV under its fingerprint (later engines read
+    them): new weights are refused naming kv_cache_dir. Sleep does not free a draft model's
+    arrays: refused naming speculative_config. Nothing changes."""
+    engine = _engine(dirs[0], 1, None)
+    before = leaves(engine)
+    monkeypatch.setattr(engine, "disk_tier", object())  # only its presence is read before the refusal
+    with pytest.raises(RuntimeError, match="kv_cache_dir"):
+        engine.update_weights(engine.get_params())
+    monkeypatch.undo()
+    monkeypatch.setattr(engine.runner, "draft", object())
+    with pytest.raises(RuntimeError, match="draft model .speculative_config"):
+        engine.sleep(1)
+    monkeypatch.undo()
     assert not engine.is_sleeping() and all(a is b for a, b in zip(leaves(engine), before))
 
 

@@ -39,6 +39,7 @@ does are read into host slots (`promote_from_disk`), so the lookup finds them th
 import collections
 import functools
 import hashlib
+import sys
 import typing
 from array import array
 
@@ -384,7 +385,11 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every registered hash; cached blocks become free (vLLM's `reset_prefix_cache`),
-        in the host tier too. The disk tier keeps its files: the next lookups read them again."""
+        in the host tier too. The disk tier keeps its files: the next lookups read them again.
+        The sequences holding blocks now register no more of them: after new weights
+        (`update_weights`) their KV mixes the old weights' with the new ones'."""
+        for seq_id in self._num_registered:
+            self._num_registered[seq_id] = sys.maxsize
         self.free_block_ids.extend(self.evictable)
         self.evictable.clear()
         self.cached_block_hash_to_block.clear()

@@ -433,7 +433,9 @@ def check_host_memory(config: EngineConfig, parallel: TensorParallel, available:
     load, cache, n = config.load, config.cache, parallel.size
     devices = sum(d.process_index == jax.process_index() for d in parallel.mesh.devices.flat)
     dtype = model_dtype(config)
-    weights = devices * weight_bytes_per_gpu(config.model, dtype.name, load.quantization, n)
+    weights = devices * weight_bytes_per_gpu(
+        config.model, dtype.name, load.quantization, n, config.layout.expert_parallel
+    )
     if config.draft is not None:
         draft_dtype = jnp.dtype(resolve_dtype(load.dtype, config.draft.checkpoint_dtype)).name
         weights += devices * weight_bytes_per_gpu(config.draft.model, draft_dtype, None, n)

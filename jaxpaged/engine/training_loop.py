@@ -35,7 +35,8 @@ class TrainingLoopControls:
         """The engine's parameter state as the step programs read it (`nnx.State`; per-layer
         parameters as `LayerArrays` unless `scan_layers`; the mesh layout: kv heads repeated where
         there are more devices than kv heads; a quantized weight as its `<name>_quant` /
-        `<name>_scale` pair). `nnx.merge(graphdef, params)` is the model (`get_graphdef()`).
+        `<name>_scale` pair, a group-quantized one with its `<name>_zero` too, and `<name>_perm`
+        when act-ordered). `nnx.merge(graphdef, params)` is the model (`get_graphdef()`).
         These are the engine's arrays, not copies: do not delete or donate them."""
         self._check_awake("get_params")
         return self.runner.params
@@ -63,16 +64,24 @@ class TrainingLoopControls:
         Raises:
           WeightUpdateError: (a ValueError) naming the parameter path or tensor and what was
             expected; the engine is unchanged.
-          RuntimeError: the engine is asleep at level 1, or runs over several processes.
+          RuntimeError: the engine is asleep at level 1, runs over several processes, or keeps
+            KV on disk (`kv_cache_dir`).
 
-        The prefix cache is reset (its KV was computed with the old weights). Requests still
-        running go on with the new weights (their earlier tokens' KV stays as computed); pause
+        The prefix cache is reset (its KV was computed with the old weights), and the blocks
+        of requests still running are never cached. Those requests go on with the new weights
+        (their earlier tokens' KV stays as computed); pause
         with `pause_generation("abort")` first to drop them. The engine's references to the old
         arrays are gone when this returns (their memory is freed unless the caller holds them).
         """
         if self._slept is not None and self._slept.level == 1:
             raise RuntimeError("the engine is asleep (level 1): call wake_up() before update_weights()")
         self._check_one_process("update_weights")
+        if self.disk_tier is not None:  # its files hold KV of the checkpoint's weights, under their fingerprint
+            raise RuntimeError(
+                f"update_weights: the engine keeps KV on disk (kv_cache_dir={self.config.cache.kv_cache_dir!r}), "
+                "computed with the checkpoint's weights and read back by later engines; start the engine "
+                "without --kv-cache-dir to update its weights"
+            )
         start = time.perf_counter()
         target = WeightTarget(self.runner.params, self.runner.parallel, self.runner.quantization)
         if isinstance(weights, (dict, nnx.State)):
@@ -121,13 +130,19 @@ class TrainingLoopControls:
 
         Raises:
           RuntimeError: requests are unfinished (finish or abort them, or
-            `pause_generation("abort")`), or the engine runs over several processes.
+            `pause_generation("abort")`), the engine runs over several processes, or it has a
+            draft model.
           ValueError: a level other than 1 or 2.
         """
         sleep_mode.check_level(level)  # before anything changes, asleep or not
         if self._slept is not None:
             return
         self._check_one_process(f"sleep({level})")
+        if self.runner.draft is not None:
+            raise RuntimeError(
+                f"sleep({level}): the engine has a draft model (speculative_config), whose weights and KV pool "
+                "sleep mode does not free; start the engine without a draft model to use sleep mode"
+            )
         if self.scheduler.has_unfinished():
             raise RuntimeError(
                 f"sleep({level}) with {self.scheduler.num_running + self.scheduler.num_waiting} unfinished "

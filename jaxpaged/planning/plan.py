@@ -35,6 +35,7 @@ from jaxpaged.config.quantization import (
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     QUANTIZED_WEIGHT_DTYPES,
+    group_size_field,
     resolve_quantization,
     with_quantized_weights,
 )
@@ -69,11 +70,14 @@ def count_active_parameters(config: ModelConfig) -> int:
     return total - experts * (config.moe.num_experts - config.moe.top_k) // config.moe.num_experts
 
 
-def weight_bytes_per_gpu(config: ModelConfig, dtype: str, quantization: str | None, tensor_parallel_size: int) -> int:
+def weight_bytes_per_gpu(
+    config: ModelConfig, dtype: str, quantization: str | None, tensor_parallel_size: int, expert_parallel: bool = False
+) -> int:
     """Bytes of the parameters on the fullest GPU: `dtype` each, quantized weights 1 byte and
     their scales float32, or group-quantized (`config.weight_group_size`) their codes'
-    bits, float32 scales and int8 zero points (split by the sharding table like their weights)."""
-    layout = TensorParallelLayout(config, tensor_parallel_size)
+    bits, float32 scales and int8 zero points (split by the sharding table like their weights,
+    whole experts per device with `expert_parallel`)."""
+    layout = TensorParallelLayout(config, tensor_parallel_size, expert_parallel)
     element = {"plain": DTYPE_BYTES[dtype], "scale": DTYPE_BYTES["float32"]}
     if config.weight_group_size is not None:
         element |= {
@@ -134,7 +138,8 @@ def make_plan(
     try:
         config = with_quantized_weights(config, quantization, quantization_group_size, raw)
     except ValueError as err:
-        raise ValueError(f"--quantization-group-size: {err}") from None
+        flag = "--quantization" if config.moe is not None else group_size_field(quantization)
+        raise ValueError(f"{flag.replace('quantization_group_size', '--quantization-group-size')}: {err}") from None
     kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
     check_block_size(block_size)
     check_memory_fraction(gpu_memory_utilization)

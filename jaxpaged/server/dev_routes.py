@@ -52,6 +52,9 @@ def add_dev_routes(app: FastAPI, engine: AsyncEngine) -> None:
 
     @app.post("/sleep")
     async def sleep(level: int = 1) -> Response:
+        if level == 2:  # an HTTP client could not give the weights back (update_weights takes arrays)
+            message = "level=2 discards the weights, which no route gives back; sleep at level 1 over HTTP"
+            return JSONResponse(error_body(message, "invalid_request_error", param="level"), status_code=400)
         return await done("sleep", level)
 
     @app.post("/wake_up")

@@ -147,6 +147,9 @@ def _serve_parses(conn) -> None:
             conn.send(data)
         except APIError as err:
             conn.send((err.message, err.param))
+        except Exception as err:  # noqa: BLE001 - e.g. data nested too deeply to send back: this body's 400
+            why = "its JSON nests too deeply" if isinstance(err, RecursionError) else type(err).__name__
+            conn.send((f"the request body could not be read: {why}", None))
 
 
 _body_parser = BodyParser()

@@ -30,7 +30,9 @@ from jaxpaged.config.group_formats import (
     pack_quantized_format,
 )
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import checkpoint_group_format, checkpoint_quantization, resolve_quantization
+from jaxpaged.parallel.sharding import TensorParallelLayout
 
 PREFIX = "model.layers.0.mlp.down_proj"
 NUM_OUT, NUM_IN = 48, 64
@@ -209,6 +211,15 @@ def test_channel_weights_regrouped_to_one_model_group_size(tmp_path):
         gq = read_linear(prefix)
         assert gq.group_size == 64 and gq.scale.shape[0] == num_in // 64
         np.testing.assert_array_equal(gq.dequantize(), model.get_submodule(prefix).weight.detach().numpy().T)
+
+
+def test_channel_weights_of_a_large_model_split_over_eight_devices():
+    """8B's projections' inputs share 2048 as their largest divisor (7 MLP groups, which no tensor-
+    parallel size splits); per-channel weights are held in groups of at most 128 instead."""
+    config = ModelConfig.from_hf(load_config_dict("llama-3.1-8b")[1]).with_weight_groups((4, None))
+    assert config.weight_group_size == 128
+    for n in (2, 4, 8):
+        TensorParallelLayout(config, n)
 
 
 def test_checkpoint_detection_and_quantization_assertion():

@@ -17,6 +17,12 @@ from jaxpaged.config.presets import read_config_json
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+# The most input features per group a per-channel checkpoint's weights are held in (their one
+# scale per output channel repeated over its groups): few enough groups per projection that any
+# tensor-parallel size up to 8 splits them.
+PER_CHANNEL_GROUP_CAP = 128
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RopeConfig:
     """Rotary embedding parameters.
@@ -101,8 +107,8 @@ class ModelConfig:
         the checkpoint's groups are not contiguous (GPTQ `desc_act`), so each projection keeps a
         permutation of its inputs (see `jaxpaged.config.params`). A group size of None (one group
         per output channel, which differs between projections of different widths) becomes the
-        largest size dividing every projection's inputs: each channel's scale and zero point
-        repeated over its groups hold the same weights.
+        largest size dividing every projection's inputs and `PER_CHANNEL_GROUP_CAP`: each
+        channel's scale and zero point repeated over its groups hold the same weights.
 
         Args:
           field: what sets the group size, named in errors.
@@ -124,8 +130,8 @@ class ModelConfig:
             "num_attention_heads * head_dim": self.num_heads * self.head_dim,
             "intermediate_size": self.intermediate_size,
         }
-        if group_size is None:
-            group_size = math.gcd(*inputs.values())
+        if group_size is None:  # capped so tensor parallelism can split the groups (8B's gcd, 2048, gives 7 MLP groups)
+            group_size = math.gcd(*inputs.values(), PER_CHANNEL_GROUP_CAP)
         for name, size in inputs.items():
             if group_size < 1 or size % group_size:
                 raise ValueError(

@@ -185,6 +185,32 @@ def test_serve_interrupted_while_the_engine_starts_exits_and_ends_the_engine_pro
     assert not any(_alive(pid) for pid in engines)
 
 
+ENGINE_OWNER_EXITS = """
+import signal, time
+from jaxpaged.engine.core_process import EngineCoreProcess
+from jaxpaged.engine_args import EngineArgs
+
+def ignores_sigterm(pid):
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return mask >> (signal.SIGTERM - 1) & 1
+
+core = EngineCoreProcess(EngineArgs(model="demo"))
+while core.process.is_alive() and not ignores_sigterm(core.process.pid):
+    time.sleep(0.05)
+"""  # then exits without core.stop()
+
+
+def test_an_engine_process_never_holds_its_owners_exit():
+    """The engine process ignores SIGTERM, which multiprocessing's exit handler sends daemonic
+    children before joining them: an owner that exits without `stop` (Ctrl-C while it is being
+    constructed: seen once in CI) used to wait forever. It is killed at exit."""
+    owner = subprocess.run(
+        [sys.executable, "-c", ENGINE_OWNER_EXITS], cwd=ROOT, timeout=60, capture_output=True, text=True
+    )
+    assert owner.returncode == 0, owner.stderr
+
+
 def test_version_names_the_installed_package(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"jaxpaged {importlib.metadata.version('jaxpaged')}\n"

@@ -21,6 +21,7 @@ process it would still take the GIL from the engine every step. So `jaxpaged ser
      end of the pipe closes (the server died).
 """
 
+import atexit
 import gc
 import logging
 import multiprocessing
@@ -72,6 +73,10 @@ class EngineCoreProcess:
             name="jaxpaged-engine-core",
             daemon=True,
         )
+        # The child ignores SIGTERM, and multiprocessing's exit handler terminates daemonic children
+        # and joins them: it would wait forever whenever this object's owner never reached `stop`
+        # (e.g. Ctrl-C inside this constructor). Handlers run last-registered first: this one first.
+        atexit.register(self._kill)
         self.process.start()
         child_conn.close()  # the child's end lives in the child only: its death closes the pipe
         self._checked = False
@@ -100,6 +105,11 @@ class EngineCoreProcess:
     def recv(self):
         """The child's next message; raises `EOFError` once it has died."""
         return self._conn.recv()
+
+    def _kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
     def stop(self, timeout: float) -> None:
         """Waits up to `timeout` seconds for the child to exit, then kills it."""

@@ -307,7 +307,7 @@ class ModelRunner:
         prepared = self.input_batch.prepare(output.step_inputs)
         for slot, tokens, prompt_len in prepared.seeds:
             self.seed_penalty_slot(slot, tokens, prompt_len)
-        num_drafts = [len(d) for d in output.drafts] or [0] * output.num_seqs
+        num_drafts = _num_drafts(output)
         # Without other processes a masked step's sampler waits for `sample` (its masks follow
         # the previous step's tokens); their step channel sends a step whole, masks included.
         defer = prepared.options.mask and output.num_steps == 1 and self.channel is None
@@ -340,7 +340,7 @@ class ModelRunner:
         handle.pending = None
         output = handle.output
         live = [i for i in pending.entries if not output.scheduled[i][0].is_finished]
-        num_drafts = [len(d) for d in output.drafts] or [0] * output.num_seqs
+        num_drafts = _num_drafts(output)
         r = handle.layout.rows // handle.layout.num_seqs
         fill_bitmask(self.mask_executor(), _mask_rows(output.step_inputs, num_drafts, live, r), pending.mask)
         mask = jax.device_put(pending.mask, self._whole)
@@ -471,6 +471,11 @@ class ModelRunner:
         steps = fields[1]
         fused = options if steps > 1 else SamplerOptions()
         return Program(fields[0], steps, bool(fields[2]), fused, bool(fields[3] & 8)), options
+
+
+def _num_drafts(output) -> list[int]:
+    """How many proposals each entry of a scheduled step checks (zeros when none speculates)."""
+    return [len(d) for d in output.drafts] or [0] * output.num_seqs
 
 
 def _mask_rows(inputs: list[ScheduledSequence], num_drafts: list[int], entries: list[int], rows_per_seq: int):

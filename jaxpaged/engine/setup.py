@@ -154,7 +154,7 @@ def engine_mesh(config: EngineConfig, devices: list | None = None) -> TensorPara
       EngineArgsError: fewer devices than `tensor_parallel_size`, naming how many there are.
     """
     try:
-        return TensorParallel(config.layout, make_mesh(config.layout.size, devices))
+        return TensorParallel(config.layout, make_mesh(config.layout.size, devices, config.layout.pipeline.size))
     except TensorParallelError as err:  # too few devices
         reason = str(err).removeprefix(f"tensor_parallel_size={config.layout.size} ")
         raise EngineArgsError("tensor_parallel_size", config.layout.size, reason) from None

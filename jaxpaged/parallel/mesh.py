@@ -24,23 +24,30 @@ from jaxpaged.parallel.sharding import (
     TensorParallelError,
     TensorParallelLayout,
 )
+from jaxpaged.parallel.pipeline import PipelineLayout
 
 
-def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
-    """A mesh of the first `tensor_parallel_size` devices (all processes' devices, in order).
+def make_mesh(tensor_parallel_size: int, devices: list | None = None, pipeline_parallel_size: int = 1) -> Mesh:
+    """A `[pp, tp]` mesh of the first `pipeline_parallel_size * tensor_parallel_size` devices (all
+    processes' devices, in order): stage s is the s-th run of `tensor_parallel_size` devices, so
+    with one process per host and a host's devices per stage, the pipeline axis spans the hosts.
 
     Raises:
       TensorParallelError: fewer devices than asked for, with the count.
     """
     devices = jax.devices() if devices is None else devices
-    if tensor_parallel_size > len(devices):
+    needed = tensor_parallel_size * pipeline_parallel_size
+    if needed > len(devices):
+        sizes = f"tensor_parallel_size={tensor_parallel_size}"
+        if pipeline_parallel_size > 1:
+            sizes += f" x pipeline_parallel_size={pipeline_parallel_size}"
         raise TensorParallelError(
-            f"tensor_parallel_size={tensor_parallel_size} needs as many devices, but JAX sees "
-            f"{len(devices)} ({devices[0].platform} devices)"
+            f"{sizes} needs {needed} devices, but JAX sees {len(devices)} ({devices[0].platform} devices)"
         )
+    grid = np.array(devices[:needed]).reshape(pipeline_parallel_size, tensor_parallel_size)
     # Auto axes: XLA propagates the parameters' shardings through the step (the per-head parts
     # are explicit shard_maps), whatever a JAX version's default axis type is.
-    return Mesh(np.array(devices[:tensor_parallel_size]), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +65,15 @@ class TensorParallel:
 
     @classmethod
     def create(
-        cls, config: ModelConfig, tensor_parallel_size: int = 1, devices: list | None = None
+        cls,
+        config: ModelConfig,
+        tensor_parallel_size: int = 1,
+        devices: list | None = None,
+        pipeline: PipelineLayout | None = None,
     ) -> "TensorParallel":
         """Validates the split (`TensorParallelLayout`) and builds the mesh."""
-        layout = TensorParallelLayout(config, tensor_parallel_size)
-        return cls(layout, make_mesh(tensor_parallel_size, devices))
+        layout = TensorParallelLayout(config, tensor_parallel_size, pipeline=pipeline)
+        return cls(layout, make_mesh(tensor_parallel_size, devices, layout.pipeline.size))
 
     @property
     def size(self) -> int:

@@ -41,17 +41,25 @@ from jaxpaged.config.params import (
     VOCAB,
     axis_sizes,
 )
+from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.params.tables import find_state_param
 
-# Mesh axis names: declared once here.
+# Mesh axis names: declared once here. The pipeline axis is the outer one (a stage per host is
+# the common layout across hosts: each host's devices are one stage's tensor-parallel group).
+PIPELINE_AXIS = "pp"
 TENSOR_AXIS = "tp"
-MESH_AXES = (TENSOR_AXIS,)
+MESH_AXES = (PIPELINE_AXIS, TENSOR_AXIS)
 
 # Logical axes of the KV pool (the parameters' are declared with them, in jaxpaged.config.params).
 BLOCKS, SLOTS = "blocks", "slots"
+# The pool's leading axis: every (virtual) layer's blocks in a row, split over the stages.
+LAYER_BLOCKS = "layer_blocks"
+# The leading axis of a per-layer parameter's slot array under pipeline parallelism: one layer
+# per stage (see jaxpaged.parallel.pipeline).
+STAGES = "stages"
 
 # The K (or V) pool: every layer's blocks in a row.
-KV_POOL_AXES = (BLOCKS, SLOTS, KV_HEADS, HEAD_DIM)
+KV_POOL_AXES = (LAYER_BLOCKS, SLOTS, KV_HEADS, HEAD_DIM)
 # Scales of an fp8 KV pool, one per layer and kv head.
 KV_SCALE_AXES = (LAYERS, KV_HEADS)
 # Whole blocks copied to and from the host tier, `[C, 2, L, BS, K, H]`: K and V of every layer.
@@ -74,6 +82,8 @@ RULES: dict[str, str] = {
     SHARED_MLP: TENSOR_AXIS,
 }
 RULES |= {GROUP_AXES[a]: RULES[a] for a in GROUP_AXES if a in RULES}
+# Pipeline parallelism: each stage holds its layers' weights and KV blocks.
+RULES |= {STAGES: PIPELINE_AXIS, LAYER_BLOCKS: PIPELINE_AXIS}
 # Expert parallelism (`enable_expert_parallel`): each device holds whole experts instead.
 EXPERT_PARALLEL_RULES: dict[str, str | None] = {**RULES, EXPERTS: TENSOR_AXIS, EXPERT_MLP: None}
 
@@ -91,6 +101,8 @@ class TensorParallelLayout:
       size: devices on the tensor-parallel axis.
       expert_parallel: a mixture of experts' experts split over the devices (E / size whole
         experts each, `EXPERT_PARALLEL_RULES`) instead of every expert's FFN width.
+      pipeline: the decoder layers' stages (`PIPELINE_AXIS`); None: one stage. Each stage's
+        `size` devices split its layers by the tensor-parallel rules.
 
     Raises:
       TensorParallelError: `size` does not divide the query heads or the MLP width, or neither of
@@ -102,9 +114,16 @@ class TensorParallelLayout:
     config: ModelConfig
     size: int = 1
     expert_parallel: bool = False
+    pipeline: PipelineLayout | None = None
 
     def __post_init__(self):
         c, n = self.config, self.size
+        if self.pipeline is None:
+            object.__setattr__(self, "pipeline", PipelineLayout(c.num_layers))
+        elif self.pipeline.num_layers != c.num_layers:
+            raise TensorParallelError(
+                f"a pipeline of {self.pipeline.num_layers} layers for {c.architecture}'s {c.num_layers}"
+            )
         if not isinstance(n, int) or n < 1:
             raise TensorParallelError(f"tensor_parallel_size={n!r} must be a positive integer")
         if c.num_heads % n:
@@ -145,6 +164,11 @@ class TensorParallelLayout:
                 )
 
     @property
+    def num_devices(self) -> int:
+        """Devices of the mesh: `size` per stage."""
+        return self.size * self.pipeline.size
+
+    @property
     def kv_replicas(self) -> int:
         """How many devices hold each kv head (1 unless there are more devices than kv heads)."""
         return max(1, self.size // self.config.num_kv_heads)
@@ -170,9 +194,11 @@ class TensorParallelLayout:
         """The mesh axis each logical axis is split over (None: whole on every device); the
         argument of a `PartitionSpec`."""
         rules = EXPERT_PARALLEL_RULES if self.expert_parallel else RULES
+        split = {TENSOR_AXIS: self.size > 1, PIPELINE_AXIS: self.pipeline.size > 1}
         out = []
         for axis in axes:
-            mesh_axis = rules.get(axis) if self.size > 1 else None
+            mesh_axis = rules.get(axis)
+            mesh_axis = mesh_axis if split.get(mesh_axis, False) else None
             if mesh_axis is not None and axis == VOCAB and self.axis_size(VOCAB) % self.size:
                 mesh_axis = None  # an uneven vocabulary stays whole
             out.append(mesh_axis)

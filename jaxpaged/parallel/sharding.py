@@ -180,10 +180,14 @@ class TensorParallelLayout:
 
     @property
     def device_config(self) -> ModelConfig:
-        """One device's share of the heads (what its KV pool and attention see)."""
+        """One device's share of the heads and of the layers (what its KV pool and attention
+        see): under pipeline parallelism its stage's layer slots (`PipelineLayout.max_layers`)."""
         mesh = self.mesh_config
         return dataclasses.replace(
-            mesh, num_heads=mesh.num_heads // self.size, num_kv_heads=mesh.num_kv_heads // self.size
+            mesh,
+            num_heads=mesh.num_heads // self.size,
+            num_kv_heads=mesh.num_kv_heads // self.size,
+            num_layers=self.pipeline.max_layers,
         )
 
     def axis_size(self, logical: str) -> int:

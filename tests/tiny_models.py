@@ -82,6 +82,12 @@ VARIANTS = {
         transformers.LlamaForCausalLM,
         dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8),
     ),
+    # Pipeline-parallel variant: 5 layers, which 2 and 4 stages split unevenly (3 + 2, 2 + 1 + 1 + 1)
+    "llama_pp": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, num_hidden_layers=5),
+    ),
     # a vocabulary of 500 splits over 2 and 4 devices but stays whole over 8
     "qwen2_tp": (
         transformers.Qwen2Config,

@@ -25,7 +25,8 @@ from jaxpaged.params.tables import param_specs, quantized_paths
 def dummy_programs(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorParallel) -> dict[str, object]:
     """The two jitted programs that make the dummy weights, each `(key, layer) -> {path: array}`:
     "layer" makes layer `layer`'s per-layer parameters (an int32; with `load.scan_layers`, every
-    layer's, stacked), "model" the others (`layer` unused). Each array is in the mesh layout and
+    layer's, stacked; under pipeline parallelism a layer slot's `[P]` layers, -1 for none, as the
+    slot's arrays `[P, ...]`), "model" the others (`layer` unused). Each array is in the mesh layout and
     placed with its sharding; a quantizable weight comes as its pair (group-quantized: triple) under `load.quantization`.
     Only the key and the layer vary between calls: each program compiles once.
 
@@ -37,6 +38,7 @@ def dummy_programs(config: ModelConfig, dtype, load: LoadConfig, parallel: Tenso
     """
     specs = param_specs(config)
     stacked = load.scan_layers
+    pipeline = parallel.layout.pipeline
 
     def make(spec: ParamSpec, key, layer) -> dict[Path, jax.Array]:  # one layer's, or a whole parameter
         paths = _state_paths(spec, config, load)
@@ -52,6 +54,10 @@ def dummy_programs(config: ModelConfig, dtype, load: LoadConfig, parallel: Tenso
     def layer_params(key, layer):
         if stacked:
             return jax.vmap(one_layer, (None, 0))(key, jnp.arange(config.num_layers, dtype=jnp.int32))
+        if pipeline.size > 1:  # `layer` [P]: a layer slot's layer on each stage (-1: none)
+            values = jax.vmap(one_layer, (None, 0))(key, jnp.maximum(layer, 0))
+            present = lambda v: (layer >= 0).reshape(-1, *(1,) * (v.ndim - 1))  # noqa: E731
+            return {p: jnp.where(present(v), v, jnp.zeros_like(v)) for p, v in values.items()}
         return one_layer(key, layer)
 
     def model_params(key, layer):
@@ -78,7 +84,12 @@ def dummy_params(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorP
     params = programs["model"](key, jnp.int32(0))
     if load.scan_layers:
         return {**params, **programs["layer"](key, jnp.int32(0))}
-    layers = [programs["layer"](key, jnp.int32(layer)) for layer in range(config.num_layers)]
+    pipeline = parallel.layout.pipeline
+    if pipeline.size > 1:  # one call per layer slot, each stage making its own layer
+        slots = [[pipeline.layer_at(s, j) for s in range(pipeline.size)] for j in range(pipeline.max_layers)]
+        layers = [programs["layer"](key, jnp.array([-1 if x is None else x for x in slot], jnp.int32)) for slot in slots]
+    else:
+        layers = [programs["layer"](key, jnp.int32(layer)) for layer in range(config.num_layers)]
     return {**params, **{path: LayerArrays(layer[path] for layer in layers) for path in layers[0]}}
 
 

@@ -62,6 +62,7 @@ from jaxpaged.checkpoint.hf_keys import (
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config import defaults
 from jaxpaged.config.group_formats import GroupFormat
+from jaxpaged.config.params import LAYER_STACK
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
@@ -363,7 +364,7 @@ def load_model(
     layers: dict[Path, list] = {}  # unrolled layers: each layer's tensor an array of its own
     for path, layer, array in _quantize_tensors(tensors, config, quantize_at_load, parallel):
         if layer is not None:  # one layer's tensor of a per-layer parameter, placed on its devices
-            row = jax.device_put(array) if parallel is None else parallel.place(path, array, one_layer=True)
+            row = jax.device_put(array) if parallel is None else parallel.place_layer(path, array, layer)
             if not scan_layers:
                 layers.setdefault(path, [None] * model_config.num_layers)[layer] = row
             else:  # set in place into the stacked parameter
@@ -377,9 +378,11 @@ def load_model(
         del array
     for path, array in stacked.items():
         _insert(params, path, array)
-    for path, arrays in layers.items():
-        _insert(params, path, LayerArrays(arrays))
-    if not scan_layers:  # a converted checkpoint is restored stacked: split once, each stacked array freed
+    for path, arrays in layers.items():  # under pipeline parallelism: the stages' layer slots
+        _insert(params, path, LayerArrays(arrays if parallel is None else parallel.stack_stages(path, arrays)))
+    if not scan_layers and parallel is not None and parallel.layout.pipeline.size > 1:
+        params = _stage_restored_layers(params, parallel)
+    elif not scan_layers:  # a converted checkpoint is restored stacked: split once, each stacked array freed
         params = unstack_layers(params, _layer_sharding(parallel), release=True)
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
@@ -474,6 +477,22 @@ def _load_converted(
     for path, array in _flatten(restored).items():
         _insert(params, path, array if isinstance(array, jax.Array) else np.asarray(array))
     return target, params
+
+
+def _stage_restored_layers(params: Params, parallel: TensorParallel) -> Params:
+    """A converted checkpoint's stacked layer parameters (restored `[L, ...]`, the layer axis
+    whole) as the stages' layer slots (pipeline parallelism): each layer through the host to
+    its stage (`place_layer`), each stacked array freed once split."""
+
+    def split(path, x):
+        path = param_path(path)
+        if not path or path[0] != LAYER_STACK or isinstance(x, LayerArrays):
+            return x
+        rows = [parallel.place_layer(path, np.asarray(x[layer]), layer) for layer in range(x.shape[0])]
+        x.delete()
+        return LayerArrays(parallel.stack_stages(path, rows))
+
+    return jax.tree_util.tree_map_with_path(split, params, is_leaf=lambda x: isinstance(x, LayerArrays))
 
 
 def _layer_sharding(parallel: TensorParallel | None):

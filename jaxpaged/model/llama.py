@@ -48,7 +48,8 @@ from jaxpaged.model.moe import SparseMoe
 from jaxpaged.model.quant import matmul, quantize_param, quantized_matmul
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
-from jaxpaged.parallel.sharding import KEY_VALUE_AXES, KV_POOL_AXES, QUERY_AXES
+from jaxpaged.parallel.pipeline import PipelineLayout
+from jaxpaged.parallel.sharding import KEY_VALUE_AXES, PIPELINE_AXIS, QUERY_AXES, STAGE_POOL_AXES
 from jaxpaged.params.tables import param_specs, quantized_paths
 from pallas_kernels import reference
 
@@ -113,13 +114,22 @@ class ParamDeclarer:
         quantized pair (triple when `config.weight_group_size` is set).
       per_layer_arrays: per-layer parameters as `LayerArrays` (one array per layer, for unrolled
         layers) instead of stacked `[L, ...]` (for a scan). The values are the same either way.
+      pipeline: the layers' stages; with several, `LayerArrays` of the stages' layer slots,
+        slot j's array `[P, ...]` holding each stage's j-th layer (zeros in an empty slot).
     """
 
     def __init__(
-        self, config: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str | None, per_layer_arrays: bool = False
+        self,
+        config: ModelConfig,
+        dtype,
+        rngs: nnx.Rngs,
+        quantization: str | None,
+        per_layer_arrays: bool = False,
+        pipeline: PipelineLayout | None = None,
     ):
         self.config, self.dtype, self.key, self.quantization = config, dtype, rngs.params(), quantization
         self.per_layer_arrays = per_layer_arrays
+        self.pipeline = pipeline if pipeline is not None and pipeline.size > 1 else None
         self.specs = param_specs(config)
         self.declared: set[Path] = set()
 
@@ -130,8 +140,12 @@ class ParamDeclarer:
         for spec in self.specs:
             if spec.path[:-1] != prefix:
                 continue
-            layers = range(self.config.num_layers) if spec.per_layer else (None,)
-            values = [self._values(spec, layer) for layer in layers]  # per layer: the array or its pair
+            if not spec.per_layer:
+                values = [self._values(spec, None)]
+            elif self.pipeline is not None:  # per layer slot: the stages' layers stacked
+                values = [self._slot_values(spec, slot) for slot in range(self.pipeline.max_layers)]
+            else:  # per layer: the array or its pair
+                values = [self._values(spec, layer) for layer in range(self.config.num_layers)]
             names = [path[-1] for path in quantized_paths(self.config, spec)] if len(values[0]) > 1 else [spec.name]
             for i, name in enumerate(names):
                 if not spec.per_layer:
@@ -148,6 +162,16 @@ class ParamDeclarer:
         if self.quantization is not None and spec.quantize:
             return quantize_param(value, self.quantization, self.config, spec.num_in, spec.num_lead)
         return (value,)
+
+    def _slot_values(self, spec: ParamSpec, slot: int) -> tuple[jax.Array, ...]:
+        """Layer slot `slot` of every stage, stacked `[P, ...]` (zeros where a stage has none)."""
+        stages = range(self.pipeline.size)
+        per_stage = [self.pipeline.layer_at(stage, slot) for stage in stages]
+        values = [None if layer is None else self._values(spec, layer) for layer in per_stage]
+        some = next(v for v in values if v is not None)
+        return tuple(
+            jnp.stack([jnp.zeros_like(some[i]) if v is None else v[i] for v in values]) for i in range(len(some))
+        )
 
     def check_all_declared(self) -> None:
         """Raises naming every parameter of the table no module asked for."""
@@ -245,7 +269,7 @@ class Attention(nnx.Module):
         write = functools.partial(_write_kv, None if kv_quant is None else kv_quant.dtype)
         attend = functools.partial(paged_attention, pallas_kernels if self.attention == "pallas" else reference)
         if self.parallel is not None:  # each device writes and reads its own heads (and their scales)
-            pool, sc = KV_POOL_AXES, (KV_HEADS,) if kv_quant is not None else ()
+            pool, sc = STAGE_POOL_AXES, (KV_HEADS,) if kv_quant is not None else ()  # a layer sees its stage's pool
             write = self.parallel.per_head(
                 write, (pool, pool, KEY_VALUE_AXES, KEY_VALUE_AXES, (), sc, sc), (pool, pool)
             )
@@ -341,6 +365,14 @@ class DecoderLayer(nnx.Module):
         return x, k_pool, v_pool
 
 
+def _one_layer(graphdef, block_size: int, carry, params, first_block, kv_quant, meta: AttentionMetadata):
+    """Decoder layer `params` (one layer's, merged with the layers' `graphdef`) over `carry`
+    `(x, k_pool, v_pool)`, addressing the pool's blocks from `first_block`."""
+    x, k_pool, v_pool = carry
+    layer = nnx.merge(graphdef, params)
+    return layer(x, k_pool, v_pool, meta.for_layer(first_block, block_size), kv_quant)
+
+
 class Llama(nnx.Module):
     """The whole decoder. Parameter layouts are einsum-ready (see the comment on each).
 
@@ -374,8 +406,15 @@ class Llama(nnx.Module):
         self.config = config
         self.parallel = parallel
         self.scan_layers = scan_layers
+        pipeline = None if parallel is None else parallel.layout.pipeline
+        self.pipeline = pipeline if pipeline is not None and pipeline.size > 1 else None
+        if self.pipeline is not None and scan_layers:
+            raise ValueError(
+                f"scan_layers=True with pipeline_parallel_size={self.pipeline.size}: a stage runs its layer slots "
+                "unrolled; build the model with scan_layers=False"
+            )
         backend = resolve_attention_backend(attention)
-        params = ParamDeclarer(config, dtype, rngs, quantization, per_layer_arrays=not scan_layers)
+        params = ParamDeclarer(config, dtype, rngs, quantization, per_layer_arrays=not scan_layers, pipeline=pipeline)
         params.declare(self, ())  # the embedding [V, D] and, unless tied, the LM head [D, V]
         self.layers = DecoderLayer(config, params, attention=backend, parallel=parallel)  # stacked [L, ...]
         self.final_norm = RMSNorm(params, ("final_norm",), config.rms_norm_eps)
@@ -391,14 +430,15 @@ class Llama(nnx.Module):
         """
         table = self.embed[...]
         x = table[token_ids] if self.parallel is None else self.parallel.embed(table, token_ids)
-        num_layers, num_blocks, block_size = kv_pool.num_layers, kv_pool.num_blocks, kv_pool.block_size
         graphdef, layer_params = nnx.split(self.layers)
+        if self.pipeline is not None:
+            x, k, v = self._pipelined(graphdef, layer_params, x, kv_pool, meta)
+            return self.final_norm(x), dataclasses.replace(kv_pool, k=k, v=v)
+        num_layers, num_blocks, block_size = kv_pool.num_layers, kv_pool.num_blocks, kv_pool.block_size
 
         def one_layer(carry, per_layer):
-            x, k_pool, v_pool = carry
             params, first_block, kv_quant = per_layer
-            layer = nnx.merge(graphdef, params)
-            return layer(x, k_pool, v_pool, meta.for_layer(first_block, block_size), kv_quant), None
+            return _one_layer(graphdef, block_size, carry, params, first_block, kv_quant, meta), None
 
         carry = (x, kv_pool.k, kv_pool.v)
         first_blocks = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks
@@ -418,6 +458,66 @@ class Llama(nnx.Module):
                 carry, _ = traced_once(carry, layer)
             x, k, v = carry
         return self.final_norm(x), dataclasses.replace(kv_pool, k=k, v=v)
+
+    def _pipelined(
+        self, graphdef, layer_params, x: Float[Array, "T D"], kv_pool: KVPool, meta: AttentionMetadata
+    ) -> tuple[Float[Array, "T D"], Float[Array, "LNB BS K H"], Float[Array, "LNB BS K H"]]:
+        """The layers as a pipeline over the stages (pipeline parallelism): the step's tokens cut
+        into M micro-batches (`PipelineLayout.microbatches_for`), run in M + P - 1 ticks.
+
+        At tick t stage s runs its layer slots over micro-batch t - s (an idle stage runs them
+        over a micro-batch with its K/V writes sent to the null block, and its result is
+        dropped); between ticks every stage hands its activations to the next (the stage axis
+        of `[P, T / M, D]` rotated: a collective permute). The stages are one function mapped
+        over the stage axis (`vmap` with the mesh's pipeline axis), so every stage holds only its
+        slice of each slot array `[P, ...]` and of the pool `[P, slots * NB, ...]`. The last
+        stage's result of each micro-batch goes to every stage (the LM head is on all of them).
+        """
+        pipe = self.pipeline
+        stages, slots, dim = pipe.size, pipe.max_layers, x.shape[1]
+        num_micro = pipe.microbatches_for(x.shape[0])
+        micro = [meta.microbatch(m, num_micro) for m in range(num_micro)]
+        xs = x.reshape(num_micro, -1, dim)
+        num_blocks, block_size = kv_pool.num_blocks, kv_pool.block_size
+
+        def by_stage(a):  # [P * n, ...] -> [P, n, ...]: the axis split over the stages, no copy
+            return a.reshape(stages, a.shape[0] // stages, *a.shape[1:])
+
+        k, v = by_stage(kv_pool.k), by_stage(kv_pool.v)
+        quant = None if kv_pool.quant is None else jax.tree.map(by_stage, kv_pool.quant)
+        slot_params = [jax.tree.map(lambda a: a[j], layer_params, is_leaf=_is_layer_arrays) for j in range(slots)]
+        counts = jnp.asarray(pipe.layers_per_stage, jnp.int32)
+        uneven = len(set(pipe.layers_per_stage)) > 1
+        traced_once = jax.jit(functools.partial(_one_layer, graphdef, block_size))
+
+        def stage(x, k, v, slot_params, meta, quant, count):
+            for j in range(slots):
+                kv_quant = None if quant is None else jax.tree.map(lambda a: a[j], quant)
+                new_x, k, v = traced_once((x, k, v), slot_params[j], j * num_blocks, kv_quant, meta)
+                x = jnp.where(j < count, new_x, x) if uneven else new_x  # an empty slot passes x on
+            return x, k, v
+
+        run = jax.vmap(stage, spmd_axis_name=PIPELINE_AXIS)
+        state = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
+        outputs = []
+        for tick in range(num_micro + stages - 1):
+            fed = xs[tick] if tick < num_micro else jnp.zeros_like(xs[0])
+            state = jnp.concatenate([fed[None], state[:-1]])  # each stage's input: the previous stage's output
+            metas = [
+                micro[tick - s] if 0 <= tick - s < num_micro else micro[min(max(tick - s, 0), num_micro - 1)].with_no_writes()
+                for s in range(stages)
+            ]
+            stacked = jax.tree.map(lambda *a: jnp.stack(a), *metas)
+            state, k, v = run(state, k, v, slot_params, stacked, quant, counts)
+            if tick >= stages - 1:
+                outputs.append(state[stages - 1])
+        return jnp.concatenate(outputs), k.reshape(kv_pool.k.shape), v.reshape(kv_pool.v.shape)
+
+    @property
+    def pool_layers(self) -> int:
+        """Layers the KV pool holds blocks for: the decoder layers, or under pipeline parallelism
+        every stage's layer slots (`PipelineLayout.num_virtual_layers`)."""
+        return self.config.num_layers if self.pipeline is None else self.pipeline.num_virtual_layers
 
     @property
     def dtype(self):

@@ -4,6 +4,7 @@ import dataclasses
 import typing
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 
@@ -42,3 +43,38 @@ class AttentionMetadata:
             slot_mapping=self.slot_mapping + first_block * block_size,
             block_tables=self.block_tables + first_block,
         )
+
+    def microbatch(self, index: int, count: int) -> "AttentionMetadata":
+        """Micro-batch `index` of `count` (pipeline parallelism): tokens
+        `[index * T / count, (index + 1) * T / count)` of the step, as a step of their own that
+        runs after the micro-batches before it have written their K/V.
+
+        A sequence cut by a micro-batch boundary keeps its rows on either side: here its query
+        rows are those inside the range, its context ends at its last token inside it; a sequence
+        with no token inside has no query rows. A decode-only step's token i is sequence i, so the
+        sequences are cut with the tokens (their rows of the tables padded to T first).
+        """
+        num_tokens = self.positions.shape[0]
+        size = num_tokens // count
+        first, stop = index * size, (index + 1) * size
+        cut = dict(positions=self.positions[first:stop], slot_mapping=self.slot_mapping[first:stop])
+        if self.decode_only:
+            pad = num_tokens - self.kv_lens.shape[0]
+            kv_lens = jnp.pad(self.kv_lens, (0, pad))[first:stop]
+            tables = jnp.pad(self.block_tables, ((0, pad), (0, 0)))[first:stop]
+            cu = jnp.arange(size + 1, dtype=self.cu_q_lens.dtype)
+            num_seqs = jnp.clip(self.num_seqs - first, 0, size).astype(self.num_seqs.dtype)
+            return dataclasses.replace(self, **cut, kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu, num_seqs=num_seqs)
+        ends = self.cu_q_lens[1:]
+        later = ends - jnp.clip(ends, first, stop)  # each sequence's query rows after the range
+        return dataclasses.replace(
+            self,
+            **cut,
+            cu_q_lens=jnp.clip(self.cu_q_lens, first, stop) - first,
+            kv_lens=jnp.maximum(self.kv_lens - later, 0),
+        )
+
+    def with_no_writes(self) -> "AttentionMetadata":
+        """The same step writing every token's K/V into the null block (an idle pipeline tick:
+        its results are dropped, and it must not overwrite a sequence's K/V)."""
+        return dataclasses.replace(self, slot_mapping=jnp.zeros_like(self.slot_mapping))

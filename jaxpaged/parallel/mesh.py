@@ -19,6 +19,7 @@ from jaxpaged.parallel.sharding import (
     KV_HEADS,
     KV_POOL_AXES,
     MESH_AXES,
+    STAGES,
     TENSOR_AXIS,
     VOCAB,
     TensorParallelError,
@@ -107,8 +108,49 @@ class TensorParallel:
         return self.sharding(self.layout.param_mesh_axes(path))
 
     def layer_sharding(self, path: tuple[str, ...]) -> NamedSharding:
-        """Where one layer's slice of the stacked parameter at `path` lives."""
-        return self.sharding(self.layout.param_mesh_axes(path)[1:])
+        """Where one layer's slice of the stacked parameter at `path` lives; under pipeline
+        parallelism one layer slot's array `[P, ...]` (each stage's layer on its stage)."""
+        axes = self.layout.param_axes(path)[1:]
+        return self.logical_sharding((STAGES, *axes) if self.layout.pipeline.size > 1 else axes)
+
+    def stage_sharding(self, path: tuple[str, ...], stage: int) -> NamedSharding:
+        """Where one layer of stage `stage` lives before its slot array is assembled: `[1, ...]`
+        on that stage's devices only, split like the layer (see `place_layer`)."""
+        stage_mesh = Mesh(self.mesh.devices[stage : stage + 1], MESH_AXES, axis_types=self.mesh.axis_types)
+        return NamedSharding(stage_mesh, PartitionSpec(None, *self.layout.param_mesh_axes(path)[1:]))
+
+    def place_layer(self, path: tuple[str, ...], array: np.ndarray, layer: int) -> jax.Array:
+        """Puts decoder layer `layer`'s tensor of the per-layer parameter at `path` on its devices:
+        `place(..., one_layer=True)`, or under pipeline parallelism `[1, ...]` on its stage's
+        devices only (`stage_sharding`; `stack_stages` assembles the slots)."""
+        if self.layout.pipeline.size == 1:
+            return self.place(path, array, one_layer=True)
+        array = self.to_mesh_layout(path, array, one_layer=True)[None]
+        sharding = self.stage_sharding(path, self.layout.pipeline.stage_of(layer))
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def stack_stages(self, path: tuple[str, ...], layers: list[jax.Array]) -> list[jax.Array]:
+        """The layer slot arrays `[P, ...]` of a per-layer parameter from its layers placed by
+        `place_layer`, each slot assembled from its stages' layers where they lie (no copy); an
+        empty slot's share is zeros made on its stage."""
+        pipe = self.layout.pipeline
+        if pipe.size == 1:
+            return layers
+        slots = []
+        for slot in range(pipe.max_layers):
+            parts = []
+            for stage in range(pipe.size):
+                layer = pipe.layer_at(stage, slot)
+                if layer is None:
+                    some = layers[pipe.stage_ranges[stage][0]]
+                    sharding = self.stage_sharding(path, stage)
+                    parts.append(jax.jit(lambda: jnp.zeros(some.shape, some.dtype), out_shardings=sharding)())
+                else:
+                    parts.append(layers[layer])
+            shape = (pipe.size, *parts[0].shape[1:])
+            shards = [shard.data for part in parts for shard in part.addressable_shards]
+            slots.append(jax.make_array_from_single_device_arrays(shape, self.layer_sharding(path), shards))
+        return slots
 
     @property
     def pool_sharding(self) -> NamedSharding:
@@ -146,22 +188,24 @@ class TensorParallel:
     # -- inside a step ------------------------------------------------------------------------
 
     def per_head(self, fn, in_axes: tuple, out_axes):
-        """`fn` run on every device over its own heads (`shard_map`).
+        """`fn` run on every device over its own heads (and, for axes split over the stages, its
+        stage's share: e.g. `KV_POOL_AXES`) (`shard_map`); `fn` itself where nothing is split.
 
         Args:
           fn: a function of arrays (or pytrees of them).
           in_axes, out_axes: the logical axes of each argument / of the result (as in the table,
             e.g. `KV_POOL_AXES`); `()` for a pytree that is whole on every device.
         """
-        if self.size == 1:
-            return fn
 
         def spec(axes):
             return PartitionSpec(*self.layout.mesh_axes(axes))
 
         out_specs = tuple(map(spec, out_axes)) if isinstance(out_axes[0], tuple) else spec(out_axes)
+        in_specs = tuple(map(spec, in_axes))
+        if not any(a is not None for s in (*in_specs, *jax.tree.leaves(out_specs)) for a in s):
+            return fn
         return jax.shard_map(
-            fn, mesh=self.mesh, in_specs=tuple(map(spec, in_axes)), out_specs=out_specs, check_vma=False
+            fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
 
     def embed(self, table: jax.Array, token_ids: jax.Array) -> jax.Array:

@@ -27,6 +27,8 @@ class PipelineLayout:
       num_layers: the model's decoder layers.
       size: stages (`pipeline_parallel_size`); 1: no pipeline.
       partition: layers per stage, first to last (`--pp-layer-partition`); None: balanced.
+      microbatches: how many micro-batches a step's tokens are cut into at most (see
+        `microbatches_for`); None: one per stage.
 
     Raises:
       PipelineParallelError: `size` is not a positive integer or exceeds the layers, or the
@@ -36,6 +38,7 @@ class PipelineLayout:
     num_layers: int
     size: int = 1
     partition: tuple[int, ...] | None = None
+    microbatches: int | None = None
 
     def __post_init__(self):
         n, layers = self.size, self.num_layers
@@ -91,6 +94,15 @@ class PipelineLayout:
     def virtual_layer(self, layer: int) -> int:
         """Decoder layer `layer`'s virtual layer (its slot among all stages' slots)."""
         return self.stage_of(layer) * self.max_layers + self.slot_of(layer)
+
+    def microbatches_for(self, num_tokens: int) -> int:
+        """Micro-batches of a step of `num_tokens` (its bucket): the most, up to `microbatches`
+        (default: one per stage), that divide the tokens evenly.
+
+        A step of M micro-batches over P stages runs M + P - 1 ticks, each stage working on one
+        micro-batch (or idle) per tick: the idle share, the bubble, is (P - 1) / (M + P - 1)."""
+        target = self.microbatches or self.size
+        return max(m for m in range(1, min(target, num_tokens) + 1) if num_tokens % m == 0)
 
     def layer_at(self, stage: int, slot: int) -> int | None:
         """The decoder layer in `slot` of `stage`, or None for an empty slot."""

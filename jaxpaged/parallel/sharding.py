@@ -52,18 +52,21 @@ MESH_AXES = (PIPELINE_AXIS, TENSOR_AXIS)
 
 # Logical axes of the KV pool (the parameters' are declared with them, in jaxpaged.config.params).
 BLOCKS, SLOTS = "blocks", "slots"
-# The pool's leading axis: every (virtual) layer's blocks in a row, split over the stages.
-LAYER_BLOCKS = "layer_blocks"
+# The pool's leading axis: every (virtual) layer's blocks in a row, split over the stages; and
+# the pool's layers where an array has one axis for them (scales, blocks copied to the host).
+LAYER_BLOCKS, POOL_LAYERS = "layer_blocks", "pool_layers"
 # The leading axis of a per-layer parameter's slot array under pipeline parallelism: one layer
 # per stage (see jaxpaged.parallel.pipeline).
 STAGES = "stages"
 
 # The K (or V) pool: every layer's blocks in a row.
 KV_POOL_AXES = (LAYER_BLOCKS, SLOTS, KV_HEADS, HEAD_DIM)
+# One stage's pool, as its layers see it (inside the stage nothing is split over the stages).
+STAGE_POOL_AXES = (BLOCKS, SLOTS, KV_HEADS, HEAD_DIM)
 # Scales of an fp8 KV pool, one per layer and kv head.
-KV_SCALE_AXES = (LAYERS, KV_HEADS)
+KV_SCALE_AXES = (POOL_LAYERS, KV_HEADS)
 # Whole blocks copied to and from the host tier, `[C, 2, L, BS, K, H]`: K and V of every layer.
-KV_BLOCK_AXES = (BLOCKS, None, LAYERS, SLOTS, KV_HEADS, HEAD_DIM)
+KV_BLOCK_AXES = (BLOCKS, None, POOL_LAYERS, SLOTS, KV_HEADS, HEAD_DIM)
 # Step activations [T, N, H] of query heads and [T, K, H] of kv heads.
 QUERY_AXES = (None, HEADS, HEAD_DIM)
 KEY_VALUE_AXES = (None, KV_HEADS, HEAD_DIM)
@@ -83,7 +86,7 @@ RULES: dict[str, str] = {
 }
 RULES |= {GROUP_AXES[a]: RULES[a] for a in GROUP_AXES if a in RULES}
 # Pipeline parallelism: each stage holds its layers' weights and KV blocks.
-RULES |= {STAGES: PIPELINE_AXIS, LAYER_BLOCKS: PIPELINE_AXIS}
+RULES |= {STAGES: PIPELINE_AXIS, LAYER_BLOCKS: PIPELINE_AXIS, POOL_LAYERS: PIPELINE_AXIS}
 # Expert parallelism (`enable_expert_parallel`): each device holds whole experts instead.
 EXPERT_PARALLEL_RULES: dict[str, str | None] = {**RULES, EXPERTS: TENSOR_AXIS, EXPERT_MLP: None}
 

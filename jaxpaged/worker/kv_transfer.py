@@ -76,15 +76,16 @@ def scatter_blocks(
 
 
 def _offload(parallel: TensorParallel, num_layers: int, kv: KVPool, ids):
+    local = num_layers // parallel.layout.pipeline.size  # each stage copies its own layers' blocks
     gather = parallel.per_head(
-        functools.partial(gather_blocks, num_layers=num_layers), (KV_POOL_AXES, KV_POOL_AXES, ()), KV_BLOCK_AXES
+        functools.partial(gather_blocks, num_layers=local), (KV_POOL_AXES, KV_POOL_AXES, ()), KV_BLOCK_AXES
     )
     return gather(kv.k, kv.v, ids)
 
 
 def _load(parallel: TensorParallel, num_layers: int, cache: DeviceCache, ids, data) -> DeviceCache:
     scatter = parallel.per_head(
-        functools.partial(scatter_blocks, num_layers=num_layers),
+        functools.partial(scatter_blocks, num_layers=num_layers // parallel.layout.pipeline.size),
         (KV_POOL_AXES, KV_POOL_AXES, (), KV_BLOCK_AXES),
         (KV_POOL_AXES, KV_POOL_AXES),
     )

@@ -144,6 +144,9 @@ class ModelRunner:
     ):
         limits = config.scheduler_config()  # the scheduler's limits are the runner's
         self.config = model.config
+        self.pipeline = config.layout.pipeline
+        # the pool's model: blocks of every layer slot of every stage under pipeline parallelism
+        self.pool_config = dataclasses.replace(model.config, num_layers=model.pool_layers)
         self.num_decode_steps = limits.num_scheduler_steps
         self.parallel = parallel
         self.block_size = limits.block_size
@@ -179,7 +182,7 @@ class ModelRunner:
             self.kv_transfer = KVTransfer(
                 parallel,
                 self.step_programs.cache_shardings,
-                num_layers=self.config.num_layers,
+                num_layers=self.pool_config.num_layers,
                 num_host_blocks=config.cache.num_host_blocks,
                 block_shape=k.shape[1:],
                 dtype=k.dtype,
@@ -205,7 +208,7 @@ class ModelRunner:
 
         def make():
             return init_cache(
-                self.config,
+                self.pool_config,
                 num_blocks=num_blocks,
                 block_size=self.block_size,
                 dtype=kv_dtype,
@@ -220,11 +223,18 @@ class ModelRunner:
         return jax.jit(make, out_shardings=shardings)()
 
     def set_kv_scales(self, k_scale: np.ndarray, v_scale: np.ndarray) -> None:
-        """An fp8 pool's per-layer scales, the same for every kv head of a layer."""
+        """An fp8 pool's per-layer scales `[L]`, the same for every kv head of a layer (under
+        pipeline parallelism each layer's go to its slot; an empty slot keeps 1)."""
         quant = self.cache.kv.quant
         sharding = self.step_programs.cache_shardings.kv.quant.k_scale
-        shape = quant.k_scale.shape  # [L, K]
-        put = lambda s: jax.device_put(np.broadcast_to(np.asarray(s, np.float32)[:, None], shape), sharding)  # noqa: E731
+        shape = quant.k_scale.shape  # [pool layers, K]
+        slots = [self.pipeline.virtual_layer(layer) for layer in range(self.config.num_layers)]
+
+        def put(scales):
+            per_slot = np.ones(shape[0], np.float32)
+            per_slot[slots] = np.asarray(scales, np.float32)
+            return jax.device_put(np.broadcast_to(per_slot[:, None], shape), sharding)
+
         quant = dataclasses.replace(quant, k_scale=put(k_scale), v_scale=put(v_scale))
         self.cache = dataclasses.replace(self.cache, kv=dataclasses.replace(self.cache.kv, quant=quant))
 

@@ -316,7 +316,7 @@ class StepPrograms:
         scales = parallel.logical_sharding(KV_SCALE_AXES)
         quant = KVQuant(k_scale=scales, v_scale=scales, dtype=kv_dtype) if is_fp8(kv_dtype) else None
         shardings = DeviceCache(
-            kv=KVPool(k=pool, v=pool, num_layers=config.model.num_layers, quant=quant),
+            kv=KVPool(k=pool, v=pool, num_layers=config.layout.pipeline.num_virtual_layers, quant=quant),
             prompt_mask=whole,
             output_counts=whole,
             last_tokens=whole,
@@ -355,7 +355,7 @@ class StepPrograms:
         if isinstance(program, SamplerProgram):
             return self._lower_sampler(program, cache)
         layout = self.layout(program)
-        flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+        flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self.whole)  # whole on every device
         if program.steps > 1:
             return self._fused.lower(layout, program.steps, program.options, self.graphdef, params, cache, flat)
         if program.prompt_logprobs:
@@ -388,10 +388,9 @@ class StepPrograms:
     def lower_seed(self, cache: DeviceCache) -> jax.stages.Lowered:
         """Lowers the program that seeds a penalty-table row (see `ModelRunner.seed_penalty_slot`)."""
         size = self.packer.pages * self.packer.block_size
-        ints = jax.ShapeDtypeStruct((size,), jnp.int32)
-        return self.seed.lower(
-            cache, ints, ints, jax.ShapeDtypeStruct((size,), jnp.bool_), jax.ShapeDtypeStruct((1,), jnp.int32)
-        )
+        ints = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.whole)
+        flags = jax.ShapeDtypeStruct((size,), jnp.bool_, sharding=self.whole)
+        return self.seed.lower(cache, ints, ints, flags, jax.ShapeDtypeStruct((1,), jnp.int32, sharding=self.whole))
 
 
 @dataclasses.dataclass

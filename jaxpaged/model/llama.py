@@ -33,6 +33,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
@@ -468,9 +469,11 @@ class Llama(nnx.Module):
         At tick t stage s runs its layer slots over micro-batch t - s (an idle stage runs them
         over a micro-batch with its K/V writes sent to the null block, and its result is
         dropped); between ticks every stage hands its activations to the next (the stage axis
-        of `[P, T / M, D]` rotated: a collective permute). The stages are one function mapped
-        over the stage axis (`vmap` with the mesh's pipeline axis), so every stage holds only its
-        slice of each slot array `[P, ...]` and of the pool `[P, slots * NB, ...]`. The last
+        of `[P, T / M, D]` rotated: a collective permute). The stages are one function run on
+        each stage's shards (`shard_map`, manual over the pipeline axis only), so every stage
+        holds only its slice of each slot array `[P, ...]` and of the pool `[P, slots * NB, ...]`
+        and updates its pool in place. (A `vmap` over the stage axis computes the same, but XLA
+        copied the pool into every step around the per-head `shard_map`s inside it.) The last
         stage's result of each micro-batch goes to every stage (the LM head is on all of them).
         """
         pipe = self.pipeline
@@ -497,7 +500,20 @@ class Llama(nnx.Module):
                 x = jnp.where(j < count, new_x, x) if uneven else new_x  # an empty slot passes x on
             return x, k, v
 
-        run = jax.vmap(stage, spmd_axis_name=PIPELINE_AXIS)
+        def local(*args):  # one stage's shard of each argument: its leading stage axis of 1 dropped
+            out = stage(*jax.tree.map(lambda a: a[0], args))
+            return jax.tree.map(lambda a: a[None], out)
+
+        # Manual over the stages only: inside, tensor parallelism is XLA's as everywhere else.
+        by_stages = PartitionSpec(PIPELINE_AXIS)
+        run = jax.shard_map(
+            local,
+            mesh=self.parallel.mesh,
+            in_specs=by_stages,
+            out_specs=by_stages,
+            axis_names=frozenset({PIPELINE_AXIS}),
+            check_vma=False,
+        )
         state = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
         outputs = []
         for tick in range(num_micro + stages - 1):

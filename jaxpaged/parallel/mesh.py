@@ -204,9 +204,13 @@ class TensorParallel:
         in_specs = tuple(map(spec, in_axes))
         if not any(a is not None for s in (*in_specs, *jax.tree.leaves(out_specs)) for a in s):
             return fn
-        return jax.shard_map(
-            fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )
+        return jax.shard_map(fn, mesh=self._context_mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def _context_mesh(self):
+        """The mesh a `shard_map` inside a step names: this mesh, or inside a stage of the
+        pipeline (a `shard_map` manual over the pipeline axis) the context's abstract mesh."""
+        context = jax.sharding.get_abstract_mesh()
+        return context if not context.empty and context.manual_axes else self.mesh
 
     def embed(self, table: jax.Array, token_ids: jax.Array) -> jax.Array:
         """`table[token_ids]` of a `[V, D]` table split over the vocabulary: each device looks up
@@ -224,7 +228,7 @@ class TensorParallel:
 
         return jax.shard_map(
             lookup,
-            mesh=self.mesh,
+            mesh=self._context_mesh(),
             in_specs=(PartitionSpec(TENSOR_AXIS, None), PartitionSpec()),
             out_specs=PartitionSpec(),
             check_vma=False,

@@ -443,7 +443,7 @@ def check_host_memory(config: EngineConfig, parallel: TensorParallel, available:
     devices = sum(d.process_index == jax.process_index() for d in parallel.mesh.devices.flat)
     dtype = model_dtype(config)
     weights = devices * weight_bytes_per_gpu(
-        config.model, dtype.name, load.quantization, n, config.layout.expert_parallel
+        config.model, dtype.name, load.quantization, n, config.layout.expert_parallel, config.layout.pipeline
     )
     if config.draft is not None:
         draft_dtype = jnp.dtype(resolve_dtype(load.dtype, config.draft.checkpoint_dtype)).name

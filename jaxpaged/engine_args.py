@@ -212,7 +212,7 @@ class EngineArgs:
         "stage the embedding and LM head",
         aliases=("-pp",),
     )
-    pp_layer_partition: str | tuple[int, ...] | None = _option(
+    pp_layer_partition: str | tuple[int, ...] | list[int] | None = _option(
         None,
         "decoder layers of each pipeline stage, first to last, comma-separated, e.g. 20,12 for 32 layers over "
         "--pipeline-parallel-size 2 (vLLM reads this from the environment variable VLLM_PP_LAYER_PARTITION) "

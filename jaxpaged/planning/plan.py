@@ -140,12 +140,14 @@ def make_plan(
     quantization: str | None = None,
     quantization_group_size: int = DEFAULT_GROUP_SIZE,
     block_size: int = defaults.BLOCK_SIZE,
+    suggest: bool = True,
 ) -> dict:
     """The plan as a JSON-ready dict (bytes are per GPU unless the key says `_all_gpus`).
 
     Args:
       pp_layer_partition: layers per pipeline stage as `--pp-layer-partition` takes them
         ("20,12"); None: balanced.
+      suggest: when the model does not fit, say in the note which layout on more GPUs does.
 
     Raises:
       ValueError: an unknown model, dtype, memory size, or a context over the model's limit; a
@@ -238,11 +240,11 @@ def make_plan(
             quantization=quantization,
             block_size=block_size,
         )
-        fitting = [(t, p) for t, p in _larger_layouts(tp, pipeline.size) if _fits(model, t, p, options)][:1]
-        note += "".join(
-            f"; --tensor-parallel-size {t}" + (f" --pipeline-parallel-size {p}" if p > 1 else "") + " fits"
-            for t, p in fitting
-        )
+        if suggest:
+            fitting = next(((t, p) for t, p in _larger_layouts(tp, pipeline.size) if _fits(model, t, p, options)), None)
+            if fitting is not None:
+                t, p = fitting
+                note += f"; --tensor-parallel-size {t}" + (f" --pipeline-parallel-size {p}" if p > 1 else "") + " fits"
         report.update(
             fits=False, kv_pool_bytes_per_gpu=0, kv_cache_blocks=0, pool_tokens=0, max_concurrency=0.0, note=note
         )
@@ -284,6 +286,7 @@ def _fits(model: str, tensor_parallel_size: int, pipeline_parallel_size: int, op
             model,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
+            suggest=False,
             **options,
         )["fits"]
     except ValueError:  # e.g. the heads do not split over that many GPUs

@@ -38,7 +38,10 @@ def test_serve_flags_resolve_to_the_layout():
 def test_python_options_and_the_settings_processes_agree_on():
     """A partition given as text or as a sequence is one value; both sizes and the partition are
     settings every process of a multi-process engine must share."""
-    assert EngineArgs(model=DEMO_MODEL_DIR, pipeline_parallel_size=2, pp_layer_partition=[1, 3]).pp_layer_partition == "1,3"
+    assert (
+        EngineArgs(model=DEMO_MODEL_DIR, pipeline_parallel_size=2, pp_layer_partition=[1, 3]).pp_layer_partition
+        == "1,3"
+    )
     balanced = resolve(pipeline_parallel_size=3)
     assert balanced.layout.pipeline.layers_per_stage == (2, 1, 1) and balanced.parallel.pp_layer_partition is None
     split = resolve(pipeline_parallel_size=2, pp_layer_partition=(1, 3)).shared_settings()
@@ -51,7 +54,11 @@ def test_python_options_and_the_settings_processes_agree_on():
     "options, field, reason",
     [
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size", "must be an integer of at least 1"),
-        (dict(pp_layer_partition="2,x"), "pp_layer_partition", "must be comma-separated layer counts, one per stage, e.g. 20,12"),
+        (
+            dict(pp_layer_partition="2,x"),
+            "pp_layer_partition",
+            "must be comma-separated layer counts, one per stage, e.g. 20,12",
+        ),
         (
             dict(pipeline_parallel_size=2, scan_layers=True),
             "scan_layers",

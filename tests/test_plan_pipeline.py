@@ -85,7 +85,10 @@ def test_a_model_that_does_not_fit_is_offered_wider_tp_before_stages():
 
 def test_bad_pipelines_and_expert_parallelism_name_the_flag(capsys):
     assert main(["plan", "--model", "llama-3.1-8b", "-pp", "2", "--pp-layer-partition", "20,13"]) == 2
-    assert "--pp-layer-partition=20,13 must give each of the 2 stages (--pipeline-parallel-size)" in capsys.readouterr().err
+    assert (
+        "--pp-layer-partition=20,13 must give each of the 2 stages (--pipeline-parallel-size)"
+        in capsys.readouterr().err
+    )
     assert main(["plan", "--model", "llama-3.1-8b", "-pp", "33"]) == 2
     assert "--pipeline-parallel-size=33 exceeds the model's 32 decoder layers" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-3.1-8b", "--enable-expert-parallel"]) == 2

@@ -29,6 +29,7 @@ import math
 from jaxpaged.config import defaults
 from jaxpaged.config.checks import check_block_size, check_choice, check_memory_fraction
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.params import LAYERS
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
@@ -44,7 +45,6 @@ from jaxpaged.config.quantization import (
     resolve_quantization,
     with_quantized_weights,
 )
-from jaxpaged.config.params import LAYERS
 from jaxpaged.parallel.pipeline import PipelineLayout, parse_partition
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.params.tables import state_params, state_shapes

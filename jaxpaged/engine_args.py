@@ -207,9 +207,8 @@ class EngineArgs:
     pipeline_parallel_size: int = _option(
         defaults.PIPELINE_PARALLEL_SIZE,
         "stages the decoder layers are split into, in contiguous runs, each stage on its own "
-        "--tensor-parallel-size devices (tensor_parallel_size x pipeline_parallel_size devices in all; with "
-        "--nnodes, a stage per machine); each device holds its stage's layers' weights and KV blocks, and every "
-        "stage the embedding and LM head",
+        "--tensor-parallel-size devices (TP x PP devices in all; with --nnodes, a stage per machine); each "
+        "device holds its stage's layers' weights and KV blocks, and every stage the embedding and LM head",
         aliases=("-pp",),
     )
     pp_layer_partition: str | tuple[int, ...] | list[int] | None = _option(

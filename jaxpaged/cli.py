@@ -4,7 +4,8 @@
     jaxpaged generate --model DIR --max-tokens 64 --temperature 0 "prompt" "another prompt"
     jaxpaged generate --input prompts.jsonl --output out.jsonl  # {"prompt": ...} or {"messages": [...]} per line
     jaxpaged serve [MODEL] --port 8000 [--api-key KEY]         # OpenAI-compatible server
-    jaxpaged plan --model llama-3.1-8b --gpu-memory 80GiB --context 8192 [--tensor-parallel-size 2] [--json]
+    jaxpaged plan --model llama-3.1-8b --gpu-memory 80GiB --context 8192 [--tensor-parallel-size 2]
+                  [--pipeline-parallel-size 2] [--json]
     jaxpaged bench throughput|latency|serve|plot|startup ...  # benchmarks (vLLM's `vllm bench`)
 
 Parsing and checking every flag imports no JAX: a mistake is reported at once, and each command
@@ -20,6 +21,7 @@ import sys
 
 from jaxpaged.bench.cli import add_bench_parser
 from jaxpaged.config import defaults
+from jaxpaged.config.presets import PRESETS
 from jaxpaged.config.quantization import DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS
 from jaxpaged.entrypoints import cli_generate
 from jaxpaged.entrypoints.cli_flags import BYTES_WITH_UNIT, HelpFormatter, add_engine_flags, describe_error
@@ -70,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--model",
         required=True,
-        help="a preset (llama-3.1-8b, llama-3.1-70b, mistral-7b-v0.3, qwen2.5-7b) or a directory with config.json",
+        help=f"a preset ({', '.join(PRESETS)}) or a directory with config.json",
     )
     plan.add_argument(
         "--gpu-memory",
@@ -86,7 +88,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of GPU memory to use",
     )
     plan.add_argument(
-        "--tensor-parallel-size", type=int, default=defaults.TENSOR_PARALLEL_SIZE, help="GPUs the model is split over"
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=defaults.TENSOR_PARALLEL_SIZE,
+        help="GPUs the model is split over (in each pipeline stage)",
+    )
+    plan.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=defaults.PIPELINE_PARALLEL_SIZE,
+        help="stages of contiguous decoder layers, each on its own --tensor-parallel-size GPUs",
+    )
+    plan.add_argument(
+        "--pp-layer-partition",
+        default=None,
+        metavar="N,N,...",
+        help="decoder layers per pipeline stage, e.g. 63,63 (default: balanced)",
+    )
+    plan.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts' experts split over the tensor-parallel GPUs whole",
     )
     plan.add_argument(
         "--dtype", default=defaults.DTYPE, help="weight dtype: auto (the config's), bfloat16, float16, float32"

@@ -27,6 +27,7 @@ from jaxpaged.config.quantization import (
 )
 from jaxpaged.config.speculative import SpeculativeConfig, SpeculativeConfigError
 from jaxpaged.core.scheduler import PREEMPTION_MODES
+from jaxpaged.parallel.pipeline import PipelineParallelError, parse_partition
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -34,6 +35,14 @@ LOAD_FORMATS = ("auto", "dummy")
 
 class EngineArgsError(OptionError):
     """An engine option with a bad value; `field` is the `EngineArgs` field (see `OptionError`)."""
+
+
+def pipeline_error(err: PipelineParallelError, value) -> EngineArgsError:
+    """A layer split's error (`jaxpaged.parallel.pipeline`) on the option it names
+    (`pipeline_parallel_size` or `pp_layer_partition`), whose value is `value`."""
+    field, _, rest = str(err).partition("=")  # "FIELD=VALUE must ..." or "FIELD=VALUE exceeds ..."
+    reason = min(i for i in (rest.find(" must "), rest.find(" exceeds ")) if i >= 0)
+    return EngineArgsError(field, value, rest[reason + 1 :])
 
 
 def default_compilation_cache_dir() -> str:
@@ -195,6 +204,20 @@ class EngineArgs:
         "devices to split the model over (Megatron tensor parallelism); must divide the attention heads",
         aliases=("-tp",),
     )
+    pipeline_parallel_size: int = _option(
+        defaults.PIPELINE_PARALLEL_SIZE,
+        "stages the decoder layers are split into, in contiguous runs, each stage on its own "
+        "--tensor-parallel-size devices (TP x PP devices in all; with --nnodes, a stage per machine); each "
+        "device holds its stage's layers' weights and KV blocks, and every stage the embedding and LM head",
+        aliases=("-pp",),
+    )
+    pp_layer_partition: str | tuple[int, ...] | list[int] | None = _option(
+        None,
+        "decoder layers of each pipeline stage, first to last, comma-separated, e.g. 20,12 for 32 layers over "
+        "--pipeline-parallel-size 2 (vLLM reads this from the environment variable VLLM_PP_LAYER_PARTITION) "
+        "(default: balanced, the first stages taking one layer more when the count does not divide)",
+        metavar="N,N,...",
+    )
     enable_expert_parallel: bool = _option(
         False,
         "split a mixture of experts' experts over the --tensor-parallel-size devices (whole experts "
@@ -342,6 +365,7 @@ class EngineArgs:
             "max_num_seqs",
             "num_scheduler_steps",
             "tensor_parallel_size",
+            "pipeline_parallel_size",
             "nnodes",
             "quantization_group_size",
         ):
@@ -359,6 +383,7 @@ class EngineArgs:
             if self.seed >= MAX_SEED:
                 raise EngineArgsError("seed", self.seed, f"must be below 2**62 ({MAX_SEED})")
         self._check_offloading()
+        self._check_pipeline()
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise EngineArgsError(
                 "quantization", self.quantization, f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset)"
@@ -414,6 +439,27 @@ class EngineArgs:
                 "is not supported across several processes yet (`nnodes` > 1); leave it unset",
             )
 
+    def _check_pipeline(self) -> None:
+        """The layer partition's form (`pp_layer_partition`, kept as text: "20,12"; a sequence of
+        ints is taken too), and what pipeline parallelism does not work with. The layer counts
+        against the model's: `EngineConfig.resolve`."""
+        part = self.pp_layer_partition
+        if part is not None and not isinstance(part, str):
+            if not isinstance(part, (list, tuple)) or not all(isinstance(p, int) for p in part):
+                raise EngineArgsError("pp_layer_partition", part, "must be layer counts, e.g. '20,12' or (20, 12)")
+            self.pp_layer_partition = part = ",".join(map(str, part))
+        try:
+            parse_partition(part)
+        except PipelineParallelError as err:
+            raise pipeline_error(err, part) from None
+        if self.pipeline_parallel_size > 1 and self.scan_layers:
+            raise EngineArgsError(
+                "scan_layers",
+                True,
+                f"pipeline parallelism (`pipeline_parallel_size`={self.pipeline_parallel_size}) runs its stages' "
+                "layers unrolled; drop `scan_layers`",
+            )
+
     def _check_draft_model(self) -> None:
         """What a draft model cannot be combined with (its files: `EngineConfig.resolve`)."""
         spec, field = self.speculative_config, "speculative_config"
@@ -423,6 +469,13 @@ class EngineArgs:
             )
         if self.nnodes > 1:
             raise EngineArgsError(field, spec, "a draft model does not work across several processes yet (`nnodes`)")
+        if self.pipeline_parallel_size > 1:
+            raise EngineArgsError(
+                field,
+                spec,
+                "a draft model does not work with pipeline parallelism yet (`pipeline_parallel_size` > 1); "
+                'use {"method": "ngram"}, or a `pipeline_parallel_size` of 1',
+            )
 
     def _check_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)

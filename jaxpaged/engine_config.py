@@ -31,7 +31,8 @@ from jaxpaged.config.quantization import (
 from jaxpaged.config.sections import SECTIONS, CacheConfig, CompileConfig, LoadConfig, ParallelConfig, SchedulingConfig
 from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.scheduler import SchedulerConfig
-from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_args import EngineArgs, EngineArgsError, pipeline_error
+from jaxpaged.parallel.pipeline import PipelineLayout, PipelineParallelError, parse_partition
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 from jaxpaged.sampling_params import SamplingParams
 
@@ -45,7 +46,7 @@ class EngineConfig:
     Attributes:
       model: the checkpoint's configuration.
       max_model_len: the context limit, validated against the model.
-      layout: how the model splits over the tensor-parallel devices.
+      layout: how the model splits over the devices: pipeline stages, tensor parallelism in each.
       load: the weights (path, dtype, quantization, seed, ...).
       cache: the KV cache and its tiers (with the planned pool size once planned).
       scheduling: the batching limits.
@@ -71,11 +72,11 @@ class EngineConfig:
     def resolve(cls, args: EngineArgs) -> "EngineConfig":
         """Resolves the seed ("random" draws one, logged so a run can be repeated), checks the
         model directory, reads its configuration (once) and checks the options against it: the
-        context limit, the tensor-parallel split, the quantization, the draft model, the tokenizer.
+        context limit, the tensor- and pipeline-parallel split, the quantization, the draft model, the tokenizer.
 
         Raises:
           EngineArgsError: naming the option (`model`, `quantization`, `tensor_parallel_size`,
-            `speculative_config`, `tokenizer`, `kv_cache_dir`).
+            `pipeline_parallel_size`, `pp_layer_partition`, `speculative_config`, `tokenizer`, `kv_cache_dir`).
           ValueError: an unsupported model configuration, or max_model_len beyond the model's
             limit or its sliding window.
         """
@@ -87,7 +88,7 @@ class EngineConfig:
         raw = load_config_dict(args.model)[1]
         quantization = _quantization(args.model, args.quantization, raw)
         model = _weight_groups(ModelConfig.from_hf(raw), quantization, args, raw)
-        layout = _layout(model, args.tensor_parallel_size, args.enable_expert_parallel)
+        layout = _layout(model, args.tensor_parallel_size, args.enable_expert_parallel, _pipeline(model, args))
         draft = None
         if args.speculative_config is not None and args.speculative_config.model is not None:
             draft = _draft_model(args, model)
@@ -107,6 +108,7 @@ class EngineConfig:
             quantization=quantization,
             checkpoint_dtype=checkpoint_dtype(raw),
             tokenizer=tokenizer,
+            pp_layer_partition=layout.pipeline.partition,
             sampling_defaults=tuple(sorted(defaults.items())),
         )
         parts = {name: _part(part, args, resolved) for name, part in SECTIONS.items()}
@@ -265,9 +267,20 @@ def _weight_groups(model: ModelConfig, quantization: str | None, args: EngineArg
         ) from None
 
 
-def _layout(model: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False) -> TensorParallelLayout:
+def _pipeline(model: ModelConfig, args: EngineArgs) -> PipelineLayout:
+    """`model`'s decoder layers split into `args`' pipeline stages."""
     try:
-        return TensorParallelLayout(model, tensor_parallel_size, expert_parallel)
+        return PipelineLayout(model.num_layers, args.pipeline_parallel_size, parse_partition(args.pp_layer_partition))
+    except PipelineParallelError as err:
+        value = args.pp_layer_partition if str(err).startswith("pp_layer_partition") else args.pipeline_parallel_size
+        raise pipeline_error(err, value) from None
+
+
+def _layout(
+    model: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False, pipeline: PipelineLayout | None = None
+) -> TensorParallelLayout:
+    try:
+        return TensorParallelLayout(model, tensor_parallel_size, expert_parallel, pipeline)
     except TensorParallelError as err:
         reason = str(err).removeprefix(f"tensor_parallel_size={tensor_parallel_size} ")
         field = "enable_expert_parallel" if expert_parallel and "expert" in reason else "tensor_parallel_size"

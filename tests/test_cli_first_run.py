@@ -119,7 +119,7 @@ def test_serve_reports_missing_devices_before_http_starts():
     result = run_cli("serve", "--tensor-parallel-size", "2", "--port", "0", env=env)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
-    assert lines[-2] == "jaxpaged: error: --tensor-parallel-size 2: needs as many devices, but JAX sees 1 (cpu devices)"
+    assert lines[-2] == "jaxpaged: error: --tensor-parallel-size 2: needs 2 devices, but JAX sees 1 (cpu devices)"
     assert "Traceback" not in result.stderr and "listening" not in result.stderr, result.stderr
 
 

@@ -65,6 +65,7 @@ def test_presets_are_the_public_configs():
     assert set(PRESETS) == {
         "llama-3.1-8b",
         "llama-3.1-70b",
+        "llama-3.1-405b",
         "mistral-7b-v0.3",
         "qwen2.5-7b",
         "mixtral-8x7b",

@@ -92,7 +92,9 @@ def measure_startup(args, target: str | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         devices = None
         if target:
-            devices = stack.enter_context(compiling_for_target(target, args.tensor_parallel_size))
+            devices = stack.enter_context(
+                compiling_for_target(target, args.tensor_parallel_size * args.pipeline_parallel_size)
+            )
         return _measure(args, devices, cache_dir)
 
 

@@ -23,6 +23,7 @@ ENABLE_PREFIX_CACHING = True
 NUM_SCHEDULER_STEPS = 4  # decode steps fused into one device program
 SCAN_LAYERS = False  # the decoder layers unrolled over per-layer arrays
 TENSOR_PARALLEL_SIZE = 1
+PIPELINE_PARALLEL_SIZE = 1
 DTYPE = "auto"  # the checkpoint's
 KV_CACHE_DTYPE = "auto"  # the model's
 ATTENTION_BACKEND = "auto"  # the Pallas kernels on a GPU, the jnp reference elsewhere

@@ -54,6 +54,14 @@ _LLAMA_31_70B = {
     "num_hidden_layers": 80,
 }
 
+_LLAMA_31_405B = {
+    **_LLAMA_31_8B,
+    "hidden_size": 16384,
+    "intermediate_size": 53248,
+    "num_attention_heads": 128,
+    "num_hidden_layers": 126,
+}
+
 _MISTRAL_7B_V03 = {
     "architectures": ["MistralForCausalLM"],
     "attention_dropout": 0.0,
@@ -173,6 +181,7 @@ _QWEN3_30B_A3B = {
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _LLAMA_31_8B,
     "llama-3.1-70b": _LLAMA_31_70B,
+    "llama-3.1-405b": _LLAMA_31_405B,
     "mistral-7b-v0.3": _MISTRAL_7B_V03,
     "qwen2.5-7b": _QWEN25_7B,
     "mixtral-8x7b": _MIXTRAL_8X7B,

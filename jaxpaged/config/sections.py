@@ -114,7 +114,10 @@ class ParallelConfig:
     """How many devices and processes the engine spans.
 
     Attributes:
-      tensor_parallel_size: devices the model is split over.
+      tensor_parallel_size: devices the model is split over (in each pipeline stage).
+      pipeline_parallel_size: stages the decoder layers are split into.
+      pp_layer_partition: layers per stage, first to last (resolved from its text), or None:
+        balanced (`EngineConfig.layout.pipeline` holds the split).
       enable_expert_parallel: a mixture of experts' experts split over them whole.
       nnodes: processes of the engine.
       node_rank: this process among them (0 schedules).
@@ -123,6 +126,8 @@ class ParallelConfig:
     """
 
     tensor_parallel_size: int
+    pipeline_parallel_size: int
+    pp_layer_partition: tuple[int, ...] | None
     enable_expert_parallel: bool
     nnodes: int
     node_rank: int

@@ -151,13 +151,22 @@ def engine_mesh(config: EngineConfig, devices: list | None = None) -> TensorPara
     """The engine's mesh of `devices` (default: every process's) and its sharding table.
 
     Raises:
-      EngineArgsError: fewer devices than `tensor_parallel_size`, naming how many there are.
+      EngineArgsError: fewer devices than `tensor_parallel_size` (x `pipeline_parallel_size`),
+        naming how many there are.
     """
+    tp, pp = config.layout.size, config.layout.pipeline.size
     try:
-        return TensorParallel(config.layout, make_mesh(config.layout.size, devices, config.layout.pipeline.size))
-    except TensorParallelError as err:  # too few devices
-        reason = str(err).removeprefix(f"tensor_parallel_size={config.layout.size} ")
-        raise EngineArgsError("tensor_parallel_size", config.layout.size, reason) from None
+        return TensorParallel(config.layout, make_mesh(tp, devices, pp))
+    except TensorParallelError as err:  # too few devices: "... needs N devices, but JAX sees M (...)"
+        needs = "needs " + str(err).split(" needs ", 1)[1]
+        if pp == 1:
+            raise EngineArgsError("tensor_parallel_size", tp, needs) from None
+        raise EngineArgsError(
+            "pipeline_parallel_size",
+            pp,
+            f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} {needs}; lower them, or add machines "
+            "(`nnodes`: a stage per machine)",
+        ) from None
 
 
 def check_engine_fits(config: EngineConfig) -> None:
@@ -434,7 +443,7 @@ def check_host_memory(config: EngineConfig, parallel: TensorParallel, available:
     devices = sum(d.process_index == jax.process_index() for d in parallel.mesh.devices.flat)
     dtype = model_dtype(config)
     weights = devices * weight_bytes_per_gpu(
-        config.model, dtype.name, load.quantization, n, config.layout.expert_parallel
+        config.model, dtype.name, load.quantization, n, config.layout.expert_parallel, config.layout.pipeline
     )
     if config.draft is not None:
         draft_dtype = jnp.dtype(resolve_dtype(load.dtype, config.draft.checkpoint_dtype)).name

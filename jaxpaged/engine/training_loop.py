@@ -37,7 +37,11 @@ class TrainingLoopControls:
         there are more devices than kv heads; a quantized weight as its `<name>_quant` /
         `<name>_scale` pair, a group-quantized one with its `<name>_zero` too, and `<name>_perm`
         when act-ordered). `nnx.merge(graphdef, params)` is the model (`get_graphdef()`).
-        These are the engine's arrays, not copies: do not delete or donate them."""
+        These are the engine's arrays, not copies: do not delete or donate them.
+
+        Raises:
+          RuntimeError: asleep or without weights, or under pipeline parallelism."""
+        self._check_one_stage("get_params")
         self._check_awake("get_params")
         return self.runner.params
 
@@ -64,8 +68,8 @@ class TrainingLoopControls:
         Raises:
           WeightUpdateError: (a ValueError) naming the parameter path or tensor and what was
             expected; the engine is unchanged.
-          RuntimeError: the engine is asleep at level 1, runs over several processes, or keeps
-            KV on disk (`kv_cache_dir`).
+          RuntimeError: the engine is asleep at level 1, runs over several processes or pipeline
+            stages, or keeps KV on disk (`kv_cache_dir`).
 
         The prefix cache is reset (its KV was computed with the old weights), and the blocks
         of requests still running are never cached. Those requests go on with the new weights
@@ -76,6 +80,7 @@ class TrainingLoopControls:
         if self._slept is not None and self._slept.level == 1:
             raise RuntimeError("the engine is asleep (level 1): call wake_up() before update_weights()")
         self._check_one_process("update_weights")
+        self._check_one_stage("update_weights")
         if self.disk_tier is not None:  # its files hold KV of the checkpoint's weights, under their fingerprint
             raise RuntimeError(
                 f"update_weights: the engine keeps KV on disk (kv_cache_dir={self.config.cache.kv_cache_dir!r}), "
@@ -104,10 +109,14 @@ class TrainingLoopControls:
 
     def reload_weights(self) -> None:
         """Reads the weights again from the checkpoint (or makes the seeded dummy weights again)
-        and serves them (vLLM's `reload_weights`); the prefix cache is reset."""
+        and serves them (vLLM's `reload_weights`); the prefix cache is reset.
+
+        Raises:
+          RuntimeError: asleep at level 1, or over several processes or pipeline stages."""
         if self._slept is not None and self._slept.level == 1:
             raise RuntimeError("the engine is asleep (level 1): call wake_up() before reload_weights()")
         self._check_one_process("reload_weights")
+        self._check_one_stage("reload_weights")
         if not self._weightless:  # the old weights go before the new ones arrive
             self.runner.params = sleep_mode.abstract(self.runner.params)
         _, params = nnx.split(build_model(self.config, self.runner.parallel))
@@ -130,14 +139,15 @@ class TrainingLoopControls:
 
         Raises:
           RuntimeError: requests are unfinished (finish or abort them, or
-            `pause_generation("abort")`), the engine runs over several processes, or it has a
-            draft model.
+            `pause_generation("abort")`), the engine runs over several processes or pipeline
+            stages, or it has a draft model.
           ValueError: a level other than 1 or 2.
         """
         sleep_mode.check_level(level)  # before anything changes, asleep or not
         if self._slept is not None:
             return
         self._check_one_process(f"sleep({level})")
+        self._check_one_stage(f"sleep({level})")
         if self.runner.draft is not None:
             raise RuntimeError(
                 f"sleep({level}): the engine has a draft model (speculative_config), whose weights and KV pool "
@@ -206,6 +216,17 @@ class TrainingLoopControls:
                 f"{what} is not supported for an engine over several processes (--nnodes): the follower "
                 "processes hold their own shards of the weights and KV pool and receive only steps, so "
                 "they would diverge from process 0"
+            )
+
+    def _check_one_stage(self, what: str) -> None:
+        """Refuses what does not know pipeline stages yet: each stage's devices hold only its
+        layers' slots (`jaxpaged.parallel.pipeline`), not the parameter state these calls read,
+        replace or move. (`wake_up` needs no refusal: nothing sleeps.)"""
+        stages = self.config.layout.pipeline.size
+        if stages > 1:
+            raise RuntimeError(
+                f"{what} is not supported with pipeline parallelism yet (pipeline_parallel_size={stages}): each "
+                "stage holds only its own layers; start the engine with pipeline_parallel_size=1 for a training loop"
             )
 
     def _check_awake(self, what: str) -> None:

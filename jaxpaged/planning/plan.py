@@ -2,14 +2,19 @@
 
     parameters           = all of them, and those one token computes with (a mixture of experts:
                            its top-k experts' share of the experts' parameters)
+    GPUs                 = tensor_parallel_size x pipeline_parallel_size (stages of contiguous
+                           layers, each on its own tensor-parallel GPUs)
     weights per GPU      = every parameter of the architecture's table (jaxpaged.config.architectures),
                            split over the tensor-parallel GPUs by the engine's sharding rules
-                           (jaxpaged.parallel.sharding: heads, MLP width, vocabulary); with
+                           (jaxpaged.parallel.sharding: heads, MLP width, vocabulary); under
+                           pipeline parallelism a GPU holds its stage's layer slots (the longest
+                           stage's layers: every stage runs the same program) and, on every
+                           stage, the embedding, final norm and LM head; with
                            --quantization fp8/int8 the decoder's matrices take 1 byte per weight
                            plus a float32 scale per output channel; int4: half a byte per weight
                            plus a float32 scale and an int8 zero point per group of
                            --quantization-group-size inputs
-    KV bytes per token   = 2 x layers x KV heads per GPU x head_dim x KV dtype bytes
+    KV bytes per token   = 2 x layers (a stage's slots) x KV heads per GPU x head_dim x KV dtype bytes
     KV pool per GPU      = GPU memory x gpu_memory_utilization - weights per GPU
     max concurrency      = pool blocks / blocks of one request of `context` tokens
 
@@ -24,6 +29,7 @@ import math
 from jaxpaged.config import defaults
 from jaxpaged.config.checks import check_block_size, check_choice, check_memory_fraction
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.params import LAYERS
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
@@ -39,6 +45,7 @@ from jaxpaged.config.quantization import (
     resolve_quantization,
     with_quantized_weights,
 )
+from jaxpaged.parallel.pipeline import PipelineLayout, parse_partition
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
@@ -48,15 +55,34 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 PLAN_KV_CACHE_DTYPES = (*KV_CACHE_DTYPES, *MODEL_DTYPES)
 
 
-def count_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, int]:
-    """`(total, per GPU)` parameter counts of `Llama(config)`, split by the sharding table.
+def count_parameters(
+    config: ModelConfig,
+    tensor_parallel_size: int = 1,
+    pipeline: PipelineLayout | None = None,
+    expert_parallel: bool = False,
+) -> tuple[int, int]:
+    """`(total, per GPU)` parameter counts of `Llama(config)`, split by the sharding table (on
+    the fullest GPU: its stage's `pipeline.max_layers` layer slots; None: one stage).
 
     Raises:
       TensorParallelError: the model does not split over `tensor_parallel_size` GPUs.
     """
     shapes = state_shapes(config)
-    layout = TensorParallelLayout(config, tensor_parallel_size)
-    return sum(math.prod(s) for s in shapes.values()), layout.device_elements(shapes)
+    layout = TensorParallelLayout(config, tensor_parallel_size, expert_parallel, pipeline)
+    return sum(math.prod(s) for s in shapes.values()), sum(_device_elements(layout, shapes).values())
+
+
+def _device_elements(layout: TensorParallelLayout, shapes: dict) -> dict:
+    """`{path: elements}` one GPU holds of the parameters `{path: shape}`: its tensor-parallel
+    share, and of a per-layer parameter (stacked, `[L, ...]`) its stage's layer slots."""
+    slots = layout.pipeline.max_layers
+    out = {}
+    for path, shape in shapes.items():
+        elements = layout.device_elements({path: shape})
+        if layout.param_axes(path)[0] == LAYERS:
+            elements = elements // shape[0] * slots
+        out[path] = elements
+    return out
 
 
 def count_active_parameters(config: ModelConfig) -> int:
@@ -71,13 +97,19 @@ def count_active_parameters(config: ModelConfig) -> int:
 
 
 def weight_bytes_per_gpu(
-    config: ModelConfig, dtype: str, quantization: str | None, tensor_parallel_size: int, expert_parallel: bool = False
+    config: ModelConfig,
+    dtype: str,
+    quantization: str | None,
+    tensor_parallel_size: int,
+    expert_parallel: bool = False,
+    pipeline: PipelineLayout | None = None,
 ) -> int:
     """Bytes of the parameters on the fullest GPU: `dtype` each, quantized weights 1 byte and
     their scales float32, or group-quantized (`config.weight_group_size`) their codes'
     bits, float32 scales and int8 zero points (split by the sharding table like their weights,
-    whole experts per device with `expert_parallel`)."""
-    layout = TensorParallelLayout(config, tensor_parallel_size, expert_parallel)
+    whole experts per device with `expert_parallel`; of the layers, a `pipeline` stage's slots,
+    None: one stage)."""
+    layout = TensorParallelLayout(config, tensor_parallel_size, expert_parallel, pipeline)
     element = {"plain": DTYPE_BYTES[dtype], "scale": DTYPE_BYTES["float32"]}
     if config.weight_group_size is not None:
         element |= {
@@ -89,12 +121,8 @@ def weight_bytes_per_gpu(
     elif quantization is not None:
         element["quant"] = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]
     roles = {path: p.role for path, p in state_params(config, quantization is not None).items()}
-    return int(
-        sum(
-            layout.device_elements({path: shape}) * element[roles[path]]
-            for path, shape in state_shapes(config, quantization).items()
-        )
-    )
+    elements = _device_elements(layout, state_shapes(config, quantization))
+    return int(sum(n * element[roles[path]] for path, n in elements.items()))
 
 
 def make_plan(
@@ -104,16 +132,26 @@ def make_plan(
     context: int | None = None,
     gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION,
     tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE,
+    pipeline_parallel_size: int = defaults.PIPELINE_PARALLEL_SIZE,
+    pp_layer_partition: str | None = None,
+    enable_expert_parallel: bool = False,
     dtype: str = defaults.DTYPE,
     kv_cache_dtype: str = defaults.KV_CACHE_DTYPE,
     quantization: str | None = None,
     quantization_group_size: int = DEFAULT_GROUP_SIZE,
     block_size: int = defaults.BLOCK_SIZE,
+    suggest: bool = True,
 ) -> dict:
     """The plan as a JSON-ready dict (bytes are per GPU unless the key says `_all_gpus`).
 
+    Args:
+      pp_layer_partition: layers per pipeline stage as `--pp-layer-partition` takes them
+        ("20,12"); None: balanced.
+      suggest: when the model does not fit, say in the note which layout on more GPUs does.
+
     Raises:
-      ValueError: an unknown model, dtype, memory size, or a context over the model's limit.
+      ValueError: an unknown model, dtype, memory size, or a context over the model's limit; a
+        split the model does not take (`TensorParallelError`, `PipelineParallelError`).
     """
     name, raw = load_config_dict(model)
     config = ModelConfig.from_hf(raw)
@@ -143,10 +181,11 @@ def make_plan(
     kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
     check_block_size(block_size)
     check_memory_fraction(gpu_memory_utilization)
-    tp = tensor_parallel_size
-    total_params, _ = count_parameters(config, tp)
-    weights = weight_bytes_per_gpu(config, dtype, quantization, tp)
-    device_config = TensorParallelLayout(config, tp).device_config
+    tp, ep = tensor_parallel_size, enable_expert_parallel
+    pipeline = PipelineLayout(config.num_layers, pipeline_parallel_size, parse_partition(pp_layer_partition))
+    total_params, _ = count_parameters(config, tp, pipeline, ep)
+    weights = weight_bytes_per_gpu(config, dtype, quantization, tp, ep, pipeline)
+    device_config = TensorParallelLayout(config, tp, ep, pipeline).device_config
     per_token = kv_bytes_per_token(device_config, DTYPE_BYTES[kv_dtype])
     report = {
         "model": name,
@@ -159,6 +198,10 @@ def make_plan(
         "weight_group_size": config.weight_group_size,
         "kv_cache_dtype": kv_dtype,
         "tensor_parallel_size": tp,
+        "enable_expert_parallel": ep,
+        "pipeline_parallel_size": pipeline.size,
+        "layers_per_stage": list(pipeline.layers_per_stage),
+        "num_gpus": tp * pipeline.size,
         "gpu_memory_bytes": gpu_memory,
         "gpu_memory_utilization": gpu_memory_utilization,
         "context": context,
@@ -191,13 +234,17 @@ def make_plan(
             gpu_memory=gpu_memory,
             context=context,
             gpu_memory_utilization=gpu_memory_utilization,
+            enable_expert_parallel=ep,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
             quantization=quantization,
             block_size=block_size,
         )
-        fitting = [n for n in (2, 4, 8, 16, 32, 64) if n > tp and _fits(model, n, options)][:1]
-        note += "".join(f"; --tensor-parallel-size {n} fits" for n in fitting)
+        if suggest:
+            fitting = next(((t, p) for t, p in _larger_layouts(tp, pipeline.size) if _fits(model, t, p, options)), None)
+            if fitting is not None:
+                t, p = fitting
+                note += f"; --tensor-parallel-size {t}" + (f" --pipeline-parallel-size {p}" if p > 1 else "") + " fits"
         report.update(
             fits=False, kv_pool_bytes_per_gpu=0, kv_cache_blocks=0, pool_tokens=0, max_concurrency=0.0, note=note
         )
@@ -214,9 +261,34 @@ def make_plan(
     return report
 
 
-def _fits(model: str, tensor_parallel_size: int, options: dict) -> bool:
+# GPUs of one machine: tensor parallelism's all-reduces want its fast interconnect, so a layout
+# that needs more GPUs adds pipeline stages (a stage per machine) rather than widening TP.
+GPUS_PER_NODE = 8
+
+
+def _larger_layouts(tp: int, pp: int):
+    """`(tensor_parallel_size, pipeline_parallel_size)` layouts on more GPUs than `tp x pp`
+    (neither size lowered), fewest GPUs first (at most 64); of equal GPUs, the widest tensor
+    parallelism up to a machine's `GPUS_PER_NODE` (or `tp`) first."""
+    for gpus in (2, 4, 8, 16, 32, 64):
+        if gpus <= tp * pp:
+            continue
+        t = min(gpus, max(tp, GPUS_PER_NODE))
+        while t >= tp:
+            if gpus % t == 0 and gpus // t >= pp:
+                yield t, gpus // t
+            t //= 2
+
+
+def _fits(model: str, tensor_parallel_size: int, pipeline_parallel_size: int, options: dict) -> bool:
     try:
-        return make_plan(model, tensor_parallel_size=tensor_parallel_size, **options)["fits"]
+        return make_plan(
+            model,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            suggest=False,
+            **options,
+        )["fits"]
     except ValueError:  # e.g. the heads do not split over that many GPUs
         return False
 
@@ -236,6 +308,18 @@ def _quantization_row(r: dict) -> str:
     return r["quantization"] or "none"
 
 
+def _experts(r: dict) -> str:
+    return ", whole experts per GPU (expert parallel)" if r["enable_expert_parallel"] else ""
+
+
+def _stages(r: dict) -> str:
+    pp, layers = r["pipeline_parallel_size"], r["layers_per_stage"]
+    if pp == 1:
+        return f"1 stage of {layers[0]} layers; {r['num_gpus']} GPU(s) in all"
+    split = " + ".join(map(str, layers))
+    return f"{pp} stages of {split} layers; {r['tensor_parallel_size']} x {pp} = {r['num_gpus']} GPUs in all"
+
+
 def format_plan(r: dict) -> str:
     """The plan as an aligned, human-readable table."""
     tp = r["tensor_parallel_size"]
@@ -244,13 +328,14 @@ def format_plan(r: dict) -> str:
         ("parameters", f"{r['num_parameters']:,}" + _active(r)),
         ("dtype / KV cache dtype", f"{r['dtype']} / {r['kv_cache_dtype']}"),
         ("weight quantization", _quantization_row(r)),
-        ("tensor parallel", f"{tp} GPU(s), {r['kv_heads_per_gpu']} KV head(s) per GPU"),
+        ("tensor parallel", f"{tp} GPU(s) per stage, {r['kv_heads_per_gpu']} KV head(s) per GPU" + _experts(r)),
+        ("pipeline parallel", _stages(r)),
         ("GPU memory x utilization", f"{_size(r['gpu_memory_bytes'])} x {r['gpu_memory_utilization']}"),
         ("weights per GPU", _size(r["weight_bytes_per_gpu"])),
         (
             "KV bytes per token per GPU",
             _size(r["kv_bytes_per_token"])
-            + (f"  (all GPUs: {r['kv_bytes_per_token_all_gpus']:,} B)" if tp > 1 else ""),
+            + (f"  (all GPUs: {r['kv_bytes_per_token_all_gpus']:,} B)" if r["num_gpus"] > 1 else ""),
         ),
         (f"KV per request ({r['context']:,} tokens) per GPU", _size(r["kv_bytes_per_request"])),
         ("KV pool per GPU", _size(r["kv_pool_bytes_per_gpu"])),
@@ -275,6 +360,9 @@ def run(args) -> int:
         context=args.context,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pp_layer_partition=args.pp_layer_partition,
+        enable_expert_parallel=args.enable_expert_parallel,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,

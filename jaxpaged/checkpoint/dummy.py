@@ -87,7 +87,9 @@ def dummy_params(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorP
     pipeline = parallel.layout.pipeline
     if pipeline.size > 1:  # one call per layer slot, each stage making its own layer
         slots = [[pipeline.layer_at(s, j) for s in range(pipeline.size)] for j in range(pipeline.max_layers)]
-        layers = [programs["layer"](key, jnp.array([-1 if x is None else x for x in slot], jnp.int32)) for slot in slots]
+        layers = [
+            programs["layer"](key, jnp.array([-1 if x is None else x for x in slot], jnp.int32)) for slot in slots
+        ]
     else:
         layers = [programs["layer"](key, jnp.int32(layer)) for layer in range(config.num_layers)]
     return {**params, **{path: LayerArrays(layer[path] for layer in layers) for path in layers[0]}}

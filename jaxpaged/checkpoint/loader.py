@@ -62,8 +62,8 @@ from jaxpaged.checkpoint.hf_keys import (
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config import defaults
 from jaxpaged.config.group_formats import GroupFormat
-from jaxpaged.config.params import LAYER_STACK
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params import LAYER_STACK
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,

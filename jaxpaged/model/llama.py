@@ -520,7 +520,9 @@ class Llama(nnx.Module):
             fed = xs[tick] if tick < num_micro else jnp.zeros_like(xs[0])
             state = jnp.concatenate([fed[None], state[:-1]])  # each stage's input: the previous stage's output
             metas = [
-                micro[tick - s] if 0 <= tick - s < num_micro else micro[min(max(tick - s, 0), num_micro - 1)].with_no_writes()
+                micro[tick - s]
+                if 0 <= tick - s < num_micro
+                else micro[min(max(tick - s, 0), num_micro - 1)].with_no_writes()
                 for s in range(stages)
             ]
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *metas)

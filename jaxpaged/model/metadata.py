@@ -64,7 +64,9 @@ class AttentionMetadata:
             tables = jnp.pad(self.block_tables, ((0, pad), (0, 0)))[first:stop]
             cu = jnp.arange(size + 1, dtype=self.cu_q_lens.dtype)
             num_seqs = jnp.clip(self.num_seqs - first, 0, size).astype(self.num_seqs.dtype)
-            return dataclasses.replace(self, **cut, kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu, num_seqs=num_seqs)
+            return dataclasses.replace(
+                self, **cut, kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu, num_seqs=num_seqs
+            )
         ends = self.cu_q_lens[1:]
         later = ends - jnp.clip(ends, first, stop)  # each sequence's query rows after the range
         return dataclasses.replace(

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.parallel.sharding import (
     KV_HEADS,
     KV_POOL_AXES,
@@ -25,7 +26,6 @@ from jaxpaged.parallel.sharding import (
     TensorParallelError,
     TensorParallelLayout,
 )
-from jaxpaged.parallel.pipeline import PipelineLayout
 
 
 def make_mesh(tensor_parallel_size: int, devices: list | None = None, pipeline_parallel_size: int = 1) -> Mesh:

@@ -35,7 +35,6 @@ from jaxpaged.config.params import (
     HEAD_DIM,
     HEADS,
     KV_HEADS,
-    LAYERS,
     MLP,
     SHARED_MLP,
     VOCAB,

@@ -101,6 +101,20 @@ def test_two_processes_give_transformers_tokens(tmp_path):
     assert results[1]["steps"] > 0  # the follower ran the leader's steps, then left when told
 
 
+def test_two_processes_as_two_pipeline_stages_give_transformers_tokens(tmp_path):
+    """A stage per process (the pipeline axis spans the processes, as it would span hosts), one
+    device each: 5 layers split 3 + 2, each process's device holding only its stage's layers."""
+    hf = save_hf_model("llama_pp", str(tmp_path))
+    prompts = tp_workload.prompts(seed=1)
+    options = tp_workload.engine_options(str(tmp_path), 1, pp=2)
+    results = {}
+    for rank, (code, out, err) in enumerate(run_processes([options, options], prompts, devices=1)):
+        assert code == 0, f"process {rank} failed:\n{err[-4000:]}"
+        results[rank] = last_json(out)
+    assert results[0]["tokens"] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    assert results[0]["stats"]["prefix_cache_hits"] > 0 and results[1]["steps"] > 0
+
+
 def test_serve_spans_two_processes_and_the_follower_leaves_with_the_leader(tmp_path):
     """`jaxpaged serve --nnodes 2`: process 0 serves HTTP over four devices, two of them in the
     follower process; the completion equals one process's; SIGTERM stops both, exit code 0."""

@@ -5,6 +5,7 @@ chunked prefill and preemption all happen, for any tensor-parallel size."""
 import numpy as np
 
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.parallel.sharding import TensorParallelLayout
 
 BLOCK_SIZE = 8
@@ -19,14 +20,18 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return out + [rng.integers(3, 500, size=n).tolist() for n in (5, 30)]
 
 
-def engine_options(path: str, n: int) -> dict:
-    """`EngineArgs` keywords for a float32 model directory on `n` devices, with a pool of
-    `POOL_BLOCKS` blocks per device (what one device holds shrinks with `n`)."""
-    per_token = kv_bytes_per_token(TensorParallelLayout(ModelConfig.from_pretrained(path), n).device_config, 4)
+def engine_options(path: str, n: int, pp: int = 1) -> dict:
+    """`EngineArgs` keywords for a float32 model directory on `n` devices per stage and `pp`
+    stages, with a pool of `POOL_BLOCKS` blocks per device (what one device holds shrinks with
+    `n`)."""
+    config = ModelConfig.from_pretrained(path)
+    layout = TensorParallelLayout(config, n, pipeline=PipelineLayout(config.num_layers, pp))
+    per_token = kv_bytes_per_token(layout.device_config, 4)
     return dict(
         model=path,
         dtype="float32",
         tensor_parallel_size=n,
+        pipeline_parallel_size=pp,
         skip_tokenizer_init=True,
         max_model_len=48,
         block_size=BLOCK_SIZE,

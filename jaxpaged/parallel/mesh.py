@@ -127,7 +127,7 @@ class TensorParallel:
             return self.place(path, array, one_layer=True)
         array = self.to_mesh_layout(path, array, one_layer=True)[None]
         sharding = self.stage_sharding(path, self.layout.pipeline.stage_of(layer))
-        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index], dtype=array.dtype)
 
     def stack_stages(self, path: tuple[str, ...], layers: list[jax.Array]) -> list[jax.Array]:
         """The layer slot arrays `[P, ...]` of a per-layer parameter from its layers placed by
@@ -141,10 +141,13 @@ class TensorParallel:
             parts = []
             for stage in range(pipe.size):
                 layer = pipe.layer_at(stage, slot)
-                if layer is None:
+                if layer is None:  # zeros where this process holds the stage's devices (no program runs)
                     some = layers[pipe.stage_ranges[stage][0]]
+                    zeros = np.broadcast_to(np.zeros((), some.dtype), some.shape)
                     sharding = self.stage_sharding(path, stage)
-                    parts.append(jax.jit(lambda: jnp.zeros(some.shape, some.dtype), out_shardings=sharding)())
+                    parts.append(
+                        jax.make_array_from_callback(some.shape, sharding, lambda i: zeros[i], dtype=some.dtype)
+                    )
                 else:
                     parts.append(layers[layer])
             shape = (pipe.size, *parts[0].shape[1:])

@@ -6,6 +6,7 @@ model as the engine, but without scheduling, caching or sampling. Tests use it t
 every position's logits with transformers; it also shows the model API in a few lines.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -44,6 +45,8 @@ class PagedGenerator:
         self, model: Llama, *, block_size: int = 16, block_shuffle_seed: int | None = None, kv_dtype: str | None = None
     ):
         self.config = model.config
+        self.pool_config = dataclasses.replace(model.config, num_layers=model.pool_layers)  # pipeline: every slot
+        self.parallel = model.parallel
         self.dtype = kv_dtype or model.embed[...].dtype
         self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
@@ -56,7 +59,13 @@ class PagedGenerator:
         if self.block_shuffle_seed is not None:
             np.random.default_rng(self.block_shuffle_seed).shuffle(block_ids)
         tables = np.split(block_ids, np.cumsum(pages)[:-1])
-        pool = init_kv_pool(self.config, sum(pages) + 1, self.block_size, self.dtype)
+        pool = init_kv_pool(self.pool_config, sum(pages) + 1, self.block_size, self.dtype)
+        if self.parallel is not None:  # split as the engine's (over kv heads, and the stages' blocks)
+            pool = dataclasses.replace(
+                pool,
+                k=jax.device_put(pool.k, self.parallel.pool_sharding),
+                v=jax.device_put(pool.v, self.parallel.pool_sharding),
+            )
         packer = StepPacker(
             block_size=self.block_size,
             max_model_len=max(lengths),

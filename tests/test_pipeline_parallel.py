@@ -1,0 +1,153 @@
+"""Pipeline parallelism on 8 CPU devices: the same tokens as transformers for every stage count
+and TP x PP split, each stage holding only its layers' weights and KV blocks.
+
+The tiny model has 5 decoder layers, which 2 stages split 3 + 2 and 4 stages 2 + 1 + 1 + 1 (a
+stage shorter than the longest passes activations through its empty slot). Prompts of several
+lengths are prefilled together, so sequences straddle the micro-batches a step is cut into.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+import tp_workload
+from engine_fixtures import hf_greedy
+from tiny_models import save_hf_model
+
+from jaxpaged.checkpoint.dummy import dummy_params
+from jaxpaged.checkpoint.loader import load_model
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.model import LayerArrays
+from jaxpaged.parallel.mesh import TensorParallel, make_mesh
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.paged_generate import PagedGenerator
+
+MAX_TOKENS = 8
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42] * 5, [300], [7] * 12]
+
+
+@pytest.fixture(scope="module")
+def pp_model(tmp_path_factory):
+    """(model dir, transformers model, its greedy continuations of PROMPTS)."""
+    path = str(tmp_path_factory.mktemp("llama_pp"))
+    hf = save_hf_model("llama_pp", path)
+    return path, hf, [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def resolve(path: str, tp: int, pp: int, **options) -> EngineConfig:
+    args = EngineArgs(
+        model=path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, skip_tokenizer_init=True
+    )
+    return EngineConfig.resolve(dataclasses.replace(args, **options))
+
+
+def split(path: str, tp: int, pp: int, **options) -> TensorParallel:
+    """The mesh and sharding table of `tp` devices per stage x `pp` stages (engine options too)."""
+    layout = resolve(path, tp, pp, **options).layout
+    return TensorParallel(layout, make_mesh(tp, None, pp))
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (1, 4), (2, 2), (4, 2)])
+def test_greedy_tokens_and_prompt_logits_equal_transformers(pp_model, tp, pp):
+    path, hf, references = pp_model
+    _, model = load_model(path, "float32", parallel=split(path, tp, pp))
+    generator = PagedGenerator(model, block_size=4, block_shuffle_seed=0)
+    assert generator.generate(PROMPTS, MAX_TOKENS) == references
+    prompt = PROMPTS[1] + PROMPTS[0]  # 22 tokens in chunks of 8: every micro-batch cuts the chunk
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(generator.prompt_logits(prompt, chunk_size=8), expected, atol=2e-4)
+
+
+def stage_rows(parallel: TensorParallel) -> dict:
+    """Each device's stage: its row of the `[pp, tp]` mesh."""
+    return {d: s for s, row in enumerate(parallel.mesh.devices) for d in row}
+
+
+def test_every_weight_and_pool_shard_sits_on_its_stage(pp_model):
+    """TP 2 x PP 2: slot j of stage s holds decoder layer `layer_at(s, j)` (its TP shard) on that
+    stage's devices only, the empty slot zeros; the loaded and the dummy weights agree with the
+    unpipelined model's layer by layer; the pool's shards hold one stage's slots of one kv head."""
+    path, _, _ = pp_model
+    parallel = split(path, 2, 2)
+    pipe, rows = parallel.layout.pipeline, stage_rows(parallel)
+    assert pipe.layers_per_stage == (3, 2) and pipe.max_layers == 3
+    _, model = load_model(path, "float32", parallel=parallel)
+    _, flat = load_model(path, "float32", parallel=split(path, 2, 1))
+    q, flat_q = model.layers.attn.q_proj.get_value(), flat.layers.attn.q_proj.get_value()
+    assert isinstance(q, LayerArrays) and len(q.arrays) == 3
+    for slot, array in enumerate(q.arrays):
+        assert array.shape == (2, 64, 8, 8) and len(array.addressable_shards) == 4
+        for shard in array.addressable_shards:
+            stage = rows[shard.device]
+            assert shard.index[0] == slice(stage, stage + 1)  # the device holds its own stage's layer
+            layer = pipe.layer_at(stage, slot)
+            if layer is None:
+                assert not np.asarray(shard.data).any()
+            else:
+                np.testing.assert_array_equal(np.asarray(shard.data)[0], np.asarray(flat_q[layer])[shard.index[1:]])
+    config = resolve(path, 2, 2, load_format="dummy", seed=3)
+    dummy = dummy_params(config.model, np.float32, config.load, parallel)
+    dummy_flat = dummy_params(config.model, np.float32, config.load, split(path, 2, 1))
+    down = ("layers", "mlp", "down_proj")
+    for layer in range(config.model.num_layers):
+        stage, slot = pipe.stage_of(layer), pipe.slot_of(layer)
+        np.testing.assert_array_equal(np.asarray(dummy[down][slot])[stage], np.asarray(dummy_flat[down][layer]))
+    assert not np.asarray(dummy[down][2])[1].any()  # stage 1's empty slot
+    generator = PagedGenerator(model, block_size=4)
+    pool, _, _ = generator._setup([16], 16)
+    for shard in pool.k.addressable_shards:  # [P * slots * NB, BS, K, H]: a stage's slots, one kv head
+        stage = rows[shard.device]
+        assert shard.data.shape == (pool.k.shape[0] // 2, 4, 1, 8)
+        assert shard.index[0] == slice(stage * pool.k.shape[0] // 2, (stage + 1) * pool.k.shape[0] // 2)
+
+
+def run(engine: LLMEngine, prompts, params: SamplingParams) -> list:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((int(o.request_id), o) for o in engine.step() if o.finished)
+    return [done[i].outputs[0].token_ids for i in range(len(prompts))]
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize(
+    "tp,options",
+    [
+        (2, dict(kv_offloading_size=2**-14, preemption_mode="swap")),  # a host tier: swapped out and in
+        (1, dict(preemption_mode="recompute", speculative_config={"method": "ngram", "num_speculative_tokens": 2})),
+    ],
+    ids=["swap-host-tier", "recompute-ngram"],
+)
+def test_engine_at_two_stages_equals_transformers_through_preemption_and_prefix_hits(pp_model, tp, options):
+    """The tensor-parallel workload (shared prefixes, chunked prefill, a pool too small for every
+    sequence at once) at PP 2: continuous batching, prefix hits and preemption give
+    transformers' tokens, with the pool's blocks of both stages freed at the end."""
+    path, hf, _ = pp_model
+    prompts = tp_workload.prompts()
+    engine = LLMEngine(EngineArgs(**{**tp_workload.engine_options(path, tp, pp=2), **options}))
+    outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert outputs == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    if "kv_offloading_size" in options:
+        assert stats["kv_swapped_in_blocks"] > 0
+        assert engine.runner.kv_transfer.host.shape[2] == 2 * 3  # [C, 2, P * slots, BS, K, H]: every slot
+
+
+def test_quantized_weights_split_over_stages_give_the_unsplit_tokens(pp_model):
+    """Weights quantized at load (int4: codes, scales and zero points per group) split over 2
+    stages x 2 devices give the same greedy tokens as the quantized model on one device."""
+    path, _, _ = pp_model
+    kwargs = dict(quantization="int4", quantization_group_size=16)
+    _, one = load_model(path, "float32", **kwargs)
+    _, staged = load_model(path, "float32", parallel=split(path, 2, 2, **kwargs), **kwargs)
+    expected = PagedGenerator(one, block_size=4).generate(PROMPTS, MAX_TOKENS)
+    assert PagedGenerator(staged, block_size=4).generate(PROMPTS, MAX_TOKENS) == expected
+    assert jax.tree.leaves(staged.layers.attn.q_proj_quant.get_value())[0].shape[0] == 2  # slots [P, ...]

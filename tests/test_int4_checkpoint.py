@@ -2,20 +2,25 @@
 pack-quantized layouts (built by tests/int4_checkpoints.py's independent packers) load with their
 weights group-quantized on the device, detected from config.json, and their logits and greedy tokens
 equal transformers' run on the packer's dequantized weights; a bad file is refused from its
-headers naming the tensor, and `--quantization` asserts the format."""
+headers naming the tensor, and `--quantization` asserts the format; `jaxpaged-convert` keeps them
+4-bit (int4 codes in the Orbax tree) and the converted directory loads as the same arrays."""
 
 import json
 
+import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import torch
 from checkpoint_edits import copy_checkpoint, edit_tensors
 from int4_checkpoints import save_int4_checkpoint
 
 from jaxpaged.checkpoint.convert import convert_checkpoint
+from jaxpaged.checkpoint.format import PARAMS_DIR
 from jaxpaged.checkpoint.loader import load_model, load_params
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
+from jaxpaged.entrypoints.convert_cli import main as convert_main
 from jaxpaged.model.group_quant import code_dtype
 from jaxpaged.worker.paged_generate import PagedGenerator
 
@@ -74,8 +79,42 @@ def test_quantization_option_asserts_the_format(checkpoints, tmp_path):
     assert EngineConfig.resolve(EngineArgs(model=path, quantization="gptq", skip_tokenizer_init=True))
     with pytest.raises(EngineArgsError, match="already quantized as 'gptq'"):
         EngineConfig.resolve(EngineArgs(model=path, quantization="awq", skip_tokenizer_init=True))
-    with pytest.raises(ValueError, match="jaxpaged-convert writes plain and FP8 checkpoints only"):
-        convert_checkpoint(path, tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match="--quantization int4: the checkpoint is already quantized as gptq"):
+        convert_checkpoint(path, tmp_path / "out", progress=False, quantization="int4")
     config, params = load_params(path)  # numpy, in the model state's layout
     codes = params["layers"]["attn"]["q_proj_quant"]
     assert config.weight_group_size == 32 and codes.dtype == code_dtype(4) and codes.shape == (2, 64, 8, 16)
+
+
+def stored_dtypes(converted) -> dict[str, np.dtype]:
+    """The dtype of each array of layer 0's q_proj as the converted directory's Orbax tree stores it."""
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        meta = checkpointer.metadata(str(converted / PARAMS_DIR))
+    attn = getattr(getattr(meta, "item_metadata", meta), "tree", meta)["layers"]["attn"]
+    return {name: np.dtype(m.dtype) for name, m in attn.items() if name.startswith("q_proj")}
+
+
+# greedy tokens once, of the act-ordered model (~10 s of compiling); identical arrays are the same model
+@pytest.mark.parametrize("kind, check_tokens", [("awq", False), ("gptq_act_order_asym", True)])
+def test_convert_keeps_the_checkpoint_4_bit_and_loads_it_back_the_same(checkpoints, kind, check_tokens, tmp_path):
+    """jaxpaged-convert writes the model state's group-quantized arrays, codes as int4; the
+    converted directory reads (no flag) into the same arrays and greedy tokens as the checkpoint."""
+    path, hf = checkpoints[kind]
+    out = tmp_path / "converted"
+    assert convert_main(["--hf-dir", path, "--out", str(out), "--dtype", "float32", "--no-progress"]) == 0
+    assert json.loads((out / "jaxpaged_format.json").read_text())["quantization"] == kind.split("_")[0]
+    expected = {"q_proj_quant": ml_dtypes.int4, "q_proj_scale": np.float32, "q_proj_zero": np.int8}
+    expected |= {"q_proj_perm": np.int32} if "act_order" in kind else {}
+    assert stored_dtypes(out) == {name: np.dtype(dtype) for name, dtype in expected.items()}
+    (config, converted), (_, original) = load_params(out), load_params(path)
+    assert config.weight_act_order == ("act_order" in kind)
+    for module, arrays in original["layers"].items():
+        for name, array in arrays.items():
+            assert converted["layers"][module][name].dtype == array.dtype, name
+            np.testing.assert_array_equal(converted["layers"][module][name], array, err_msg=name)
+    if not check_tokens:
+        return
+    _, model = load_model(str(out), "float32")
+    with torch.no_grad():
+        reference = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert PagedGenerator(model).generate(PROMPTS[:1], 8)[0] == reference[0, len(PROMPTS[0]) :].tolist()

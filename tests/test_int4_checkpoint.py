@@ -3,7 +3,9 @@ pack-quantized layouts (built by tests/int4_checkpoints.py's independent packers
 weights group-quantized on the device, detected from config.json, and their logits and greedy tokens
 equal transformers' run on the packer's dequantized weights; a bad file is refused from its
 headers naming the tensor, and `--quantization` asserts the format; `jaxpaged-convert` keeps them
-4-bit (int4 codes in the Orbax tree) and the converted directory loads as the same arrays."""
+4-bit (int4 codes in the Orbax tree) and the converted directory loads as the same arrays; under
+tensor parallelism an AWQ and a GPTQ act-order checkpoint load into their shards and give the
+dequantized model's tokens."""
 
 import json
 
@@ -12,16 +14,23 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import torch
+import tp_workload
 from checkpoint_edits import copy_checkpoint, edit_tensors
-from int4_checkpoints import save_int4_checkpoint
+from engine_fixtures import hf_greedy
+from int4_checkpoints import save_int4_checkpoint, write_int4_checkpoint
+from shard_checks import check_loaded_into_shards
+from tiny_models import build_hf_model
 
 from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.format import PARAMS_DIR
 from jaxpaged.checkpoint.loader import load_model, load_params
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.entrypoints.convert_cli import main as convert_main
 from jaxpaged.model.group_quant import code_dtype
+from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.paged_generate import PagedGenerator
 
 VARIANT = "llama_gqa4"  # hidden 64, o_proj inputs 8 x 16 = 128, MLP 128
@@ -118,3 +127,31 @@ def test_convert_keeps_the_checkpoint_4_bit_and_loads_it_back_the_same(checkpoin
     with torch.no_grad():
         reference = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
     assert PagedGenerator(model).generate(PROMPTS[:1], 8)[0] == reference[0, len(PROMPTS[0]) :].tolist()
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize("kind, n", [("awq", 2), ("gptq_act_order_asym", 4)])
+def test_tensor_parallel_loads_the_checkpoint_into_its_shards_and_gives_its_tokens(tmp_path, kind, n):
+    """llama_tp (hidden 64, heads 8 x 8, 2 kv heads, MLP 128) in groups of 16 (act order: 8, a
+    shuffled g_idx): on `n` devices every array (codes, scales, zeros, permutations) lands split
+    as the table says, holding the one-device values (kv heads repeated at 4), and the engine gives
+    the dequantized model's greedy tokens (prefix caching, chunked prefill and preemption on)."""
+    path = str(tmp_path)
+    hf = write_int4_checkpoint(build_hf_model("llama_tp"), kind, path, group_size=16)
+    config, single = load_model(path, "float32", scan_layers=True)
+    assert config.weight_act_order == ("act_order" in kind)
+    check_loaded_into_shards(
+        (path,),
+        TensorParallel.create(config, n),
+        single,
+        lambda leaf, expected, message: np.testing.assert_array_equal(np.asarray(leaf), expected, message),
+    )
+    engine = LLMEngine(EngineArgs(**tp_workload.engine_options(path, n)))
+    prompts, params = tp_workload.prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert [done[i] for i in range(len(prompts))] == [hf_greedy(hf, prompt, 12) for prompt in prompts]
+    assert engine.get_stats()["num_preemptions"] > 0

@@ -133,15 +133,18 @@ def test_convert_keeps_the_checkpoint_4_bit_and_loads_it_back_the_same(checkpoin
 @pytest.mark.parametrize("kind, n", [("awq", 2), ("gptq_act_order_asym", 4)])
 def test_tensor_parallel_loads_the_checkpoint_into_its_shards_and_gives_its_tokens(tmp_path, kind, n):
     """llama_tp (hidden 64, heads 8 x 8, 2 kv heads, MLP 128) in groups of 16 (act order: 8, a
-    shuffled g_idx): on `n` devices every array (codes, scales, zeros, permutations) lands split
-    as the table says, holding the one-device values (kv heads repeated at 4), and the engine gives
-    the dequantized model's greedy tokens (prefix caching, chunked prefill and preemption on)."""
+    shuffled g_idx): on `n` devices every array (codes, scales, zeros, permutations), from
+    safetensors and from its jaxpaged-convert directory, lands split as the table says, holding
+    the one-device values (kv heads repeated at 4), and the engine gives the dequantized model's
+    greedy tokens (prefix caching, chunked prefill and preemption on)."""
     path = str(tmp_path)
     hf = write_int4_checkpoint(build_hf_model("llama_tp"), kind, path, group_size=16)
+    converted = str(tmp_path / "converted")
+    convert_checkpoint(path, converted, dtype="float32", progress=False)
     config, single = load_model(path, "float32", scan_layers=True)
     assert config.weight_act_order == ("act_order" in kind)
-    check_loaded_into_shards(
-        (path,),
+    check_loaded_into_shards(  # Orbax restores the converted codes (int4 on disk) into their shards
+        (path, converted),
         TensorParallel.create(config, n),
         single,
         lambda leaf, expected, message: np.testing.assert_array_equal(np.asarray(leaf), expected, message),

@@ -10,11 +10,15 @@ reader hook, tensor parallelism.
 - GPTQ `desc_act`: a tiny Llama quantized by an independent act-order packer (shuffled `g_idx`,
   asymmetric zeros) and built through the reader hook (`group_tensors`) gives the logits and
   greedy tokens of transformers on its dequantized weights.
+- `jaxpaged-convert --quantization int4` writes the arrays quantizing at load makes, records
+  the groups in config.json (loading needs no flag), and another method or group size is refused.
 - Bad group sizes and tensor-parallel sizes that would split a group name both numbers.
 - Tensor parallelism over 2 and 4 fake devices gives the unsharded tokens, scales and zeros split
   beside their weights.
 - `jaxpaged plan` counts the codes, scales and zero points, and fits Llama-3.1-70B on one 80 GB GPU.
 """
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +26,11 @@ import numpy as np
 import pytest
 import torch
 import tp_workload
+from checkpoint_edits import copy_checkpoint
 from flax import nnx
 from tiny_models import save_hf_model
 
+from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.group_quant import GroupQuantized
 from jaxpaged.checkpoint.group_state import group_state, group_tensors
 from jaxpaged.checkpoint.loader import load_model, load_params, read_hf_config
@@ -32,6 +38,8 @@ from jaxpaged.config.architectures import llama
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.entrypoints.convert_cli import main as convert_main
 from jaxpaged.model import LayerArrays
 from jaxpaged.model.group_quant import code_dtype, group_matmul
 from jaxpaged.model.llama import Llama
@@ -42,6 +50,8 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.paged_generate import PagedGenerator
 
 GROUP_SIZE = 32
+# Prompts of the tiny int4 model: 9 tokens take the per-group partials, 70 a dequantized weight.
+INT4_PROMPTS = [np.random.default_rng(0).integers(3, 512, n).tolist() for n in (9, 70)]
 # Our (module, weight) -> the HF linear's name in a decoder layer.
 HF_NAMES = {
     ("attn", "q_proj"): "self_attn.q_proj",
@@ -183,18 +193,58 @@ def test_int4_logits_and_greedy_tokens_equal_the_dequantized_float_model(tiny_in
                 step = np.repeat(np.asarray(scale).reshape(scale.shape[0], -1), GROUP_SIZE, axis=0)
                 assert np.all(np.abs(weight - torch_weight.numpy().T) <= step / 2 + 1e-6)  # round to nearest
                 torch_weight.copy_(torch.tensor(weight.T))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 512, n).tolist() for n in (9, 70)]  # 9 tokens: per-group partials; 70: dequantized
     generator = PagedGenerator(model)
-    for prompt in prompts:
+    for prompt in INT4_PROMPTS:
         with torch.no_grad():
             reference = hf(torch.tensor([prompt])).logits[0].numpy()
         np.testing.assert_allclose(generator.prompt_logits(prompt), reference, atol=2e-4)
-    tokens = generator.generate(prompts, 12)
+    tokens = generator.generate(INT4_PROMPTS, 12)
     with torch.no_grad():
-        for prompt, got in zip(prompts, tokens):
+        for prompt, got in zip(INT4_PROMPTS, tokens):
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
             assert got == out[0, len(prompt) :].tolist()
+
+
+def test_convert_quantizes_to_int4_records_the_groups_and_loads_back_the_same_model(tiny_int4, tmp_path):
+    """`jaxpaged-convert --quantization int4` writes the arrays `--quantization int4` makes at load;
+    the directory loads with no flag, and a different method or group size is refused."""
+    path, _, model = tiny_int4
+    out = tmp_path / "int4"
+    args = ["--hf-dir", path, "--out", str(out), "--dtype", "float32", "--no-progress", "--quantization", "int4"]
+    assert convert_main(args + ["--quantization-group-size", str(GROUP_SIZE)]) == 0
+    recorded = {"quant_method": "jaxpaged", "method": "int4", "bits": 4, "group_size": GROUP_SIZE}
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == recorded
+    assert json.loads((out / "jaxpaged_format.json").read_text())["quantization"] == "int4"
+    config, converted = load_model(str(out))  # no flags: float32 ("auto"), int4 in groups of 32
+    assert (config.weight_bits, config.weight_group_size) == (4, GROUP_SIZE)
+    expected, got = nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(converted))
+    assert jax.tree.structure(expected) == jax.tree.structure(got)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    # the first program is the previous test's when it ran in this process (the same model and shapes)
+    assert PagedGenerator(model).generate(INT4_PROMPTS, 12) == PagedGenerator(converted).generate(INT4_PROMPTS, 12)
+
+    with pytest.raises(
+        EngineArgsError, match=r"quantization_group_size=64: the weights were quantized in groups of 32"
+    ):
+        EngineConfig.resolve(EngineArgs(model=str(out), quantization_group_size=64, skip_tokenizer_init=True))
+    with pytest.raises(ValueError, match=r"quantization='int8': the checkpoint is already quantized as 'int4'"):
+        load_model(str(out), quantization="int8")
+    with pytest.raises(ValueError, match=r"--quantization-group-size 64: sets the groups of --quantization int4"):
+        convert_checkpoint(path, tmp_path / "plain", quantization_group_size=64, progress=False)
+    hf_dir = copy_checkpoint(path, tmp_path / "hf")  # safetensors beside the converted config.json
+    (hf_dir / "config.json").write_text((out / "config.json").read_text())
+    with pytest.raises(
+        ValueError, match=r"jaxpaged-convert quantized the weights \(int4\), but the directory holds no"
+    ):
+        load_params(hf_dir)
+    edited = json.loads((out / "config.json").read_text())
+    edited["quantization_config"]["group_size"] = 64  # the stored scales hold groups of 32
+    (out / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(
+        ValueError, match=r"tensor 'layers\.attn\.\w+_scale' has shape \[2, 4, [0-9, ]*\], expected \[2, 2, "
+    ):
+        load_params(out)
 
 
 def test_group_sizes_and_tensor_parallel_sizes_that_split_a_group_are_refused(tiny_int4):

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import ParamSpec, Path
-from jaxpaged.config.quantization import QUANTIZED_WEIGHT_DTYPES
+from jaxpaged.config.quantization import QUANTIZED_WEIGHT_DTYPES, group_dtypes
 from jaxpaged.params.tables import find_state_param, param_specs, state_shapes
 
 Shapes = tuple[tuple[int, ...], ...]  # the shapes a tensor may have
@@ -253,11 +253,15 @@ def quantizable(config: ModelConfig, path: Path) -> ParamSpec | None:
 
 def kept_dtype(config: ModelConfig, path: Path, prequantized: str | None) -> np.dtype | None:
     """The dtype the parameter at `path` keeps whatever the model's dtype when the checkpoint is
-    pre-quantized with `prequantized`: a quantized weight its storage type, its scale float32;
-    None: a plain parameter, or a plain checkpoint."""
+    pre-quantized with `prequantized`: a quantized weight its storage type, its scale float32; a
+    group-quantized weight's arrays (`config.weight_group_size`) their `group_dtypes` (4-bit codes
+    in int4); None: a plain parameter, or a plain checkpoint."""
     if prequantized is None:
         return None
     role = find_state_param(config, path).role
+    if config.weight_group_size is not None:
+        name = group_dtypes(config.weight_bits).get(role)
+        return None if name is None else np.dtype(getattr(ml_dtypes, name, name))
     return {"quant": KEPT_DTYPES[QUANTIZED_WEIGHT_DTYPES[prequantized]], "scale": KEPT_DTYPES["float32"]}.get(role)
 
 

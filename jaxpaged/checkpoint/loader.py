@@ -61,7 +61,7 @@ from jaxpaged.checkpoint.hf_keys import (
 )
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config import defaults
-from jaxpaged.config.group_formats import GroupFormat
+from jaxpaged.config.group_formats import GROUP_FORMATS, GroupFormat
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import LAYER_STACK
 from jaxpaged.config.presets import load_config_dict
@@ -72,11 +72,12 @@ from jaxpaged.config.quantization import (
     resolve_quantization,
     with_quantized_weights,
 )
+from jaxpaged.model.group_quant import code_dtype
 from jaxpaged.model.layer_arrays import LayerArrays, unstack_layers
 from jaxpaged.model.llama import Llama
 from jaxpaged.model.quant import quantize_param
 from jaxpaged.parallel.mesh import TensorParallel, param_path
-from jaxpaged.params.tables import quantized_paths
+from jaxpaged.params.tables import find_state_param, quantized_paths
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
@@ -181,8 +182,15 @@ def iter_hf_params(
 
     Raises:
       ValueError: missing, unexpected, duplicate, wrongly shaped or wrongly typed tensors, each
-        named (before any data is read).
+        named (before any data is read); a `group_format` of weights jaxpaged-convert quantized
+        (its config.json beside safetensors).
     """
+    if group_format is not None and group_format.method not in GROUP_FORMATS:
+        raise ValueError(
+            f"{os.fspath(model_dir)!r}: config.json's quantization_config says jaxpaged-convert quantized the weights "
+            f"({group_format.method}), but the directory holds no {FORMAT_FILE}; give the directory jaxpaged-convert "
+            "wrote, or restore the Hugging Face config.json"
+        )
     ckpt = SafetensorsCheckpoint(model_dir)
     if group_format is None:
         specs, optional = hf_key_specs(config, prequantized), optional_hf_keys(config, prequantized)
@@ -228,13 +236,17 @@ def read_hf_params(
     progress: bool = False,
     prequantized: str | None = None,
     group_format: GroupFormat | None = None,
+    quantization: str | None = None,
 ) -> Params:
     """The whole checkpoint as a nested params dict in our layout, decoder layers stacked (see
-    `iter_hf_params`)."""
-    shapes = param_shapes(config, prequantized)
+    `iter_hf_params`); with `quantization` (of a plain checkpoint; `config` holds its weight
+    groups), each quantizable weight is quantized as it is read (`_quantize_tensors`, the same
+    arrays `load_model` makes)."""
+    shapes = param_shapes(config, prequantized or quantization)
     stacked: dict[Path, np.ndarray] = {}
     params: Params = {}
-    for path, layer, array in iter_hf_params(model_dir, config, dtype, progress, prequantized, group_format):
+    tensors = iter_hf_params(model_dir, config, dtype, progress, prequantized, group_format)
+    for path, layer, array in _quantize_tensors(tensors, config, quantization, None):
         if layer is None:
             _insert(params, path, array)
             continue
@@ -429,7 +441,8 @@ def _load_converted(
     """Restores a converted checkpoint: as numpy arrays, or with `parallel` straight into each
     tensor's shards (each device reads its part; tensors whose kv heads must be repeated come
     back as numpy for `parallel.place`). Plain tensors are cast to `dtype`; the quantized pairs
-    of a pre-quantized checkpoint are checked to be stored as they must be and kept so."""
+    of a pre-quantized checkpoint are checked to be stored as they must be and kept so (4-bit
+    codes, stored int4, come as the platform holds them: `code_dtype`)."""
     import orbax.checkpoint as ocp  # only converted checkpoints need Orbax
 
     with open(os.path.join(model_dir, FORMAT_FILE)) as f:
@@ -467,6 +480,8 @@ def _load_converted(
         def restore_args(path, _):
             path = param_path(path)
             cast = target if kept_dtype(config, path, prequantized) is None else None  # quantized pairs as stored
+            if config.weight_group_size is not None and find_state_param(config, path).role == "quant":
+                cast = code_dtype(config.weight_bits)  # int4 on disk, int8 on a CPU
             if parallel is None or parallel.repeats(path):
                 return ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast)
             return ocp.ArrayRestoreArgs(sharding=parallel.param_sharding(path), dtype=cast)

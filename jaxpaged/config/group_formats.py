@@ -30,7 +30,9 @@ class GroupFormat:
     """How a checkpoint's linear weights are stored as integer codes in groups of input features.
 
     Attributes:
-      method: one of `GROUP_FORMATS` (the checkpoint's `quant_method`).
+      method: one of `GROUP_FORMATS` (the checkpoint's `quant_method`), or the method
+        `jaxpaged-convert` quantized a plain checkpoint with ("int4", see
+        `jaxpaged.config.quantization.converted_format`).
       bits: bits per code, 4 or 8.
       group_size: input features per group, or None for one group spanning all inputs.
       sym: symmetric codes (the zero point is the middle code, `2**(bits-1)`).

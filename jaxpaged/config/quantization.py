@@ -16,7 +16,10 @@ zero points; their bits and group size are the model's (`ModelConfig.weight_bits
 A checkpoint in the compressed-tensors layout (`quantization_config.quant_method` of
 "compressed-tensors" with 8-bit float weights) is read as `fp8` without being asked; one in a
 4/8-bit integer format (AWQ, GPTQ, compressed-tensors pack-quantized; see `group_formats`) as that
-format, whose name `quantization` may give to assert it.
+format, whose name `quantization` may give to assert it. A `jaxpaged-convert` directory whose
+weights were quantized while converting (`--quantization int4`) records the method, bits and
+group size in its config.json (`converted_quantization_config`) and is read as that method, in
+those groups, without being asked.
 """
 
 from typing import Any
@@ -46,6 +49,8 @@ GROUP_CODE_DTYPES = {4: "int4", 8: "int8"}
 GROUP_ZERO_DTYPE, GROUP_SCALE_DTYPE = "int8", "float32"
 # Input features per group of `--quantization int4` unless `quantization_group_size` says otherwise.
 DEFAULT_GROUP_SIZE = 128
+# The quant_method of a config.json whose weights jaxpaged-convert quantized itself.
+CONVERTED_QUANT_METHOD = "jaxpaged"
 # Bytes of one element of every dtype a weight or a KV cache entry may have.
 DTYPE_BYTES = {
     "float32": 4,
@@ -71,15 +76,59 @@ def is_fp8(dtype_name: str) -> bool:
     return dtype_name.startswith("float8")
 
 
+def group_dtypes(bits: int) -> dict[str, str]:
+    """The dtype of each array of a group-quantized weight of `bits`, by its role in the model
+    state (`jaxpaged.params.tables.ROLES`), as stored (`GROUP_CODE_DTYPES`: a CPU holds 4-bit
+    codes in int8, `jaxpaged.model.group_quant.code_dtype`)."""
+    return {"quant": GROUP_CODE_DTYPES[bits], "scale": GROUP_SCALE_DTYPE, "zero": GROUP_ZERO_DTYPE, "perm": "int32"}
+
+
+def converted_quantization_config(method: str, group_size: int) -> dict[str, Any]:
+    """The `quantization_config` jaxpaged-convert writes into the config.json of a directory whose
+    weights it quantized in groups (`method` one of `GROUP_QUANT_BITS`), read back by `converted_format`."""
+    return {
+        "quant_method": CONVERTED_QUANT_METHOD,
+        "method": method,
+        "bits": GROUP_QUANT_BITS[method],
+        "group_size": group_size,
+    }
+
+
+def converted_format(qc: dict[str, Any]) -> GroupFormat:
+    """The groups a `converted_quantization_config` records (asymmetric zero points, contiguous
+    groups: `jaxpaged.model.group_quant.quantize_groups`).
+
+    Raises:
+      CheckpointQuantizationError: an unknown method, bits other than the method's, or a group
+        size that is not a positive integer (naming the field).
+    """
+    method, bits, size = qc.get("method"), qc.get("bits"), qc.get("group_size")
+    if method not in GROUP_QUANT_BITS:
+        raise CheckpointQuantizationError(
+            f"quantization_config.method={method!r}: jaxpaged-convert quantizes with {', '.join(GROUP_QUANT_BITS)}; "
+            "re-run jaxpaged-convert"
+        )
+    if bits != GROUP_QUANT_BITS[method] or isinstance(bits, bool):
+        raise CheckpointQuantizationError(
+            f"quantization_config.bits={bits!r}: {method} weights have {GROUP_QUANT_BITS[method]} bits"
+        )
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise CheckpointQuantizationError(f"quantization_config.group_size={size!r}: must be a positive integer")
+    return GroupFormat(method, bits, size, False, False)
+
+
 def checkpoint_group_format(hf_config: dict[str, Any]) -> GroupFormat | None:
     """The 4/8-bit integer format a checkpoint's weights are stored in (AWQ, GPTQ,
-    compressed-tensors pack-quantized; from config.json's `quantization_config`), or None.
+    compressed-tensors pack-quantized, or the groups jaxpaged-convert quantized them in; from
+    config.json's `quantization_config`), or None.
 
     Raises:
       CheckpointQuantizationError: a variant of those formats that is not read (naming the field).
     """
     qc = hf_config.get("quantization_config") or {}
     method = qc.get("quant_method")
+    if method == CONVERTED_QUANT_METHOD:
+        return converted_format(qc)
     if method == "awq":
         return awq_format(qc)
     if method == "gptq":
@@ -94,7 +143,7 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
     None for plain weights.
 
     Read are: the 4/8-bit integer formats (`checkpoint_group_format`; the method is the format's
-    name, "awq", "gptq" or "compressed-tensors"), and compressed-tensors 8-bit float weights (the
+    name, "awq", "gptq" or "compressed-tensors", or "int4" in a jaxpaged-convert directory), and compressed-tensors 8-bit float weights (the
     layout of the public FP8 Llama checkpoints: `weight` in float8_e4m3fn and `weight_scale` per
     tensor or per output channel; the method is "fp8").
 
@@ -140,11 +189,21 @@ def weight_groups(
       group_size: input features per group for a method quantized at load (the
         `quantization_group_size` option).
       hf_config: config.json, whose `quantization_config` gives a pre-quantized format's bits
-        and group size (None: one group per output channel).
+        and group size (None: one group per output channel), or those jaxpaged-convert
+        quantized the weights with.
+
+    Raises:
+      ValueError: `group_size` given (not the default) for weights jaxpaged-convert quantized in
+        groups of another size (naming both).
     """
-    if quantization in GROUP_FORMATS:
-        fmt = checkpoint_group_format(hf_config or {})
-        return fmt.bits, fmt.group_size
+    stored = checkpoint_group_format(hf_config or {})
+    if stored is not None and stored.method == quantization:
+        if quantization in GROUP_QUANT_BITS and group_size not in (DEFAULT_GROUP_SIZE, stored.group_size):
+            raise ValueError(
+                f"quantization_group_size={group_size}: the weights were quantized in groups of {stored.group_size} "
+                f"by jaxpaged-convert (config.json's quantization_config); leave it unset or give {stored.group_size}"
+            )
+        return stored.bits, stored.group_size
     if quantization not in GROUP_QUANT_BITS:
         return None
     return GROUP_QUANT_BITS[quantization], group_size
@@ -162,7 +221,8 @@ def with_quantized_weights(
     act-ordered when the checkpoint's format stores a group per input, GPTQ `desc_act`).
 
     Raises:
-      ValueError: the group size does not divide a projection's inputs (naming `group_size_field`).
+      ValueError: the group size does not divide a projection's inputs (naming `group_size_field`),
+        or contradicts the groups jaxpaged-convert quantized the weights in.
     """
     act_order = quantization in GROUP_FORMATS and checkpoint_group_format(hf_config).act_order
     groups = weight_groups(quantization, group_size, hf_config)

@@ -35,12 +35,10 @@ from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
     DTYPE_BYTES,
     FP8_KV_DTYPES,
-    GROUP_CODE_DTYPES,
-    GROUP_SCALE_DTYPE,
-    GROUP_ZERO_DTYPE,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     QUANTIZED_WEIGHT_DTYPES,
+    group_dtypes,
     group_size_field,
     resolve_quantization,
     with_quantized_weights,
@@ -112,12 +110,7 @@ def weight_bytes_per_gpu(
     layout = TensorParallelLayout(config, tensor_parallel_size, expert_parallel, pipeline)
     element = {"plain": DTYPE_BYTES[dtype], "scale": DTYPE_BYTES["float32"]}
     if config.weight_group_size is not None:
-        element |= {
-            "quant": DTYPE_BYTES[GROUP_CODE_DTYPES[config.weight_bits]],
-            "scale": DTYPE_BYTES[GROUP_SCALE_DTYPE],
-            "zero": DTYPE_BYTES[GROUP_ZERO_DTYPE],
-            "perm": DTYPE_BYTES["int32"],
-        }
+        element |= {role: DTYPE_BYTES[dtype] for role, dtype in group_dtypes(config.weight_bits).items()}
     elif quantization is not None:
         element["quant"] = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]
     roles = {path: p.role for path, p in state_params(config, quantization is not None).items()}

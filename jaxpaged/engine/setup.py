@@ -269,7 +269,7 @@ def kv_fingerprint(config: EngineConfig, dtype: str, memory, platform: str) -> b
     """What a block's K/V bytes depend on: the model's configuration, its weights' identity, the
     dtypes (the model's / the KV cache's), the platform (its matmul precision), the block size and
     a host block's layout, and what changes the programs computing them (tensor-parallel size,
-    attention backend, layer scan, weight quantization)."""
+    pipeline stages, attention backend, layer scan, weight quantization)."""
     load = config.load
     identity = {
         "format": 1,
@@ -281,6 +281,7 @@ def kv_fingerprint(config: EngineConfig, dtype: str, memory, platform: str) -> b
         "platform": platform,
         "block_size": config.cache.block_size,
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "pipeline_stages": list(config.layout.pipeline.layers_per_stage),  # which layer each pool slot holds
         "attention_backend": load.attention_backend,
         "scan_layers": load.scan_layers,
         "quantization": load.quantization,

@@ -1,0 +1,159 @@
+"""Pipeline parallelism on 8 fake CPU devices: tokens/s at PP 1, 2 and 4 over the same 8 devices,
+and the bubble measured against its formula.
+
+A step of M micro-batches over P stages runs M + P - 1 ticks; in each, every stage runs its
+layer slots over one micro-batch, or (an idle stage: the bubble) over one whose results are
+dropped. So the share of the devices' work spent idle is (P - 1) / (M + P - 1). Here the stages
+compute through their idle ticks and 8 fake devices share this machine's cores, so a step's time
+follows the work all devices do: measured bubble = 1 - t(PP 1) / t(PP P, M), the same work done
+by 8-way tensor parallelism with no idle ticks being the reference. (On GPUs an idle tick costs
+wall time instead of compute: the formula is the same.)
+
+The model is sized so that a step is compute (8 layers, hidden 512, MLP 2048, 8 heads; a
+256-token prefill step: 4 sequences of 64), float32 random weights, the jnp attention reference.
+Each configuration is jitted once and timed over `REPEATS` steps (median), each in this process.
+
+    python -m benchmarks.pipeline_bubbles benchmarks/results/pipeline_bubbles_cpu.json
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchmarks.results_files import save_results  # noqa: E402
+from jaxpaged.config.model_config import ModelConfig  # noqa: E402
+from jaxpaged.core.step_inputs import ScheduledSequence  # noqa: E402
+from jaxpaged.model import Llama, init_kv_pool  # noqa: E402
+from jaxpaged.model.layer_arrays import place_params  # noqa: E402
+from jaxpaged.parallel.mesh import TensorParallel  # noqa: E402
+from jaxpaged.parallel.pipeline import PipelineLayout  # noqa: E402
+from jaxpaged.sampling_params import SamplingParams  # noqa: E402
+from jaxpaged.worker.step_packer import SequenceRow, StepPacker, sampling_row  # noqa: E402
+from jaxpaged.worker.step_programs import unpack  # noqa: E402
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 1024,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+}
+DEVICES, SEQS, SEQ_TOKENS, BLOCK_SIZE, REPEATS = 8, 4, 64, 16, 5
+# (stages, micro-batches per step): PP 1 is the reference; each P with 1, P, 2P and 4P micro-batches
+RUNS = [(1, 1), (2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 4), (4, 8), (4, 16)]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def prefill(layout, graphdef, state, pool, flat):
+    """One packed step: the pool and the last hidden state of each sequence's logits."""
+    inp = unpack(layout, flat)
+    model = nnx.merge(graphdef, state)
+    hidden, pool = model(inp.token_ids, pool, inp.metadata)
+    return pool, model.compute_logits(hidden[inp.logits_indices])
+
+
+def time_run(config: ModelConfig, stages: int, micro: int) -> dict:
+    """Median step seconds of the prefill step at `stages` x (8 / stages) devices."""
+    pipeline = PipelineLayout(config.num_layers, stages, microbatches=micro)
+    parallel = TensorParallel.create(config, DEVICES // stages, pipeline=pipeline)
+    model = Llama(config, jnp.float32, rngs=nnx.Rngs(0), attention="reference", parallel=parallel)
+    graphdef, state = nnx.split(model)
+    state = place_params(state, parallel)
+    pages = SEQ_TOKENS // BLOCK_SIZE
+    pool = init_kv_pool(
+        dataclasses.replace(config, num_layers=model.pool_layers), SEQS * pages + 1, BLOCK_SIZE, "float32"
+    )
+    put = functools.partial(jax.device_put, device=parallel.pool_sharding)
+    pool = dataclasses.replace(pool, k=put(pool.k), v=put(pool.v))
+    packer = StepPacker(
+        block_size=BLOCK_SIZE,
+        max_model_len=SEQ_TOKENS,
+        max_num_seqs=SEQS,
+        max_num_batched_tokens=SEQS * SEQ_TOKENS,
+        vocab_size=config.vocab_size,
+    )
+    rng = np.random.default_rng(0)
+    seqs = [
+        ScheduledSequence(
+            rng.integers(1, config.vocab_size, SEQ_TOKENS).tolist(), 0, list(range(1 + s * pages, 1 + (s + 1) * pages))
+        )
+        for s in range(SEQS)
+    ]
+    rows = [SequenceRow(s, sampling_row(SamplingParams(temperature=0), 0), s, SEQ_TOKENS) for s in range(SEQS)]
+    tokens, flat = packer.pack(seqs, rows, [])
+    flat = jax.device_put(jnp.asarray(flat), parallel.sharding())
+    layout = packer.layouts[tokens]
+    start = time.perf_counter()
+    pool, logits = prefill(layout, graphdef, state, pool, flat)
+    logits.block_until_ready()
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        pool, logits = prefill(layout, graphdef, state, pool, flat)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - start)
+    used = pipeline.microbatches_for(tokens)
+    return {
+        "tensor_parallel_size": DEVICES // stages,
+        "pipeline_parallel_size": stages,
+        "microbatches": used,
+        "ticks": used + stages - 1,
+        "tokens": tokens,
+        "step_s": statistics.median(times),
+        "first_step_s": compile_s,
+        "tokens_per_s": tokens / statistics.median(times),
+        "bubble_formula": (stages - 1) / (used + stages - 1),
+    }
+
+
+def main(out_path: str) -> None:
+    config = ModelConfig.from_hf(CONFIG)
+    results = []
+    for stages, micro in RUNS:
+        result = time_run(config, stages, micro)
+        results.append(result)
+        print(result, flush=True)
+    reference = results[0]["step_s"]
+    for r in results:
+        r["bubble_measured"] = 1 - reference / r["step_s"]
+        r["ms_per_tick"] = 1000 * r["step_s"] / r["ticks"]
+    lines = [
+        "| TP x PP | micro-batches | ticks | step ms | ms per tick | tokens/s | vs PP 1 | bubble: formula | measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['tensor_parallel_size']} x {r['pipeline_parallel_size']} | {r['microbatches']} | {r['ticks']} "
+            f"| {1000 * r['step_s']:.0f} | {r['ms_per_tick']:.0f} | {r['tokens_per_s']:.0f} "
+            f"| {r['tokens_per_s'] / results[0]['tokens_per_s']:.2f}x | {r['bubble_formula']:.2f} "
+            f"| {r['bubble_measured']:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    save_results(
+        out_path,
+        {"config": CONFIG, "devices": DEVICES, "seqs": SEQS, "seq_tokens": SEQ_TOKENS, "results": results},
+        table,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -21,12 +21,12 @@ from tiny_models import BASE, VARIANTS, save_hf_model
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
+from jaxpaged.model.group_quant import quantize_groups
 from jaxpaged.model.grouped_matmul import grouped_matmul, num_tiles, tile_rows
 from jaxpaged.model.moe import dense_experts_reference, experts_ffn
 from jaxpaged.model.quant import quantize_weight
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
-from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
 
 D, F = 16, 24
@@ -124,23 +124,33 @@ def test_matmul_work_is_the_routed_rows_not_the_experts():
     assert work[64][1] > 3.9 * work[16][1]
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_quantized_experts_equal_the_dense_product_of_their_values(method):
-    """Each expert weight as its quantized pair (`[E, out, in]` and `[E, out]` scales) gives what
-    the dense reference gives with the dequantized weights (fp8 also quantizes the activations
-    per row: a looser tolerance)."""
+@pytest.mark.parametrize(("method", "num_tokens"), [("int8", 6), ("fp8", 6), ("int4", 6), ("int4", 40)])
+def test_quantized_experts_equal_the_dense_product_of_their_values(method, num_tokens):
+    """Each expert weight as its quantized pair (`[E, out, in]` and `[E, out]` scales), or its
+    int4 triple (`[E, in, out]` codes, `[E, G, out]` scales and zero points, each expert in groups
+    of 8 inputs), gives what the dense reference gives with the dequantized weights (fp8 also
+    quantizes the activations per row: a looser tolerance). int4 at 6 tokens: tiles of 2 rows,
+    multiplied group by group; at 40: tiles of 16 rows, each tile's expert weight dequantized."""
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.normal(size=(6, D)), jnp.float32)
-    experts = jnp.asarray(routings(rng, 6, 4, 2)["random"], jnp.int32)
-    weights = jnp.asarray(rng.uniform(size=(6, 2)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(num_tokens, D)), jnp.float32)
+    experts = jnp.asarray(routings(rng, num_tokens, 4, 2)["random"], jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(num_tokens, 2)), jnp.float32)
     plain, arrays = {}, {}
     for name, shape in (("gate_proj", (D, F)), ("up_proj", (D, F)), ("down_proj", (F, D))):
-        q, scale = quantize_weight(jnp.asarray(rng.normal(size=(4, *shape)), jnp.float32), method, 1, num_lead=1)
+        w = jnp.asarray(rng.normal(size=(4, *shape)), jnp.float32)
+        if method == "int4":
+            codes, scale, zero = quantize_groups(w, 4, 8, 1, num_lead=1)
+            arrays.update({name + "_quant": codes, name + "_scale": scale, name + "_zero": zero})
+            groups = codes.reshape(4, shape[0] // 8, 8, shape[1]).astype(jnp.float32)  # [E, G, 8, out]
+            plain[name] = ((groups - zero[:, :, None]) * scale[:, :, None]).reshape(4, *shape)
+            assert float(jnp.max(jnp.abs(plain[name] - w))) < float(jnp.max(scale))  # int4, not the weight itself
+            continue
+        q, scale = quantize_weight(w, method, 1, num_lead=1)
         arrays[name + "_quant"], arrays[name + "_scale"] = q, scale
         plain[name] = jnp.swapaxes(q.astype(jnp.float32) * scale[..., None], 1, 2)  # back to [E, in, out]
     ours = jax.jit(experts_ffn, static_argnums=(1, 2))(arrays, method, 2, x, weights, experts)
     expected = dense_experts_reference(x, weights, experts, plain["gate_proj"], plain["up_proj"], plain["down_proj"])
-    tolerance = 1e-5 if method == "int8" else 0.1
+    tolerance = 0.1 if method == "fp8" else 1e-5
     err = float(jnp.linalg.norm(ours - expected) / jnp.linalg.norm(expected))
     assert err < tolerance, err
 
@@ -216,9 +226,19 @@ def test_expert_parallel_needs_experts_that_split():
         TensorParallelLayout(dense, 2, True)
 
 
-def test_group_quantized_experts_are_refused_naming_the_method():
-    config = ModelConfig.from_hf({**BASE, **VARIANTS["mixtral_moe"][2], "architectures": ["MixtralForCausalLM"]})
-    with pytest.raises(ValueError, match="mixture of experts, whose expert weights have no 4/8-bit group"):
-        config.with_weight_groups((4, 16))
-    with pytest.raises(ValueError, match="^--quantization: mixtral is a mixture of experts"):
-        make_plan("mixtral-8x7b", gpu_memory=80 * 10**9, quantization="int4")
+def test_group_sizes_that_do_not_divide_an_experts_inputs_or_split_a_group_are_refused():
+    """Each expert is quantized alone, in groups of its own inputs: a size that does not divide
+    the experts' FFN width is refused naming it; so is a tensor-parallel size that would split an
+    expert's groups, which expert parallelism (whole experts) does not."""
+    config = ModelConfig.from_hf({**BASE, **VARIANTS["qwen2_moe"][2], "architectures": ["Qwen2MoeForCausalLM"]})
+    with pytest.raises(ValueError, match="=64 does not divide each expert's intermediate size=32"):
+        config.with_weight_groups((4, 64))
+    with pytest.raises(ValueError, match="=64 does not divide shared_expert_intermediate_size=96"):
+        dataclasses.replace(config, moe=dataclasses.replace(config.moe, expert_size=64)).with_weight_groups((4, 64))
+    grouped = dataclasses.replace(config, moe=dataclasses.replace(config.moe, shared_expert_size=64))
+    grouped = grouped.with_weight_groups((4, 32))  # each expert's 32 inputs: one group
+    with pytest.raises(TensorParallelError, match="expert_mlp inputs hold 1 groups of 32"):
+        TensorParallelLayout(grouped, 2)
+    assert TensorParallelLayout(grouped, 2, expert_parallel=True).param_mesh_axes(
+        ("layers", "moe", "down_proj_scale")
+    ) == (None, "tp", None, None)  # [L, E, G, D]: whole experts, their groups with them

@@ -9,14 +9,18 @@ scale` with the scale as stored, the reference a reader must reproduce.
 """
 
 import functools
+import re
 
 import numpy as np
 import torch
-from checkpoint_edits import save_quantized_checkpoint
+from checkpoint_edits import edit_tensors, save_quantized_checkpoint
 from fp8_checkpoint import PROJECTIONS
 from tiny_models import build_hf_model
 
 AWQ_SLOT_FEATURE = (0, 2, 4, 6, 1, 3, 5, 7)  # the output feature (of 8) each 4-bit slot of a word holds
+# The decoder projections of a saved Llama-family or mixture-of-experts checkpoint: attention's
+# q/k/v/o, the MLP's, each expert's (Mixtral's w1, w2, w3) and a shared expert's; not the routers.
+PROJECTION_NAME = re.compile(r"\.([qkvo]_proj|gate_proj|up_proj|down_proj|w[123])\.weight$")
 
 
 def quantize(w: np.ndarray, bits: int, groups: np.ndarray, sym: bool, min_zero: int = 0) -> tuple[np.ndarray, ...]:
@@ -226,3 +230,18 @@ def write_int4_checkpoint(model, kind: str, out_dir: str, group_size: int = 32, 
 def save_int4_checkpoint(variant: str, kind: str, out_dir: str, seed: int = 0) -> torch.nn.Module:
     """`write_int4_checkpoint` of the tiny `variant` (tests/tiny_models.py)."""
     return write_int4_checkpoint(build_hf_model(variant, seed), kind, out_dir, seed=seed)
+
+
+def round_to_nearest(model_dir, group_size: int) -> None:
+    """Rewrites the projections of the saved float32 checkpoint `model_dir` (`PROJECTION_NAME`)
+    as their 4-bit round-to-nearest values, dequantized: min/max asymmetric groups of
+    `group_size` contiguous inputs, what `--quantization int4` holds (each expert alone)."""
+
+    def edit(tensors):
+        for name, w in tensors.items():
+            if PROJECTION_NAME.search(name):
+                groups = contiguous_groups(w.shape[1], group_size)
+                codes, scale, zero = quantize(w.T, 4, groups, sym=False)
+                tensors[name] = np.ascontiguousarray(((codes - zero[groups]) * scale[groups]).T.astype(np.float32))
+
+    edit_tensors(model_dir, edit)

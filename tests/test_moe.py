@@ -14,10 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 import tp_workload
+import transformers
+from checkpoint_edits import copy_checkpoint
 from engine_fixtures import hf_greedy
+from int4_checkpoints import round_to_nearest
 from tiny_models import BASE, VARIANTS, save_hf_model
 
+from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
@@ -28,6 +33,7 @@ from jaxpaged.model.quant import quantize_weight
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.paged_generate import PagedGenerator
 
 D, F = 16, 24
 
@@ -156,13 +162,37 @@ def test_quantized_experts_equal_the_dense_product_of_their_values(method, num_t
 
 
 MAX_TOKENS = 10
+INT4_GROUP = 16  # hidden 64, heads 4 x 16, expert widths 128 (Mixtral) and 32, shared 96: all divide
 
 
-def tiny_model(name: str, path: str) -> tuple[list, list]:
-    """(prompts, transformers' greedy continuations) of the named tiny variant, saved to `path`."""
-    hf = save_hf_model(name, path)
-    prompts = tp_workload.prompts()
-    return prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+def int4_reference(path, variant: str):
+    """The tiny `variant` saved to `path / "int4"` (run with `--quantization int4`) and
+    transformers on its round-to-nearest values saved to `path / "dequantized"` (an independent
+    quantizer, tests/int4_checkpoints.py); returns (the int4 model's directory, the dequantized
+    transformers model)."""
+    model_dir, reference_dir = str(path / "int4"), str(path / "dequantized")
+    save_hf_model(variant, model_dir)
+    round_to_nearest(copy_checkpoint(model_dir, reference_dir), INT4_GROUP)
+    return model_dir, transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+
+
+def test_int4_experts_logits_and_tokens_equal_transformers_on_the_dequantized_weights(tmp_path):
+    """`--quantization int4` quantizes every expert and Qwen2-MoE's shared expert in groups of
+    its own inputs: logits and greedy tokens equal transformers run on the round-to-nearest
+    weights. A 70-token prompt gives the 4 experts tiles of 32 rows (each tile's expert weight
+    dequantized), 9 tokens tiles of 4 (group by group). (Mixtral int4: the engine test below.)"""
+    model_dir, hf = int4_reference(tmp_path, "qwen2_moe")
+    config, model = load_model(model_dir, "float32", quantization="int4", quantization_group_size=INT4_GROUP)
+    assert config.weight_group_size == INT4_GROUP and model.layers.moe.gate_proj_zero is not None
+    generator = PagedGenerator(model)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (9, 70)]
+    with torch.no_grad():
+        for prompt in prompts:
+            ours = generator.prompt_logits(prompt)
+            np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=2e-4)
+    for prompt, tokens in zip(prompts, generator.generate(prompts, MAX_TOKENS)):
+        assert tokens == hf_greedy(hf, prompt, MAX_TOKENS)
 
 
 def run_engine(path: str, n: int, prompts, **kwargs) -> tuple[list[list[int]], LLMEngine]:
@@ -176,28 +206,38 @@ def run_engine(path: str, n: int, prompts, **kwargs) -> tuple[list[list[int]], L
     return [done[i].outputs[0].token_ids for i in range(len(prompts))], engine
 
 
-def expert_arrays(engine: LLMEngine) -> list:
-    """`(path, array)` of every expert weight of the engine's model (one layer's each)."""
+def expert_arrays(engine: LLMEngine, arrays_per_weight: int) -> list:
+    """`(path, array)` of every expert array of the engine's model (one layer's each): a weight,
+    or its quantized arrays (`arrays_per_weight` of them)."""
     leaves = jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]
     names = ("gate_proj", "up_proj", "down_proj")
-    found = [(param_path(p), leaf) for p, leaf in leaves if param_path(p)[1:] in [("moe", n) for n in names]]
-    assert len(found) == 3 * 2  # 3 weights, 2 layers
+    paths = [(param_path(p), leaf) for p, leaf in leaves]
+    found = [(p, leaf) for p, leaf in paths if p[1:2] == ("moe",) and {p[-1], p[-1].rsplit("_", 1)[0]} & set(names)]
+    assert len(found) == 3 * 2 * arrays_per_weight  # 3 weights, 2 layers
     return found
 
 
 @pytest.mark.isolated
 @pytest.mark.parametrize(
-    ("variant", "n", "expert_parallel"), [("mixtral_moe", 1, False), ("qwen2_moe", 2, False), ("mixtral_moe", 4, True)]
+    ("variant", "n", "expert_parallel", "quantization"),
+    [("mixtral_moe", 1, False, None), ("qwen2_moe", 2, False, "int4"), ("mixtral_moe", 4, True, "int4")],
 )
-def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant, n, expert_parallel):
+def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant, n, expert_parallel, quantization):
     """Prefix caching, chunked prefill and preemption (tp_workload): Mixtral's 8 experts on one
-    device; Qwen2-MoE's 4 experts and its shared expert split over their FFN width on 2; and
-    Mixtral's as 2 whole experts on each of 4 devices."""
-    prompts, references = tiny_model(variant, str(tmp_path))
-    tokens, engine = run_engine(str(tmp_path), n, prompts, enable_expert_parallel=expert_parallel)
-    assert tokens == references
-    num_experts = ModelConfig.from_pretrained(str(tmp_path)).moe.num_experts
-    for name, array in expert_arrays(engine):
+    device; Qwen2-MoE's 4 experts and its shared expert in int4, split over their FFN width on 2
+    (each expert's scales and zero points with its inputs); and Mixtral's in int4 as 2 whole
+    experts on each of 4 devices. int4 runs equal transformers on the round-to-nearest weights."""
+    if quantization is None:
+        path, hf = str(tmp_path), save_hf_model(variant, str(tmp_path))
+        options = {}
+    else:
+        path, hf = int4_reference(tmp_path, variant)
+        options = {"quantization": quantization, "quantization_group_size": INT4_GROUP}
+    prompts = tp_workload.prompts()
+    tokens, engine = run_engine(path, n, prompts, enable_expert_parallel=expert_parallel, **options)
+    assert tokens == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    num_experts = ModelConfig.from_pretrained(path).moe.num_experts
+    for name, array in expert_arrays(engine, 1 if quantization is None else 3):
         for shard in array.addressable_shards:
             experts, *rest = shard.index
             held = range(num_experts)[experts]
@@ -205,7 +245,7 @@ def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant,
                 d = list(array.sharding.mesh.devices.flat).index(shard.device)
                 assert list(held) == [2 * d, 2 * d + 1], name
                 assert shard.data.shape[1:] == array.shape[1:], name
-            else:  # every expert, a 1/n share of its FFN width
+            else:  # every expert, a 1/n share of its FFN width (or of its groups)
                 assert len(held) == num_experts, name
                 assert np.prod(shard.data.shape) * n == np.prod(array.shape), name
 

@@ -132,7 +132,7 @@ class SparseMoe(nnx.Module):
         self.shared_expert = hasattr(self, "shared_expert_gate")
         self.parallel = parallel
         specs = [find_state_param(config, ("layers", "moe", w)).spec for w in ("gate_proj", "up_proj", "down_proj")]
-        variants = [(s.name,) if self.quantization is None else quantized_paths(config, s) for s in specs]
+        variants = [(s.path,) if self.quantization is None else quantized_paths(config, s) for s in specs]
         self.expert_names = tuple(path[-1] for paths in variants for path in paths)  # the arrays of the experts
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:

@@ -250,6 +250,27 @@ def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant,
                 assert np.prod(shard.data.shape) * n == np.prod(array.shape), name
 
 
+@pytest.mark.isolated
+def test_expert_parallel_over_8_devices_gives_the_one_device_tokens(tmp_path):
+    """Qwen3-MoE's 16 experts, 2 whole ones per device on 8 (top-4, so most tokens' experts lie
+    on several devices): two requests, the second arriving while the first decodes (continuous
+    batching; the 30-token prompt prefills in chunks beside it), give the one-device tokens."""
+    save_hf_model("qwen3_moe_tp", str(tmp_path))
+    prompts = tp_workload.prompts()[3:]  # 5 and 30 tokens
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def tokens(n: int) -> list[list[int]]:
+        engine = LLMEngine(EngineArgs(**tp_workload.engine_options(str(tmp_path), n), enable_expert_parallel=n > 1))
+        engine.add_request("0", {"prompt_token_ids": prompts[0]}, params)
+        done = {o.request_id: o for _ in range(3) for o in engine.step() if o.finished}
+        engine.add_request("1", {"prompt_token_ids": prompts[1]}, params)
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [done[str(i)].outputs[0].token_ids for i in range(2)]
+
+    assert tokens(8) == tokens(1)
+
+
 @pytest.mark.parametrize(("field", "value"), [("decoder_sparse_step", 2), ("mlp_only_layers", [0])])
 def test_layers_mixing_dense_and_sparse_mlps_are_refused_by_name(field, value):
     hf = {**BASE, **VARIANTS["qwen3_moe"][2], "architectures": ["Qwen3MoeForCausalLM"], field: value}

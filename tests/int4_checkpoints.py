@@ -9,11 +9,13 @@ scale` with the scale as stored, the reference a reader must reproduce.
 """
 
 import functools
+import json
+import os
 import re
 
 import numpy as np
 import torch
-from checkpoint_edits import edit_tensors, save_quantized_checkpoint
+from checkpoint_edits import copy_checkpoint, edit_tensors, save_quantized_checkpoint
 from fp8_checkpoint import PROJECTIONS
 from tiny_models import build_hf_model
 
@@ -235,13 +237,38 @@ def save_int4_checkpoint(variant: str, kind: str, out_dir: str, seed: int = 0) -
 def round_to_nearest(model_dir, group_size: int) -> None:
     """Rewrites the projections of the saved float32 checkpoint `model_dir` (`PROJECTION_NAME`)
     as their 4-bit round-to-nearest values, dequantized: min/max asymmetric groups of
-    `group_size` contiguous inputs, what `--quantization int4` holds (each expert alone)."""
+    `group_size` contiguous inputs (AWQ's grid with float32 scales), what `--quantization int4`
+    holds (each expert alone)."""
 
     def edit(tensors):
         for name, w in tensors.items():
             if PROJECTION_NAME.search(name):
-                groups = contiguous_groups(w.shape[1], group_size)
-                codes, scale, zero = quantize(w.T, 4, groups, sym=False)
-                tensors[name] = np.ascontiguousarray(((codes - zero[groups]) * scale[groups]).T.astype(np.float32))
+                tensors[name] = np.ascontiguousarray(pack_awq(w, group_size, torch.float32)[1])
 
     edit_tensors(model_dir, edit)
+
+
+def pack_saved_checkpoint(model_dir, kind: str, reference_dir, group_size: int = 32, **quantization_config) -> None:
+    """Re-saves the float32 checkpoint `model_dir` with every projection (`PROJECTION_NAME`: each
+    expert's its own) packed by the `kind` packer and config.json's `quantization_config` (updated
+    with `quantization_config`); `reference_dir` gets the checkpoint with the packer's dequantized
+    weights, the model transformers runs as the reference."""
+    packer, qconfig = checkpoint_kinds(group_size)[kind]
+    copy_checkpoint(model_dir, reference_dir)
+    rng = np.random.default_rng(0)
+    dequantized = {}
+
+    def edit(tensors):
+        for name in [n for n in tensors if PROJECTION_NAME.search(n)]:
+            stored, weight = packer(tensors.pop(name).numpy(), rng)
+            dequantized[name] = np.ascontiguousarray(weight)
+            tensors.update({name.removesuffix("weight") + suffix: t for suffix, t in stored.items()})
+
+    edit_tensors(model_dir, edit, framework="torch")
+    edit_tensors(reference_dir, lambda tensors: tensors.update(dequantized))
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**qconfig, **quantization_config}
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)

@@ -9,6 +9,7 @@ Logits and greedy tokens of the three architectures against transformers: test_h
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import tp_workload
 import transformers
 from checkpoint_edits import copy_checkpoint
 from engine_fixtures import hf_greedy
-from int4_checkpoints import round_to_nearest
+from int4_checkpoints import pack_saved_checkpoint, round_to_nearest
 from tiny_models import BASE, VARIANTS, save_hf_model
 
 from jaxpaged.checkpoint.loader import load_model
@@ -193,6 +194,34 @@ def test_int4_experts_logits_and_tokens_equal_transformers_on_the_dequantized_we
             np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=2e-4)
     for prompt, tokens in zip(prompts, generator.generate(prompts, MAX_TOKENS)):
         assert tokens == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+@pytest.mark.parametrize(("variant", "kind"), [("mixtral_moe", "awq"), ("qwen2_moe", "gptq_act_order_asym")])
+def test_awq_and_gptq_experts_equal_transformers_on_their_dequantized_weights(tmp_path, variant, kind):
+    """A mixture of experts' AWQ (Mixtral: each expert's w1, w2, w3 packed, the routers left in
+    float by `modules_to_not_convert: ["gate"]`, as AutoAWQ writes it) and GPTQ act-order
+    (Qwen2-MoE: each expert's own input order, and the shared expert's) checkpoints: logits and
+    greedy tokens equal transformers on the packer's dequantized weights. A checkpoint that
+    leaves a projection in float is refused naming it."""
+    model_dir, reference_dir = tmp_path / kind, tmp_path / "dequantized"
+    save_hf_model(variant, str(model_dir))
+    not_converted = {"modules_to_not_convert": ["gate"]} if kind == "awq" else {}
+    pack_saved_checkpoint(model_dir, kind, reference_dir, **not_converted)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    config, model = load_model(model_dir, "float32")
+    assert config.weight_act_order == (kind != "awq")
+    generator = PagedGenerator(model)
+    prompt = np.random.default_rng(0).integers(3, 500, 9).tolist()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(generator.prompt_logits(prompt), reference, atol=2e-4)
+    assert generator.generate([prompt], MAX_TOKENS)[0] == hf_greedy(hf, prompt, MAX_TOKENS)
+    if kind == "awq":
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        hf_config["quantization_config"]["modules_to_not_convert"] = ["gate", "experts.3.w2"]
+        (model_dir / "config.json").write_text(json.dumps(hf_config))
+        with pytest.raises(ValueError, match=r"layers\.0\.block_sparse_moe\.experts\.3\.w2: .*modules_to_not_convert"):
+            load_model(model_dir, "float32")
 
 
 def run_engine(path: str, n: int, prompts, **kwargs) -> tuple[list[list[int]], LLMEngine]:

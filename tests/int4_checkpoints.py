@@ -9,14 +9,20 @@ scale` with the scale as stored, the reference a reader must reproduce.
 """
 
 import functools
+import json
+import os
+import re
 
 import numpy as np
 import torch
-from checkpoint_edits import save_quantized_checkpoint
+from checkpoint_edits import copy_checkpoint, edit_tensors, save_quantized_checkpoint
 from fp8_checkpoint import PROJECTIONS
 from tiny_models import build_hf_model
 
 AWQ_SLOT_FEATURE = (0, 2, 4, 6, 1, 3, 5, 7)  # the output feature (of 8) each 4-bit slot of a word holds
+# The decoder projections of a saved Llama-family or mixture-of-experts checkpoint: attention's
+# q/k/v/o, the MLP's, each expert's (Mixtral's w1, w2, w3) and a shared expert's; not the routers.
+PROJECTION_NAME = re.compile(r"\.([qkvo]_proj|gate_proj|up_proj|down_proj|w[123])\.weight$")
 
 
 def quantize(w: np.ndarray, bits: int, groups: np.ndarray, sym: bool, min_zero: int = 0) -> tuple[np.ndarray, ...]:
@@ -226,3 +232,43 @@ def write_int4_checkpoint(model, kind: str, out_dir: str, group_size: int = 32, 
 def save_int4_checkpoint(variant: str, kind: str, out_dir: str, seed: int = 0) -> torch.nn.Module:
     """`write_int4_checkpoint` of the tiny `variant` (tests/tiny_models.py)."""
     return write_int4_checkpoint(build_hf_model(variant, seed), kind, out_dir, seed=seed)
+
+
+def round_to_nearest(model_dir, group_size: int) -> None:
+    """Rewrites the projections of the saved float32 checkpoint `model_dir` (`PROJECTION_NAME`)
+    as their 4-bit round-to-nearest values, dequantized: min/max asymmetric groups of
+    `group_size` contiguous inputs (AWQ's grid with float32 scales), what `--quantization int4`
+    holds (each expert alone)."""
+
+    def edit(tensors):
+        for name, w in tensors.items():
+            if PROJECTION_NAME.search(name):
+                tensors[name] = np.ascontiguousarray(pack_awq(w, group_size, torch.float32)[1])
+
+    edit_tensors(model_dir, edit)
+
+
+def pack_saved_checkpoint(model_dir, kind: str, reference_dir, group_size: int = 32, **quantization_config) -> None:
+    """Re-saves the float32 checkpoint `model_dir` with every projection (`PROJECTION_NAME`: each
+    expert's its own) packed by the `kind` packer and config.json's `quantization_config` (updated
+    with `quantization_config`); `reference_dir` gets the checkpoint with the packer's dequantized
+    weights, the model transformers runs as the reference."""
+    packer, qconfig = checkpoint_kinds(group_size)[kind]
+    copy_checkpoint(model_dir, reference_dir)
+    rng = np.random.default_rng(0)
+    dequantized = {}
+
+    def edit(tensors):
+        for name in [n for n in tensors if PROJECTION_NAME.search(n)]:
+            stored, weight = packer(tensors.pop(name).numpy(), rng)
+            dequantized[name] = np.ascontiguousarray(weight)
+            tensors.update({name.removesuffix("weight") + suffix: t for suffix, t in stored.items()})
+
+    edit_tensors(model_dir, edit, framework="torch")
+    edit_tensors(reference_dir, lambda tensors: tensors.update(dequantized))
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**qconfig, **quantization_config}
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)

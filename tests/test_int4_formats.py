@@ -156,7 +156,7 @@ def test_weight_shape_checked(tmp_path):
     [
         (awq_format, {"bits": 4, "group_size": 128, "version": "gemv"}, "version='gemv'"),
         (awq_format, {"w_bit": 3, "q_group_size": 128, "version": "GEMM"}, "w_bit=3"),
-        (awq_format, {"bits": 4, "group_size": 128, "modules_to_not_convert": ["mlp"]}, "modules_to_not_convert"),
+        (awq_format, {"bits": 4, "group_size": 128, "modules_to_not_convert": "gate"}, "modules_to_not_convert"),
         (gptq_format, {"bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "checkpoint_format='gptq_v2'"),
         (gptq_format, {"bits": 3, "group_size": 128}, "bits=3"),
         (gptq_format, {"bits": 4, "group_size": 0}, "group_size=0"),

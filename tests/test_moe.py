@@ -9,25 +9,32 @@ Logits and greedy tokens of the three architectures against transformers: test_h
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 import tp_workload
+import transformers
+from checkpoint_edits import copy_checkpoint
 from engine_fixtures import hf_greedy
+from int4_checkpoints import pack_saved_checkpoint, round_to_nearest
 from tiny_models import BASE, VARIANTS, save_hf_model
 
+from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
+from jaxpaged.model.group_quant import quantize_groups
 from jaxpaged.model.grouped_matmul import grouped_matmul, num_tiles, tile_rows
 from jaxpaged.model.moe import dense_experts_reference, experts_ffn
 from jaxpaged.model.quant import quantize_weight
 from jaxpaged.parallel.mesh import param_path
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
-from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.paged_generate import PagedGenerator
 
 D, F = 16, 24
 
@@ -124,35 +131,97 @@ def test_matmul_work_is_the_routed_rows_not_the_experts():
     assert work[64][1] > 3.9 * work[16][1]
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_quantized_experts_equal_the_dense_product_of_their_values(method):
-    """Each expert weight as its quantized pair (`[E, out, in]` and `[E, out]` scales) gives what
-    the dense reference gives with the dequantized weights (fp8 also quantizes the activations
-    per row: a looser tolerance)."""
+@pytest.mark.parametrize(("method", "num_tokens"), [("int8", 6), ("fp8", 6), ("int4", 6), ("int4", 40)])
+def test_quantized_experts_equal_the_dense_product_of_their_values(method, num_tokens):
+    """Each expert weight as its quantized pair (`[E, out, in]` and `[E, out]` scales), or its
+    int4 triple (`[E, in, out]` codes, `[E, G, out]` scales and zero points, each expert in groups
+    of 8 inputs), gives what the dense reference gives with the dequantized weights (fp8 also
+    quantizes the activations per row: a looser tolerance). int4 at 6 tokens: tiles of 2 rows,
+    multiplied group by group; at 40: tiles of 16 rows, each tile's expert weight dequantized."""
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.normal(size=(6, D)), jnp.float32)
-    experts = jnp.asarray(routings(rng, 6, 4, 2)["random"], jnp.int32)
-    weights = jnp.asarray(rng.uniform(size=(6, 2)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(num_tokens, D)), jnp.float32)
+    experts = jnp.asarray(routings(rng, num_tokens, 4, 2)["random"], jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(num_tokens, 2)), jnp.float32)
     plain, arrays = {}, {}
     for name, shape in (("gate_proj", (D, F)), ("up_proj", (D, F)), ("down_proj", (F, D))):
-        q, scale = quantize_weight(jnp.asarray(rng.normal(size=(4, *shape)), jnp.float32), method, 1, num_lead=1)
+        w = jnp.asarray(rng.normal(size=(4, *shape)), jnp.float32)
+        if method == "int4":
+            codes, scale, zero = quantize_groups(w, 4, 8, 1, num_lead=1)
+            arrays.update({name + "_quant": codes, name + "_scale": scale, name + "_zero": zero})
+            groups = codes.reshape(4, shape[0] // 8, 8, shape[1]).astype(jnp.float32)  # [E, G, 8, out]
+            plain[name] = ((groups - zero[:, :, None]) * scale[:, :, None]).reshape(4, *shape)
+            assert float(jnp.max(jnp.abs(plain[name] - w))) < float(jnp.max(scale))  # int4, not the weight itself
+            continue
+        q, scale = quantize_weight(w, method, 1, num_lead=1)
         arrays[name + "_quant"], arrays[name + "_scale"] = q, scale
         plain[name] = jnp.swapaxes(q.astype(jnp.float32) * scale[..., None], 1, 2)  # back to [E, in, out]
     ours = jax.jit(experts_ffn, static_argnums=(1, 2))(arrays, method, 2, x, weights, experts)
     expected = dense_experts_reference(x, weights, experts, plain["gate_proj"], plain["up_proj"], plain["down_proj"])
-    tolerance = 1e-5 if method == "int8" else 0.1
+    tolerance = 0.1 if method == "fp8" else 1e-5
     err = float(jnp.linalg.norm(ours - expected) / jnp.linalg.norm(expected))
     assert err < tolerance, err
 
 
 MAX_TOKENS = 10
+INT4_GROUP = 16  # hidden 64, heads 4 x 16, expert widths 128 (Mixtral) and 32, shared 96: all divide
 
 
-def tiny_model(name: str, path: str) -> tuple[list, list]:
-    """(prompts, transformers' greedy continuations) of the named tiny variant, saved to `path`."""
-    hf = save_hf_model(name, path)
-    prompts = tp_workload.prompts()
-    return prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+def int4_reference(path, variant: str):
+    """The tiny `variant` saved to `path / "int4"` (run with `--quantization int4`) and
+    transformers on its round-to-nearest values saved to `path / "dequantized"` (an independent
+    quantizer, tests/int4_checkpoints.py); returns (the int4 model's directory, the dequantized
+    transformers model)."""
+    model_dir, reference_dir = str(path / "int4"), str(path / "dequantized")
+    save_hf_model(variant, model_dir)
+    round_to_nearest(copy_checkpoint(model_dir, reference_dir), INT4_GROUP)
+    return model_dir, transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+
+
+def test_int4_experts_logits_and_tokens_equal_transformers_on_the_dequantized_weights(tmp_path):
+    """`--quantization int4` quantizes every expert and Qwen2-MoE's shared expert in groups of
+    its own inputs: logits and greedy tokens equal transformers run on the round-to-nearest
+    weights. A 70-token prompt gives the 4 experts tiles of 32 rows (each tile's expert weight
+    dequantized), 9 tokens tiles of 4 (group by group). (Mixtral int4: the engine test below.)"""
+    model_dir, hf = int4_reference(tmp_path, "qwen2_moe")
+    config, model = load_model(model_dir, "float32", quantization="int4", quantization_group_size=INT4_GROUP)
+    assert config.weight_group_size == INT4_GROUP and model.layers.moe.gate_proj_zero is not None
+    generator = PagedGenerator(model)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (9, 70)]
+    with torch.no_grad():
+        for prompt in prompts:
+            ours = generator.prompt_logits(prompt)
+            np.testing.assert_allclose(ours, hf(torch.tensor([prompt])).logits[0].numpy(), atol=2e-4)
+    for prompt, tokens in zip(prompts, generator.generate(prompts, MAX_TOKENS)):
+        assert tokens == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+@pytest.mark.parametrize(("variant", "kind"), [("mixtral_moe", "awq"), ("qwen2_moe", "gptq_act_order_asym")])
+def test_awq_and_gptq_experts_equal_transformers_on_their_dequantized_weights(tmp_path, variant, kind):
+    """A mixture of experts' AWQ (Mixtral: each expert's w1, w2, w3 packed, the routers left in
+    float by `modules_to_not_convert: ["gate"]`, as AutoAWQ writes it) and GPTQ act-order
+    (Qwen2-MoE: each expert's own input order, and the shared expert's) checkpoints: logits and
+    greedy tokens equal transformers on the packer's dequantized weights. A checkpoint that
+    leaves a projection in float is refused naming it."""
+    model_dir, reference_dir = tmp_path / kind, tmp_path / "dequantized"
+    save_hf_model(variant, str(model_dir))
+    not_converted = {"modules_to_not_convert": ["gate"]} if kind == "awq" else {}
+    pack_saved_checkpoint(model_dir, kind, reference_dir, **not_converted)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    config, model = load_model(model_dir, "float32")
+    assert config.weight_act_order == (kind != "awq")
+    generator = PagedGenerator(model)
+    prompt = np.random.default_rng(0).integers(3, 500, 9).tolist()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(generator.prompt_logits(prompt), reference, atol=2e-4)
+    assert generator.generate([prompt], MAX_TOKENS)[0] == hf_greedy(hf, prompt, MAX_TOKENS)
+    if kind == "awq":
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        hf_config["quantization_config"]["modules_to_not_convert"] = ["gate", "experts.3.w2"]
+        (model_dir / "config.json").write_text(json.dumps(hf_config))
+        with pytest.raises(ValueError, match=r"layers\.0\.block_sparse_moe\.experts\.3\.w2: .*modules_to_not_convert"):
+            load_model(model_dir, "float32")
 
 
 def run_engine(path: str, n: int, prompts, **kwargs) -> tuple[list[list[int]], LLMEngine]:
@@ -166,28 +235,38 @@ def run_engine(path: str, n: int, prompts, **kwargs) -> tuple[list[list[int]], L
     return [done[i].outputs[0].token_ids for i in range(len(prompts))], engine
 
 
-def expert_arrays(engine: LLMEngine) -> list:
-    """`(path, array)` of every expert weight of the engine's model (one layer's each)."""
+def expert_arrays(engine: LLMEngine, arrays_per_weight: int) -> list:
+    """`(path, array)` of every expert array of the engine's model (one layer's each): a weight,
+    or its quantized arrays (`arrays_per_weight` of them)."""
     leaves = jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]
     names = ("gate_proj", "up_proj", "down_proj")
-    found = [(param_path(p), leaf) for p, leaf in leaves if param_path(p)[1:] in [("moe", n) for n in names]]
-    assert len(found) == 3 * 2  # 3 weights, 2 layers
+    paths = [(param_path(p), leaf) for p, leaf in leaves]
+    found = [(p, leaf) for p, leaf in paths if p[1:2] == ("moe",) and {p[-1], p[-1].rsplit("_", 1)[0]} & set(names)]
+    assert len(found) == 3 * 2 * arrays_per_weight  # 3 weights, 2 layers
     return found
 
 
 @pytest.mark.isolated
 @pytest.mark.parametrize(
-    ("variant", "n", "expert_parallel"), [("mixtral_moe", 1, False), ("qwen2_moe", 2, False), ("mixtral_moe", 4, True)]
+    ("variant", "n", "expert_parallel", "quantization"),
+    [("mixtral_moe", 1, False, None), ("qwen2_moe", 2, False, "int4"), ("mixtral_moe", 4, True, "int4")],
 )
-def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant, n, expert_parallel):
+def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant, n, expert_parallel, quantization):
     """Prefix caching, chunked prefill and preemption (tp_workload): Mixtral's 8 experts on one
-    device; Qwen2-MoE's 4 experts and its shared expert split over their FFN width on 2; and
-    Mixtral's as 2 whole experts on each of 4 devices."""
-    prompts, references = tiny_model(variant, str(tmp_path))
-    tokens, engine = run_engine(str(tmp_path), n, prompts, enable_expert_parallel=expert_parallel)
-    assert tokens == references
-    num_experts = ModelConfig.from_pretrained(str(tmp_path)).moe.num_experts
-    for name, array in expert_arrays(engine):
+    device; Qwen2-MoE's 4 experts and its shared expert in int4, split over their FFN width on 2
+    (each expert's scales and zero points with its inputs); and Mixtral's in int4 as 2 whole
+    experts on each of 4 devices. int4 runs equal transformers on the round-to-nearest weights."""
+    if quantization is None:
+        path, hf = str(tmp_path), save_hf_model(variant, str(tmp_path))
+        options = {}
+    else:
+        path, hf = int4_reference(tmp_path, variant)
+        options = {"quantization": quantization, "quantization_group_size": INT4_GROUP}
+    prompts = tp_workload.prompts()
+    tokens, engine = run_engine(path, n, prompts, enable_expert_parallel=expert_parallel, **options)
+    assert tokens == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    num_experts = ModelConfig.from_pretrained(path).moe.num_experts
+    for name, array in expert_arrays(engine, 1 if quantization is None else 3):
         for shard in array.addressable_shards:
             experts, *rest = shard.index
             held = range(num_experts)[experts]
@@ -195,9 +274,30 @@ def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant,
                 d = list(array.sharding.mesh.devices.flat).index(shard.device)
                 assert list(held) == [2 * d, 2 * d + 1], name
                 assert shard.data.shape[1:] == array.shape[1:], name
-            else:  # every expert, a 1/n share of its FFN width
+            else:  # every expert, a 1/n share of its FFN width (or of its groups)
                 assert len(held) == num_experts, name
                 assert np.prod(shard.data.shape) * n == np.prod(array.shape), name
+
+
+@pytest.mark.isolated
+def test_expert_parallel_over_8_devices_gives_the_one_device_tokens(tmp_path):
+    """Qwen3-MoE's 16 experts, 2 whole ones per device on 8 (top-4, so most tokens' experts lie
+    on several devices): two requests, the second arriving while the first decodes (continuous
+    batching; the 30-token prompt prefills in chunks beside it), give the one-device tokens."""
+    save_hf_model("qwen3_moe_tp", str(tmp_path))
+    prompts = tp_workload.prompts()[3:]  # 5 and 30 tokens
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def tokens(n: int) -> list[list[int]]:
+        engine = LLMEngine(EngineArgs(**tp_workload.engine_options(str(tmp_path), n), enable_expert_parallel=n > 1))
+        engine.add_request("0", {"prompt_token_ids": prompts[0]}, params)
+        done = {o.request_id: o for _ in range(3) for o in engine.step() if o.finished}
+        engine.add_request("1", {"prompt_token_ids": prompts[1]}, params)
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [done[str(i)].outputs[0].token_ids for i in range(2)]
+
+    assert tokens(8) == tokens(1)
 
 
 @pytest.mark.parametrize(("field", "value"), [("decoder_sparse_step", 2), ("mlp_only_layers", [0])])
@@ -216,9 +316,19 @@ def test_expert_parallel_needs_experts_that_split():
         TensorParallelLayout(dense, 2, True)
 
 
-def test_group_quantized_experts_are_refused_naming_the_method():
-    config = ModelConfig.from_hf({**BASE, **VARIANTS["mixtral_moe"][2], "architectures": ["MixtralForCausalLM"]})
-    with pytest.raises(ValueError, match="mixture of experts, whose expert weights have no 4/8-bit group"):
-        config.with_weight_groups((4, 16))
-    with pytest.raises(ValueError, match="^--quantization: mixtral is a mixture of experts"):
-        make_plan("mixtral-8x7b", gpu_memory=80 * 10**9, quantization="int4")
+def test_group_sizes_that_do_not_divide_an_experts_inputs_or_split_a_group_are_refused():
+    """Each expert is quantized alone, in groups of its own inputs: a size that does not divide
+    the experts' FFN width is refused naming it; so is a tensor-parallel size that would split an
+    expert's groups, which expert parallelism (whole experts) does not."""
+    config = ModelConfig.from_hf({**BASE, **VARIANTS["qwen2_moe"][2], "architectures": ["Qwen2MoeForCausalLM"]})
+    with pytest.raises(ValueError, match="=64 does not divide each expert's intermediate size=32"):
+        config.with_weight_groups((4, 64))
+    with pytest.raises(ValueError, match="=64 does not divide shared_expert_intermediate_size=96"):
+        dataclasses.replace(config, moe=dataclasses.replace(config.moe, expert_size=64)).with_weight_groups((4, 64))
+    grouped = dataclasses.replace(config, moe=dataclasses.replace(config.moe, shared_expert_size=64))
+    grouped = grouped.with_weight_groups((4, 32))  # each expert's 32 inputs: one group
+    with pytest.raises(TensorParallelError, match="expert_mlp inputs hold 1 groups of 32"):
+        TensorParallelLayout(grouped, 2)
+    assert TensorParallelLayout(grouped, 2, expert_parallel=True).param_mesh_axes(
+        ("layers", "moe", "down_proj_scale")
+    ) == (None, "tp", None, None)  # [L, E, G, D]: whole experts, their groups with them

@@ -129,6 +129,20 @@ VARIANTS = {
             norm_topk_prob=True,
         ),
     ),
+    # Expert parallelism over 8 devices: 8 query heads, 16 experts (2 per device), top-4
+    "qwen3_moe_tp": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+    ),
 }
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from jaxpaged.checkpoint.formats import linear_prefixes
 from jaxpaged.checkpoint.group_quant import GroupQuantized
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import ParamSpec, Path
@@ -30,14 +31,10 @@ from jaxpaged.params.tables import param_specs, quantized_paths
 LinearReader = Callable[[str], GroupQuantized]
 
 
-def hf_prefix(spec: ParamSpec, layer: int | None) -> str:
-    """The HF prefix of a projection in `layer`, e.g. `model.layers.0.self_attn.q_proj`."""
-    return spec.hf_key(layer).removesuffix(".weight")
-
-
 def group_state(gq: GroupQuantized, spec: ParamSpec, config: ModelConfig, prefix: str) -> tuple[np.ndarray, ...]:
     """One projection's `GroupQuantized` as its state arrays `(codes [*in, *out], scale [G, *out],
-    zero [G, *out])`, and with `config.weight_act_order` `perm [I]` (one layer's): the inputs
+    zero [G, *out])`, and with `config.weight_act_order` `perm [I]` (one layer's, one expert's of
+    a per-expert weight): the inputs
     sorted by their group (`g_idx`; stable, so contiguous groups keep their order and an identity
     permutation), `perm[i]` the input stored row i reads.
 
@@ -46,7 +43,7 @@ def group_state(gq: GroupQuantized, spec: ParamSpec, config: ModelConfig, prefix
         groups are not contiguous and the model is not act-ordered (config.json's `desc_act`), or
         a group does not hold exactly `group_size` inputs.
     """
-    shape = spec.shape(config)
+    shape = spec.shape(config)[spec.num_lead :]
     ins, outs = shape[: spec.num_in], shape[spec.num_in :]
     expected = (int(np.prod(ins)), int(np.prod(outs)))
     if gq.bits != config.weight_bits or gq.group_size != config.weight_group_size:
@@ -75,10 +72,11 @@ def group_state(gq: GroupQuantized, spec: ParamSpec, config: ModelConfig, prefix
 
 def group_tensors(config: ModelConfig, read_linear: LinearReader) -> Iterator[tuple[Path, int, np.ndarray]]:
     """Every group-quantized projection of every decoder layer as the loader's `(path, layer,
-    array)`: `read_linear(prefix)` converted by `group_state`, layer by layer."""
+    array)`: `read_linear(prefix)` converted by `group_state`, layer by layer (a per-expert
+    weight's experts each read and converted alone, then stacked `[E, ...]`)."""
     specs = [spec for spec in param_specs(config) if spec.quantize]
     for layer in range(config.num_layers):
         for spec in specs:
-            prefix = hf_prefix(spec, layer)
-            arrays = group_state(read_linear(prefix), spec, config, prefix)
+            experts = [group_state(read_linear(p), spec, config, p) for p in linear_prefixes(spec, config, layer)]
+            arrays = [np.stack(a) for a in zip(*experts)] if spec.per_expert else experts[0]
             yield from ((path, layer, array) for path, array in zip(quantized_paths(config, spec), arrays))

@@ -3,7 +3,8 @@ no tensors: what the file announces; `jaxpaged.checkpoint.formats` reads the ten
 
     quant_method        fields read (others ignored)                  accepted
     awq                 bits | w_bit, group_size | q_group_size,       bits 4, version "gemm",
-                        zero_point, version, modules_to_not_convert   zero_point true, nothing left out
+                        zero_point, version, modules_to_not_convert   zero_point true, no projection
+                                                                      left out (a router may be)
     gptq                bits, group_size, desc_act, sym,              bits 4 or 8, checkpoint_format
                         checkpoint_format, lm_head, dynamic           "gptq" (v1), lm_head false, no dynamic
     compressed-tensors  format (top level or per config group),       format "pack-quantized", weights
@@ -38,6 +39,9 @@ class GroupFormat:
       sym: symmetric codes (the zero point is the middle code, `2**(bits-1)`).
       act_order: each linear stores the group of every input feature (GPTQ `desc_act`,
         compressed-tensors `actorder: group`); else groups are contiguous.
+      not_converted: names of modules left in float (AWQ's `modules_to_not_convert`, matched as
+        substrings of a module's name, as AutoAWQ does), e.g. Mixtral's routers, `gate`: a
+        projection whose name holds one is refused (`jaxpaged.checkpoint.formats.check_linears`).
     """
 
     method: str
@@ -45,6 +49,7 @@ class GroupFormat:
     group_size: int | None
     sym: bool
     act_order: bool
+    not_converted: tuple[str, ...] = ()
 
     def groups(self, num_in: int) -> int:
         """Groups of a linear with `num_in` input features."""
@@ -99,13 +104,11 @@ def awq_format(qc: dict[str, Any]) -> GroupFormat:
         raise _refuse("version", version, "only AutoAWQ's GEMM layout is read; re-save the model with version 'gemm'")
     if not _flag(qc, "zero_point", True):
         raise _refuse("zero_point", False, "AWQ's GEMM layout stores zero points (qzeros); symmetric AWQ is not read")
-    if qc.get("modules_to_not_convert"):
-        raise _refuse(
-            "modules_to_not_convert",
-            qc["modules_to_not_convert"],
-            "every decoder projection must be quantized; layers kept in float are not read",
-        )
-    return GroupFormat("awq", _bits(bits_field, bits, (4,)), _group_size(size_field, size), False, False)
+    not_converted = qc.get("modules_to_not_convert") or []
+    if not isinstance(not_converted, list) or not all(isinstance(name, str) and name for name in not_converted):
+        raise _refuse("modules_to_not_convert", not_converted, "must be a list of module names")
+    bits = _bits(bits_field, bits, (4,))
+    return GroupFormat("awq", bits, _group_size(size_field, size), False, False, tuple(not_converted))
 
 
 def gptq_format(qc: dict[str, Any]) -> GroupFormat:

@@ -114,22 +114,18 @@ class ModelConfig:
           field: what sets the group size, named in errors.
 
         Raises:
-          ValueError: the group size does not divide a projection's input features (naming both),
-            or the model is a mixture of experts.
+          ValueError: the group size does not divide a projection's input features (naming both).
         """
         if groups is None:
             return dataclasses.replace(self, weight_bits=None, weight_group_size=None, weight_act_order=False)
-        if self.moe is not None:
-            raise ValueError(
-                f"{self.architecture} is a mixture of experts, whose expert weights have no 4/8-bit group "
-                "quantization yet; use fp8 or int8"
-            )
         bits, group_size = groups
-        inputs = {
-            "hidden_size": self.hidden_size,
-            "num_attention_heads * head_dim": self.num_heads * self.head_dim,
-            "intermediate_size": self.intermediate_size,
-        }
+        inputs = {"hidden_size": self.hidden_size, "num_attention_heads * head_dim": self.num_heads * self.head_dim}
+        if self.moe is None:
+            inputs["intermediate_size"] = self.intermediate_size
+        else:  # each expert's projections quantized alone
+            inputs["each expert's intermediate size"] = self.moe.expert_size
+            if self.moe.shared_expert_size:
+                inputs["shared_expert_intermediate_size"] = self.moe.shared_expert_size
         if group_size is None:  # capped so tensor parallelism can split the groups (8B's gcd, 2048, gives 7 MLP groups)
             group_size = math.gcd(*inputs.values(), PER_CHANNEL_GROUP_CAP)
         for name, size in inputs.items():

@@ -50,11 +50,11 @@ LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = (
 # expert's FFN width. A parameter with an `EXPERTS` axis leads with it, and its checkpoint stores
 # one tensor per expert (`{expert}` in its name).
 EXPERTS, EXPERT_MLP, SHARED_MLP = "experts", "expert_mlp", "shared_mlp"
-# The group axis of a weight whose first input axis is the key: its inputs flattened, over the
-# group size (o_proj's inputs are (HEADS, HEAD_DIM), the others' one axis).
-GROUP_AXES = {EMBED: "embed_groups", HEADS: "heads_groups", MLP: "mlp_groups"}
+# The group axis of a weight whose first input axis (after the experts' axis) is the key: its
+# inputs flattened, over the group size (o_proj's inputs are (HEADS, HEAD_DIM), the others' one axis).
+GROUP_AXES = {a: a + "_groups" for a in (EMBED, HEADS, MLP, EXPERT_MLP, SHARED_MLP)}
 # The flattened inputs of such a weight (the axis of its act-order permutation).
-FEATURE_AXES = {EMBED: "embed_features", HEADS: "heads_features", MLP: "mlp_features"}
+FEATURE_AXES = {a: a + "_features" for a in GROUP_AXES}
 
 # The module whose parameters exist once per decoder layer (the first key of their paths).
 LAYER_STACK = "layers"
@@ -79,10 +79,20 @@ def axis_sizes(config: ModelConfig) -> dict[str, int]:
         **_moe_axis_sizes(config),
     }
     if config.weight_group_size is not None:
-        features = {EMBED: config.hidden_size, HEADS: config.num_heads * config.head_dim, MLP: config.intermediate_size}
+        features = group_features(config)
         sizes.update({GROUP_AXES[a]: n // config.weight_group_size for a, n in features.items()})
         sizes.update({FEATURE_AXES[a]: n for a, n in features.items()})
     return sizes
+
+
+def group_features(config: ModelConfig) -> dict[str, int]:
+    """The flattened inputs of the projections of `config`, by their first input axis (the
+    experts' FFN width and the shared expert's where a mixture of experts has no dense MLP)."""
+    features = {EMBED: config.hidden_size, HEADS: config.num_heads * config.head_dim}
+    if config.moe is None:
+        return {**features, MLP: config.intermediate_size}
+    shared = {SHARED_MLP: config.moe.shared_expert_size} if config.moe.shared_expert_size else {}
+    return {**features, EXPERT_MLP: config.moe.expert_size, **shared}
 
 
 def _moe_axis_sizes(config: ModelConfig) -> dict[str, int]:
@@ -178,10 +188,12 @@ class ParamSpec:
         return self.path[:-1] + (self.name + QUANT_SUFFIX,), self.path[:-1] + (self.name + SCALE_SUFFIX,)
 
     def grouped_axes(self, act_order: bool = False) -> tuple[tuple[str, ...], ...]:
-        """The logical axes of the group-quantized arrays: `<name>_quant` `[*in, *out]`,
-        `<name>_scale` and `<name>_zero` `[G, *out]`, with `act_order` `<name>_perm` `[I]`."""
-        groups = (GROUP_AXES[self.axes[0]],) + self.axes[self.num_in :]
-        return (self.axes, groups, groups) + (((FEATURE_AXES[self.axes[0]],),) if act_order else ())
+        """The logical axes of the group-quantized arrays: `<name>_quant` `[*lead, *in, *out]`,
+        `<name>_scale` and `<name>_zero` `[*lead, G, *out]`, with `act_order` `<name>_perm`
+        `[*lead, I]` (lead: the experts' axis of a per-expert weight, each expert quantized alone)."""
+        lead, first_in = self.axes[: self.num_lead], self.axes[self.num_lead]
+        groups = lead + (GROUP_AXES[first_in],) + self.axes[self.num_lead + self.num_in :]
+        return (self.axes, groups, groups) + ((lead + (FEATURE_AXES[first_in],),) if act_order else ())
 
     def grouped_paths(self, act_order: bool = False) -> tuple[Path, ...]:
         suffixes = (ZERO_SUFFIX, PERM_SUFFIX) if act_order else (ZERO_SUFFIX,)

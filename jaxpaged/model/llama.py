@@ -40,13 +40,12 @@ import pallas_kernels
 from jaxpaged.config import defaults
 from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import KV_HEADS, PERM_SUFFIX, QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, ParamSpec, Path
-from jaxpaged.model.group_quant import group_matmul
+from jaxpaged.config.params import KV_HEADS, ParamSpec, Path
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.moe import SparseMoe
-from jaxpaged.model.quant import matmul, quantize_param, quantized_matmul
+from jaxpaged.model.quant import project, quantize_param
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.pipeline import PipelineLayout
@@ -184,18 +183,6 @@ class ParamDeclarer:
             )
 
 
-def _project(module: nnx.Module, name: str, x: Float[Array, "T ..."]) -> Float[Array, "T ..."]:
-    """`x [T, *in]` through the weight `name` of `module` (plain or quantized) -> `[T, *out]`."""
-    num_in = x.ndim - 1
-    if module.quantization is None:
-        return matmul(x, getattr(module, name)[...], num_in)
-    q, scale = getattr(module, name + QUANT_SUFFIX)[...], getattr(module, name + SCALE_SUFFIX)[...]
-    if hasattr(module, name + ZERO_SUFFIX):  # group-quantized
-        perm = getattr(module, name + PERM_SUFFIX)[...] if hasattr(module, name + PERM_SUFFIX) else None
-        return group_matmul(x, q, scale, getattr(module, name + ZERO_SUFFIX)[...], num_in, perm)
-    return quantized_matmul(x, q, scale, module.quantization, num_in)
-
-
 def _is_layer_arrays(x) -> bool:
     return isinstance(x, LayerArrays)
 
@@ -256,9 +243,9 @@ class Attention(nnx.Module):
         """One layer over this step's tokens; `meta` addresses this layer's blocks of the pool
         (all layers' blocks in a row, `AttentionMetadata.for_layer`); `kv_quant`: this layer's
         scales of an fp8 pool (None: the pool holds the values as they are)."""
-        q = _project(self, "q_proj", x)
-        k = _project(self, "k_proj", x)
-        v = _project(self, "v_proj", x)
+        q = project(self, "q_proj", x)
+        k = project(self, "k_proj", x)
+        v = project(self, "v_proj", x)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -277,7 +264,7 @@ class Attention(nnx.Module):
             attend = self.parallel.per_head(attend, (QUERY_AXES, pool, pool, (), sc, sc), QUERY_AXES)
         k_pool, v_pool = write(k_pool, v_pool, k, v, meta.slot_mapping, k_scale, v_scale)
         attn = attend(q, k_pool, v_pool, meta, k_scale, v_scale)
-        out = _project(self, "o_proj", attn)
+        out = project(self, "o_proj", attn)
         if self.has_o_bias:
             out = out + self.o_bias[...]
         return out, k_pool, v_pool
@@ -338,9 +325,9 @@ class MLP(nnx.Module):
         self.quantization = params.quantization
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        gate = _project(self, "gate_proj", x)
-        up = _project(self, "up_proj", x)
-        return _project(self, "down_proj", jax.nn.silu(gate) * up)
+        gate = project(self, "gate_proj", x)
+        up = project(self, "up_proj", x)
+        return project(self, "down_proj", jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):

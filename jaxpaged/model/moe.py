@@ -25,12 +25,12 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.moe import MoeConfig
-from jaxpaged.config.params import QUANT_SUFFIX, SCALE_SUFFIX
+from jaxpaged.config.params import QUANT_SUFFIX, ZERO_SUFFIX
 from jaxpaged.model.grouped_matmul import grouped_matmul
-from jaxpaged.model.quant import matmul, quantized_matmul
+from jaxpaged.model.quant import project, weight_matmul
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import TENSOR_AXIS
-from jaxpaged.params.tables import find_state_param
+from jaxpaged.params.tables import find_state_param, quantized_paths
 
 
 def route(
@@ -68,12 +68,17 @@ def sort_by_expert(
 def expert_matmul(
     arrays: dict[str, Array], quantization: str | None, name: str
 ) -> Callable[[Float[Array, "TM I"], Int[Array, ""]], Float[Array, "TM O"]]:
-    """`(tile, e) -> tile` times expert e's weight `name`: plain `[E, I, O]`, or its quantized
-    pair `[E, O, I]` with `[E, O]` scales (the dense layers' matmuls, on one expert)."""
-    if quantization is None:
-        return lambda x, e: matmul(x, arrays[name][e], 1)
-    q, scale = arrays[name + QUANT_SUFFIX], arrays[name + SCALE_SUFFIX]
-    return lambda x, e: quantized_matmul(x, q[e], scale[e], quantization, 1)
+    """`(tile, e) -> tile` times expert e's weight `name`: plain `[E, I, O]`, its quantized pair
+    `[E, O, I]` with `[E, O]` scales, or its group-quantized triple `[E, I, O]` with `[E, G, O]`
+    scales and zero points (the dense layers' matmuls, on one expert's slice of each array).
+
+    A group-quantized tile is multiplied group by group (`group_matmul`'s partials): a tile has at
+    most `MAX_TILE_ROWS` rows, no more than a group at the default size, so its partials
+    `[G, TM, O]` are at most a widened expert weight's size, and while decoding (one row per
+    tile) 1 / group_size of it; dequantizing instead would write a widened copy of the expert's
+    weight for every tile, while the dots read the codes as they lie."""
+    names = [n for n in arrays if n == name or n.startswith(name + "_")]
+    return lambda x, e: weight_matmul(x, {n: arrays[n][e] for n in names}, name, quantization, 1)
 
 
 def experts_ffn(
@@ -88,13 +93,14 @@ def experts_ffn(
     """Every token through its experts' SwiGLU (steps 2-4 of the module docstring).
 
     Args:
-      arrays: the experts' weights by name (`gate_proj`, ... or their quantized pairs): all of
-        them, or one device's share (of their FFN width, or of the experts from `first_expert`).
-      quantization: None, "fp8" or "int8".
+      arrays: the experts' weights by name (`gate_proj`, ... or their quantized pairs or
+        group-quantized triples): all of them, or one device's share (of their FFN width, or of
+        the experts from `first_expert`).
+      quantization: None, "fp8", "int8" or a group-quantized method (arrays with zero points).
     """
-    gate_name = "gate_proj" if quantization is None else "gate_proj" + QUANT_SUFFIX
-    num_experts = arrays[gate_name].shape[0]
-    width = arrays[gate_name].shape[-1 if quantization is None else 1]
+    per_channel = quantization is not None and "gate_proj" + ZERO_SUFFIX not in arrays  # [E, F, D]
+    gate = arrays["gate_proj" if quantization is None else "gate_proj" + QUANT_SUFFIX]
+    num_experts, width = gate.shape[0], gate.shape[1 if per_channel else -1]
     order, group_sizes = sort_by_expert(experts, num_experts, first_expert)
     rows = x[order // top_k]  # [M, D]: each routed row's token, in expert order
 
@@ -103,14 +109,6 @@ def experts_ffn(
 
     hidden = jax.nn.silu(grouped(rows, "gate_proj", width)) * grouped(rows, "up_proj", width)
     return combine(grouped(hidden, "down_proj", x.shape[1]), order, weights)
-
-
-def _project(module: nnx.Module, name: str, x: Float[Array, "T I"]) -> Float[Array, "T O"]:
-    """`x` through the dense weight `name` of `module` (plain or its quantized pair)."""
-    if module.quantization is None:
-        return matmul(x, getattr(module, name)[...], 1)
-    q, scale = getattr(module, name + QUANT_SUFFIX)[...], getattr(module, name + SCALE_SUFFIX)[...]
-    return quantized_matmul(x, q, scale, module.quantization, 1)
 
 
 def combine(
@@ -133,9 +131,9 @@ class SparseMoe(nnx.Module):
         self.quantization = params.quantization
         self.shared_expert = hasattr(self, "shared_expert_gate")
         self.parallel = parallel
-        weights = ("gate_proj", "up_proj", "down_proj")
-        variants = [(w,) if self.quantization is None else (w + QUANT_SUFFIX, w + SCALE_SUFFIX) for w in weights]
-        self.expert_names = tuple(name for names in variants for name in names)  # the arrays of the experts
+        specs = [find_state_param(config, ("layers", "moe", w)).spec for w in ("gate_proj", "up_proj", "down_proj")]
+        variants = [(s.path,) if self.quantization is None else quantized_paths(config, s) for s in specs]
+        self.expert_names = tuple(path[-1] for paths in variants for path in paths)  # the arrays of the experts
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         weights, experts = route(x, self.router[...], self.moe)
@@ -146,8 +144,8 @@ class SparseMoe(nnx.Module):
         else:
             out = on_every_device(self.parallel, ffn, arrays, x, weights, experts)
         if self.shared_expert:
-            shared = _project(self, "shared_gate_proj", x)
-            shared = _project(self, "shared_down_proj", jax.nn.silu(shared) * _project(self, "shared_up_proj", x))
+            shared = project(self, "shared_gate_proj", x)
+            shared = project(self, "shared_down_proj", jax.nn.silu(shared) * project(self, "shared_up_proj", x))
             out = out + jax.nn.sigmoid(x @ self.shared_expert_gate[...])[:, None] * shared
         return out
 

@@ -15,13 +15,15 @@ without a transpose. Dimension letters: T tokens; `*in`, `*out` the weight's inp
 """
 
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.model.group_quant import quantize_groups
+from jaxpaged.config.params import PERM_SUFFIX, QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
+from jaxpaged.model.group_quant import group_matmul, quantize_groups
 
 FP8 = jnp.float8_e4m3fn
 
@@ -99,3 +101,24 @@ def quantized_matmul(
     else:
         y = jax.lax.dot_general(x, q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
+
+
+def weight_matmul(
+    x: Float[Array, "T ..."], arrays: Mapping[str, Array], name: str, quantization: str | None, num_in: int
+) -> Float[Array, "T ..."]:
+    """`x [T, *in]` times the weight `name` as `arrays` holds it (by its state names): plain,
+    its quantized pair, or its group-quantized triple (and act-order permutation) -> `[T, *out]`."""
+    if quantization is None:
+        return matmul(x, arrays[name], num_in)
+    q, scale = arrays[name + QUANT_SUFFIX], arrays[name + SCALE_SUFFIX]
+    if name + ZERO_SUFFIX in arrays:
+        return group_matmul(x, q, scale, arrays[name + ZERO_SUFFIX], num_in, arrays.get(name + PERM_SUFFIX))
+    return quantized_matmul(x, q, scale, quantization, num_in)
+
+
+def project(module, name: str, x: Float[Array, "T ..."]) -> Float[Array, "T ..."]:
+    """`x [T, *in]` through the weight `name` of a model `module` (its attributes `name` or
+    `<name>_quant`, ..., and `quantization`) -> `[T, *out]` (`weight_matmul`)."""
+    names = (name, *(name + suffix for suffix in (QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX)))
+    arrays = {n: getattr(module, n)[...] for n in names if hasattr(module, n)}
+    return weight_matmul(x, arrays, name, module.quantization, x.ndim - 1)

@@ -87,7 +87,12 @@ RULES |= {GROUP_AXES[a]: RULES[a] for a in GROUP_AXES if a in RULES}
 # Pipeline parallelism: each stage holds its layers' weights and KV blocks.
 RULES |= {STAGES: PIPELINE_AXIS, LAYER_BLOCKS: PIPELINE_AXIS, POOL_LAYERS: PIPELINE_AXIS}
 # Expert parallelism (`enable_expert_parallel`): each device holds whole experts instead.
-EXPERT_PARALLEL_RULES: dict[str, str | None] = {**RULES, EXPERTS: TENSOR_AXIS, EXPERT_MLP: None}
+EXPERT_PARALLEL_RULES: dict[str, str | None] = {
+    **RULES,
+    EXPERTS: TENSOR_AXIS,
+    EXPERT_MLP: None,
+    GROUP_AXES[EXPERT_MLP]: None,
+}
 
 
 class TensorParallelError(ValueError):
@@ -158,12 +163,17 @@ class TensorParallelLayout:
             )
         sizes = axis_sizes(c)
         for axis in GROUP_AXES.values():
-            if axis in RULES and axis in sizes and sizes[axis] % n:
+            if self.rules.get(axis) == TENSOR_AXIS and axis in sizes and sizes[axis] % n:
                 raise TensorParallelError(
                     f"tensor_parallel_size={n} would split a quantization group: the {axis.removesuffix('_groups')} "
                     f"inputs hold {sizes[axis]} groups of {c.weight_group_size} features, which {n} devices cannot "
                     "share evenly; use a tensor_parallel_size that divides it (or a smaller group size)"
                 )
+
+    @property
+    def rules(self) -> dict[str, str | None]:
+        """Logical axis -> mesh axis: `EXPERT_PARALLEL_RULES` under expert parallelism, else `RULES`."""
+        return EXPERT_PARALLEL_RULES if self.expert_parallel else RULES
 
     @property
     def num_devices(self) -> int:
@@ -199,11 +209,10 @@ class TensorParallelLayout:
     def mesh_axes(self, axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
         """The mesh axis each logical axis is split over (None: whole on every device); the
         argument of a `PartitionSpec`."""
-        rules = EXPERT_PARALLEL_RULES if self.expert_parallel else RULES
         split = {TENSOR_AXIS: self.size > 1, PIPELINE_AXIS: self.pipeline.size > 1}
         out = []
         for axis in axes:
-            mesh_axis = rules.get(axis)
+            mesh_axis = self.rules.get(axis)
             mesh_axis = mesh_axis if split.get(mesh_axis, False) else None
             if mesh_axis is not None and axis == VOCAB and self.axis_size(VOCAB) % self.size:
                 mesh_axis = None  # an uneven vocabulary stays whole

@@ -25,6 +25,7 @@ from jaxpaged.checkpoint.group_quant import GroupQuantized
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.group_formats import GroupFormat
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params import ParamSpec
 from jaxpaged.params.tables import param_specs
 
 READERS: dict[str, types.ModuleType] = {"awq": awq, "gptq": gptq, "compressed-tensors": pack_quantized}
@@ -34,14 +35,21 @@ Linear = tuple[str, int, int]  # (prefix, num_in, num_out)
 
 def quantized_linears(config: ModelConfig) -> list[Linear]:
     """`(prefix, num_in, num_out)` of every linear a quantized checkpoint of `config` stores as
-    integer codes (the decoder layers' projections), layer by layer."""
+    integer codes (the decoder layers' projections, each expert's its own), layer by layer."""
     specs = [p for p in param_specs(config) if p.quantize]
     linears = []
     for layer in range(config.num_layers):
         for spec in specs:
             num_out, num_in = spec.hf_shape(config)
-            linears.append((spec.hf_key(layer).removesuffix(".weight"), num_in, num_out))
+            linears += [(prefix, num_in, num_out) for prefix in linear_prefixes(spec, config, layer)]
     return linears
+
+
+def linear_prefixes(spec: ParamSpec, config: ModelConfig, layer: int) -> list[str]:
+    """The HF prefixes of a projection in `layer` (e.g. `model.layers.0.self_attn.q_proj`): one
+    per expert of a per-expert weight (`...experts.3.w1`), in the experts' order."""
+    experts = range(config.moe.num_experts) if spec.per_expert else (None,)
+    return [spec.hf_key(layer, expert).removesuffix(".weight") for expert in experts]
 
 
 def reader(fmt: GroupFormat) -> types.ModuleType:
@@ -62,11 +70,19 @@ def check_linears(fmt: GroupFormat, linears: Iterable[Linear], headers: Mapping[
       expected when the loader checks for unexpected tensors).
 
     Raises:
-      ValueError: naming the first tensor that is missing, misshaped or wrongly typed.
+      ValueError: naming the first tensor that is missing, misshaped or wrongly typed, or the
+        first linear `fmt.not_converted` leaves in float.
     """
     module = reader(fmt)
     names = []
     for prefix, num_in, num_out in linears:
+        left_out = [name for name in fmt.not_converted if name in prefix]
+        if left_out:
+            raise ValueError(
+                f"{prefix}: quantization_config's modules_to_not_convert={list(fmt.not_converted)} leaves it in "
+                f"float ({left_out[0]!r} is in its name), but jaxpaged reads every decoder projection quantized "
+                "(only a router may be left out)"
+            )
         expected = module.stored_tensors(fmt, prefix, num_in, num_out)
         check_headers(fmt, expected, headers)
         names += [t.name for t in expected if t.name in headers]

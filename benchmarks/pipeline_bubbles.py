@@ -11,7 +11,7 @@ wall time instead of compute: the formula is the same.)
 
 The model is sized so that a step is compute (8 layers, hidden 512, MLP 2048, 8 heads; a
 256-token prefill step: 4 sequences of 64), float32 random weights, the jnp attention reference.
-Each configuration is jitted once and timed over `REPEATS` steps (median), each in this process.
+Every configuration is compiled first, then timed in `REPEATS` rounds over all of them (median\nper configuration), so the shared machine's drifting load falls on each alike.
 
     python -m benchmarks.pipeline_bubbles benchmarks/results/pipeline_bubbles_cpu.json
 """
@@ -55,7 +55,7 @@ CONFIG = {
     "rms_norm_eps": 1e-5,
     "torch_dtype": "float32",
 }
-DEVICES, SEQS, SEQ_TOKENS, BLOCK_SIZE, REPEATS = 8, 4, 64, 16, 5
+DEVICES, SEQS, SEQ_TOKENS, BLOCK_SIZE, REPEATS = 8, 4, 64, 16, 7
 # (stages, micro-batches per step): PP 1 is the reference; each P with 1, P, 2P and 4P micro-batches
 RUNS = [(1, 1), (2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 4), (4, 8), (4, 16)]
 
@@ -69,8 +69,9 @@ def prefill(layout, graphdef, state, pool, flat):
     return pool, model.compute_logits(hidden[inp.logits_indices])
 
 
-def time_run(config: ModelConfig, stages: int, micro: int) -> dict:
-    """Median step seconds of the prefill step at `stages` x (8 / stages) devices."""
+def prepare(config: ModelConfig, stages: int, micro: int):
+    """The prefill step at `stages` x (8 / stages) devices, compiled and run once: returns
+    `(run one step and wait -> seconds, facts)`."""
     pipeline = PipelineLayout(config.num_layers, stages, microbatches=micro)
     parallel = TensorParallel.create(config, DEVICES // stages, pipeline=pipeline)
     model = Llama(config, jnp.float32, rngs=nnx.Rngs(0), attention="reference", parallel=parallel)
@@ -90,47 +91,49 @@ def time_run(config: ModelConfig, stages: int, micro: int) -> dict:
         vocab_size=config.vocab_size,
     )
     rng = np.random.default_rng(0)
-    seqs = [
-        ScheduledSequence(
-            rng.integers(1, config.vocab_size, SEQ_TOKENS).tolist(), 0, list(range(1 + s * pages, 1 + (s + 1) * pages))
-        )
-        for s in range(SEQS)
-    ]
+    tables = [list(range(1 + s * pages, 1 + (s + 1) * pages)) for s in range(SEQS)]
+    seqs = [ScheduledSequence(rng.integers(1, config.vocab_size, SEQ_TOKENS).tolist(), 0, t) for t in tables]
     rows = [SequenceRow(s, sampling_row(SamplingParams(temperature=0), 0), s, SEQ_TOKENS) for s in range(SEQS)]
     tokens, flat = packer.pack(seqs, rows, [])
     flat = jax.device_put(jnp.asarray(flat), parallel.sharding())
     layout = packer.layouts[tokens]
-    start = time.perf_counter()
-    pool, logits = prefill(layout, graphdef, state, pool, flat)
-    logits.block_until_ready()
-    compile_s = time.perf_counter() - start
-    times = []
-    for _ in range(REPEATS):
+    holder = {"pool": pool}
+
+    def step() -> float:
         start = time.perf_counter()
-        pool, logits = prefill(layout, graphdef, state, pool, flat)
+        holder["pool"], logits = prefill(layout, graphdef, state, holder["pool"], flat)
         logits.block_until_ready()
-        times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    first = step()
     used = pipeline.microbatches_for(tokens)
-    return {
+    facts = {
         "tensor_parallel_size": DEVICES // stages,
         "pipeline_parallel_size": stages,
         "microbatches": used,
         "ticks": used + stages - 1,
         "tokens": tokens,
-        "step_s": statistics.median(times),
-        "first_step_s": compile_s,
-        "tokens_per_s": tokens / statistics.median(times),
+        "first_step_s": first,
         "bubble_formula": (stages - 1) / (used + stages - 1),
     }
+    return step, facts
 
 
 def main(out_path: str) -> None:
     config = ModelConfig.from_hf(CONFIG)
-    results = []
+    runs = []
     for stages, micro in RUNS:
-        result = time_run(config, stages, micro)
-        results.append(result)
-        print(result, flush=True)
+        runs.append(prepare(config, stages, micro))
+        print("compiled", runs[-1][1], flush=True)
+    times = [[] for _ in runs]
+    for round_ in range(REPEATS):  # rounds over every configuration: the machine's load drifts alike for all
+        for i, (step, _) in enumerate(runs):
+            times[i].append(step())
+        print(f"round {round_ + 1}/{REPEATS}", flush=True)
+    results = []
+    for (_, facts), seconds in zip(runs, times):
+        step_s = statistics.median(seconds)
+        results.append({**facts, "step_s": step_s, "step_s_all": seconds, "tokens_per_s": facts["tokens"] / step_s})
     reference = results[0]["step_s"]
     for r in results:
         r["bubble_measured"] = 1 - reference / r["step_s"]

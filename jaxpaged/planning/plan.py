@@ -169,7 +169,7 @@ def make_plan(
     try:
         config = with_quantized_weights(config, quantization, quantization_group_size, raw)
     except ValueError as err:
-        flag = "--quantization" if config.moe is not None else group_size_field(quantization)
+        flag = group_size_field(quantization)
         raise ValueError(f"{flag.replace('quantization_group_size', '--quantization-group-size')}: {err}") from None
     kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
     check_block_size(block_size)

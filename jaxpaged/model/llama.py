@@ -451,7 +451,8 @@ class Llama(nnx.Module):
         self, graphdef, layer_params, x: Float[Array, "T D"], kv_pool: KVPool, meta: AttentionMetadata
     ) -> tuple[Float[Array, "T D"], Float[Array, "LNB BS K H"], Float[Array, "LNB BS K H"]]:
         """The layers as a pipeline over the stages (pipeline parallelism): the step's tokens cut
-        into M micro-batches (`PipelineLayout.microbatches_for`), run in M + P - 1 ticks.
+        into M micro-batches (`PipelineLayout.microbatches_for`: one for a decode step), run in
+        M + P - 1 ticks.
 
         At tick t stage s runs its layer slots over micro-batch t - s (an idle stage runs them
         over a micro-batch with its K/V writes sent to the null block, and its result is
@@ -465,7 +466,7 @@ class Llama(nnx.Module):
         """
         pipe = self.pipeline
         stages, slots, dim = pipe.size, pipe.max_layers, x.shape[1]
-        num_micro = pipe.microbatches_for(x.shape[0])
+        num_micro = pipe.microbatches_for(x.shape[0], decode=meta.decode_only)
         micro = [meta.microbatch(m, num_micro) for m in range(num_micro)]
         xs = x.reshape(num_micro, -1, dim)
         num_blocks, block_size = kv_pool.num_blocks, kv_pool.block_size

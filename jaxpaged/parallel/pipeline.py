@@ -95,12 +95,17 @@ class PipelineLayout:
         """Decoder layer `layer`'s virtual layer (its slot among all stages' slots)."""
         return self.stage_of(layer) * self.max_layers + self.slot_of(layer)
 
-    def microbatches_for(self, num_tokens: int) -> int:
+    def microbatches_for(self, num_tokens: int, decode: bool = False) -> int:
         """Micro-batches of a step of `num_tokens` (its bucket): the most, up to `microbatches`
-        (default: one per stage), that divide the tokens evenly.
+        (default: one per stage), that divide the tokens evenly; one for a decode step.
 
         A step of M micro-batches over P stages runs M + P - 1 ticks, each stage working on one
-        micro-batch (or idle) per tick: the idle share, the bubble, is (P - 1) / (M + P - 1)."""
+        micro-batch (or idle) per tick: the idle share, the bubble, is (P - 1) / (M + P - 1).
+        That pays where a tick's time follows its tokens (prefill: compute). A decode tick's time
+        is its stage reading its weights, whatever the micro-batch: M micro-batches would read
+        them M + P - 1 times a step instead of P, so a decode step is one micro-batch."""
+        if decode:
+            return 1
         target = self.microbatches or self.size
         return max(m for m in range(1, min(target, num_tokens) + 1) if num_tokens % m == 0)
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 import tp_workload
 from engine_fixtures import hf_greedy
 from tiny_models import save_hf_model
@@ -19,10 +20,12 @@ from tiny_models import save_hf_model
 from jaxpaged.checkpoint.dummy import dummy_params
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.setup import device_weight_bytes
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import LayerArrays
 from jaxpaged.parallel.mesh import TensorParallel, make_mesh
+from jaxpaged.planning.plan import make_plan
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.paged_generate import PagedGenerator
 
@@ -78,18 +81,31 @@ def test_every_weight_and_pool_shard_sits_on_its_stage(pp_model):
     assert pipe.layers_per_stage == (3, 2) and pipe.max_layers == 3
     _, model = load_model(path, "float32", parallel=parallel)
     _, flat = load_model(path, "float32", parallel=split(path, 2, 1))
-    q, flat_q = model.layers.attn.q_proj.get_value(), flat.layers.attn.q_proj.get_value()
-    assert isinstance(q, LayerArrays) and len(q.arrays) == 3
-    for slot, array in enumerate(q.arrays):
-        assert array.shape == (2, 64, 8, 8) and len(array.addressable_shards) == 4
-        for shard in array.addressable_shards:
-            stage = rows[shard.device]
-            assert shard.index[0] == slice(stage, stage + 1)  # the device holds its own stage's layer
-            layer = pipe.layer_at(stage, slot)
-            if layer is None:
-                assert not np.asarray(shard.data).any()
-            else:
-                np.testing.assert_array_equal(np.asarray(shard.data)[0], np.asarray(flat_q[layer])[shard.index[1:]])
+    is_slots = lambda x: isinstance(x, LayerArrays)  # noqa: E731
+    staged = jax.tree_util.tree_flatten_with_path(nnx.state(model), is_leaf=is_slots)[0]
+    unstaged = dict(jax.tree_util.tree_flatten_with_path(nnx.state(flat), is_leaf=is_slots)[0])
+    per_layer = [(path_, leaf) for path_, leaf in staged if is_slots(leaf)]
+    assert len(per_layer) == 9  # q, k, v, o, gate, up, down, two norms
+    for key, slots in per_layer:
+        assert len(slots.arrays) == 3
+        for slot, array in enumerate(slots.arrays):
+            assert array.shape[0] == 2 and len(array.addressable_shards) == 4
+            for shard in array.addressable_shards:
+                stage = rows[shard.device]
+                assert shard.index[0] == slice(stage, stage + 1)  # the device holds its own stage's layer
+                layer = pipe.layer_at(stage, slot)
+                data = np.asarray(shard.data)[0]
+                if layer is None:
+                    assert not data.any()
+                else:
+                    np.testing.assert_array_equal(data, np.asarray(unstaged[key][layer])[shard.index[1:]])
+    for key, leaf in staged:  # the embedding, LM head, final norm: every stage, split over its 2 devices
+        if not is_slots(leaf):
+            assert {s.data.shape for s in leaf.addressable_shards} == {
+                s.data.shape for s in unstaged[key].addressable_shards
+            }
+    report = make_plan(path, gpu_memory=2**30, tensor_parallel_size=2, pipeline_parallel_size=2, dtype="float32")
+    assert device_weight_bytes(model) == report["weight_bytes_per_gpu"]
     config = resolve(path, 2, 2, load_format="dummy", seed=3)
     dummy = dummy_params(config.model, np.float32, config.load, parallel)
     dummy_flat = dummy_params(config.model, np.float32, config.load, split(path, 2, 1))

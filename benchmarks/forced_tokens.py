@@ -6,7 +6,8 @@ punctuation) as query tokens after its own and samples once after them
 (`Scheduler._add_forced`); the engine without it samples every token, one step each (here: the
 same engine with `_add_forced` replaced by a no-op). For each batch size one demo-model engine
 (its defaults: async scheduling, fused decode steps) runs B requests constrained by the
-clinical-notes schema of tests/structured_workload.py at temperature 0.8, in four modes: forced
+clinical-notes schema of tests/structured_workload.py at temperature 0.8, seeded (every mode
+writes the same documents, token for token: checked), in four modes: forced
 tokens on and off, each with async scheduling (a forced run costs two steps: the step in flight
 samples its first token) and synchronous (one step). Each mode runs twice; the run with more
 tokens/s is kept. Per mode: output tokens/s, engine steps, steps per request (steps that
@@ -40,11 +41,11 @@ def run_mode(engine, batch: int, forced: bool, sync: bool) -> dict:
     if not forced:
         engine.scheduler._add_forced = lambda scheduled, drafts, forced, budget: budget
     try:
-        result = run_once(engine, batch, None, [], sync=sync)
+        result = run_once(engine, batch, None, [], sync=sync, seed=0)
     finally:
         del engine.runner.execute
         engine.scheduler.__dict__.pop("_add_forced", None)
-    del result["lengths"], result["mask_fill_ms_per_step"]
+    del result["mask_fill_ms_per_step"]
     result["steps_per_request"] = round(sum(entries) / batch, 1)
     result["tokens_per_step"] = round(result["output_tokens"] / result["steps"], 2)
     return result
@@ -57,7 +58,12 @@ def measure(batch: int) -> dict:
     for _ in range(2):
         for mode, (forced, sync) in MODES.items():
             runs[mode].append(run_mode(engine, batch, forced, sync))
+    lengths = {tuple(r["lengths"]) for mode_runs in runs.values() for r in mode_runs}
+    if len(lengths) != 1:
+        raise AssertionError(f"the modes wrote different documents: lengths {lengths}")
     best = {mode: max(r, key=lambda x: x["tokens_per_s"]) for mode, r in runs.items()}
+    for r in best.values():
+        del r["lengths"]
     row = {"batch": batch, **best}
     for suffix in ("", "_sync"):
         on, off = best["forced" + suffix], best["not_forced" + suffix]

@@ -9,28 +9,29 @@ Every request shares one prefix (instruction and few-shot examples) and adds a n
 same requests run in each configuration, each in a process of its own with its own timeout (a
 slow or failing one costs only itself):
 
-  json+prefix-cache      constrained to the schema, prefix caching on
-  json+no-prefix-cache   constrained, every prompt computed in full
-  json+host-tier         constrained, prefix caching with a host tier of the KV cache
-                         (`--kv-offloading-size`, default 1 GiB; it matters when the device pool
-                         cannot keep what the requests share)
-  free+prefix-cache      the same prompts unconstrained, prefix caching on
-  free+no-prefix-cache   unconstrained, no prefix caching
-  free+host-tier         unconstrained, with the host tier
-  json+prefix-cache+speculation   constrained, prefix caching on, speculative decoding
-                         (`--speculative-config`, default n-gram with 4 tokens; the other
-                         configurations run without it): constrained rows check the tokens their
-                         grammar forces and the n-gram proposals it allows
-  free+prefix-cache+speculation   unconstrained, prefix caching on, speculative decoding
+  json+prefix-cache              constrained to the schema, prefix caching on
+  json+no-prefix-cache           constrained, every prompt computed in full
+  json+host-tier                 constrained, prefix caching with a host tier of the KV cache
+                                 (`--kv-offloading-size`, default 1 GiB; it matters when the
+                                 device pool cannot keep what the requests share)
+  free+prefix-cache              the same prompts unconstrained, prefix caching on
+  free+no-prefix-cache           unconstrained, no prefix caching
+  free+host-tier                 unconstrained, with the host tier
+  json+prefix-cache+speculation  constrained, prefix caching, speculative decoding
+                                 (`--speculative-config`, default n-gram with 4 tokens; the other
+                                 configurations run without it): constrained rows check the
+                                 tokens their grammar forces and the n-gram proposals it allows
+  free+prefix-cache+speculation  unconstrained, prefix caching, speculative decoding
 
 All requests are submitted at once (`LLM.generate`), so TTFT includes queueing behind
 `--max-num-seqs`. Reports requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99), how the
 requests finished, the prefix-cache hit rate, and the fraction of outputs the schema accepts
 (validated with `jsonschema`); then each constrained configuration's ratios to its unconstrained
 twin, and each speculating configuration's to its twin without speculation. (Every
-constrained configuration computes the tokens its schema forces without sampling them, with or
-without speculation: see `Scheduler._add_forced`.) Unconstrained requests ignore EOS and write `--output-len` tokens, constrained ones stop
-when the document is complete: compare TPOT and output tokens/s (per token), not requests/s.
+constrained configuration computes the tokens its schema forces without a step each, with or
+without speculation: see `Scheduler._add_forced`.) Unconstrained requests ignore EOS and write
+`--output-len` tokens, constrained ones stop when the document is complete: compare TPOT and
+output tokens/s (per token), not requests/s.
 """
 
 import argparse

@@ -350,7 +350,7 @@ class Scheduler:
             budget -= n
 
         drafting_step = propose and isinstance(self.proposer, DraftModelProposer)
-        num_steps = 1 if drafting_step or forced else self._fused_steps(scheduled, num_decode_seqs, drafts)
+        num_steps = 1 if drafting_step else self._fused_steps(scheduled, num_decode_seqs, drafts)
         inputs, samples, entry_drafts, entry_forced, drafting = [], [], [], [], []
         for seq, n in scheduled:
             entry_drafts.append(drafts.get(seq.seq_id, []))

@@ -64,9 +64,11 @@ def run_once(
     fill_times: list[float],
     single_steps: bool = False,
     sync: bool = False,
+    seed: int | None = None,
 ) -> dict:
     """One run of B requests: constrained (`lengths` None), else unconstrained with these
-    max_tokens; `single_steps`: without fused decode steps; `sync`: without async scheduling."""
+    max_tokens; `single_steps`: without fused decode steps; `sync`: without async scheduling;
+    `seed`: request i sampled with seed `seed + i` (None: unseeded)."""
     constrained, config = lengths is None, engine.scheduler.config
     engine.async_scheduling = not sync
     if single_steps:
@@ -76,7 +78,11 @@ def run_once(
     for i in range(batch):
         max_tokens = MAX_TOKENS if constrained else lengths[i]
         params = SamplingParams(
-            temperature=0.8, max_tokens=max_tokens, ignore_eos=not constrained, structured_outputs=so
+            temperature=0.8,
+            max_tokens=max_tokens,
+            ignore_eos=not constrained,
+            structured_outputs=so,
+            seed=None if seed is None else seed + i,
         )
         engine.add_request(f"{tag}-{i}", f"{PROMPT} {i}", params)
     fill_times.clear()

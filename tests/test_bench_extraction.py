@@ -52,10 +52,11 @@ def test_bad_flags_are_named(flag, value, message):
 
 def test_a_constrained_configuration_end_to_end(tmp_path, capsys):
     """One configuration in its own process (the others differ only in engine flags and whether
-    the schema is sent): every output follows the schema, the shared prefix is hit."""
+    the schema is sent), speculating (n-gram and the grammar's forced tokens): every output
+    follows the schema, the shared prefix is hit, proposals were checked."""
     out = tmp_path / "extraction.json"
     argv = ["bench", "extraction", "--num-prompts", "4", "--prefix-len", "200", "--note-len", "20,60"]
-    argv += ["--output-len", "450", "--configs", "json+prefix-cache", "--output-json", str(out)]
+    argv += ["--output-len", "450", "--configs", "json+prefix-cache+speculation", "--output-json", str(out)]
     argv += [
         "--max-num-seqs",
         "4",
@@ -67,7 +68,8 @@ def test_a_constrained_configuration_end_to_end(tmp_path, capsys):
         "float32",
     ]
     assert main(argv) == 0
-    run = json.loads(out.read_text())["runs"]["json+prefix-cache"]
+    run = json.loads(out.read_text())["runs"]["json+prefix-cache+speculation"]
     assert run["valid_fraction"] == 1.0 and run["finish_reasons"] == {"stop": 4} and run["num_requests"] == 4
     assert run["prefix_cache_hit_rate"] > 0 and run["ttft_ms"]["p99"] >= run["ttft_ms"]["p50"] > 0
-    assert "| json+prefix-cache | " in capsys.readouterr().out
+    assert run["speculation"]["spec_decode_num_accepted_tokens"] > 0
+    assert "| json+prefix-cache+speculation | " in capsys.readouterr().out

@@ -2,12 +2,14 @@
 obeys its constraint (JSON schema, regex, choice, Lark grammar), greedy and sampled, n > 1, with
 prefix-cache hits, under preemption and under tensor parallelism; with grammar speculation
 (forced tokens and n-gram proposals checked against the grammar) the outputs are the plain
-engine's, token for token; invalid constraints are a ValueError naming the field and the engine goes on; with
+engine's, token for token; so are they when decodes compute the tokens their constraint forces
+without sampling them; invalid constraints are a ValueError naming the field and the engine goes on; with
 async scheduling (masks filled while the step's model program runs) the outputs are the
 synchronous engine's, token for token. (The masked distribution itself: tests/test_sampler_mask.py.)"""
 
 import time
 
+import numpy as np
 import pytest
 from structured_workload import CONSTRAINTS, obeys
 
@@ -140,6 +142,36 @@ def test_grammar_speculation_gives_the_plain_tokens_under_preemption_and_prefix_
     hits = stats["prefix_cache_hits"]
     assert tokens(run(spec, requests)) == plain
     assert spec.get_stats()["prefix_cache_hits"] > hits
+
+
+def test_forced_tokens_give_the_plain_tokens_in_fewer_steps(engine, monkeypatch):
+    """Decodes compute the tokens their constraint allows alone (a schema's keys and punctuation)
+    as query tokens without sampling them: outputs (and logprobs, whose requests sample every
+    token) are those of the engine sampling every token, token for token, in fewer steps."""
+    json = CONSTRAINTS["json"]
+    with_logprobs = SamplingParams(temperature=0.7, seed=9, max_tokens=300, logprobs=2, structured_outputs=json)
+    requests = constrained_requests("f", n=2) + [("f-json-logprobs", with_logprobs)]
+    outputs, logprobs, steps = [], [], []
+    for forcing in (False, True):
+        decodes = []  # per step: (decoding sequences, forced tokens)
+        execute = engine.runner.execute
+        count = lambda o: (decodes.append((o.num_decode_seqs, o.num_forced_tokens)), execute(o))[1]  # noqa: E731
+        monkeypatch.setattr(engine.runner, "execute", count)
+        if not forcing:  # every token sampled, one step each
+            monkeypatch.setattr(engine.scheduler, "_add_forced", lambda scheduled, drafts, forced, budget: budget)
+        done = run(engine, requests)
+        monkeypatch.undo()
+        check_all_obey(done)
+        outputs.append({rid: [(c.token_ids, c.text) for c in cs] for rid, cs in done.items()})
+        top = [(t, p.logprob) for position in done["f-json-logprobs"][0].logprobs for t, p in position.items()]
+        logprobs.append(top)
+        steps.append(np.sum(decodes, axis=0))  # sequence-steps of decoding, forced tokens
+    assert outputs[1] == outputs[0]
+    # (its batch's programs differ: the logprobs agree to float32 rounding)
+    assert [t for t, _ in logprobs[1]] == [t for t, _ in logprobs[0]]
+    assert [p for _, p in logprobs[1]] == pytest.approx([p for _, p in logprobs[0]], abs=1e-4)
+    assert steps[0][1] == 0 and steps[1][1] > 0
+    assert steps[1][0] < 0.75 * steps[0][0], steps  # most of a schema's tokens are forced
 
 
 @pytest.mark.parametrize(

@@ -9,21 +9,29 @@ Every request shares one prefix (instruction and few-shot examples) and adds a n
 same requests run in each configuration, each in a process of its own with its own timeout (a
 slow or failing one costs only itself):
 
-  json+prefix-cache      constrained to the schema, prefix caching on
-  json+no-prefix-cache   constrained, every prompt computed in full
-  json+host-tier         constrained, prefix caching with a host tier of the KV cache
-                         (`--kv-offloading-size`, default 1 GiB; it matters when the device pool
-                         cannot keep what the requests share)
-  free+prefix-cache      the same prompts unconstrained, prefix caching on
-  free+no-prefix-cache   unconstrained, no prefix caching
-  free+host-tier         unconstrained, with the host tier
+  json+prefix-cache              constrained to the schema, prefix caching on
+  json+no-prefix-cache           constrained, every prompt computed in full
+  json+host-tier                 constrained, prefix caching with a host tier of the KV cache
+                                 (`--kv-offloading-size`, default 1 GiB; it matters when the
+                                 device pool cannot keep what the requests share)
+  free+prefix-cache              the same prompts unconstrained, prefix caching on
+  free+no-prefix-cache           unconstrained, no prefix caching
+  free+host-tier                 unconstrained, with the host tier
+  json+prefix-cache+speculation  constrained, prefix caching, speculative decoding
+                                 (`--speculative-config`, default n-gram with 4 tokens; the other
+                                 configurations run without it): constrained rows check the
+                                 tokens their grammar forces and the n-gram proposals it allows
+  free+prefix-cache+speculation  unconstrained, prefix caching, speculative decoding
 
 All requests are submitted at once (`LLM.generate`), so TTFT includes queueing behind
 `--max-num-seqs`. Reports requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99), how the
 requests finished, the prefix-cache hit rate, and the fraction of outputs the schema accepts
 (validated with `jsonschema`); then each constrained configuration's ratios to its unconstrained
-twin. Unconstrained requests ignore EOS and write `--output-len` tokens, constrained ones stop
-when the document is complete: compare TPOT and output tokens/s (per token), not requests/s.
+twin, and each speculating configuration's to its twin without speculation. (Every
+constrained configuration computes the tokens its schema forces without a step each, with or
+without speculation: see `Scheduler._add_forced`.) Unconstrained requests ignore EOS and write
+`--output-len` tokens, constrained ones stop when the document is complete: compare TPOT and
+output tokens/s (per token), not requests/s.
 """
 
 import argparse
@@ -43,8 +51,12 @@ CONFIGS = (
     "free+prefix-cache",
     "free+no-prefix-cache",
     "free+host-tier",
+    "json+prefix-cache+speculation",
+    "free+prefix-cache+speculation",
 )
 DEFAULT_HOST_GIB = 1.0
+# The speculating configurations' `speculative_config` unless --speculative-config gives one.
+DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 def add_extraction_flags(parser: argparse.ArgumentParser) -> None:
@@ -161,11 +173,13 @@ def table(runs: dict) -> str:
             f"{r['valid_fraction']:.0%} | {r['finish_reasons'].get('stop', 0)}/{r['num_requests']} | "
             f"{r['prefix_cache_hit_rate']:.0%} |"
         )
-    for cache in ("prefix-cache", "no-prefix-cache", "host-tier"):
-        ours, theirs = runs.get(f"json+{cache}"), runs.get(f"free+{cache}")
+    pairs = [(f"json+{cache}", f"free+{cache}") for cache in ("prefix-cache", "no-prefix-cache", "host-tier")]
+    pairs += [(f"{kind}+prefix-cache+speculation", f"{kind}+prefix-cache") for kind in ("json", "free")]
+    for ours_name, theirs_name in pairs:
+        ours, theirs = runs.get(ours_name), runs.get(theirs_name)
         if ours and theirs and "error" not in ours and "error" not in theirs:
             lines.append(
-                f"\njson / free ({cache}): TPOT {ours['tpot_ms']['mean'] / theirs['tpot_ms']['mean']:.2f}x, "
+                f"\n{ours_name} / {theirs_name}: TPOT {ours['tpot_ms']['mean'] / theirs['tpot_ms']['mean']:.2f}x, "
                 f"TTFT {ours['ttft_ms']['mean'] / theirs['ttft_ms']['mean']:.2f}x, "
                 f"output tokens/s {ours['output_tokens_per_second'] / theirs['output_tokens_per_second']:.2f}x"
             )

@@ -15,6 +15,7 @@ import time
 
 from jaxpaged.bench import extraction, extraction_data
 from jaxpaged.bench.datasets import dataset_tokenizer_dir
+from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
 from jaxpaged.entrypoints.cli_generate import size_to_job
 from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
@@ -25,7 +26,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     from transformers import AutoTokenizer
 
     note_len = extraction.check_flags(args)
-    constrained, cache = config.split("+", 1)
+    constrained, cache, *speculation = config.split("+")
     model = args.model or DEMO_MODEL_DIR
     tokenizer = AutoTokenizer.from_pretrained(dataset_tokenizer_dir(model, args.tokenizer))
     prompts = [
@@ -47,6 +48,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     overrides = dict(
         enable_prefix_caching=cache != "no-prefix-cache",
         kv_offloading_size=(args.kv_offloading_size or extraction.DEFAULT_HOST_GIB) if cache == "host-tier" else None,
+        speculative_config=(args.speculative_config or extraction.DEFAULT_SPECULATIVE_CONFIG) if speculation else None,
     )
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
     checked = engine_config(args, **overrides, **placeholder)
@@ -75,6 +77,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
             tpot.append((m.finished_time - m.first_token_time) / (n - 1))
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    spec = {k: after[k] - before[k] for k in SPEC_DECODE_COUNTERS if k in after}
     return {
         "config": config,
         "engine_sizes": sizes,
@@ -89,6 +92,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
         "finish_reasons": dict(collections.Counter(o.outputs[0].finish_reason for o in outputs)),
         "valid_fraction": sum(extraction_data.is_valid(o.outputs[0].text) for o in outputs) / len(outputs),
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "speculation": spec,  # proposal windows, proposed and accepted tokens (empty without)
     }
 
 

@@ -31,7 +31,9 @@ Each engine step:
      `constraint` advances with every token appended; its grammar completing finishes it
      ("stop"). Constrained sequences never fuse decode steps; their proposals (speculative
      decoding) are the tokens their grammar forces, then the proposer's, cut at the first their
-     constraint rejects (see `jaxpaged.structured.constraint`).
+     constraint rejects (see `jaxpaged.structured.constraint`). A constrained decode without
+     proposals computes the tokens its constraint allows alone after its own token
+     (`forced`, see `_add_forced`): the sequence gains them and the token sampled after them.
 Every `schedule` is followed by its `postprocess`, at most one other `schedule` in between.
 """
 
@@ -115,6 +117,8 @@ class SchedulerOutput:
         the rest are prefills.
       drafts: the proposals each entry checks after its token (speculative decoding; empty
         lists without it).
+      forced: the tokens each entry computes after its own without sampling them (its
+        constraint allows each alone: `SequenceConstraint.forced_run`); empty lists when none.
       drafting: entries a draft model proposes for after the step (their block tables cover k
         positions past the step's tokens); the runner's output carries the proposals.
       num_steps: fused decode steps (1: a single step).
@@ -131,6 +135,7 @@ class SchedulerOutput:
     num_batched_tokens: int
     num_decode_seqs: int
     drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    forced: list[list[int]] = dataclasses.field(default_factory=list)
     drafting: list[bool] = dataclasses.field(default_factory=list)
     num_steps: int = 1
     transfers: KVTransfers = KVTransfers([], [])
@@ -142,12 +147,16 @@ class SchedulerOutput:
         return sum(map(len, self.drafts))
 
     @property
+    def num_forced_tokens(self) -> int:
+        return sum(map(len, self.forced))
+
+    @property
     def num_seqs(self) -> int:
         return len(self.scheduled)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.num_batched_tokens - self.num_decode_seqs - self.num_draft_tokens
+        return self.num_batched_tokens - self.num_decode_seqs - self.num_draft_tokens - self.num_forced_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -289,6 +298,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         num_decode_seqs = 0
         drafts: dict[int, list[int]] = {}  # seq_id -> proposals it checks this step
+        forced: dict[int, list[int]] = {}  # seq_id -> tokens it computes unsampled after its own
         admitted: set[int] = set()  # seq_ids admitted from the waiting queue this step
         # 1. Decodes, then 2. prefill chunks of running sequences, both in admission order.
         for decode in (True, False):
@@ -311,6 +321,7 @@ class Scheduler:
             if decode:
                 num_decode_seqs = len(scheduled)
                 budget = self._add_proposals(scheduled, drafts, budget) if propose else budget
+                budget = self._add_forced(scheduled, drafts, forced, budget)
 
         # 3. Waiting sequences, FCFS; the queue's head blocks the rest (also while it waits for
         # a pending token: it was preempted with a step in flight).
@@ -340,16 +351,18 @@ class Scheduler:
 
         drafting_step = propose and isinstance(self.proposer, DraftModelProposer)
         num_steps = 1 if drafting_step else self._fused_steps(scheduled, num_decode_seqs, drafts)
-        inputs, samples, entry_drafts, drafting = [], [], [], []
+        inputs, samples, entry_drafts, entry_forced, drafting = [], [], [], [], []
         for seq, n in scheduled:
-            inp = self._step_input(seq, n, drafts.get(seq.seq_id, []), num_steps, seq.seq_id in admitted)
+            entry_drafts.append(drafts.get(seq.seq_id, []))
+            entry_forced.append(forced.get(seq.seq_id, []))
+            inp = self._step_input(seq, n, entry_drafts[-1], entry_forced[-1], num_steps, seq.seq_id in admitted)
             inputs.append(inp)
             samples.append(inp.samples)
-            entry_drafts.append(drafts.get(seq.seq_id, []))
             # the step's tokens count as computed from now on; what it samples is pending
             seq.num_computed_tokens += inp.live_steps if num_steps > 1 else n
             if inp.samples:
-                seq.num_pending_tokens += inp.live_steps if num_steps > 1 else 1 + len(entry_drafts[-1])
+                gained = 1 + len(entry_drafts[-1]) + len(entry_forced[-1])
+                seq.num_pending_tokens += inp.live_steps if num_steps > 1 else gained
             drafting.append(drafting_step and inp.samples and self._reserve_draft_room(seq))
         released, self._released = self._released, []
         return SchedulerOutput(
@@ -360,6 +373,7 @@ class Scheduler:
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
             num_decode_seqs=num_decode_seqs,
             drafts=entry_drafts,
+            forced=entry_forced if forced else [],
             drafting=drafting,
             num_steps=num_steps,
             transfers=bm.take_transfers(),
@@ -368,10 +382,11 @@ class Scheduler:
         )
 
     def _step_input(
-        self, seq: Sequence, n: int, proposal: list[int], num_steps: int, admitted: bool
+        self, seq: Sequence, n: int, proposal: list[int], forced: list[int], num_steps: int, admitted: bool
     ) -> ScheduledSequence:
-        """The runner's view of `seq` computing `n` tokens (its own, then `proposal`) this step."""
-        c, own = seq.num_computed_tokens, n - len(proposal)
+        """The runner's view of `seq` computing `n` tokens (its own, then `forced`, then
+        `proposal`) this step."""
+        c, own = seq.num_computed_tokens, n - len(proposal) - len(forced)
         known = seq.token_ids_slice(c, min(c + own, seq.num_tokens))
         from_last = len(known) < own  # its token is still pending: the device reads it
         if from_last and (own != 1 or proposal):
@@ -385,7 +400,7 @@ class Scheduler:
         if seq.needs_prompt_logprobs and c + 1 < seq.num_prompt_tokens:
             targets = seq.token_ids_slice(c + 1, min(c + own + 1, seq.num_prompt_tokens))
         return ScheduledSequence(
-            token_ids=(known or [0]) + proposal,
+            token_ids=(known or [0]) + forced + proposal,
             num_computed=c,
             block_table=seq.block_table,
             seq_id=seq.seq_id,
@@ -399,6 +414,7 @@ class Scheduler:
             prefix_token_ids=prefix,
             prompt_targets=targets,
             constraint=seq.constraint,
+            num_forced=len(forced),
         )
 
     def _live_steps(self, seq: Sequence, num_steps: int) -> int:
@@ -460,6 +476,45 @@ class Scheduler:
                 budget -= len(proposal)
         return budget
 
+    def _add_forced(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        drafts: dict[int, list[int]],
+        forced: dict[int, list[int]],
+        budget: int,
+    ) -> int:
+        """Gives the constrained decoding entries of `scheduled` without proposals the tokens their
+        constraint allows alone next (`SequenceConstraint.forced_run`), to compute after their own
+        token without sampling them, from what the decodes and proposals left: the token budget
+        and the free blocks (never a cached block, never preempting anyone). Plain decoding would
+        spend a step on each and sample exactly it (so outputs are the same, token for token); not
+        for requests that want logprobs (an unsampled token has none), nor before `min_tokens`.
+
+        A sequence whose one pending token (the step in flight samples it) is the first of its run
+        gets the rest: that step samples under the mask of the constraint as it is now, which
+        allows that token alone (with async scheduling a run costs two steps, not one per token).
+        Returns the budget left."""
+        for i, (seq, n) in enumerate(scheduled):
+            c, pending, sp = seq.constraint, seq.num_pending_tokens, seq.sampling_params
+            if c is None or seq.seq_id in drafts or pending > 1 or sp.logprobs is not None:
+                continue
+            if seq.num_output_tokens + pending < sp.min_tokens:
+                continue
+            # the sequence gains the run and one sampled token
+            room = self.config.max_model_len - seq.num_tokens - pending - 1
+            if sp.max_tokens is not None:
+                room = min(room, sp.max_tokens - seq.num_output_tokens - pending - 1)
+            limit = min(room, budget)
+            if limit <= 0:
+                continue
+            run = c.forced_run(limit + pending)[pending:]
+            if run and self.block_manager.can_append_from_free(seq, n + len(run)):
+                self.block_manager.may_append(seq, n + len(run))
+                scheduled[i] = (seq, n + len(run))
+                forced[seq.seq_id] = run
+                budget -= len(run)
+        return budget
+
     def _reserve_draft_room(self, seq: Sequence) -> bool:
         """Gives a sequence that samples this step blocks for the k positions past its computed
         tokens, from the free blocks alone (never preempting, never evicting): the draft model's
@@ -518,6 +573,7 @@ class Scheduler:
             `samples` is False are ignored); or a list per entry: its accepted proposals and the
             token sampled after them, or a fused window's tokens (its `live_steps` of them); or a
             dict seq_id -> token for the sampling entries. Python ints (use `.tolist()` on arrays).
+            An entry's `forced` tokens come before them (the step computed them unsampled).
           proposals: a draft model's tokens after each sequence's new ones, by seq_id (the
             runner's output of a step with `drafting` entries); every sequence tokens are
             appended to gets its own as `spec_token_ids`, or none.
@@ -532,16 +588,17 @@ class Scheduler:
         now = time.time()
         appended = []
         drafts = output.drafts or [[]] * output.num_seqs
+        forced = output.forced or [[]] * output.num_seqs
         drafting = output.drafting or [False] * output.num_seqs
         proposals = proposals or {}
         for i, ((seq, n), inp, proposal) in enumerate(zip(output.scheduled, output.step_inputs, drafts)):
             if not inp.samples:
                 continue
-            seq.num_pending_tokens -= inp.live_steps if output.num_steps > 1 else 1 + len(proposal)
+            seq.num_pending_tokens -= inp.live_steps if output.num_steps > 1 else 1 + len(proposal) + len(forced[i])
             if seq.is_finished:
                 continue  # aborted or finished while the step was in flight: its tokens are surplus
             tokens = sampled_token_ids[seq.seq_id] if isinstance(sampled_token_ids, dict) else sampled_token_ids[i]
-            tokens = tokens if isinstance(tokens, list) else [tokens]
+            tokens = forced[i] + (tokens if isinstance(tokens, list) else [tokens])
             seq.spec_token_ids = proposals.get(seq.seq_id, [])
             if proposal and seq.status is SequenceStatus.RUNNING:  # K/V is right up to the last accepted proposal
                 seq.num_computed_tokens -= len(proposal) - (len(tokens) - 1)

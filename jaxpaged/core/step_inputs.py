@@ -35,6 +35,9 @@ class ScheduledSequence:
         None: none wanted.
       constraint: what it may sample (structured outputs, allowed_token_ids, bad_words; a
         `jaxpaged.structured.SequenceConstraint` up to date with its outputs), or None.
+      num_forced: how many of `token_ids` after its first are tokens its constraint allows
+        alone, computed without sampling (`SequenceConstraint.forced_run`); its sampling row
+        follows them (and any proposals after them).
     """
 
     token_ids: list[int]
@@ -51,3 +54,4 @@ class ScheduledSequence:
     prefix_token_ids: list[int] | None = None
     prompt_targets: list[int] | None = None
     constraint: object | None = None
+    num_forced: int = 0

@@ -8,6 +8,11 @@ forces next (`forced_tokens`: a JSON schema's keys and punctuation), then the pr
 at the first the constraint rejects (`valid_prefix`). Its step has a mask row per position: row j
 is what the constraint allows after the first j proposals (`fill_bitmask` advances the matcher
 over them and rolls it back), so each position samples exactly as plain decoding would there.
+
+Without speculative decoding a constrained sequence still skips the steps of tokens its
+constraint allows alone (`forced_run`): plain decoding samples such a token whatever the logits,
+so a step computes them as extra query tokens after the sequence's own token, without sampling
+them, and samples once after the last (its mask row follows them: `fill_bitmask`'s `forced`).
 """
 
 import concurrent.futures
@@ -127,6 +132,32 @@ class SequenceConstraint:
             return []
         return self.matcher.compute_ff_tokens()[:limit]
 
+    def forced_run(self, limit: int) -> list[int]:
+        """Up to `limit` next tokens each of which the constraint allows alone after the ones before
+        it: the grammar's forced tokens (`forced_tokens`) up to the first whose mask row (grammar,
+        tokenizer, `allowed_token_ids`, bad words) allows any other token. Plain decoding samples
+        exactly these, whatever the model's logits and sampling parameters."""
+        tokens = self.forced_tokens(limit)
+        if not tokens:
+            return []
+        fill = llguidance().numpy.fill_next_token_bitmask
+        row = np.empty((1, self.valid_ids.size), np.int32)
+        words = row[0].view(np.uint32)
+        n = 0
+        for token in tokens:
+            fill(self.matcher, row, 0)
+            row &= self.valid_ids
+            if self.static_mask is not None:
+                row &= self.static_mask
+            for banned in self.banned_now(tokens[:n]):
+                words[banned // 32] &= ~np.uint32(1 << (banned % 32))
+            if np.bitwise_count(words).sum() != 1 or not words[token // 32] >> (token % 32) & 1:
+                break
+            self.matcher.consume_token(token)
+            n += 1
+        self.matcher.rollback(n)
+        return tokens[:n]
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the constraint allows, each after the ones before it."""
         n = len(tokens)
@@ -140,7 +171,9 @@ class SequenceConstraint:
         return n
 
 
-def fill_bitmask(executor, constraints: list[tuple[SequenceConstraint, int, list[int]]], bitmask: np.ndarray) -> None:
+def fill_bitmask(
+    executor, constraints: list[tuple[SequenceConstraint, int, list[int], list[int]]], bitmask: np.ndarray
+) -> None:
     """Writes the rows of constrained sequences into a step's `[rows, W]` bitmask (the other rows
     are left as they are: all ones). Grammars fill their first rows on this thread, or in parallel
     on llguidance's threads when there is enough work to pay for waking them
@@ -149,33 +182,38 @@ def fill_bitmask(executor, constraints: list[tuple[SequenceConstraint, int, list
 
     Args:
       executor: llguidance's thread pool.
-      constraints: `(constraint, row, proposals)` of each constrained sequence of the step: its
-        first row, and the proposals it checks (row + j is sampled after the first j of them,
-        which its constraint allows: `SequenceConstraint.valid_prefix`).
+      constraints: `(constraint, row, forced, proposals)` of each constrained sequence of the
+        step: its first row, the tokens it computes unsampled before that row (its
+        `forced_run`), and the proposals it checks (row + j is sampled after the forced tokens
+        and the first j proposals, which its constraint allows: `valid_prefix`).
       bitmask: `[rows, W]` int32, C-contiguous.
     """
-    grammar_rows = [(c, row, p) for c, row, p in constraints if c.matcher is not None]
+    grammar_rows = [(c, row, f, p) for c, row, f, p in constraints if c.matcher is not None]
     if grammar_rows:
         fill = llguidance().numpy
-        matchers = [(c.matcher, row) for c, row, _ in grammar_rows]
+        for c, _, forced, _ in grammar_rows:
+            for token in forced:
+                c.matcher.consume_token(token)
+        matchers = [(c.matcher, row) for c, row, _, _ in grammar_rows]
         if len(matchers) * bitmask.shape[1] * 32 >= PARALLEL_MIN_BITS:
             fill.fill_next_token_bitmask_par(executor, matchers, bitmask)
         else:
             for matcher, row in matchers:
                 fill.fill_next_token_bitmask(matcher, bitmask, row)
-        for c, row, proposals in grammar_rows:
+        for c, row, forced, proposals in grammar_rows:
             if proposals and not c.matcher.is_stopped():
                 for j, token in enumerate(proposals, 1):
                     c.matcher.consume_token(token)
                     fill.fill_next_token_bitmask(c.matcher, bitmask, row + j)
                 c.matcher.rollback(len(proposals))
+            c.matcher.rollback(len(forced))
         # the engine's constraints share one tokenizer: one `valid_ids`
-        rows = [row + j for _, row, p in grammar_rows for j in range(len(p) + 1)]
+        rows = [row + j for _, row, _, p in grammar_rows for j in range(len(p) + 1)]
         bitmask[rows] &= grammar_rows[0][0].valid_ids
     words = bitmask.view(np.uint32)
-    for c, row, proposals in constraints:
+    for c, row, forced, proposals in constraints:
         if c.static_mask is not None:
             bitmask[row : row + len(proposals) + 1] &= c.static_mask
         for j in range(len(proposals) + 1):
-            for token in c.banned_now(proposals[:j]):
+            for token in c.banned_now(forced + proposals[:j]):
                 words[row + j, token // 32] &= ~np.uint32(1 << (token % 32))

@@ -489,12 +489,13 @@ def _num_drafts(output) -> list[int]:
 
 
 def _mask_rows(inputs: list[ScheduledSequence], num_drafts: list[int], entries: list[int], rows_per_seq: int):
-    """`(constraint, first row, proposals)` of constrained entries, for `fill_bitmask` (an entry's
-    proposals are its last `num_drafts` tokens)."""
+    """`(constraint, first row, forced, proposals)` of constrained entries, for `fill_bitmask` (an
+    entry's proposals are its last `num_drafts` tokens, its `num_forced` tokens before them)."""
     out = []
     for i in entries:
-        tokens, d = inputs[i].token_ids, num_drafts[i]
-        out.append((inputs[i].constraint, i * rows_per_seq, tokens[len(tokens) - d :] if d else []))
+        tokens, d, f = inputs[i].token_ids, num_drafts[i], inputs[i].num_forced
+        end = len(tokens) - d
+        out.append((inputs[i].constraint, i * rows_per_seq, tokens[end - f : end], tokens[end:]))
     return out
 
 

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 import tp_workload
 from engine_fixtures import hf_greedy
+from flax import nnx
 from tiny_models import save_hf_model
 
 from jaxpaged.checkpoint.dummy import dummy_params

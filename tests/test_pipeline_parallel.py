@@ -122,15 +122,6 @@ def test_every_weight_and_pool_shard_sits_on_its_stage(pp_model):
         assert shard.index[0] == slice(stage * pool.k.shape[0] // 2, (stage + 1) * pool.k.shape[0] // 2)
 
 
-def run(engine: LLMEngine, prompts, params: SamplingParams) -> list:
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((int(o.request_id), o) for o in engine.step() if o.finished)
-    return [done[i].outputs[0].token_ids for i in range(len(prompts))]
-
-
 @pytest.mark.isolated
 @pytest.mark.parametrize(
     "tp,options",
@@ -147,8 +138,8 @@ def test_engine_at_two_stages_equals_transformers_through_preemption_and_prefix_
     path, hf, _ = pp_model
     prompts = tp_workload.prompts()
     engine = LLMEngine(EngineArgs(**{**tp_workload.engine_options(path, tp, pp=2), **options}))
-    outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert outputs == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    outputs = tp_workload.run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     stats = engine.get_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -50,13 +50,7 @@ def make_engine(path: str, n: int, **kwargs) -> LLMEngine:
     return LLMEngine(EngineArgs(**{**tp_workload.engine_options(path, n), **kwargs}))
 
 
-def run(engine: LLMEngine, prompts, params: SamplingParams) -> list:
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((int(o.request_id), o) for o in engine.step() if o.finished)
-    return [done[i].outputs[0] for i in range(len(prompts))]
+run = tp_workload.run
 
 
 @pytest.mark.isolated

@@ -39,3 +39,14 @@ def engine_options(path: str, n: int, pp: int = 1) -> dict:
         max_num_batched_tokens=16,
         kv_cache_memory_bytes=(POOL_BLOCKS + 1) * per_token * BLOCK_SIZE,
     )
+
+
+def run(engine, prompts: list[list[int]], params) -> list:
+    """Adds every prompt (as token ids) to `engine`, steps it until all finish; returns each
+    request's first `CompletionOutput`, in the prompts' order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((int(o.request_id), o) for o in engine.step() if o.finished)
+    return [done[i].outputs[0] for i in range(len(prompts))]

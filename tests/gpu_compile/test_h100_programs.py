@@ -1,8 +1,9 @@
 """The step programs an H100 runs, compiled here for it (XLA's deviceless compilation, see
 jaxpaged/bench/gpu_targets.py), and what their memory analysis says on the product's platform:
 
-- no program's temporaries grow with the KV pool, in every dtype, KV cache dtype and split, with
-  the layers unrolled or scanned (the pool-size defect, checked where it would cost most);
+- no program's temporaries grow with the KV pool, in every dtype, KV cache dtype and split (tensor
+  and pipeline parallel), with the layers unrolled or scanned (the pool-size defect, checked where
+  it would cost most);
 - unrolled over per-layer arrays (the default), a step reads every weight where it lies; scanned,
   XLA copies each layer's weights out of the stack before its Triton GEMMs, every step (why
   scanning is not the default: the temporaries hold a layer's weights);
@@ -89,7 +90,7 @@ def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, **opti
         kv_cache_memory_bytes=pool_bytes,
         **options,
     )
-    with compiling_for_target("h100", args.tensor_parallel_size) as devices:
+    with compiling_for_target("h100", args.tensor_parallel_size * args.pipeline_parallel_size) as devices:
         runner = abstract_worker(args, devices).runner
         assert runner.parallel.mesh.devices.flat[0].device_kind == GPU_TARGETS["h100"].description
         every = runner.step_programs.all()
@@ -107,6 +108,7 @@ CASES = [
     pytest.param(dict(dtype="bfloat16", quantization="int8"), id="int8-weights"),
     pytest.param(dict(dtype="bfloat16", tensor_parallel_size=2), id="bfloat16-2-gpus"),
     pytest.param(dict(dtype="bfloat16", tensor_parallel_size=4), id="bfloat16-4-gpus-kv-heads-repeated"),
+    pytest.param(dict(dtype="bfloat16", tensor_parallel_size=2, pipeline_parallel_size=2), id="bfloat16-2x2-stages"),
     pytest.param(dict(dtype="bfloat16", scan_layers=True), id="bfloat16-scanned"),
     pytest.param(
         dict(dtype="bfloat16", kv_cache_dtype="fp8", scan_layers=True, tensor_parallel_size=2),

@@ -150,11 +150,13 @@ def test_engine_at_two_stages_equals_transformers_through_preemption_and_prefix_
 
 def test_quantized_weights_split_over_stages_give_the_unsplit_tokens(pp_model):
     """Weights quantized at load (int4: codes, scales and zero points per group) split over 2
-    stages x 2 devices give the same greedy tokens as the quantized model on one device."""
+    stages x 2 devices, over an fp8 KV pool (its scales split over the stages' layer slots),
+    give the same greedy tokens as the quantized model on one device."""
     path, _, _ = pp_model
     kwargs = dict(quantization="int4", quantization_group_size=16)
     _, one = load_model(path, "float32", **kwargs)
     _, staged = load_model(path, "float32", parallel=split(path, 2, 2, **kwargs), **kwargs)
-    expected = PagedGenerator(one, block_size=4).generate(PROMPTS, MAX_TOKENS)
-    assert PagedGenerator(staged, block_size=4).generate(PROMPTS, MAX_TOKENS) == expected
+    fp8 = "float8_e4m3fn"
+    expected = PagedGenerator(one, block_size=4, kv_dtype=fp8).generate(PROMPTS, MAX_TOKENS)
+    assert PagedGenerator(staged, block_size=4, kv_dtype=fp8).generate(PROMPTS, MAX_TOKENS) == expected
     assert jax.tree.leaves(staged.layers.attn.q_proj_quant.get_value())[0].shape[0] == 2  # slots [P, ...]

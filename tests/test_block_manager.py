@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from jaxpaged.core.block_manager import NULL_BLOCK, BlockManager
+from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.sequence import Sequence
 
 BS = 4
@@ -207,3 +208,20 @@ def test_after_a_reset_running_sequences_register_no_more_blocks():
         bm.may_append(a, 1)
         compute(a, 1)
     assert bm.get_computed_blocks(make_seq(list(range(12)) + [7])).num_tokens == 8  # b's blocks, not a's third
+
+
+def test_after_a_reset_a_sequence_swapped_out_registers_nothing_when_back():
+    """A sequence swapped out before `reset_prefix_cache` comes back with the old weights' K/V:
+    neither its blocks swapped in nor those it fills later are offered to others."""
+    bm = BlockManager(num_blocks=32, block_size=BS, host_tier=HostTier(8))
+    a = make_seq(range(10))
+    compute(a, admit(bm, a))
+    assert bm.swap_out(a)
+    bm.reset_prefix_cache()
+    bm.allocate(a)  # swapped back in: 10 tokens computed
+    for t in (10, 11):  # its third block fills
+        a.output_token_ids.append(t)
+        bm.may_append(a, 1)
+        compute(a, 1)
+    assert a.block_table and bm.get_computed_blocks(make_seq(list(range(12)) + [7])).num_tokens == 0
+    check_accounting(bm, [a])

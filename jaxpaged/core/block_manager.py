@@ -39,7 +39,6 @@ does are read into host slots (`promote_from_disk`), so the lookup finds them th
 import collections
 import functools
 import hashlib
-import sys
 import typing
 from array import array
 
@@ -138,6 +137,9 @@ class BlockManager:
         self.host_tier = host_tier
         self.disk_tier = disk_tier
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already registered
+        # Sequences whose K/V predates the last `reset_prefix_cache` (held or swapped out then):
+        # after new weights it mixes the old weights' with the new ones', so they register nothing.
+        self._stale: set[int] = set()
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -344,6 +346,13 @@ class BlockManager:
         Blocks are released last-first, so a sequence's tail is evicted before its prefix.
         Sets `seq.block_table = []` (a new list) and `seq.num_computed_tokens = 0`.
         """
+        self._release(seq)
+        self._stale.discard(seq.seq_id)
+        if self.host_tier is not None:
+            self.host_tier.drop_swapped(seq.seq_id)
+
+    def _release(self, seq: Sequence) -> None:
+        """`deallocate`'s release of the device blocks (a sequence swapped out keeps the rest)."""
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
@@ -354,8 +363,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_registered.pop(seq.seq_id, None)
-        if self.host_tier is not None:
-            self.host_tier.drop_swapped(seq.seq_id)
 
     def swap_out(self, seq: Sequence) -> bool:
         """Preemption by swap: plans copying `seq`'s computed blocks to the host tier and releases
@@ -367,7 +374,7 @@ class BlockManager:
         blocks = seq.block_table[: self._blocks_for(computed)]
         if not blocks or len(blocks) > self.host_tier.num_available:
             return False
-        self.deallocate(seq)  # bookkeeping only: the offloads read the blocks before any step writes them
+        self._release(seq)  # bookkeeping only: the offloads read the blocks before any step writes them
         return self.host_tier.swap_out(seq.seq_id, blocks, computed)
 
     def take_transfers(self) -> KVTransfers:
@@ -386,10 +393,12 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forgets every registered hash; cached blocks become free (vLLM's `reset_prefix_cache`),
         in the host tier too. The disk tier keeps its files: the next lookups read them again.
-        The sequences holding blocks now register no more of them: after new weights
-        (`update_weights`) their KV mixes the old weights' with the new ones'."""
-        for seq_id in self._num_registered:
-            self._num_registered[seq_id] = sys.maxsize
+        The sequences holding blocks or swapped out now register no more of them, also after
+        they are swapped back in: after new weights (`update_weights`) their KV mixes the old
+        weights' with the new ones'."""
+        self._stale.update(self._num_registered)
+        if self.host_tier is not None:
+            self._stale.update(self.host_tier.swapped)
         self.free_block_ids.extend(self.evictable)
         self.evictable.clear()
         self.cached_block_hash_to_block.clear()
@@ -413,6 +422,8 @@ class BlockManager:
         return block
 
     def _register(self, seq: Sequence, num_full_blocks: int) -> None:
+        if seq.seq_id in self._stale:
+            return
         start = self._num_registered.get(seq.seq_id, 0)
         for i in range(start, num_full_blocks):
             self._register_block(self._block_hash_of(seq, i), seq.block_table[i])

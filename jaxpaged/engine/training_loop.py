@@ -72,10 +72,13 @@ class TrainingLoopControls:
             stages, or keeps KV on disk (`kv_cache_dir`).
 
         The prefix cache is reset (its KV was computed with the old weights), and the blocks
-        of requests still running are never cached. Those requests go on with the new weights
-        (their earlier tokens' KV stays as computed); pause
-        with `pause_generation("abort")` first to drop them. The engine's references to the old
-        arrays are gone when this returns (their memory is freed unless the caller holds them).
+        of requests still running or swapped out are never cached. Those requests go on with
+        the new weights (their earlier tokens' KV stays as computed); pause with
+        `pause_generation("abort")` first to drop them. A step already dispatched (with async
+        scheduling one is in flight between `step()` calls) finishes with the old weights: its
+        tokens come with the next `step()`; every step after it computes with the new ones. The
+        engine's references to the old arrays are gone when this returns (their memory is freed
+        unless the caller or that step holds them).
         """
         if self._slept is not None and self._slept.level == 1:
             raise RuntimeError("the engine is asleep (level 1): call wake_up() before update_weights()")

@@ -114,7 +114,9 @@ def run_one(args) -> dict:
         model=args.model or DEMO_MODEL_DIR,
         max_model_len=longest,
         max_num_seqs=1,
-        max_num_batched_tokens=2048,
+        # one request at a time: no step holds more tokens than it (a larger token bucket would be
+        # compiled and never run)
+        max_num_batched_tokens=longest,
         block_size=16,
         load_format=args.load_format,
         skip_tokenizer_init=args.load_format == "dummy",

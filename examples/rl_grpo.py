@@ -66,7 +66,17 @@ def make_train_step(graphdef, optimizer, prompt_len: int, shardings):
 
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
-    llm = LLM(args.model, dtype="float32", max_model_len=64, max_num_seqs=args.group_size, seed=args.seed)
+    # Each token bucket up to max_num_batched_tokens is a program compiled at start: 256 tokens
+    # hold a group's prompts in one step (a longer prompt's prefill is chunked); the default,
+    # 2048, would compile three more programs that the default run never uses.
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=args.group_size,
+        max_num_batched_tokens=256,
+        seed=args.seed,
+    )
     tokenizer = llm.get_tokenizer()
     target = tokenizer.encode(args.target_word, add_special_tokens=False)
     if len(target) != 1:

@@ -171,7 +171,7 @@ import json, sys
 from jaxpaged import LLM, SamplingParams
 cfg = json.loads(sys.argv[1])
 llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-          kv_offloading_size=0.01, kv_cache_dir=cfg["dir"])
+          kv_offloading_size=0.01, kv_cache_dir=cfg["dir"], skip_tokenizer_init=True)
 outs = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]],
                     SamplingParams(temperature=0, max_tokens=cfg["max_tokens"], ignore_eos=True), use_tqdm=False)
 print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "stats": llm.get_stats()}))

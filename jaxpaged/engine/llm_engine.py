@@ -43,7 +43,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from transformers import AutoTokenizer
 
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.core.seq_delta import SeqDelta, seq_delta
@@ -56,7 +55,7 @@ from jaxpaged.core.speculation import (
     make_proposer,
 )
 from jaxpaged.engine.output_processor import OutputProcessor
-from jaxpaged.engine.setup import eos_token_ids, start_device_worker, start_disk_tier
+from jaxpaged.engine.setup import eos_token_ids, load_tokenizer, start_device_worker, start_disk_tier
 from jaxpaged.engine.training_loop import TrainingLoopControls
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
@@ -89,7 +88,7 @@ class LLMEngine(TrainingLoopControls):
                 "with `jaxpaged serve --node-rank N` (they run process 0's steps)",
             )
         config = EngineConfig.resolve(args)
-        self.tokenizer = None if config.load.tokenizer is None else AutoTokenizer.from_pretrained(config.load.tokenizer)
+        self.tokenizer = None if config.load.tokenizer is None else load_tokenizer(config.load.tokenizer)
         eos = frozenset(eos_token_ids(config, self.tokenizer))
         worker = start_device_worker(config, eos)
         self.config, self.plan, self.parallel = worker.config, worker.plan, worker.parallel

@@ -389,6 +389,15 @@ def _dummy_model(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorP
     return nnx.merge(graphdef, state)
 
 
+def load_tokenizer(tokenizer_dir: str):
+    """The checkpoint's tokenizer (transformers' AutoTokenizer). transformers is imported here, not
+    at the top: it imports torch where torch is installed (seconds), which an engine without a
+    tokenizer (`skip_tokenizer_init`, token-id prompts) never needs."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
 def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer (vLLM stops at any)."""
     ids = set(config.model.eos_token_ids)

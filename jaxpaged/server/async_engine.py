@@ -51,6 +51,7 @@ from jaxpaged.engine.core_messages import (
 from jaxpaged.engine.core_process import EngineCoreProcess
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.setup import load_tokenizer
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -347,7 +348,7 @@ class AsyncEngine:
         try:
             ready: CoreReady = self._core.wait_ready()
             tokenizer_dir = ready.config.load.tokenizer
-            tokenizer = None if tokenizer_dir is None else _load_tokenizer(tokenizer_dir)
+            tokenizer = None if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
         except (EOFError, OSError):  # it died, or was stopped by `shutdown` while starting
             self._die(EngineDeadError(f"the engine failed to start: {self._core.died()}"), fatal=not self._stopping)
             return
@@ -567,12 +568,6 @@ class AsyncEngine:
             _call_soon(stream.loop, _put_all, [(stream, err)])
         if fatal and self._on_dead is not None:
             self._on_dead(err)
-
-
-def _load_tokenizer(tokenizer_dir: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def _settle(done: concurrent.futures.Future, answer: ControlResult) -> None:

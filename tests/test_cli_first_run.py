@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -166,6 +167,11 @@ def test_serve_interrupted_while_the_engine_starts_exits_and_ends_the_engine_pro
     server = subprocess.Popen(
         [sys.executable, "-m", "jaxpaged.cli", "serve", "--port", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT
     )
+    # Read as it comes: the server and its engine process write to this pipe, and a full pipe
+    # would block whichever writes next (the server's exit line included).
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 60
         while not (engines := [pid for pid in _children(server.pid) if _alive(pid)]) and time.monotonic() < deadline:
@@ -174,10 +180,11 @@ def test_serve_interrupted_while_the_engine_starts_exits_and_ends_the_engine_pro
         while not _waiting(server.pid) and time.monotonic() < deadline:
             pass
         server.send_signal(signal.SIGINT)
-        assert server.wait(timeout=30) == 130
+        assert server.wait(timeout=30) == 130, "".join(lines)
     finally:
         server.kill()
-    stderr = server.stderr.read()
+    reader.join(10)
+    stderr = "".join(lines)
     assert "jaxpaged serve: interrupted" in stderr.splitlines() and "Traceback" not in stderr, stderr
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in engines) and time.monotonic() < deadline:

@@ -52,6 +52,10 @@ logger = logging.getLogger("jaxpaged")
 SHUTDOWN_STEPS = 4
 
 
+# How long the owner waits for a killed child to be gone before going on without it.
+KILL_WAIT_SECONDS = 5.0
+
+
 class EngineCoreProcess:
     """The server's handle on an engine core running in a child process.
 
@@ -109,14 +113,14 @@ class EngineCoreProcess:
     def _kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
-            self.process.join()
+            self.process.join(KILL_WAIT_SECONDS)
 
     def stop(self, timeout: float) -> None:
-        """Waits up to `timeout` seconds for the child to exit, then kills it."""
+        """Waits up to `timeout` seconds for the child to exit, then kills it (and waits at most
+        `KILL_WAIT_SECONDS` more for it to go: a process in uninterruptible sleep dies only when
+        it leaves it, and the server's exit must not wait on that)."""
         self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self._kill()
         self._conn.close()
 
     def died(self) -> str:

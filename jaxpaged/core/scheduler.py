@@ -467,14 +467,24 @@ class Scheduler:
         preempting anyone). Returns the budget left."""
         if self.proposer is None:
             return budget
-        for i, (seq, n) in enumerate(scheduled):
+        for i, (seq, _) in enumerate(scheduled):
             proposal = self._propose(seq, budget)
-            if proposal and self.block_manager.can_append_from_free(seq, n + len(proposal)):
-                self.block_manager.may_append(seq, n + len(proposal))
-                scheduled[i] = (seq, n + len(proposal))
-                drafts[seq.seq_id] = proposal
+            if self._extend(scheduled, i, proposal, drafts):
                 budget -= len(proposal)
         return budget
+
+    def _extend(
+        self, scheduled: list[tuple[Sequence, int]], i: int, tokens: list[int], into: dict[int, list[int]]
+    ) -> bool:
+        """Entry i of `scheduled` computes `tokens` more (kept in `into` by seq_id) if the free
+        blocks hold them (never a cached block, never preempting); whether it does."""
+        seq, n = scheduled[i]
+        if not tokens or not self.block_manager.can_append_from_free(seq, n + len(tokens)):
+            return False
+        self.block_manager.may_append(seq, n + len(tokens))
+        scheduled[i] = (seq, n + len(tokens))
+        into[seq.seq_id] = tokens
+        return True
 
     def _add_forced(
         self,
@@ -494,7 +504,7 @@ class Scheduler:
         gets the rest: that step samples under the mask of the constraint as it is now, which
         allows that token alone (with async scheduling a run costs two steps, not one per token).
         Returns the budget left."""
-        for i, (seq, n) in enumerate(scheduled):
+        for i, (seq, _) in enumerate(scheduled):
             c, pending, sp = seq.constraint, seq.num_pending_tokens, seq.sampling_params
             if c is None or seq.seq_id in drafts or pending > 1 or sp.logprobs is not None:
                 continue
@@ -508,10 +518,7 @@ class Scheduler:
             if limit <= 0:
                 continue
             run = c.forced_run(limit + pending)[pending:]
-            if run and self.block_manager.can_append_from_free(seq, n + len(run)):
-                self.block_manager.may_append(seq, n + len(run))
-                scheduled[i] = (seq, n + len(run))
-                forced[seq.seq_id] = run
+            if self._extend(scheduled, i, run, forced):
                 budget -= len(run)
         return budget
 

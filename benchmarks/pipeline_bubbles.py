@@ -78,9 +78,7 @@ def prepare(config: ModelConfig, stages: int, micro: int):
     graphdef, state = nnx.split(model)
     state = place_params(state, parallel)
     pages = SEQ_TOKENS // BLOCK_SIZE
-    pool = init_kv_pool(
-        dataclasses.replace(config, num_layers=model.pool_layers), SEQS * pages + 1, BLOCK_SIZE, "float32"
-    )
+    pool = init_kv_pool(model.pool_config, SEQS * pages + 1, BLOCK_SIZE, "float32")
     put = functools.partial(jax.device_put, device=parallel.pool_sharding)
     pool = dataclasses.replace(pool, k=put(pool.k), v=put(pool.v))
     packer = StepPacker(

@@ -520,10 +520,12 @@ class Llama(nnx.Module):
         return jnp.concatenate(outputs), k.reshape(kv_pool.k.shape), v.reshape(kv_pool.v.shape)
 
     @property
-    def pool_layers(self) -> int:
-        """Layers the KV pool holds blocks for: the decoder layers, or under pipeline parallelism
-        every stage's layer slots (`PipelineLayout.num_virtual_layers`)."""
-        return self.config.num_layers if self.pipeline is None else self.pipeline.num_virtual_layers
+    def pool_config(self) -> ModelConfig:
+        """The model as its KV pool sees it (`init_kv_pool`): its layers are the decoder layers,
+        or under pipeline parallelism every stage's layer slots (`num_virtual_layers`)."""
+        if self.pipeline is None:
+            return self.config
+        return dataclasses.replace(self.config, num_layers=self.pipeline.num_virtual_layers)
 
     @property
     def dtype(self):

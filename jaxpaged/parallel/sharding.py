@@ -35,6 +35,7 @@ from jaxpaged.config.params import (
     HEAD_DIM,
     HEADS,
     KV_HEADS,
+    LAYERS,
     MLP,
     SHARED_MLP,
     VOCAB,
@@ -237,9 +238,12 @@ class TensorParallelLayout:
         return tuple(d * self.kv_replicas if a == KV_HEADS else d for a, d in zip(self.param_axes(path), shape))
 
     def device_shape(self, path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
-        """One device's shard of a checkpoint tensor of `shape` (in our layout)."""
+        """One device's shard of a checkpoint tensor of `shape` (in our layout); of a per-layer
+        parameter (stacked, `[L, ...]`) its stage's layer slots (`PipelineLayout.max_layers`:
+        every layer without pipeline parallelism)."""
         mesh_shape = self.mesh_shape(path, shape)
-        return tuple(d // self.size if m else d for d, m in zip(mesh_shape, self.param_mesh_axes(path)))
+        axes = zip(self.param_axes(path), mesh_shape, self.param_mesh_axes(path))
+        return tuple(self.pipeline.max_layers if a == LAYERS else d // self.size if m else d for a, d, m in axes)
 
     def device_elements(self, shapes: dict) -> int:
         """Elements one device holds of the parameters `{path: shape}`."""

@@ -29,7 +29,6 @@ import math
 from jaxpaged.config import defaults
 from jaxpaged.config.checks import check_block_size, check_choice, check_memory_fraction
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
-from jaxpaged.config.params import LAYERS
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
@@ -67,20 +66,7 @@ def count_parameters(
     """
     shapes = state_shapes(config)
     layout = TensorParallelLayout(config, tensor_parallel_size, expert_parallel, pipeline)
-    return sum(math.prod(s) for s in shapes.values()), sum(_device_elements(layout, shapes).values())
-
-
-def _device_elements(layout: TensorParallelLayout, shapes: dict) -> dict:
-    """`{path: elements}` one GPU holds of the parameters `{path: shape}`: its tensor-parallel
-    share, and of a per-layer parameter (stacked, `[L, ...]`) its stage's layer slots."""
-    slots = layout.pipeline.max_layers
-    out = {}
-    for path, shape in shapes.items():
-        elements = layout.device_elements({path: shape})
-        if layout.param_axes(path)[0] == LAYERS:
-            elements = elements // shape[0] * slots
-        out[path] = elements
-    return out
+    return sum(math.prod(s) for s in shapes.values()), layout.device_elements(shapes)
 
 
 def count_active_parameters(config: ModelConfig) -> int:
@@ -114,8 +100,8 @@ def weight_bytes_per_gpu(
     elif quantization is not None:
         element["quant"] = DTYPE_BYTES[QUANTIZED_WEIGHT_DTYPES[quantization]]
     roles = {path: p.role for path, p in state_params(config, quantization is not None).items()}
-    elements = _device_elements(layout, state_shapes(config, quantization))
-    return int(sum(n * element[roles[path]] for path, n in elements.items()))
+    shapes = state_shapes(config, quantization)
+    return int(sum(layout.device_elements({path: shape}) * element[roles[path]] for path, shape in shapes.items()))
 
 
 def make_plan(

@@ -145,8 +145,7 @@ class ModelRunner:
         limits = config.scheduler_config()  # the scheduler's limits are the runner's
         self.config = model.config
         self.pipeline = config.layout.pipeline
-        # the pool's model: blocks of every layer slot of every stage under pipeline parallelism
-        self.pool_config = dataclasses.replace(model.config, num_layers=model.pool_layers)
+        self.pool_config = model.pool_config  # under pipeline parallelism: every stage's layer slots
         self.num_decode_steps = limits.num_scheduler_steps
         self.parallel = parallel
         self.block_size = limits.block_size

@@ -45,7 +45,7 @@ class PagedGenerator:
         self, model: Llama, *, block_size: int = 16, block_shuffle_seed: int | None = None, kv_dtype: str | None = None
     ):
         self.config = model.config
-        self.pool_config = dataclasses.replace(model.config, num_layers=model.pool_layers)  # pipeline: every slot
+        self.pool_config = model.pool_config  # under pipeline parallelism: every stage's layer slots
         self.parallel = model.parallel
         self.dtype = kv_dtype or model.embed[...].dtype
         self.graphdef, self.state = nnx.split(model)

@@ -5,6 +5,7 @@ caching on), and the follower exits when the leader shuts down."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,13 +14,15 @@ import time
 
 import tp_workload
 from engine_fixtures import hf_greedy
+from safetensors import safe_open
 from tiny_models import save_hf_model
 
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
 MAX_TOKENS = 10
 PROCESS = r"""
-import json, os, sys
+import json, logging, os, sys
+logging.basicConfig(level=logging.INFO)
 from jaxpaged.engine_args import EngineArgs
 
 rank, port, options, prompts = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -103,16 +106,28 @@ def test_two_processes_give_transformers_tokens(tmp_path):
 
 def test_two_processes_as_two_pipeline_stages_give_transformers_tokens(tmp_path):
     """A stage per process (the pipeline axis spans the processes, as it would span hosts), one
-    device each: 5 layers split 3 + 2, each process's device holding only its stage's layers."""
+    device each: 5 layers split 3 + 2, each process reading and holding only its stage's layers."""
     hf = save_hf_model("llama_pp", str(tmp_path))
     prompts = tp_workload.prompts(seed=1)
     options = tp_workload.engine_options(str(tmp_path), 1, pp=2)
     results = {}
-    for rank, (code, out, err) in enumerate(run_processes([options, options], prompts, devices=1)):
+    runs = run_processes([options, options], prompts, devices=1)
+    for rank, (code, out, err) in enumerate(runs):
         assert code == 0, f"process {rank} failed:\n{err[-4000:]}"
         results[rank] = last_json(out)
     assert results[0]["tokens"] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     assert results[0]["stats"]["prefix_cache_hits"] > 0 and results[1]["steps"] > 0
+    # Each process read its own stage's layers from the checkpoint, and the rest (embedding, LM
+    # head, final norm) both did.
+    reads = [
+        re.findall(r"read [\d.]+ GiB \((\d+) bytes\) of tensors .* \(decoder layers (\S+) of 5\)", err)
+        for _, _, err in runs
+    ]
+    assert [[layers for _, layers in r] for r in reads] == [["0-2"], ["3-4"]]
+    with safe_open(os.path.join(tmp_path, "model.safetensors"), framework="np") as f:
+        sizes = {name: f.get_tensor(name).nbytes for name in f.keys()}
+    shared = sum(n for name, n in sizes.items() if ".layers." not in name)
+    assert sum(int(r[0][0]) for r in reads) == sum(sizes.values()) + shared
 
 
 def test_serve_spans_two_processes_and_the_follower_leaves_with_the_leader(tmp_path):

@@ -17,8 +17,9 @@ from engine_fixtures import hf_greedy
 from flax import nnx
 from tiny_models import save_hf_model
 
+from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.dummy import dummy_params
-from jaxpaged.checkpoint.loader import load_model
+from jaxpaged.checkpoint.loader import _load_converted, load_model
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.setup import device_weight_bytes
 from jaxpaged.engine_args import EngineArgs
@@ -146,6 +147,31 @@ def test_engine_at_two_stages_equals_transformers_through_preemption_and_prefix_
     if "kv_offloading_size" in options:
         assert stats["kv_swapped_in_blocks"] > 0
         assert engine.runner.kv_transfer.host.shape[2] == 2 * 3  # [C, 2, P * slots, BS, K, H]: every slot
+
+
+@pytest.mark.parametrize("tp,pp,layers_per_device", [(1, 5, 1), (2, 2, 5)], ids=["equal-stages", "unequal-stages"])
+def test_converted_checkpoint_restores_into_its_stages(pp_model, tmp_path, tp, pp, layers_per_device):
+    """A jaxpaged-convert directory at PP: with equal stages (5 layers over 5) each device reads
+    only its stage's layer of every stacked tensor, with unequal ones (3 + 2) every layer; either
+    way the slots are cut on the devices and equal the HF directory's, slot by slot, where they
+    lie (whose tokens the tests above check)."""
+    path, _, _ = pp_model
+    converted = str(tmp_path / "converted")
+    convert_checkpoint(path, converted, dtype="float32", progress=False)
+    parallel = split(path, tp, pp)
+    config = resolve(path, tp, pp).model
+    _, restored = _load_converted(converted, config, "float32", parallel)
+    stacked = restored["layers"]["mlp"]["down_proj"]  # [L, F, D], F split over the stage's devices
+    assert {s.data.shape[0] for s in stacked.addressable_shards} == {layers_per_device}
+    _, model = load_model(converted, "float32", parallel=parallel)
+    _, from_hf = load_model(path, "float32", parallel=parallel)
+    is_slots = lambda x: isinstance(x, LayerArrays)  # noqa: E731
+    want = dict(jax.tree_util.tree_flatten_with_path(nnx.state(from_hf), is_leaf=is_slots)[0])
+    for key, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model), is_leaf=is_slots)[0]:
+        pairs = zip(leaf.arrays, want[key].arrays) if is_slots(leaf) else [(leaf, want[key])]
+        for got, expected in pairs:
+            assert got.sharding.is_equivalent_to(expected.sharding, got.ndim)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
 def test_quantized_weights_split_over_stages_give_the_unsplit_tokens(pp_model):

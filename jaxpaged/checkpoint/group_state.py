@@ -70,12 +70,14 @@ def group_state(gq: GroupQuantized, spec: ParamSpec, config: ModelConfig, prefix
     return arrays + (perm,) if config.weight_act_order else arrays
 
 
-def group_tensors(config: ModelConfig, read_linear: LinearReader) -> Iterator[tuple[Path, int, np.ndarray]]:
-    """Every group-quantized projection of every decoder layer as the loader's `(path, layer,
-    array)`: `read_linear(prefix)` converted by `group_state`, layer by layer (a per-expert
-    weight's experts each read and converted alone, then stacked `[E, ...]`)."""
+def group_tensors(
+    config: ModelConfig, read_linear: LinearReader, layers: frozenset[int] | None = None
+) -> Iterator[tuple[Path, int, np.ndarray]]:
+    """Every group-quantized projection of every decoder layer (of `layers`; None: all) as the
+    loader's `(path, layer, array)`: `read_linear(prefix)` converted by `group_state`, layer by
+    layer (a per-expert weight's experts each read and converted alone, then stacked `[E, ...]`)."""
     specs = [spec for spec in param_specs(config) if spec.quantize]
-    for layer in range(config.num_layers):
+    for layer in range(config.num_layers) if layers is None else sorted(layers):
         for spec in specs:
             experts = [group_state(read_linear(p), spec, config, p) for p in linear_prefixes(spec, config, layer)]
             arrays = [np.stack(a) for a in zip(*experts)] if spec.per_expert else experts[0]

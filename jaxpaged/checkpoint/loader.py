@@ -31,8 +31,8 @@ restores the whole tree before placing it). Device memory: the model plus one la
 """
 
 import functools
-import itertools
 import json
+import logging
 import os
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
@@ -82,6 +82,8 @@ from jaxpaged.params.tables import find_state_param, quantized_paths
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 Params = dict[str, Any]  # nested dict of numpy arrays, `nnx.state(Llama).to_pure_dict()` layout
+
+logger = logging.getLogger("jaxpaged")
 
 
 def resolve_dtype(dtype: Any, checkpoint_dtype: str | None = None) -> np.dtype:
@@ -159,6 +161,7 @@ def iter_hf_params(
     progress: bool = False,
     prequantized: str | None = None,
     group_format: GroupFormat | None = None,
+    layers: frozenset[int] | None = None,
 ) -> Iterator[tuple[Path, np.ndarray]]:
     """Checks an HF safetensors checkpoint from its headers, then reads it one tensor at a time.
 
@@ -174,6 +177,8 @@ def iter_hf_params(
         (`checkpoint_group_format`; `config` must hold its weight groups): each projection's
         tensors are checked by the format's reader (`jaxpaged.checkpoint.formats`) and come,
         after the plain tensors, as its group-quantized triple (`group_state.group_tensors`).
+      layers: the decoder layers to read (a pipeline stage's: `TensorParallel.local_layers`);
+        None: all. The others' tensors are checked from the headers but not read.
 
     Returns:
       An iterator of `(params path, layer, array in our layout)`; `layer` is the tensor's row
@@ -216,17 +221,40 @@ def iter_hf_params(
     for name, shapes in optional.items():
         if shapes is not None and name in ckpt.locations:
             check_shape(name, shapes[0], ckpt.shape(name), also=shapes[1:])
-    by_name = {s.hf_name: s for s in specs}
+    by_name = {s.hf_name: s for s in specs if layers is None or s.layer is None or s.layer in layers}
 
     def tensors():
-        with tqdm(total=len(specs), desc="loading tensors", unit="tensor", disable=not progress) as bar:
+        with tqdm(total=len(by_name), desc="loading tensors", unit="tensor", disable=not progress) as bar:
             for name, array in ckpt.iter_tensors(by_name):
                 spec = by_name[name]
                 yield spec, spec.transform(array, dtype)
                 bar.update()
 
-    plain = stack_experts(tensors(), 0 if config.moe is None else config.moe.num_experts)
-    return plain if read_linear is None else itertools.chain(plain, group_tensors(config, read_linear))
+    def read():
+        yield from stack_experts(tensors(), 0 if config.moe is None else config.moe.num_experts)
+        if read_linear is not None:
+            yield from group_tensors(config, read_linear, layers)
+        logger.info(
+            "read %.2f GiB (%d bytes) of tensors from %s (decoder layers %s of %d)",
+            ckpt.bytes_read / 2**30,
+            ckpt.bytes_read,
+            ckpt.model_dir,
+            "all" if layers is None else _spans(layers),
+            config.num_layers,
+        )
+
+    return read()
+
+
+def _spans(layers) -> str:
+    """Layer numbers as ranges: {0, 1, 2, 5} -> "0-2,5"."""
+    spans: list[list[int]] = []
+    for n in sorted(layers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
 
 
 def read_hf_params(
@@ -273,8 +301,9 @@ def _checkpoint_tensors(
         target, params = _load_converted(model_dir, config, dtype, parallel, prequantized)
         return target, ((path, None, array) for path, array in _flatten(params).items())
     target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
+    layers = None if parallel is None else parallel.local_layers  # a pipeline stage's: the others are not read
     return target, iter_hf_params(
-        model_dir, config, target, prequantized=prequantized, group_format=checkpoint_group_format(raw)
+        model_dir, config, target, prequantized=prequantized, group_format=checkpoint_group_format(raw), layers=layers
     )
 
 
@@ -422,7 +451,7 @@ def _quantize_tensors(
             quantize_param, method=quantization, config=config, num_in=spec.num_in, num_lead=num_lead
         )
         if isinstance(array, jax.Array) and parallel is not None and layer is None:
-            shardings = tuple(parallel.param_sharding(path) for path in paths)
+            shardings = tuple(parallel.restore_sharding(path) for path in paths)  # where it was restored
             arrays = jax.jit(quantize, out_shardings=shardings)(array)
         else:
             arrays = [np.asarray(x) for x in quantize(jnp.asarray(array))]
@@ -484,7 +513,7 @@ def _load_converted(
                 cast = code_dtype(config.weight_bits)  # int4 on disk, int8 on a CPU
             if parallel is None or parallel.repeats(path):
                 return ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast)
-            return ocp.ArrayRestoreArgs(sharding=parallel.param_sharding(path), dtype=cast)
+            return ocp.ArrayRestoreArgs(sharding=parallel.restore_sharding(path), dtype=cast)
 
         args = jax.tree_util.tree_map_with_path(restore_args, meta)
         restored = checkpointer.restore(params_dir, restore_args=args)
@@ -495,17 +524,21 @@ def _load_converted(
 
 
 def _stage_restored_layers(params: Params, parallel: TensorParallel) -> Params:
-    """A converted checkpoint's stacked layer parameters (restored `[L, ...]`, the layer axis
-    whole) as the stages' layer slots (pipeline parallelism): each layer through the host to
-    its stage (`place_layer`), each stacked array freed once split."""
+    """A converted checkpoint's stacked layer parameters (restored `[L, ...]` in
+    `restore_sharding`) as the stages' layer slots (pipeline parallelism), cut on the devices
+    (`slots_of_stack`), each stacked array freed once cut. A tensor restored to the host (its
+    kv heads repeated onto more devices) goes layer by layer to its stage (`place_layer`)."""
 
     def split(path, x):
         path = param_path(path)
         if not path or path[0] != LAYER_STACK or isinstance(x, LayerArrays):
             return x
-        rows = [parallel.place_layer(path, np.asarray(x[layer]), layer) for layer in range(x.shape[0])]
+        if isinstance(x, np.ndarray):
+            rows = [parallel.place_layer(path, x[layer], layer) for layer in range(x.shape[0])]
+            return LayerArrays(parallel.stack_stages(path, rows))
+        slots = parallel.slots_of_stack(path, x)
         x.delete()
-        return LayerArrays(parallel.stack_stages(path, rows))
+        return LayerArrays(slots)
 
     return jax.tree_util.tree_map_with_path(split, params, is_leaf=lambda x: isinstance(x, LayerArrays))
 

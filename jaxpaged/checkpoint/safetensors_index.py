@@ -42,6 +42,7 @@ class SafetensorsCheckpoint:
 
     def __init__(self, model_dir: str | os.PathLike):
         self.model_dir = os.fspath(model_dir)
+        self.bytes_read = 0  # tensor data read so far (`iter_tensors`)
         files = self._shard_files()
         # Headers only: name -> every file that holds it, to catch duplicates across shards.
         found: dict[str, list[str]] = collections.defaultdict(list)
@@ -114,11 +115,13 @@ class SafetensorsCheckpoint:
             with safe_open(path, framework="np") as f:
                 for name in by_file[path]:
                     if self._dtypes[name] not in RAW_DTYPES:
-                        yield name, f.get_tensor(name)
-                        continue
-                    if offsets is None:
-                        offsets = _data_offsets(path)
-                    yield name, _read_raw(path, offsets[name], RAW_DTYPES[self._dtypes[name]], self._shapes[name])
+                        array = f.get_tensor(name)
+                    else:
+                        if offsets is None:
+                            offsets = _data_offsets(path)
+                        array = _read_raw(path, offsets[name], RAW_DTYPES[self._dtypes[name]], self._shapes[name])
+                    self.bytes_read += array.nbytes
+                    yield name, array
 
 
 def _data_offsets(path: str) -> dict[str, tuple[int, int]]:

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params import LAYER_STACK
 from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.parallel.sharding import (
     KV_HEADS,
@@ -129,31 +130,78 @@ class TensorParallel:
         sharding = self.stage_sharding(path, self.layout.pipeline.stage_of(layer))
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index], dtype=array.dtype)
 
-    def stack_stages(self, path: tuple[str, ...], layers: list[jax.Array]) -> list[jax.Array]:
+    @property
+    def local_layers(self) -> frozenset[int] | None:
+        """The decoder layers of the pipeline stages that have a device in this process (the
+        only ones it reads from a checkpoint); None: every layer (no pipeline, or every stage
+        here)."""
+        pipe = self.layout.pipeline
+        here = jax.process_index()
+        stages = [s for s in range(pipe.size) if any(d.process_index == here for d in self.mesh.devices[s])]
+        if len(stages) == pipe.size:
+            return None
+        return frozenset(layer for s in stages for layer in pipe.stage_ranges[s])
+
+    def stack_stages(self, path: tuple[str, ...], layers: list[jax.Array | None]) -> list[jax.Array]:
         """The layer slot arrays `[P, ...]` of a per-layer parameter from its layers placed by
-        `place_layer`, each slot assembled from its stages' layers where they lie (no copy); an
-        empty slot's share is zeros made on its stage."""
+        `place_layer` (None: a layer of another process's stage, not read here), each slot
+        assembled from its stages' layers where they lie (no copy); an empty slot's share is
+        zeros made on its stage."""
         pipe = self.layout.pipeline
         if pipe.size == 1:
             return layers
+        some = next(layer for layer in layers if layer is not None)
         slots = []
         for slot in range(pipe.max_layers):
             parts = []
             for stage in range(pipe.size):
                 layer = pipe.layer_at(stage, slot)
                 if layer is None:  # zeros where this process holds the stage's devices (no program runs)
-                    some = layers[pipe.stage_ranges[stage][0]]
                     zeros = np.broadcast_to(np.zeros((), some.dtype), some.shape)
                     sharding = self.stage_sharding(path, stage)
                     parts.append(
                         jax.make_array_from_callback(some.shape, sharding, lambda i: zeros[i], dtype=some.dtype)
                     )
-                else:
+                elif layers[layer] is not None:
                     parts.append(layers[layer])
-            shape = (pipe.size, *parts[0].shape[1:])
+            shape = (pipe.size, *some.shape[1:])
             shards = [shard.data for part in parts for shard in part.addressable_shards]
             slots.append(jax.make_array_from_single_device_arrays(shape, self.layer_sharding(path), shards))
         return slots
+
+    def restore_sharding(self, path: tuple[str, ...]) -> NamedSharding:
+        """Where a converted checkpoint's tensor at `path` is restored (each device reads its
+        part): `param_sharding`, except a stacked per-layer parameter `[L, ...]` under pipeline
+        parallelism whose stages hold equally many layers: its layer axis is split over the
+        stages, so each stage reads only its own layers (`slots_of_stack` then cuts the slots
+        where they lie). With unequal stages every stage restores every layer (its TP shard)
+        first: a contiguous unequal split is not a sharding."""
+        pipe = self.layout.pipeline
+        if pipe.size == 1 or path[0] != LAYER_STACK or len(set(pipe.layers_per_stage)) > 1:
+            return self.param_sharding(path)
+        return self.logical_sharding((STAGES, *self.layout.param_axes(path)[1:]))
+
+    def slots_of_stack(self, path: tuple[str, ...], stacked: jax.Array) -> list[jax.Array]:
+        """The layer slot arrays `[P, ...]` of a stacked per-layer parameter `[L, ...]` restored
+        in `restore_sharding`, each device cutting its stage's layer out of its own shard (no
+        transfer, across processes too); an empty slot's share is zeros."""
+        pipe = self.layout.pipeline
+        out = self.layer_sharding(path)
+        if stacked.sharding.is_equivalent_to(self.param_sharding(path), stacked.ndim):  # every layer on every stage
+            rows = [[pipe.layer_at(s, j) for s in range(pipe.size)] for j in range(pipe.max_layers)]
+
+            def slot(x, j):
+                picked = x[jnp.asarray([0 if r is None else r for r in rows[j]])]
+                live = np.array([r is not None for r in rows[j]]).reshape(-1, *[1] * (x.ndim - 1))
+                return jnp.where(live, picked, jnp.zeros((), x.dtype))
+
+        else:  # the layer axis split over equal stages: slot j of stage s is its j-th row
+
+            def slot(x, j):
+                return x.reshape(pipe.size, pipe.max_layers, *x.shape[1:])[:, j]
+
+        cut = jax.jit(slot, static_argnums=1, out_shardings=out)
+        return [cut(stacked, j) for j in range(pipe.max_layers)]
 
     @property
     def pool_sharding(self) -> NamedSharding:

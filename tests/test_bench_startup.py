@@ -45,6 +45,7 @@ def test_bench_startup_compiles_and_reports_every_program(tmp_path, capsys, scan
     ]
     assert report["num_programs"] == 10 and report["scan_layers"] is scan and report["compile_threads"] == 2
     assert report["num_layers"] == 4 and report["platform"] == "cpu" and report["compilation_cache_dir"] is None
+    assert (report["tensor_parallel_size"], report["pipeline_parallel_size"]) == (1, 1)
     # (the samplers and the seeding program are the same in both cases: JAX may reuse them from
     # memory within a process)
     assert all(row["compile_s"] > 0 and row["lower_s"] > 0 for row in report["programs"] if " step" in row["program"])

@@ -131,6 +131,7 @@ def _measure(args, devices: list | None, cache_dir: str | None) -> dict:
         "num_layers": config.model.num_layers,
         "scan_layers": args.scan_layers,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": config.max_model_len,

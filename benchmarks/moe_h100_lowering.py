@@ -4,7 +4,9 @@ Mixtral-8x7B's shapes (D 4096, F 14336, 8 experts, top-2, bfloat16), decode-shap
 and prefill-shaped (512 tokens):
 
 - `jax.lax.ragged_dot` over the rows sorted by expert;
-- jaxpaged's tiled grouped matmul (`jaxpaged.model.moe.experts_ffn`).
+- jaxpaged's tiled grouped matmul (`jaxpaged.model.moe.experts_ffn`): XLA's loop over tiles;
+- the same tiles through the Pallas grouped-matmul kernel (`kernels=True`, what the Pallas
+  backend runs: `pallas_kernels/grouped_matmul.py`).
 
 For each: the optimised HLO's dots with their operands' shapes (a contraction over E x D is the
 dense all-experts product), its while loops, and the temporaries of its memory analysis (a
@@ -33,6 +35,10 @@ D, F, E, TOP_K = 4096, 14336, 8, 2
 
 def grouped(arrays, x, weights, experts):
     return experts_ffn(arrays, None, TOP_K, x, weights, experts)
+
+
+def grouped_kernel(arrays, x, weights, experts):
+    return experts_ffn(arrays, None, TOP_K, x, weights, experts, kernels=True)
 
 
 def census(text: str) -> dict:
@@ -66,7 +72,11 @@ def main(out_path: str) -> None:
                 jax.ShapeDtypeStruct((tokens, TOP_K), jnp.float32, sharding=on),
                 jax.ShapeDtypeStruct((tokens, TOP_K), jnp.int32, sharding=on),
             )
-            for name, fn in (("ragged_dot", ragged_dot_ffn), ("grouped", grouped)):
+            for name, fn in (
+                ("ragged_dot", ragged_dot_ffn),
+                ("grouped", grouped),
+                ("grouped, Pallas kernel", grouped_kernel),
+            ):
                 compiled = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile()
                 memory = compiled.memory_analysis()
                 run = {"program": name, "tokens": tokens, **census(compiled.as_text())}

@@ -6,14 +6,26 @@ with per-kv-head k_scale / v_scale, dequantising inside the kernel):
                            quantised to float8 with per-kv-head scales
   paged_decode_attention   one query token per sequence (Pallas Triton, flash-decoding)
   ragged_paged_attention   any mix of decodes, prefills and chunks (Pallas Triton)
+  grouped_matmul           rows sorted by expert, each tile times its expert's weight (Pallas
+                           Triton; a mixture of experts' FFN), `grouped_matmul_supports` its widths
 
 `compiling_for("gpu")` makes traces inside it compile the kernels for a GPU on any machine
 (lowering, or deviceless compilation); `target_platform()` is the platform traces are for.
 """
 
 from pallas_kernels.decode_attention import paged_decode_attention
+from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import supports as grouped_matmul_supports
 from pallas_kernels.platform import compiling_for, target_platform
 from pallas_kernels.ragged_attention import ragged_paged_attention
 from pallas_kernels.write_kv import write_kv
 
-__all__ = ["compiling_for", "paged_decode_attention", "target_platform", "ragged_paged_attention", "write_kv"]
+__all__ = [
+    "compiling_for",
+    "grouped_matmul",
+    "grouped_matmul_supports",
+    "paged_decode_attention",
+    "target_platform",
+    "ragged_paged_attention",
+    "write_kv",
+]

@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import decode_attention, paged_decode_attention, ragged_paged_attention, reference, write_kv
+from jaxpaged.model.grouped_matmul import tile_rows, tile_schedule
+from pallas_kernels import (
+    decode_attention,
+    grouped_matmul,
+    paged_decode_attention,
+    ragged_paged_attention,
+    reference,
+    write_kv,
+)
 
 BS = 16  # block size
 KV_HEADS = 2
@@ -384,3 +392,41 @@ def test_write_kv_rejects_scales_without_a_float8_dtype():
         write_kv(pool, pool, new, new, slots, k_scale=scale)
     with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2"):
         write_kv(pool, pool, new, new, slots, quant_dtype=jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_matmul (a mixture of experts' FFN)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("num_rows", "num_experts"), [(6, 8), (96, 4)], ids=["decode-1-row-tiles", "16-row-tiles"])
+def test_grouped_matmul_matches_numpy_for_any_routing(dtype, num_rows, num_experts):
+    """Each row times its own expert's weight, for routings that leave experts empty, give one
+    expert every row, or fill the last experts only (the spare tiles, which run last, point at
+    row 0 and the last expert: one that wrote would show)."""
+    rng = np.random.default_rng(num_rows)
+    rows = jnp.asarray(rng.standard_normal((num_rows, 128)), dtype)
+    weight = jnp.asarray(rng.standard_normal((num_experts, 128, 256)), dtype)
+    tile = tile_rows(num_rows, num_experts)
+
+    @jax.jit
+    def kernel(rows, weight, sizes):
+        return grouped_matmul(rows, weight, *tile_schedule(sizes, num_rows, tile), tile, interpret=True)
+
+    share = rng.dirichlet(np.ones(num_experts))
+    routings = {
+        "random": rng.multinomial(num_rows, share),
+        "one expert": np.eye(num_experts, dtype=int)[1] * num_rows,
+        "last experts": np.r_[np.zeros(num_experts - 2, int), num_rows // 2, num_rows - num_rows // 2],
+    }
+    for name, sizes in routings.items():
+        owner = np.repeat(np.arange(num_experts), sizes)
+        expected = np.einsum("mi,mio->mo", np.asarray(rows, np.float32), np.asarray(weight, np.float32)[owner])
+        out = kernel(rows, weight, jnp.asarray(sizes, jnp.int32))
+        assert out.dtype == dtype and rel_error(out, expected) < TOLERANCE[dtype], name
+
+
+def test_grouped_matmul_refuses_widths_it_does_not_tile():
+    rows, weight = jnp.zeros((4, 96)), jnp.zeros((2, 96, 128))
+    with pytest.raises(ValueError, match=r"multiples of 64 .* not \[96, 128\]"):
+        grouped_matmul(rows, weight, *tile_schedule(jnp.asarray([4, 0]), 4, 1), 1, interpret=True)

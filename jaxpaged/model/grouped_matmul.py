@@ -39,6 +39,22 @@ def num_tiles(num_rows: int, num_experts: int, tile: int) -> int:
     return (num_rows + min(num_experts, num_rows) * (tile - 1)) // tile
 
 
+def tile_schedule(
+    group_sizes: Int[Array, " E"], num_rows: int, tile: int
+) -> tuple[Int[Array, " NT"], Int[Array, " NT"], Int[Array, " NT"]]:
+    """Each tile's expert, first row, and rows of its own from there (0: a spare tile, past the
+    last group: its first row is 0), for rows sorted by expert in groups of `group_sizes`."""
+    num_experts = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    tiles_of = (group_sizes + tile - 1) // tile
+    tile_ends = jnp.cumsum(tiles_of)
+    t = jnp.arange(num_tiles(num_rows, num_experts, tile), dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), num_experts - 1).astype(jnp.int32)
+    first_row = ends[expert] - group_sizes[expert] + (t - (tile_ends[expert] - tiles_of[expert])) * tile
+    live = jnp.where(t < tile_ends[-1], jnp.clip(ends[expert] - first_row, 0, tile), 0)  # the tile's own rows
+    return expert, jnp.where(live > 0, first_row, 0), live
+
+
 def grouped_matmul(
     rows: Float[Array, "M I"],
     group_sizes: Int[Array, " E"],
@@ -55,14 +71,7 @@ def grouped_matmul(
     """
     num_rows, num_experts = rows.shape[0], group_sizes.shape[0]
     tile = tile_rows(num_rows, num_experts)
-    ends = jnp.cumsum(group_sizes)
-    tiles_of = (group_sizes + tile - 1) // tile
-    tile_ends = jnp.cumsum(tiles_of)
-    t = jnp.arange(num_tiles(num_rows, num_experts, tile), dtype=jnp.int32)
-    expert = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), num_experts - 1).astype(jnp.int32)
-    first_row = ends[expert] - group_sizes[expert] + (t - (tile_ends[expert] - tiles_of[expert])) * tile
-    live = jnp.where(t < tile_ends[-1], jnp.clip(ends[expert] - first_row, 0, tile), 0)  # the tile's own rows
-    first_row = jnp.where(live > 0, first_row, 0)
+    expert, first_row, live = tile_schedule(group_sizes, num_rows, tile)
     padded = jnp.pad(rows, ((0, tile), (0, 0)))  # a last tile may reach past M
 
     def one_tile(out, i):
@@ -73,5 +82,5 @@ def grouped_matmul(
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, old), first_row[i], 0), None
 
     out = jnp.zeros((num_rows + tile, out_width), rows.dtype)
-    out, _ = jax.lax.scan(one_tile, out, jnp.arange(t.shape[0]))
+    out, _ = jax.lax.scan(one_tile, out, jnp.arange(expert.shape[0]))
     return out[:num_rows]

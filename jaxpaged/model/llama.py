@@ -343,7 +343,7 @@ class DecoderLayer(nnx.Module):
         if config.moe is None:
             self.mlp = MLP(params)
         else:  # a mixture of experts (moe.py)
-            self.moe = SparseMoe(config, params, parallel)
+            self.moe = SparseMoe(config, params, parallel, kernels=attention == "pallas")
 
     def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata, kv_quant: KVQuant | None = None):
         attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta, kv_quant)

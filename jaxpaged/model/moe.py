@@ -9,7 +9,10 @@ M = T * K routed rows, F one expert's FFN width, S the shared expert's width.
    contiguous, `group_sizes[E]` says how many. No padding: the rows are exactly T * K (T is the
    step's token bucket), whatever the routing; an expert no token chose has an empty group.
 3. The experts' SwiGLU over the sorted rows as three grouped matmuls (grouped_matmul.py: row
-   group e times expert e's weight; the work is the M rows plus a bounded padding, not M x E).
+   group e times expert e's weight; the work is the M rows plus a bounded padding, not M x E),
+   each a loop of XLA GEMMs over tiles of rows, or with the Pallas kernels (plain weights whose
+   widths it takes) one kernel reading each tile's expert weight in place
+   (pallas_kernels/grouped_matmul.py, the same tile schedule).
 4. Undo the permutation (a gather by the inverse order) and sum each token's K outputs weighted
    by its router weights.
 """
@@ -23,10 +26,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
+import pallas_kernels
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.moe import MoeConfig
 from jaxpaged.config.params import QUANT_SUFFIX, ZERO_SUFFIX
-from jaxpaged.model.grouped_matmul import grouped_matmul
+from jaxpaged.model.grouped_matmul import grouped_matmul, tile_rows, tile_schedule
 from jaxpaged.model.quant import project, weight_matmul
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import TENSOR_AXIS
@@ -89,6 +93,7 @@ def experts_ffn(
     weights: Float[Array, "T K"],
     experts: Int[Array, "T K"],
     first_expert: Int[Array, ""] | int = 0,
+    kernels: bool = False,
 ) -> Float[Array, "T D"]:
     """Every token through its experts' SwiGLU (steps 2-4 of the module docstring).
 
@@ -97,6 +102,9 @@ def experts_ffn(
         group-quantized triples): all of them, or one device's share (of their FFN width, or of
         the experts from `first_expert`).
       quantization: None, "fp8", "int8" or a group-quantized method (arrays with zero points).
+      kernels: plain weights go through the Pallas grouped-matmul kernel where it takes their
+        widths (`pallas_kernels.grouped_matmul_supports`); else, and for quantized ones, XLA's
+        tile loop.
     """
     per_channel = quantization is not None and "gate_proj" + ZERO_SUFFIX not in arrays  # [E, F, D]
     gate = arrays["gate_proj" if quantization is None else "gate_proj" + QUANT_SUFFIX]
@@ -105,6 +113,10 @@ def experts_ffn(
     rows = x[order // top_k]  # [M, D]: each routed row's token, in expert order
 
     def grouped(rows, name, out_width):
+        if kernels and quantization is None and pallas_kernels.grouped_matmul_supports(rows.shape[1], out_width):
+            tile = tile_rows(rows.shape[0], num_experts)
+            schedule = tile_schedule(group_sizes, rows.shape[0], tile)
+            return pallas_kernels.grouped_matmul(rows, arrays[name], *schedule, tile)
         return grouped_matmul(rows, group_sizes, expert_matmul(arrays, quantization, name), out_width)
 
     hidden = jax.nn.silu(grouped(rows, "gate_proj", width)) * grouped(rows, "up_proj", width)
@@ -125,12 +137,13 @@ class SparseMoe(nnx.Module):
     """A layer's router, experts (and Qwen2-MoE's gated shared expert), from the table's
     parameters under `("layers", "moe")` (stacked over the layers, or per-layer arrays)."""
 
-    def __init__(self, config: ModelConfig, params, parallel: TensorParallel | None = None):
+    def __init__(self, config: ModelConfig, params, parallel: TensorParallel | None = None, kernels: bool = False):
         params.declare(self, ("layers", "moe"))  # router [D, E], experts [E, D, F] / [E, F, D], shared ones
         self.moe = config.moe
         self.quantization = params.quantization
         self.shared_expert = hasattr(self, "shared_expert_gate")
         self.parallel = parallel
+        self.kernels = kernels  # the Pallas grouped-matmul kernel (with the Pallas attention backend)
         specs = [find_state_param(config, ("layers", "moe", w)).spec for w in ("gate_proj", "up_proj", "down_proj")]
         variants = [(s.path,) if self.quantization is None else quantized_paths(config, s) for s in specs]
         self.expert_names = tuple(path[-1] for paths in variants for path in paths)  # the arrays of the experts
@@ -138,7 +151,7 @@ class SparseMoe(nnx.Module):
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         weights, experts = route(x, self.router[...], self.moe)
         arrays = {name: getattr(self, name)[...] for name in self.expert_names}
-        ffn = functools.partial(experts_ffn, quantization=self.quantization, top_k=self.moe.top_k)
+        ffn = functools.partial(experts_ffn, quantization=self.quantization, top_k=self.moe.top_k, kernels=self.kernels)
         if self.parallel is None:
             out = ffn(arrays, x=x, weights=weights, experts=experts)
         else:

@@ -1,7 +1,9 @@
 """A mixture of experts' step programs as an H100 runs them (deviceless compilation, see
 test_h100_programs.py): the experts' matmuls are tiles of the routed rows, never a product of
 every row with every expert, and nothing waits on the host (the tile loops have known trip
-counts). `jax.lax.ragged_dot`, which jaxpaged does not use, is checked to still become that
+counts). Plain (bf16) experts go through the Pallas grouped-matmul kernel, three per layer, which
+reads each tile's expert weight in place: no program slices one expert's `[1, D, F]` out of the
+stack (the copy XLA's tile loop makes for every tile); fp8 experts keep XLA's tile loops. `jax.lax.ragged_dot`, which jaxpaged does not use, is checked to still become that
 dense product: the reason for the tiles (when XLA stops expanding it, this test says so).
 """
 
@@ -52,10 +54,16 @@ def reads_every_expert_at_once(text: str) -> bool:
 def test_h100_programs_multiply_tiles_of_routed_rows(tmp_path, options):
     compiled, _ = compile_for_h100(model_dir(tmp_path, "mixtral-8x7b", **TINY_MIXTRAL), 64 * 2**20, **options)
     assert_no_host_waits(compiled)
+    one_expert = re.compile(rf"bf16\[1,({D},{F}|{F},{D})\]")  # one expert's weight sliced out of [E, ...]
     for program, executable in compiled.items():
         text = executable.as_text()
         assert not reads_every_expert_at_once(text), f"{program}: a dense all-experts product"
-        assert len(re.findall(r"\bwhile\(", text)) >= 3 * 2, f"{program}: the layers' tile loops"
+        kernels = len(re.findall(r'op_name="[^"]*/grouped_matmul/pallas_call"', text))
+        if "quantization" in options:
+            assert kernels == 0 and len(re.findall(r"\bwhile\(", text)) >= 3 * 2, f"{program}: the tile loops"
+        else:
+            assert kernels == 3 * 2, f"{program}: {kernels} grouped-matmul kernels, not 3 a layer"
+            assert not one_expert.search(text), f"{program}: an expert's weight copied out for a tile"
 
 
 def test_ragged_dot_still_becomes_a_dense_all_experts_product():

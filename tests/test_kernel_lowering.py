@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import paged_decode_attention, ragged_paged_attention, write_kv
+from jaxpaged.model.grouped_matmul import num_tiles, tile_rows
+from pallas_kernels import grouped_matmul, paged_decode_attention, ragged_paged_attention, write_kv
 
 pytestmark = [
     pytest.mark.lowering,
@@ -140,3 +141,15 @@ def test_write_kv_lowers_for_cuda_as_an_in_place_scatter(quant):
     text = lowered.as_text()
     assert "scatter" in text and TRITON_CALL not in text
     assert text.count("tf.aliasing_output") == 2, "both pools must be donated into the outputs"
+
+
+@pytest.mark.parametrize("rows", [16, 1024], ids=["decode-8-tokens", "prefill-512-tokens"])
+@pytest.mark.parametrize("weight_shape", [(8, 4096, 14336), (8, 14336, 4096)], ids=["gate-up", "down"])
+def test_grouped_matmul_lowers_to_triton_at_mixtral_shapes(rows, weight_shape):
+    """Mixtral-8x7B's experts (top-2): 8 or 512 tokens' routed rows in their tile schedule."""
+    num_experts = weight_shape[0]
+    tile = tile_rows(rows, num_experts)
+    tiles = sds((num_tiles(rows, num_experts, tile),), jnp.int32)
+    fn = functools.partial(grouped_matmul, tile=tile, interpret=False)
+    text = lower_for_cuda(fn, sds((rows, weight_shape[1])), sds(weight_shape), tiles, tiles, tiles)
+    assert TRITON_CALL in text

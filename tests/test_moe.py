@@ -366,7 +366,8 @@ def test_expert_parallel_needs_experts_that_split():
 def test_group_sizes_that_do_not_divide_an_experts_inputs_or_split_a_group_are_refused():
     """Each expert is quantized alone, in groups of its own inputs: a size that does not divide
     the experts' FFN width is refused naming it; so is a tensor-parallel size that would split an
-    expert's groups, which expert parallelism (whole experts) does not."""
+    expert's groups, which expert parallelism (whole experts) does not, nor a projection held in
+    float (a shared expert an AWQ checkpoint leaves unquantized has no groups to split)."""
     config = ModelConfig.from_hf({**BASE, **VARIANTS["qwen2_moe"][2], "architectures": ["Qwen2MoeForCausalLM"]})
     with pytest.raises(ValueError, match="=64 does not divide each expert's intermediate size=32"):
         config.with_weight_groups((4, 64))
@@ -379,3 +380,7 @@ def test_group_sizes_that_do_not_divide_an_experts_inputs_or_split_a_group_are_r
     assert TensorParallelLayout(grouped, 2, expert_parallel=True).param_mesh_axes(
         ("layers", "moe", "down_proj_scale")
     ) == (None, "tp", None, None)  # [L, E, G, D]: whole experts, their groups with them
+    with pytest.raises(TensorParallelError, match="shared_mlp inputs hold 6 groups of 16"):
+        TensorParallelLayout(config.with_weight_groups((4, 16)), 4, expert_parallel=True)
+    shared = tuple(("layers", "moe", f"shared_{w}_proj") for w in ("gate", "up", "down"))
+    TensorParallelLayout(config.with_weight_groups((4, 16), float_weights=shared), 4, expert_parallel=True)

@@ -252,14 +252,19 @@ def pack_saved_checkpoint(model_dir, kind: str, reference_dir, group_size: int =
     """Re-saves the float32 checkpoint `model_dir` with every projection (`PROJECTION_NAME`: each
     expert's its own) packed by the `kind` packer and config.json's `quantization_config` (updated
     with `quantization_config`); `reference_dir` gets the checkpoint with the packer's dequantized
-    weights, the model transformers runs as the reference."""
+    weights, the model transformers runs as the reference. A `modules_to_not_convert` leaves the
+    projections whose module names hold one of its entries in float, as AutoAWQ does."""
     packer, qconfig = checkpoint_kinds(group_size)[kind]
     copy_checkpoint(model_dir, reference_dir)
     rng = np.random.default_rng(0)
     dequantized = {}
+    not_converted = quantization_config.get("modules_to_not_convert", [])
+
+    def converted(name: str) -> bool:
+        return bool(PROJECTION_NAME.search(name)) and not any(m in name.removesuffix(".weight") for m in not_converted)
 
     def edit(tensors):
-        for name in [n for n in tensors if PROJECTION_NAME.search(n)]:
+        for name in [n for n in tensors if converted(n)]:
             stored, weight = packer(tensors.pop(name).numpy(), rng)
             dequantized[name] = np.ascontiguousarray(weight)
             tensors.update({name.removesuffix("weight") + suffix: t for suffix, t in stored.items()})

@@ -23,11 +23,12 @@ from engine_fixtures import hf_greedy
 from int4_checkpoints import pack_saved_checkpoint, round_to_nearest
 from tiny_models import BASE, VARIANTS, save_hf_model
 
-from jaxpaged.checkpoint.loader import load_model
+from jaxpaged.checkpoint.convert import convert_checkpoint
+from jaxpaged.checkpoint.loader import load_model, load_params
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
-from jaxpaged.model.group_quant import quantize_groups
+from jaxpaged.model.group_quant import code_dtype, quantize_groups
 from jaxpaged.model.grouped_matmul import grouped_matmul, num_tiles, tile_rows
 from jaxpaged.model.moe import dense_experts_reference, experts_ffn
 from jaxpaged.model.quant import quantize_weight
@@ -223,7 +224,7 @@ def test_awq_and_gptq_experts_equal_transformers_on_their_dequantized_weights(tm
     float by `modules_to_not_convert: ["gate"]`, as AutoAWQ writes it) and GPTQ act-order
     (Qwen2-MoE: each expert's own input order, and the shared expert's) checkpoints: logits and
     greedy tokens equal transformers on the packer's dequantized weights. A checkpoint that
-    leaves a projection in float is refused naming it."""
+    leaves one expert's projection in float but not the others' is refused naming it."""
     model_dir, reference_dir = tmp_path / kind, tmp_path / "dequantized"
     save_hf_model(variant, str(model_dir))
     not_converted = {"modules_to_not_convert": ["gate"]} if kind == "awq" else {}
@@ -243,6 +244,52 @@ def test_awq_and_gptq_experts_equal_transformers_on_their_dequantized_weights(tm
         (model_dir / "config.json").write_text(json.dumps(hf_config))
         with pytest.raises(ValueError, match=r"layers\.0\.block_sparse_moe\.experts\.3\.w2: .*modules_to_not_convert"):
             load_model(model_dir, "float32")
+
+
+def test_autoawq_qwen2_moe_keeps_its_float_projections_float(tmp_path):
+    """A Qwen2-MoE AWQ checkpoint as AutoAWQ writes it: `modules_to_not_convert: ["gate"]` leaves
+    every `gate_proj` (each expert's and the shared expert's), the routers and the shared expert's
+    gate in float; `shared_expert` here also leaves the whole shared expert in float. It loads
+    with those projections float and the others (attention, the experts' up and down) 4-bit:
+    logits and greedy tokens equal transformers on the dequantized weights, and jaxpaged-convert
+    keeps the same arrays (codes stored int4, the float projections float32). A projection stored
+    in float but not listed (the shared expert's up_proj once `shared_expert` is dropped) is
+    refused naming its missing codes."""
+    model_dir, reference_dir = tmp_path / "awq", tmp_path / "dequantized"
+    save_hf_model("qwen2_moe", str(model_dir))
+    pack_saved_checkpoint(model_dir, "awq", reference_dir, modules_to_not_convert=["gate", "shared_expert"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    config, model = load_model(model_dir, "float32")
+    moe = model.layers.moe  # layer 0's arrays:
+    assert (
+        moe.gate_proj.get_value()[0].dtype == moe.shared_up_proj.get_value()[0].dtype == jnp.float32
+    )  # [E, D, F], [D, S]
+    assert (
+        moe.up_proj_quant.get_value()[0].dtype == model.layers.attn.q_proj_quant.get_value()[0].dtype == code_dtype(4)
+    )
+    assert not hasattr(moe, "gate_proj_quant") and not hasattr(moe, "shared_down_proj_quant")
+    generator = PagedGenerator(model)
+    prompt = np.random.default_rng(0).integers(3, 500, 9).tolist()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(generator.prompt_logits(prompt), reference, atol=1e-4)
+    assert generator.generate([prompt], MAX_TOKENS)[0] == hf_greedy(hf, prompt, MAX_TOKENS)
+
+    out = convert_checkpoint(model_dir, tmp_path / "converted", "float32", progress=False)
+    (_, converted), (_, original) = load_params(out), load_params(model_dir)
+    for name, array in {**original["layers"]["moe"], **original["layers"]["attn"]}.items():
+        stored = converted["layers"]["moe" if name in original["layers"]["moe"] else "attn"][name]
+        assert stored.dtype == array.dtype, name
+        np.testing.assert_array_equal(stored, array, err_msg=name)
+    assert {"gate_proj", "up_proj_quant", "shared_up_proj", "router"} <= set(converted["layers"]["moe"])
+
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    hf_config["quantization_config"]["modules_to_not_convert"] = ["gate"]
+    (model_dir / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.mlp\.shared_expert\.up_proj\.qweight' is missing: .*float"
+    ):
+        load_model(model_dir, "float32")
 
 
 def run_engine(path: str, n: int, prompts, **kwargs) -> tuple[list[list[int]], LLMEngine]:
@@ -340,7 +387,8 @@ def test_expert_parallel_needs_experts_that_split():
 def test_group_sizes_that_do_not_divide_an_experts_inputs_or_split_a_group_are_refused():
     """Each expert is quantized alone, in groups of its own inputs: a size that does not divide
     the experts' FFN width is refused naming it; so is a tensor-parallel size that would split an
-    expert's groups, which expert parallelism (whole experts) does not."""
+    expert's groups, which expert parallelism (whole experts) does not, nor a projection held in
+    float (a shared expert an AWQ checkpoint leaves unquantized has no groups to split)."""
     config = ModelConfig.from_hf({**BASE, **VARIANTS["qwen2_moe"][2], "architectures": ["Qwen2MoeForCausalLM"]})
     with pytest.raises(ValueError, match="=64 does not divide each expert's intermediate size=32"):
         config.with_weight_groups((4, 64))
@@ -353,3 +401,7 @@ def test_group_sizes_that_do_not_divide_an_experts_inputs_or_split_a_group_are_r
     assert TensorParallelLayout(grouped, 2, expert_parallel=True).param_mesh_axes(
         ("layers", "moe", "down_proj_scale")
     ) == (None, "tp", None, None)  # [L, E, G, D]: whole experts, their groups with them
+    with pytest.raises(TensorParallelError, match="shared_mlp inputs hold 6 groups of 16"):
+        TensorParallelLayout(config.with_weight_groups((4, 16)), 4, expert_parallel=True)
+    shared = tuple(("layers", "moe", f"shared_{w}_proj") for w in ("gate", "up", "down"))
+    TensorParallelLayout(config.with_weight_groups((4, 16), float_weights=shared), 4, expert_parallel=True)

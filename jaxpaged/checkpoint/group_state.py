@@ -20,12 +20,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jaxpaged.checkpoint.formats import linear_prefixes
 from jaxpaged.checkpoint.group_quant import GroupQuantized
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import ParamSpec, Path
 from jaxpaged.model.group_quant import code_dtype
-from jaxpaged.params.tables import param_specs, quantized_paths
+from jaxpaged.params.tables import linear_prefixes, param_specs, quantized_paths
 
 # The reader hook: an HF projection's prefix (its tensors' names without `.qweight` etc.) -> its weight.
 LinearReader = Callable[[str], GroupQuantized]

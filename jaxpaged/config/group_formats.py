@@ -3,8 +3,9 @@ no tensors: what the file announces; `jaxpaged.checkpoint.formats` reads the ten
 
     quant_method        fields read (others ignored)                  accepted
     awq                 bits | w_bit, group_size | q_group_size,       bits 4, version "gemm",
-                        zero_point, version, modules_to_not_convert   zero_point true, no projection
-                                                                      left out (a router may be)
+                        zero_point, version, modules_to_not_convert   zero_point true; a projection
+                                                                      left out in every layer and
+                                                                      expert or in none
     gptq                bits, group_size, desc_act, sym,              bits 4 or 8, checkpoint_format
                         checkpoint_format, lm_head, dynamic           "gptq" (v1), lm_head false, no dynamic
     compressed-tensors  format (top level or per config group),       format "pack-quantized", weights
@@ -40,8 +41,9 @@ class GroupFormat:
       act_order: each linear stores the group of every input feature (GPTQ `desc_act`,
         compressed-tensors `actorder: group`); else groups are contiguous.
       not_converted: names of modules left in float (AWQ's `modules_to_not_convert`, matched as
-        substrings of a module's name, as AutoAWQ does), e.g. Mixtral's routers, `gate`: a
-        projection whose name holds one is refused (`jaxpaged.checkpoint.formats.check_linears`).
+        substrings of a module's name, as AutoAWQ does), e.g. Mixtral's routers, `gate`: the
+        projections whose names hold one are the model's `float_weights`
+        (`jaxpaged.params.tables.float_weights`).
     """
 
     method: str
@@ -95,7 +97,7 @@ def awq_format(qc: dict[str, Any]) -> GroupFormat:
 
     Raises:
       CheckpointQuantizationError: another version (GEMV, Marlin, ...), other bits, no zero
-        points, or modules left unquantized.
+        points, or a `modules_to_not_convert` that is not a list of names.
     """
     bits_field, bits = _field(qc, "bits", "w_bit")
     size_field, size = _field(qc, "group_size", "q_group_size")

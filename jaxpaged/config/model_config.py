@@ -69,6 +69,9 @@ class ModelConfig:
       weight_bits, weight_group_size: the decoder projections' bits and input features per group
         when they are group-quantized (see `with_weight_groups`); None otherwise.
       weight_act_order: group-quantized with the inputs permuted (GPTQ `desc_act`).
+      float_weights: the paths (in the parameter table) of the projections a group-quantized
+        checkpoint stores in float in every layer (and expert), e.g. an AWQ checkpoint's
+        `modules_to_not_convert`; the model holds them plain (see `with_weight_groups`).
     """
 
     architecture: str
@@ -92,6 +95,7 @@ class ModelConfig:
     weight_bits: int | None = None
     weight_group_size: int | None = None
     weight_act_order: bool = False
+    float_weights: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -100,12 +104,17 @@ class ModelConfig:
             )
 
     def with_weight_groups(
-        self, groups: tuple[int, int | None] | None, act_order: bool = False, field: str = "quantization_group_size"
+        self,
+        groups: tuple[int, int | None] | None,
+        act_order: bool = False,
+        field: str = "quantization_group_size",
+        float_weights: tuple[tuple[str, ...], ...] = (),
     ) -> "ModelConfig":
         """This model with its decoder projections group-quantized: `groups` is `(bits,
         group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none; `act_order`:
         the checkpoint's groups are not contiguous (GPTQ `desc_act`), so each projection keeps a
-        permutation of its inputs (see `jaxpaged.config.params`). A group size of None (one group
+        permutation of its inputs (see `jaxpaged.config.params`); `float_weights`: the paths of
+        the projections left in float (`jaxpaged.params.tables.float_weights`). A group size of None (one group
         per output channel, which differs between projections of different widths) becomes the
         largest size dividing every projection's inputs and `PER_CHANNEL_GROUP_CAP`: each
         channel's scale and zero point repeated over its groups hold the same weights.
@@ -117,7 +126,9 @@ class ModelConfig:
           ValueError: the group size does not divide a projection's input features (naming both).
         """
         if groups is None:
-            return dataclasses.replace(self, weight_bits=None, weight_group_size=None, weight_act_order=False)
+            return dataclasses.replace(
+                self, weight_bits=None, weight_group_size=None, weight_act_order=False, float_weights=()
+            )
         bits, group_size = groups
         inputs = {"hidden_size": self.hidden_size, "num_attention_heads * head_dim": self.num_heads * self.head_dim}
         if self.moe is None:
@@ -134,7 +145,13 @@ class ModelConfig:
                     f"{field}={group_size} does not divide {name}={size} (a projection's input "
                     "features, quantized in groups of that many); pick a group size that divides it"
                 )
-        return dataclasses.replace(self, weight_bits=bits, weight_group_size=group_size, weight_act_order=act_order)
+        return dataclasses.replace(
+            self,
+            weight_bits=bits,
+            weight_group_size=group_size,
+            weight_act_order=act_order,
+            float_weights=float_weights,
+        )
 
     @property
     def max_context_len(self) -> int:

@@ -34,6 +34,7 @@ from jaxpaged.config.group_formats import (
     pack_quantized_format,
 )
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.params.tables import float_weights
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The dtype each fp8 name stores (JAX/ml_dtypes names).
@@ -218,15 +219,19 @@ def with_quantized_weights(
     config: ModelConfig, quantization: str | None, group_size: int, hf_config: dict[str, Any]
 ) -> ModelConfig:
     """`config` with the weight groups `quantization` gives its projections (`weight_groups`;
-    act-ordered when the checkpoint's format stores a group per input, GPTQ `desc_act`).
+    act-ordered when the checkpoint's format stores a group per input, GPTQ `desc_act`; those
+    its format leaves in float, AWQ's `modules_to_not_convert`, held plain: `float_weights`).
 
     Raises:
       ValueError: the group size does not divide a projection's inputs (naming `group_size_field`),
-        or contradicts the groups jaxpaged-convert quantized the weights in.
+        or contradicts the groups jaxpaged-convert quantized the weights in; a projection left in
+        float in some layers or experts only (naming one of each).
     """
-    act_order = quantization in GROUP_FORMATS and checkpoint_group_format(hf_config).act_order
+    stored = checkpoint_group_format(hf_config) if quantization in GROUP_FORMATS else None
+    act_order = stored is not None and stored.act_order
+    left_float = () if stored is None else float_weights(config, stored.not_converted)
     groups = weight_groups(quantization, group_size, hf_config)
-    return config.with_weight_groups(groups, act_order, group_size_field(quantization))
+    return config.with_weight_groups(groups, act_order, group_size_field(quantization), left_float)
 
 
 def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> str | None:

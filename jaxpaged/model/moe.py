@@ -99,21 +99,19 @@ def experts_ffn(
 
     Args:
       arrays: the experts' weights by name (`gate_proj`, ... or their quantized pairs or
-        group-quantized triples): all of them, or one device's share (of their FFN width, or of
-        the experts from `first_expert`).
+        group-quantized triples; a checkpoint may leave some in float): all of them, or one
+        device's share (of their FFN width, or of the experts from `first_expert`).
       quantization: None, "fp8", "int8" or a group-quantized method (arrays with zero points).
-      kernels: plain weights go through the Pallas grouped-matmul kernel where it takes their
-        widths (`pallas_kernels.grouped_matmul_supports`); else, and for quantized ones, XLA's
-        tile loop.
+      kernels: plain (float) weights go through the Pallas grouped-matmul kernel where it takes
+        their widths (`pallas_kernels.grouped_matmul_supports`); else, and for quantized ones,
+        XLA's tile loop.
     """
-    per_channel = quantization is not None and "gate_proj" + ZERO_SUFFIX not in arrays  # [E, F, D]
-    gate = arrays["gate_proj" if quantization is None else "gate_proj" + QUANT_SUFFIX]
-    num_experts, width = gate.shape[0], gate.shape[1 if per_channel else -1]
+    num_experts, width = _experts_and_width(arrays, "gate_proj")
     order, group_sizes = sort_by_expert(experts, num_experts, first_expert)
     rows = x[order // top_k]  # [M, D]: each routed row's token, in expert order
 
     def grouped(rows, name, out_width):
-        if kernels and quantization is None and pallas_kernels.grouped_matmul_supports(rows.shape[1], out_width):
+        if kernels and name in arrays and pallas_kernels.grouped_matmul_supports(rows.shape[1], out_width):
             tile = tile_rows(rows.shape[0], num_experts)
             schedule = tile_schedule(group_sizes, rows.shape[0], tile)
             return pallas_kernels.grouped_matmul(rows, arrays[name], *schedule, tile)
@@ -121,6 +119,15 @@ def experts_ffn(
 
     hidden = jax.nn.silu(grouped(rows, "gate_proj", width)) * grouped(rows, "up_proj", width)
     return combine(grouped(hidden, "down_proj", x.shape[1]), order, weights)
+
+
+def _experts_and_width(arrays: dict[str, Array], name: str) -> tuple[int, int]:
+    """`(E, F)` of the experts' weight `name` `[E, D, F]` as `arrays` holds it: plain or
+    group-quantized `[E, D, F]`, or its per-channel quantized pair `[E, F, D]`."""
+    if name in arrays:
+        return arrays[name].shape[0], arrays[name].shape[-1]
+    codes = arrays[name + QUANT_SUFFIX]
+    return codes.shape[0], codes.shape[-1 if name + ZERO_SUFFIX in arrays else 1]
 
 
 def combine(
@@ -145,7 +152,9 @@ class SparseMoe(nnx.Module):
         self.parallel = parallel
         self.kernels = kernels  # the Pallas grouped-matmul kernel (with the Pallas attention backend)
         specs = [find_state_param(config, ("layers", "moe", w)).spec for w in ("gate_proj", "up_proj", "down_proj")]
-        variants = [(s.path,) if self.quantization is None else quantized_paths(config, s) for s in specs]
+        variants = [
+            quantized_paths(config, s) if self.quantization is not None and s.quantize else (s.path,) for s in specs
+        ]
         self.expert_names = tuple(path[-1] for paths in variants for path in paths)  # the arrays of the experts
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:

@@ -106,9 +106,10 @@ def quantized_matmul(
 def weight_matmul(
     x: Float[Array, "T ..."], arrays: Mapping[str, Array], name: str, quantization: str | None, num_in: int
 ) -> Float[Array, "T ..."]:
-    """`x [T, *in]` times the weight `name` as `arrays` holds it (by its state names): plain,
+    """`x [T, *in]` times the weight `name` as `arrays` holds it (by its state names): plain
+    (unquantized, or a projection the checkpoint left in float: `ModelConfig.float_weights`),
     its quantized pair, or its group-quantized triple (and act-order permutation) -> `[T, *out]`."""
-    if quantization is None:
+    if name in arrays:
         return matmul(x, arrays[name], num_in)
     q, scale = arrays[name + QUANT_SUFFIX], arrays[name + SCALE_SUFFIX]
     if name + ZERO_SUFFIX in arrays:

@@ -42,7 +42,7 @@ from jaxpaged.config.params import (
     axis_sizes,
 )
 from jaxpaged.parallel.pipeline import PipelineLayout
-from jaxpaged.params.tables import find_state_param
+from jaxpaged.params.tables import find_state_param, state_params
 
 # Mesh axis names: declared once here. The pipeline axis is the outer one (a stage per host is
 # the common layout across hosts: each host's devices are one stage's tensor-parallel group).
@@ -163,8 +163,9 @@ class TensorParallelLayout:
                 "or split whole experts with --enable-expert-parallel"
             )
         sizes = axis_sizes(c)
+        held = {axis for p in state_params(c, quantized=True).values() for axis in p.axes}  # not a float one's
         for axis in GROUP_AXES.values():
-            if self.rules.get(axis) == TENSOR_AXIS and axis in sizes and sizes[axis] % n:
+            if self.rules.get(axis) == TENSOR_AXIS and axis in held and sizes[axis] % n:
                 raise TensorParallelError(
                     f"tensor_parallel_size={n} would split a quantization group: the {axis.removesuffix('_groups')} "
                     f"inputs hold {sizes[axis]} groups of {c.weight_group_size} features, which {n} devices cannot "

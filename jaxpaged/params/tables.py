@@ -34,10 +34,52 @@ class StateParam:
 
 
 def param_specs(config: ModelConfig) -> tuple[ParamSpec, ...]:
-    """The parameters a model of `config` has, in the table's order."""
+    """The parameters a model of `config` has, in the table's order (a projection of
+    `config.float_weights` not `quantize`: the checkpoint stores it in float)."""
+    return tuple(
+        dataclasses.replace(spec, quantize=False) if spec.path in config.float_weights else spec
+        for spec in _declared(config)
+    )
+
+
+def _declared(config: ModelConfig) -> tuple[ParamSpec, ...]:
+    """The parameters of `config`'s table that a model of it has, as declared."""
     if config.architecture not in ARCHITECTURES:
         raise KeyError(f"architecture {config.architecture!r} is not declared (jaxpaged.config.architectures)")
     return tuple(spec for spec in ARCHITECTURES[config.architecture].params if spec.exists(config))
+
+
+def linear_prefixes(spec: ParamSpec, config: ModelConfig, layer: int) -> list[str]:
+    """The HF prefixes of a projection in `layer` (e.g. `model.layers.0.self_attn.q_proj`): one
+    per expert of a per-expert weight (`...experts.3.w1`), in the experts' order."""
+    experts = range(config.moe.num_experts) if spec.per_expert else (None,)
+    return [spec.hf_key(layer, expert).removesuffix(".weight") for expert in experts]
+
+
+def float_weights(config: ModelConfig, not_converted: tuple[str, ...]) -> tuple[Path, ...]:
+    """The paths of the projections a checkpoint leaves in float by `not_converted` (AWQ's
+    `modules_to_not_convert`: substrings of a module's name, as AutoAWQ and transformers match
+    them; e.g. AutoAWQ's Qwen2-MoE `gate` leaves every `gate_proj`, the routers and the shared
+    expert's gate in float): those whose module in every layer (and expert) holds one.
+
+    Raises:
+      ValueError: naming a projection's module that `not_converted` leaves in float and one of
+        the same projection it does not (jaxpaged holds a projection quantized in every layer
+        and expert, or in none).
+    """
+    paths = []
+    for spec in (s for s in _declared(config) if s.quantize):
+        modules = [m for layer in range(config.num_layers) for m in linear_prefixes(spec, config, layer)]
+        left_out = [m for m in modules if any(name in m for name in not_converted)]
+        if left_out and len(left_out) < len(modules):
+            kept = next(m for m in modules if m not in left_out)
+            raise ValueError(
+                f"{left_out[0]}: quantization_config's modules_to_not_convert={list(not_converted)} leaves it in "
+                f"float but not {kept}; jaxpaged reads a projection quantized in every layer and expert, or in none"
+            )
+        if left_out:
+            paths.append(spec.path)
+    return tuple(paths)
 
 
 def state_params(config: ModelConfig, quantized: bool = False) -> dict[Path, StateParam]:

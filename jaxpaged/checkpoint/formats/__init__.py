@@ -25,8 +25,7 @@ from jaxpaged.checkpoint.group_quant import GroupQuantized
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.group_formats import GroupFormat
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import ParamSpec
-from jaxpaged.params.tables import param_specs
+from jaxpaged.params.tables import linear_prefixes, param_specs
 
 READERS: dict[str, types.ModuleType] = {"awq": awq, "gptq": gptq, "compressed-tensors": pack_quantized}
 
@@ -35,7 +34,8 @@ Linear = tuple[str, int, int]  # (prefix, num_in, num_out)
 
 def quantized_linears(config: ModelConfig) -> list[Linear]:
     """`(prefix, num_in, num_out)` of every linear a quantized checkpoint of `config` stores as
-    integer codes (the decoder layers' projections, each expert's its own), layer by layer."""
+    integer codes (the decoder layers' projections, each expert's its own, but those of
+    `config.float_weights`), layer by layer."""
     specs = [p for p in param_specs(config) if p.quantize]
     linears = []
     for layer in range(config.num_layers):
@@ -43,13 +43,6 @@ def quantized_linears(config: ModelConfig) -> list[Linear]:
             num_out, num_in = spec.hf_shape(config)
             linears += [(prefix, num_in, num_out) for prefix in linear_prefixes(spec, config, layer)]
     return linears
-
-
-def linear_prefixes(spec: ParamSpec, config: ModelConfig, layer: int) -> list[str]:
-    """The HF prefixes of a projection in `layer` (e.g. `model.layers.0.self_attn.q_proj`): one
-    per expert of a per-expert weight (`...experts.3.w1`), in the experts' order."""
-    experts = range(config.moe.num_experts) if spec.per_expert else (None,)
-    return [spec.hf_key(layer, expert).removesuffix(".weight") for expert in experts]
 
 
 def reader(fmt: GroupFormat) -> types.ModuleType:
@@ -70,20 +63,19 @@ def check_linears(fmt: GroupFormat, linears: Iterable[Linear], headers: Mapping[
       expected when the loader checks for unexpected tensors).
 
     Raises:
-      ValueError: naming the first tensor that is missing, misshaped or wrongly typed, or the
-        first linear `fmt.not_converted` leaves in float.
+      ValueError: naming the first tensor that is missing, misshaped or wrongly typed (a linear
+        stored in float that `fmt.not_converted` does not leave out: its missing codes).
     """
     module = reader(fmt)
     names = []
     for prefix, num_in, num_out in linears:
-        left_out = [name for name in fmt.not_converted if name in prefix]
-        if left_out:
-            raise ValueError(
-                f"{prefix}: quantization_config's modules_to_not_convert={list(fmt.not_converted)} leaves it in "
-                f"float ({left_out[0]!r} is in its name), but jaxpaged reads every decoder projection quantized "
-                "(only a router may be left out)"
-            )
         expected = module.stored_tensors(fmt, prefix, num_in, num_out)
+        if expected[0].name not in headers and f"{prefix}.weight" in headers:
+            raise ValueError(
+                f"tensor {expected[0].name!r} is missing: {prefix} is stored in float ({prefix}.weight), but "
+                "config.json's quantization_config does not leave it unquantized (modules_to_not_convert="
+                f"{list(fmt.not_converted)}); list the module there, in every layer and expert alike"
+            )
         check_headers(fmt, expected, headers)
         names += [t.name for t in expected if t.name in headers]
     return names

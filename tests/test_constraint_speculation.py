@@ -1,6 +1,7 @@
 """Speculation for constrained sequences on the host (no model): a JSON schema's forced run comes
-before the proposals (computed unsampled, not proposed), n-gram proposals after it are cut at the first token the grammar rejects, and each proposal
-position gets the mask the grammar has after the proposals before it, the matcher left as it was.
+before the proposals (computed unsampled, not proposed), n-gram proposals after it are cut at
+the first token the grammar rejects, and each proposal position gets the mask the grammar has
+after the proposals before it, the matcher left as it was.
 (Engine outputs with grammar speculation: tests/test_structured_outputs.py.)"""
 
 import llguidance.numpy

@@ -135,11 +135,13 @@ def test_grammar_speculation_gives_the_plain_tokens_under_preemption_and_prefix_
     plain = tokens(run(engine, requests))
     entries = []  # per scheduled decode: (request, forced tokens, proposals)
     execute = spec.runner.execute
-    record = lambda o: [  # noqa: E731
-        entries.append((seq.request_id, len(f), len(d)))
-        for (seq, _), f, d in zip(o.scheduled[: o.num_decode_seqs], o.forced or [[]] * o.num_seqs, o.drafts)
-    ]
-    spec.runner.execute = lambda o: (record(o), execute(o))[1]
+
+    def record(o):
+        for (seq, _), f, d in zip(o.scheduled[: o.num_decode_seqs], o.forced or [[]] * o.num_seqs, o.drafts):
+            entries.append((seq.request_id, len(f), len(d)))
+        return execute(o)
+
+    spec.runner.execute = record
     first = run(spec, requests)
     spec.runner.execute = execute
     check_all_obey(first)

@@ -39,7 +39,7 @@ def run_mode(engine, batch: int, forced: bool, sync: bool) -> dict:
     execute = engine.runner.execute
     engine.runner.execute = lambda output: (entries.append(output.num_seqs), execute(output))[1]
     if not forced:
-        engine.scheduler._add_forced = lambda scheduled, drafts, forced, budget: budget
+        engine.scheduler._add_forced = lambda scheduled, forced, budget: budget
     try:
         result = run_once(engine, batch, None, [], sync=sync, seed=0)
     finally:

@@ -72,4 +72,6 @@ def test_a_constrained_configuration_end_to_end(tmp_path, capsys):
     assert run["valid_fraction"] == 1.0 and run["finish_reasons"] == {"stop": 4} and run["num_requests"] == 4
     assert run["prefix_cache_hit_rate"] > 0 and run["ttft_ms"]["p99"] >= run["ttft_ms"]["p50"] > 0
     assert run["speculation"]["spec_decode_num_accepted_tokens"] > 0
+    # forced runs and accepted proposals: fewer steps than tokens
+    assert 0 < run["engine_steps"] < run["total_output_tokens"] and run["step_ms"] > 0
     assert "| json+prefix-cache+speculation | " in capsys.readouterr().out

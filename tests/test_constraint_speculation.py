@@ -1,6 +1,7 @@
-"""Speculation for constrained sequences on the host (no model): a JSON schema's forced tokens are
-proposed, n-gram proposals are cut at the first token the grammar rejects, and each proposal
-position gets the mask the grammar has after the proposals before it, the matcher left as it was.
+"""Speculation for constrained sequences on the host (no model): a JSON schema's forced run comes
+before the proposals (computed unsampled, not proposed), n-gram proposals after it are cut at
+the first token the grammar rejects, and each proposal position gets the mask the grammar has
+after the proposals before it, the matcher left as it was.
 (Engine outputs with grammar speculation: tests/test_structured_outputs.py.)"""
 
 import llguidance.numpy
@@ -63,8 +64,19 @@ def test_forced_then_ngram_proposals_stop_at_the_first_the_grammar_rejects(gramm
     scheduler.add(seq)
     write(scheduler, written)
     output = scheduler.schedule()
-    assert output.drafts == [forced + age]
+    # the forced run first (computed unsampled, not proposals), then the n-gram's after it
+    assert output.forced == [forced] and output.drafts == [age]
+    assert output.num_forced_tokens == len(forced) and output.num_draft_tokens == len(age)
+    (inp,) = output.step_inputs
+    assert inp.token_ids == written[-1:] + forced + age and inp.num_forced == len(forced)
     assert seq.constraint.valid_prefix(forced + age + brace) == len(forced + age)
+    # the device keeps the first proposal and samples another digit after it: the sequence gains
+    # the run, that proposal and the sample; its K/V is right up to the kept proposal
+    one = encode(tokenizer, "1")
+    scheduler.postprocess(output, [[age[0], *one]])
+    assert seq.output_token_ids == written + forced + age[:1] + one
+    assert seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_pending_tokens == 0
+    assert not seq.constraint.matcher.get_error()
 
 
 def test_each_position_is_masked_after_the_proposals_before_it(grammar):

@@ -248,8 +248,8 @@ def test_sampled_tokens_follow_the_plain_distribution(demo_draft, method):
 def test_stop_strings_max_tokens_and_streaming_match_plain(demo_draft, method):
     """The demo model on King James prompts (real repetition for the lookup; a noisy copy of the
     demo model as the draft): text, finish reasons, max_tokens exactly, and streamed deltas that
-    add up to the final output; a JSON-constrained request beside them (its grammar's forced
-    tokens proposed, and n-gram tokens the grammar allows; the draft's are not)."""
+    add up to the final output; a JSON-constrained request beside them (its grammar's forced run
+    computed first, unsampled, then n-gram tokens the grammar allows; the draft's are not)."""
     prompts = KJV + KJV[:1]
     stops = [
         SamplingParams(temperature=0, max_tokens=60, stop=["Israel"]),

@@ -117,9 +117,10 @@ def test_invalid_requests_are_value_errors_and_the_engine_serves_on(engine):
 
 
 def test_grammar_speculation_gives_the_plain_tokens_under_preemption_and_prefix_hits(engine):
-    """Constrained rows check the tokens their grammar forces and n-gram proposals the grammar
-    allows, each position sampled under its own mask: greedy and seeded outputs are the plain
-    engine's, token for token, also when preempted and on prefix-cache hits."""
+    """Constrained rows compute the tokens their constraint forces (unsampled, in the step) and
+    then check the n-gram proposals the grammar allows, each position sampled under its own mask:
+    greedy and seeded outputs are the plain engine's, token for token, also when preempted and on
+    prefix-cache hits. Forced tokens are not proposals: the spec-decode counters leave them out."""
     spec = make_engine(
         kv_cache_memory_bytes=40 * BLOCK_BYTES,
         num_scheduler_steps=1,
@@ -132,13 +133,30 @@ def test_grammar_speculation_gives_the_plain_tokens_under_preemption_and_prefix_
     ]
     tokens = lambda done: {rid: [c.token_ids for c in cs] for rid, cs in done.items()}  # noqa: E731
     plain = tokens(run(engine, requests))
+    entries = []  # per scheduled decode: (request, forced tokens, proposals)
+    execute = spec.runner.execute
+
+    def record(o):
+        for (seq, _), f, d in zip(o.scheduled[: o.num_decode_seqs], o.forced or [[]] * o.num_seqs, o.drafts):
+            entries.append((seq.request_id, len(f), len(d)))
+        return execute(o)
+
+    spec.runner.execute = record
     first = run(spec, requests)
+    spec.runner.execute = execute
     check_all_obey(first)
     assert tokens(first) == plain
     stats = spec.get_stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    forced, drafted = np.sum([(f, d) for _, f, d in entries], axis=0)
+    assert stats["spec_decode_num_draft_tokens"] == drafted  # forced tokens are not proposals
     json_tokens = sum(len(c.token_ids) for c in first["s-json-greedy"] + first["s-json-sampled"])
-    assert stats["spec_decode_num_accepted_tokens"] > json_tokens / 2  # most of a schema's tokens are forced
+    assert forced > json_tokens / 2  # most of a schema's tokens are forced: computed unsampled
+    # a forced run and proposals after it in one step, for the greedy JSON request among others;
+    # its steps: fewer than half its tokens
+    assert any(f and d for _, f, d in entries)
+    steps = sum(rid == "s-json-greedy" for rid, _, _ in entries)
+    assert steps < len(first["s-json-greedy"][0].token_ids) / 2, (steps, entries)
     hits = stats["prefix_cache_hits"]
     assert tokens(run(spec, requests)) == plain
     assert spec.get_stats()["prefix_cache_hits"] > hits
@@ -158,7 +176,7 @@ def test_forced_tokens_give_the_plain_tokens_in_fewer_steps(engine, monkeypatch)
         count = lambda o: (decodes.append((o.num_decode_seqs, o.num_forced_tokens)), execute(o))[1]  # noqa: E731
         monkeypatch.setattr(engine.runner, "execute", count)
         if not forcing:  # every token sampled, one step each
-            monkeypatch.setattr(engine.scheduler, "_add_forced", lambda scheduled, drafts, forced, budget: budget)
+            monkeypatch.setattr(engine.scheduler, "_add_forced", lambda scheduled, forced, budget: budget)
         done = run(engine, requests)
         monkeypatch.undo()
         check_all_obey(done)

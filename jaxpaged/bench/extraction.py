@@ -19,17 +19,20 @@ slow or failing one costs only itself):
   free+host-tier                 unconstrained, with the host tier
   json+prefix-cache+speculation  constrained, prefix caching, speculative decoding
                                  (`--speculative-config`, default n-gram with 4 tokens; the other
-                                 configurations run without it): constrained rows check the
-                                 tokens their grammar forces and the n-gram proposals it allows
+                                 configurations run without it): constrained rows compute the
+                                 tokens their grammar forces, then check the n-gram proposals
+                                 it allows
   free+prefix-cache+speculation  unconstrained, prefix caching, speculative decoding
 
 All requests are submitted at once (`LLM.generate`), so TTFT includes queueing behind
-`--max-num-seqs`. Reports requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99), how the
+`--max-num-seqs`. Reports requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99), engine
+steps and the wall time per step (a constrained step computes its forced tokens too), how the
 requests finished, the prefix-cache hit rate, and the fraction of outputs the schema accepts
 (validated with `jsonschema`); then each constrained configuration's ratios to its unconstrained
 twin, and each speculating configuration's to its twin without speculation. (Every
 constrained configuration computes the tokens its schema forces without a step each, with or
-without speculation: see `Scheduler._add_forced`.) Unconstrained requests ignore EOS and write
+without speculation, where they come before the proposals and are not counted as proposals:
+see `Scheduler._add_forced`.) Unconstrained requests ignore EOS and write
 `--output-len` tokens, constrained ones stop when the document is complete: compare TPOT and
 output tokens/s (per token), not requests/s.
 """
@@ -160,18 +163,18 @@ def table(runs: dict) -> str:
     """The results as a markdown table, then the constrained / unconstrained ratios."""
     lines = [
         "| config | requests/s | output tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | valid | finished by stop"
-        " | prefix-cache hits |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | prefix-cache hits | steps | step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config, r in runs.items():
         if "error" in r:
-            lines.append(f"| {config} | failed | | | | | | | |")
+            lines.append(f"| {config} | failed | | | | | | | | | |")
             continue
         lines.append(
             f"| {config} | {r['requests_per_second']:.2f} | {r['output_tokens_per_second']:.1f} | "
             f"{r['ttft_ms']['mean']:.1f} | {r['ttft_ms']['p99']:.1f} | {r['tpot_ms']['mean']:.2f} | "
             f"{r['valid_fraction']:.0%} | {r['finish_reasons'].get('stop', 0)}/{r['num_requests']} | "
-            f"{r['prefix_cache_hit_rate']:.0%} |"
+            f"{r['prefix_cache_hit_rate']:.0%} | {r['engine_steps']} | {r['step_ms']:.2f} |"
         )
     pairs = [(f"json+{cache}", f"free+{cache}") for cache in ("prefix-cache", "no-prefix-cache", "host-tier")]
     pairs += [(f"{kind}+prefix-cache+speculation", f"{kind}+prefix-cache") for kind in ("json", "free")]
@@ -181,6 +184,7 @@ def table(runs: dict) -> str:
             lines.append(
                 f"\n{ours_name} / {theirs_name}: TPOT {ours['tpot_ms']['mean'] / theirs['tpot_ms']['mean']:.2f}x, "
                 f"TTFT {ours['ttft_ms']['mean'] / theirs['ttft_ms']['mean']:.2f}x, "
+                f"step time {ours['step_ms'] / theirs['step_ms']:.2f}x, "
                 f"output tokens/s {ours['output_tokens_per_second'] / theirs['output_tokens_per_second']:.2f}x"
             )
     return "\n".join(lines)

@@ -64,6 +64,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     warm = {"prompt_token_ids": [rng.randrange(10, tokenizer.vocab_size) for _ in range(32)]}
     llm.generate(warm, dataclasses.replace(params, max_tokens=8), use_tqdm=False)
     before = llm.get_stats()
+    steps = count_steps(llm.llm_engine.runner)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -86,6 +87,8 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
         "requests_per_second": len(outputs) / elapsed,
         "output_tokens_per_second": out_tokens / elapsed,
         "total_output_tokens": out_tokens,
+        "engine_steps": len(steps),  # model programs dispatched (a fused window is one)
+        "step_ms": 1000 * elapsed / max(1, len(steps)),  # wall time per engine step
         "total_prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
         "ttft_ms": extraction.summary(ttft),
         "tpot_ms": extraction.summary(tpot),
@@ -94,6 +97,21 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "speculation": spec,  # proposal windows, proposed and accepted tokens (empty without)
     }
+
+
+def count_steps(runner) -> list[int]:
+    """Records each step `runner` computes from now on (its fused decode steps: 1 unless fused);
+    returns the list it appends to."""
+    steps: list[int] = []
+    execute = runner.execute
+
+    def counted(output):
+        if not output.is_empty:
+            steps.append(output.num_steps)
+        return execute(output)
+
+    runner.execute = counted
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:

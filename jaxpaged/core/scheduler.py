@@ -29,11 +29,12 @@ Each engine step:
      fused window's tokens), checks token-id stop rules and frees finished sequences. String
      stops are the detokenizer's: the engine calls `finish_sequence`. A constrained sequence's
      `constraint` advances with every token appended; its grammar completing finishes it
-     ("stop"). Constrained sequences never fuse decode steps; their proposals (speculative
-     decoding) are the tokens their grammar forces, then the proposer's, cut at the first their
-     constraint rejects (see `jaxpaged.structured.constraint`). A constrained decode without
-     proposals computes the tokens its constraint allows alone after its own token
-     (`forced`, see `_add_forced`): the sequence gains them and the token sampled after them.
+     ("stop"). Constrained sequences never fuse decode steps. A constrained decode computes the
+     tokens its constraint allows alone after its own token (`forced`, see `_add_forced`): the
+     sequence gains them and the token(s) sampled after them. Its proposals (speculative
+     decoding) follow them: the tokens its grammar forces next, then the proposer's, cut at the
+     first its constraint rejects (see `jaxpaged.structured.constraint`); forced tokens are
+     not proposals (they are never rejected, and the spec-decode counters leave them out).
 Every `schedule` is followed by its `postprocess`, at most one other `schedule` in between.
 """
 
@@ -320,8 +321,8 @@ class Scheduler:
                     budget -= n
             if decode:
                 num_decode_seqs = len(scheduled)
-                budget = self._add_proposals(scheduled, drafts, budget) if propose else budget
-                budget = self._add_forced(scheduled, drafts, forced, budget)
+                budget = self._add_forced(scheduled, forced, budget)
+                budget = self._add_proposals(scheduled, forced, drafts, budget) if propose else budget
 
         # 3. Waiting sequences, FCFS; the queue's head blocks the rest (also while it waits for
         # a pending token: it was preempted with a step in flight).
@@ -461,14 +462,20 @@ class Scheduler:
             self.block_manager.may_append(seq, steps)
         return k
 
-    def _add_proposals(self, scheduled: list[tuple[Sequence, int]], drafts: dict[int, list[int]], budget: int) -> int:
-        """Gives the decoding entries of `scheduled` proposals to check, in order, from what the
-        decodes left: the token budget and the free blocks (never a cached block, never
-        preempting anyone). Returns the budget left."""
+    def _add_proposals(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        forced: dict[int, list[int]],
+        drafts: dict[int, list[int]],
+        budget: int,
+    ) -> int:
+        """Gives the decoding entries of `scheduled` proposals to check after their `forced` runs,
+        in order, from what the decodes and forced runs left: the token budget and the free
+        blocks (never a cached block, never preempting anyone). Returns the budget left."""
         if self.proposer is None:
             return budget
         for i, (seq, _) in enumerate(scheduled):
-            proposal = self._propose(seq, budget)
+            proposal = self._propose(seq, budget, forced.get(seq.seq_id, []))
             if self._extend(scheduled, i, proposal, drafts):
                 budget -= len(proposal)
         return budget
@@ -486,19 +493,14 @@ class Scheduler:
         into[seq.seq_id] = tokens
         return True
 
-    def _add_forced(
-        self,
-        scheduled: list[tuple[Sequence, int]],
-        drafts: dict[int, list[int]],
-        forced: dict[int, list[int]],
-        budget: int,
-    ) -> int:
-        """Gives the constrained decoding entries of `scheduled` without proposals the tokens their
-        constraint allows alone next (`SequenceConstraint.forced_run`), to compute after their own
-        token without sampling them, from what the decodes and proposals left: the token budget
-        and the free blocks (never a cached block, never preempting anyone). Plain decoding would
-        spend a step on each and sample exactly it (so outputs are the same, token for token); not
-        for requests that want logprobs (an unsampled token has none), nor before `min_tokens`.
+    def _add_forced(self, scheduled: list[tuple[Sequence, int]], forced: dict[int, list[int]], budget: int) -> int:
+        """Gives the constrained decoding entries of `scheduled` the tokens their constraint allows
+        alone next (`SequenceConstraint.forced_run`), to compute after their own token without
+        sampling them, from what the decodes left: the token budget and the free blocks (never a
+        cached block, never preempting anyone); their proposals, if any, come after them. Plain
+        decoding would spend a step on each and sample exactly it (so outputs are the same, token
+        for token); not for requests that want logprobs (an unsampled token has none), nor before
+        `min_tokens`.
 
         A sequence whose one pending token (the step in flight samples it) is the first of its run
         gets the rest: that step samples under the mask of the constraint as it is now, which
@@ -506,7 +508,7 @@ class Scheduler:
         Returns the budget left."""
         for i, (seq, _) in enumerate(scheduled):
             c, pending, sp = seq.constraint, seq.num_pending_tokens, seq.sampling_params
-            if c is None or seq.seq_id in drafts or pending > 1 or sp.logprobs is not None:
+            if c is None or pending > 1 or sp.logprobs is not None:
                 continue
             if seq.num_output_tokens + pending < sp.min_tokens:
                 continue
@@ -540,16 +542,16 @@ class Scheduler:
         self.block_manager.may_append(seq, k)
         return True
 
-    def _propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Proposals for a decoding sequence: none for sequences that may not speculate, and
-        none past `budget` tokens, max_tokens or max_model_len (the sequence gains at most
-        proposals + 1 tokens)."""
+    def _propose(self, seq: Sequence, budget: int, run: list[int]) -> list[int]:
+        """Proposals for a decoding sequence after its forced `run` (`_add_forced`): none for
+        sequences that may not speculate, and none past `budget` tokens, max_tokens or
+        max_model_len (the sequence gains at most run + proposals + 1 tokens)."""
         sp = seq.sampling_params
         if seq.num_pending_tokens or not speculation_allowed(sp, seq.num_output_tokens):
             return []  # proposals follow the sequence's tokens: all must be on the host
-        room = self.config.max_model_len - seq.num_tokens - 1
+        room = self.config.max_model_len - seq.num_tokens - len(run) - 1
         if sp.max_tokens is not None:
-            room = min(room, sp.max_tokens - seq.num_output_tokens - 1)
+            room = min(room, sp.max_tokens - seq.num_output_tokens - len(run) - 1)
         limit = min(room, budget, self.proposer.k)
         c = seq.constraint
         if c is None:
@@ -557,14 +559,16 @@ class Scheduler:
                 return seq.spec_token_ids[: max(0, limit)]
             start = max(0, seq.num_tokens - NGRAM_LOOKBACK)
             return self.proposer.propose(seq.token_ids_slice(start, seq.num_tokens), limit)
-        # A constrained sequence: the tokens its grammar forces, then (n-gram) those that followed
-        # them before, cut where the constraint rejects one (a draft proposes without the mask).
-        proposal = c.forced_tokens(limit)
+        # A constrained sequence: the tokens its grammar forces after the run (its forced tokens
+        # that the mask does not allow alone), then (n-gram) those that followed them before, cut
+        # where the constraint rejects one (a draft proposes without the mask). The run is a
+        # prefix of the forced tokens: both come from the constraint as it is now.
+        proposal = c.forced_tokens(len(run) + limit)[len(run) :]
         if not self.proposer.needs_model and len(proposal) < limit:
             start = max(0, seq.num_tokens - NGRAM_LOOKBACK)
-            tokens = seq.token_ids_slice(start, seq.num_tokens) + proposal
+            tokens = seq.token_ids_slice(start, seq.num_tokens) + run + proposal
             proposal += self.proposer.propose(tokens, limit - len(proposal))
-        return proposal[: c.valid_prefix(proposal)]
+        return proposal[: c.valid_prefix(run + proposal) - len(run)] if proposal else []
 
     def postprocess(
         self,
@@ -605,10 +609,11 @@ class Scheduler:
             if seq.is_finished:
                 continue  # aborted or finished while the step was in flight: its tokens are surplus
             tokens = sampled_token_ids[seq.seq_id] if isinstance(sampled_token_ids, dict) else sampled_token_ids[i]
-            tokens = forced[i] + (tokens if isinstance(tokens, list) else [tokens])
+            tokens = tokens if isinstance(tokens, list) else [tokens]
             seq.spec_token_ids = proposals.get(seq.seq_id, [])
             if proposal and seq.status is SequenceStatus.RUNNING:  # K/V is right up to the last accepted proposal
                 seq.num_computed_tokens -= len(proposal) - (len(tokens) - 1)
+            tokens = forced[i] + tokens
             if seq.first_token_time is None:
                 seq.first_token_time = now
             count = 0

@@ -3,16 +3,17 @@
 
 Bit i of row word `i // 32` (bit `i % 32`) allows token i; `[S, W]` int32 with W = ceil(V / 32).
 
-With speculative decoding a constrained sequence checks proposals too: the tokens its grammar
-forces next (`forced_tokens`: a JSON schema's keys and punctuation), then the proposer's, all cut
-at the first the constraint rejects (`valid_prefix`). Its step has a mask row per position: row j
-is what the constraint allows after the first j proposals (`fill_bitmask` advances the matcher
-over them and rolls it back), so each position samples exactly as plain decoding would there.
+A constrained sequence skips the steps of tokens its constraint allows alone (`forced_run`):
+plain decoding samples such a token whatever the logits, so a step computes them as extra query
+tokens after the sequence's own token, without sampling them, and samples once after the last
+(its mask row follows them: `fill_bitmask`'s `forced`).
 
-Without speculative decoding a constrained sequence still skips the steps of tokens its
-constraint allows alone (`forced_run`): plain decoding samples such a token whatever the logits,
-so a step computes them as extra query tokens after the sequence's own token, without sampling
-them, and samples once after the last (its mask row follows them: `fill_bitmask`'s `forced`).
+With speculative decoding a constrained sequence then checks proposals after that run: the rest
+of the tokens its grammar forces (`forced_tokens`: a JSON schema's keys and punctuation), then the
+proposer's, all cut at the first the constraint rejects (`valid_prefix`). Its step has a mask row
+per position: row j is what the constraint allows after the run and the first j proposals
+(`fill_bitmask` advances the matcher over them and rolls it back), so each position samples
+exactly as plain decoding would there.
 """
 
 import concurrent.futures

@@ -232,18 +232,23 @@ def test_awq_and_gptq_experts_equal_transformers_on_their_dequantized_weights(tm
     hf = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
     config, model = load_model(model_dir, "float32")
     assert config.weight_act_order == (kind != "awq")
-    generator = PagedGenerator(model)
-    prompt = np.random.default_rng(0).integers(3, 500, 9).tolist()
-    with torch.no_grad():
-        reference = hf(torch.tensor([prompt])).logits[0].numpy()
-    np.testing.assert_allclose(generator.prompt_logits(prompt), reference, atol=2e-4)
-    assert generator.generate([prompt], MAX_TOKENS)[0] == hf_greedy(hf, prompt, MAX_TOKENS)
+    assert_logits_and_tokens_equal(model, hf, atol=2e-4)
     if kind == "awq":
         hf_config = json.loads((model_dir / "config.json").read_text())
         hf_config["quantization_config"]["modules_to_not_convert"] = ["gate", "experts.3.w2"]
         (model_dir / "config.json").write_text(json.dumps(hf_config))
         with pytest.raises(ValueError, match=r"layers\.0\.block_sparse_moe\.experts\.3\.w2: .*modules_to_not_convert"):
             load_model(model_dir, "float32")
+
+
+def assert_logits_and_tokens_equal(model, hf, atol: float) -> None:
+    """A 9-token prompt's logits (to `atol`) and greedy tokens of `model` equal `hf`'s."""
+    generator = PagedGenerator(model)
+    prompt = np.random.default_rng(0).integers(3, 500, 9).tolist()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(generator.prompt_logits(prompt), reference, atol=atol)
+    assert generator.generate([prompt], MAX_TOKENS)[0] == hf_greedy(hf, prompt, MAX_TOKENS)
 
 
 def test_autoawq_qwen2_moe_keeps_its_float_projections_float(tmp_path):
@@ -268,12 +273,7 @@ def test_autoawq_qwen2_moe_keeps_its_float_projections_float(tmp_path):
         moe.up_proj_quant.get_value()[0].dtype == model.layers.attn.q_proj_quant.get_value()[0].dtype == code_dtype(4)
     )
     assert not hasattr(moe, "gate_proj_quant") and not hasattr(moe, "shared_down_proj_quant")
-    generator = PagedGenerator(model)
-    prompt = np.random.default_rng(0).integers(3, 500, 9).tolist()
-    with torch.no_grad():
-        reference = hf(torch.tensor([prompt])).logits[0].numpy()
-    np.testing.assert_allclose(generator.prompt_logits(prompt), reference, atol=1e-4)
-    assert generator.generate([prompt], MAX_TOKENS)[0] == hf_greedy(hf, prompt, MAX_TOKENS)
+    assert_logits_and_tokens_equal(model, hf, atol=1e-4)
 
     out = convert_checkpoint(model_dir, tmp_path / "converted", "float32", progress=False)
     (_, converted), (_, original) = load_params(out), load_params(model_dir)

@@ -32,7 +32,7 @@ from jaxpaged.model.group_quant import code_dtype, quantize_groups
 from jaxpaged.model.grouped_matmul import grouped_matmul, num_tiles, tile_rows
 from jaxpaged.model.moe import dense_experts_reference, experts_ffn
 from jaxpaged.model.quant import quantize_weight
-from jaxpaged.parallel.mesh import param_path
+from jaxpaged.parallel.mesh import TensorParallel, make_mesh, param_path
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.paged_generate import PagedGenerator
@@ -373,6 +373,28 @@ def test_layers_mixing_dense_and_sparse_mlps_are_refused_by_name(field, value):
     hf = {**BASE, **VARIANTS["qwen3_moe"][2], "architectures": ["Qwen3MoeForCausalLM"], field: value}
     with pytest.raises(ValueError, match=f"{field}=.* is not supported"):
         ModelConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "expert_parallel"), [("int8", False), ("fp8", True)], ids=["int8-ffn-split", "fp8-expert-parallel"]
+)
+def test_quantized_experts_over_an_fp8_kv_pool_split_over_2_devices_give_the_one_device_tokens(
+    tmp_path, quantization, expert_parallel
+):
+    """Quantization composes: int8 or fp8 expert weights (each expert's quantized pair) over an
+    fp8 KV pool, split over 2 devices by FFN width or as 4 whole experts each, give the tokens of
+    the same quantized model on one device. (fp8 split by FFN width does not: each device scales
+    its share of the down projection's input activations by that share's own maximum; README.)"""
+    path = str(tmp_path)
+    save_hf_model("mixtral_moe", path)
+    config, one = load_model(path, "float32", quantization=quantization)
+    layout = TensorParallelLayout(config, 2, expert_parallel=expert_parallel)
+    parallel = TensorParallel(layout, make_mesh(2))
+    _, split = load_model(path, "float32", parallel=parallel, quantization=quantization)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42] * 5, [300]]
+    fp8 = "float8_e4m3fn"
+    expected = PagedGenerator(one, block_size=4, kv_dtype=fp8).generate(prompts, MAX_TOKENS)
+    assert PagedGenerator(split, block_size=4, kv_dtype=fp8).generate(prompts, MAX_TOKENS) == expected
 
 
 def test_expert_parallel_needs_experts_that_split():

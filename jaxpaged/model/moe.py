@@ -128,7 +128,7 @@ class SparseMoe(nnx.Module):
     def __init__(self, config: ModelConfig, params, parallel: TensorParallel | None = None):
         params.declare(self, ("layers", "moe"))  # router [D, E], experts [E, D, F] / [E, F, D], shared ones
         self.moe = config.moe
-        self.quantization = params.quantization
+        self.quantization, self.group_kernel = params.quantization, params.group_kernel  # (shared expert)
         self.shared_expert = hasattr(self, "shared_expert_gate")
         self.parallel = parallel
         specs = [find_state_param(config, ("layers", "moe", w)).spec for w in ("gate_proj", "up_proj", "down_proj")]

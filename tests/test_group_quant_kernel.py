@@ -1,5 +1,6 @@
 """`pallas_kernels.group_quant_matmul` (interpret mode on CPU) equals a float64 product with the
-dequantized weight and XLA's `group_matmul`, and `group_matmul(kernel=True)` runs it.
+dequantized weight and XLA's `group_matmul`; `group_matmul(kernel=True)` runs it, and the model asks
+for it on a GPU without tensor parallelism.
 
 The data would break a wrong kernel: codes over their whole range, zero points drawn independently
 of the codes (asymmetric, anywhere in the code range) and scales differing per group and column, so
@@ -13,7 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
+from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.presets import get_preset
 from jaxpaged.model.group_quant import KERNEL_MAX_TOKENS, group_matmul
+from jaxpaged.model.llama import use_group_kernel
+from jaxpaged.parallel.mesh import TensorParallel
 from pallas_kernels import group_quant_matmul, quant_matmul
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
@@ -108,3 +114,13 @@ def test_group_matmul_takes_the_kernel_for_decode_steps_only():
     refused = jnp.zeros((48, 8), jnp.int8), jnp.ones((2, 8), jnp.float32), jnp.zeros((2, 8), jnp.int8)  # groups of 24
     jaxpr = jax.make_jaxpr(lambda x: group_matmul(x, *refused, 1, kernel=True))(jnp.ones((2, 48)))
     assert "pallas_call" not in str(jaxpr)
+
+
+def test_the_model_takes_the_kernel_on_a_gpu_with_unsplit_weights():
+    """On a GPU with one device (or one per pipeline stage) only: a Pallas call's operands split by
+    tensor parallelism would be gathered whole on every device."""
+    config = ModelConfig.from_hf(get_preset("llama-3.1-8b"))
+    one, two = TensorParallel.create(config, 1), TensorParallel.create(config, 2)
+    assert not use_group_kernel(None) and not use_group_kernel(one)  # this CPU
+    with pallas_kernels.compiling_for("gpu"):
+        assert use_group_kernel(None) and use_group_kernel(one) and not use_group_kernel(two)

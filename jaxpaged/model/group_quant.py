@@ -32,8 +32,9 @@ float32. That is fewer bytes than a widened weight while T <= group_size (every 
 to 128 sequences at the default group size): per weight, 4-bit codes plus `2 * T / group_size`
 elements of partials written and read back, against a widened weight written and read back. Above
 it (prefill) the weight is dequantized into a temporary in x's dtype and multiplied in one dot,
-which XLA writes to memory. A kernel that keeps the partials in registers (Pallas) would read
-the codes alone; XLA offers no such fusion.
+which XLA writes to memory. The Pallas kernel `pallas_kernels.group_quant_matmul` keeps the
+partials in registers and reads the codes alone: `kernel=True` (the model's choice on a GPU with
+its weights unsplit, `jaxpaged.model.llama.Llama`) runs it for steps of up to `KERNEL_MAX_TOKENS`.
 Dimension letters: T tokens, I flattened inputs, O flattened outputs, G groups.
 """
 

@@ -67,6 +67,13 @@ def resolve_attention_backend(name: str) -> str:
     return name
 
 
+def use_group_kernel(parallel: TensorParallel | None) -> bool:
+    """Whether group-quantized weights multiply through the Pallas kernel in decode-sized steps:
+    on a GPU, unless tensor parallelism splits the weights (XLA would gather a Pallas call's
+    operands whole on every device); XLA's product elsewhere."""
+    return pallas_kernels.target_platform() == "gpu" and (parallel is None or parallel.size == 1)
+
+
 def initial_value(spec: ParamSpec, config: ModelConfig, dtype, key: jax.Array, layer=None) -> jax.Array:
     """A parameter's initial value (one layer's, for a per-layer parameter): `INIT_STDDEV` x
     normal values from `key` folded with the parameter's path and `layer`, or ones, or zeros.
@@ -406,9 +413,6 @@ class Llama(nnx.Module):
                 "unrolled; build the model with scan_layers=False"
             )
         backend = resolve_attention_backend(attention)
-        # The group-quantized matmul kernel on a GPU, unless the weights are split over devices (XLA
-        # would gather a Pallas call's operands whole); XLA's product elsewhere.
-        group_kernel = pallas_kernels.target_platform() == "gpu" and (parallel is None or parallel.size == 1)
         params = ParamDeclarer(
             config,
             dtype,
@@ -416,7 +420,7 @@ class Llama(nnx.Module):
             quantization,
             per_layer_arrays=not scan_layers,
             pipeline=pipeline,
-            group_kernel=group_kernel,
+            group_kernel=use_group_kernel(parallel),
         )
         params.declare(self, ())  # the embedding [V, D] and, unless tied, the LM head [D, V]
         self.layers = DecoderLayer(config, params, attention=backend, parallel=parallel)  # stacked [L, ...]

@@ -172,7 +172,7 @@ def test_int4_steps_read_4_bit_codes_in_the_pallas_kernel(llama_8b_bfloat16):
     assert len(codes) == 14  # 7 projections x 2 layers, 4-bit on the GPU
     partials = 16 * max(x.size for x in codes) // 128 * 2  # tokens x groups x outputs, bfloat16
     temps = {
-        p: (bfloat16[p].temp_size_in_bytes // MiB, c.memory_analysis().temp_size_in_bytes // MiB)
+        p: (round(bfloat16[p].temp_size_in_bytes / MiB, 1), round(c.memory_analysis().temp_size_in_bytes / MiB, 1))
         for p, c in compiled.items()
     }
     print("temporaries (MiB, bfloat16 vs int4):", temps)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpaged.model.grouped_matmul import num_tiles, tile_rows
-from pallas_kernels import grouped_matmul, paged_decode_attention, ragged_paged_attention, write_kv
+from pallas_kernels import group_quant_matmul, grouped_matmul, paged_decode_attention, ragged_paged_attention, write_kv
 
 pytestmark = [
     pytest.mark.lowering,
@@ -120,6 +120,30 @@ def test_float8_pools_lower_to_triton(model, quant):
         **scales,
     )
     assert TRITON_CALL in text and "fp_to_fp" in text
+
+
+# (x dtype, codes, group size, tokens, K, N): Llama-3.1-8B's gate/up, down and k/v projections.
+GROUP_MATMULS = {
+    "int4-gate-16": (jnp.bfloat16, jnp.int4, 128, 16, 4096, 14336),
+    "int4-down-64": (jnp.float16, jnp.int4, 128, 64, 14336, 4096),
+    "int8-kv-1-g32": (jnp.float32, jnp.int8, 32, 1, 4096, 1024),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUP_MATMULS))
+def test_group_quant_matmul_lowers_to_triton(case):
+    """4-bit codes read two per byte (int8 loads, shifts, int -> float casts) and 8-bit codes lower."""
+    dtype, codes, group_size, tokens, num_in, num_out = GROUP_MATMULS[case]
+    groups = num_in // group_size
+    fn = functools.partial(group_quant_matmul, interpret=False)
+    text = lower_for_cuda(
+        fn,
+        sds((tokens, num_in), dtype),
+        sds((num_in, num_out), codes),
+        sds((groups, num_out), jnp.float32),
+        sds((groups, num_out), jnp.int8),
+    )
+    assert TRITON_CALL in text
 
 
 @pytest.mark.parametrize("quant", [None, jnp.float8_e4m3fn], ids=["bf16", "e4m3fn"])

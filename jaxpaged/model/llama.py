@@ -67,6 +67,13 @@ def resolve_attention_backend(name: str) -> str:
     return name
 
 
+def use_group_kernel(parallel: TensorParallel | None) -> bool:
+    """Whether group-quantized weights multiply through the Pallas kernel in decode-sized steps:
+    on a GPU, unless tensor parallelism splits the weights (XLA would gather a Pallas call's
+    operands whole on every device); XLA's product elsewhere."""
+    return pallas_kernels.target_platform() == "gpu" and (parallel is None or parallel.size == 1)
+
+
 def initial_value(spec: ParamSpec, config: ModelConfig, dtype, key: jax.Array, layer=None) -> jax.Array:
     """A parameter's initial value (one layer's, for a per-layer parameter): `INIT_STDDEV` x
     normal values from `key` folded with the parameter's path and `layer`, or ones, or zeros.
@@ -116,6 +123,8 @@ class ParamDeclarer:
         layers) instead of stacked `[L, ...]` (for a scan). The values are the same either way.
       pipeline: the layers' stages; with several, `LayerArrays` of the stages' layer slots,
         slot j's array `[P, ...]` holding each stage's j-th layer (zeros in an empty slot).
+      group_kernel: the modules multiply group-quantized weights through the Pallas kernel in
+        decode-sized steps (`jaxpaged.model.group_quant.group_matmul`).
     """
 
     def __init__(
@@ -126,8 +135,10 @@ class ParamDeclarer:
         quantization: str | None,
         per_layer_arrays: bool = False,
         pipeline: PipelineLayout | None = None,
+        group_kernel: bool = False,
     ):
         self.config, self.dtype, self.key, self.quantization = config, dtype, rngs.params(), quantization
+        self.group_kernel = group_kernel
         self.per_layer_arrays = per_layer_arrays
         self.pipeline = pipeline if pipeline is not None and pipeline.size > 1 else None
         self.specs = param_specs(config)
@@ -221,7 +232,7 @@ class Attention(nnx.Module):
         parallel: TensorParallel | None = None,
     ):
         params.declare(self, ("layers", "attn"))  # q/k/v/o projections, biases, q/k norms (see the table)
-        self.quantization = params.quantization
+        self.quantization, self.group_kernel = params.quantization, params.group_kernel
         # the optional parameters the table gave this architecture and config
         self.qkv_bias = hasattr(self, "q_bias")
         self.has_o_bias = hasattr(self, "o_bias")
@@ -322,7 +333,7 @@ class MLP(nnx.Module):
 
     def __init__(self, params: ParamDeclarer):
         params.declare(self, ("layers", "mlp"))  # gate_proj [D, F], up_proj [D, F], down_proj [F, D]
-        self.quantization = params.quantization
+        self.quantization, self.group_kernel = params.quantization, params.group_kernel
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         gate = project(self, "gate_proj", x)
@@ -402,7 +413,15 @@ class Llama(nnx.Module):
                 "unrolled; build the model with scan_layers=False"
             )
         backend = resolve_attention_backend(attention)
-        params = ParamDeclarer(config, dtype, rngs, quantization, per_layer_arrays=not scan_layers, pipeline=pipeline)
+        params = ParamDeclarer(
+            config,
+            dtype,
+            rngs,
+            quantization,
+            per_layer_arrays=not scan_layers,
+            pipeline=pipeline,
+            group_kernel=use_group_kernel(parallel),
+        )
         params.declare(self, ())  # the embedding [V, D] and, unless tied, the LM head [D, V]
         self.layers = DecoderLayer(config, params, attention=backend, parallel=parallel)  # stacked [L, ...]
         self.final_norm = RMSNorm(params, ("final_norm",), config.rms_norm_eps)

@@ -147,7 +147,7 @@ class SparseMoe(nnx.Module):
     def __init__(self, config: ModelConfig, params, parallel: TensorParallel | None = None, kernels: bool = False):
         params.declare(self, ("layers", "moe"))  # router [D, E], experts [E, D, F] / [E, F, D], shared ones
         self.moe = config.moe
-        self.quantization = params.quantization
+        self.quantization, self.group_kernel = params.quantization, params.group_kernel  # (shared expert)
         self.shared_expert = hasattr(self, "shared_expert_gate")
         self.parallel = parallel
         self.kernels = kernels  # the Pallas grouped-matmul kernel (with the Pallas attention backend)

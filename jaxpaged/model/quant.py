@@ -104,22 +104,30 @@ def quantized_matmul(
 
 
 def weight_matmul(
-    x: Float[Array, "T ..."], arrays: Mapping[str, Array], name: str, quantization: str | None, num_in: int
+    x: Float[Array, "T ..."],
+    arrays: Mapping[str, Array],
+    name: str,
+    quantization: str | None,
+    num_in: int,
+    group_kernel: bool = False,
 ) -> Float[Array, "T ..."]:
     """`x [T, *in]` times the weight `name` as `arrays` holds it (by its state names): plain
     (unquantized, or a projection the checkpoint left in float: `ModelConfig.float_weights`),
-    its quantized pair, or its group-quantized triple (and act-order permutation) -> `[T, *out]`."""
+    its quantized pair, or its group-quantized triple (and act-order permutation) -> `[T, *out]`;
+    `group_kernel`: a group-quantized one through the Pallas kernel in decode-sized steps
+    (`group_matmul`)."""
     if name in arrays:
         return matmul(x, arrays[name], num_in)
     q, scale = arrays[name + QUANT_SUFFIX], arrays[name + SCALE_SUFFIX]
     if name + ZERO_SUFFIX in arrays:
-        return group_matmul(x, q, scale, arrays[name + ZERO_SUFFIX], num_in, arrays.get(name + PERM_SUFFIX))
+        zero, perm = arrays[name + ZERO_SUFFIX], arrays.get(name + PERM_SUFFIX)
+        return group_matmul(x, q, scale, zero, num_in, perm, kernel=group_kernel)
     return quantized_matmul(x, q, scale, quantization, num_in)
 
 
 def project(module, name: str, x: Float[Array, "T ..."]) -> Float[Array, "T ..."]:
     """`x [T, *in]` through the weight `name` of a model `module` (its attributes `name` or
-    `<name>_quant`, ..., and `quantization`) -> `[T, *out]` (`weight_matmul`)."""
+    `<name>_quant`, ..., `quantization` and `group_kernel`) -> `[T, *out]` (`weight_matmul`)."""
     names = (name, *(name + suffix for suffix in (QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX)))
     arrays = {n: getattr(module, n)[...] for n in names if hasattr(module, n)}
-    return weight_matmul(x, arrays, name, module.quantization, x.ndim - 1)
+    return weight_matmul(x, arrays, name, module.quantization, x.ndim - 1, module.group_kernel)

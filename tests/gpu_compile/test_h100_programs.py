@@ -7,9 +7,8 @@ jaxpaged/bench/gpu_targets.py), and what their memory analysis says on the produ
 - unrolled over per-layer arrays (the default), a step reads every weight where it lies; scanned,
   XLA copies each layer's weights out of the stack before its Triton GEMMs, every step (why
   scanning is not the default: the temporaries hold a layer's weights);
-- at int4, steps of up to 16 tokens read the 4-bit codes inside their GEMM fusions (no widened
-  weight written, no bfloat16 weight in the temporaries; above bfloat16's only by the per-group
-  partials);
+- at int4, steps of up to 16 tokens read the 4-bit codes in the Pallas group-quantized matmul
+  (no widened weight written, no per-group partials in the temporaries);
 - `jaxpaged bench startup --target h100` compiles an engine's whole program set for an H100.
 
 Needs JAX's CUDA plugin (`pip install -e '.[gpu-compile]'`); CI runs these with the GPU
@@ -158,31 +157,31 @@ def test_unrolled_steps_read_weights_in_place_and_scanned_steps_copy_them(llama_
     assert all(s.temp_size_in_bytes >= layer_bytes for s in scanned.values()), temps
 
 
-def test_int4_steps_read_4_bit_weights_inside_their_gemms(llama_8b_bfloat16):
+def test_int4_steps_read_4_bit_codes_in_the_pallas_kernel(llama_8b_bfloat16):
     """Llama-3.1-8B's shapes at int4 (groups of 128), two layers, steps of at most 16 tokens: every
-    projection's int4 codes enter a Triton GEMM fusion as they lie (converted in registers), no
-    program writes a widened weight (the census's upcasts), and the temporaries stay below one MLP
-    weight in bfloat16 (112 MiB): above bfloat16's (the same programs) by less than three of the
-    largest projection's per-group partials `[G, T, O]` (32 x 16 x 14336 in bfloat16, 14 MiB; a
-    step's are written and read back, and the fused steps' loop holds more than one at once)."""
+    projection's int4 codes go to the Pallas group-quantized matmul (a Triton call each, beside
+    the attention kernel's), no program writes a widened weight (the census's upcasts), and no
+    per-group partials `[G, T, O]` are written: the temporaries exceed bfloat16's (the same
+    programs) by less than half of the largest projection's (32 x 16 x 14336 in bfloat16, 14 MiB;
+    XLA's product wrote one per projection, 55 MiB for a step under jax 0.10.2)."""
     from benchmarks.gpu.hlo_census import census
 
     model, bfloat16, _ = llama_8b_bfloat16
     compiled, params = compile_for_h100(model, SMALL_POOL, dtype="bfloat16", quantization="int4")
     codes = [x for x in jax.tree.leaves(params["layers"]) if x.dtype == jnp.int4]
     assert len(codes) == 14  # 7 projections x 2 layers, 4-bit on the GPU
-    mlp_weight_bf16 = max(x.size for x in codes) * 2
     partials = 16 * max(x.size for x in codes) // 128 * 2  # tokens x groups x outputs, bfloat16
     temps = {
-        p: (bfloat16[p].temp_size_in_bytes // MiB, c.memory_analysis().temp_size_in_bytes // MiB)
+        p: (round(bfloat16[p].temp_size_in_bytes / MiB, 1), round(c.memory_analysis().temp_size_in_bytes / MiB, 1))
         for p, c in compiled.items()
     }
     print("temporaries (MiB, bfloat16 vs int4):", temps)
     for program, executable in compiled.items():
-        found = census(executable.as_text(), {x.size for x in codes})["weight_sized"]
-        assert found["upcasts"] == 0 and found["converts_in_gemm_fusions"] >= 14, (program, found)
+        found = census(executable.as_text(), {x.size for x in codes})
+        triton_calls = found["custom_calls"].get("__gpu$xla.gpu.triton", 0)
+        assert found["weight_sized"]["upcasts"] == 0 and triton_calls >= 14 + 2, (program, found)
         temp = executable.memory_analysis().temp_size_in_bytes
-        assert temp < mlp_weight_bf16 and temp - bfloat16[program].temp_size_in_bytes < 3 * partials, temps
+        assert temp - bfloat16[program].temp_size_in_bytes < partials // 2, temps
 
 
 def test_bench_startup_compiles_the_demo_engine_for_an_h100(tmp_path):

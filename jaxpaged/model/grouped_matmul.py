@@ -60,6 +60,7 @@ def grouped_matmul(
     group_sizes: Int[Array, " E"],
     expert_matmul: Callable[[Float[Array, "TM I"], Int[Array, ""]], Float[Array, "TM O"]],
     out_width: int,
+    out_dtype=None,
 ) -> Float[Array, "M O"]:
     """Each group of `rows` times its expert's weight.
 
@@ -68,6 +69,7 @@ def grouped_matmul(
       group_sizes: rows per expert (summing to M).
       expert_matmul: `(tile, e) -> tile times expert e's weight` (plain or quantized).
       out_width: O.
+      out_dtype: the result's dtype; None: `rows`' (float8 rows give float32 products).
     """
     num_rows, num_experts = rows.shape[0], group_sizes.shape[0]
     tile = tile_rows(num_rows, num_experts)
@@ -81,6 +83,6 @@ def grouped_matmul(
         mine = (jnp.arange(tile) < live[i])[:, None]
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, old), first_row[i], 0), None
 
-    out = jnp.zeros((num_rows + tile, out_width), rows.dtype)
+    out = jnp.zeros((num_rows + tile, out_width), rows.dtype if out_dtype is None else out_dtype)
     out, _ = jax.lax.scan(one_tile, out, jnp.arange(expert.shape[0]))
     return out[:num_rows]

@@ -29,9 +29,9 @@ from jaxtyping import Array, Float, Int
 import pallas_kernels
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.moe import MoeConfig
-from jaxpaged.config.params import QUANT_SUFFIX, ZERO_SUFFIX
+from jaxpaged.config.params import QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
 from jaxpaged.model.grouped_matmul import grouped_matmul, tile_rows, tile_schedule
-from jaxpaged.model.quant import project, weight_matmul
+from jaxpaged.model.quant import fp8_matmul, project, quantize_activations, weight_matmul
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import TENSOR_AXIS
 from jaxpaged.params.tables import find_state_param, quantized_paths
@@ -94,6 +94,7 @@ def experts_ffn(
     experts: Int[Array, "T K"],
     first_expert: Int[Array, ""] | int = 0,
     kernels: bool = False,
+    split_axis: str | None = None,
 ) -> Float[Array, "T D"]:
     """Every token through its experts' SwiGLU (steps 2-4 of the module docstring).
 
@@ -105,20 +106,28 @@ def experts_ffn(
       kernels: plain (float) weights go through the Pallas grouped-matmul kernel where it takes
         their widths (`pallas_kernels.grouped_matmul_supports`); else, and for quantized ones,
         XLA's tile loop.
+      split_axis: the mesh axis the experts' FFN width is split over (inside `on_every_device`
+        without expert parallelism): fp8 experts scale each row of the down projection's inputs
+        by its maximum over all of them, as one device does.
     """
     num_experts, width = _experts_and_width(arrays, "gate_proj")
     order, group_sizes = sort_by_expert(experts, num_experts, first_expert)
     rows = x[order // top_k]  # [M, D]: each routed row's token, in expert order
 
-    def grouped(rows, name, out_width):
+    def grouped(rows, name, out_width, axis_name=None):
         if kernels and name in arrays and pallas_kernels.grouped_matmul_supports(rows.shape[1], out_width):
             tile = tile_rows(rows.shape[0], num_experts)
             schedule = tile_schedule(group_sizes, rows.shape[0], tile)
             return pallas_kernels.grouped_matmul(rows, arrays[name], *schedule, tile)
+        if quantization == "fp8" and name not in arrays:  # the rows quantized once, by their whole maximum
+            q, scale = arrays[name + QUANT_SUFFIX], arrays[name + SCALE_SUFFIX]
+            xq, x_scale = quantize_activations(rows, 1, axis_name)
+            out = grouped_matmul(xq, group_sizes, lambda x, e: fp8_matmul(x, q[e], scale[e], 1), out_width, jnp.float32)
+            return (out * x_scale).astype(rows.dtype)
         return grouped_matmul(rows, group_sizes, expert_matmul(arrays, quantization, name), out_width)
 
     hidden = jax.nn.silu(grouped(rows, "gate_proj", width)) * grouped(rows, "up_proj", width)
-    return combine(grouped(hidden, "down_proj", x.shape[1]), order, weights)
+    return combine(grouped(hidden, "down_proj", x.shape[1], split_axis), order, weights)
 
 
 def _experts_and_width(arrays: dict[str, Array], name: str) -> tuple[int, int]:
@@ -184,10 +193,10 @@ def on_every_device(parallel: TensorParallel, ffn, arrays: dict[str, Array], x, 
     }
 
     def local(arrays, x, weights, experts):
-        first = 0
-        if layout.expert_parallel:
-            first = jax.lax.axis_index(TENSOR_AXIS) * next(iter(arrays.values())).shape[0]
-        out = ffn(arrays, x=x, weights=weights, experts=experts, first_expert=first)
+        first, split_axis = 0, TENSOR_AXIS  # each device a share of every expert's FFN width
+        if layout.expert_parallel:  # or whole experts
+            first, split_axis = jax.lax.axis_index(TENSOR_AXIS) * next(iter(arrays.values())).shape[0], None
+        out = ffn(arrays, x=x, weights=weights, experts=experts, first_expert=first, split_axis=split_axis)
         return jax.lax.psum(out, TENSOR_AXIS)
 
     whole = PartitionSpec()

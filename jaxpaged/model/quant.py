@@ -89,18 +89,36 @@ def quantized_matmul(
 ) -> Float[Array, "T ..."]:
     """`x [T, *in]` times a quantized weight `q [*out, *in]` with `scale [*out]` -> `[T, *out]`
     in x's dtype, accumulated in float32."""
-    x_in = tuple(range(1, 1 + num_in))
-    w_in = tuple(range(q.ndim - num_in, q.ndim))
-    dims = ((x_in, w_in), ((), ()))
+    dims = ((tuple(range(1, 1 + num_in)), tuple(range(q.ndim - num_in, q.ndim))), ((), ()))
     if method == "fp8":  # activations quantized per token, dynamically
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=x_in, keepdims=True)
-        x_scale = jnp.where(amax > 0, amax / _qmax(method), 1.0)
-        xq = _to_storage(x.astype(jnp.float32) / x_scale, method)
+        xq, x_scale = quantize_activations(x, num_in)
         y = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.float32)
         y = y * x_scale.reshape(x.shape[0], *(1,) * (y.ndim - 1))
     else:
         y = jax.lax.dot_general(x, q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
+
+
+def quantize_activations(
+    x: Float[Array, "T ..."], num_in: int, axis_name: str | None = None
+) -> tuple[Array, Float[Array, "T 1"]]:
+    """Each token's activations `x [T, *in]` in float8 by their own maximum (fp8 weights'
+    dynamic activation quantization): `(xq [T, *in], scale [T, 1])`, `x ~ xq * scale`. With
+    `axis_name` the inputs are split over that mesh axis (inside a `shard_map`) and the maximum
+    is taken over all of them, so every device scales a token as one device would."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=tuple(range(1, 1 + num_in)))[:, None]
+    if axis_name is not None:
+        amax = jax.lax.pmax(amax, axis_name)
+    x_scale = jnp.where(amax > 0, amax / _qmax("fp8"), 1.0)
+    return _to_storage(x.astype(jnp.float32) / x_scale.reshape(x.shape[0], *(1,) * num_in), "fp8"), x_scale
+
+
+def fp8_matmul(xq: Array, q: Array, scale: Float[Array, "..."], num_in: int) -> Float[Array, "T ..."]:
+    """float8 activations `xq [T, *in]` (`quantize_activations`) times an fp8 weight `q [*out,
+    *in]` with `scale [*out]` -> float32 `[T, *out]`, still to be multiplied by the activations'
+    scales (a mixture of experts' grouped matmul quantizes its rows once, for every tile)."""
+    dims = ((tuple(range(1, 1 + num_in)), tuple(range(q.ndim - num_in, q.ndim))), ((), ()))
+    return jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.float32) * scale
 
 
 def weight_matmul(

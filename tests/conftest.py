@@ -11,7 +11,7 @@ a process that has compiled several hundred programs before, XLA's CPU compiler 
 (a segfault or an abort inside `backend_compile`, twice out of two full runs, never in a run of
 those tests alone), taking the whole suite down with it. The batch's process frees its compiled
 programs after every test (as a process of its own per test did); one process per test had cost
-CI ~35 interpreter starts, each importing JAX, torch and transformers and rebuilding the module's
+CI ~40 interpreter starts, each importing JAX, torch and transformers and rebuilding the module's
 fixtures.
 """
 
@@ -24,7 +24,18 @@ import tempfile
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# XLA's CPU compiler skips its slow LLVM optimisations (~40% of each compile on the 2-core CI
+# machine; the programs compute the same, more slowly): the tests' time is mostly compiling.
+os.environ["XLA_FLAGS"] = " ".join(
+    f
+    for f in (
+        os.environ.get("XLA_FLAGS"),
+        "--xla_force_host_platform_device_count=8",
+        "--xla_backend_optimization_level=0",
+        "--xla_llvm_disable_expensive_passes=true",
+    )
+    if f
+)
 sys.path.insert(0, os.path.dirname(__file__))
 if "JAXPAGED_TEST_CACHE_HOME" not in os.environ:  # set once per run; subprocesses inherit it
     os.environ["JAXPAGED_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxpaged-test-cache-")

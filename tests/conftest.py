@@ -3,13 +3,20 @@ the engines' default compilation cache in a directory of this run (`$XDG_CACHE_H
 there, shared by the run's subprocesses, never the user's ~/.cache), and the `isolated` marker.
 tests/gpu_compile/ is collected where the gpu-compile extra is installed (CI stage 2).
 
-`isolated` tests run in a fresh Python process of their own (`python -m pytest NODEID`). The
-tensor-parallel engine tests compile many 8-device programs; at the end of the full suite, in a
-process that has compiled several hundred programs before, XLA's CPU compiler crashed there
+`isolated` tests run in a fresh Python process, one per test module: the first isolated test of
+a module runs every selected isolated test of that module in one `python -m pytest NODEID...`
+(the others report the outcome it recorded for them; the first one's duration is the batch's).
+The tensor-parallel engine tests compile many 8-device programs; at the end of the full suite, in
+a process that has compiled several hundred programs before, XLA's CPU compiler crashed there
 (a segfault or an abort inside `backend_compile`, twice out of two full runs, never in a run of
-those tests alone), taking the whole suite down with it.
+those tests alone), taking the whole suite down with it. The batch's process frees its compiled
+programs after every test (as a process of its own per test did); one process per test had cost
+CI ~40 interpreter starts, each importing JAX, torch and transformers and rebuilding the module's
+fixtures.
 """
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -18,34 +25,122 @@ import tempfile
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def _cuda_plugin_installed() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
+# XLA's CPU compiler skips its slow LLVM optimisations (~30% of the tests' CPU time on the 2-core
+# CI machine; the programs compute the same, more slowly). Not where JAX's CUDA plugin is
+# installed (CI stage 2): there tests/gpu_compile checks the programs XLA builds for an H100.
+OPTIMIZATIONS_OFF = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = " ".join(
+    f
+    for f in (
+        os.environ.get("XLA_FLAGS"),
+        "--xla_force_host_platform_device_count=8",
+        None if _cuda_plugin_installed() else OPTIMIZATIONS_OFF,
+    )
+    if f
+)
 sys.path.insert(0, os.path.dirname(__file__))
 if "JAXPAGED_TEST_CACHE_HOME" not in os.environ:  # set once per run; subprocesses inherit it
     os.environ["JAXPAGED_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxpaged-test-cache-")
 os.environ["XDG_CACHE_HOME"] = os.environ["JAXPAGED_TEST_CACHE_HOME"]
 
 IN_ISOLATION = "JAXPAGED_TEST_IN_ISOLATION"
+ISOLATED_REPORT = "JAXPAGED_TEST_ISOLATED_REPORT"  # the batch's process appends its reports here
+_ISOLATED_BATCHES = pytest.StashKey[dict]()  # module -> the outcomes its batch recorded
+
+
+def _run_isolated_batch(item) -> dict:
+    """Runs every selected isolated test of `item`'s module in one fresh process; returns
+    {nodeid: (outcome, report text)} for those it reported on, and "" for the process's output."""
+    module = item.nodeid.split("::")[0]
+    batch = [
+        i.nodeid
+        for i in item.session.items
+        if i.nodeid.split("::")[0] == module and i.get_closest_marker("isolated") is not None
+    ]
+    with tempfile.NamedTemporaryFile("r", suffix=".jsonl", prefix="isolated-") as report:
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *batch]
+        result = subprocess.run(
+            command,
+            cwd=item.config.rootpath,
+            env={**os.environ, IN_ISOLATION: "1", ISOLATED_REPORT: report.name},
+            capture_output=True,
+            text=True,
+            timeout=1800 * len(batch),
+        )
+        phases = {}  # nodeid -> [(when, outcome, text)]
+        for line in report.read().splitlines():
+            entry = json.loads(line)
+            phases.setdefault(entry["nodeid"], []).append((entry["when"], entry["outcome"], entry["text"]))
+    outcomes = {}
+    for nodeid, reports in phases.items():
+        bad = [r for r in reports if r[1] != "passed"]  # a failed (or skipped) phase is the test's outcome
+        if bad:
+            outcomes[nodeid] = bad[0][1:]
+        elif {when for when, *_ in reports} == {"setup", "call", "teardown"}:
+            outcomes[nodeid] = ("passed", "")
+        else:  # the process died inside it
+            outcomes[nodeid] = ("did not finish", "")
+    outcomes[""] = (str(result.returncode), f"{result.stdout[-8000:]}\n{result.stderr[-4000:]}")
+    return outcomes
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     if pyfuncitem.get_closest_marker("isolated") is None or os.environ.get(IN_ISOLATION):
         return None
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid]
-    result = subprocess.run(
-        command,
-        cwd=pyfuncitem.config.rootpath,
-        env={**os.environ, IN_ISOLATION: "1"},
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if result.returncode != 0:
+    batches = pyfuncitem.session.stash.setdefault(_ISOLATED_BATCHES, {})
+    module = pyfuncitem.nodeid.split("::")[0]
+    if module not in batches:
+        batches[module] = _run_isolated_batch(pyfuncitem)
+    outcomes = batches[module]
+    outcome, text = outcomes.get(pyfuncitem.nodeid, ("never ran", ""))
+    if outcome == "skipped":
+        pytest.skip(text)
+    if outcome != "passed":
+        returncode, output = outcomes[""]
         pytest.fail(
-            f"{pyfuncitem.nodeid} failed in its own process:\n{result.stdout[-8000:]}\n{result.stderr[-4000:]}",
+            f"{pyfuncitem.nodeid} {outcome} in its module's isolated process (exit {returncode}):\n"
+            f"{text[-8000:]}\n--- the process's output ---\n{output}",
             pytrace=False,
         )
     return True
+
+
+def pytest_runtest_logreport(report):
+    """In an isolated batch's process: records each phase's outcome for the parent."""
+    path = os.environ.get(ISOLATED_REPORT)
+    if path and os.environ.get(IN_ISOLATION):
+        text = (
+            report.longreprtext
+            if report.outcome != "skipped"
+            else str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr)
+        )
+        with open(path, "a") as f:
+            entry = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome, "text": text}
+            f.write(json.dumps(entry) + "\n")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_tests_free_their_programs(request):
+    """In an isolated batch's process: each test frees its compiled programs when it ends, as a
+    process of its own per test did."""
+    yield
+    if os.environ.get(IN_ISOLATION) and request.node.get_closest_marker("isolated") is not None:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(autouse=True, scope="module")

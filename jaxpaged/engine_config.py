@@ -26,7 +26,6 @@ from jaxpaged.config.quantization import (
     CheckpointQuantizationError,
     group_size_field,
     resolve_quantization,
-    with_quantized_weights,
 )
 from jaxpaged.config.sections import SECTIONS, CacheConfig, CompileConfig, LoadConfig, ParallelConfig, SchedulingConfig
 from jaxpaged.config.speculative import SpeculativeConfig
@@ -34,6 +33,7 @@ from jaxpaged.core.scheduler import SchedulerConfig
 from jaxpaged.engine_args import EngineArgs, EngineArgsError, pipeline_error
 from jaxpaged.parallel.pipeline import PipelineLayout, PipelineParallelError, parse_partition
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
+from jaxpaged.params.quantized_config import with_quantized_weights
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpaged")

@@ -59,8 +59,8 @@ from jaxpaged.config.quantization import (
     checkpoint_group_format,
     checkpoint_quantization,
     converted_quantization_config,
-    with_quantized_weights,
 )
+from jaxpaged.params.quantized_config import with_quantized_weights
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (

@@ -70,13 +70,13 @@ from jaxpaged.config.quantization import (
     checkpoint_group_format,
     checkpoint_quantization,
     resolve_quantization,
-    with_quantized_weights,
 )
 from jaxpaged.model.group_quant import code_dtype
 from jaxpaged.model.layer_arrays import LayerArrays, unstack_layers
 from jaxpaged.model.llama import Llama
 from jaxpaged.model.quant import quantize_param
 from jaxpaged.parallel.mesh import TensorParallel, param_path
+from jaxpaged.params.quantized_config import with_quantized_weights
 from jaxpaged.params.tables import find_state_param, quantized_paths
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}

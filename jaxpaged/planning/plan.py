@@ -40,10 +40,10 @@ from jaxpaged.config.quantization import (
     group_dtypes,
     group_size_field,
     resolve_quantization,
-    with_quantized_weights,
 )
 from jaxpaged.parallel.pipeline import PipelineLayout, parse_partition
 from jaxpaged.parallel.sharding import TensorParallelLayout
+from jaxpaged.params.quantized_config import with_quantized_weights
 from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
 

@@ -24,7 +24,7 @@ Stages, most valuable first (budgets in STAGE_BUDGETS_S; they and the probe sum 
    bytes read, fp8/bf16 time; correctness of the decode and ragged kernels over float8 pools
    with NaN-poisoned unowned slots against the reference.
 3. engine: `jaxpaged bench latency` (batch 1, TPOT) then `jaxpaged bench throughput` (random
-   prompts, fixed lengths) for bf16, fp8 weights + fp8 KV, fp8 KV, int8 weights, each a process
+   prompts, fixed lengths) for bf16, fp8 weights + fp8 KV, fp8 KV, int8 weights, int4 weights (RTN at load), each a process
    of its own, all with the same engine limits and one persistent compilation cache in the work
    directory (a mode's throughput run loads the programs its latency run compiled); ratios to bf16.
 """
@@ -56,6 +56,8 @@ ENGINE_MODES = {
     "fp8_w_kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
     "fp8_kv": ("--kv-cache-dtype", "fp8"),
     "int8": ("--quantization", "int8"),
+    # Round-to-nearest int4 at load (group size 128): decode runs the group-quantized Pallas GEMM.
+    "int4": ("--quantization", "int4"),
 }
 # The HLO steps: (name, engine flags, programs, extra XLA flag).
 HLO_STEPS = (
@@ -80,6 +82,7 @@ class QuantPlan(Plan):
     latency_flags: tuple[str, ...]
     throughput_flags: tuple[str, ...]
     caps_s: dict  # per-step caps: hlo step name, "kernels", "latency", "throughput"
+    mode_flags: dict = dataclasses.field(default_factory=dict)  # engine mode -> flags added to ENGINE_MODES'
 
 
 def gpu_plan(budgets: dict) -> QuantPlan:
@@ -133,6 +136,8 @@ def smoke_plan(budgets: dict) -> QuantPlan:
         latency_flags=("--input-len", "8", "--output-len", "4", "--num-iters-warmup", "0", "--num-iters", "1"),
         throughput_flags=("--dataset-name", "random", "--num-prompts", "2", "--input-len", "8", "--output-len", "4"),
         caps_s={},
+        # The demo model's FFN width (704) is no multiple of int4's default group of 128 inputs.
+        mode_flags={"int4": ("--quantization-group-size", "64")},
     )
 
 
@@ -178,7 +183,7 @@ def run_engine(stage: Stage, modes: list[str]) -> None:
     shutil.rmtree(cache, ignore_errors=True)
     base = [*plan.weight_flags, *plan.engine_limits, "--compilation-cache-dir", cache]
     for mode in modes:
-        flags = ENGINE_MODES[mode]
+        flags = (*ENGINE_MODES[mode], *plan.mode_flags.get(mode, ()))
         out = stage.path(f"latency_{mode}.json")
         stage.step(
             f"latency_{mode}",
@@ -209,7 +214,10 @@ def run_engine(stage: Stage, modes: list[str]) -> None:
 
 def plan_info(args, plan: QuantPlan, chosen: list[str]) -> dict:
     return {
-        "engine_modes": {mode: " ".join(ENGINE_MODES[mode]) or "(bf16)" for mode in args.engine_modes},
+        "engine_modes": {
+            mode: " ".join((*ENGINE_MODES[mode], *plan.mode_flags.get(mode, ()))) or "(bf16)"
+            for mode in args.engine_modes
+        },
         "latency_flags": plan.latency_flags,
         "throughput_flags": plan.throughput_flags,
         "caps_s": plan.caps_s,

@@ -14,11 +14,14 @@ without JAX.
 import importlib
 import os
 
-# JAX would otherwise grab 75% of GPU memory at start-up and cap itself there; the engine sizes
-# its KV cache from the device's memory itself (gpu_memory_utilization), so let the allocator
-# grow on demand up to 95%. Takes effect when jaxpaged is imported before JAX initialises its
-# GPU backend (set the variables yourself otherwise).
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# JAX's allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION of GPU memory (75% by default) in one
+# region at start-up; the engine sizes its KV cache from that limit itself (gpu_memory_utilization),
+# so the limit is raised to 95%. The region stays preallocated: an allocator grown on demand
+# (XLA_PYTHON_CLIENT_PREALLOCATE=false) fragments, and on the first H100 run an 8B engine whose
+# weights and pool fit with 4 GiB to spare could not allocate a 27 GiB half of its pool.
+# Takes effect when jaxpaged is imported before JAX initialises its GPU backend (set the
+# variables yourself otherwise).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 # transformers is the tokenizer here: its advisory warnings ("PyTorch was not found. Models won't
 # be available ...") are noise to a jaxpaged user (its real warnings and errors still show).

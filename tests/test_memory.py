@@ -1,5 +1,7 @@
 """KV-cache planning arithmetic (jaxpaged.planning.memory)."""
 
+import os
+
 import pytest
 from test_config import LLAMA_31_8B
 
@@ -105,3 +107,58 @@ def test_the_plan_counts_every_per_sequence_array_of_the_cache():
         )
         beside_pool = [x for name, x in vars(cache).items() if name != "kv"]
         assert sum(x.size * x.dtype.itemsize for x in beside_pool) == sequence_state_bytes(max_num_seqs, 128256)
+
+
+def test_the_activation_probe_reserves_the_fused_decode_programs_temporaries(tmp_path, monkeypatch):
+    """The plan reserves the larger of the largest mixed step and the largest fused decode
+    program (an H100's int4 engine refused to start when only the mixed step was measured): a
+    fused program reported 1 GiB of temporaries is what the probe returns."""
+    from tiny_models import save_hf_model
+
+    from jaxpaged.engine import setup as engine_setup
+    from jaxpaged.engine_args import EngineArgs
+    from jaxpaged.engine_config import EngineConfig
+    from jaxpaged.parallel.mesh import TensorParallel, make_mesh
+    from jaxpaged.worker.model_runner import ModelRunner
+
+    save_hf_model("llama_tp", str(tmp_path))
+    args = EngineArgs(
+        model=str(tmp_path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        num_scheduler_steps=4,
+    )
+    config = EngineConfig.resolve(args)
+    parallel = TensorParallel(config.layout, make_mesh(1))
+    model = engine_setup.build_model(config, parallel)
+    real = engine_setup._peak_activation_bytes(config, model, parallel)
+    assert 0 < real < GiB
+    keep = ModelRunner._keep
+
+    def fused_reports_a_gib(self, program, compiled):
+        out = keep(self, program, compiled)
+        if getattr(program, "steps", 1) > 1:
+            self.temp_bytes[program] = GiB
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_keep", fused_reports_a_gib)
+    assert engine_setup._peak_activation_bytes(config, model, parallel) == GiB
+
+
+def test_importing_jaxpaged_keeps_the_gpu_allocator_preallocated():
+    """An allocator grown on demand fragmented on an H100 (an 8B pool's second 27 GiB half could
+    not be placed with 4 GiB to spare): jaxpaged's defaults keep one preallocated region of 95%,
+    and a user's own settings win."""
+    import subprocess
+    import sys
+
+    code = "import os, jaxpaged; print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'], os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["true", "0.95"]
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["false", "0.95"]

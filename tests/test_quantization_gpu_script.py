@@ -20,7 +20,7 @@ from benchmarks.gpu.hlo_census import census
 
 STAGES = ("hlo", "kernels", "engine")
 HLO_STEPS = ("fp8", "int8", "bf16", "fp8_scanned_cublas_in_place")
-ENGINE_MODES = ("bf16", "fp8_w_kv", "fp8_kv", "int8")
+ENGINE_MODES = ("bf16", "fp8_w_kv", "fp8_kv", "int8", "int4")
 HLO_KEYS = {
     "fp8_gemm_custom_calls",
     "gemm_custom_calls",

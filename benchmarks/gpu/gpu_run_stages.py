@@ -157,5 +157,6 @@ def run_serve(stage: Stage) -> None:
         " ".join(stage.plan.serve_flags),
         "--",
         *engine_flags(stage.plan, shared_cache(stage)),
+        "--skip-tokenizer-init",  # a preset has no tokenizer: the server takes and returns token ids
     ]
     stage.step("three_rates", cmd, out)

@@ -38,7 +38,10 @@ DATASET_MIN_PASSING = 1200  # ShareGPT pairs the trimmed file must hold for --nu
 
 # Seconds per stage, most valuable first; with the device probe they sum to 9.5 minutes, inside
 # one 10-minute device call. A stage that ends early hands its unused seconds to the next.
-STAGE_BUDGETS_S = {"kernels": 120, "startup": 60, "engine_start": 70, "latency": 90, "throughput": 125, "serve": 85}
+# Set from the first H100 run (benchmarks/results/h100_2026-11-26): kernels took ~140 s in full,
+# startup 50, engine_start 55, the four latency engines ~105, throughput ~75 (1,000 ShareGPT
+# prompts, jaxpaged alone), serve 92.
+STAGE_BUDGETS_S = {"kernels": 140, "startup": 50, "engine_start": 60, "latency": 110, "throughput": 100, "serve": 90}
 SMOKE_STAGE_BUDGET_S = 240
 
 
@@ -78,7 +81,10 @@ def gpu_plan(budgets: dict) -> GpuRunPlan:
             "10",
         ),
         throughput_flags=("--dataset-name", "sharegpt", "--num-prompts", "1000"),
-        compare_transformers=True,
+        # transformers did not finish the 1,000 requests within 129 s on the first H100 run, and
+        # left jaxpaged too little of the stage: its comparison is `bench throughput
+        # --compare-transformers` with fewer prompts, a call of its own.
+        compare_transformers=False,
         # The 8B preset has no tokenizer, so the server takes token ids: random prompts of
         # ShareGPT's typical lengths (~200 in, ~180 out).
         serve_rates=("4", "16", "inf"),

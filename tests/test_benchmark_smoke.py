@@ -62,7 +62,14 @@ STAGES = ("kernels", "startup", "engine_start", "latency", "throughput", "serve"
 HEADLINE_KEYS = {
     "startup": {"programs", "cold_s", "warm_s"},
     "engine_start": {"cold_ready_s", "warm_ready_s", "cold_first_generate_s"},
-    "latency": {"tpot_ms", "avg_latency_s", "tpot_ms_scanned", "tpot_ms_scanned_cublas_in_place"},
+    "latency": {
+        "tpot_ms",
+        "avg_latency_s",
+        "tpot_ms_sync",
+        "tpot_ms_one_step",
+        "tpot_ms_scanned",
+        "tpot_ms_scanned_cublas_in_place",
+    },
     "throughput": {"requests", "output_tok_s", "requests_s", "transformers_output_tok_s", "vs_transformers"},
 }
 
@@ -107,7 +114,7 @@ def test_gpu_run_smoke_runs_every_stage_and_records_a_timeout(tmp_path):
         assert keys <= set(records[name]["headline"]), name
     assert records["startup"]["headline"]["cold_s"] > 0 and records["latency"]["headline"]["tpot_ms"] > 0
     latency = records["latency"]["headline"]
-    assert latency["tpot_ms_scanned"] > 0 and latency["tpot_ms_scanned_cublas_in_place"] > 0
+    assert all(latency[f"tpot_ms_{name}"] > 0 for name in ("sync", "one_step", "scanned", "scanned_cublas_in_place"))
     assert records["throughput"]["headline"]["output_tok_s"] > 0
     assert sorted(records["serve"]["headline"]) == ["rate 16.0", "rate 4.0", "rate inf"]
     markdown = (out / "summary.md").read_text()

@@ -85,9 +85,11 @@ def shared_cache(stage: Stage) -> str:
 
 def run_latency(stage: Stage) -> None:
     """Batch-1 TPOT of the engine as it runs by default (layers unrolled over per-layer arrays,
-    async scheduling), then without async scheduling, then scanned (each layer's weights copied every step), and scanned with the weights read in
-    place by cuBLAS (job-sized engines, no shared cache): what do the scan's copies cost on
-    this GPU, and would cuBLAS GEMMs win them back?"""
+    async scheduling, 4 fused decode steps per program), then without async scheduling, then one
+    decode step per program (what the fused window buys: a stream receives its tokens a window
+    at a time, so serving's ITL is ~4x TPOT with it), then scanned (each layer's weights copied
+    every step), and scanned with the weights read in place by cuBLAS (job-sized engines, no
+    shared cache): what do the scan's copies cost on this GPU, and would cuBLAS GEMMs win them back?"""
     out = stage.path("latency_result.json")
     command = [*CLI, "bench", "latency", "--model", stage.plan.model, *stage.plan.latency_flags]
     stage.step("batch1", [*command, *engine_flags(stage.plan, shared_cache(stage)), "--output-json", out], out)
@@ -95,6 +97,12 @@ def run_latency(stage: Stage) -> None:
     stage.step(
         "batch1_sync",
         [*command, *engine_flags(stage.plan, shared_cache(stage)), "--no-async-scheduling", "--output-json", out],
+        out,
+    )
+    out = stage.path("latency_batch1_one_step.json")  # its 1-step programs are in the shared cache
+    stage.step(
+        "batch1_one_step",
+        [*command, *engine_flags(stage.plan, shared_cache(stage)), "--num-scheduler-steps", "1", "--output-json", out],
         out,
     )
     flags = [*stage.plan.weight_flags, "--compilation-cache-dir", "none", "--scan-layers"]

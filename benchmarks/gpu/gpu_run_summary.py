@@ -51,7 +51,7 @@ def latency_headline(record: dict) -> dict:
     result = step_result(record, "batch1") or {}
     tpot = {
         name: rounded((step_result(record, f"batch1_{name}") or {}).get("avg_time_per_output_token_ms"))
-        for name in ("scanned", "scanned_cublas_in_place")
+        for name in ("sync", "one_step", "scanned", "scanned_cublas_in_place")
     }
     return {
         "tpot_ms": rounded(result.get("avg_time_per_output_token_ms")),

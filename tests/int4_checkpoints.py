@@ -253,15 +253,25 @@ def pack_saved_checkpoint(model_dir, kind: str, reference_dir, group_size: int =
     expert's its own) packed by the `kind` packer and config.json's `quantization_config` (updated
     with `quantization_config`); `reference_dir` gets the checkpoint with the packer's dequantized
     weights, the model transformers runs as the reference. A `modules_to_not_convert` leaves the
-    projections whose module names hold one of its entries in float, as AutoAWQ does."""
+    projections whose module names hold one of its entries in float, as AutoAWQ does; an `ignore`
+    those whose module name is one of its entries, or starts with a match of an entry's regular
+    expression after `re:`, as compressed-tensors' matcher does."""
     packer, qconfig = checkpoint_kinds(group_size)[kind]
     copy_checkpoint(model_dir, reference_dir)
     rng = np.random.default_rng(0)
     dequantized = {}
     not_converted = quantization_config.get("modules_to_not_convert", [])
+    ignore = quantization_config.get("ignore", [])
+
+    def ignored(module: str) -> bool:
+        patterns = [entry[3:] for entry in ignore if entry.startswith("re:")]
+        return module in ignore or any(re.match(pattern, module) for pattern in patterns)
 
     def converted(name: str) -> bool:
-        return bool(PROJECTION_NAME.search(name)) and not any(m in name.removesuffix(".weight") for m in not_converted)
+        module = name.removesuffix(".weight")
+        return (
+            bool(PROJECTION_NAME.search(name)) and not any(m in module for m in not_converted) and not ignored(module)
+        )
 
     def edit(tensors):
         for name in [n for n in tensors if converted(n)]:

@@ -237,3 +237,20 @@ def test_checkpoint_detection_and_quantization_assertion():
     assert resolve_quantization("compressed-tensors", fp8) == "fp8" and checkpoint_group_format(fp8) is None
     packed = {"quantization_config": compressed_config(4, 128, True, False)}
     assert resolve_quantization("compressed-tensors", packed) == "compressed-tensors"
+
+
+def test_compressed_tensors_ignore_matches_names_whole_or_by_regex():
+    """compressed-tensors' `ignore` names a module whole, or by a regular expression matched from
+    the name's start after `re:` (not as AWQ's substrings); anything else is refused naming it."""
+    qconfig = compressed_config(4, 32, True, False)
+    fmt = pack_quantized_format({**qconfig, "ignore": ["lm_head", "re:.*mlp[.]gate$", "model.layers.1.mlp.up_proj"]})
+    assert fmt.not_converted_field == "ignore"
+    assert fmt.leaves_float("model.layers.7.mlp.gate") and fmt.leaves_float("model.layers.1.mlp.up_proj")
+    assert not fmt.leaves_float("model.layers.7.mlp.gate_proj")  # the regex's $: no substring match
+    assert not fmt.leaves_float("model.layers.11.mlp.up_proj") and not fmt.leaves_float("lm_head.x")
+    assert awq_format({**checkpoint_kinds()["awq"][1], "modules_to_not_convert": ["gate"]}).leaves_float(
+        "model.layers.7.mlp.gate_proj"
+    )  # AWQ: a substring
+    for bad, match in (("lm_head", "must be a list"), (["re:(["], "is not a regular expression"), ([""], "must be")):
+        with pytest.raises(ValueError, match=rf"ignore.*{match}"):
+            pack_quantized_format({**qconfig, "ignore": bad})

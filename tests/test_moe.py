@@ -218,26 +218,42 @@ def test_int4_experts_logits_and_tokens_equal_transformers_on_the_dequantized_we
         assert tokens == hf_greedy(hf, prompt, MAX_TOKENS)
 
 
-@pytest.mark.parametrize(("variant", "kind"), [("mixtral_moe", "awq"), ("qwen2_moe", "gptq_act_order_asym")])
-def test_awq_and_gptq_experts_equal_transformers_on_their_dequantized_weights(tmp_path, variant, kind):
-    """A mixture of experts' AWQ (Mixtral: each expert's w1, w2, w3 packed, the routers left in
-    float by `modules_to_not_convert: ["gate"]`, as AutoAWQ writes it) and GPTQ act-order
-    (Qwen2-MoE: each expert's own input order, and the shared expert's) checkpoints: logits and
-    greedy tokens equal transformers on the packer's dequantized weights. A checkpoint that
-    leaves one expert's projection in float but not the others' is refused naming it."""
+# What each kind's checkpoint leaves in float, as its tools write it, and a list that also leaves
+# one expert's w2 in float (refused: a projection is quantized in every expert or in none).
+NOT_CONVERTED = {
+    "awq": ("modules_to_not_convert", ["gate"], ["gate", "experts.3.w2"]),
+    "compressed_group": (
+        "ignore",
+        ["lm_head", "re:.*block_sparse_moe[.]gate$"],
+        ["lm_head", "re:.*block_sparse_moe[.]gate$", "model.layers.0.block_sparse_moe.experts.3.w2"],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("variant", "kind"),
+    [("mixtral_moe", "awq"), ("mixtral_moe", "compressed_group"), ("qwen2_moe", "gptq_act_order_asym")],
+)
+def test_awq_gptq_and_compressed_experts_equal_transformers_on_their_dequantized_weights(tmp_path, variant, kind):
+    """A mixture of experts' AWQ and compressed-tensors (Mixtral: each expert's w1, w2, w3 packed,
+    the routers left in float, by `modules_to_not_convert: ["gate"]` as AutoAWQ writes it, by
+    `ignore: ["lm_head", "re:.*block_sparse_moe[.]gate$"]` as llm-compressor does) and GPTQ
+    act-order (Qwen2-MoE: each expert's own input order, and the shared expert's) checkpoints:
+    logits and greedy tokens equal transformers on the packer's dequantized weights. A checkpoint
+    that leaves one expert's projection in float but not the others' is refused naming it."""
     model_dir, reference_dir = tmp_path / kind, tmp_path / "dequantized"
     save_hf_model(variant, str(model_dir))
-    not_converted = {"modules_to_not_convert": ["gate"]} if kind == "awq" else {}
-    pack_saved_checkpoint(model_dir, kind, reference_dir, **not_converted)
+    field, left_float, uneven = NOT_CONVERTED.get(kind, (None, None, None))
+    pack_saved_checkpoint(model_dir, kind, reference_dir, **({field: left_float} if field else {}))
     hf = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
     config, model = load_model(model_dir, "float32")
-    assert config.weight_act_order == (kind != "awq")
+    assert config.weight_act_order == (kind == "gptq_act_order_asym")
     assert_logits_and_tokens_equal(model, hf, atol=2e-4)
-    if kind == "awq":
+    if field:
         hf_config = json.loads((model_dir / "config.json").read_text())
-        hf_config["quantization_config"]["modules_to_not_convert"] = ["gate", "experts.3.w2"]
+        hf_config["quantization_config"][field] = uneven
         (model_dir / "config.json").write_text(json.dumps(hf_config))
-        with pytest.raises(ValueError, match=r"layers\.0\.block_sparse_moe\.experts\.3\.w2: .*modules_to_not_convert"):
+        with pytest.raises(ValueError, match=rf"layers\.0\.block_sparse_moe\.experts\.3\.w2: .*{field}="):
             load_model(model_dir, "float32")
 
 

@@ -9,13 +9,16 @@ no tensors: what the file announces; `jaxpaged.checkpoint.formats` reads the ten
     gptq                bits, group_size, desc_act, sym,              bits 4 or 8, checkpoint_format
                         checkpoint_format, lm_head, dynamic           "gptq" (v1), lm_head false, no dynamic
     compressed-tensors  format (top level or per config group),       format "pack-quantized", weights
-                        config_groups.*.weights, .input_activations   type "int", 4 or 8 bits, strategy
-                                                                      "group" or "channel", no activations
+                        config_groups.*.weights, .input_activations,  type "int", 4 or 8 bits, strategy
+                        ignore                                        "group" or "channel", no activations;
+                                                                      a projection ignored in every layer
+                                                                      and expert or in none
 
 A group size of -1 (or a "channel" strategy) is one group spanning every input feature.
 """
 
 import dataclasses
+import re
 from typing import Any
 
 GROUP_FORMATS = ("awq", "gptq", "compressed-tensors")
@@ -40,9 +43,10 @@ class GroupFormat:
       sym: symmetric codes (the zero point is the middle code, `2**(bits-1)`).
       act_order: each linear stores the group of every input feature (GPTQ `desc_act`,
         compressed-tensors `actorder: group`); else groups are contiguous.
-      not_converted: names of modules left in float (AWQ's `modules_to_not_convert`, matched as
-        substrings of a module's name, as AutoAWQ does), e.g. Mixtral's routers, `gate`: the
-        projections whose names hold one are the model's `float_weights`
+      not_converted: the modules left in float, as the format names them (`leaves_float` says
+        how they match a module): AWQ's `modules_to_not_convert` (e.g. Mixtral's routers,
+        `gate`), compressed-tensors' `ignore` (e.g. `lm_head`, `re:.*mlp.gate$`). The
+        projections left in float in every layer and expert are the model's `float_weights`
         (`jaxpaged.params.tables.float_weights`).
     """
 
@@ -52,6 +56,23 @@ class GroupFormat:
     sym: bool
     act_order: bool
     not_converted: tuple[str, ...] = ()
+
+    @property
+    def not_converted_field(self) -> str:
+        """The `quantization_config` field `not_converted` comes from."""
+        return "ignore" if self.method == "compressed-tensors" else "modules_to_not_convert"
+
+    def leaves_float(self, module: str) -> bool:
+        """Whether the format leaves `module` (e.g. `model.layers.0.mlp.gate_proj`) in float. AWQ
+        matches a name as a substring of the module's, as AutoAWQ and transformers do;
+        compressed-tensors matches it whole, or as a regular expression from the module name's
+        start after `re:`, as compressed-tensors does."""
+        if self.method != "compressed-tensors":
+            return any(name in module for name in self.not_converted)
+        return any(
+            re.match(name[3:], module) is not None if name.startswith("re:") else name == module
+            for name in self.not_converted
+        )
 
     def groups(self, num_in: int) -> int:
         """Groups of a linear with `num_in` input features."""
@@ -187,7 +208,16 @@ def pack_quantized_format(qc: dict[str, Any]) -> GroupFormat:
         raise _refuse("format", sorted(map(str, formats)), f"integer weights are read in the {PACK_QUANTIZED!r} format")
     if len(found) != 1:
         raise _refuse("config_groups", sorted(qc.get("config_groups") or {}), "every group must quantize alike")
-    return found.pop()
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(name, str) and name for name in ignore):
+        raise _refuse("ignore", ignore, "must be a list of module names (or 're:' regular expressions)")
+    for name in ignore:
+        if name.startswith("re:"):
+            try:
+                re.compile(name[3:])
+            except re.error as err:
+                raise _refuse("ignore", name, f"is not a regular expression ({err})") from None
+    return dataclasses.replace(found.pop(), not_converted=tuple(ignore))
 
 
 def is_int_compressed_tensors(qc: dict[str, Any]) -> bool:

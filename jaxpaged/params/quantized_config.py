@@ -15,7 +15,8 @@ def with_quantized_weights(
 ) -> ModelConfig:
     """`config` with the weight groups `quantization` gives its projections (`weight_groups`;
     act-ordered when the checkpoint's format stores a group per input, GPTQ `desc_act`; those
-    its format leaves in float, AWQ's `modules_to_not_convert`, held plain: `float_weights`).
+    its format leaves in float, AWQ's `modules_to_not_convert` or compressed-tensors' `ignore`,
+    held plain: `float_weights`).
 
     Raises:
       ValueError: the group size does not divide a projection's inputs (naming `group_size_field`),
@@ -24,6 +25,6 @@ def with_quantized_weights(
     """
     stored = checkpoint_group_format(hf_config) if quantization in GROUP_FORMATS else None
     act_order = stored is not None and stored.act_order
-    left_float = () if stored is None else float_weights(config, stored.not_converted)
+    left_float = () if stored is None else float_weights(config, stored)
     groups = weight_groups(quantization, group_size, hf_config)
     return config.with_weight_groups(groups, act_order, group_size_field(quantization), left_float)

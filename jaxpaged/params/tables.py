@@ -8,6 +8,7 @@ engine may split them into per-layer arrays of one layer's shape and axes).
 import dataclasses
 
 from jaxpaged.config.architectures import ARCHITECTURES
+from jaxpaged.config.group_formats import GroupFormat
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import LAYERS, ParamSpec, Path, axis_sizes
 
@@ -56,26 +57,26 @@ def linear_prefixes(spec: ParamSpec, config: ModelConfig, layer: int) -> list[st
     return [spec.hf_key(layer, expert).removesuffix(".weight") for expert in experts]
 
 
-def float_weights(config: ModelConfig, not_converted: tuple[str, ...]) -> tuple[Path, ...]:
-    """The paths of the projections a checkpoint leaves in float by `not_converted` (AWQ's
-    `modules_to_not_convert`: substrings of a module's name, as AutoAWQ and transformers match
-    them; e.g. AutoAWQ's Qwen2-MoE `gate` leaves every `gate_proj`, the routers and the shared
-    expert's gate in float): those whose module in every layer (and expert) holds one.
+def float_weights(config: ModelConfig, fmt: GroupFormat) -> tuple[Path, ...]:
+    """The paths of the projections a checkpoint's format leaves in float (`fmt.leaves_float`:
+    AWQ's `modules_to_not_convert`, substrings of a module's name, e.g. AutoAWQ's Qwen2-MoE
+    `gate` leaves every `gate_proj`, the routers and the shared expert's gate in float;
+    compressed-tensors' `ignore`): those whose module in every layer (and expert) is left.
 
     Raises:
-      ValueError: naming a projection's module that `not_converted` leaves in float and one of
-        the same projection it does not (jaxpaged holds a projection quantized in every layer
-        and expert, or in none).
+      ValueError: naming a projection's module that the format leaves in float and one of the
+        same projection it does not (jaxpaged holds a projection quantized in every layer and
+        expert, or in none).
     """
     paths = []
     for spec in (s for s in _declared(config) if s.quantize):
         modules = [m for layer in range(config.num_layers) for m in linear_prefixes(spec, config, layer)]
-        left_out = [m for m in modules if any(name in m for name in not_converted)]
+        left_out = [m for m in modules if fmt.leaves_float(m)]
         if left_out and len(left_out) < len(modules):
             kept = next(m for m in modules if m not in left_out)
             raise ValueError(
-                f"{left_out[0]}: quantization_config's modules_to_not_convert={list(not_converted)} leaves it in "
-                f"float but not {kept}; jaxpaged reads a projection quantized in every layer and expert, or in none"
+                f"{left_out[0]}: quantization_config's {fmt.not_converted_field}={list(fmt.not_converted)} leaves it "
+                f"in float but not {kept}; jaxpaged reads a projection quantized in every layer and expert, or in none"
             )
         if left_out:
             paths.append(spec.path)

@@ -73,7 +73,7 @@ def check_linears(fmt: GroupFormat, linears: Iterable[Linear], headers: Mapping[
         if expected[0].name not in headers and f"{prefix}.weight" in headers:
             raise ValueError(
                 f"tensor {expected[0].name!r} is missing: {prefix} is stored in float ({prefix}.weight), but "
-                "config.json's quantization_config does not leave it unquantized (modules_to_not_convert="
+                f"config.json's quantization_config does not leave it unquantized ({fmt.not_converted_field}="
                 f"{list(fmt.not_converted)}); list the module there, in every layer and expert alike"
             )
         check_headers(fmt, expected, headers)

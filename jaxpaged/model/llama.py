@@ -68,7 +68,7 @@ def resolve_attention_backend(name: str) -> str:
 
 
 def use_group_kernel(parallel: TensorParallel | None) -> bool:
-    """Whether group-quantized weights multiply through the Pallas kernel in decode-sized steps:
+    """Whether group-quantized weights multiply through the Pallas kernel (in every step):
     on a GPU, unless tensor parallelism splits the weights (XLA would gather a Pallas call's
     operands whole on every device); XLA's product elsewhere."""
     return pallas_kernels.target_platform() == "gpu" and (parallel is None or parallel.size == 1)

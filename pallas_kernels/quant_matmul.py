@@ -11,11 +11,11 @@ min(group_size, 128): a tile never straddles two groups). Each step loads a `[BK
 codes as stored, subtracts the group's zero points in registers (exact small integers in x's
 dtype), multiplies it by the `[BM, BK]` activation tile into float32 and scales that by the
 group's scales: the weight is read as codes (once per row block; the row blocks vary fastest in
-the grid, so a column block's codes are re-read from L2) and no dequantized weight or per-group
+the grid so that a column block's codes are re-read from L2, not measured on a GPU) and no dequantized weight or per-group
 partial product ever leaves registers (XLA's `group_matmul` writes one or the other). With one
-split (every step of more than 64 tokens) the program stores its rows of the result in x's dtype;
-with several, each stores its float32 sum and XLA adds them (`[S, R, N]`, a few of them for a
-decode step: small beside the weight).
+split (above 64 tokens, unless K is long and the codes 8-bit: `num_splits`) the program stores
+its rows of the result in x's dtype; with several, each stores its float32 sum and XLA adds them
+(`[S, R, N]`, a few of them for a decode step: small beside the weight).
 
 4-bit codes (`jnp.int4`, two per byte on a GPU, the even column in the low nibble) are read as the
 bytes they are (`bitcast_convert_type`, no copy): a byte column holds output columns 2c and 2c+1,
@@ -120,9 +120,9 @@ def _kernel(
 def row_block(num_tokens: int) -> tuple[int, int]:
     """`(rows per program BM, warps)` for a step of `num_tokens`: up to 64 tokens one program's rows
     hold them all (the power of two from 16 above); more take 64-row blocks, and from 1,024
-    tokens 128-row blocks over 8 warps, so the weight (re-read once per row block, from L2 when
-    the row blocks of a column block run side by side) is read fewer times. Either way the
-    float32 accumulators are 64 (4 bits: 2 x 64) columns x BM rows, 32-64 registers a thread."""
+    tokens 128-row blocks over 8 warps, so the weight (re-read once per row block) is read fewer
+    times. Either way the
+    float32 accumulators are 64 (4 bits: 2 x 64) columns x BM rows, at most 64 registers a thread."""
     if num_tokens <= _MAX_ONE_BLOCK:
         return max(16, c.next_pow2(num_tokens)), _NUM_WARPS
     if num_tokens < _LARGE_STEP:

@@ -124,7 +124,7 @@ class ParamDeclarer:
       pipeline: the layers' stages; with several, `LayerArrays` of the stages' layer slots,
         slot j's array `[P, ...]` holding each stage's j-th layer (zeros in an empty slot).
       group_kernel: the modules multiply group-quantized weights through the Pallas kernel in
-        decode-sized steps (`jaxpaged.model.group_quant.group_matmul`).
+        every step (`jaxpaged.model.group_quant.group_matmul`).
     """
 
     def __init__(

@@ -53,6 +53,7 @@ CASES = [
     (jnp.float16, 8, jnp.int8, 128, 16, 256, 64),
     (jnp.bfloat16, 4, jnp.int4, 256, 33, 512, 130),
     (jnp.float32, 8, jnp.int8, 128, 3, 2176, 24),  # 17 tiles in 2 splits (9 and 8)
+    (jnp.float32, 4, jnp.int4, 128, 2, 4096, 10),  # int4 in 2 splits, summed in XLA
     (jnp.bfloat16, 4, jnp.int4, 16, 63, 32, 134),
     (jnp.float32, 4, jnp.int4, 32, 65, 64, 130),  # 2 row blocks, the second 1 row
     (jnp.bfloat16, 8, jnp.int8, 16, 200, 48, 70),
@@ -79,8 +80,10 @@ def test_kernel_matches_float64_and_xla(dtype, bits, code_dtype, group_size, num
 
 
 def test_a_long_k_is_split():
-    """The 2176-input case above runs in two programs along K (`num_splits`), one column block."""
+    """The 2176- and 4096-input cases above run in two programs along K (`num_splits`), one column
+    block."""
     assert quant_matmul.num_splits(1, 17, 16, 2176, 8) == 2
+    assert quant_matmul.num_splits(1, 32, 16, 4096, 4) == 2
 
 
 def test_row_blocks_grow_with_the_step():

@@ -6,7 +6,8 @@ The data would break a wrong kernel: codes over their whole range, zero points d
 of the codes (asymmetric, anywhere in the code range) and scales differing per group and column, so
 a swapped nibble, a wrong group, a column off by one or a lost split changes the result. Output
 widths are not multiples of the kernel's column block; a K of an odd number of tiles splits
-unequally. Shapes stay small: the interpreter runs every program one after another.
+unequally; token counts above one row block end in a partial block (64- and 128-row blocks).
+Shapes stay small: the interpreter runs every program one after another.
 """
 
 import jax
@@ -17,7 +18,7 @@ import pytest
 import pallas_kernels
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import get_preset
-from jaxpaged.model.group_quant import KERNEL_MAX_TOKENS, group_matmul
+from jaxpaged.model.group_quant import group_matmul
 from jaxpaged.model.llama import use_group_kernel
 from jaxpaged.parallel.mesh import TensorParallel
 from pallas_kernels import group_quant_matmul, quant_matmul
@@ -44,13 +45,20 @@ def rel_error(out, ref) -> float:
 
 # (x dtype, bits, code dtype, group size, T, K, N): every x dtype, both code dtypes at 4 bits (int4
 # packed two per byte on a GPU; int8, a CPU's storage) and 8 bits, group sizes below, at and above
-# the kernel's 128-row tile.
+# the kernel's 128-row tile; token counts in one row block (up to 64) and in several 64-row (65,
+# 200, 1000) or 128-row (1100) blocks, the last partly padding.
 CASES = [
     (jnp.float32, 4, jnp.int4, 32, 5, 96, 202),
     (jnp.bfloat16, 4, jnp.int8, 16, 1, 64, 70),
     (jnp.float16, 8, jnp.int8, 128, 16, 256, 64),
     (jnp.bfloat16, 4, jnp.int4, 256, 33, 512, 130),
     (jnp.float32, 8, jnp.int8, 128, 3, 2176, 24),  # 17 tiles in 2 splits (9 and 8)
+    (jnp.float32, 4, jnp.int4, 128, 2, 4096, 10),  # int4 in 2 splits, summed in XLA
+    (jnp.bfloat16, 4, jnp.int4, 16, 63, 32, 134),
+    (jnp.float32, 4, jnp.int4, 32, 65, 64, 130),  # 2 row blocks, the second 1 row
+    (jnp.bfloat16, 8, jnp.int8, 16, 200, 48, 70),
+    (jnp.float32, 8, jnp.int8, 32, 1000, 32, 24),
+    (jnp.bfloat16, 4, jnp.int4, 16, 1100, 32, 20),  # 9 blocks of 128 rows
 ]
 
 
@@ -72,8 +80,30 @@ def test_kernel_matches_float64_and_xla(dtype, bits, code_dtype, group_size, num
 
 
 def test_a_long_k_is_split():
-    """The last case above runs in two programs along K (`num_splits`), one column block."""
+    """The 2176- and 4096-input cases above run in two programs along K (`num_splits`), one column
+    block."""
     assert quant_matmul.num_splits(1, 17, 16, 2176, 8) == 2
+    assert quant_matmul.num_splits(1, 32, 16, 4096, 4) == 2
+
+
+def test_row_blocks_grow_with_the_step():
+    """A decode step's tokens in one row block; larger steps in 64-, then 128-row blocks (8 warps),
+    never splitting K at Llama-3.1-8B's widths (the result written in x's dtype)."""
+    assert [quant_matmul.row_block(t)[0] for t in (1, 16, 17, 64, 65, 256, 1023, 1024, 2048)] == [
+        16,
+        16,
+        32,
+        64,
+        64,
+        64,
+        64,
+        128,
+        128,
+    ]
+    assert quant_matmul.row_block(2048)[1] == 8
+    for tokens, num_in in ((256, 4096), (2048, 4096), (2048, 14336)):
+        rows = -(-tokens // quant_matmul.row_block(tokens)[0]) * quant_matmul.row_block(tokens)[0]
+        assert quant_matmul.num_splits(32 * rows // 64, num_in // 128, rows, num_in, 4) == 1
 
 
 @pytest.mark.parametrize(
@@ -98,18 +128,19 @@ def test_unsupported_weights_are_clear_errors(codes_shape, code_dtype, groups, m
         )
 
 
-def test_group_matmul_takes_the_kernel_for_decode_steps_only():
+def test_group_matmul_takes_the_kernel_for_every_step():
     """`kernel=True`: multi-axis weights `[*in, *out]` (an o_proj's `[N, H, D]`) and act-order
-    inputs through the kernel up to `KERNEL_MAX_TOKENS` tokens, XLA's product above it and for a
-    group size the kernel refuses; the same results either way."""
+    inputs through the kernel for a decode step's tokens and a prefill's (more than the group
+    size, where XLA's product would widen the weight), XLA's product for a group size the kernel
+    refuses; the same results either way."""
     rng = np.random.default_rng(7)
     (codes, scale, zero), _ = random_weight(rng, 64, 48, 16, 4, jnp.int8)
     codes = codes.reshape(4, 16, 48)  # [N, H, D]: two input axes
     perm = jnp.asarray(rng.permutation(64), jnp.int32)
-    for tokens, used in ((3, True), (KERNEL_MAX_TOKENS + 1, False)):
+    for tokens in (3, 100):
         x = jnp.asarray(rng.standard_normal((tokens, 4, 16)), jnp.float32)
         run = lambda x, kernel: group_matmul(x, codes, scale, zero, 2, perm, kernel=kernel)  # noqa: E731
-        assert ("pallas_call" in str(jax.make_jaxpr(run, static_argnums=1)(x, True))) == used
+        assert "pallas_call" in str(jax.make_jaxpr(run, static_argnums=1)(x, True))
         np.testing.assert_allclose(run(x, True), run(x, False), rtol=1e-5, atol=1e-5)
     refused = jnp.zeros((48, 8), jnp.int8), jnp.ones((2, 8), jnp.float32), jnp.zeros((2, 8), jnp.int8)  # groups of 24
     jaxpr = jax.make_jaxpr(lambda x: group_matmul(x, *refused, 1, kernel=True))(jnp.ones((2, 48)))

@@ -122,10 +122,15 @@ def test_float8_pools_lower_to_triton(model, quant):
     assert TRITON_CALL in text and "fp_to_fp" in text
 
 
-# (x dtype, codes, group size, tokens, K, N): Llama-3.1-8B's gate/up, down and k/v projections.
+# (x dtype, codes, group size, tokens, K, N): Llama-3.1-8B's gate/up, down and k/v projections, in
+# decode steps (one row block, K split) and a 256-sequence decode and a 2,048-token prefill (64- and
+# 128-row blocks).
 GROUP_MATMULS = {
     "int4-gate-16": (jnp.bfloat16, jnp.int4, 128, 16, 4096, 14336),
     "int4-down-64": (jnp.float16, jnp.int4, 128, 64, 14336, 4096),
+    "int4-q-256": (jnp.bfloat16, jnp.int4, 128, 256, 4096, 4096),
+    "int4-gate-2048": (jnp.bfloat16, jnp.int4, 128, 2048, 4096, 14336),
+    "int4-down-2000": (jnp.bfloat16, jnp.int4, 128, 2000, 14336, 4096),
     "int8-kv-1-g32": (jnp.float32, jnp.int8, 32, 1, 4096, 1024),
 }
 

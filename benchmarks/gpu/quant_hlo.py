@@ -10,7 +10,9 @@ pool, nothing materialised), compiled for this machine's backend, and their opti
 (`Compiled.as_text()`) is written to DIR and read by `hlo_census.census`, with the element counts
 of the decoder's projection weights (one layer's and the stacked array's) as "weight-sized".
 `decode:N` is the decode program of the N-sequence bucket (batch-1 decode runs in the smallest),
-`mixed:N` the mixed (prefill) program of the N-token bucket. The programs compile in parallel;
+`fused:N` its program of fused decode steps (`--num-scheduler-steps`), `mixed:N` the mixed
+(prefill) program of the N-token bucket. Each program's temporaries (`temp_bytes`, from XLA's
+memory analysis) are recorded beside the counts. The programs compile in parallel;
 the JSON is rewritten as each is counted. `--target h100` compiles them for an H100 on any
 machine (deviceless, see jaxpaged/bench/gpu_targets.py: no autotuning).
 """
@@ -53,12 +55,17 @@ def weight_sizes(params, scan_layers: bool) -> dict[str, list[int]]:
 
 
 def pick(programs, spec: str):
-    """The program a `decode:N` / `mixed:N` spec names: the bucket of N, else the nearest larger,
-    else the largest."""
+    """The program a `decode:N` / `fused:N` / `mixed:N` spec names: the bucket of N, else the
+    nearest larger, else the largest."""
     kind, _, count = spec.partition(":")
-    if kind not in ("decode", "mixed") or not count.isdigit():
-        raise ValueError(f"--programs {spec!r}: decode:N or mixed:N")
-    candidates = sorted((p for p in programs.all() if p.decode == (kind == "decode")), key=lambda p: p.tokens)
+    if kind not in ("decode", "fused", "mixed") or not count.isdigit():
+        raise ValueError(f"--programs {spec!r}: decode:N, fused:N or mixed:N")
+    candidates = sorted(
+        (p for p in programs.all() if p.decode == (kind != "mixed") and (p.steps > 1) == (kind == "fused")),
+        key=lambda p: p.tokens,
+    )
+    if not candidates:
+        raise ValueError(f"--programs {spec!r}: no such program (fused steps need --num-scheduler-steps > 1)")
     wanted = int(count)
     return next((p for p in candidates if p.tokens >= wanted), candidates[-1])
 
@@ -69,10 +76,11 @@ def save(result: dict, path: str | None) -> None:
             json.dump(result, f, indent=1)
 
 
-def report(label: str, spec: str, description: str, compile_s: float, found: dict) -> None:
+def report(label: str, spec: str, description: str, compile_s: float, temp_bytes: int, found: dict) -> None:
     sized = found["weight_sized"]
     print(
-        f"{label} {spec} ({description}) compiled in {compile_s:.1f} s: custom calls {found['custom_calls']}; "
+        f"{label} {spec} ({description}) compiled in {compile_s:.1f} s, temporaries {temp_bytes / 2**20:.1f} MiB: "
+        f"custom calls {found['custom_calls']}; "
         f"GEMM fusions {found['gemm_fusions']}; fp8 GEMM custom calls {found['fp8_gemm_custom_calls']}; "
         f"weight-sized: upcasts {sized['upcasts']}, 8-bit relayouts {sized['relayouts_8bit']}, "
         f"slice copies {sized['slice_copies']}",
@@ -158,6 +166,7 @@ def census_programs(args, engine, devices: list | None = None) -> int:
         for future in concurrent.futures.as_completed([executor.submit(compile_one, spec) for spec in chosen]):
             spec, executable, compile_s = future.result()
             text = executable.as_text()
+            temp_bytes = executable.memory_analysis().temp_size_in_bytes
             path = os.path.join(args.hlo_dir, f"hlo_{label}_{spec.replace(':', '')}.txt")
             with open(path, "w") as f:
                 f.write(text)
@@ -168,10 +177,11 @@ def census_programs(args, engine, devices: list | None = None) -> int:
                 "compile_s": round(compile_s, 2),
                 "hlo_file": os.path.basename(path),
                 "hlo_chars": len(text),
+                "temp_bytes": temp_bytes,
                 **found,
             }
             save(result, args.output_json)
-            report(label, spec, programs.describe(chosen[spec]), compile_s, found)
+            report(label, spec, programs.describe(chosen[spec]), compile_s, temp_bytes, found)
     result["complete"] = True
     result["total_s"] = round(time.perf_counter() - STARTED, 1)
     save(result, args.output_json)

@@ -31,10 +31,14 @@ a batched dot over the groups (accumulated in float32 inside the GEMM) whose par
 float32. That is fewer bytes than a widened weight while T <= group_size (every decode bucket up
 to 128 sequences at the default group size): per weight, 4-bit codes plus `2 * T / group_size`
 elements of partials written and read back, against a widened weight written and read back. Above
-it (prefill) the weight is dequantized into a temporary in x's dtype and multiplied in one dot,
-which XLA writes to memory. The Pallas kernel `pallas_kernels.group_quant_matmul` keeps the
-partials in registers and reads the codes alone: `kernel=True` (the model's choice on a GPU with
-its weights unsplit, `jaxpaged.model.llama.Llama`) runs it for steps of up to `KERNEL_MAX_TOKENS`.
+it the weight is dequantized into a temporary in x's dtype and multiplied in one dot, which XLA
+writes to memory (and, in a program of fused decode steps, may hoist out of the loop: several
+layers' widened weights held at once). These XLA products serve a CPU, tensor-parallel splits
+and weights the kernel refuses. The Pallas kernel `pallas_kernels.group_quant_matmul` dequantizes
+in registers and reads the codes alone, for any number of tokens: `kernel=True` (the model's
+choice on a GPU with its weights unsplit, `jaxpaged.model.llama.Llama`) runs it in every step
+whose weight it takes (`pallas_kernels.quant_matmul.unsupported`), so no step program there
+writes a widened weight.
 Dimension letters: T tokens, I flattened inputs, O flattened outputs, G groups.
 """
 
@@ -47,10 +51,6 @@ from jaxtyping import Array, Float, Integer
 import pallas_kernels
 from jaxpaged.config.quantization import GROUP_CODE_DTYPES
 from pallas_kernels.quant_matmul import unsupported
-
-# Steps of up to this many tokens (decode buckets) take the Pallas kernel where the model asks for it:
-# its [T, 64] float32 accumulators stay in registers.
-KERNEL_MAX_TOKENS = 64
 
 
 def code_dtype(bits: int, platform: str | None = None) -> jnp.dtype:
@@ -110,14 +110,14 @@ def group_matmul(
 ) -> Float[Array, "T ..."]:
     """`x [T, *in]` times the group-quantized weight `(codes [*in, *out], scale, zero [G, *out])`
     (its inputs stored in the order `perm`, when given) -> `[T, *out]` in x's dtype, accumulated
-    in float32 (see the module docstring). `kernel`: steps of up to `KERNEL_MAX_TOKENS` tokens run
-    `pallas_kernels.group_quant_matmul` where it takes the weight (interpreted off a GPU)."""
+    in float32 (see the module docstring). `kernel`: run `pallas_kernels.group_quant_matmul`
+    (interpreted off a GPU) for any number of tokens, where it takes the weight."""
     num_tokens, ins, outs = x.shape[0], codes.shape[:num_in], codes.shape[num_in:]
     groups, num_out = scale.shape[0], math.prod(outs)
     group_size = math.prod(ins) // groups
     if perm is not None:
         x = jnp.take(x.reshape(num_tokens, -1), perm, axis=1)
-    if kernel and num_tokens <= KERNEL_MAX_TOKENS and unsupported(codes.dtype, group_size, num_out) is None:
+    if kernel and unsupported(codes.dtype, group_size, num_out) is None:
         y = pallas_kernels.group_quant_matmul(
             x.reshape(num_tokens, -1),
             codes.reshape(-1, num_out),

@@ -68,7 +68,7 @@ def resolve_attention_backend(name: str) -> str:
 
 
 def use_group_kernel(parallel: TensorParallel | None) -> bool:
-    """Whether group-quantized weights multiply through the Pallas kernel in decode-sized steps:
+    """Whether group-quantized weights multiply through the Pallas kernel (in every step):
     on a GPU, unless tensor parallelism splits the weights (XLA would gather a Pallas call's
     operands whole on every device); XLA's product elsewhere."""
     return pallas_kernels.target_platform() == "gpu" and (parallel is None or parallel.size == 1)
@@ -124,7 +124,7 @@ class ParamDeclarer:
       pipeline: the layers' stages; with several, `LayerArrays` of the stages' layer slots,
         slot j's array `[P, ...]` holding each stage's j-th layer (zeros in an empty slot).
       group_kernel: the modules multiply group-quantized weights through the Pallas kernel in
-        decode-sized steps (`jaxpaged.model.group_quant.group_matmul`).
+        every step (`jaxpaged.model.group_quant.group_matmul`).
     """
 
     def __init__(

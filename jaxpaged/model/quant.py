@@ -132,7 +132,7 @@ def weight_matmul(
     """`x [T, *in]` times the weight `name` as `arrays` holds it (by its state names): plain
     (unquantized, or a projection the checkpoint left in float: `ModelConfig.float_weights`),
     its quantized pair, or its group-quantized triple (and act-order permutation) -> `[T, *out]`;
-    `group_kernel`: a group-quantized one through the Pallas kernel in decode-sized steps
+    `group_kernel`: a group-quantized one through the Pallas kernel, in every step
     (`group_matmul`)."""
     if name in arrays:
         return matmul(x, arrays[name], num_in)

@@ -7,8 +7,9 @@ jaxpaged/bench/gpu_targets.py), and what their memory analysis says on the produ
 - unrolled over per-layer arrays (the default), a step reads every weight where it lies; scanned,
   XLA copies each layer's weights out of the stack before its Triton GEMMs, every step (why
   scanning is not the default: the temporaries hold a layer's weights);
-- at int4, steps of up to 16 tokens read the 4-bit codes in the Pallas group-quantized matmul
-  (no widened weight written, no per-group partials in the temporaries);
+- at int4, steps of any size (16-token decode, 256-sequence decode and its fused steps, 2,048-token
+  mixed) read the 4-bit codes in the Pallas group-quantized matmul (no widened weight written, no
+  per-group partials in the temporaries);
 - `jaxpaged bench startup --target h100` compiles an engine's whole program set for an H100.
 
 Needs JAX's CUDA plugin (`pip install -e '.[gpu-compile]'`); CI runs these with the GPU
@@ -74,25 +75,25 @@ def tiny_dir(tmp_path) -> str:
     )
 
 
-def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, **options) -> tuple[dict, object]:
-    """An engine over `model` with `options` started on shapes for H100s, through the engine's own
-    start-up (`prepare_device_worker`): its step programs (or, with `samplers`, its samplers)
-    compiled, `({program: its compiled executable}, the runner's abstract params)`."""
+def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, only=None, **options) -> tuple[dict, object]:
+    """An engine over `model` with `options` (4 sequences of 1,024 tokens, steps of 16 unless they
+    say otherwise) started on shapes for H100s, through the engine's own start-up
+    (`prepare_device_worker`): its step programs (those `only(program)` keeps, when given; or,
+    with `samplers`, its samplers) compiled, `({program: its compiled executable}, the runner's
+    abstract params)`."""
+    limits = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=16)
     args = EngineArgs(
         model=model,
         load_format="dummy",
         skip_tokenizer_init=True,
         compilation_cache_dir="none",
-        max_model_len=1024,
-        max_num_seqs=4,
-        max_num_batched_tokens=16,
         kv_cache_memory_bytes=pool_bytes,
-        **options,
+        **{**limits, **options},
     )
     with compiling_for_target("h100", args.tensor_parallel_size * args.pipeline_parallel_size) as devices:
         runner = abstract_worker(args, devices).runner
         assert runner.parallel.mesh.devices.flat[0].device_kind == GPU_TARGETS["h100"].description
-        every = runner.step_programs.all()
+        every = [p for p in runner.step_programs.all() if only is None or only(p)]
         every = runner.step_programs.samplers(every) if samplers else every
         compiled = {runner.step_programs.describe(p): runner.compile_program(p) for p in every}
     return compiled, runner.params
@@ -182,6 +183,39 @@ def test_int4_steps_read_4_bit_codes_in_the_pallas_kernel(llama_8b_bfloat16):
         assert found["weight_sized"]["upcasts"] == 0 and triton_calls >= 14 + 2, (program, found)
         temp = executable.memory_analysis().temp_size_in_bytes
         assert temp - bfloat16[program].temp_size_in_bytes < partials // 2, temps
+
+
+def test_int4_large_steps_read_4_bit_codes_in_the_pallas_kernel(tmp_path):
+    """Llama-3.1-8B's shapes, two layers, 256 sequences and steps of 2,048 tokens: at int4 the
+    256-sequence decode step, its 4 fused decode steps and the 2,048-token mixed step also run every
+    projection through the Pallas kernel (more tokens than a group, where XLA's product would
+    widen each weight into a bfloat16 temporary, and in the fused steps hoist layers' widened
+    weights out of the loop: 3.5 GiB of temporaries for 32 layers on an H100). No weight-sized
+    upcast, and the temporaries (activations) are bfloat16's for the same programs, within 1 MiB:
+    no widened weight (one layer's gate_proj is 112 MiB in bfloat16) among them."""
+    from benchmarks.gpu.hlo_census import census
+
+    model = model_dir(tmp_path, "llama-3.1-8b", num_hidden_layers=2)
+    options = dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048, num_scheduler_steps=4)
+    large = lambda p: p.tokens == (256 if p.decode else 2048)  # noqa: E731
+    bfloat16, _ = compile_for_h100(model, SMALL_POOL, only=large, dtype="bfloat16", **options)
+    compiled, params = compile_for_h100(model, SMALL_POOL, only=large, dtype="bfloat16", quantization="int4", **options)
+    codes = [x for x in jax.tree.leaves(params["layers"]) if x.dtype == jnp.int4]
+    temps = {
+        p: (
+            round(bfloat16[p].memory_analysis().temp_size_in_bytes / MiB, 1),
+            round(c.memory_analysis().temp_size_in_bytes / MiB, 1),
+        )
+        for p, c in compiled.items()
+    }
+    print("temporaries (MiB, bfloat16 vs int4):", temps)
+    assert len(compiled) == 3 and any("x 4 step(s)" in p for p in compiled), list(compiled)
+    for program, executable in compiled.items():
+        found = census(executable.as_text(), {x.size for x in codes})
+        triton_calls = found["custom_calls"].get("__gpu$xla.gpu.triton", 0)
+        assert found["weight_sized"]["upcasts"] == 0 and triton_calls >= 14 + 2, (program, found)
+        temp = executable.memory_analysis().temp_size_in_bytes
+        assert temp - bfloat16[program].memory_analysis().temp_size_in_bytes < MiB, temps
 
 
 def test_bench_startup_compiles_the_demo_engine_for_an_h100(tmp_path):

@@ -30,6 +30,8 @@ from checkpoint_edits import copy_checkpoint
 from flax import nnx
 from tiny_models import save_hf_model
 
+import jaxpaged.model.llama as llama_model
+import jaxpaged.model.quant as quant
 from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.group_quant import GroupQuantized
 from jaxpaged.checkpoint.group_state import group_state, group_tensors
@@ -258,8 +260,21 @@ def test_group_sizes_and_tensor_parallel_sizes_that_split_a_group_are_refused(ti
 
 
 @pytest.mark.isolated
-@pytest.mark.parametrize("n", [2, 4])  # 4: each of llama_tp's 2 kv heads on 2 devices; 4 groups per split input
-def test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_their_weights(tmp_path, n):
+@pytest.mark.parametrize(
+    "n, kernel",
+    [(2, False), (4, False), (2, True)],  # 4: each of llama_tp's 2 kv heads on 2 devices; 4 groups per split input
+)
+def test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_their_weights(
+    tmp_path, monkeypatch, n, kernel
+):
+    """TP n gives the one-device engine's tokens, through XLA's product or (`kernel`, as on a GPU)
+    the Pallas kernel on every device over its shard (interpreted here): every projection of
+    every step goes through it, the one-device engine's through the same kernel unsplit."""
+    calls = []
+    if kernel:
+        monkeypatch.setattr(llama_model, "use_group_kernel", lambda parallel: True)
+        real = quant.kernel_on_every_device
+        monkeypatch.setattr(quant, "kernel_on_every_device", lambda *args: calls.append(args[2]) or real(*args))
     path = str(tmp_path)
     save_hf_model("llama_tp", path)  # hidden 64, heads 8 x 8, MLP 128; groups of 16: 4, 4 and 8 per input
     prompts = tp_workload.prompts()
@@ -276,8 +291,19 @@ def test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_thei
         return [done[i] for i in range(len(prompts))], engine
 
     single, _ = tokens(1)
+    assert not calls  # one device: the kernel unsplit
     split, engine = tokens(n)
     assert split == single
+    if kernel:  # traced once per program: 7 projections of each of llama_tp's layers
+        assert {c.removesuffix("_quant") for c in calls} == {
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        }
 
     def layer0(entry):
         [arrays] = jax.tree.leaves(entry, is_leaf=lambda x: isinstance(x, LayerArrays))

@@ -19,8 +19,9 @@ import pallas_kernels
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import get_preset
 from jaxpaged.model.group_quant import group_matmul
-from jaxpaged.model.llama import use_group_kernel
+from jaxpaged.model.llama import group_kernel_parallel, use_group_kernel
 from jaxpaged.parallel.mesh import TensorParallel
+from jaxpaged.parallel.pipeline import PipelineLayout
 from pallas_kernels import group_quant_matmul, quant_matmul
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
@@ -147,11 +148,15 @@ def test_group_matmul_takes_the_kernel_for_every_step():
     assert "pallas_call" not in str(jaxpr)
 
 
-def test_the_model_takes_the_kernel_on_a_gpu_with_unsplit_weights():
-    """On a GPU with one device (or one per pipeline stage) only: a Pallas call's operands split by
-    tensor parallelism would be gathered whole on every device."""
+def test_the_model_takes_the_kernel_on_a_gpu_on_one_device_or_every_devices_shard():
+    """On a GPU: on one device (or one per pipeline stage), and under tensor parallelism on every
+    device over its shard (`group_kernel_parallel`: a Pallas call under GSPMD would gather its
+    operands whole); not with tensor and pipeline parallelism together."""
     config = ModelConfig.from_hf(get_preset("llama-3.1-8b"))
     one, two = TensorParallel.create(config, 1), TensorParallel.create(config, 2)
-    assert not use_group_kernel(None) and not use_group_kernel(one)  # this CPU
+    two_stages = TensorParallel.create(config, 2, pipeline=PipelineLayout(config.num_layers, 2))
+    assert not use_group_kernel(None) and not use_group_kernel(one) and group_kernel_parallel(two) is None  # this CPU
     with pallas_kernels.compiling_for("gpu"):
-        assert use_group_kernel(None) and use_group_kernel(one) and not use_group_kernel(two)
+        assert use_group_kernel(None) and use_group_kernel(one) and use_group_kernel(two)
+        assert group_kernel_parallel(one) is None and group_kernel_parallel(two) is two
+        assert not use_group_kernel(two_stages) and group_kernel_parallel(two_stages) is None

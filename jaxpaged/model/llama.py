@@ -68,10 +68,21 @@ def resolve_attention_backend(name: str) -> str:
 
 
 def use_group_kernel(parallel: TensorParallel | None) -> bool:
-    """Whether group-quantized weights multiply through the Pallas kernel (in every step):
-    on a GPU, unless tensor parallelism splits the weights (XLA would gather a Pallas call's
-    operands whole on every device); XLA's product elsewhere."""
-    return pallas_kernels.target_platform() == "gpu" and (parallel is None or parallel.size == 1)
+    """Whether group-quantized weights multiply through the Pallas kernel (in every step): on a
+    GPU, on one device or over every device's shard under tensor parallelism
+    (`group_kernel_parallel`), but not with tensor and pipeline parallelism together; XLA's
+    product elsewhere."""
+    if pallas_kernels.target_platform() != "gpu":
+        return False
+    return parallel is None or parallel.size == 1 or parallel.layout.pipeline.size == 1
+
+
+def group_kernel_parallel(parallel: TensorParallel | None) -> TensorParallel | None:
+    """The mesh the group-quantized kernel runs on every device of (`shard_map`), when tensor
+    parallelism splits the weights and the kernel is used; None: one device, or no kernel."""
+    if parallel is None or parallel.size == 1 or not use_group_kernel(parallel):
+        return None
+    return parallel
 
 
 def initial_value(spec: ParamSpec, config: ModelConfig, dtype, key: jax.Array, layer=None) -> jax.Array:
@@ -125,6 +136,8 @@ class ParamDeclarer:
         slot j's array `[P, ...]` holding each stage's j-th layer (zeros in an empty slot).
       group_kernel: the modules multiply group-quantized weights through the Pallas kernel in
         every step (`jaxpaged.model.group_quant.group_matmul`).
+      kernel_parallel: under tensor parallelism, the mesh the kernel runs on every device of
+        (`group_kernel_parallel`); each module gets it with its table path (`declare`).
     """
 
     def __init__(
@@ -136,9 +149,10 @@ class ParamDeclarer:
         per_layer_arrays: bool = False,
         pipeline: PipelineLayout | None = None,
         group_kernel: bool = False,
+        kernel_parallel: TensorParallel | None = None,
     ):
         self.config, self.dtype, self.key, self.quantization = config, dtype, rngs.params(), quantization
-        self.group_kernel = group_kernel
+        self.group_kernel, self.kernel_parallel = group_kernel, kernel_parallel
         self.per_layer_arrays = per_layer_arrays
         self.pipeline = pipeline if pipeline is not None and pipeline.size > 1 else None
         self.specs = param_specs(config)
@@ -147,7 +161,8 @@ class ParamDeclarer:
     def declare(self, module: nnx.Module, prefix: Path) -> None:
         """Sets on `module` every parameter of the table whose path is `prefix` and one name:
         per-layer ones stacked `[L, ...]` or as `LayerArrays`, quantizable ones as their pair
-        under quantization."""
+        under quantization; and `param_prefix`, `kernel_parallel` (see `project`)."""
+        module.param_prefix, module.kernel_parallel = prefix, self.kernel_parallel
         for spec in self.specs:
             if spec.path[:-1] != prefix:
                 continue
@@ -421,6 +436,7 @@ class Llama(nnx.Module):
             per_layer_arrays=not scan_layers,
             pipeline=pipeline,
             group_kernel=use_group_kernel(parallel),
+            kernel_parallel=group_kernel_parallel(parallel),
         )
         params.declare(self, ())  # the embedding [V, D] and, unless tied, the LM head [D, V]
         self.layers = DecoderLayer(config, params, attention=backend, parallel=parallel)  # stacked [L, ...]

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import PERM_SUFFIX, QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
 from jaxpaged.model.group_quant import group_matmul, quantize_groups
+from jaxpaged.model.sharded_group_matmul import kernel_on_every_device
 
 FP8 = jnp.float8_e4m3fn
 
@@ -145,7 +146,15 @@ def weight_matmul(
 
 def project(module, name: str, x: Float[Array, "T ..."]) -> Float[Array, "T ..."]:
     """`x [T, *in]` through the weight `name` of a model `module` (its attributes `name` or
-    `<name>_quant`, ..., `quantization` and `group_kernel`) -> `[T, *out]` (`weight_matmul`)."""
+    `<name>_quant`, ..., `quantization` and `group_kernel`) -> `[T, *out]` (`weight_matmul`).
+    With `kernel_parallel` set (tensor parallelism), a group-quantized weight in its stored
+    input order goes through the kernel on every device over its shard (`kernel_on_every_device`;
+    the module's `param_prefix` names its table path)."""
     names = (name, *(name + suffix for suffix in (QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX)))
     arrays = {n: getattr(module, n)[...] for n in names if hasattr(module, n)}
+    parallel = getattr(module, "kernel_parallel", None)
+    if parallel is not None and name + ZERO_SUFFIX in arrays and name + PERM_SUFFIX not in arrays:
+        return kernel_on_every_device(
+            parallel, module.param_prefix, name + QUANT_SUFFIX, name + SCALE_SUFFIX, name + ZERO_SUFFIX, arrays, x
+        )
     return weight_matmul(x, arrays, name, module.quantization, x.ndim - 1, module.group_kernel)

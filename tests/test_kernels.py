@@ -296,12 +296,14 @@ def test_ragged_tiles_override_matches_the_default(tiles):
 
 
 def test_decode_tiles_override_matches_the_default():
-    """32-key tiles (and so twice the splits' tiles) give the default tiles' results."""
+    """32-key tiles give the default tiles' results; they also make four splits instead of one (the
+    split count follows block_k), so the splits' combine is covered too."""
     rng = np.random.default_rng(22)
     k_pool, v_pool, tables = make_pools(rng, DECODE_LENS, 20, 64, jnp.float32)
     q = jnp.asarray(rng.standard_normal((len(DECODE_LENS), KV_HEADS * 4, 64)), jnp.float32)
     args = (q, k_pool, v_pool, tables, jnp.asarray(DECODE_LENS, jnp.int32))
     default = np.asarray(paged_decode_attention(*args, interpret=True), np.float64)
+    assert decode_attention.num_splits(len(DECODE_LENS), KV_HEADS, 20, BS, 64, block_k=32) == 4
     out = np.asarray(paged_decode_attention(*args, interpret=True, tiles=(32, 2, 3)), np.float64)
     assert np.isfinite(out).all() and (out[-1] == 0).all()
     assert rel_error(out, default) < 1e-5

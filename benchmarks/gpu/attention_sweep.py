@@ -231,7 +231,7 @@ def parse(argv=None):
     p.add_argument("--tiles", action="append", default=None, help="a ragged config R,BK,W,S (repeatable)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode cases")
     p.add_argument("--first-share", type=float, default=0.6, help="of the budget, at most, for the first case's grid")
-    p.set_defaults(reps=10, warmup=1, iters=3)
+    p.set_defaults(reps=20, warmup=1, iters=5)  # kernels_gpu's loop; compiles, not timing, dominate a config
     cfg = parse_timing(p, argv)
     cfg.heads, cfg.kv_heads, cfg.head_dim = 32, 8, 128  # Llama-3.1-8B attention
     cfg.ragged_grid, cfg.decode_grid = nearest_first(RAGGED_GRID), nearest_first(DECODE_GRID)

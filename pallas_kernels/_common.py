@@ -36,6 +36,28 @@ def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def check_tiles(kernel: str, tiles, minimums: dict[str, int]) -> tuple[int, ...]:
+    """Validates a kernel's tile override (its tuning hook); returns it as a tuple of ints.
+
+    `minimums` names the entries in order, each with its least value; every entry is an int, and
+    every one but `num_stages` (any count of pipeline stages) a power of two: Triton tensor sizes
+    and warp counts must be.
+
+    Raises:
+      ValueError: naming the kernel, the entry, its value and what is allowed.
+    """
+    tiles = tuple(tiles)
+    spelled = f"{kernel}(tiles={tiles})"
+    if len(tiles) != len(minimums):
+        raise ValueError(f"{spelled}: expected {len(minimums)} values ({', '.join(minimums)})")
+    for (name, least), value in zip(minimums.items(), tiles):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{spelled}: {name}={value!r} must be an int >= {least}")
+        if name != "num_stages" and value & (value - 1):
+            raise ValueError(f"{spelled}: {name}={value} must be a power of two")
+    return tiles
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """`None` means: run the real kernel on GPU, interpret it anywhere else (CPU tests); see
     `target_platform`."""

@@ -32,10 +32,13 @@ _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
 
 
-def num_splits(batch: int, num_kv_heads: int, max_pages: int, block_size: int, head_dim: int) -> int:
+def num_splits(
+    batch: int, num_kv_heads: int, max_pages: int, block_size: int, head_dim: int, block_k: int | None = None
+) -> int:
     """Static split count: a power of two making batch x kv_heads x splits reach the target,
-    capped so every split of a full-width sequence gets at least two tiles."""
-    block_k = _BLOCK_K[head_dim]
+    capped so every split of a full-width sequence gets at least two tiles (of `block_k` tokens,
+    default `_BLOCK_K[head_dim]`)."""
+    block_k = _BLOCK_K[head_dim] if block_k is None else block_k
     max_tiles = -(-max_pages * block_size // block_k)
     wanted = c.next_pow2(-(-_TARGET_PROGRAMS // max(1, batch * num_kv_heads)))
     cap = max(1, c.next_pow2(max_tiles // 2 + 1) // 2)  # largest power of two <= max_tiles // 2
@@ -97,6 +100,7 @@ def paged_decode_attention(
     v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
     interpret: bool | None = None,
+    tiles: tuple[int, ...] | None = None,
 ) -> Float[Array, "B N H"]:
     """One query token per sequence attending to its first `seq_lens[b]` pooled tokens.
 
@@ -113,20 +117,28 @@ def paged_decode_attention(
       scale: softmax scale, default `H ** -0.5`.
       interpret: run the kernel in the Pallas interpreter; `None` interprets unless the
         default backend is a GPU.
+      tiles: the tuning hook, `(block_k, num_warps, num_stages)`, default
+        `(_BLOCK_K[head_dim], 4, 2)`: keys per loop step (a power of two >= 16; the split count
+        follows it), Triton warps (a power of two) and software-pipeline stages (>= 1). Results
+        do not depend on it, only speed (`benchmarks/gpu/attention_sweep.py`).
 
     Returns:
       The attention output per query head, `[B, N, H]` in q's dtype.
 
     Raises:
-      ValueError: head_dim not in (64, 128, 256), or inconsistent head counts.
+      ValueError: head_dim not in (64, 128, 256), inconsistent head counts, or invalid `tiles`.
     """
     kh, group, hd = c.check_shapes(q, k_pool, v_pool)
     batch, num_heads, _ = q.shape
     block_size = k_pool.shape[1]
     scale = hd**-0.5 if scale is None else float(scale)
     rows = max(16, c.next_pow2(group))
-    block_k = _BLOCK_K[hd]
-    splits = num_splits(batch, kh, block_tables.shape[1], block_size, hd)
+    default = (_BLOCK_K[hd], _NUM_WARPS, _NUM_STAGES)
+    minimums = dict(block_k=16, num_warps=1, num_stages=1)
+    block_k, num_warps, num_stages = c.check_tiles(
+        "paged_decode_attention", default if tiles is None else tiles, minimums
+    )
+    splits = num_splits(batch, kh, block_tables.shape[1], block_size, hd, block_k)
     out_dtype = q.dtype if splits == 1 else jnp.float32
     k_flat, v_flat = c.flat_pools(k_pool, v_pool)
 
@@ -146,7 +158,7 @@ def paged_decode_attention(
             jax.ShapeDtypeStruct((batch, kh, splits, rows, hd), out_dtype),
             jax.ShapeDtypeStruct((batch, kh, splits, rows), jnp.float32),
         ),
-        compiler_params=c.compiler_params(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
+        compiler_params=c.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=c.resolve_interpret(interpret),
         name="paged_decode_attention",
     )(

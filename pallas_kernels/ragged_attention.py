@@ -31,6 +31,7 @@ from pallas_kernels import _common as c
 # head_dim -> (rows per program BM = BQ * G, key tile BK, warps, pipeline stages). 128 x 64 tiles
 # with 8 warps is the usual flash-attention shape for Hopper/Ampere at head_dim 128; 256 halves
 # the row tile to bound registers (the f32 accumulator is BM x H).
+# `tiles=` overrides the row for one call (benchmarks/gpu/attention_sweep.py times the choices).
 _TILES = {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 8, 2)}
 
 
@@ -121,6 +122,7 @@ def ragged_paged_attention(
     v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
     interpret: bool | None = None,
+    tiles: tuple[int, ...] | None = None,
 ) -> Float[Array, "T N H"]:
     """Causal attention for any mix of decode tokens, prefills and prefill chunks.
 
@@ -141,20 +143,29 @@ def ragged_paged_attention(
       scale: softmax scale, default `H ** -0.5`.
       interpret: run the kernel in the Pallas interpreter; `None` interprets unless the
         default backend is a GPU.
+      tiles: the tuning hook, `(rows, block_k, num_warps, num_stages)`, default
+        `_TILES[head_dim]` (its rows raised to the group if smaller): rows = query tokens x GQA heads per program (a power of two >= 16
+        and >= the group rounded up to a power of two), block_k keys per loop step (a power of
+        two >= 16), Triton warps (a power of two) and software-pipeline stages (>= 1).
+        Results do not depend on it, only speed (`benchmarks/gpu/attention_sweep.py`).
 
     Returns:
       The attention output `[T, N, H]` in q's dtype; padding rows are zeros.
 
     Raises:
-      ValueError: head_dim not in (64, 128, 256), or inconsistent head counts.
+      ValueError: head_dim not in (64, 128, 256), inconsistent head counts, or invalid `tiles`.
     """
     kh, group, hd = c.check_shapes(q, k_pool, v_pool)
     num_tokens, num_heads, _ = q.shape
     num_seq_slots = block_tables.shape[0]
     scale = hd**-0.5 if scale is None else float(scale)
-    rows, block_k, num_warps, num_stages = _TILES[hd]
     group_pow2 = c.next_pow2(group)
-    block_q = max(1, rows // group_pow2)
+    if tiles is None:  # a group wider than the default rows gets one token per program
+        rows, *rest = _TILES[hd]
+        tiles = (max(rows, group_pow2), *rest)
+    minimums = dict(rows=max(16, group_pow2), block_k=16, num_warps=1, num_stages=1)
+    rows, block_k, num_warps, num_stages = c.check_tiles("ragged_paged_attention", tiles, minimums)
+    block_q = rows // group_pow2
     # Each non-empty block holds >= 1 token, and at most one block per sequence is partial.
     max_work = max(1, min(num_tokens, -(-num_tokens // block_q) + num_seq_slots))
 

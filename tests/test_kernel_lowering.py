@@ -90,6 +90,22 @@ def test_ragged_lowers_to_triton(model, num_tokens, num_seqs):
     assert TRITON_CALL in text
 
 
+def test_tiles_override_reaches_the_triton_call():
+    """`tiles=` sets the Triton call's warps, stages and (through the rows) its grid."""
+    n, k, h = MODELS["llama-3.1-8b"]
+    seqs = 64
+    ragged = (sds((2048, n, h)), *pools(k, h), sds((seqs + 1,), jnp.int32), sds((seqs,), jnp.int32))
+    ragged += (sds((seqs, MAX_PAGES), jnp.int32), sds((), jnp.int32))
+    default = lower_for_cuda(functools.partial(ragged_paged_attention, interpret=False), *ragged)
+    tuned = lower_for_cuda(functools.partial(ragged_paged_attention, interpret=False, tiles=(64, 32, 4, 3)), *ragged)
+    # 128 rows = 32 tokens x 4 heads: 2048 / 32 + 64 sequences' partial blocks = 128 programs; 64 rows: 192
+    assert "num_warps = 8 : i32" in default and "num_stages = 2 : i32" in default and "grid_x = 128 :" in default
+    assert "num_warps = 4 : i32" in tuned and "num_stages = 3 : i32" in tuned and "grid_x = 192 :" in tuned
+    decode = (sds((8, n, h)), *pools(k, h), sds((8, MAX_PAGES), jnp.int32), sds((8,), jnp.int32))
+    tuned = lower_for_cuda(functools.partial(paged_decode_attention, interpret=False, tiles=(64, 8, 3)), *decode)
+    assert "num_warps = 8 : i32" in tuned and "num_stages = 3 : i32" in tuned
+
+
 @pytest.mark.parametrize("quant", list(FLOAT8.values()), ids=list(FLOAT8))
 @pytest.mark.parametrize("model", list(MODELS))
 def test_float8_pools_lower_to_triton(model, quant):

@@ -7,6 +7,7 @@ the Pallas interpreter runs every program one after another on the CPU.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -272,6 +273,67 @@ def test_unsupported_head_dim_is_a_clear_error(kernel):
         else:
             cu = jnp.arange(4, dtype=jnp.int32)
             ragged_paged_attention(q, pool, pool, cu, jnp.ones(3, jnp.int32), table, jnp.int32(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# tiles= (the tuning hook of benchmarks/gpu/attention_sweep.py): other tiles, same results
+
+
+@pytest.mark.parametrize("tiles", [(16, 16, 2, 3), (64, 32, 4, 1)], ids=["4-tokens-16-keys", "16-tokens-32-keys"])
+def test_ragged_tiles_override_matches_the_default(tiles):
+    """Other row and key tiles move every block and tile edge (4 tokens x 4 heads per program, or
+    16 tokens over 32-key tiles) over uneven lengths, NaN in unowned slots and padding: the
+    results stay the default tiles' (and the reference's) up to f32 rounding."""
+    rng = np.random.default_rng(21)
+    args = ragged_inputs(rng, RAGGED, 4, 64, jnp.float32)
+    default = np.asarray(jax.jit(functools.partial(ragged_paged_attention, interpret=True))(*args), np.float64)
+    out = jax.jit(functools.partial(ragged_paged_attention, interpret=True, tiles=tiles))(*args)
+    out, real = np.asarray(out, np.float64), sum(q for _, q in RAGGED)
+    assert np.isfinite(out).all(), "NaN leaked from an unused page"
+    assert rel_error(out[:real], default[:real]) < 1e-5
+    assert rel_error(out[:real], reference.ragged_paged_attention(*args)[:real]) < TOLERANCE[jnp.float32]
+    assert (out[real:] == 0).all(), "padding rows must be zero"
+
+
+def test_decode_tiles_override_matches_the_default():
+    """32-key tiles give the default tiles' results; they also make four splits instead of one (the
+    split count follows block_k), so the splits' combine is covered too."""
+    rng = np.random.default_rng(22)
+    k_pool, v_pool, tables = make_pools(rng, DECODE_LENS, 20, 64, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((len(DECODE_LENS), KV_HEADS * 4, 64)), jnp.float32)
+    args = (q, k_pool, v_pool, tables, jnp.asarray(DECODE_LENS, jnp.int32))
+    default = np.asarray(paged_decode_attention(*args, interpret=True), np.float64)
+    assert decode_attention.num_splits(len(DECODE_LENS), KV_HEADS, 20, BS, 64, block_k=32) == 4
+    out = np.asarray(paged_decode_attention(*args, interpret=True, tiles=(32, 2, 3)), np.float64)
+    assert np.isfinite(out).all() and (out[-1] == 0).all()
+    assert rel_error(out, default) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "kernel,tiles,message",
+    [
+        ("ragged", (100, 64, 8, 2), "rows=100 must be a power of two"),
+        ("ragged", (8, 64, 8, 2), "rows=8 must be an int >= 16"),
+        ("ragged", (16, 64, 8, 2), "rows=16 must be an int >= 32"),  # a group of 32 heads
+        ("ragged", (128, 8, 8, 2), "block_k=8 must be an int >= 16"),
+        ("ragged", (128, 64, 6, 2), "num_warps=6 must be a power of two"),
+        ("ragged", (128, 64, 8, 0), "num_stages=0 must be an int >= 1"),
+        ("ragged", (128, 64, 8), "expected 4 values"),
+        ("decode", (96, 4, 2), "block_k=96 must be a power of two"),
+        ("decode", (128, 4, 2, 2), "expected 3 values"),
+    ],
+)
+def test_invalid_tiles_are_a_clear_error(kernel, tiles, message):
+    group = 32 if "32" in message else 4
+    pool = jnp.ones((4, BS, KV_HEADS, 64), jnp.float32)
+    q = jnp.ones((3, KV_HEADS * group, 64), jnp.float32)
+    table = jnp.zeros((3, 2), jnp.int32)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        if kernel == "decode":
+            paged_decode_attention(q, pool, pool, table, jnp.ones(3, jnp.int32), tiles=tiles)
+        else:
+            cu = jnp.arange(4, dtype=jnp.int32)
+            ragged_paged_attention(q, pool, pool, cu, jnp.ones(3, jnp.int32), table, jnp.int32(3), tiles=tiles)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -157,4 +157,7 @@ def project(module, name: str, x: Float[Array, "T ..."]) -> Float[Array, "T ..."
         return kernel_on_every_device(
             parallel, module.param_prefix, name + QUANT_SUFFIX, name + SCALE_SUFFIX, name + ZERO_SUFFIX, arrays, x
         )
-    return weight_matmul(x, arrays, name, module.quantization, x.ndim - 1, module.group_kernel)
+    # Under tensor parallelism an act-order weight takes XLA's product: a Pallas call's operands
+    # split by GSPMD would be gathered whole on every device.
+    kernel = module.group_kernel and parallel is None
+    return weight_matmul(x, arrays, name, module.quantization, x.ndim - 1, kernel)

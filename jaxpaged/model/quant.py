@@ -152,7 +152,7 @@ def project(module, name: str, x: Float[Array, "T ..."]) -> Float[Array, "T ..."
     the module's `param_prefix` names its table path)."""
     names = (name, *(name + suffix for suffix in (QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, PERM_SUFFIX)))
     arrays = {n: getattr(module, n)[...] for n in names if hasattr(module, n)}
-    parallel = getattr(module, "kernel_parallel", None)
+    parallel = module.kernel_parallel  # set with the module's parameters (`ParamDeclarer.declare`)
     if parallel is not None and name + ZERO_SUFFIX in arrays and name + PERM_SUFFIX not in arrays:
         return kernel_on_every_device(
             parallel, module.param_prefix, name + QUANT_SUFFIX, name + SCALE_SUFFIX, name + ZERO_SUFFIX, arrays, x

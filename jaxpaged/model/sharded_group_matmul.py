@@ -8,6 +8,8 @@ partial sums of its inputs' rows (their groups beside them: a group never spans 
 `jaxpaged.parallel.sharding`), summed over the tensor axis. Dimension letters: T tokens.
 """
 
+import functools
+
 import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
@@ -15,8 +17,14 @@ from jaxtyping import Array, Float
 from jaxpaged.config.params import Path
 from jaxpaged.model.group_quant import group_matmul
 from jaxpaged.parallel.mesh import TensorParallel
-from jaxpaged.parallel.sharding import TENSOR_AXIS
-from jaxpaged.params.tables import find_state_param
+from jaxpaged.parallel.sharding import TENSOR_AXIS, TensorParallelLayout
+
+
+@functools.cache
+def _layer_mesh_axes(layout: TensorParallelLayout, path: Path) -> tuple[str | None, ...]:
+    """The mesh axes of one layer's array of the per-layer parameter at `path` (cached: every
+    projection of every layer asks while each step program is traced)."""
+    return layout.param_mesh_axes(path)[1:]
 
 
 def kernel_on_every_device(
@@ -32,16 +40,11 @@ def kernel_on_every_device(
     arrays[zero]` (state names under the module path `prefix`, e.g. `("layers", "mlp")`) through
     `pallas_kernels.group_quant_matmul` on every device of `parallel`'s mesh -> `[T, *out]`,
     split over the devices as the weight's outputs are (whole when its inputs are split)."""
-    layout = parallel.layout
     num_in = x.ndim - 1
-
-    def axes(name: str) -> tuple:
-        return find_state_param(layout.config, (*prefix, name)).axes[1:]  # one layer's: no layer axis
-
-    code_axes = layout.mesh_axes(axes(codes))
+    code_axes = _layer_mesh_axes(parallel.layout, (*prefix, codes))
     in_axes, out_axes = code_axes[:num_in], code_axes[num_in:]
     inputs_split = any(a is not None for a in in_axes)
-    specs = tuple(PartitionSpec(*layout.mesh_axes(axes(name))) for name in (codes, scale, zero))
+    specs = tuple(PartitionSpec(*_layer_mesh_axes(parallel.layout, (*prefix, n))) for n in (codes, scale, zero))
 
     def local(q, s, z, x):
         y = group_matmul(x, q, s, z, num_in, kernel=True)

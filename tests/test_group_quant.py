@@ -260,10 +260,8 @@ def test_group_sizes_and_tensor_parallel_sizes_that_split_a_group_are_refused(ti
 
 
 @pytest.mark.isolated
-@pytest.mark.parametrize(
-    "n, kernel",
-    [(2, False), (4, False), (2, True), (4, True)],  # 4: each of llama_tp's 2 kv heads on 2 devices; 4 groups per split input
-)
+# 4 devices: each of llama_tp's 2 kv heads on 2 devices; 4 groups per split input
+@pytest.mark.parametrize("n, kernel", [(2, False), (4, False), (2, True), (4, True)])
 def test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_their_weights(
     tmp_path, monkeypatch, n, kernel
 ):

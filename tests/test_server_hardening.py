@@ -42,7 +42,7 @@ from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine
 from jaxpaged.server.http_protocol import guarded_h11_protocol
 from jaxpaged.server.limits import ServerLimits
-from jaxpaged.server.serving import _Choice, _Kind
+from jaxpaged.server.responses import Choice, Kind
 
 SETTINGS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=1)
 KEY = "sk-hardening"
@@ -510,9 +510,9 @@ def test_a_non_streamed_response_is_rendered_as_its_outputs_arrive(chat):
     """Each delta's logprobs become JSON strings at once (no `Logprob` object outlives its delta: a
     response of n x max_tokens x top logprobs entries leaves nothing for full GCs to walk); the
     body is the same as rendering every token's logprobs at the end."""
-    kind = _Kind(chat=chat, num_logprobs=3)
+    kind = Kind(chat=chat, num_logprobs=3)
     outs = _deltas(num_tokens=11, top=3, chunk=4)
-    choice = _Choice(kind, outs[0], "r")
+    choice = Choice(kind, outs[0], "r")
     for out in outs:
         choice.add(out)
     assert all(isinstance(part, str) for parts in choice.parts.values() for part in parts)
@@ -522,7 +522,7 @@ def test_a_non_streamed_response_is_rendered_as_its_outputs_arrive(chat):
     whole = kind.choice(2, text, ids, lps, outs[-1], chunk=False)
     assert json.loads(choice.render(2)) == whole
     assert choice.render(2) == json.dumps(whole, ensure_ascii=False, separators=(",", ":"))
-    no_logprobs = _Choice(_Kind(chat=chat, num_logprobs=None), outs[0], "r")
+    no_logprobs = Choice(Kind(chat=chat, num_logprobs=None), outs[0], "r")
     no_logprobs.add(outs[0])
     assert json.loads(no_logprobs.render(0))["logprobs"] is None
 
@@ -719,7 +719,7 @@ def test_second_sigterm_ends_the_drain_with_clean_shapes(tmp_path):
 def test_a_stream_client_that_stops_reading_is_dropped_after_the_write_timeout():
     """D5: a send that does not complete (the client's buffers full) within `stream_write_timeout`
     ends the stream and aborts its request; nothing more is produced for it."""
-    from jaxpaged.server.serving import EventStreamResponse
+    from jaxpaged.server.event_stream import EventStreamResponse
 
     produced, closed, sent = [], [], []
 

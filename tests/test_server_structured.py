@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai")
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR  # noqa: E402
 from jaxpaged.entrypoints.llm import LLM  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
-from jaxpaged.server import fields, serving, tool_parsers  # noqa: E402
+from jaxpaged.server import fields, prompts, serving, serving_context, tool_parsers  # noqa: E402
 from jaxpaged.server.app import build_app  # noqa: E402
 from jaxpaged.server.async_engine import AsyncEngine  # noqa: E402
 from jaxpaged.server.errors import APIError  # noqa: E402
@@ -292,7 +292,7 @@ def test_constraint_is_compiled_off_the_event_loop_and_health_answers_meanwhile(
         assert release.wait(30)
         raise ValueError("structured_outputs.json: the schema cannot be compiled (test)")
 
-    monkeypatch.setattr(serving, "structured_check", slow_check)
+    monkeypatch.setattr(serving_context, "structured_check", slow_check)
     big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}
     result = {}
     body = {
@@ -397,7 +397,7 @@ def test_truncate_prompt_tokens_python_api(server):
     assert r["truncated"].prompt_token_ids == r["ids"][-5:] and r["truncated"].prompt is None
     assert r["truncated"].outputs[0].token_ids == r["ref"].outputs[0].token_ids
     long = {"prompt_token_ids": list(range(200))}  # -1: the last max_model_len tokens (the server's rule too)
-    assert serving.truncate(long, -1, 128) == {"prompt_token_ids": list(range(72, 200))}
+    assert prompts.truncate(long, -1, 128) == {"prompt_token_ids": list(range(72, 200))}
     text, kept = r["short"]
     assert text == "In the" and len(kept) < SETTINGS["max_model_len"]  # shorter: kept whole, text too
 
@@ -608,7 +608,7 @@ def test_template_receives_tools_documents_and_history():
     )
     import asyncio
 
-    assert asyncio.run(serving.chat_prompt(Ctx(), body))["prompt_token_ids"] == [1, 2, 3]
+    assert asyncio.run(prompts.chat_prompt(Ctx(), body))["prompt_token_ids"] == [1, 2, 3]
     assert (
         captured["tools"] == [WEATHER] and captured["documents"] == [{"title": "t", "text": "x"}] and captured["k"] == 1
     )

@@ -7,7 +7,11 @@
 - `fields`: the fields accepted with no effect or refused (the README's table); others are 400.
 - `structured_request`: `response_format`, `structured_outputs`, `guided_*` -> one constraint.
 - `tools`, `tool_parsers`: `tools` / `tool_choice` in, `tool_calls` out (whole and streamed).
-- `serving`: the completions and chat-completions handlers (JSON and SSE).
+- `serving`: the completions and chat-completions handlers (JSON and SSE), on
+  `serving_context.ServingContext` (what they share; the checks every request passes).
+- `prompts`: the engine's prompts (completions' prompts, the chat template, truncation, echo).
+- `responses`: choices, usage and the JSON body (`logprobs_json`: logprobs as OpenAI's JSON).
+- `event_stream`: SSE events and the client connection (a client gone aborts its requests).
 - `app.build_app`: the FastAPI app (routes, API key, body limit, error handlers).
 - `metrics.ServerMetrics`: Prometheus metrics with vLLM's names.
 - `cli.serve`: start-up for the `jaxpaged serve` command.

@@ -40,6 +40,7 @@ from jaxpaged.server.async_engine import (
 from jaxpaged.server.dev_routes import add_dev_routes, dev_mode
 from jaxpaged.server.limits import RETRY_AFTER_SECONDS, ServerLimits
 from jaxpaged.server.metrics import ServerMetrics
+from jaxpaged.server.prompts import chat_prompt
 from jaxpaged.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -50,7 +51,8 @@ from jaxpaged.server.protocol import (
     error_body,
 )
 from jaxpaged.server.request_body import parse_body, validation_message
-from jaxpaged.server.serving import ServingContext, chat_prompt, create_chat_completion, create_completion
+from jaxpaged.server.serving import create_chat_completion, create_completion
+from jaxpaged.server.serving_context import ServingContext
 
 logger = logging.getLogger("jaxpaged.server")
 

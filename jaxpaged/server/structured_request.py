@@ -13,7 +13,7 @@ Five ways to ask, all ending in one `StructuredOutputsParams` (vLLM's names):
 - `tools` with `tool_choice` `"required"` or a named function (a JSON schema, see `tools.py`).
 
 Two of them at once is a 400 naming both. A schema's size is bounded by the body's
-(`--max-request-body-bytes`); whether it compiles is checked off the event loop (`serving.py`).
+(`--max-request-body-bytes`); whether it compiles is checked off the event loop (`serving_context.py`).
 """
 
 import json

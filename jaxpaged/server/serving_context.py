@@ -1,0 +1,165 @@
+"""`ServingContext`: what the completions and chat-completions handlers share (the engine, the
+served model name, the tokenizer threads, the server's limits) and the checks every request
+passes before the engine sees it (readiness, model name, sequences, lengths, response size, the
+structured-output constraint).
+"""
+
+import asyncio
+import dataclasses
+
+from jaxpaged.server.async_engine import AsyncEngine
+from jaxpaged.server.limits import ServerLimits
+from jaxpaged.server.protocol import APIError, echo
+from jaxpaged.server.request_body import ListLimits
+from jaxpaged.server.tokenizer_pool import TokenizerPool
+from jaxpaged.structured import check as structured_check
+
+
+@dataclasses.dataclass
+class ServingContext:
+    """What the handlers share: the engine, the name the model is served under, whether request
+    logs may include prompt text (`--enable-log-requests`), the per-request sequence cap, the
+    tokenizer threads (made once the engine is ready) and the server's limits.
+    """
+
+    engine: AsyncEngine
+    model_name: str
+    log_prompts: bool = False
+    max_sequences_per_request: int = 1024
+    tokenizer_pool_size: int = 2
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
+    tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice, else None
+    chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
+    _pool: TokenizerPool | None = None
+
+    def require_ready(self) -> None:
+        """503 unless the engine is serving (starting, draining or dead otherwise)."""
+        if self.engine.dead is not None:
+            raise APIError("the engine is not running", 503, type="server_error")
+        if not self.engine.is_ready:
+            message = "the server is shutting down" if self.engine.draining else "the engine is starting; retry shortly"
+            raise APIError(message, 503, type="server_error")
+
+    def __post_init__(self):
+        self.engine.when_ready(self._start_pool)  # loads tokenizers off the event loop
+
+    def _start_pool(self) -> None:
+        if self.engine.tokenizer_dir is not None:
+            self._pool = TokenizerPool(self.engine.tokenizer_dir, self.tokenizer_pool_size)
+
+    @property
+    def pool(self) -> TokenizerPool:
+        """The tokenizer threads (400 when the engine runs without a tokenizer)."""
+        if self._pool is None:
+            raise APIError("the model is served without a tokenizer: send token ids", param="prompt")
+        return self._pool
+
+    async def run_blocking(self, fn, *args):
+        """`fn(*args)` on a worker thread (the tokenizer threads when there are: they bound how
+        many such jobs run at once), never on the event loop."""
+        if self._pool is None:
+            return await asyncio.to_thread(fn, *args)
+        return await self._pool.run(lambda _tokenizer: fn(*args))
+
+    async def check_structured(self, params, field: str | None) -> None:
+        """400 naming the request's constraint field when its grammar cannot be compiled; the
+        compilation (seconds for a huge schema) runs off the event loop."""
+        if params.structured_outputs is None:
+            return
+        err = await self.run_blocking(_check_quietly, params.structured_outputs)
+        if err is not None:
+            raise APIError(f"{field}: {str(err)[:500]}", param=field)
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation config (`--generation-config`): defaults of unset request fields."""
+        return dict(self.engine.config.load.sampling_defaults)
+
+    @property
+    def list_limits(self) -> ListLimits:
+        """The longest list each body field may hold (known once the engine's config is)."""
+        return ListLimits(
+            self.engine.config.max_model_len,
+            self.max_sequences_per_request,
+            self.limits.max_stop_token_ids,
+            self.engine.config.model.vocab_size,
+        )
+
+    def check_model(self, model: str | None) -> None:
+        """404 `model_not_found` unless `model` is None or the served name."""
+        self.require_ready()
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{echo(model)}` does not exist.", 404, param="model", code="model_not_found")
+
+    def check_cache_salt(self, salt: str | None) -> None:
+        """400 when `cache_salt` is longer than `--max-cache-salt-chars`."""
+        limit = self.limits.max_cache_salt_chars
+        if salt is not None and len(salt) > limit:
+            raise APIError(
+                f"cache_salt has {len(salt)} characters; at most {limit} are accepted (--max-cache-salt-chars)",
+                param="cache_salt",
+            )
+
+    def check_response_size(self, num_sequences: int, prompt_lens: list[int], params, num_logprobs: int | None):
+        """400 when sequences x max_tokens x (1 + top logprobs) exceeds `--max-response-entries`
+        (max_tokens unset: the room each prompt leaves in max_model_len)."""
+        limit = self.limits.max_response_entries
+        per_entry = 1 + (num_logprobs or 0)
+        room = [params.max_tokens or self.engine.config.max_model_len - n for n in prompt_lens]
+        entries = sum(r * params.n * per_entry for r in room)
+        if entries > limit:
+            raise APIError(
+                f"this response could hold {entries} tokens and logprobs ({num_sequences} sequence(s) x "
+                f"max_tokens {max(room)} x (1 + {num_logprobs or 0} top logprobs)); the server returns at most "
+                f"{limit} (--max-response-entries): lower n, max_tokens or logprobs",
+                param="max_tokens",
+            )
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """400 when one request asks for more sequences than `max_sequences_per_request`."""
+        if num_prompts * n > self.max_sequences_per_request:
+            raise APIError(
+                f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+                f"the server takes at most {self.max_sequences_per_request} per request",
+                param="n",
+            )
+
+    def check_text_length(self, chars: int, what: str) -> None:
+        """400 before tokenizing when `chars` characters must be more tokens than `max_model_len`."""
+        limit = self.engine.config.max_model_len * self.pool.max_token_chars
+        if chars > limit:
+            raise APIError(
+                f"the {what} has {chars} characters: more than the {self.engine.config.max_model_len} tokens of "
+                f"this model's maximum context length can hold (at most {limit} characters)",
+                param=what,
+                code="context_length_exceeded",
+            )
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, what: str) -> None:
+        """400 `context_length_exceeded` when prompt + max_tokens cannot fit `max_model_len`."""
+        limit = self.engine.config.max_model_len
+        if max_tokens is None and num_prompt >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens, and the {what} has {num_prompt} "
+                "tokens, which leaves no room for the completion. Please shorten the "
+                f"{what}.",
+                param=what,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {what} or completion.",
+                param=what,
+                code="context_length_exceeded",
+            )
+
+
+def _check_quietly(structured) -> ValueError | None:
+    """`jaxpaged.structured.check`'s error, returned rather than raised (off the event loop)."""
+    try:
+        structured_check(structured)
+    except ValueError as err:
+        return err
+    return None

@@ -10,7 +10,10 @@ ragged batch tail, so only the grammar differs. Each mode runs twice; the better
 output tokens), and the host's time filling grammar masks per step. Constrained steps run
 without fused decode steps (each mask needs the token sampled before it), with async overlap
 (the mask is filled while the device computes the step's model program): that, the masks' host
-time and the masked sampler are what the ratio measures. Two more modes, unconstrained in single
+time and the masked sampler are what the ratio measures. With grammars the engine also
+measures reading each step before scheduling the next (forced runs whole, no overlap) and runs
+the faster (`ModeGovernor`); a mode with it pinned to overlapping (`json_schema_overlapped`)
+shows what that choice gains. Two more modes, unconstrained in single
 async steps (as constrained steps run now) and in single synchronous steps (as they ran before
 the overlap), split the costs: the ratio of the constrained run to the first is the grammar's
 own cost.
@@ -57,6 +60,19 @@ SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 PROMPT = "And the LORD spake unto Moses, saying, Write the record of the sick man"
 
 
+class PinnedMode:
+    """A stand-in for the engine's `read_first_governor` that always answers `mode`."""
+
+    def __init__(self, mode: bool):
+        self.mode = mode
+
+    def choose(self, num_running: int) -> bool:
+        return self.mode
+
+    def record(self, *args) -> None:
+        pass
+
+
 def run_once(
     engine: LLMEngine,
     batch: int,
@@ -65,12 +81,17 @@ def run_once(
     single_steps: bool = False,
     sync: bool = False,
     seed: int | None = None,
+    overlap_only: bool = False,
 ) -> dict:
     """One run of B requests: constrained (`lengths` None), else unconstrained with these
     max_tokens; `single_steps`: without fused decode steps; `sync`: without async scheduling;
-    `seed`: request i sampled with seed `seed + i` (None: unseeded)."""
-    constrained, config = lengths is None, engine.scheduler.config
+    `seed`: request i sampled with seed `seed + i` (None: unseeded); `overlap_only`: constrained
+    steps always overlapped (the engine's governor, which also tries reading each step before
+    scheduling the next, pinned)."""
+    constrained, config, governor = lengths is None, engine.scheduler.config, engine.read_first_governor
     engine.async_scheduling = not sync
+    if overlap_only:
+        engine.read_first_governor = PinnedMode(False)
     if single_steps:
         engine.scheduler.config = dataclasses.replace(config, num_scheduler_steps=1)
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
@@ -94,7 +115,7 @@ def run_once(
                 valid += obeys("json", out.outputs[0].text) if constrained else 1
         steps += 1
     seconds = time.perf_counter() - start
-    engine.async_scheduling, engine.scheduler.config = True, config
+    engine.async_scheduling, engine.scheduler.config, engine.read_first_governor = True, config, governor
     tokens = sum(out_lengths)
     return {
         "tokens_per_s": round(tokens / seconds, 1),
@@ -141,6 +162,7 @@ def measure(batch: int) -> dict:
     runs = {
         "unconstrained": [],
         "json_schema": [],
+        "json_schema_overlapped": [],
         "unconstrained_single_async_steps": [],
         "unconstrained_single_sync_steps": [],
         "json_schema_speculation": [],
@@ -148,6 +170,7 @@ def measure(batch: int) -> dict:
     for _ in range(2):
         runs["json_schema"].append(run_once(engine, batch, None, fill_times))
         lengths = runs["json_schema"][-1]["lengths"]
+        runs["json_schema_overlapped"].append(run_once(engine, batch, None, fill_times, overlap_only=True))
         runs["unconstrained"].append(run_once(engine, batch, lengths, fill_times))
         single = run_once(engine, batch, lengths, fill_times, single_steps=True)
         runs["unconstrained_single_async_steps"].append(single)
@@ -165,6 +188,13 @@ def measure(batch: int) -> dict:
         "throughput_ratio": round(json_["tokens_per_s"] / plain["tokens_per_s"], 3),
         "tpot_ratio": round(json_["tpot_ms"] / plain["tpot_ms"], 3),
         "grammar_only_throughput_ratio": round(json_["tokens_per_s"] / single["tokens_per_s"], 3),
+        "vs_overlapped_throughput_ratio": round(
+            json_["tokens_per_s"] / best["json_schema_overlapped"]["tokens_per_s"], 3
+        ),
+        "read_first_rates": {
+            f"{b}-{'read first' if m else 'overlapped'}": round(r, 1)
+            for (b, m), r in engine.read_first_governor.rates().items()
+        },
         "vs_single_sync_throughput_ratio": round(json_["tokens_per_s"] / single_sync["tokens_per_s"], 3),
         "speculation_throughput_ratio": round(
             best["json_schema_speculation"]["tokens_per_s"] / plain["tokens_per_s"], 3
@@ -214,8 +244,9 @@ def markdown(result: dict) -> str:
         "| batch | unconstrained tok/s | JSON schema tok/s | throughput ratio | TPOT unconstrained ms | "
         "TPOT JSON ms | TPOT ratio | unconstrained, single async steps tok/s | JSON vs that | "
         "unconstrained, single sync steps tok/s | JSON vs that | mask fill ms/step | valid | "
-        "JSON + grammar speculation tok/s | vs unconstrained | its tokens per step (JSON's) | proposals kept |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "JSON + grammar speculation tok/s | vs unconstrained | its tokens per step (JSON's) | proposals kept | "
+        "JSON always overlapped tok/s | JSON vs that |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         u, j, sp = r["unconstrained"], r["json_schema"], r["json_schema_speculation"]
@@ -229,7 +260,8 @@ def markdown(result: dict) -> str:
             f"{sp['tokens_per_s']} ({sp['valid_fraction']:.0%} valid) | {r['speculation_throughput_ratio']:.2f}x | "
             f"{sp['output_tokens'] / sp['steps']:.2f} ({j['output_tokens'] / j['steps']:.2f}) | "
             f"{counters['spec_decode_num_accepted_tokens']} of "
-            f"{counters['spec_decode_num_draft_tokens']} |"
+            f"{counters['spec_decode_num_draft_tokens']} | {r['json_schema_overlapped']['tokens_per_s']} | "
+            f"{r['vs_overlapped_throughput_ratio']:.2f}x |"
         )
     c = result["compile"]
     lines += [

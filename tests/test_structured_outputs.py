@@ -199,9 +199,13 @@ def test_forced_tokens_give_the_plain_tokens_in_fewer_steps(engine, monkeypatch)
 )
 def test_overlapped_masks_equal_synchronous_steps(options):
     """Async scheduling dispatches a masked step's model program before the previous step's
-    tokens are read, and its sampler once they have advanced the matchers: the outputs are the
-    synchronous engine's, token for token, constrained rows beside unconstrained ones."""
+    tokens are read, and its sampler once they have advanced the matchers (or, as its governor
+    tries too, reads the previous step first): the outputs are the synchronous engine's, token
+    for token, constrained rows beside unconstrained ones."""
     sync, overlapped = make_engine(async_scheduling=False, **options), make_engine(**options)
+    preempting = "kv_cache_memory_bytes" in options
+    if preempting:  # every step overlapped (its governor's choice depends on timings)
+        overlapped.read_first_governor.choose = lambda num_running: False
     deferred = []
     sample = overlapped.runner.sample
     overlapped.runner.sample = lambda handle: (deferred.append(handle and handle.pending is not None), sample(handle))
@@ -217,8 +221,11 @@ def test_overlapped_masks_equal_synchronous_steps(options):
     outputs = [{rid: [(c.token_ids, c.text, c.finish_reason) for c in cs] for rid, cs in r.items()} for r in runs]
     assert outputs[1] == outputs[0]
     assert any(deferred)  # masks were filled after the model programs were dispatched
-    if "kv_cache_memory_bytes" in options:
+    if preempting:
         assert overlapped.get_stats()["num_preemptions"] > 0
+    else:  # the governor tried both: steps read before the next was scheduled, and overlapped
+        modes = {mode for _, mode in overlapped.read_first_governor.rates()}
+        assert modes == {True, False}, modes
 
 
 @pytest.mark.isolated

@@ -8,12 +8,11 @@ dozen fields; a document ends when it is complete), then unconstrained with each
 max_tokens the length of its constrained output (EOS ignored): the same tokens, contexts and
 ragged batch tail, so only the grammar differs. Each mode runs twice; the better run is kept. Per mode: output tokens/s, TPOT (ms per output token of one sequence: wall time x B /
 output tokens), and the host's time filling grammar masks per step. Constrained steps run
-without fused decode steps (each mask needs the token sampled before it), with async overlap
-(the mask is filled while the device computes the step's model program): that, the masks' host
-time and the masked sampler are what the ratio measures. With grammars the engine also
-measures reading each step before scheduling the next (forced runs whole, no overlap) and runs
-the faster (`ModeGovernor`); a mode with it pinned to overlapping (`json_schema_overlapped`)
-shows what that choice gains. Two more modes, unconstrained in single
+without fused decode steps (each mask needs the token sampled before it), each read before the
+next is scheduled (so forced runs are scheduled whole), the mask filled while the device
+computes the step's model program: that, the masks' host time and the masked sampler are what
+the ratio measures; a mode with constrained steps overlapped as other steps are (forced runs
+cut in two: `json_schema_overlapped`) shows what reading first gains. Two more modes, unconstrained in single
 async steps (as constrained steps run now) and in single synchronous steps (as they ran before
 the overlap), split the costs: the ratio of the constrained run to the first is the grammar's
 own cost.
@@ -60,19 +59,6 @@ SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 PROMPT = "And the LORD spake unto Moses, saying, Write the record of the sick man"
 
 
-class PinnedMode:
-    """A stand-in for the engine's `read_first_governor` that always answers `mode`."""
-
-    def __init__(self, mode: bool):
-        self.mode = mode
-
-    def choose(self, num_running: int) -> bool:
-        return self.mode
-
-    def record(self, *args) -> None:
-        pass
-
-
 def run_once(
     engine: LLMEngine,
     batch: int,
@@ -81,17 +67,15 @@ def run_once(
     single_steps: bool = False,
     sync: bool = False,
     seed: int | None = None,
-    overlap_only: bool = False,
+    overlapped: bool = False,
 ) -> dict:
     """One run of B requests: constrained (`lengths` None), else unconstrained with these
     max_tokens; `single_steps`: without fused decode steps; `sync`: without async scheduling;
-    `seed`: request i sampled with seed `seed + i` (None: unseeded); `overlap_only`: constrained
-    steps always overlapped (the engine's governor, which also tries reading each step before
-    scheduling the next, pinned)."""
-    constrained, config, governor = lengths is None, engine.scheduler.config, engine.read_first_governor
+    `seed`: request i sampled with seed `seed + i` (None: unseeded); `overlapped`: constrained
+    steps overlapped too (not reading the step in flight first: forced runs cut in two)."""
+    constrained, config = lengths is None, engine.scheduler.config
     engine.async_scheduling = not sync
-    if overlap_only:
-        engine.read_first_governor = PinnedMode(False)
+    engine.read_first_under_grammars = not overlapped
     if single_steps:
         engine.scheduler.config = dataclasses.replace(config, num_scheduler_steps=1)
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
@@ -115,7 +99,7 @@ def run_once(
                 valid += obeys("json", out.outputs[0].text) if constrained else 1
         steps += 1
     seconds = time.perf_counter() - start
-    engine.async_scheduling, engine.scheduler.config, engine.read_first_governor = True, config, governor
+    engine.async_scheduling, engine.scheduler.config, engine.read_first_under_grammars = True, config, True
     tokens = sum(out_lengths)
     return {
         "tokens_per_s": round(tokens / seconds, 1),
@@ -170,7 +154,7 @@ def measure(batch: int) -> dict:
     for _ in range(2):
         runs["json_schema"].append(run_once(engine, batch, None, fill_times))
         lengths = runs["json_schema"][-1]["lengths"]
-        runs["json_schema_overlapped"].append(run_once(engine, batch, None, fill_times, overlap_only=True))
+        runs["json_schema_overlapped"].append(run_once(engine, batch, None, fill_times, overlapped=True))
         runs["unconstrained"].append(run_once(engine, batch, lengths, fill_times))
         single = run_once(engine, batch, lengths, fill_times, single_steps=True)
         runs["unconstrained_single_async_steps"].append(single)
@@ -191,10 +175,6 @@ def measure(batch: int) -> dict:
         "vs_overlapped_throughput_ratio": round(
             json_["tokens_per_s"] / best["json_schema_overlapped"]["tokens_per_s"], 3
         ),
-        "read_first_rates": {
-            f"{b}-{'read first' if m else 'overlapped'}": round(r, 1)
-            for (b, m), r in engine.read_first_governor.rates().items()
-        },
         "vs_single_sync_throughput_ratio": round(json_["tokens_per_s"] / single_sync["tokens_per_s"], 3),
         "speculation_throughput_ratio": round(
             best["json_schema_speculation"]["tokens_per_s"] / plain["tokens_per_s"], 3
@@ -245,7 +225,7 @@ def markdown(result: dict) -> str:
         "TPOT JSON ms | TPOT ratio | unconstrained, single async steps tok/s | JSON vs that | "
         "unconstrained, single sync steps tok/s | JSON vs that | mask fill ms/step | valid | "
         "JSON + grammar speculation tok/s | vs unconstrained | its tokens per step (JSON's) | proposals kept | "
-        "JSON always overlapped tok/s | JSON vs that |",
+        "JSON overlapped tok/s | JSON vs that |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:

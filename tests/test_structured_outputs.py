@@ -198,14 +198,13 @@ def test_forced_tokens_give_the_plain_tokens_in_fewer_steps(engine, monkeypatch)
     ids=["fused-default", "preempt"],
 )
 def test_overlapped_masks_equal_synchronous_steps(options):
-    """Async scheduling dispatches a masked step's model program before the previous step's
-    tokens are read, and its sampler once they have advanced the matchers (or, as its governor
-    tries too, reads the previous step first): the outputs are the synchronous engine's, token
-    for token, constrained rows beside unconstrained ones."""
+    """Async scheduling dispatches a masked step's model program, then fills its masks and
+    dispatches its sampler (the previous step's tokens having advanced the matchers): the outputs
+    are the synchronous engine's, token for token, constrained rows beside unconstrained ones.
+    By default, while grammars run, the step in flight is read before the next is scheduled;
+    the preempting case overlaps those steps too (their forced runs cut in two)."""
     sync, overlapped = make_engine(async_scheduling=False, **options), make_engine(**options)
-    preempting = "kv_cache_memory_bytes" in options
-    if preempting:  # every step overlapped (its governor's choice depends on timings)
-        overlapped.read_first_governor.choose = lambda num_running: False
+    overlapped.read_first_under_grammars = "kv_cache_memory_bytes" not in options
     deferred = []
     sample = overlapped.runner.sample
     overlapped.runner.sample = lambda handle: (deferred.append(handle and handle.pending is not None), sample(handle))
@@ -221,11 +220,8 @@ def test_overlapped_masks_equal_synchronous_steps(options):
     outputs = [{rid: [(c.token_ids, c.text, c.finish_reason) for c in cs] for rid, cs in r.items()} for r in runs]
     assert outputs[1] == outputs[0]
     assert any(deferred)  # masks were filled after the model programs were dispatched
-    if preempting:
+    if "kv_cache_memory_bytes" in options:
         assert overlapped.get_stats()["num_preemptions"] > 0
-    else:  # the governor tried both: steps read before the next was scheduled, and overlapped
-        modes = {mode for _, mode in overlapped.read_first_governor.rates()}
-        assert modes == {True, False}, modes
 
 
 @pytest.mark.isolated

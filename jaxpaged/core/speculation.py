@@ -28,10 +28,11 @@ With a draft model a speculating step also has the draft propose for the next st
 steps and overlap the host's work like any plain step.
 """
 
+import collections
+
 import numpy as np
 
 from jaxpaged.config.speculative import SpeculativeConfig
-from jaxpaged.core.mode_governor import ModeGovernor
 from jaxpaged.sampling_params import SamplingParams
 
 # Engine counters of speculative decoding (vLLM's metric names without `vllm:`): proposal
@@ -111,17 +112,28 @@ class DraftModelProposer:
         self.k = config.num_speculative_tokens
 
 
-class SpeculationGovernor(ModeGovernor):
+class SpeculationGovernor:
     """Decides, step by step, whether decoding sequences get proposals.
 
-    Off while more than `disable_by_batch_size` sequences run (vLLM's rule). Otherwise the
-    `ModeGovernor`'s measured choice (speculation tried first): acceptance and the cost of
-    checking proposals are both in its figure, output tokens per second of engine step.
+    Off while more than `disable_by_batch_size` sequences run (vLLM's rule). Otherwise the mode
+    that has delivered more output tokens per second of engine step (host and device, as the
+    caller times `step()`) at this batch size (its power-of-two bucket) over the recent steps:
+    acceptance and the cost of checking proposals are both in that figure. A mode not yet
+    measured at a bucket is tried first; after that the other mode runs for two steps (the first
+    after a switch is not counted, see `record`) once the better one has run
+    `explore_every * r**2` steps, r being how many times faster the better one is (at most
+    `max_explore_every` steps; `explore_every` until each mode's figure has `settle_steps` steps
+    in it, so one noisy first step does not shut a mode out for long): a change (a new mix of requests, acceptance going up or down) is
+    seen, and exploring a mode r times slower costs 2 (r - 1) / (explore_every r**2) of the time,
+    at most 1 / (2 explore_every) (3% by default, at r = 2).
 
     Args:
       disable_by_batch_size: see `SpeculativeConfig`.
       adaptive: False: every step speculates (below `disable_by_batch_size`).
-      explore_every, window, max_explore_every, settle_steps: see `ModeGovernor`.
+      explore_every: steps of the better mode between two runs of the other when both are as fast.
+      max_explore_every: the most steps of the better mode between two runs of the other.
+      window: how many recent steps of a mode its figure averages (exponentially).
+      settle_steps: steps counted in both figures before the slower mode is explored less often.
     """
 
     def __init__(
@@ -133,15 +145,54 @@ class SpeculationGovernor(ModeGovernor):
         max_explore_every: int = 256,
         settle_steps: int = 3,
     ):
-        super().__init__(True, explore_every, window, max_explore_every, settle_steps)
         self.disable_by_batch_size = disable_by_batch_size
         self.adaptive = adaptive
+        self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
+        self.settle_steps = settle_steps
+        self.weight = 2 / (window + 1)
+        self._rate: dict[tuple[int, bool], float] = {}  # (bucket, speculating) -> tokens per second
+        self._counted: collections.Counter = collections.Counter()  # (bucket, speculating) -> steps in its rate
+        self._since: collections.Counter = collections.Counter()  # bucket -> decisions since it last explored
+        self._previous: bool | None = None  # the mode of the step recorded last
+
+    @staticmethod
+    def bucket(num_running: int) -> int:
+        return 1 << max(0, num_running - 1).bit_length()
 
     def speculate(self, num_running: int) -> bool:
         """Whether this step, with `num_running` running sequences, should check proposals."""
         if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
             return False
-        return self.choose(num_running) if self.adaptive else True
+        if not self.adaptive:
+            return True
+        b = self.bucket(num_running)
+        plain, spec = self._rate.get((b, False)), self._rate.get((b, True))
+        if spec is None or plain is None:
+            return spec is None  # try what is not measured yet, speculation first
+        best = spec >= plain
+        ratio = max(spec, plain) / max(min(spec, plain), 1e-9)
+        settled = min(self._counted[b, False], self._counted[b, True]) >= self.settle_steps
+        interval = min(self.max_explore_every, round(self.explore_every * ratio**2)) if settled else self.explore_every
+        self._since[b] += 1
+        if self._since[b] <= interval:
+            return best
+        if self._since[b] >= interval + 2:  # the second step of the other mode: the next is the better's
+            self._since[b] = 0
+        return not best
+
+    def record(self, num_running: int, speculated: bool, seconds: float, tokens: int) -> None:
+        """One step's figure: `tokens` output tokens appended in `seconds` of `step()`. The first
+        step of a mode after the other is not counted: with async scheduling a step reads the
+        previous step's tokens, so its figure is the other mode's (or none)."""
+        switched, self._previous = self._previous is not None and speculated != self._previous, speculated
+        if seconds <= 0 or switched:
+            return
+        key = (self.bucket(num_running), speculated)
+        rate = tokens / seconds
+        old = self._rate.get(key)
+        self._rate[key] = rate if old is None else old + self.weight * (rate - old)
+        self._counted[key] += 1
 
 
 def make_proposer(config: SpeculativeConfig | None) -> "NgramProposer | DraftModelProposer | None":

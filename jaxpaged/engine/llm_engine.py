@@ -29,11 +29,9 @@ How a request flows:
      step's tokens have advanced the matchers, its packed token mask is filled
      (`fill_bitmask`) and its sampler program dispatched (`runner.sample`), so the mask work
      overlaps the step's forward pass on the device. A sequence whose grammar completes has one
-     surplus step, dropped like one after EOS. With several processes such steps are read
-     before the next is scheduled instead (the step channel sends a step whole). With one, while
-     grammars constrain running sequences, a step is either overlapped so or read before the
-     next is scheduled (its forced runs are then known whole: fewer steps, no overlap), the
-     `ModeGovernor` measuring both at each batch size and running the faster.
+     surplus step, dropped like one after EOS. While grammars run, each step is read before the
+     next is scheduled (their forced runs are then known whole; with several processes the step
+     channel also needs the masks before it sends a step).
   5. `step()` returns a `RequestOutput` for every request that changed.
 """
 
@@ -47,7 +45,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxpaged.core.mode_governor import READ_FIRST_EXPLORE_STEPS, ModeGovernor
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.core.seq_delta import SeqDelta, seq_delta
 from jaxpaged.core.sequence import Sequence
@@ -122,10 +119,11 @@ class LLMEngine(TrainingLoopControls):
         # draft model proposes for the next step from its tokens).
         self.async_scheduling = self.config.scheduling.async_scheduling
         self.governor = SpeculationGovernor(spec.disable_by_batch_size, adaptive=spec.adaptive) if spec else None
-        # While grammars constrain running sequences: read the step in flight before scheduling
-        # the next (forced runs whole, masks filled before dispatch) or overlap (mode False),
-        # whichever has delivered more tokens per second at this batch size.
-        self.read_first_governor = ModeGovernor(first=True, explore_steps=READ_FIRST_EXPLORE_STEPS)
+        # While grammars constrain running sequences, the step in flight is read before the next
+        # is scheduled, so their forced runs are scheduled whole (overlapped, a run's first token
+        # is still pending and the run costs two steps). Measured faster at every batch size
+        # (benchmarks/results/README.md); False (overlap) is kept to measure that against.
+        self.read_first_under_grammars = True
         self._in_flight: StepHandle | None = None
         self.num_prompt_tokens = 0
 
@@ -354,16 +352,13 @@ class LLMEngine(TrainingLoopControls):
             return
         start, tokens, running = time.perf_counter(), self.num_generation_tokens, self.scheduler.num_running
         propose = self.governor is not None and self.governor.speculate(running)
-        # Proposals follow the newest tokens: no overlap for those steps. Grammars' masks do too,
-        # but they are filled after the step's model program is dispatched (`runner.sample`),
-        # except with other processes (their step channel sends a step whole, masks included).
+        # Proposals follow the newest tokens: no overlap for those steps. Grammars' masks do too
+        # (filled after the step's model program is dispatched: `runner.sample`, except with
+        # other processes, whose step channel sends a step whole, masks included); their forced
+        # runs are scheduled whole when the step in flight is read first.
         grammars = self.scheduler.needs_last_tokens()
-        sync_masks = self.runner.channel is not None and grammars
-        # Else, with grammars, reading first schedules forced runs whole, overlapping does not
-        # wait: the governor measures both at this batch size.
-        choose = grammars and self.async_scheduling and not (propose or sync_masks)
-        read_first = choose and self.read_first_governor.choose(running)
-        if (propose or sync_masks or read_first) and self._in_flight is not None:
+        read_first = grammars and (self.runner.channel is not None or self.read_first_under_grammars)
+        if (propose or read_first) and self._in_flight is not None:
             emit(self._postprocess(self._take_in_flight()))
         output = self.scheduler.schedule(propose=propose)
         if self.scheduler.failed:  # their grammar did not compile: finished "abort"
@@ -381,11 +376,8 @@ class LLMEngine(TrainingLoopControls):
             not self.async_scheduling or output.num_draft_tokens or any(output.drafting)
         ):
             emit(self._postprocess(self._take_in_flight()))
-        seconds, gained = time.perf_counter() - start, self.num_generation_tokens - tokens
         if self.governor is not None and output.num_decode_seqs:
-            self.governor.record(running, propose, seconds, gained)
-        if choose and output.num_decode_seqs:
-            self.read_first_governor.record(running, read_first, seconds, gained)
+            self.governor.record(running, propose, time.perf_counter() - start, self.num_generation_tokens - tokens)
 
     def _take_in_flight(self) -> StepHandle:
         handle, self._in_flight = self._in_flight, None

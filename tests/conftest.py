@@ -1,4 +1,5 @@
-"""Test-wide setup: JAX on CPU with 8 fake devices (for sharding tests), tiny models importable,
+"""Test-wide setup: JAX on CPU with 8 fake devices (for sharding tests) and XLA's CPU compiler at
+LLVM's -O0 (below), tiny models importable,
 the engines' default compilation cache in a directory of this run (`$XDG_CACHE_HOME` points
 there, shared by the run's subprocesses, never the user's ~/.cache), and the `isolated` marker.
 tests/gpu_compile/ is collected where the gpu-compile extra is installed (CI stage 2).
@@ -15,6 +16,7 @@ CI ~40 interpreter starts, each importing JAX, torch and transformers and rebuil
 fixtures.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,6 +28,26 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def _compiles_for_gpus() -> bool:
+    """Whether JAX's CUDA plugin is installed (tests/gpu_compile compiles for an H100: CI stage 2)."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
+# XLA's CPU programs are compiled with LLVM's optimisations off (the GPU smoke runs' flag,
+# benchmarks/gpu/plan.py): every engine the tests start compiles its step programs, and LLVM's
+# passes were ~40% of each compile (a test file's CPU time fell by a third). What the tests check
+# does not depend on it: the HLO jaxpaged emits, its memory analysis (buffers are assigned before
+# LLVM runs), and tokens and logits within the tests' tolerances (without LLVM's fused
+# multiply-adds a float may differ in its last bit, as it may between two CPUs). Not where the
+# GPU-compile tests run, whose programs are compiled as an H100 gets them, nor where the user
+# chose a level.
+if not _compiles_for_gpus() and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 sys.path.insert(0, os.path.dirname(__file__))
 if "JAXPAGED_TEST_CACHE_HOME" not in os.environ:  # set once per run; subprocesses inherit it
     os.environ["JAXPAGED_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxpaged-test-cache-")

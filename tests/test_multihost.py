@@ -61,7 +61,7 @@ def run_processes(options: list[dict], prompts: list[list[int]], devices: int = 
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "NNODES": str(len(options)),
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}",  # the last count wins
     }
     procs = [
         subprocess.Popen(
@@ -155,7 +155,11 @@ def test_serve_spans_two_processes_and_the_follower_leaves_with_the_leader(tmp_p
         "--master-port",
         str(master),
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2",
+    }
 
     def start(*extra: str) -> tuple[subprocess.Popen, str]:
         log = tmp_path / f"process{len(extra)}.log"

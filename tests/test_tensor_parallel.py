@@ -63,6 +63,17 @@ def test_greedy_tokens_equal_transformers_for_every_size(tp_model, n):
     stats = engine.get_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    # The default layout (layers unrolled): the per-layer arrays split at start-up keep each
+    # layer's shards where the table puts them (kv heads repeated where devices outnumber them).
+    config = ModelConfig.from_pretrained(path)
+    [q] = jax.tree.leaves(
+        engine.runner.params["layers"]["attn"]["q_proj"], is_leaf=lambda x: isinstance(x, LayerArrays)
+    )
+    assert [a.sharding.spec for a in q.arrays] == [
+        engine.parallel.layer_sharding(("layers", "attn", "q_proj")).spec
+    ] * config.num_layers
+    shard = (config.hidden_size, config.num_heads // n, config.head_dim)  # query heads split over n
+    assert {s.data.shape for s in q.arrays[0].addressable_shards} == {shard}
 
 
 @pytest.mark.isolated
@@ -81,25 +92,6 @@ def test_host_tier_swaps_per_device_shards_and_tokens_equal_transformers(tmp_pat
     assert stats["num_preemptions"] > 0 and stats["kv_swapped_in_blocks"] > 0 and stats["kv_load_bytes"] > 0
     k = engine.runner.kv_transfer.host.shape[4]  # the host block holds every device's heads
     assert k == TensorParallelLayout(ModelConfig.from_pretrained(path), n).mesh_config.num_kv_heads
-
-
-@pytest.mark.isolated
-def test_unrolled_layers_over_per_layer_shards_equal_transformers(tmp_path):
-    """The default layout on 4 devices (kv heads repeated): the per-layer arrays split at start-up
-    keep each layer's shards where the table puts them."""
-    path = str(tmp_path)
-    hf = save_hf_model("llama_tp", path)
-    prompts = tp_workload.prompts()
-    engine = make_engine(path, 4)
-    outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    [q] = jax.tree.leaves(
-        engine.runner.params["layers"]["attn"]["q_proj"], is_leaf=lambda x: isinstance(x, LayerArrays)
-    )
-    assert [a.sharding.spec for a in q.arrays] == [
-        engine.parallel.layer_sharding(("layers", "attn", "q_proj")).spec
-    ] * 2
-    assert q.arrays[0].addressable_shards[0].data.shape == (64, 2, 8)  # 8 heads over 4 devices
 
 
 @pytest.mark.isolated

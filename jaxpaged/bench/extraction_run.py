@@ -21,12 +21,18 @@ from jaxpaged.entrypoints.cli_generate import size_to_job
 from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 
+def config_modes(config: str) -> tuple[bool, str, bool, bool]:
+    """A configuration's name read: (constrained, cache, speculation, overlapped)."""
+    constrained, cache, *extras = config.split("+")
+    return constrained == "json", cache, "speculation" in extras, "overlapped" in extras
+
+
 def run_config(args: argparse.Namespace, config: str) -> dict:
     """Starts the engine `config` describes, runs every request at once, measures."""
     from transformers import AutoTokenizer
 
     note_len = extraction.check_flags(args)
-    constrained, cache, *speculation = config.split("+")
+    constrained, cache, speculation, overlapped = config_modes(config)
     model = args.model or DEMO_MODEL_DIR
     tokenizer = AutoTokenizer.from_pretrained(dataset_tokenizer_dir(model, args.tokenizer))
     prompts = [
@@ -35,7 +41,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
             tokenizer, args.num_prompts, args.prefix_len, note_len, seed=args.seed or 0
         )
     ]
-    structured = StructuredOutputsParams(json=extraction_data.SCHEMA) if constrained == "json" else None
+    structured = StructuredOutputsParams(json=extraction_data.SCHEMA) if constrained else None
     # Unconstrained requests ignore EOS and write --output-len tokens (as vLLM's benchmarks do):
     # a toy or random-weight model would otherwise stop after a few tokens, and what the two modes
     # should compare is the cost of a token, not how soon a model gives up.
@@ -58,6 +64,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     from jaxpaged.entrypoints.llm import LLM  # JAX is imported from here on
 
     llm = LLM(**dataclasses.asdict(options))
+    llm.llm_engine.read_first_under_grammars = not overlapped
     # Warm-up: one request that shares nothing with the timed ones (no prefix hit), with the same
     # constraint (its grammar is compiled and cached here, as on a server that has seen the schema).
     rng = random.Random(1)

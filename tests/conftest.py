@@ -45,9 +45,17 @@ def _compiles_for_gpus() -> bool:
 # LLVM runs), and tokens and logits within the tests' tolerances (without LLVM's fused
 # multiply-adds a float may differ in its last bit, as it may between two CPUs). Not where the
 # GPU-compile tests run, whose programs are compiled as an H100 gets them, nor where the user
-# chose a level.
-if not _compiles_for_gpus() and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# chose a level. A test whose reference is so close that a last bit matters (an fp8 rounding
+# that a last-bit difference carries across a boundary) is marked `llvm_optimized`: with
+# `isolated`, its module's process compiles as a user's does.
+LLVM_O0 = "--xla_backend_optimization_level=0"
+LLVM_OPTIMIZED = "JAXPAGED_TEST_LLVM_OPTIMIZED"  # set in the process of an `llvm_optimized` batch
+if (
+    not _compiles_for_gpus()
+    and not os.environ.get(LLVM_OPTIMIZED)
+    and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
+):
+    os.environ["XLA_FLAGS"] += " " + LLVM_O0
 sys.path.insert(0, os.path.dirname(__file__))
 if "JAXPAGED_TEST_CACHE_HOME" not in os.environ:  # set once per run; subprocesses inherit it
     os.environ["JAXPAGED_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxpaged-test-cache-")
@@ -67,12 +75,16 @@ def _run_isolated_batch(item) -> dict:
         for i in item.session.items
         if i.nodeid.split("::")[0] == module and i.get_closest_marker("isolated") is not None
     ]
+    env = {**os.environ, IN_ISOLATION: "1"}
+    if any(i.get_closest_marker("llvm_optimized") for i in item.session.items if i.nodeid in batch):
+        env[LLVM_OPTIMIZED] = "1"
+        env["XLA_FLAGS"] = " ".join(flag for flag in env["XLA_FLAGS"].split() if flag != LLVM_O0)
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl", prefix="isolated-") as report:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *batch]
         result = subprocess.run(
             command,
             cwd=item.config.rootpath,
-            env={**os.environ, IN_ISOLATION: "1", ISOLATED_REPORT: report.name},
+            env={**env, ISOLATED_REPORT: report.name},
             capture_output=True,
             text=True,
             timeout=1800 * len(batch),

@@ -120,9 +120,9 @@ class Stages:
 
     def run(self, x: Float[Array, "P Tm D"], k, v, meta: AttentionMetadata, busy: Bool[Array, " P"]):
         """Every stage over its row of `x` and `meta`; a stage not `busy` writes no K/V (its
-        tokens' slots all the null block: `with_no_writes`). Returns `(x, k, v)`."""
-        slots = jnp.where(busy[:, None], meta.slot_mapping, jnp.zeros_like(meta.slot_mapping))
-        return self._run(x, k, v, dataclasses.replace(meta, slot_mapping=slots))
+        tokens' slots all the null block: `AttentionMetadata.with_no_writes`). Returns
+        `(x, k, v)`."""
+        return self._run(x, k, v, meta.with_no_writes(~busy))
 
 
 def tick(

@@ -570,11 +570,14 @@ class Llama(nnx.Module):
           logits indices, sampling rows: the leaving micro-batch's are packed into the entering
           step's inputs) in a FIFO of P - 1, and returns the leaving micro-batch's tokens.
         - The scheduler: each running sequence belongs to one of P rotating groups; step t
-          schedules group t mod P, whose previous tokens came back at step t - 1 (the last
-          stage's output at the tick before). This is async scheduling's one-step lateness
-          generalised to P - 1 steps: a decoding sequence is in at most one micro-batch in
-          flight, since its next token is known only when its micro-batch has left. A prefill's
-          next chunk needs no token, so it may enter in the next micro-batch (see Blocks).
+          schedules group t mod P, whose previous tokens were sampled at step t - 1 (the last
+          stage's output at the tick before), on device: the entering tokens can come from the
+          device's last sampled tokens as async scheduling's do (`DeviceCache.last_tokens`).
+          This is async scheduling's one-step lateness generalised to P - 1 steps: a decoding
+          sequence is in at most one micro-batch in flight, since its next token is known only
+          when its micro-batch has left. A prefill's next chunk needs no token, so it may enter
+          in the next micro-batch (see Blocks). A sequence preempted while in flight has its
+          tokens dropped when its micro-batch leaves.
         - Blocks: each stage runs the micro-batches in the order they entered, so whatever a
           micro-batch reads or writes of a block at a stage, a later micro-batch reads or writes
           there after it. So inside the step programs nothing waits: a block freed while a
@@ -587,10 +590,11 @@ class Llama(nnx.Module):
           hit) until every micro-batch that used the block's previous contents has left; a
           copied-in block is there before the micro-batch that reads it enters.
         - The bubble: in steady state every stage works every tick (P groups of sequences in
-          flight). Only filling (the first P - 1 ticks after the pipeline was empty) and draining
-          (P - 1 ticks fed nothing, e.g. when fewer than P groups have work, or before a program
-          of another shape) idle stages: (P - 1) ticks per fill or drain, instead of (P - 1) in
-          every step.
+          flight). Stages idle only at ticks fed nothing: filling (the P - 1 ticks after the
+          pipeline was empty), draining (P - 1 ticks fed nothing before a program of another
+          shape, or when the work runs out), and a group's tick when it has no work (fewer
+          running sequences than groups). (P - 1) ticks per fill or drain, instead of (P - 1) in
+          every step as `_pipelined` pays.
         """
         if self.pipeline is None:
             raise ValueError("pipeline_tick needs pipeline parallelism (pipeline_parallel_size > 1)")

@@ -27,7 +27,7 @@ from jaxpaged.parallel.mesh import TensorParallel, make_mesh
 BS, NB = 4, 24  # block size; blocks per layer, the null block 0 included
 PROMPT_LENS = (5, 6, 3, 1)  # 15 tokens of a 16-token prefill step: sequences straddle the micro-batches
 ROUNDS = 3  # decode tokens per sequence in the steady-state test
-PAGES = 3  # block table width: a sequence reaches 6 + 1 + ROUNDS positions (< 12)
+PAGES = 3  # block table width: a sequence holds at most 6 + ROUNDS tokens (<= 12)
 TABLES = np.random.default_rng(0).permutation(np.arange(1, NB))[: len(PROMPT_LENS) * PAGES].reshape(-1, PAGES)
 UNOWNED = sorted(set(range(1, NB)) - set(TABLES.flat))  # never written: NaN to the end
 
@@ -143,7 +143,7 @@ def assert_pools_equal(staged, pool, reference_pool, flat_pool=None):
         )
 
 
-def prefill(flat, staged):
+def prefill(flat):
     """The four prompts in one 16-token step (tokens, metadata)."""
     tokens = np.random.default_rng(1).integers(3, flat.config.vocab_size, 16).tolist()
     seqs = [(s, 0, n) for s, n in enumerate(PROMPT_LENS)]
@@ -167,7 +167,7 @@ def test_ticks_give_one_pipelined_step_and_the_unsharded_model(models, stages):
     states in order and the pool equal `_pipelined`'s (one step; one decode step per
     micro-batch) and the unsharded model's."""
     flat, staged = models[0], models[1][stages]
-    tokens, meta = prefill(flat, staged)
+    tokens, meta = prefill(flat)
     num_micro = staged.pipeline.microbatches_for(16)
     assert num_micro == stages
     size = 16 // num_micro
@@ -206,7 +206,7 @@ def test_steady_state_every_stage_busy_with_its_own_group(models, stages):
     s with group (t - s) mod P, and the tokens, hidden states and pool are the unsharded
     model's decoding each group step by step (and `_pipelined`'s, one decode step each)."""
     flat, staged = models[0], models[1][stages]
-    tokens, meta = prefill(flat, staged)
+    tokens, meta = prefill(flat)
     _, pool = step(staged, tokens, poisoned_pool(staged), meta)
     expected_pool = pool
     unsharded, flat_pool = step(flat, tokens, poisoned_pool(flat), meta)

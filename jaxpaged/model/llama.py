@@ -559,8 +559,10 @@ class Llama(nnx.Module):
 
         - The step program: a step is one tick. It takes the carry as an argument and returns it,
           both donated (like the pool), so the micro-batches in flight stay on device between
-          steps, each stage's row on its stage's devices (`hidden` and `meta` split over the
-          pipeline axis: the roll is the collective permute `_pipelined` has between ticks). One
+          steps: `hidden` split over the pipeline axis (each stage's row on its devices; the
+          shift is one collective permute of activations), `meta` and `busy` whole on every
+          device, where each stage reads its row and shifts its copy without a collective
+          (`tests/gpu_compile/test_pipeline_tick_h100.py` checks the program so placed). One
           program per micro-batch bucket and `decode_only`; a carry holds one shape, so the
           runner pads every micro-batch of a carry to one bucket, and a decode micro-batch
           joining prefill ones takes the ragged form (the ragged kernel serves any batch).

@@ -37,6 +37,10 @@ class PipelineCarry:
         metadata is stale or zeros; it is never used to write.
       busy: `[P]` whether stage s holds a micro-batch. The only record of it: an empty stage
         runs its layers with `with_no_writes` metadata and its result is dropped.
+
+    Kept on device between programs, `hidden` is best split over the pipeline axis (the shift
+    to the next stage is then one collective permute) and `meta` and `busy` whole on every
+    device (each stage reads its row; shifting them moves nothing between devices).
     """
 
     hidden: Float[Array, "P Tm D"]
@@ -165,8 +169,8 @@ def tick(
 
 
 def _shift(rows: Array, first: Array) -> Array:
-    """`rows` moved one row on (`[P, ...]`: a collective permute from each stage to the next),
-    `first` in row 0."""
+    """`rows` `[P, ...]` moved one row on, `first` in row 0 (split over the stages: a collective
+    permute from each stage to the next; whole on every device: a local copy)."""
     return jnp.concatenate([first, rows[:-1]])
 
 

@@ -498,7 +498,7 @@ class Llama(nnx.Module):
         At tick t stage s runs its layer slots over micro-batch t - s (an idle stage runs them
         with its K/V writes sent to the null block, and its result is dropped); between ticks
         every stage hands its activations to the next (the stage axis of `[P, T / M, D]`
-        rotated: a collective permute). The last stage's result of each micro-batch goes to
+        shifted by one: a collective permute). The last stage's result of each micro-batch goes to
         every stage (the LM head is on all of them).
         """
         pipe = self.pipeline

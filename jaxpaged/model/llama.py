@@ -33,7 +33,6 @@ import zlib
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
@@ -45,11 +44,12 @@ from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.moe import SparseMoe
+from jaxpaged.model.pipeline_carry import PipelineCarry, Stages, empty_carry, tick
 from jaxpaged.model.quant import project, quantize_param
 from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.pipeline import PipelineLayout
-from jaxpaged.parallel.sharding import KEY_VALUE_AXES, PIPELINE_AXIS, QUERY_AXES, STAGE_POOL_AXES
+from jaxpaged.parallel.sharding import KEY_VALUE_AXES, QUERY_AXES, STAGE_POOL_AXES
 from jaxpaged.params.tables import param_specs, quantized_paths
 from pallas_kernels import reference
 
@@ -482,77 +482,131 @@ class Llama(nnx.Module):
             x, k, v = carry
         return self.final_norm(x), dataclasses.replace(kv_pool, k=k, v=v)
 
+    def _stages(self, graphdef, layer_params, kv_pool: KVPool) -> Stages:
+        """The layer slots as one tick's program over every stage (`pipeline_carry.Stages`)."""
+        layer = jax.jit(functools.partial(_one_layer, graphdef, kv_pool.block_size))  # traced once
+        return Stages(self.pipeline, self.parallel.mesh, layer, layer_params, kv_pool)
+
     def _pipelined(
         self, graphdef, layer_params, x: Float[Array, "T D"], kv_pool: KVPool, meta: AttentionMetadata
     ) -> tuple[Float[Array, "T D"], Float[Array, "LNB BS K H"], Float[Array, "LNB BS K H"]]:
         """The layers as a pipeline over the stages (pipeline parallelism): the step's tokens cut
         into M micro-batches (`PipelineLayout.microbatches_for`: one for a decode step), run in
-        M + P - 1 ticks.
+        M + P - 1 ticks (`pipeline_carry.tick`, the one `pipeline_tick` runs), from an empty
+        carry to an empty carry.
 
         At tick t stage s runs its layer slots over micro-batch t - s (an idle stage runs them
-        over a micro-batch with its K/V writes sent to the null block, and its result is
-        dropped); between ticks every stage hands its activations to the next (the stage axis
-        of `[P, T / M, D]` rotated: a collective permute). The stages are one function run on
-        each stage's shards (`shard_map`, manual over the pipeline axis only), so every stage
-        holds only its slice of each slot array `[P, ...]` and of the pool `[P, slots * NB, ...]`
-        and updates its pool in place. (A `vmap` over the stage axis computes the same, but XLA
-        copied the pool into every step around the per-head `shard_map`s inside it.) The last
-        stage's result of each micro-batch goes to every stage (the LM head is on all of them).
+        with its K/V writes sent to the null block, and its result is dropped); between ticks
+        every stage hands its activations to the next (the stage axis of `[P, T / M, D]`
+        shifted by one: a collective permute). The last stage's result of each micro-batch goes to
+        every stage (the LM head is on all of them).
         """
         pipe = self.pipeline
-        stages, slots, dim = pipe.size, pipe.max_layers, x.shape[1]
         num_micro = pipe.microbatches_for(x.shape[0], decode=meta.decode_only)
         micro = [meta.microbatch(m, num_micro) for m in range(num_micro)]
-        xs = x.reshape(num_micro, -1, dim)
-        num_blocks, block_size = kv_pool.num_blocks, kv_pool.block_size
-
-        def by_stage(a):  # [P * n, ...] -> [P, n, ...]: the axis split over the stages, no copy
-            return a.reshape(stages, a.shape[0] // stages, *a.shape[1:])
-
-        k, v = by_stage(kv_pool.k), by_stage(kv_pool.v)
-        quant = None if kv_pool.quant is None else jax.tree.map(by_stage, kv_pool.quant)
-        slot_params = [jax.tree.map(lambda a: a[j], layer_params, is_leaf=_is_layer_arrays) for j in range(slots)]
-        counts = jnp.asarray(pipe.layers_per_stage, jnp.int32)
-        uneven = len(set(pipe.layers_per_stage)) > 1
-        traced_once = jax.jit(functools.partial(_one_layer, graphdef, block_size))
-
-        def stage(x, k, v, slot_params, meta, quant, count):
-            for j in range(slots):
-                kv_quant = None if quant is None else jax.tree.map(lambda a: a[j], quant)
-                new_x, k, v = traced_once((x, k, v), slot_params[j], j * num_blocks, kv_quant, meta)
-                x = jnp.where(j < count, new_x, x) if uneven else new_x  # an empty slot passes x on
-            return x, k, v
-
-        def local(*args):  # one stage's shard of each argument: its leading stage axis of 1 dropped
-            out = stage(*jax.tree.map(lambda a: a[0], args))
-            return jax.tree.map(lambda a: a[None], out)
-
-        # Manual over the stages only: inside, tensor parallelism is XLA's as everywhere else.
-        by_stages = PartitionSpec(PIPELINE_AXIS)
-        run = jax.shard_map(
-            local,
-            mesh=self.parallel.mesh,
-            in_specs=by_stages,
-            out_specs=by_stages,
-            axis_names=frozenset({PIPELINE_AXIS}),
-            check_vma=False,
-        )
-        state = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
+        xs = x.reshape(num_micro, -1, x.shape[1])
+        stages = self._stages(graphdef, layer_params, kv_pool)
+        k, v = stages.split_pool(kv_pool)
+        carry = empty_carry(pipe.size, x.shape[1], x.dtype, micro[0])
         outputs = []
-        for tick in range(num_micro + stages - 1):
-            fed = xs[tick] if tick < num_micro else jnp.zeros_like(xs[0])
-            state = jnp.concatenate([fed[None], state[:-1]])  # each stage's input: the previous stage's output
-            metas = [
-                micro[tick - s]
-                if 0 <= tick - s < num_micro
-                else micro[min(max(tick - s, 0), num_micro - 1)].with_no_writes()
-                for s in range(stages)
-            ]
-            stacked = jax.tree.map(lambda *a: jnp.stack(a), *metas)
-            state, k, v = run(state, k, v, slot_params, stacked, quant, counts)
-            if tick >= stages - 1:
-                outputs.append(state[stages - 1])
-        return jnp.concatenate(outputs), k.reshape(kv_pool.k.shape), v.reshape(kv_pool.v.shape)
+        for t in range(num_micro + pipe.size - 1):
+            entering = t < num_micro
+            fed, fed_meta = (xs[t], micro[t]) if entering else (jnp.zeros_like(xs[0]), micro[-1])
+            out, _, carry, k, v = tick(stages, carry, fed, fed_meta, entering, k, v)
+            if t >= pipe.size - 1:
+                outputs.append(out)
+        pool = stages.join_pool(kv_pool, k, v)
+        return jnp.concatenate(outputs), pool.k, pool.v
+
+    def init_pipeline_carry(self, meta: AttentionMetadata) -> PipelineCarry:
+        """An empty carry for `pipeline_tick` (pipeline parallelism), for micro-batches shaped as
+        `meta` (its tokens, sequence rows, pages and `decode_only`)."""
+        if self.pipeline is None:
+            raise ValueError("init_pipeline_carry needs pipeline parallelism (pipeline_parallel_size > 1)")
+        return empty_carry(self.pipeline.size, self.config.hidden_size, self.dtype, meta)
+
+    def pipeline_tick(
+        self,
+        carry: PipelineCarry,
+        token_ids: Int[Array, " Tm"],
+        kv_pool: KVPool,
+        meta: AttentionMetadata,
+        entering=True,
+    ) -> tuple[Float[Array, "Tm D"], jax.Array, PipelineCarry, KVPool]:
+        """One pipeline tick with the micro-batches in flight carried from call to call
+        (pipeline parallelism): the micro-batch `token_ids` (its tokens, embedded here) enters
+        stage 0 with `meta` when `entering` (a bool, Python or traced; False while the pipeline
+        drains: stage 0 idles, `token_ids` and `meta` only give shapes); every stage s > 0 runs
+        its layer slots over the micro-batch `carry` holds for it; the last stage's micro-batch
+        leaves; every other moves on one stage. A stage with no micro-batch writes no K/V and
+        its result is dropped (`PipelineCarry.busy`). The tick is `_pipelined`'s: M micro-batches
+        fed through M + P - 1 ticks from `init_pipeline_carry` give `_pipelined`'s hidden states
+        (in order, one per tick from tick P - 1) and pool.
+
+        Every micro-batch of a carry has the same shapes (tokens, sequence rows, pages) and the
+        same `decode_only` (the stages run one program); a sequence's micro-batches enter in
+        order, and its K/V written at stage s by one micro-batch is there for its next one,
+        since each stage runs the micro-batches in the order they entered.
+
+        Returns:
+          The leaving micro-batch's hidden states, final-normed (`compute_logits`' input; zeros
+          when none left: the pipeline filling), whether one left, the next carry, and the pool.
+
+        Raises:
+          ValueError: no pipeline parallelism, or a micro-batch not shaped as the carry's.
+
+        The plan on top of this (not built yet; README "Pipeline parallelism"):
+
+        - The step program: a step is one tick. It takes the carry as an argument and returns it,
+          both donated (like the pool), so the micro-batches in flight stay on device between
+          steps: `hidden` split over the pipeline axis (each stage's row on its devices; the
+          shift is one collective permute of activations), `meta` and `busy` whole on every
+          device, where each stage reads its row and shifts its copy without a collective
+          (`tests/gpu_compile/test_pipeline_tick_h100.py` checks the program so placed). One
+          program per micro-batch bucket and `decode_only`; a carry holds one shape, so the
+          runner pads every micro-batch of a carry to one bucket, and a decode micro-batch
+          joining prefill ones takes the ragged form (the ragged kernel serves any batch).
+        - The runner: the step's inputs are the entering micro-batch; its outputs (logits,
+          sampled tokens) are those of the micro-batch that leaves, which entered P - 1 steps
+          earlier. The runner keeps the in-flight micro-batches' host-side records (requests,
+          logits indices, sampling rows: the leaving micro-batch's are packed into the entering
+          step's inputs) in a FIFO of P - 1, and returns the leaving micro-batch's tokens.
+        - The scheduler: each running sequence belongs to one of P rotating groups; step t
+          schedules group t mod P, whose previous tokens were sampled at step t - 1 (the last
+          stage's output at the tick before), on device: the entering tokens can come from the
+          device's last sampled tokens as async scheduling's do (`DeviceCache.last_tokens`).
+          This is async scheduling's one-step lateness generalised to P - 1 steps: a decoding
+          sequence is in at most one micro-batch in flight, since its next token is known only
+          when its micro-batch has left. A prefill's next chunk needs no token, so it may enter
+          in the next micro-batch (see Blocks). A sequence preempted while in flight has its
+          tokens dropped when its micro-batch leaves.
+        - Blocks: each stage runs the micro-batches in the order they entered, so whatever a
+          micro-batch reads or writes of a block at a stage, a later micro-batch reads or writes
+          there after it. So inside the step programs nothing waits: a block freed while a
+          micro-batch that uses it is in flight (a preempted sequence's) may go at once to the
+          entering micro-batch, and a block a prefill in flight is still writing may be a prefix
+          hit of the entering one. Copies that touch every stage's layers of a block at once,
+          outside the ticks, do wait: a copy out (swap-out, write-through, offload to the host or
+          disk tier) until the micro-batch that writes the block has left the last stage (the
+          step that returns its tokens), and a copy into a block (swap-in, a host-tier or disk
+          hit) until every micro-batch that used the block's previous contents has left; a
+          copied-in block is there before the micro-batch that reads it enters.
+        - The bubble: in steady state every stage works every tick (P groups of sequences in
+          flight). Stages idle only at ticks fed nothing: filling (the P - 1 ticks after the
+          pipeline was empty), draining (P - 1 ticks fed nothing before a program of another
+          shape, or when the work runs out), and a group's tick when it has no work (fewer
+          running sequences than groups). (P - 1) ticks per fill or drain, instead of (P - 1) in
+          every step as `_pipelined` pays.
+        """
+        if self.pipeline is None:
+            raise ValueError("pipeline_tick needs pipeline parallelism (pipeline_parallel_size > 1)")
+        x = self.parallel.embed(self.embed[...], token_ids)
+        graphdef, layer_params = nnx.split(self.layers)
+        stages = self._stages(graphdef, layer_params, kv_pool)
+        k, v = stages.split_pool(kv_pool)
+        out, exited, carry, k, v = tick(stages, carry, x, meta, entering, k, v)
+        hidden = jnp.where(exited, self.final_norm(out), jnp.zeros_like(out))
+        return hidden, exited, carry, stages.join_pool(kv_pool, k, v)
 
     @property
     def pool_config(self) -> ModelConfig:

@@ -76,7 +76,16 @@ class AttentionMetadata:
             kv_lens=jnp.maximum(self.kv_lens - later, 0),
         )
 
-    def with_no_writes(self) -> "AttentionMetadata":
-        """The same step writing every token's K/V into the null block (an idle pipeline tick:
-        its results are dropped, and it must not overwrite a sequence's K/V)."""
-        return dataclasses.replace(self, slot_mapping=jnp.zeros_like(self.slot_mapping))
+    def with_no_writes(self, idle=True) -> "AttentionMetadata":
+        """The same step writing every token's K/V into the null block (an idle pipeline stage:
+        its results are dropped, and it must not overwrite a sequence's K/V).
+
+        Args:
+          idle: True, or for metadata stacked over the pipeline's stages (`[P, ...]` fields) a
+            `[P]` bool array: only the rows where it is True write nothing.
+        """
+        idle = jnp.asarray(idle, bool)
+        idle = idle.reshape(idle.shape + (1,) * (self.slot_mapping.ndim - idle.ndim))
+        return dataclasses.replace(
+            self, slot_mapping=jnp.where(idle, 0, self.slot_mapping).astype(self.slot_mapping.dtype)
+        )

@@ -31,7 +31,13 @@ SERVER_WHEELS = (
 # What structured outputs and `bench extraction` need that the GPU image lacks: the grammar
 # backend, and the schema check of the outputs.
 STRUCTURED_WHEELS = ("llguidance", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py")
-MANYLINUX = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+MANYLINUX = (
+    "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
 DATASET_MODEL = "llama-3.1-8b"  # the benchmark counts its tokens with this model's dataset tokenizer
 DATASET_MAX_MODEL_LEN = 2048
 

@@ -75,14 +75,11 @@ def tiny_dir(tmp_path) -> str:
     )
 
 
-def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, only=None, **options) -> tuple[dict, object]:
-    """An engine over `model` with `options` (4 sequences of 1,024 tokens, steps of 16 unless they
-    say otherwise) started on shapes for H100s, through the engine's own start-up
-    (`prepare_device_worker`): its step programs (those `only(program)` keeps, when given; or,
-    with `samplers`, its samplers) compiled, `({program: its compiled executable}, the runner's
-    abstract params)`."""
+def h100_engine_args(model: str, pool_bytes: int, **options) -> EngineArgs:
+    """A dummy-weight engine over `model` with a pool of `pool_bytes` (4 sequences of 1,024
+    tokens, steps of 16 unless `options` say otherwise), uncached, as the H100 tests compile it."""
     limits = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=16)
-    args = EngineArgs(
+    return EngineArgs(
         model=model,
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -90,6 +87,15 @@ def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, only=N
         kv_cache_memory_bytes=pool_bytes,
         **{**limits, **options},
     )
+
+
+def compile_for_h100(model: str, pool_bytes: int, samplers: bool = False, only=None, **options) -> tuple[dict, object]:
+    """An engine over `model` with `options` (4 sequences of 1,024 tokens, steps of 16 unless they
+    say otherwise) started on shapes for H100s, through the engine's own start-up
+    (`prepare_device_worker`): its step programs (those `only(program)` keeps, when given; or,
+    with `samplers`, its samplers) compiled, `({program: its compiled executable}, the runner's
+    abstract params)`."""
+    args = h100_engine_args(model, pool_bytes, **options)
     with compiling_for_target("h100", args.tensor_parallel_size * args.pipeline_parallel_size) as devices:
         runner = abstract_worker(args, devices).runner
         assert runner.parallel.mesh.devices.flat[0].device_kind == GPU_TARGETS["h100"].description

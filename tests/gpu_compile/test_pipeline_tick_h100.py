@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from test_h100_programs import LARGE_POOL, SMALL_POOL, TOLERANCE, assert_no_host_waits, tiny_dir
+from test_h100_programs import LARGE_POOL, SMALL_POOL, TOLERANCE, assert_no_host_waits, h100_engine_args, tiny_dir
 
 from jaxpaged.bench.gpu_targets import compiling_for_target
 from jaxpaged.bench.startup import abstract_worker
-from jaxpaged.engine_args import EngineArgs
 from jaxpaged.model import AttentionMetadata
 from jaxpaged.model.pipeline_carry import empty_carry
 from jaxpaged.parallel.sharding import PIPELINE_AXIS
@@ -29,14 +28,9 @@ TOKENS, PAGES = 16, 64  # a micro-batch's tokens; its block tables' width
 def compile_tick(model: str, pool_bytes: int, decode: bool):
     """The tick (and the leaving micro-batch's logits) compiled for 4 H100s, 2 stages of 2; the
     carry's activations split over the stages, its metadata whole; it and the pool donated."""
-    args = EngineArgs(
-        model=model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        compilation_cache_dir="none",
-        kv_cache_memory_bytes=pool_bytes,
-        max_model_len=1024,
-        max_num_seqs=4,
+    args = h100_engine_args(
+        model,
+        pool_bytes,
         max_num_batched_tokens=TOKENS,
         dtype="bfloat16",
         tensor_parallel_size=2,

@@ -356,8 +356,11 @@ class LLMEngine(TrainingLoopControls):
         # (filled after the step's model program is dispatched: `runner.sample`, except with
         # other processes, whose step channel sends a step whole, masks included); their forced
         # runs are scheduled whole when the step in flight is read first.
-        grammars = self.scheduler.needs_last_tokens()
-        read_first = grammars and (self.runner.channel is not None or self.read_first_under_grammars)
+        read_first = (
+            self._in_flight is not None
+            and (self.runner.channel is not None or self.read_first_under_grammars)
+            and self.scheduler.needs_last_tokens()  # a scan of the running sequences: last
+        )
         if (propose or read_first) and self._in_flight is not None:
             emit(self._postprocess(self._take_in_flight()))
         output = self.scheduler.schedule(propose=propose)

@@ -278,7 +278,8 @@ class EngineArgs:
     num_scheduler_steps: int = _option(
         defaults.NUM_SCHEDULER_STEPS,
         "decode steps fused into one device program when every sequence decodes and none waits (and none "
-        "filters with top-k/top-p or asks for top logprobs); 1: none",
+        "filters with top-k/top-p or asks for top logprobs); 1: none. Under pipeline parallelism none fuse: the "
+        "micro-batches in flight keep every stage busy instead",
     )
     async_scheduling: bool = _option(
         True,

@@ -156,8 +156,10 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         """What the scheduler needs (after planning), and so the runner: its buckets come from
-        these limits and it fuses `num_scheduler_steps` decode steps."""
+        these limits and it fuses `num_scheduler_steps` decode steps (none under pipeline
+        parallelism, whose micro-batches in flight keep the device busy instead)."""
         s, c = self.scheduling, self.cache
+        stages = self.layout.pipeline.size
         return SchedulerConfig(
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
@@ -167,7 +169,8 @@ class EngineConfig:
             enable_prefix_caching=c.enable_prefix_caching,
             num_host_blocks=c.num_host_blocks,
             preemption_mode=c.resolved_preemption_mode,
-            num_scheduler_steps=s.num_scheduler_steps,
+            num_scheduler_steps=1 if stages > 1 else s.num_scheduler_steps,
+            pipeline_depth=stages,
         )
 
 

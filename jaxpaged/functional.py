@@ -43,6 +43,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model import AttentionMetadata, KVPool, init_kv_pool
+from jaxpaged.model.pipeline_carry import PipelineCarry
 from jaxpaged.model.prompt_logprobs import prompt_logprobs
 from jaxpaged.model.sampler import SampleResult, SamplerOptions, SamplingTensors, sample, update_penalty_tables
 from pallas_kernels import reference
@@ -262,13 +263,55 @@ def _run_model(graphdef: nnx.GraphDef, params: nnx.State, cache: DeviceCache, in
     """The model, its hidden states `[T, D]` for the step's tokens, and the cache with the pool and
     penalty tables updated (`last_tokens` as it was)."""
     model = nnx.merge(graphdef, params)
+    token_ids, cache = _record_inputs(cache, inp)
+    hidden, kv = model(token_ids, cache.kv, inp.metadata)
+    return model, hidden, dataclasses.replace(cache, kv=kv)
+
+
+def _record_inputs(cache: DeviceCache, inp: StepInput) -> tuple[Int[Array, " T"], DeviceCache]:
+    """The step's token ids (`from_last` ones read on the device) and the cache with them
+    recorded in the penalty tables."""
     token_ids = input_token_ids(inp, cache.last_tokens)
     prompt_mask, output_counts = update_penalty_tables(
         cache.prompt_mask, cache.output_counts, token_ids, inp.token_slot, inp.token_is_output, inp.reset_slots
     )
-    hidden, kv = model(token_ids, cache.kv, inp.metadata)
-    cache = DeviceCache(kv=kv, prompt_mask=prompt_mask, output_counts=output_counts, last_tokens=cache.last_tokens)
-    return model, hidden, cache
+    return token_ids, dataclasses.replace(cache, prompt_mask=prompt_mask, output_counts=output_counts)
+
+
+def forward_tick(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: DeviceCache,
+    carry: PipelineCarry,
+    inp: StepInput,
+    leaving: StepInput,
+    with_prompt_logprobs: bool = False,
+) -> tuple[DeviceCache, PipelineCarry, Float[Array, "SR V"], Int[Array, "T W"] | None]:
+    """One pipeline tick (pipeline parallelism, `Llama.pipeline_tick`): the micro-batch `inp`
+    enters the first stage (a step of no sequences enters nothing and records nothing in the
+    penalty tables: the pipeline drains), every stage runs the micro-batch at it, and the one
+    that leaves the last stage, which entered P - 1 ticks ago as `leaving`, gives its logits.
+
+    Returns:
+      The cache (pool and penalty tables updated, `last_tokens` as it was), the next carry, the
+      leaving micro-batch's float32 logits at its sampling rows (garbage when none left: the
+      pipeline filling; the caller knows), and with `with_prompt_logprobs` its packed prompt
+      logprobs `[T, 2 + 2L]` (else None).
+    """
+    entering = inp.metadata.num_seqs > 0
+    nowhere = cache.prompt_mask.shape[0]  # the out-of-range penalty row: nothing recorded
+    inp = dataclasses.replace(
+        inp,
+        token_slot=jnp.where(entering, inp.token_slot, nowhere),
+        reset_slots=jnp.where(entering, inp.reset_slots, nowhere),
+    )
+    model = nnx.merge(graphdef, params)
+    token_ids, cache = _record_inputs(cache, inp)
+    hidden, _, carry, kv = model.pipeline_tick(carry, token_ids, cache.kv, inp.metadata, entering)
+    cache = dataclasses.replace(cache, kv=kv)
+    logits = model.compute_logits(hidden[leaving.logits_indices])
+    prompt = prompt_logprobs(hidden, model.compute_logits, leaving.prompt_targets) if with_prompt_logprobs else None
+    return cache, carry, logits, prompt
 
 
 def forward_prompt_logprobs(

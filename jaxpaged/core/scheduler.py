@@ -78,6 +78,10 @@ class SchedulerConfig:
         for is recomputed).
       num_scheduler_steps: decode steps fused into one step when every scheduled sequence
         decodes and nobody waits (1: no fusing).
+      pipeline_depth: micro-batches in flight at once (pipeline parallelism: the stages, P;
+        1: none). A step's results come back P - 1 steps later, a sequence is in one micro-batch
+        in flight at most, and a step decodes at most 1/P of the running sequences, so that P
+        groups take turns and every stage has work.
     """
 
     max_num_seqs: int = defaults.MAX_NUM_SEQS
@@ -89,9 +93,17 @@ class SchedulerConfig:
     num_host_blocks: int = 0
     preemption_mode: str = "recompute"
     num_scheduler_steps: int = defaults.NUM_SCHEDULER_STEPS
+    pipeline_depth: int = 1
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_scheduler_steps"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "block_size",
+            "num_scheduler_steps",
+            "pipeline_depth",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_blocks < 2:
@@ -201,6 +213,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._released: list[int] = []  # seq_ids finished or preempted since the last schedule
+        self._in_flight: frozenset[int] = frozenset()  # the schedule's: seq_ids not to preempt
         self.failed: list[Sequence] = []  # aborted because their grammar failed to compile
 
     # -- requests ---------------------------------------------------------------------------
@@ -288,11 +301,15 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def schedule(self, propose: bool = True) -> SchedulerOutput:
+    def schedule(self, propose: bool = True, in_flight: frozenset[int] = frozenset()) -> SchedulerOutput:
         """Picks this step's sequences and token counts and gives them blocks (see module doc);
         with a proposer, decoding sequences get proposals unless `propose` is False (and a draft
-        model proposes after the step for the entries it marks `drafting`)."""
+        model proposes after the step for the entries it marks `drafting`). Sequences in
+        `in_flight` (seq_ids in a pipeline's micro-batches in flight) are neither scheduled nor
+        preempted; with a `pipeline_depth` P > 1 at most ceil(running / P) sequences decode."""
         cfg, bm = self.config, self.block_manager
+        self._in_flight = in_flight
+        decode_limit = -(-len(self.running) // cfg.pipeline_depth)
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         chosen: set[int] = set()  # seq_ids in `scheduled`
@@ -308,8 +325,10 @@ class Scheduler:
                     break
                 if seq.status is not SequenceStatus.RUNNING or seq.seq_id in chosen or self._ends_pending(seq):
                     continue  # preempted above, already scheduled, or its pending tokens end it
-                if (seq.num_uncomputed == 1) != decode:
+                if (seq.num_uncomputed == 1) != decode or seq.seq_id in in_flight:
                     continue
+                if decode and len(scheduled) == decode_limit:
+                    break  # the rest decode in the next micro-batches
                 n = min(seq.num_uncomputed, budget)
                 if not decode:  # shrink the chunk to the free blocks rather than preempt
                     room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - seq.num_computed_tokens
@@ -647,7 +666,7 @@ class Scheduler:
         """Preempts from the tail (never a sequence in `chosen`) until `seq` can take `n` more
         tokens; False if `seq` itself had to go."""
         while not self.block_manager.can_append(seq, n):
-            victim = next(s for s in reversed(self.running) if s.seq_id not in chosen)
+            victim = next(s for s in reversed(self.running) if s.seq_id not in chosen | self._in_flight)
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:

@@ -124,7 +124,7 @@ class LLMEngine(TrainingLoopControls):
         # is still pending and the run costs two steps). Measured faster at every batch size
         # (benchmarks/results/README.md); False (overlap) is kept to measure that against.
         self.read_first_under_grammars = True
-        self._in_flight: StepHandle | None = None
+        self._in_flight: list[StepHandle] = []  # dispatched steps whose results are still to read
         self.num_prompt_tokens = 0
 
     @classmethod
@@ -320,7 +320,7 @@ class LLMEngine(TrainingLoopControls):
         """Whether `step()` has work: unfinished sequences (not while paused or asleep, when steps
         schedule nothing), a step in flight, or aborts to deliver."""
         waiting = self.scheduler.has_unfinished() and not (self._paused or self._slept is not None)
-        return waiting or self._in_flight is not None or bool(self._aborted)
+        return waiting or bool(self._in_flight or self.runner.in_flight_seq_ids or self._aborted)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -347,7 +347,7 @@ class LLMEngine(TrainingLoopControls):
             aborted, self._aborted = self._aborted, []
             emit(self._deltas([(seq, 0, None) for seq in aborted]))
         if self._idle():  # paused or asleep: only a step already in flight is read
-            if self._in_flight is not None:
+            if self._in_flight:
                 emit(self._postprocess(self._take_in_flight()))
             return
         start, tokens, running = time.perf_counter(), self.num_generation_tokens, self.scheduler.num_running
@@ -357,37 +357,41 @@ class LLMEngine(TrainingLoopControls):
         # other processes, whose step channel sends a step whole, masks included); their forced
         # runs are scheduled whole when the step in flight is read first.
         read_first = (
-            self._in_flight is not None
+            bool(self._in_flight)
             and (self.runner.channel is not None or self.read_first_under_grammars)
             and self.scheduler.needs_last_tokens()  # a scan of the running sequences: last
         )
-        if (propose or read_first) and self._in_flight is not None:
+        if (propose or read_first) and self._in_flight:
             emit(self._postprocess(self._take_in_flight()))
-        output = self.scheduler.schedule(propose=propose)
+        # (under pipeline parallelism the sequences in the micro-batches in flight wait their turn)
+        output = self.scheduler.schedule(propose=propose, in_flight=self.runner.in_flight_seq_ids)
         if self.scheduler.failed:  # their grammar did not compile: finished "abort"
             for seq in self.scheduler.failed:
                 logger.error("request %s: its grammar failed to compile", seq.request_id)
             self._aborted += self.scheduler.failed
             self.scheduler.failed = []
-        handle = self.runner.execute(output)
+        handles = self.runner.execute(output)
         self._queue_disk_writes(output)
-        previous, self._in_flight = self._in_flight, handle
-        if previous is not None:
+        previous, self._in_flight = self._in_flight, handles
+        if previous:
             emit(self._postprocess(previous))
-        self.runner.sample(handle)  # a masked step's sampler, its masks following `previous`
-        if self._in_flight is not None and (
-            not self.async_scheduling or output.num_draft_tokens or any(output.drafting)
-        ):
+        for handle in handles:
+            self.runner.sample(handle)  # a masked step's sampler, its masks following `previous`
+        if self._in_flight and (not self.async_scheduling or output.num_draft_tokens or any(output.drafting)):
             emit(self._postprocess(self._take_in_flight()))
         if self.governor is not None and output.num_decode_seqs:
             self.governor.record(running, propose, time.perf_counter() - start, self.num_generation_tokens - tokens)
 
-    def _take_in_flight(self) -> StepHandle:
-        handle, self._in_flight = self._in_flight, None
-        return handle
+    def _take_in_flight(self) -> list[StepHandle]:
+        handles, self._in_flight = self._in_flight, []
+        return handles
 
-    def _postprocess(self, handle: StepHandle) -> list[SeqDelta]:
-        """Reads a step's results (waiting for the device), appends its tokens; returns the deltas."""
+    def _postprocess(self, handles: list[StepHandle]) -> list[SeqDelta]:
+        """Reads steps' results (waiting for the device), oldest first, appends their tokens;
+        returns the deltas."""
+        return [delta for handle in handles for delta in self._postprocess_one(handle)]
+
+    def _postprocess_one(self, handle: StepHandle) -> list[SeqDelta]:
         result = self.runner.fetch(handle)
         for i, (first, *arrays) in result.prompt_logprobs.items():
             seq = handle.output.scheduled[i][0]

@@ -29,6 +29,7 @@ from jaxpaged.planning.memory import GiB, KVCachePlan, format_bytes, plan_kv_cac
 from jaxpaged.planning.plan import weight_bytes_per_gpu
 from jaxpaged.worker.draft_runner import DraftRunner, draft_engine_config
 from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.pipelined_runner import PipelinedRunner
 from jaxpaged.worker.step_programs import Program
 
 logger = logging.getLogger("jaxpaged")
@@ -132,7 +133,8 @@ def prepare_device_worker(
     config = config.with_blocks(plan.num_blocks, host_tier_blocks(config, model, parallel))
     logger.info("preemption by %s", config.cache.resolved_preemption_mode)
     kv_scales = None if abstract else fp8_kv_scales(config, model.dtype)
-    runner = ModelRunner(model, parallel=parallel, config=config, kv_scales=kv_scales, eos_token_ids=eos_token_ids)
+    runner_type = PipelinedRunner if config.layout.pipeline.size > 1 else ModelRunner  # one tick a step
+    runner = runner_type(model, parallel=parallel, config=config, kv_scales=kv_scales, eos_token_ids=eos_token_ids)
     draft = None
     if draft_model is not None:
         draft = runner.draft = DraftRunner(

@@ -161,7 +161,7 @@ class TrainingLoopControls:
                 f"sleep({level}) with {self.scheduler.num_running + self.scheduler.num_waiting} unfinished "
                 "sequences; finish or abort them first (pause_generation('abort') aborts them)"
             )
-        if self._in_flight is not None:
+        if self._in_flight:
             self._postprocess(self._take_in_flight())  # its sequences are finished: nothing to emit
         self.reset_prefix_cache()
         self._slept = sleep_mode.sleep(self.runner, level)

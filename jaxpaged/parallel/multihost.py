@@ -138,8 +138,7 @@ def follow(runner, channel: StepChannel) -> int:
             logger.info("the leader stopped after %d steps", steps)
             return steps
         if command == EXECUTE:
-            program, options = runner.program_from_fields(fields)
-            runner.run_packed(program, options, payload)
+            runner.follow_step(fields, payload)
             steps += 1
         elif command == SEED:
             slot, prompt_len, length = fields[:3]

@@ -155,7 +155,9 @@ class ModelRunner:
         self.quantization = config.load.quantization  # the weights' (re-applied to new weights)
         self.num_blocks = config.cache.num_blocks
         self.kv_dtype = config.cache.kv_dtype(self.params_dtype)
-        self.step_programs = StepPrograms.for_engine(config, graphdef, parallel, self.kv_dtype, fused_options)
+        self.step_programs = StepPrograms.for_engine(
+            config, graphdef, parallel, self.kv_dtype, self.params_dtype, fused_options
+        )
         self.packer = self.step_programs.packer
         self.pages = self.packer.pages
         self.layouts = self.packer.layouts
@@ -302,17 +304,18 @@ class ModelRunner:
         if transfers:
             self.cache = self.kv_transfer.run(self.cache, transfers)
 
-    def execute(self, output: SchedulerOutput) -> StepHandle | None:
+    def execute(self, output: SchedulerOutput) -> list[StepHandle]:
         """Carries out one scheduled step: the host tier's copies, the slots freed and taken, then
         the step (or its fused steps) dispatched and its results' copy to the host started; the
-        write-through copies after it. Returns without waiting for the device (None: the
-        schedule computes nothing)."""
+        write-through copies after it. Returns without waiting for the device: the handles of
+        the steps whose results are coming, oldest first (here the step's own; none when the
+        schedule computes nothing. A pipelined runner returns those of earlier steps)."""
         self.input_batch.release(output.released_seq_ids)
         if self.draft is not None:
             self.draft.release(output.released_seq_ids)
         self.move_kv(output.transfers)
         if output.is_empty:
-            return None
+            return []
         prepared = self.input_batch.prepare(output.step_inputs)
         for slot, tokens, prompt_len in prepared.seeds:
             self.seed_penalty_slot(slot, tokens, prompt_len)
@@ -337,7 +340,13 @@ class ModelRunner:
         self.move_kv(output.stores)  # write-through of what the step computed
         if handle.prompt_packed is not None:
             handle.prompt_packed.copy_to_host_async()
-        return handle
+        return [handle]
+
+    @property
+    def in_flight_seq_ids(self) -> frozenset[int]:
+        """Sequences whose step was dispatched but whose results are not among the handles
+        returned yet (none here: a step's handle comes back with it; see `PipelinedRunner`)."""
+        return frozenset()
 
     def sample(self, handle: StepHandle | None) -> None:
         """Fills a masked step's token masks from its sequences' constraints (as the previous
@@ -382,6 +391,10 @@ class ModelRunner:
             self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode), bits), flat)
         return program, self.step_programs.layout(program), flat
 
+    def follow_step(self, fields: tuple[int, ...], payload: np.ndarray) -> None:
+        """A follower process runs the step the leader sent (`fields`: its step-channel header)."""
+        self.run_packed(*self.program_from_fields(fields), payload)
+
     def run_packed(self, program: Program, options: SamplerOptions, flat: np.ndarray) -> jax.Array:
         """Runs a compiled program (and, for one step, the sampler with `options`) on a packed step
         buffer; returns the packed results (the followers of a multi-process engine get the same
@@ -410,18 +423,23 @@ class ModelRunner:
         flat = jax.device_put(flat, self._whole)
         prompt_packed = None
         if program.prompt_logprobs:
-            if program not in self.compiled:
-                start = time.perf_counter()
-                self.compile_program(program)
-                logger.info(
-                    "compiled %s (first request with prompt_logprobs in this bucket) in %.1f s",
-                    self.step_programs.describe(program),
-                    time.perf_counter() - start,
-                )
-            self.cache, logits, sampler_input, prompt_packed = self.compiled[program](self.params, self.cache, flat)
+            self.cache, logits, sampler_input, prompt_packed = self.executable(program)(self.params, self.cache, flat)
         else:
             self.cache, logits, sampler_input = self.compiled[program](self.params, self.cache, flat)
         return logits, sampler_input, prompt_packed
+
+    def executable(self, program: Program):
+        """A model program's executable; a `prompt_logprobs` variant is compiled the first time
+        a step needs it."""
+        if program not in self.compiled:
+            start = time.perf_counter()
+            self.compile_program(program)
+            logger.info(
+                "compiled %s (first request with prompt_logprobs in this bucket) in %.1f s",
+                self.step_programs.describe(program),
+                time.perf_counter() - start,
+            )
+        return self.compiled[program]
 
     def _run_sampler(self, sampler, logits: jax.Array, sampler_input, mask: jax.Array | None) -> jax.Array:
         """Dispatches a sampler program (with `mask` as the token mask); returns its packed results."""

@@ -40,11 +40,13 @@ from jaxpaged.functional import (
     StepInput,
     forward,
     forward_prompt_logprobs,
+    forward_tick,
     sample_tokens,
     sampler_input,
     step,
 )
 from jaxpaged.model import AttentionMetadata, KVPool, KVQuant
+from jaxpaged.model.pipeline_carry import PipelineCarry, empty_carry
 from jaxpaged.model.sampler import (
     ENGINE_SAMPLER_OPTIONS,
     MAX_LOGPROBS,
@@ -54,7 +56,7 @@ from jaxpaged.model.sampler import (
     update_penalty_tables,
 )
 from jaxpaged.parallel.mesh import TensorParallel
-from jaxpaged.parallel.sharding import KV_SCALE_AXES
+from jaxpaged.parallel.sharding import KV_SCALE_AXES, STAGES
 from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS, SAMPLING_FIELDS, Layout, StepPacker, mask_words
 
 
@@ -106,6 +108,30 @@ def _prompt_logprobs_program(layout: Layout, graphdef, params, cache: DeviceCach
     inp = unpack(layout, flat)
     cache, logits, prompt = forward_prompt_logprobs(graphdef, params, cache, inp)
     return cache, logits, sampler_input(inp), prompt
+
+
+def _tick_program(
+    layout: Layout,
+    decode: bool,
+    with_prompt_logprobs: bool,
+    carry_shape: "CarryShape",
+    graphdef,
+    params,
+    cache: DeviceCache,
+    carry: PipelineCarry,
+    flat: jax.Array,
+    leaving_flat: jax.Array,
+):
+    """One pipeline tick (pipeline parallelism): the micro-batch packed in `flat` enters, the one
+    packed in `leaving_flat` (P - 1 ticks ago) leaves with its logits and the sampler's inputs
+    (`functional.forward_tick`). Both are packed in `layout`, the carry's."""
+    inp, leaving = unpack(layout, flat), unpack(layout, leaving_flat)
+    if decode:
+        inp = dataclasses.replace(inp, metadata=dataclasses.replace(inp.metadata, decode_only=True))
+    cache, carry, logits, prompt = forward_tick(graphdef, params, cache, carry, inp, leaving, with_prompt_logprobs)
+    carry = jax.lax.with_sharding_constraint(carry, carry_shape.shardings(layout, decode))  # as it came in
+    out = (cache, carry, logits, sampler_input(leaving))
+    return (*out, prompt) if with_prompt_logprobs else out
 
 
 def _sampler_program(options: SamplerOptions, prompt_mask, output_counts, last_tokens, logits, inp: SamplerInput):
@@ -241,6 +267,49 @@ class ResultLayout:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class CarryShape:
+    """The carry of a pipelined engine's step programs (pipeline parallelism): the micro-batches
+    in flight between ticks (`PipelineCarry`), one shape per program's layout.
+
+    Attributes:
+      stages: P.
+      hidden_size: D.
+      dtype: the activations'.
+      staged: where its activations `[P, Tm, D]` lie: split over the stages (each stage's row on
+        its devices; the shift to the next stage is one collective permute).
+      whole: where its metadata and busy flags lie: whole on every device (each stage reads its
+        row; shifting them moves nothing between devices).
+    """
+
+    stages: int
+    hidden_size: int
+    dtype: typing.Any
+    staged: typing.Any
+    whole: typing.Any
+
+    def shardings(self, layout: Layout, decode: bool) -> PipelineCarry:
+        carry = jax.eval_shape(lambda: self._empty(layout, decode))
+        whole = jax.tree.map(lambda _: self.whole, carry)
+        return dataclasses.replace(whole, hidden=self.staged)
+
+    def shapes(self, layout: Layout, decode: bool) -> PipelineCarry:
+        """The carry of `layout`'s micro-batches as shapes with their shardings."""
+        carry = jax.eval_shape(lambda: self._empty(layout, decode))
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), carry, self.shardings(layout, decode)
+        )
+
+    def empty(self, layout: Layout, decode: bool) -> PipelineCarry:
+        """A carry with nothing in flight for `layout`'s micro-batches, made where it lives."""
+        return jax.jit(lambda: self._empty(layout, decode), out_shardings=self.shardings(layout, decode))()
+
+    def _empty(self, layout: Layout, decode: bool) -> PipelineCarry:
+        meta = unpack(layout, jnp.zeros((layout.size,), jnp.int32)).metadata
+        meta = dataclasses.replace(meta, decode_only=decode)
+        return empty_carry(self.stages, self.hidden_size, self.dtype, meta)
+
+
 class StepPrograms:
     """Every step program of an engine, jitted with the cache donated and results whole on
     every device (every process can read them).
@@ -252,6 +321,9 @@ class StepPrograms:
       cache_shardings: where the cache lives (`DeviceCache` of shardings).
       whole: the replicated sharding of the mesh.
       fused_options: the sampler paths of the fused decode programs.
+      carry: with pipeline parallelism, the carry of the micro-batches in flight: every 1-step
+        model program is then one pipeline tick (`_tick_program`), called with the carry and
+        the leaving micro-batch's packed step besides the entering one's.
     """
 
     def __init__(
@@ -262,8 +334,10 @@ class StepPrograms:
         cache_shardings: DeviceCache,
         whole,
         fused_options: SamplerOptions = SamplerOptions(),
+        carry: CarryShape | None = None,
     ):
         self.graphdef = graphdef
+        self.carry = carry
         self.packer = packer
         self.num_decode_steps = num_decode_steps
         self.cache_shardings = cache_shardings
@@ -291,6 +365,16 @@ class StepPrograms:
             out_shardings=(cache_shardings, whole, whole, whole),
         )
         self.seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,), out_shardings=cache_shardings)
+        if carry is not None:
+            self._ticks = {
+                prompt: jax.jit(
+                    _tick_program,
+                    static_argnums=(0, 1, 2, 3, 4),
+                    donate_argnums=(6, 7),
+                    out_shardings=(cache_shardings, None, whole, whole) + ((whole,) if prompt else ()),
+                )
+                for prompt in (False, True)
+            }
 
     @classmethod
     def for_engine(
@@ -299,10 +383,12 @@ class StepPrograms:
         graphdef,
         parallel: TensorParallel,
         kv_dtype: str,
+        params_dtype,
         fused_options: SamplerOptions = SamplerOptions(),
     ) -> "StepPrograms":
         """The programs of an engine: its packer (buckets from the engine's limits), the cache on
-        the mesh (pool split by the sharding table, penalty tables whole) of a `kv_dtype` pool."""
+        the mesh (pool split by the sharding table, penalty tables whole) of a `kv_dtype` pool;
+        under pipeline parallelism pipeline ticks carrying `params_dtype` activations."""
         limits, spec = config.scheduler_config(), config.speculative
         packer = StepPacker(
             block_size=limits.block_size,
@@ -321,7 +407,12 @@ class StepPrograms:
             output_counts=whole,
             last_tokens=whole,
         )
-        return cls(graphdef, packer, limits.num_scheduler_steps, shardings, whole, fused_options)
+        carry = None
+        pipeline = config.layout.pipeline
+        if pipeline.size > 1:
+            staged = parallel.logical_sharding((STAGES,))
+            carry = CarryShape(pipeline.size, config.model.hidden_size, params_dtype, staged, whole)
+        return cls(graphdef, packer, limits.num_scheduler_steps, shardings, whole, fused_options, carry)
 
     def all(self) -> list[Program]:
         """Every model program: a mixed step (ragged attention) for each token bucket, and for each
@@ -358,6 +449,21 @@ class StepPrograms:
         flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self.whole)  # whole on every device
         if program.steps > 1:
             return self._fused.lower(layout, program.steps, program.options, self.graphdef, params, cache, flat)
+        if self.carry is not None:
+            carry = self.carry.shapes(layout, program.decode)
+            tick = self._ticks[program.prompt_logprobs]
+            return tick.lower(
+                layout,
+                program.decode,
+                program.prompt_logprobs,
+                self.carry,
+                self.graphdef,
+                params,
+                cache,
+                carry,
+                flat,
+                flat,
+            )
         if program.prompt_logprobs:
             return self._prompt_logprobs.lower(layout, self.graphdef, params, cache, flat)
         return self._model.lower(layout, program.decode, self.graphdef, params, cache, flat)

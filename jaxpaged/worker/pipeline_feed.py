@@ -90,6 +90,8 @@ class PipelineFeed:
         if len(self.in_flight) == self.stages - 1:
             self.in_flight.popleft()
         self.in_flight.append(entering)
+        if entering is not None:
+            self.key = entering.key
         if not self.busy:
             self.in_flight.clear()  # empty: the next micro-batch may take another shape
         return leaving

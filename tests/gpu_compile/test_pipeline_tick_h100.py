@@ -1,33 +1,27 @@
-"""`Llama.pipeline_tick` as the carried pipeline's step program will run it on H100s (deviceless
-compilation, see test_h100_programs.py): 2 stages of 2 GPUs, the carry and the pool donated, the
-carry's activations split over the stages and its metadata whole on every GPU. The pool is
-updated in place (aliased), the temporaries do not grow with it, nothing waits on the host, and
-the only collectives over the stages move activations (no all-to-all of metadata), for decode
-and ragged micro-batches alike.
+"""The pipelined engine's tick programs (`StepPrograms` under pipeline parallelism: one
+`Llama.pipeline_tick` a step) as they will run on H100s (deviceless compilation, see
+test_h100_programs.py): 2 stages of 2 GPUs, the carry and the pool donated, the carry's
+activations split over the stages and its metadata whole on every GPU. The pool is updated in
+place (the temporaries do not grow with it), nothing waits on the host, and the only
+collectives over the stages move activations (no all-to-all of metadata), for decode and ragged
+micro-batches alike.
 """
 
-import dataclasses
 import re
 
-import jax
-import jax.numpy as jnp
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from test_h100_programs import LARGE_POOL, SMALL_POOL, TOLERANCE, assert_no_host_waits, h100_engine_args, tiny_dir
 
 from jaxpaged.bench.gpu_targets import compiling_for_target
 from jaxpaged.bench.startup import abstract_worker
-from jaxpaged.model import AttentionMetadata
-from jaxpaged.model.pipeline_carry import empty_carry
-from jaxpaged.parallel.sharding import PIPELINE_AXIS
+from jaxpaged.worker.step_programs import Program
 
-TOKENS, PAGES = 16, 64  # a micro-batch's tokens; its block tables' width
+TOKENS = 16  # a micro-batch's tokens
 
 
 def compile_tick(model: str, pool_bytes: int, decode: bool):
-    """The tick (and the leaving micro-batch's logits) compiled for 4 H100s, 2 stages of 2; the
-    carry's activations split over the stages, its metadata whole; it and the pool donated."""
+    """The engine's tick program of `TOKENS`-token micro-batches compiled for 4 H100s, 2 stages
+    of 2."""
     args = h100_engine_args(
         model,
         pool_bytes,
@@ -38,33 +32,7 @@ def compile_tick(model: str, pool_bytes: int, decode: bool):
     )
     with compiling_for_target("h100", 4) as devices:
         runner = abstract_worker(args, devices).runner
-        graphdef, params, pool = runner.step_programs.graphdef, runner.params, runner.cache.kv
-        whole = NamedSharding(runner.parallel.mesh, PartitionSpec())
-        staged = NamedSharding(runner.parallel.mesh, PartitionSpec(PIPELINE_AXIS))
-        rows = TOKENS if decode else 4
-
-        def ints(*shape):
-            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=whole)
-
-        meta = AttentionMetadata(
-            ints(TOKENS), ints(TOKENS), ints(rows + 1), ints(rows), ints(rows, PAGES), ints(), decode
-        )
-        hidden_size = jax.eval_shape(lambda p: nnx.merge(graphdef, p).embed[...], params).shape[1]
-        carry = jax.eval_shape(lambda m: empty_carry(2, hidden_size, jnp.bfloat16, m), meta)
-        carry = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), carry)
-        carry = dataclasses.replace(
-            carry, hidden=jax.ShapeDtypeStruct(carry.hidden.shape, jnp.bfloat16, sharding=staged)
-        )
-
-        def step(params, carry, token_ids, pool, meta, entering):
-            model = nnx.merge(graphdef, params)
-            hidden, exited, carry, pool = model.pipeline_tick(carry, token_ids, pool, meta, entering)
-            return model.compute_logits(hidden), exited, carry, pool
-
-        shardings = (whole, whole, jax.tree.map(lambda a: a.sharding, carry), jax.tree.map(lambda a: a.sharding, pool))
-        jitted = jax.jit(step, donate_argnums=(1, 3), out_shardings=shardings)
-        entering = jax.ShapeDtypeStruct((), bool, sharding=whole)
-        return jitted.lower(params, carry, ints(TOKENS), pool, meta, entering).compile()
+        return runner.step_programs.lower(Program(TOKENS, 1, decode), runner.params, runner.cache).compile()
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "ragged"])

@@ -98,6 +98,30 @@ def test_decoding_groups_keep_every_stage_busy_and_give_transformers_tokens(pp_m
     assert eng.get_stats()["num_free_blocks"] == eng.get_stats()["num_total_blocks"]
 
 
+def test_pausing_drains_the_pipeline_and_resuming_goes_on(pp_model):
+    """`pause_generation("keep")` mid-decode: the micro-batches in flight leave (a step loop
+    ends), and after `resume_generation` the requests finish with transformers' tokens."""
+    path, hf = pp_model
+    eng = engine(path, 1, 2)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), {"prompt_token_ids": p}, greedy)
+    done = {}
+    for _ in range(6):
+        done.update((int(o.request_id), o) for o in eng.step() if o.finished)
+    assert eng.runner.in_flight_seq_ids
+    eng.pause_generation("keep")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert not eng.runner.in_flight_seq_ids and eng.scheduler.num_running == len(PROMPTS)
+    eng.resume_generation()
+    while eng.has_unfinished_requests():
+        done.update((int(o.request_id), o) for o in eng.step() if o.finished)
+    assert [done[i].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+        hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS
+    ]
+
+
 def test_sampler_inputs_leave_with_their_micro_batch(pp_model):
     """Seeded sampling with penalties, logprobs, prompt logprobs and token masks
     (`allowed_token_ids`) at PP 2 gives what one device gives, request by request."""

@@ -35,7 +35,8 @@ Each engine step:
      decoding) follow them: the tokens its grammar forces next, then the proposer's, cut at the
      first its constraint rejects (see `jaxpaged.structured.constraint`); forced tokens are
      not proposals (they are never rejected, and the spec-decode counters leave them out).
-Every `schedule` is followed by its `postprocess`, at most one other `schedule` in between.
+Every `schedule` is followed by its `postprocess`, at most `pipeline_depth` other `schedule`s in
+between (one without pipeline parallelism).
 """
 
 import dataclasses

@@ -33,6 +33,10 @@ How a request flows:
      next is scheduled (their forced runs are then known whole; with several processes the step
      channel also needs the masks before it sends a step).
   5. `step()` returns a `RequestOutput` for every request that changed.
+
+Under pipeline parallelism a step is one pipeline tick (`PipelinedRunner`): the runner returns
+the results of the micro-batch that left the last stage, scheduled P - 1 steps earlier, and the
+scheduler passes over the sequences still in flight.
 """
 
 import atexit
@@ -346,7 +350,8 @@ class LLMEngine(TrainingLoopControls):
         if self._aborted:
             aborted, self._aborted = self._aborted, []
             emit(self._deltas([(seq, 0, None) for seq in aborted]))
-        if self._idle():  # paused or asleep: only a step already in flight is read
+        if self._idle():  # paused or asleep: only the steps already in flight are read
+            self._in_flight += self.runner.drain()  # (a pipeline's micro-batches leave)
             if self._in_flight:
                 emit(self._postprocess(self._take_in_flight()))
             return

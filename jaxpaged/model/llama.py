@@ -555,48 +555,10 @@ class Llama(nnx.Module):
         Raises:
           ValueError: no pipeline parallelism, or a micro-batch not shaped as the carry's.
 
-        The plan on top of this (not built yet; README "Pipeline parallelism"):
-
-        - The step program: a step is one tick. It takes the carry as an argument and returns it,
-          both donated (like the pool), so the micro-batches in flight stay on device between
-          steps: `hidden` split over the pipeline axis (each stage's row on its devices; the
-          shift is one collective permute of activations), `meta` and `busy` whole on every
-          device, where each stage reads its row and shifts its copy without a collective
-          (`tests/gpu_compile/test_pipeline_tick_h100.py` checks the program so placed). One
-          program per micro-batch bucket and `decode_only`; a carry holds one shape, so the
-          runner pads every micro-batch of a carry to one bucket, and a decode micro-batch
-          joining prefill ones takes the ragged form (the ragged kernel serves any batch).
-        - The runner: the step's inputs are the entering micro-batch; its outputs (logits,
-          sampled tokens) are those of the micro-batch that leaves, which entered P - 1 steps
-          earlier. The runner keeps the in-flight micro-batches' host-side records (requests,
-          logits indices, sampling rows: the leaving micro-batch's are packed into the entering
-          step's inputs) in a FIFO of P - 1, and returns the leaving micro-batch's tokens.
-        - The scheduler: each running sequence belongs to one of P rotating groups; step t
-          schedules group t mod P, whose previous tokens were sampled at step t - 1 (the last
-          stage's output at the tick before), on device: the entering tokens can come from the
-          device's last sampled tokens as async scheduling's do (`DeviceCache.last_tokens`).
-          This is async scheduling's one-step lateness generalised to P - 1 steps: a decoding
-          sequence is in at most one micro-batch in flight, since its next token is known only
-          when its micro-batch has left. A prefill's next chunk needs no token, so it may enter
-          in the next micro-batch (see Blocks). A sequence preempted while in flight has its
-          tokens dropped when its micro-batch leaves.
-        - Blocks: each stage runs the micro-batches in the order they entered, so whatever a
-          micro-batch reads or writes of a block at a stage, a later micro-batch reads or writes
-          there after it. So inside the step programs nothing waits: a block freed while a
-          micro-batch that uses it is in flight (a preempted sequence's) may go at once to the
-          entering micro-batch, and a block a prefill in flight is still writing may be a prefix
-          hit of the entering one. Copies that touch every stage's layers of a block at once,
-          outside the ticks, do wait: a copy out (swap-out, write-through, offload to the host or
-          disk tier) until the micro-batch that writes the block has left the last stage (the
-          step that returns its tokens), and a copy into a block (swap-in, a host-tier or disk
-          hit) until every micro-batch that used the block's previous contents has left; a
-          copied-in block is there before the micro-batch that reads it enters.
-        - The bubble: in steady state every stage works every tick (P groups of sequences in
-          flight). Stages idle only at ticks fed nothing: filling (the P - 1 ticks after the
-          pipeline was empty), draining (P - 1 ticks fed nothing before a program of another
-          shape, or when the work runs out), and a group's tick when it has no work (fewer
-          running sequences than groups). (P - 1) ticks per fill or drain, instead of (P - 1) in
-          every step as `_pipelined` pays.
+        The engine's steps under pipeline parallelism are these ticks
+        (`functional.forward_tick`, run by `jaxpaged.worker.pipelined_runner.PipelinedRunner`,
+        whose module doc says how the runner and the scheduler keep P groups of sequences in
+        flight, and when the pipeline drains).
         """
         if self.pipeline is None:
             raise ValueError("pipeline_tick needs pipeline parallelism (pipeline_parallel_size > 1)")

@@ -342,6 +342,11 @@ class ModelRunner:
             handle.prompt_packed.copy_to_host_async()
         return [handle]
 
+    def drain(self) -> list[StepHandle]:
+        """Runs what is dispatched to the end; returns the handles of steps still to come back
+        (none here: each step's handle comes back with it; see `PipelinedRunner`)."""
+        return []
+
     @property
     def in_flight_seq_ids(self) -> frozenset[int]:
         """Sequences whose step was dispatched but whose results are not among the handles

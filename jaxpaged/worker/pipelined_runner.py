@@ -62,7 +62,7 @@ class PipelinedRunner(ModelRunner):
         self.input_batch.release(output.released_seq_ids)
         handles = []
         if output.transfers:
-            handles += self._drain()
+            handles += self.drain()
         self.move_kv(output.transfers)
         if output.is_empty:
             return handles + (self._tick(None) if self.feed.busy else [])
@@ -71,10 +71,10 @@ class PipelinedRunner(ModelRunner):
             self.seed_penalty_slot(slot, tokens, prompt_len)
         entering, fields = self._micro_batch(output, prepared)
         if self.feed.must_drain_for(entering.key):
-            handles += self._drain()
+            handles += self.drain()
         handles += self._tick(entering, fields)
         if output.stores:  # write-through once the step's blocks are whole
-            handles += self._drain()
+            handles += self.drain()
             self.move_kv(output.stores)
         return handles
 
@@ -108,8 +108,8 @@ class PipelinedRunner(ModelRunner):
         seq_ids = frozenset(s.seq_id for s in inputs)
         return MicroBatch(key, prompt_logprobs, prepared.options, fields, mask, output, seq_ids), fields
 
-    def _drain(self) -> list[StepHandle]:
-        """Ticks that feed nothing until no micro-batch is in flight."""
+    def drain(self) -> list[StepHandle]:
+        """Ticks that feed nothing until no micro-batch is in flight; returns their handles."""
         handles = []
         while self.feed.busy:
             self.num_drain_ticks += 1

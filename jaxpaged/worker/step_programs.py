@@ -19,6 +19,10 @@ sampled, with the sampler inside the loop (plain options: batches that filter or
 logprobs do not fuse). A program lowers from real arrays or from shapes alone
 (`jax.ShapeDtypeStruct`s with shardings), so `jaxpaged bench startup` compiles an 8B engine's
 programs with nothing materialised.
+
+Under pipeline parallelism every 1-step model program is a pipeline tick instead
+(`_tick_program`): it takes the carry of the micro-batches in flight (`CarryShape`) and the
+leaving micro-batch's packed step besides the entering one's, and gives the leaving one's logits.
 """
 
 import concurrent.futures

@@ -66,7 +66,7 @@ def pp_model(tmp_path_factory):
 def engine(path: str, tp: int, pp: int, **options) -> LLMEngine:
     args = dict(model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4)
     args |= dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=8, max_num_batched_tokens=64)
-    return LLMEngine(EngineArgs(**args, **options))
+    return LLMEngine(EngineArgs(**(args | options)))
 
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list:
@@ -147,3 +147,14 @@ def test_sampler_inputs_leave_with_their_micro_batch(pp_model):
             want = [next(iter(d.values())).logprob for d in a.prompt_logprobs[1:]]
             np.testing.assert_allclose(got, want, atol=1e-4)
     assert set(staged[2].outputs[0].token_ids) <= set(allowed)
+
+
+def test_a_prompts_chunks_follow_one_another_tick_by_tick(pp_model):
+    """One 60-token prompt in chunks of 16 at PP 2: its 4 chunks enter at 4 ticks in a row (a
+    chunk that samples nothing needs no token), then each of its 3 more tokens takes P ticks."""
+    path, hf = pp_model
+    eng = engine(path, 1, 2, max_num_batched_tokens=16, enable_prefix_caching=False)
+    prompt = [(7 * i) % 400 + 3 for i in range(60)]
+    (out,) = run(eng, [(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
+    assert eng.runner.num_ticks == 4 + (2 - 1) + 3 * 2

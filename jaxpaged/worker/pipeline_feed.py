@@ -4,9 +4,10 @@ only (no JAX here).
 Under pipeline parallelism an engine step is one pipeline tick (`functional.forward_tick`): the
 step's micro-batch enters the first stage while the micro-batches of the P - 1 steps before it
 move on one stage, and the oldest leaves the last stage, to be sampled. A micro-batch's results
-therefore come back P - 1 steps after it entered, and a sequence is in at most one micro-batch in
-flight (the scheduler passes over those in flight: `Scheduler.schedule(in_flight=...)`), so in
-steady state P groups of sequences take turns and every stage works every tick.
+therefore come back P - 1 steps after it entered, and a sequence that samples is in at most one
+micro-batch in flight (the scheduler passes over those in flight:
+`Scheduler.schedule(in_flight=...)`), so in steady state P groups of sequences take turns and
+every stage works every tick; a prompt's chunks follow one another tick by tick.
 
 All micro-batches in flight share one carry, so one shape: a micro-batch of another program
 (token bucket, or decode against ragged) enters only once the pipeline has drained (ticks that
@@ -41,7 +42,9 @@ class MicroBatch:
         device.
       mask: its token mask `[rows, W]` to fill when it leaves (with `options.mask`), else None.
       output: its schedule (`SchedulerOutput`; None on a follower process).
-      seq_ids: the sequences it computes.
+      seq_ids: the sequences it samples a token of (each waits for it before its next step; a
+        prompt's chunk that samples nothing may be followed by the next at once: every stage
+        runs the micro-batches in the order they entered, so the chunk's K/V is there first).
     """
 
     key: CarryKey
@@ -72,7 +75,7 @@ class PipelineFeed:
         return any(m is not None for m in self.in_flight)
 
     def seq_ids(self) -> frozenset[int]:
-        """The sequences of the micro-batches in flight (none of them may enter again yet)."""
+        """The sequences whose sampled token is in flight (none of them may enter again yet)."""
         return frozenset().union(*(m.seq_ids for m in self.in_flight if m is not None))
 
     def must_drain_for(self, key: CarryKey) -> bool:

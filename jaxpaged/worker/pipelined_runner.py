@@ -105,7 +105,7 @@ class PipelinedRunner(ModelRunner):
         layout = self._layout(key)
         fields = flat[: layout.size].copy()  # the packer reuses its buffers
         mask = self.packer.mask_of(layout, flat).copy() if masked else None
-        seq_ids = frozenset(s.seq_id for s in inputs)
+        seq_ids = frozenset(s.seq_id for s in inputs if s.samples)  # a prompt's next chunk may follow
         return MicroBatch(key, prompt_logprobs, prepared.options, fields, mask, output, seq_ids), fields
 
     def drain(self) -> list[StepHandle]:

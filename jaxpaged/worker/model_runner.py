@@ -319,7 +319,7 @@ class ModelRunner:
         prepared = self.input_batch.prepare(output.step_inputs)
         for slot, tokens, prompt_len in prepared.seeds:
             self.seed_penalty_slot(slot, tokens, prompt_len)
-        num_drafts = _num_drafts(output)
+        num_drafts = num_drafts_of(output)
         # Without other processes a masked step's sampler waits for `sample` (its masks follow
         # the previous step's tokens); their step channel sends a step whole, masks included.
         defer = prepared.options.mask and output.num_steps == 1 and self.channel is None
@@ -363,9 +363,9 @@ class ModelRunner:
         handle.pending = None
         output = handle.output
         live = [i for i in pending.entries if not output.scheduled[i][0].is_finished]
-        num_drafts = _num_drafts(output)
+        num_drafts = num_drafts_of(output)
         r = handle.layout.rows // handle.layout.num_seqs
-        fill_bitmask(self.mask_executor(), _mask_rows(output.step_inputs, num_drafts, live, r), pending.mask)
+        fill_bitmask(self.mask_executor(), mask_rows(output.step_inputs, num_drafts, live, r), pending.mask)
         mask = jax.device_put(pending.mask, self._whole)
         handle.packed = self._run_sampler(pending.sampler, pending.logits, pending.sampler_input, mask)
         handle.packed.copy_to_host_async()
@@ -388,11 +388,11 @@ class ModelRunner:
         if masked and not defer:  # the constrained rows' masks (the others stay all ones)
             layout = self.step_programs.layout(program)
             entries = [i for i, s in enumerate(inputs) if s.constraint is not None]
-            rows = _mask_rows(inputs, num_drafts, entries, layout.rows_per_seq)
+            rows = mask_rows(inputs, num_drafts, entries, layout.rows_per_seq)
             fill_bitmask(self.mask_executor(), rows, self.packer.mask_of(layout, flat))
         if self.channel is not None:
             options = prepared.options if steps == 1 else program.options
-            bits = _option_bits(options) | int(program.prompt_logprobs) << 3  # bits 0-2: the sampler's
+            bits = option_bits(options) | int(program.prompt_logprobs) << 3  # bits 0-2: the sampler's
             self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode), bits), flat)
         return program, self.step_programs.layout(program), flat
 
@@ -505,12 +505,12 @@ class ModelRunner:
         return Program(fields[0], steps, bool(fields[2]), fused, bool(fields[3] & 8)), options
 
 
-def _num_drafts(output) -> list[int]:
+def num_drafts_of(output) -> list[int]:
     """How many proposals each entry of a scheduled step checks (zeros when none speculates)."""
     return [len(d) for d in output.drafts] or [0] * output.num_seqs
 
 
-def _mask_rows(inputs: list[ScheduledSequence], num_drafts: list[int], entries: list[int], rows_per_seq: int):
+def mask_rows(inputs: list[ScheduledSequence], num_drafts: list[int], entries: list[int], rows_per_seq: int):
     """`(constraint, first row, forced, proposals)` of constrained entries, for `fill_bitmask` (an
     entry's proposals are its last `num_drafts` tokens, its `num_forced` tokens before them)."""
     out = []
@@ -533,5 +533,6 @@ def _prompt_logprobs_of(inputs: list[ScheduledSequence], packed: np.ndarray) -> 
     return out
 
 
-def _option_bits(options: SamplerOptions) -> int:
+def option_bits(options: SamplerOptions) -> int:
+    """The sampler options as bits 0-2 of a step-channel header (`program_from_fields` reads them)."""
     return int(options.filter) | int(options.logprobs) << 1 | int(options.mask) << 2

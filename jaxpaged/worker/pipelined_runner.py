@@ -25,7 +25,7 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.multihost import EXECUTE
 from jaxpaged.structured.constraint import fill_bitmask
-from jaxpaged.worker.model_runner import ModelRunner, StepHandle, _mask_rows, _num_drafts, _option_bits
+from jaxpaged.worker.model_runner import ModelRunner, StepHandle, mask_rows, num_drafts_of, option_bits
 from jaxpaged.worker.pipeline_feed import CarryKey, MicroBatch, PipelineFeed
 from jaxpaged.worker.step_packer import Layout, mask_words
 from jaxpaged.worker.step_programs import Program, ResultLayout, sampler_for
@@ -99,7 +99,7 @@ class PipelinedRunner(ModelRunner):
         decode = all(len(s.token_ids) == 1 for s in inputs) and not prompt_logprobs
         masked = prepared.options.mask
         tokens, flat = self.packer.pack(
-            inputs, prepared.rows, prepared.resets, _num_drafts(output), decode=decode, masked=masked
+            inputs, prepared.rows, prepared.resets, num_drafts_of(output), decode=decode, masked=masked
         )
         key = CarryKey(tokens, decode)
         layout = self._layout(key)
@@ -126,12 +126,12 @@ class PipelinedRunner(ModelRunner):
         if leaving is not None and leaving.options.mask:
             out = leaving.output
             entries = [i for i, s in enumerate(out.step_inputs) if s.constraint is not None and not _finished(out, i)]
-            rows = _mask_rows(out.step_inputs, _num_drafts(out), entries, layout.rows_per_seq)
+            rows = mask_rows(out.step_inputs, num_drafts_of(out), entries, layout.rows_per_seq)
             fill_bitmask(self.mask_executor(), rows, leaving.mask)
             mask = leaving.mask
         if self.channel is not None:
             options = entering.options if entering is not None else SamplerOptions()
-            bits = _option_bits(options) | int(entering is not None and entering.prompt_logprobs) << 3
+            bits = option_bits(options) | int(entering is not None and entering.prompt_logprobs) << 3
             bits |= ENTERING if entering is not None else 0
             parts = ([fields] if entering is not None else []) + ([mask.reshape(-1)] if mask is not None else [])
             payload = np.concatenate(parts) if parts else np.zeros(0, np.int32)

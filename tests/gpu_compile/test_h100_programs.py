@@ -136,7 +136,8 @@ def test_no_h100_program_temporaries_grow_with_the_pool(tmp_path, options):
     assert_no_host_waits(large)
     small = {p: c.memory_analysis() for p, c in small.items()}
     large = {p: c.memory_analysis() for p, c in large.items()}
-    assert set(small) == set(large) and len(small) == 3  # a mixed step, a decode step, fused decode steps
+    # a mixed step, a decode step, fused decode steps (pipeline ticks: none fused)
+    assert set(small) == set(large) and len(small) == (2 if options.get("pipeline_parallel_size", 1) > 1 else 3)
     grown = {
         p: (small[p].temp_size_in_bytes, large[p].temp_size_in_bytes)
         for p in small

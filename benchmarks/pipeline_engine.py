@@ -3,13 +3,15 @@ TP x PP = 8 x 1, 4 x 2 and 2 x 4, the pipeline's ticks and its bubble against th
 runs twice: with the engine's default 4 decode steps fused per engine step, and with 1 (as a
 pipelined engine runs: one token per sequence per step).
 
-Every configuration runs in its own process (8 fake CPU devices: `XLA_FLAGS`), under a timeout:
+Every configuration runs in its own process (8 fake CPU devices: `XLA_FLAGS`), under timeouts:
 one engine (`load_format="dummy"`: random weights of `benchmarks.pipeline_bubbles`' model, 8
 layers, hidden 512, MLP 2048, float32, the jnp attention reference), a warm-up run of the same
 shape (other prompts, `WARMUP_TOKENS` tokens each), then the timed run: `REQUESTS` requests of
 `PROMPT_LEN` random prompt tokens, `OUTPUT_LEN` greedy tokens each, EOS ignored, all added at once,
 `max_num_seqs` = `REQUESTS`, stepped until all finish, `REPEATS` times (other prompts each time;
-the median run is kept, every run's seconds listed). Recorded: wall seconds, output tokens/s,
+the median run is kept, every run's seconds listed). The processes start one after another and
+stay up; the timed runs go in rounds over all configurations, so that the shared machine's
+drifting load falls on each alike. Recorded: wall seconds, output tokens/s,
 engine steps and ms per step (and of it, the seconds in the runner's `execute`: packing and
 dispatch, drain ticks included, and in its `fetch`: waiting for results), and under PP > 1 the runner's ticks, drain ticks and bubble (the
 stages' idle share of the ticks, from its counters), with the micro-batches that entered by
@@ -31,6 +33,7 @@ import argparse
 import collections
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -45,7 +48,7 @@ from benchmarks.results_files import save_results
 CONFIGS = [(8, 1, 4), (8, 1, 1), (4, 2, 4), (2, 4, 4)]
 REQUESTS, PROMPT_LEN, OUTPUT_LEN, WARMUP_TOKENS = 32, 64, 32, 8
 REPEATS = 3  # timed runs per configuration (other prompts each): the median run is kept
-TIMEOUT_S = 150
+STARTUP_TIMEOUT_S, RUN_TIMEOUT_S = 150, 60  # per configuration's start-up and warm-up, per run
 CONFIG = {**MODEL_CONFIG, "model_type": "llama", "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2}
 
 
@@ -75,8 +78,9 @@ def generate(engine, seed: int, max_tokens: int) -> tuple[float, int, dict[int, 
     return time.perf_counter() - start, steps, tokens
 
 
-def child(model_dir: str, tp: int, pp: int, num_steps: int, max_num_batched_tokens: int) -> dict:
-    """One configuration's engine, warm-up and timed run (in this process: 8 fake devices)."""
+def child(model_dir: str, tp: int, pp: int, num_steps: int, max_num_batched_tokens: int) -> None:
+    """One configuration's engine and warm-up (in this process: 8 fake devices), then the timed
+    runs the parent asks for on stdin, each answered with its row on stdout."""
     from jaxpaged.engine.llm_engine import LLMEngine
     from jaxpaged.engine_args import EngineArgs
 
@@ -133,9 +137,7 @@ def child(model_dir: str, tp: int, pp: int, num_steps: int, max_num_batched_toke
 
     runner.execute = recorded_execute
     warm_s, warm_steps, _ = generate(engine, 1, WARMUP_TOKENS)
-    runs = [timed_run(engine, runner, pp, 10 + k, entered, kinds, seconds_in, fills) for k in range(REPEATS)]
-    row = sorted(runs, key=lambda r: r["seconds"])[REPEATS // 2]  # the median run
-    return {
+    ready = {
         "tp": tp,
         "pp": pp,
         "num_scheduler_steps": num_steps,
@@ -143,10 +145,13 @@ def child(model_dir: str, tp: int, pp: int, num_steps: int, max_num_batched_toke
         "compile_s": round(engine.compile_seconds, 1) if engine.compile_seconds is not None else None,
         "warmup_s": round(warm_s, 2),
         "warmup_steps": warm_steps,
-        "seconds_all_runs": [r["seconds"] for r in runs],
-        **row,
-        "tokens": [r["tokens"] for r in runs],
     }
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:  # "run K": timed run K (prompts from seed 10 + K); its row, as a line
+        if not line.startswith("run "):
+            break
+        seed = 10 + int(line.split()[1])
+        print(json.dumps(timed_run(engine, runner, pp, seed, entered, kinds, seconds_in, fills)), flush=True)
 
 
 def timed_run(engine, runner, pp, seed, entered, kinds, seconds_in, fills) -> dict:
@@ -181,30 +186,65 @@ def timed_run(engine, runner, pp, seed, entered, kinds, seconds_in, fills) -> di
     return row
 
 
-def run_config(model_dir: str, tp: int, pp: int, num_steps: int, max_num_batched_tokens: int) -> dict:
-    """`child` in a fresh process with 8 fake CPU devices; its row (or why it has none)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.pipeline_engine",
-        "--child",
-        model_dir,
-        str(tp),
-        str(pp),
-        str(num_steps),
-    ]
-    command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
-    what = {"tp": tp, "pp": pp, "num_scheduler_steps": num_steps}
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return what | {"error": f"timed out after {TIMEOUT_S} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        return what | {"error": f"exit {done.returncode}: {done.stderr[-2000:]}"}
-    return json.loads(lines[-1])
+class Config:
+    """A configuration's child process, started and warmed up; `ask` has it run once more."""
+
+    def __init__(self, model_dir: str, tp: int, pp: int, num_steps: int, max_num_batched_tokens: int):
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+        command = [sys.executable, "-m", "benchmarks.pipeline_engine", "--child", model_dir]
+        command += [str(tp), str(pp), str(num_steps), "--max-num-batched-tokens", str(max_num_batched_tokens)]
+        self.row = {"tp": tp, "pp": pp, "num_scheduler_steps": num_steps}
+        self.runs: list[dict] = []
+        self.stderr = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(
+            command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1
+        )
+        self._read(STARTUP_TIMEOUT_S, self.row.update)
+
+    @property
+    def failed(self) -> bool:
+        return "error" in self.row
+
+    def ask(self, k: int) -> None:
+        """Timed run `k` (its row kept in `runs`), unless the process failed before."""
+        if not self.failed:
+            self.process.stdin.write(f"run {k}\n")
+            self.process.stdin.flush()
+            self._read(RUN_TIMEOUT_S, self.runs.append)
+
+    def _read(self, timeout: float, keep) -> None:
+        """Passes the child's next JSON line to `keep`; on a timeout or an exit, kills it and
+        records why in `row["error"]`."""
+        deadline, why = time.monotonic() + timeout, f"timed out after {timeout} s"
+        while select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            line = self.process.stdout.readline()
+            if line.startswith("{"):
+                keep(json.loads(line))
+                return
+            if not line:  # (other lines: anything else the child printed)
+                why = f"exit {self.process.wait()}"
+                break
+        self.close()
+        self.stderr.seek(0)
+        self.row["error"] = f"{why}: {self.stderr.read()[-2000:]}"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def result(self) -> dict:
+        """Its row: the start-up's, then the median run's (every run's seconds and tokens listed)."""
+        if self.failed or not self.runs:
+            return self.row | ({} if self.failed else {"error": "no runs"})
+        median = sorted(self.runs, key=lambda r: r["seconds"])[len(self.runs) // 2]
+        return (
+            self.row
+            | {"seconds_all_runs": [r["seconds"] for r in self.runs]}
+            | median
+            | {"tokens": [r["tokens"] for r in self.runs]}
+        )
 
 
 def table(rows: list[dict]) -> str:
@@ -214,7 +254,8 @@ def table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        name = f"| {r['tp']} x {r['pp']} | {r['num_scheduler_steps']} |"
+        fused = r["num_scheduler_steps"] if r["pp"] == 1 else "1 (PP fuses none)"
+        name = f"| {r['tp']} x {r['pp']} | {fused} |"
         if "error" in r:
             lines.append(f"{name} {r['error'][:60]} |" + " |" * 13)
             continue
@@ -240,17 +281,23 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         model_dir, *numbers = args.child
-        print(json.dumps(child(model_dir, *map(int, numbers), args.max_num_batched_tokens)), flush=True)
+        child(model_dir, *map(int, numbers), args.max_num_batched_tokens)
         return 0
     load_before = os.getloadavg()
     model_dir = tempfile.mkdtemp()
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(CONFIG, f)
-    rows = []
+    configs = []  # started one after another (their compiles do not overlap), then kept idle
     for tp, pp, num_steps in CONFIGS:
-        row = run_config(model_dir, tp, pp, num_steps, args.max_num_batched_tokens)
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+        configs.append(Config(model_dir, tp, pp, num_steps, args.max_num_batched_tokens))
+        print(json.dumps(configs[-1].row)[:300], flush=True)
+    for k in range(REPEATS):  # rounds over all configurations: drifting load falls on each alike
+        for c in configs:
+            c.ask(k)
+            print(f"round {k} {c.row['tp']} x {c.row['pp']}: {c.runs[-1]['seconds'] if c.runs else c.row}", flush=True)
+    for c in configs:
+        c.close()
+    rows = [c.result() for c in configs]
     load_after = os.getloadavg()
     fused, unfused = rows[0], rows[1]
     mismatches = []

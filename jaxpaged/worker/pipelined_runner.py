@@ -98,8 +98,18 @@ class PipelinedRunner(ModelRunner):
         prompt_logprobs = any(s.prompt_targets for s in inputs)
         decode = all(len(s.token_ids) == 1 for s in inputs) and not prompt_logprobs
         masked = prepared.options.mask
+        # A micro-batch that fits the bucket of those in flight (of its attention form) is packed
+        # in it: every stage runs the carry's shape anyway, and a smaller bucket would drain them.
+        feed = self.feed
+        floor = feed.key.tokens if feed.busy and feed.key.decode == decode else 0
         tokens, flat = self.packer.pack(
-            inputs, prepared.rows, prepared.resets, num_drafts_of(output), decode=decode, masked=masked
+            inputs,
+            prepared.rows,
+            prepared.resets,
+            num_drafts_of(output),
+            decode=decode,
+            masked=masked,
+            min_bucket=floor,
         )
         key = CarryKey(tokens, decode)
         layout = self._layout(key)

@@ -234,6 +234,7 @@ class StepPacker:
         decode: bool = False,
         live_steps: list[int] | None = None,
         masked: bool = False,
+        min_bucket: int = 0,
     ) -> tuple[int, np.ndarray]:
         """Writes one step into its bucket's buffer.
 
@@ -246,6 +247,8 @@ class StepPacker:
           decode: pack for a decode program (one token per sequence, R = 1).
           live_steps: of fused decode steps, how many are each sequence's own (the rest write
             nothing and are discarded); None: all.
+          min_bucket: pack into this token bucket at least (a pipeline's micro-batch rides in
+            the bucket of those in flight rather than wait for them to drain).
 
         Returns:
           `(bucket, buffer)`; the buffer is reused two packs later.
@@ -253,7 +256,7 @@ class StepPacker:
         n = len(inputs)
         lens = np.fromiter((len(s.token_ids) for s in inputs), np.int64, n)
         total = int(lens.sum())
-        t = self.bucket_for(total, n)
+        t = self.bucket_for(max(total, min_bucket), n)
         layout = (self.decode_layouts if decode else self.layouts)[t]
         self._turn ^= 1
         key = (layout, self._turn)

@@ -122,10 +122,18 @@ def test_pausing_drains_the_pipeline_and_resuming_goes_on(pp_model):
     ]
 
 
-def test_sampler_inputs_leave_with_their_micro_batch(pp_model):
+@pytest.fixture(scope="module")
+def one_and_staged(pp_model) -> tuple[LLMEngine, LLMEngine]:
+    """An engine on one device and one at PP 2 with a host tier (its copies drain the pipeline),
+    room for 40 sequences (token buckets 16, 32 and 64)."""
+    path, _ = pp_model
+    options = dict(max_num_batched_tokens=64, max_num_seqs=40)
+    return engine(path, 1, 1, **options), engine(path, 1, 2, kv_offloading_size=2**-14, **options)
+
+
+def test_sampler_inputs_leave_with_their_micro_batch(one_and_staged):
     """Seeded sampling with penalties, logprobs, prompt logprobs and token masks
     (`allowed_token_ids`) at PP 2 gives what one device gives, request by request."""
-    path, _ = pp_model
     allowed = list(range(100, 164))
     kinds = [
         dict(temperature=1.0, seed=3, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2),
@@ -136,7 +144,7 @@ def test_sampler_inputs_leave_with_their_micro_batch(pp_model):
     requests = [
         (p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kinds[i % 4])) for i, p in enumerate(PROMPTS)
     ]
-    one, staged = run(engine(path, 1, 1), requests), run(engine(path, 1, 2), requests)
+    one, staged = (run(eng, requests) for eng in one_and_staged)
     for a, b in zip(one, staged):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.request_id
         for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
@@ -158,3 +166,70 @@ def test_a_prompts_chunks_follow_one_another_tick_by_tick(pp_model):
     (out,) = run(eng, [(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
     assert eng.runner.num_ticks == 4 + (2 - 1) + 3 * 2
+
+
+def test_aborts_in_flight_and_mixed_requests_give_one_devices_outputs(pp_model, one_and_staged):
+    """PP 2 with a host tier, prompts in chunks. Requests aborted while their micro-batch is
+    in flight (a prompt chunk that samples nothing, or a decode token) give their runner slots and
+    blocks to requests that arrive then (seeded, penalties, logprobs; the same prompts, so prefix
+    hits on blocks still being written); beside them n > 1, min_tokens and max_tokens=1. Every
+    request not aborted gets what one device gives. Then 33 sequences decode in groups of 17 and
+    16 (token buckets 32 and 16): the 16 ride in the carry's bucket instead of draining it."""
+    path, hf = pp_model
+    prompts = [[(7 * i + 3 * j) % 400 + 3 for i in range(50)] for j in range(3)]
+
+    def sampled(seed: int, **kw) -> SamplingParams:
+        options = dict(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        return SamplingParams(**(options | dict(frequency_penalty=1.5, repetition_penalty=1.3, logprobs=1) | kw))
+
+    first = [(f"chunk{j}", p, sampled(10 + j)) for j, p in enumerate(prompts)]  # aborted mid-prompt
+    first += [(f"decode{j}", p[:6], sampled(20 + j, max_tokens=30)) for j, p in enumerate(prompts)]
+    first += [
+        ("n3", PROMPTS[1], sampled(4, n=3, max_tokens=9)),
+        ("min", PROMPTS[2], sampled(5, min_tokens=6, ignore_eos=False, stop_token_ids=list(range(3, 500, 40)))),
+        ("one", PROMPTS[3], SamplingParams(temperature=0, max_tokens=1)),
+    ]
+    events = {  # step -> (requests aborted, requests added) after it
+        2: ([f"chunk{j}" for j in range(3)], [(f"again{j}", p, sampled(j)) for j, p in enumerate(prompts)]),
+        9: ([f"decode{j}" for j in range(3)], [(f"after{j}", p[:6], sampled(30 + j)) for j, p in enumerate(prompts)]),
+    }
+
+    def drive(eng: LLMEngine, pipelined: bool) -> dict:
+        for request_id, prompt, params in first:
+            eng.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        done, steps = {}, 0
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+            steps += 1
+            aborted, added = events.get(steps, ([], []))
+            if aborted and pipelined:  # (a sampled token in flight; at step 2 a chunk may be)
+                assert steps == 2 or {s.seq_id for s in eng._seqs[aborted[0]]} & eng.runner.in_flight_seq_ids
+            eng.abort_request(aborted)
+            for request_id, prompt, params in added:
+                eng.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        assert not eng.runner.in_flight_seq_ids
+        stats = eng.get_stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        return done
+
+    one, staged = one_and_staged
+    hits = staged.get_stats()["prefix_cache_hits"]
+    want, got = drive(one, False), drive(staged, True)
+    assert staged.get_stats()["prefix_cache_hits"] > hits
+    assert got.keys() == want.keys()
+    for request_id, out in got.items():
+        if request_id.startswith(("chunk", "decode")):
+            assert out.outputs[0].finish_reason == "abort", request_id
+            continue
+        for a, b in zip(want[request_id].outputs, out.outputs, strict=True):
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), request_id
+            for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+                assert x.keys() == y.keys()
+                np.testing.assert_allclose([p.logprob for p in x.values()], [p.logprob for p in y.values()], atol=1e-4)
+
+    runner, many = staged.runner, [[5 + i, 6 + i % 7, 8] for i in range(33)]
+    drains = runner.num_drain_ticks
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = run(staged, [(p, greedy) for p in many])
+    assert [o.outputs[0].token_ids for o in outputs[:2]] == [hf_greedy(hf, p, 8) for p in many[:2]]
+    assert runner.num_drain_ticks - drains <= 4, runner.num_drain_ticks - drains

@@ -232,13 +232,21 @@ def test_valid_under_tensor_parallelism():
 
 def test_pipeline_parallelism_gives_the_same_constrained_outputs(engine):
     """Two stages: each micro-batch's masks are filled when it leaves the last stage (its
-    sequences' previous tokens came back before), forced runs included; the outputs are one
-    device's, token for token."""
+    sequences' previous tokens came back before), forced runs included; with stop strings beside
+    them, the outputs are one device's, token for token."""
     staged = make_engine(pipeline_parallel_size=2)
     requests = constrained_requests("p")
+    # Stop strings finish sequences whose next micro-batch is in flight (n > 1: one sample of two).
+    stops = [["e", "th"], ["a"], [" the "]]
+    for i, stop in enumerate(stops):
+        params = SamplingParams(
+            temperature=0.8, seed=i, n=2, max_tokens=40, stop=stop, include_stop_str_in_output=i == 1
+        )
+        requests.append((f"p-stop{i}", params))
     want, got = run(engine, requests), run(staged, requests)
     check_all_obey(got)
-    assert {r: [c.token_ids for c in cs] for r, cs in got.items()} == {
-        r: [c.token_ids for c in cs] for r, cs in want.items()
+    assert {r: [(c.token_ids, c.text, c.finish_reason) for c in cs] for r, cs in got.items()} == {
+        r: [(c.token_ids, c.text, c.finish_reason) for c in cs] for r, cs in want.items()
     }
+    assert any(c.finish_reason == "stop" for i in range(len(stops)) for c in got[f"p-stop{i}"])
     assert staged.runner.bubble < 0.5

@@ -11,7 +11,8 @@ every stage works every tick; a prompt's chunks follow one another tick by tick.
 
 All micro-batches in flight share one carry, so one shape: a micro-batch of another program
 (token bucket, or decode against ragged) enters only once the pipeline has drained (ticks that
-feed nothing until the last micro-batch in flight has left).
+feed nothing until the last micro-batch in flight has left); the runner packs one that fits the
+carry's token bucket in it.
 """
 
 import collections

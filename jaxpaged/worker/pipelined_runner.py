@@ -10,7 +10,8 @@ then, from its constraints as the engine has left them: the previous tokens of i
 came back steps before.
 
 Ticks that feed nothing drain the pipeline, before:
-- a micro-batch of another shape (token bucket, or decode against ragged): the carry holds one;
+- a micro-batch of another shape (decode against ragged, or a larger token bucket): the carry
+  holds one (a micro-batch that fits the carry's bucket is packed in it);
 - the host tier's copies (loads, swaps, offloads): they touch every stage's layers of a block at
   once, while a micro-batch in flight may still write a block freed under it (an aborted
   sequence's);

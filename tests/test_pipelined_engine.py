@@ -75,7 +75,7 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> 
     done = {}
     while engine.has_unfinished_requests():
         done.update((int(o.request_id), o) for o in engine.step() if o.finished)
-    assert not engine.runner.in_flight_seq_ids
+    assert not engine.runner.busy
     return [done[i] for i in range(len(requests))]
 
 
@@ -113,7 +113,7 @@ def test_pausing_drains_the_pipeline_and_resuming_goes_on(pp_model):
     eng.pause_generation("keep")
     while eng.has_unfinished_requests():
         eng.step()
-    assert not eng.runner.in_flight_seq_ids and eng.scheduler.num_running == len(PROMPTS)
+    assert not eng.runner.busy and eng.scheduler.num_running == len(PROMPTS)
     eng.resume_generation()
     while eng.has_unfinished_requests():
         done.update((int(o.request_id), o) for o in eng.step() if o.finished)

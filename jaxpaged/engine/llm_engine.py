@@ -324,7 +324,7 @@ class LLMEngine(TrainingLoopControls):
         """Whether `step()` has work: unfinished sequences (not while paused or asleep, when steps
         schedule nothing), a step in flight, or aborts to deliver."""
         waiting = self.scheduler.has_unfinished() and not (self._paused or self._slept is not None)
-        return waiting or bool(self._in_flight or self.runner.in_flight_seq_ids or self._aborted)
+        return waiting or bool(self._in_flight or self.runner.busy or self._aborted)
 
     # -- one step ---------------------------------------------------------------------------
 

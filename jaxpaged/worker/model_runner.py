@@ -348,6 +348,12 @@ class ModelRunner:
         return []
 
     @property
+    def busy(self) -> bool:
+        """Whether dispatched work is still to come back beyond the handles returned (never
+        here; a pipeline's micro-batches in flight: see `PipelinedRunner`)."""
+        return False
+
+    @property
     def in_flight_seq_ids(self) -> frozenset[int]:
         """Sequences whose step was dispatched but whose results are not among the handles
         returned yet (none here: a step's handle comes back with it; see `PipelinedRunner`)."""

@@ -52,6 +52,11 @@ class PipelinedRunner(ModelRunner):
         return 1 - self.busy_stage_ticks / max(1, self.num_ticks * self.pipeline.size)
 
     @property
+    def busy(self) -> bool:
+        """Whether a micro-batch is in the pipeline (the engine steps until none is)."""
+        return self.feed.busy
+
+    @property
     def in_flight_seq_ids(self) -> frozenset[int]:
         """Sequences in a micro-batch still in the pipeline (the scheduler passes over them)."""
         return self.feed.seq_ids()

@@ -223,15 +223,24 @@ def methods(demo_draft: str) -> dict:
     return {"ngram": NGRAM, "draft": {"model": demo_draft, "num_speculative_tokens": 3, "adaptive": False}}
 
 
+DISTRIBUTION_PARAMS = [SamplingParams(temperature=0.8, top_k=8, max_tokens=6, ignore_eos=True)] * 300
+
+
+@pytest.fixture(scope="module")
+def plain_distribution() -> list:
+    """The plain engine's outputs for the distribution test, run once for both methods (the same
+    engine options, seed and requests give the same tokens)."""
+    return run_demo(KJV[:1] * 300, DISTRIBUTION_PARAMS)[0]
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_sampled_tokens_follow_the_plain_distribution(demo_draft, method):
+def test_sampled_tokens_follow_the_plain_distribution(demo_draft, plain_distribution, method):
     """300 unseeded requests (the engine seed gives each its own) of one prompt: the histograms
     of the 2nd to 6th generated tokens with and without speculation pass a chi-square test of
     homogeneity at about the 0.1% level (and here are equal: each position samples as plain
     decoding does)."""
-    params = [SamplingParams(temperature=0.8, top_k=8, max_tokens=6, ignore_eos=True)] * 300
-    plain, _ = run_demo(KJV[:1] * 300, params)
-    spec, engine = run_demo(KJV[:1] * 300, params, speculative_config=methods(demo_draft)[method])
+    plain = plain_distribution
+    spec, engine = run_demo(KJV[:1] * 300, DISTRIBUTION_PARAMS, speculative_config=methods(demo_draft)[method])
     assert engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
     for position in range(1, 6):
         a = np.array([o.token_ids[position] for o in plain])

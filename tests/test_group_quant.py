@@ -259,11 +259,25 @@ def test_group_sizes_and_tensor_parallel_sizes_that_split_a_group_are_refused(ti
     TensorParallelLayout(config, 2)
 
 
+@pytest.fixture(scope="module")
+def llama_tp_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("llama_tp"))
+    save_hf_model("llama_tp", path)  # hidden 64, heads 8 x 8, MLP 128; groups of 16: 4, 4 and 8 per input
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_device_int4_tokens() -> dict:
+    """kernel -> the one-device int4 engine's tokens: the same reference for every n, so each is
+    computed (and its kernel calls checked) once."""
+    return {}
+
+
 @pytest.mark.isolated
 # 4 devices: each of llama_tp's 2 kv heads on 2 devices; 4 groups per split input
 @pytest.mark.parametrize("n, kernel", [(2, False), (4, False), (2, True), (4, True)])
 def test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_their_weights(
-    tmp_path, monkeypatch, n, kernel
+    llama_tp_dir, one_device_int4_tokens, monkeypatch, n, kernel
 ):
     """TP n gives the one-device engine's tokens, through XLA's product or (`kernel`, as on a GPU)
     the Pallas kernel on every device over its shard (interpreted here): every projection of
@@ -273,8 +287,7 @@ def test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_thei
         monkeypatch.setattr(llama_model, "use_group_kernel", lambda parallel: True)
         real = quant.kernel_on_every_device
         monkeypatch.setattr(quant, "kernel_on_every_device", lambda *args: calls.append(args[2]) or real(*args))
-    path = str(tmp_path)
-    save_hf_model("llama_tp", path)  # hidden 64, heads 8 x 8, MLP 128; groups of 16: 4, 4 and 8 per input
+    path = llama_tp_dir
     prompts = tp_workload.prompts()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -288,8 +301,10 @@ def test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_thei
             done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
         return [done[i] for i in range(len(prompts))], engine
 
-    single, _ = tokens(1)
-    assert not calls  # one device: the kernel unsplit
+    if kernel not in one_device_int4_tokens:
+        one_device_int4_tokens[kernel] = tokens(1)[0]
+        assert not calls  # one device: the kernel unsplit
+    single = one_device_int4_tokens[kernel]
     split, engine = tokens(n)
     assert split == single
     if kernel:  # traced once per program: 7 projections of each of llama_tp's layers

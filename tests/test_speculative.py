@@ -223,15 +223,24 @@ def methods(demo_draft: str) -> dict:
     return {"ngram": NGRAM, "draft": {"model": demo_draft, "num_speculative_tokens": 3, "adaptive": False}}
 
 
+DISTRIBUTION_PARAMS = [SamplingParams(temperature=0.8, top_k=8, max_tokens=6, ignore_eos=True)] * 300
+
+
+@pytest.fixture(scope="module")
+def plain_distribution() -> list:
+    """The plain engine's outputs for the distribution test, run once for both methods (the same
+    engine options, seed and requests give the same tokens)."""
+    return run_demo(KJV[:1] * 300, DISTRIBUTION_PARAMS)[0]
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_sampled_tokens_follow_the_plain_distribution(demo_draft, method):
+def test_sampled_tokens_follow_the_plain_distribution(demo_draft, plain_distribution, method):
     """300 unseeded requests (the engine seed gives each its own) of one prompt: the histograms
     of the 2nd to 6th generated tokens with and without speculation pass a chi-square test of
     homogeneity at about the 0.1% level (and here are equal: each position samples as plain
     decoding does)."""
-    params = [SamplingParams(temperature=0.8, top_k=8, max_tokens=6, ignore_eos=True)] * 300
-    plain, _ = run_demo(KJV[:1] * 300, params)
-    spec, engine = run_demo(KJV[:1] * 300, params, speculative_config=methods(demo_draft)[method])
+    plain = plain_distribution
+    spec, engine = run_demo(KJV[:1] * 300, DISTRIBUTION_PARAMS, speculative_config=methods(demo_draft)[method])
     assert engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
     for position in range(1, 6):
         a = np.array([o.token_ids[position] for o in plain])
@@ -244,21 +253,33 @@ def test_sampled_tokens_follow_the_plain_distribution(demo_draft, method):
         assert chi2 < dof + 3.1 * np.sqrt(2 * dof) + 10, (position, chi2, dof)
 
 
+STOP_PROMPTS = KJV + KJV[:1]
+STOPS = [
+    SamplingParams(temperature=0, max_tokens=60, stop=["Israel"]),
+    SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=48, stop=[", and"]),
+    SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=SMALL_SCHEMA)),
+]
+
+
+@pytest.fixture(scope="module")
+def plain_stops() -> tuple[list, list]:
+    """Plain decoding's outputs for the stop-string test, run once for both methods: `STOPS` on
+    `STOP_PROMPTS`, and the first prompt's 60 greedy tokens (what its stream must add up to)."""
+    plain, _ = run_demo(STOP_PROMPTS, STOPS)
+    whole, _ = run_demo(STOP_PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=60)])
+    return plain, whole
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_stop_strings_max_tokens_and_streaming_match_plain(demo_draft, method):
+def test_stop_strings_max_tokens_and_streaming_match_plain(demo_draft, plain_stops, method):
     """The demo model on King James prompts (real repetition for the lookup; a noisy copy of the
     demo model as the draft): text, finish reasons, max_tokens exactly, and streamed deltas that
     add up to the final output; a JSON-constrained request beside them (its grammar's forced run
     computed first, unsampled, then n-gram tokens the grammar allows; the draft's are not)."""
-    prompts = KJV + KJV[:1]
-    stops = [
-        SamplingParams(temperature=0, max_tokens=60, stop=["Israel"]),
-        SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=48, stop=[", and"]),
-        SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=SMALL_SCHEMA)),
-    ]
-    plain, _ = run_demo(prompts, stops)
-    spec, engine = run_demo(prompts, stops, speculative_config=methods(demo_draft)[method])
+    prompts = STOP_PROMPTS
+    plain, whole = plain_stops
+    spec, engine = run_demo(prompts, STOPS, speculative_config=methods(demo_draft)[method])
     for a, b in zip(spec, plain):
         assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
     assert len(spec[1].token_ids) == 33 and spec[0].finish_reason == "stop"
@@ -276,7 +297,6 @@ def test_stop_strings_max_tokens_and_streaming_match_plain(demo_draft, method):
             text += out.outputs[0].text
             tokens += out.outputs[0].token_ids
             steps_with_several += len(out.outputs[0].token_ids) > 1
-    whole, _ = run_demo(prompts[:1], [SamplingParams(temperature=0, max_tokens=60)])
     assert (text, tokens) == (whole[0].text, whole[0].token_ids) and steps_with_several > 0
 
 

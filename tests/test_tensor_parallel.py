@@ -37,13 +37,27 @@ SIZES = (1, 2, 4, 8)
 MAX_TOKENS = 12
 
 
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """variant -> (model dir, transformers' greedy continuations of tp_workload's prompts): each
+    variant saved and run through transformers once for the module's tests (none writes to it)."""
+    saved = {}
+
+    def get(variant: str) -> tuple[str, list[list[int]]]:
+        if variant not in saved:
+            path = str(tmp_path_factory.mktemp(variant))
+            hf = save_hf_model(variant, path)
+            saved[variant] = path, [hf_greedy(hf, p, MAX_TOKENS) for p in tp_workload.prompts()]
+        return saved[variant]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=["llama_tp", "qwen2_tp", "mistral_tp"])
-def tp_model(request, tmp_path_factory):
+def tp_model(request, saved_model):
     """(variant, model dir, prompts, transformers' greedy continuations)."""
-    path = str(tmp_path_factory.mktemp(request.param))
-    hf = save_hf_model(request.param, path)
-    prompts = tp_workload.prompts()
-    return request.param, path, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    path, references = saved_model(request.param)
+    return request.param, path, tp_workload.prompts(), references
 
 
 def make_engine(path: str, n: int, **kwargs) -> LLMEngine:
@@ -78,13 +92,11 @@ def test_greedy_tokens_equal_transformers_for_every_size(tp_model, n):
 
 @pytest.mark.isolated
 @pytest.mark.parametrize("n", [2, 4])  # 4: each of llama_tp's 2 kv heads repeated on 2 devices
-def test_host_tier_swaps_per_device_shards_and_tokens_equal_transformers(tmp_path, n):
+def test_host_tier_swaps_per_device_shards_and_tokens_equal_transformers(saved_model, n):
     """The small-pool workload with a host tier: preempted sequences are swapped out and in,
     each device copying its own kv heads, with transformers' tokens."""
-    path = str(tmp_path)
-    hf = save_hf_model("llama_tp", path)
+    path, references = saved_model("llama_tp")
     prompts = tp_workload.prompts()
-    references = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     engine = make_engine(path, n, kv_offloading_size=2**-14)  # 64 KiB: 16 to 32 host blocks
     outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outputs] == references
@@ -149,14 +161,14 @@ EXPECTED_SHARDS = {  # one device's shard (2 layers)
 
 
 @pytest.mark.isolated
-def test_every_parameter_and_the_pool_are_split_as_the_table_says(tmp_path):
+def test_every_parameter_and_the_pool_are_split_as_the_table_says(saved_model):
     """--scan-layers on 8 devices: the stacked parameters are split as the table says, and the
     scan slicing each layer out of its shards gives transformers' tokens."""
-    hf = save_hf_model("llama_tp", str(tmp_path))
-    engine = make_engine(str(tmp_path), 8, scan_layers=True)
+    path, references = saved_model("llama_tp")
+    engine = make_engine(path, 8, scan_layers=True)
     prompts = tp_workload.prompts()
     outputs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    assert [o.token_ids for o in outputs] == references
     leaves = jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]
     assert len(leaves) == 9 + 3  # every parameter is checked
     for path, leaf in leaves:

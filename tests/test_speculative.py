@@ -527,7 +527,7 @@ def test_draft_model_catches_up_after_plain_steps_prefix_hits_and_preemption(tin
     engine.governor.speculate = lambda running: next(pattern) % 7 < 3  # 3 steps on, 4 off
     calls = count_draft_calls(engine)
     schedule, outputs = engine.scheduler.schedule, []
-    engine.scheduler.schedule = lambda propose: outputs.append(schedule(propose)) or outputs[-1]
+    engine.scheduler.schedule = lambda propose, **kw: outputs.append(schedule(propose, **kw)) or outputs[-1]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), {"prompt_token_ids": p}, sp)
     done, plain_steps = {}, []

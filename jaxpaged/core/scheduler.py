@@ -214,7 +214,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._released: list[int] = []  # seq_ids finished or preempted since the last schedule
-        self._in_flight: frozenset[int] = frozenset()  # the schedule's: seq_ids not to preempt
         self.failed: list[Sequence] = []  # aborted because their grammar failed to compile
 
     # -- requests ---------------------------------------------------------------------------
@@ -309,7 +308,6 @@ class Scheduler:
         `in_flight` (seq_ids in a pipeline's micro-batches in flight) are neither scheduled nor
         preempted; with a `pipeline_depth` P > 1 at most ceil(running / P) sequences decode."""
         cfg, bm = self.config, self.block_manager
-        self._in_flight = in_flight
         decode_limit = -(-len(self.running) // cfg.pipeline_depth)
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
@@ -334,7 +332,7 @@ class Scheduler:
                 if not decode:  # shrink the chunk to the free blocks rather than preempt
                     room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - seq.num_computed_tokens
                     n = max(1, min(n, room))
-                if self._make_room(seq, n, chosen, preempted):
+                if self._make_room(seq, n, chosen, in_flight, preempted):
                     bm.may_append(seq, n)
                     scheduled.append((seq, n))
                     chosen.add(seq.seq_id)
@@ -663,11 +661,13 @@ class Scheduler:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _make_room(self, seq: Sequence, n: int, chosen: set[int], preempted: list[Sequence]) -> bool:
-        """Preempts from the tail (never a sequence in `chosen`) until `seq` can take `n` more
-        tokens; False if `seq` itself had to go."""
+    def _make_room(
+        self, seq: Sequence, n: int, chosen: set[int], in_flight: frozenset[int], preempted: list[Sequence]
+    ) -> bool:
+        """Preempts from the tail (never a sequence in `chosen` or `in_flight`) until `seq` can
+        take `n` more tokens; False if `seq` itself had to go."""
         while not self.block_manager.can_append(seq, n):
-            victim = next(s for s in reversed(self.running) if s.seq_id not in chosen | self._in_flight)
+            victim = next(s for s in reversed(self.running) if s.seq_id not in chosen and s.seq_id not in in_flight)
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:

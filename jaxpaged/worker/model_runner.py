@@ -368,7 +368,7 @@ class ModelRunner:
             return
         handle.pending = None
         output = handle.output
-        live = [i for i in pending.entries if not output.scheduled[i][0].is_finished]
+        live = live_entries(output, pending.entries)
         num_drafts = num_drafts_of(output)
         r = handle.layout.rows // handle.layout.num_seqs
         fill_bitmask(self.mask_executor(), mask_rows(output.step_inputs, num_drafts, live, r), pending.mask)
@@ -514,6 +514,12 @@ class ModelRunner:
 def num_drafts_of(output) -> list[int]:
     """How many proposals each entry of a scheduled step checks (zeros when none speculates)."""
     return [len(d) for d in output.drafts] or [0] * output.num_seqs
+
+
+def live_entries(output: SchedulerOutput, entries: list[int]) -> list[int]:
+    """Of a step's `entries`, those whose sequence has not finished since it was scheduled (a
+    finished one's mask row stays all ones: its token is surplus)."""
+    return [i for i in entries if not output.scheduled[i][0].is_finished]
 
 
 def mask_rows(inputs: list[ScheduledSequence], num_drafts: list[int], entries: list[int], rows_per_seq: int):

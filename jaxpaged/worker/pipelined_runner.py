@@ -26,7 +26,14 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.multihost import EXECUTE
 from jaxpaged.structured.constraint import fill_bitmask
-from jaxpaged.worker.model_runner import ModelRunner, StepHandle, mask_rows, num_drafts_of, option_bits
+from jaxpaged.worker.model_runner import (
+    ModelRunner,
+    StepHandle,
+    live_entries,
+    mask_rows,
+    num_drafts_of,
+    option_bits,
+)
 from jaxpaged.worker.pipeline_feed import CarryKey, MicroBatch, PipelineFeed
 from jaxpaged.worker.step_packer import Layout, mask_words
 from jaxpaged.worker.step_programs import Program, ResultLayout, sampler_for
@@ -75,10 +82,10 @@ class PipelinedRunner(ModelRunner):
         prepared = self.input_batch.prepare(output.step_inputs)
         for slot, tokens, prompt_len in prepared.seeds:
             self.seed_penalty_slot(slot, tokens, prompt_len)
-        entering, fields = self._micro_batch(output, prepared)
+        entering = self._micro_batch(output, prepared)
         if self.feed.must_drain_for(entering.key):
             handles += self.drain()
-        handles += self._tick(entering, fields)
+        handles += self._tick(entering)
         if output.stores:  # write-through once the step's blocks are whole
             handles += self.drain()
             self.move_kv(output.stores)
@@ -98,8 +105,8 @@ class PipelinedRunner(ModelRunner):
         mask = payload.reshape(self._mask_shape(layout)) if leaving is not None and leaving.options.mask else None
         self._dispatch(key, entering, mask)
 
-    def _micro_batch(self, output: SchedulerOutput, prepared) -> tuple[MicroBatch, np.ndarray]:
-        """The scheduled step packed as a micro-batch; also its packed fields on the host."""
+    def _micro_batch(self, output: SchedulerOutput, prepared) -> MicroBatch:
+        """The scheduled step packed as a micro-batch (its fields on the host until it enters)."""
         inputs = output.step_inputs
         prompt_logprobs = any(s.prompt_targets for s in inputs)
         decode = all(len(s.token_ids) == 1 for s in inputs) and not prompt_logprobs
@@ -122,7 +129,7 @@ class PipelinedRunner(ModelRunner):
         fields = flat[: layout.size].copy()  # the packer reuses its buffers
         mask = self.packer.mask_of(layout, flat).copy() if masked else None
         seq_ids = frozenset(s.seq_id for s in inputs if s.samples)  # a prompt's next chunk may follow
-        return MicroBatch(key, prompt_logprobs, prepared.options, fields, mask, output, seq_ids), fields
+        return MicroBatch(key, prompt_logprobs, prepared.options, fields, mask, output, seq_ids)
 
     def drain(self) -> list[StepHandle]:
         """Ticks that feed nothing until no micro-batch is in flight; returns their handles."""
@@ -132,7 +139,7 @@ class PipelinedRunner(ModelRunner):
             handles += self._tick(None)
         return handles
 
-    def _tick(self, entering: MicroBatch | None, fields: np.ndarray | None = None) -> list[StepHandle]:
+    def _tick(self, entering: MicroBatch | None) -> list[StepHandle]:
         """The leader's tick: the leaving micro-batch's masks filled, the tick sent to the other
         processes and dispatched; the leaving micro-batch's handle (if one left)."""
         key = entering.key if entering is not None else self.feed.key
@@ -141,7 +148,7 @@ class PipelinedRunner(ModelRunner):
         mask = None
         if leaving is not None and leaving.options.mask:
             out = leaving.output
-            entries = [i for i, s in enumerate(out.step_inputs) if s.constraint is not None and not _finished(out, i)]
+            entries = live_entries(out, [i for i, s in enumerate(out.step_inputs) if s.constraint is not None])
             rows = mask_rows(out.step_inputs, num_drafts_of(out), entries, layout.rows_per_seq)
             fill_bitmask(self.mask_executor(), rows, leaving.mask)
             mask = leaving.mask
@@ -149,7 +156,7 @@ class PipelinedRunner(ModelRunner):
             options = entering.options if entering is not None else SamplerOptions()
             bits = option_bits(options) | int(entering is not None and entering.prompt_logprobs) << 3
             bits |= ENTERING if entering is not None else 0
-            parts = ([fields] if entering is not None else []) + ([mask.reshape(-1)] if mask is not None else [])
+            parts = ([entering.flat] if entering is not None else []) + ([mask.reshape(-1)] if mask is not None else [])
             payload = np.concatenate(parts) if parts else np.zeros(0, np.int32)
             self.channel.send(EXECUTE, (key.tokens, 1, int(key.decode), bits), payload)
         packed, prompt_packed, leaving = self._dispatch(key, entering, mask)
@@ -199,9 +206,3 @@ class PipelinedRunner(ModelRunner):
 
     def _mask_shape(self, layout: Layout) -> tuple[int, int]:
         return layout.num_seqs * layout.rows_per_seq, mask_words(self.packer.vocab_size)
-
-
-def _finished(output: SchedulerOutput, i: int) -> bool:
-    """Whether entry i's sequence finished since it was scheduled (its mask row stays all ones:
-    its token is surplus)."""
-    return output.scheduled[i][0].is_finished

@@ -27,6 +27,7 @@ leaving micro-batch's packed step besides the entering one's, and gives the leav
 
 import concurrent.futures
 import dataclasses
+import functools
 import threading
 import time
 import typing
@@ -305,13 +306,19 @@ class CarryShape:
         )
 
     def empty(self, layout: Layout, decode: bool) -> PipelineCarry:
-        """A carry with nothing in flight for `layout`'s micro-batches, made where it lives."""
-        return jax.jit(lambda: self._empty(layout, decode), out_shardings=self.shardings(layout, decode))()
+        """A carry with nothing in flight for `layout`'s micro-batches, made where it lives (one
+        compiled program per shape, made the first time)."""
+        return _empty_carry_program(self, layout, decode)()
 
     def _empty(self, layout: Layout, decode: bool) -> PipelineCarry:
         meta = unpack(layout, jnp.zeros((layout.size,), jnp.int32)).metadata
         meta = dataclasses.replace(meta, decode_only=decode)
         return empty_carry(self.stages, self.hidden_size, self.dtype, meta)
+
+
+@functools.cache
+def _empty_carry_program(shape: CarryShape, layout: Layout, decode: bool):
+    return jax.jit(functools.partial(shape._empty, layout, decode), out_shardings=shape.shardings(layout, decode))
 
 
 class StepPrograms:

@@ -1,29 +1,25 @@
 """Test-wide setup: JAX on CPU with 8 fake devices (for sharding tests) and XLA's CPU compiler at
-LLVM's -O0 (below), tiny models importable,
-the engines' default compilation cache in a directory of this run (`$XDG_CACHE_HOME` points
-there, shared by the run's subprocesses, never the user's ~/.cache), and the `isolated` marker.
-tests/gpu_compile/ is collected where the gpu-compile extra is installed (CI stage 2).
+LLVM's -O0 (below), tiny models importable, the tiers (tests/tiers.py, applied by
+tests/tiering.py: `pytest` runs the `pr` tier; `--tier slow|all`, `--shard K|auto`), a
+compilation cache that outlives the run (below), and each module's compiled programs freed when
+it ends. tests/gpu_compile/ is collected where the gpu-compile extra is installed (CI stage 2).
 
-`isolated` tests run in a fresh Python process, one per test module: the first isolated test of
-a module runs every selected isolated test of that module in one `python -m pytest NODEID...`
-(the others report the outcome it recorded for them; the first one's duration is the batch's).
-The tensor-parallel engine tests compile many 8-device programs; at the end of the full suite, in
-a process that has compiled several hundred programs before, XLA's CPU compiler crashed there
-(a segfault or an abort inside `backend_compile`, twice out of two full runs, never in a run of
-those tests alone), taking the whole suite down with it. The batch's process frees its compiled
-programs after every test (as a process of its own per test did); one process per test had cost
-CI ~40 interpreter starts, each importing JAX, torch and transformers and rebuilding the module's
-fixtures.
+Every test runs in the pytest process (fixtures shared within a module; see tests/shared_engines.py
+for engines shared by the whole session). Tests that need a fresh process start it themselves: the
+CLI's start-up, several processes as one engine (tests/test_multihost.py), engine processes.
 """
 
 import importlib.util
-import json
 import os
-import subprocess
+import platform
 import sys
 import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
 
 import pytest
+
+pytest_plugins = ["tiering"]
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -45,109 +41,123 @@ def _compiles_for_gpus() -> bool:
 # LLVM runs), and tokens and logits within the tests' tolerances (without LLVM's fused
 # multiply-adds a float may differ in its last bit, as it may between two CPUs). Not where the
 # GPU-compile tests run, whose programs are compiled as an H100 gets them, nor where the user
-# chose a level. A test whose reference is so close that a last bit matters (an fp8 rounding
-# that a last-bit difference carries across a boundary) is marked `llvm_optimized`: with
-# `isolated`, its module's process compiles as a user's does.
-LLVM_O0 = "--xla_backend_optimization_level=0"
-LLVM_OPTIMIZED = "JAXPAGED_TEST_LLVM_OPTIMIZED"  # set in the process of an `llvm_optimized` batch
-if (
-    not _compiles_for_gpus()
-    and not os.environ.get(LLVM_OPTIMIZED)
-    and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
-):
-    os.environ["XLA_FLAGS"] += " " + LLVM_O0
+# chose a level.
+if not _compiles_for_gpus() and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 sys.path.insert(0, os.path.dirname(__file__))
+
+# $XDG_CACHE_HOME points at a directory of this run (shared by its subprocesses), so that nothing
+# a test writes there (the engines' default compilation cache, the disk tier's default) reaches
+# the user's ~/.cache.
 if "JAXPAGED_TEST_CACHE_HOME" not in os.environ:  # set once per run; subprocesses inherit it
     os.environ["JAXPAGED_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxpaged-test-cache-")
+USERS_CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
 os.environ["XDG_CACHE_HOME"] = os.environ["JAXPAGED_TEST_CACHE_HOME"]
 
-IN_ISOLATION = "JAXPAGED_TEST_IN_ISOLATION"
-ISOLATED_REPORT = "JAXPAGED_TEST_ISOLATED_REPORT"  # the batch's process appends its reports here
-_ISOLATED_BATCHES = pytest.StashKey[dict]()  # module -> the outcomes its batch recorded
+# JAX's persistent compilation cache for every program the tests compile (the engines' step
+# programs, the kernels in interpret mode, the references), in a directory that outlives the run
+# (a second run on the same machine starts warm; CI's clean clone as well, the directory being
+# outside the checkout): one per Python, JAX and jaxlib version, its files unused for
+# PRUNE_DAYS removed at the start of a run. JAX's cache key covers the program, the XLA flags and
+# the backend; JAXPAGED_TEST_XLA_CACHE names another directory, or "none" for no cache (a cold
+# run). The environment carries it into the tests' subprocesses.
+PRUNE_DAYS = 14
 
 
-def _run_isolated_batch(item) -> dict:
-    """Runs every selected isolated test of `item`'s module in one fresh process; returns
-    {nodeid: (outcome, report text)} for those it reported on, and "" for the process's output."""
-    module = item.nodeid.split("::")[0]
-    batch = [
-        i.nodeid
-        for i in item.session.items
-        if i.nodeid.split("::")[0] == module and i.get_closest_marker("isolated") is not None
-    ]
-    env = {**os.environ, IN_ISOLATION: "1"}
-    if any(i.get_closest_marker("llvm_optimized") for i in item.session.items if i.nodeid in batch):
-        env[LLVM_OPTIMIZED] = "1"
-        env["XLA_FLAGS"] = " ".join(flag for flag in env["XLA_FLAGS"].split() if flag != LLVM_O0)
-    with tempfile.NamedTemporaryFile("r", suffix=".jsonl", prefix="isolated-") as report:
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *batch]
-        result = subprocess.run(
-            command,
-            cwd=item.config.rootpath,
-            env={**env, ISOLATED_REPORT: report.name},
-            capture_output=True,
-            text=True,
-            timeout=1800 * len(batch),
-        )
-        phases = {}  # nodeid -> [(when, outcome, text)]
-        for line in report.read().splitlines():
-            entry = json.loads(line)
-            phases.setdefault(entry["nodeid"], []).append((entry["when"], entry["outcome"], entry["text"]))
-    outcomes = {}
-    for nodeid, reports in phases.items():
-        bad = [r for r in reports if r[1] != "passed"]  # a failed (or skipped) phase is the test's outcome
-        if bad:
-            outcomes[nodeid] = bad[0][1:]
-        elif {when for when, *_ in reports} == {"setup", "call", "teardown"}:
-            outcomes[nodeid] = ("passed", "")
-        else:  # the process died inside it
-            outcomes[nodeid] = ("did not finish", "")
-    outcomes[""] = (str(result.returncode), f"{result.stdout[-8000:]}\n{result.stderr[-4000:]}")
-    return outcomes
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    if pyfuncitem.get_closest_marker("isolated") is None or os.environ.get(IN_ISOLATION):
+def _test_xla_cache() -> str | None:
+    setting = os.environ.get("JAXPAGED_TEST_XLA_CACHE")
+    if setting == "none":
         return None
-    batches = pyfuncitem.session.stash.setdefault(_ISOLATED_BATCHES, {})
-    module = pyfuncitem.nodeid.split("::")[0]
-    if module not in batches:
-        batches[module] = _run_isolated_batch(pyfuncitem)
-    outcomes = batches[module]
-    outcome, text = outcomes.get(pyfuncitem.nodeid, ("never ran", ""))
-    if outcome == "skipped":
-        pytest.skip(text)
-    if outcome != "passed":
-        returncode, output = outcomes[""]
-        pytest.fail(
-            f"{pyfuncitem.nodeid} {outcome} in its module's isolated process (exit {returncode}):\n"
-            f"{text[-8000:]}\n--- the process's output ---\n{output}",
-            pytrace=False,
-        )
-    return True
+    if setting:
+        return setting
+    try:
+        versions = f"jax{version('jax')}-jaxlib{version('jaxlib')}"
+    except PackageNotFoundError:
+        versions = "nojax"
+    return os.path.join(USERS_CACHE, "jaxpaged-tests", f"xla-py{platform.python_version()}-{versions}")
 
 
-def pytest_runtest_logreport(report):
-    """In an isolated batch's process: records each phase's outcome for the parent."""
-    path = os.environ.get(ISOLATED_REPORT)
-    if path and os.environ.get(IN_ISOLATION):
-        text = (
-            report.longreprtext
-            if report.outcome != "skipped"
-            else str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr)
-        )
-        with open(path, "a") as f:
-            entry = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome, "text": text}
-            f.write(json.dumps(entry) + "\n")
+def _prune(directory: str, days: float) -> None:
+    cutoff = time.time() - days * 86400
+    for entry in os.scandir(directory):
+        try:
+            stat = entry.stat()
+            if entry.is_file() and max(stat.st_atime, stat.st_mtime) < cutoff:
+                os.remove(entry.path)
+        except OSError:  # another run removed or is writing it
+            pass
+
+
+TEST_XLA_CACHE = _test_xla_cache()
+if TEST_XLA_CACHE and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.makedirs(TEST_XLA_CACHE, exist_ok=True)
+    _prune(TEST_XLA_CACHE, PRUNE_DAYS)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = TEST_XLA_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """(directory, transformers model) of the tiny random Llama (GQA 4, 512-token vocabulary)
+    with its tokenizer, saved once per session: the "tiny" shared engine's model."""
+    from engine_fixtures import make_model_dir
+
+    path = str(tmp_path_factory.mktemp("tiny_model"))
+    return path, make_model_dir(path)
+
+
+@pytest.fixture(scope="session")
+def shared_engines(request):
+    """The session's canonical engines (tests/shared_engines.py)."""
+    from shared_engines import SharedEngines
+
+    engines = SharedEngines(lambda: request.getfixturevalue("tiny_model")[0])
+    yield engines
+    engines.close()
 
 
 @pytest.fixture(autouse=True)
-def _isolated_tests_free_their_programs(request):
-    """In an isolated batch's process: each test frees its compiled programs when it ends, as a
-    process of its own per test did."""
+def _keep_the_test_compilation_cache():
+    """Points JAX back at TEST_XLA_CACHE after a test that moved it: an engine started with
+    `compilation_cache_dir` set ("none", a directory of the test's) sets JAX's process-wide
+    cache directory, which every later compile would otherwise use."""
     yield
-    if os.environ.get(IN_ISOLATION) and request.node.get_closest_marker("isolated") is not None:
+    jax = sys.modules.get("jax")
+    if TEST_XLA_CACHE and jax is not None and jax.config.jax_compilation_cache_dir != TEST_XLA_CACHE:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", TEST_XLA_CACHE)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        compilation_cache.reset_cache()
+
+
+_PEAK_MAPPINGS = {"count": 0, "module": ""}
+FREE_ABOVE_MAPPINGS = 25_000  # of the kernel's 65,530 a process by default; a module adds a few thousand
+
+
+def _mappings() -> int:
+    """This process's memory mappings (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+    """Frees the compiled programs when a test module ends with more than FREE_ABOVE_MAPPINGS
+    memory mappings. Every CPU executable keeps its machine code in mappings of its own; held
+    until the end of a full run, they exceed the kernel's limit on mappings per process
+    (vm.max_map_count, 65,530 by default) and XLA's CPU compiler then crashes in the next compile
+    (a segfault in `backend_compile` or in the compilation cache's serialisation). Freeing after
+    every module instead cost ~0.5 s a module (a full garbage collection). The peak, taken as
+    each module ends, is in the summary."""
+    yield
+    count = _mappings()
+    if count > _PEAK_MAPPINGS["count"]:
+        _PEAK_MAPPINGS.update(count=count, module=request.module.__name__)
+    if count > FREE_ABOVE_MAPPINGS:
         import gc
 
         import jax
@@ -156,17 +166,14 @@ def _isolated_tests_free_their_programs(request):
         gc.collect()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Frees each test module's compiled programs when it ends. Every CPU executable keeps its
-    machine code in memory mappings of its own; held until the end of a full run, they exceed
-    the kernel's limit on mappings per process (vm.max_map_count, 65,530 by default) and XLA's
-    CPU compiler then crashes in the next compile (a segfault in `backend_compile` or in the
-    compilation cache's serialisation)."""
-    yield
-    import gc
-
-    import jax
-
-    jax.clear_caches()
-    gc.collect()
+def pytest_terminal_summary(terminalreporter):
+    if _PEAK_MAPPINGS["count"]:
+        try:
+            with open("/proc/sys/vm/max_map_count") as f:
+                limit = f.read().strip()
+        except OSError:
+            limit = "?"
+        terminalreporter.write_line(
+            f"memory mappings: peak {_PEAK_MAPPINGS['count']} (as {_PEAK_MAPPINGS['module']} ended), "
+            f"the kernel's limit {limit}"
+        )

@@ -146,7 +146,6 @@ def test_async_outputs_equal_sync_outputs(model_path, name):
         assert stats["kv_swapped_in_blocks"] > 0 and stats["external_prefix_cache_hits"] > 0
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize("n", [2, 4])
 def test_async_equals_sync_under_tensor_parallelism(model_path, n):
     sync, asyn = engines(model_path, tensor_parallel_size=n, kv_cache_memory_bytes=24 * BLOCK_BYTES // n)

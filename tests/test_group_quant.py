@@ -273,7 +273,6 @@ def one_device_int4_tokens() -> dict:
     return {}
 
 
-@pytest.mark.isolated
 # 4 devices: each of llama_tp's 2 kv heads on 2 devices; 4 groups per split input
 @pytest.mark.parametrize("n, kernel", [(2, False), (4, False), (2, True), (4, True)])
 def test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_their_weights(

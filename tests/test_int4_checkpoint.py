@@ -129,7 +129,6 @@ def test_convert_keeps_the_checkpoint_4_bit_and_loads_it_back_the_same(checkpoin
     assert PagedGenerator(model).generate(PROMPTS[:1], 8)[0] == reference[0, len(PROMPTS[0]) :].tolist()
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize("kind, n", [("awq", 2), ("gptq_act_order_asym", 4)])
 def test_tensor_parallel_loads_the_checkpoint_into_its_shards_and_gives_its_tokens(tmp_path, kind, n):
     """llama_tp (hidden 64, heads 8 x 8, 2 kv heads, MLP 128) in groups of 16 (act order: 8, a

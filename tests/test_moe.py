@@ -330,7 +330,6 @@ def expert_arrays(engine: LLMEngine, arrays_per_weight: int) -> list:
     return found
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize(
     ("variant", "n", "expert_parallel", "quantization"),
     [("mixtral_moe", 1, False, None), ("qwen2_moe", 2, False, "int4"), ("mixtral_moe", 4, True, "int4")],
@@ -363,7 +362,6 @@ def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant,
                 assert np.prod(shard.data.shape) * n == np.prod(array.shape), name
 
 
-@pytest.mark.isolated
 def test_expert_parallel_over_8_devices_gives_the_one_device_tokens(tmp_path):
     """Qwen3-MoE's 16 experts, 2 whole ones per device on 8 (top-4, so most tokens' experts lie
     on several devices): two requests, the second arriving while the first decodes (continuous

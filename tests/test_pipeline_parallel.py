@@ -123,7 +123,6 @@ def test_every_weight_and_pool_shard_sits_on_its_stage(pp_model):
         assert shard.index[0] == slice(stage * pool.k.shape[0] // 2, (stage + 1) * pool.k.shape[0] // 2)
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize(
     "tp,options",
     [

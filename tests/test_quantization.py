@@ -250,7 +250,6 @@ def one_device_fp8_tokens() -> list:
     return []
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize("n", [2, 4])  # 4: each of llama_tp's 2 kv heads (and their scales) on 2 devices
 def test_tensor_parallel_fp8_gives_the_unsharded_tokens_with_scales_beside_their_weights(
     llama_tp_dir, one_device_fp8_tokens, n
@@ -354,7 +353,6 @@ def test_fp8_kv_cache_takes_a_checkpoints_kv_scales(tmp_path):
         checkpoint_kv_scales(str(partial), 2)
 
 
-@pytest.mark.isolated
 def test_converted_checkpoint_quantizes_in_its_shards(tmp_path):
     """A converted (Orbax) checkpoint restored straight into its shards on 2 devices is quantized
     where it lies: the same float8 weights and scales as on one device, split by the table."""

@@ -313,7 +313,6 @@ def test_sequences_opt_out_and_penalties_never_speculate(tiny_dir):
         assert engine.get_stats()["spec_decode_num_drafts"] == 0
 
 
-@pytest.mark.isolated
 def test_tensor_parallel_speculation_gives_the_unsharded_tokens(tmp_path):
     path = str(tmp_path)
     save_hf_model("llama_tp", path)
@@ -459,7 +458,6 @@ def test_draft_model_sampling_keeps_seeded_tokens_and_couples_its_samples(tiny_d
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
 
 
-@pytest.mark.isolated
 def test_tensor_parallel_draft_model_gives_the_unsharded_tokens(tmp_path):
     path, draft = str(tmp_path / "target"), str(tmp_path / "draft")
     save_hf_model("llama_tp", path)

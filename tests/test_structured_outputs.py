@@ -224,7 +224,6 @@ def test_overlapped_masks_equal_synchronous_steps(options):
         assert overlapped.get_stats()["num_preemptions"] > 0
 
 
-@pytest.mark.isolated
 def test_valid_under_tensor_parallelism():
     engine = make_engine(tensor_parallel_size=2, num_scheduler_steps=1)
     check_all_obey(run(engine, constrained_requests("t")))

@@ -67,7 +67,6 @@ def make_engine(path: str, n: int, **kwargs) -> LLMEngine:
 run = tp_workload.run
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize("n", SIZES)
 def test_greedy_tokens_equal_transformers_for_every_size(tp_model, n):
     variant, path, prompts, references = tp_model
@@ -90,7 +89,6 @@ def test_greedy_tokens_equal_transformers_for_every_size(tp_model, n):
     assert {s.data.shape for s in q.arrays[0].addressable_shards} == {shard}
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize("n", [2, 4])  # 4: each of llama_tp's 2 kv heads repeated on 2 devices
 def test_host_tier_swaps_per_device_shards_and_tokens_equal_transformers(saved_model, n):
     """The small-pool workload with a host tier: preempted sequences are swapped out and in,
@@ -106,7 +104,6 @@ def test_host_tier_swaps_per_device_shards_and_tokens_equal_transformers(saved_m
     assert k == TensorParallelLayout(ModelConfig.from_pretrained(path), n).mesh_config.num_kv_heads
 
 
-@pytest.mark.isolated
 def test_seeded_sampling_penalties_and_logprobs_agree_across_sizes(tmp_path):
     save_hf_model("llama_tp", str(tmp_path))
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42] * 5, [300]]
@@ -160,7 +157,6 @@ EXPECTED_SHARDS = {  # one device's shard (2 layers)
 }
 
 
-@pytest.mark.isolated
 def test_every_parameter_and_the_pool_are_split_as_the_table_says(saved_model):
     """--scan-layers on 8 devices: the stacked parameters are split as the table says, and the
     scan slicing each layer out of its shards gives transformers' tokens."""
@@ -187,7 +183,6 @@ def test_every_parameter_and_the_pool_are_split_as_the_table_says(saved_model):
     assert not np.array_equal(np.asarray(k_proj[:, 3]), np.asarray(k_proj[:, 4]))
 
 
-@pytest.mark.isolated
 def test_per_device_bytes_shrink_and_match_jaxpaged_plan(tmp_path):
     """Weights and KV bytes per device shrink with the size and equal `jaxpaged plan`'s numbers;
     the engine's pool is plan's pool less the activations it measures and the per-sequence state."""
@@ -261,7 +256,6 @@ def test_llama_70b_shards_are_what_jaxpaged_plan_counts(n):
     assert pool[2] == report["kv_heads_per_gpu"] == 8 // n
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize("n", [2, 4])
 def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
     """From safetensors and from a converted (Orbax) checkpoint: every tensor arrives split as
@@ -280,7 +274,6 @@ def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
     )
 
 
-@pytest.mark.isolated
 def test_dummy_weights_are_the_same_model_for_every_size(tmp_path):
     """`load_format="dummy"` makes the checkpoint's random weights on the mesh (each device its
     shard): the same model, so the same greedy tokens, on 1 and 8 devices."""
@@ -291,7 +284,6 @@ def test_dummy_weights_are_the_same_model_for_every_size(tmp_path):
     assert [o.token_ids for o in one] == [o.token_ids for o in eight]
 
 
-@pytest.mark.isolated
 def test_bfloat16_demo_model_gives_the_same_text_split_over_four_devices():
     """The trained demo model in bfloat16 (its checkpoint dtype; 2 kv heads, repeated onto 4
     devices): the same greedy text on one device and on four."""

@@ -1,0 +1,76 @@
+"""The tiers lose no test: every test of the suite as it was when the tiers came
+(tests/tier_baseline.txt) still runs, in the `pr` tier or in one shard of the slow tier, and the
+table (tests/tiers.py) names only tests that exist. Each CI stage runs this file over what it
+collects; together they collect every module."""
+
+from pathlib import Path
+
+import pytest
+from tiering import assign_shards, collected_ids, load_durations, tier_of
+from tiers import SHARDS, TIERS
+
+ROOT = Path(__file__).parent.parent
+BASELINE = [line for line in (ROOT / "tests" / "tier_baseline.txt").read_text().splitlines() if line and line[0] != "#"]
+# A baseline test that now has another id: old id -> new id.
+RENAMED: dict[str, str] = {}
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def collected(request) -> list[str]:
+    return collected_ids(request.config)
+
+
+def test_every_baseline_test_runs_in_pr_or_a_shard(collected):
+    ids = set(collected)
+    slow = [i for i in collected if tier_of(i) == "slow"]
+    shards = assign_shards(slow, load_durations())
+    modules = {_module(i) for i in collected}
+    missing_files = sorted({_module(i) for i in BASELINE if not (ROOT / _module(i)).exists()})
+    assert not missing_files, f"test modules of the baseline are gone: {missing_files}"
+    lost = []
+    for old in BASELINE:
+        new = RENAMED.get(old, old)
+        if _module(new) not in modules:  # not collected here: another CI stage's module
+            continue
+        if new not in ids:
+            lost.append(old)
+        elif tier_of(new) == "slow" and not 0 <= shards[new] < SHARDS:
+            lost.append(f"{old} (shard {shards[new]})")
+    assert not lost, "baseline tests that run in neither pr nor a shard (add to RENAMED if renamed):\n" + "\n".join(
+        lost
+    )
+
+
+def test_every_tier_key_names_a_test(collected):
+    known = set(collected) | set(BASELINE)
+    stale = [
+        key
+        for key in TIERS
+        if not any(i == key or (i.startswith(key) and (key.endswith("/") or i[len(key)] in ":[")) for i in known)
+    ]
+    assert not stale, f"tests/tiers.py keys that match no test: {stale}"
+
+
+def test_shards_are_balanced():
+    """The slow tier's shards, by the measured durations, are within 1.5x of their mean (each CI
+    run runs one of them)."""
+    durations = load_durations()
+    slow = [i for i in durations if tier_of(i) == "slow"]
+    shards = assign_shards(slow, durations)
+    seconds = [0.0] * SHARDS
+    for i in slow:
+        seconds[shards[i]] += durations[i]
+    mean = sum(seconds) / SHARDS
+    assert max(seconds) <= 1.5 * mean, f"shard seconds {[round(s) for s in seconds]} (mean {mean:.0f})"
+
+
+def test_durations_cover_the_baseline():
+    """tests/durations.json has a time for every baseline test (a full run's junit files; see
+    tests/tiering.py), so shards are balanced from measurements."""
+    durations = load_durations()
+    absent = [RENAMED.get(i, i) for i in BASELINE if RENAMED.get(i, i) not in durations]
+    assert not absent, f"{len(absent)} tests without a measured duration, e.g. {absent[:5]}"

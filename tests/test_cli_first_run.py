@@ -33,66 +33,106 @@ def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["generate", "--max-num-seqs", "0", "hi"], "--max-num-seqs 0: must be an integer of at least 1"),
-        (["generate", "--block-size", "12", "hi"], "--block-size 12: must be a power of two"),
-        (
-            ["generate", "--gpu-memory-utilization", "1.5", "hi"],
-            "--gpu-memory-utilization 1.5: must be a number in (0, 1]",
-        ),
-        (["generate", "--temperature", "-1", "hi"], "--temperature must be non-negative"),
-        (["generate", "--top-k", "-3", "hi"], "--top-k must be 0 or -1"),
-        (["generate", "--model", "llama-3.1-8b", "hi"], "--model llama-3.1-8b: is a preset"),
-        (
-            ["generate", "--model", "/no/such/dir", "hi"],
-            "--model /no/such/dir: is not a directory (nothing is downloaded)",
-        ),
-        (["generate", "--max-tokens", "5000", "In the beginning"], "more than the model's context of 1024 tokens"),
-        (["generate", "--max-model-len", "8", "In the beginning"], "more than --max-model-len 8"),
-        (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
-        (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
-        (["serve", "--port", "80000"], "80000 is not a TCP port"),
-        (["serve", "/no/such/dir"], "--model /no/such/dir: is not a directory (nothing is downloaded)"),
-        (["serve", "--chat-template", "/no/t.jinja"], "--chat-template /no/t.jinja: no such file"),
-        (["serve", "--revision", "v2"], "--revision v2: vLLM's option, refused here: jaxpaged reads local directories"),
-        (["generate", "--max-logprobs", "21", "hi"], "--max-logprobs 21: must be an integer from 0 to 20"),
-        (
-            ["generate", "--generation-config", "/no/dir", "hi"],
-            "--generation-config /no/dir: that directory holds no generation_config.json",
-        ),
-        (
-            ["serve", "--max-model-len", "4096"],
-            "--max-model-len=4096 exceeds the model's max_position_embeddings=1024; pass a smaller --max-model-len",
-        ),
-        (["generate", "--kv-offloading-size", "0", "hi"], "--kv-offloading-size 0.0: must be a positive number of GiB"),
-        (
-            ["generate", "--preemption-mode", "swap", "hi"],
-            "--preemption-mode swap: swaps to the host tier: set --kv-offloading-size too",
-        ),
-        (
-            ["generate", "--kv-cache-dir", "/tmp/kv", "hi"],
-            "--kv-cache-dir /tmp/kv: reads and writes through the host tier: set --kv-offloading-size too",
-        ),
-        (
-            ["generate", "--kv-offloading-size", "1", "--kv-cache-dir", "/tmp/kv", "--no-enable-prefix-caching", "hi"],
-            "it does nothing with --enable-prefix-caching off",
-        ),
-        (
-            ["serve", "--max-num-batched-tokens", "4", "--max-num-seqs", "8"],
-            "--max-num-batched-tokens 4: must be at least --max-num-seqs (8)",
-        ),
-        (["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80"], "'80' has no unit; write e.g. 80GiB"),
-        (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-    ],
-)
-def test_bad_input_is_named_by_its_flag_before_jax_loads(argv, message):
-    result = run_cli(*argv)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr, result.stderr
-    assert "NO_JAX" in result.stderr, "the error came after JAX was imported"
-    assert "Traceback" not in result.stderr
+# Bad flags and prompts, each named by its flag: every one is reported before JAX loads (one
+# interpreter checks them all: test_no_bad_input_loads_jax).
+BAD_INPUT = [
+    (["generate", "--max-num-seqs", "0", "hi"], "--max-num-seqs 0: must be an integer of at least 1"),
+    (["generate", "--block-size", "12", "hi"], "--block-size 12: must be a power of two"),
+    (
+        ["generate", "--gpu-memory-utilization", "1.5", "hi"],
+        "--gpu-memory-utilization 1.5: must be a number in (0, 1]",
+    ),
+    (["generate", "--temperature", "-1", "hi"], "--temperature must be non-negative"),
+    (["generate", "--top-k", "-3", "hi"], "--top-k must be 0 or -1"),
+    (["generate", "--model", "llama-3.1-8b", "hi"], "--model llama-3.1-8b: is a preset"),
+    (
+        ["generate", "--model", "/no/such/dir", "hi"],
+        "--model /no/such/dir: is not a directory (nothing is downloaded)",
+    ),
+    (["generate", "--max-tokens", "5000", "In the beginning"], "more than the model's context of 1024 tokens"),
+    (["generate", "--max-model-len", "8", "In the beginning"], "more than --max-model-len 8"),
+    (["generate", "--seed", "abc", "hi"], "'abc' is neither an integer nor 'random'"),
+    (["generate", "--kv-cache-memory-bytes", "lots", "hi"], "cannot read 'lots' as a memory size"),
+    (["serve", "--port", "80000"], "80000 is not a TCP port"),
+    (["serve", "/no/such/dir"], "--model /no/such/dir: is not a directory (nothing is downloaded)"),
+    (["serve", "--chat-template", "/no/t.jinja"], "--chat-template /no/t.jinja: no such file"),
+    (["serve", "--revision", "v2"], "--revision v2: vLLM's option, refused here: jaxpaged reads local directories"),
+    (["generate", "--max-logprobs", "21", "hi"], "--max-logprobs 21: must be an integer from 0 to 20"),
+    (
+        ["generate", "--generation-config", "/no/dir", "hi"],
+        "--generation-config /no/dir: that directory holds no generation_config.json",
+    ),
+    (
+        ["serve", "--max-model-len", "4096"],
+        "--max-model-len=4096 exceeds the model's max_position_embeddings=1024; pass a smaller --max-model-len",
+    ),
+    (["generate", "--kv-offloading-size", "0", "hi"], "--kv-offloading-size 0.0: must be a positive number of GiB"),
+    (
+        ["generate", "--preemption-mode", "swap", "hi"],
+        "--preemption-mode swap: swaps to the host tier: set --kv-offloading-size too",
+    ),
+    (
+        ["generate", "--kv-cache-dir", "/tmp/kv", "hi"],
+        "--kv-cache-dir /tmp/kv: reads and writes through the host tier: set --kv-offloading-size too",
+    ),
+    (
+        ["generate", "--kv-offloading-size", "1", "--kv-cache-dir", "/tmp/kv", "--no-enable-prefix-caching", "hi"],
+        "it does nothing with --enable-prefix-caching off",
+    ),
+    (
+        ["serve", "--max-num-batched-tokens", "4", "--max-num-seqs", "8"],
+        "--max-num-batched-tokens 4: must be at least --max-num-seqs (8)",
+    ),
+    (["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80"], "'80' has no unit; write e.g. 80GiB"),
+    (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+]
+
+# Runs `main` on each argv of argv[1] (JSON) in this one interpreter; prints, as JSON, each
+# call's exit code and what it wrote to stderr, then whether JAX was imported at all.
+EVERY_BAD_INPUT = """
+import contextlib, io, json, sys
+from jaxpaged.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        results.append((main(argv), err.getvalue()))
+print(json.dumps({"results": results, "jax_imported": "jax" in sys.modules}))
+"""
+
+
+@pytest.fixture
+def cli_globals(monkeypatch):
+    """Puts back what `main` sets for a process it owns: the jaxpaged logger's level, the root
+    logger's handlers and TRANSFORMERS_VERBOSITY."""
+    monkeypatch.setattr(logging.getLogger("jaxpaged"), "level", logging.getLogger("jaxpaged").level)
+    monkeypatch.setattr(logging.getLogger(), "handlers", list(logging.getLogger().handlers))
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", os.environ.get("TRANSFORMERS_VERBOSITY", "error"))
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUT)
+def test_bad_input_is_named_by_its_flag_before_jax_loads(argv, message, capsys, cli_globals):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_no_bad_input_loads_jax():
+    """Every BAD_INPUT case in one fresh interpreter, one after the other: each is refused with
+    its message, and JAX was never imported."""
+    argvs = [argv for argv, _ in BAD_INPUT]
+    result = subprocess.run(
+        [sys.executable, "-c", EVERY_BAD_INPUT, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    for (argv, message), (code, err) in zip(BAD_INPUT, report["results"]):
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+    assert not report["jax_imported"], "a bad input was refused only after JAX was imported"
 
 
 def test_serve_reports_a_busy_port_at_once_naming_the_flag():

@@ -8,7 +8,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from engine_fixtures import hf_greedy, make_model_dir
+from engine_fixtures import hf_greedy
+from shared_engines import CANONICAL
 
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
@@ -17,19 +18,18 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("api_model"))
-    return path, make_model_dir(path)
+def model_dir(tiny_model):
+    return tiny_model
 
 
-# The engines of this module that load the model's weights take these options: equal options give
-# equal step programs, compiled once (JAX's in-memory cache).
-OPTIONS = dict(dtype="float32", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64)
+# The engines of this module that load the model's weights take the shared "tiny" engine's
+# options: equal options give equal step programs, compiled once.
+OPTIONS = CANONICAL["tiny"]
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir[0], **OPTIONS)
+def llm(shared_engines):
+    return shared_engines.get("tiny")
 
 
 def greedy(max_tokens=12, **kw):

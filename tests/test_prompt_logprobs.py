@@ -5,23 +5,20 @@ a logit bias of +100 forces a token and -100 bans it."""
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import make_model_dir
 
-from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
-CHUNK = 32  # max_num_batched_tokens: a 70-token prompt is three prefill chunks
+# The shared "tiny" engine prefills at most 64 tokens a step: a 70-token prompt is two chunks.
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("plp_model"))
-    return path, make_model_dir(path)
+def model_dir(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir[0], dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=CHUNK)
+def llm(shared_engines):
+    return shared_engines.get("tiny")
 
 
 def greedy(max_tokens=3, **kw):
@@ -154,7 +151,6 @@ def test_logit_bias_with_sampling_and_limits(llm):
     assert all(t >= 300 for t in ok.outputs[0].token_ids)
 
 
-@pytest.mark.isolated
 def test_prompt_logprobs_and_logit_bias_agree_under_tensor_parallelism(tmp_path):
     import tp_workload
     from tiny_models import save_hf_model

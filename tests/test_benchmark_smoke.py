@@ -77,11 +77,12 @@ HEADLINE_KEYS = {
 def test_gpu_run_smoke_runs_every_stage_and_records_a_timeout(tmp_path):
     dataset = tmp_path / "sharegpt.json"
     proc = run_gpu_script(
-        "--prepare-dataset", "--dataset-path", str(dataset), "--dataset-min-passing", "50", timeout=120
+        "--prepare-dataset", "--dataset-path", str(dataset), "--dataset-num-prompts", "50", timeout=120
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     conversations = json.loads(dataset.read_text())
-    assert 50 <= len(conversations) and all(len(c["conversations"]) == 2 for c in conversations)
+    assert len(conversations) == 50 and all(len(c["conversations"]) == 2 for c in conversations)
+    assert sorted(os.listdir(tmp_path / "llama3_tokenizer")) == ["tokenizer.json", "tokenizer_config.json"]
 
     out, work = tmp_path / "out", tmp_path / "work"
     # kernels gets one second (it needs ~45 s in interpret mode): it must be cut off, and

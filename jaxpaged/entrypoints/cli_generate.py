@@ -11,11 +11,10 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import re
 import sys
 
-from jaxpaged.checkpoint.format import has_tokenizer
+from jaxpaged.checkpoint.format import tokenizer_dir
 from jaxpaged.config import defaults
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
@@ -181,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     items = read_items(args)
     # A model directory without tokenizer files (or a preset) runs on token ids.
     model = args.model or DEMO_MODEL_DIR
-    skip = args.skip_tokenizer_init or (args.tokenizer is None and not (os.path.isdir(model) and has_tokenizer(model)))
+    skip = args.skip_tokenizer_init or tokenizer_dir(model, args.tokenizer) is None
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
     resolved = engine_config(args, skip_tokenizer_init=skip, **placeholder)  # every flag checked before anything slow
     load = resolved.load

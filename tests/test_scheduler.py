@@ -14,7 +14,7 @@ from jaxpaged.core.block_manager import NULL_BLOCK
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.speculation import DraftModelProposer, NgramProposer
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.step_packer import StepPacker
 
@@ -490,6 +490,20 @@ def test_fused_decode_windows_reserve_their_blocks_and_stop_at_max_tokens():
     assert b.status is SequenceStatus.FINISHED_LENGTH and [(i, n) for i, _, n in appended] == [(0, 4), (1, 2)]
     sched.add(make_seq([9]))
     assert sched.schedule().num_steps == 1  # a prompt waits: it must not be held back
+
+
+def test_a_streaming_sequence_decodes_one_step_at_a_time():
+    """While any scheduled sequence streams (DELTA outputs), decode steps are not fused: its
+    client gets every token as it is sampled; once it finishes, the others fuse again."""
+    sched = make_sched(num_scheduler_steps=4)
+    offline = make_seq([1, 2, 3], max_tokens=12, output_kind=RequestOutputKind.FINAL_ONLY)
+    stream = make_seq([4, 5, 6], max_tokens=3, output_kind=RequestOutputKind.DELTA)
+    sched.add(offline)
+    sched.add(stream)
+    step(sched)  # prefill
+    kinds = [step(sched)[0].num_steps for _ in range(2)]  # the stream's 2nd and 3rd tokens, one a step
+    assert kinds == [1, 1] and stream.is_finished
+    assert sched.schedule().num_steps == 4  # the offline sequence alone: fused again
 
 
 def test_async_schedule_reads_pending_tokens_on_the_device():

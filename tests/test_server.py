@@ -145,6 +145,22 @@ def test_completions_match_llm_generate(server):
     assert [c.text for c in batch.choices] == [server.refs[p] for p in PROMPTS[1:4]]
 
 
+def test_a_stream_gets_each_token_as_it_is_sampled(server):
+    """A stream's decode steps are not fused (the engine fuses 4 here): one token per chunk, so
+    inter-token latency is the step time, as vLLM streams."""
+    stream = server.client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[5],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert len([c for c in chunks if c.choices]) == chunks[-1].usage.completion_tokens == 12
+
+
 def test_empty_prompt_is_bos_alone_as_in_generate(server):
     """ "" is the tokenizer's BOS alone, as in `LLM.generate` and `jaxpaged generate ""`."""
     assert server.empty_ref.prompt_token_ids == [1]  # the tiny tokenizer adds BOS (id 1)

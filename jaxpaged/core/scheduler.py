@@ -16,7 +16,8 @@ Each engine step:
      samples its next token. By swap (`preemption_mode`, with a host tier that has room), its
      computed blocks are copied to host memory first and copied back on resume, so it
      recomputes nothing. No waiting sequence is admitted in a step that preempted. A batch of
-     decodes alone runs `num_scheduler_steps` fused decode steps when nobody waits.
+     decodes alone runs `num_scheduler_steps` fused decode steps when nobody waits and nobody
+     streams (a stream gets each token as it is sampled, as vLLM's do).
      Scheduling counts the step's tokens as computed (`num_computed_tokens` advances now), so
      the next step can be scheduled before this one's results are back (async scheduling):
      the token a step samples is then the sequence's pending token, which the next step reads on
@@ -58,6 +59,7 @@ from jaxpaged.core.speculation import (
     speculation_allowed,
 )
 from jaxpaged.core.step_inputs import ScheduledSequence
+from jaxpaged.sampling_params import RequestOutputKind
 
 # What a preempted sequence loses: recompute frees its blocks, swap copies them to the host tier.
 PREEMPTION_MODES = ("recompute", "swap")
@@ -460,14 +462,16 @@ class Scheduler:
         """How many decode steps this step fuses (1: none), with their blocks reserved.
 
         Fused when `num_scheduler_steps` > 1, every scheduled sequence decodes without proposals,
-        nobody waits to be admitted, no sequence needs the sampler's filtering or top logprobs
-        (the fused program samples without them) and the pool has the blocks. A sequence that
+        nobody waits to be admitted, no sequence streams (its client would get the window's tokens
+        in one chunk: inter-token latency k times the step time), no sequence needs the sampler's
+        filtering or top logprobs (the fused program samples without them) and the pool has the
+        blocks. A sequence that
         reaches max_tokens or max_model_len inside the window takes part for its own steps only.
         """
         k = self.config.num_scheduler_steps
         if k == 1 or not scheduled or num_decode_seqs != len(scheduled) or drafts or self.waiting:
             return 1
-        if any(not fusable(seq.sampling_params) for seq, _ in scheduled):
+        if any(not fusable(seq.sampling_params) or streams(seq.sampling_params) for seq, _ in scheduled):
             return 1
         bs, need, live = self.config.block_size, 0, []
         for seq, _ in scheduled:
@@ -709,6 +713,11 @@ class Scheduler:
 
 def _has_penalties(sp) -> bool:
     return sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
+
+
+def streams(sp) -> bool:
+    """Whether a sequence's outputs go out as they come (`RequestOutputKind.DELTA`: a stream)."""
+    return sp.output_kind is RequestOutputKind.DELTA
 
 
 def fusable(sp) -> bool:

@@ -191,6 +191,14 @@ def _alive(pid: int) -> bool:
 READ_SYSCALL = {"x86_64": 0, "aarch64": 63}[os.uname().machine]
 
 
+def _proc_file(pid: int, name: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{name}") as f:
+            return f.read().strip()
+    except OSError:
+        return "gone"
+
+
 def _waiting_for_the_check(pid: int, seconds: float = 0.3) -> bool:
     """Whether `pid`'s main thread stays in one `read`, with the same arguments, for `seconds`:
     the server waiting on its engine process's pipe for the device check, as JAX loads there
@@ -251,9 +259,13 @@ def test_serve_interrupted_while_the_engine_starts_exits_and_ends_the_engine_pro
     assert started is not None, "the server never waited for its engine's check: " + "".join(lines)
     server, engines, reader = started
     try:
-        assert server.wait(timeout=30) == 130, "".join(lines)
+        status = server.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # what each process of the tree waits in, for the report
+        waits = {pid: _proc_file(pid, "syscall") + " | " + _proc_file(pid, "wchan") for pid in [server.pid, *engines]}
+        pytest.fail(f"no exit 30 s after Ctrl-C; processes {waits}; stderr:\n{''.join(lines)}")
     finally:
         server.kill()
+    assert status == 130, "".join(lines)
     reader.join(10)
     stderr = "".join(lines)
     assert "jaxpaged serve: interrupted" in stderr.splitlines() and "Traceback" not in stderr, stderr

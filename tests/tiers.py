@@ -67,13 +67,9 @@ TIERS: dict[str, tuple[str, str]] = {
         PR,
         "the kernels, bf16, fp8 KV",
     ),
-    "tests/test_pool_size.py::test_no_program_temporaries_grow_with_the_pool[bfloat16-reference-2-devices-kv-fp8-fp8-weights]": (
-        PR,
-        "two devices, fp8 weights and KV",
-    ),
     "tests/test_pool_size.py::test_no_program_temporaries_grow_with_the_pool[float32-reference-2-devices-scanned]": (
         PR,
-        "scanned layers",
+        "two devices, scanned layers",
     ),
     "tests/test_pool_size.py::test_bfloat16_pool_in_float32_holds_exact_bfloat16_values": (
         SLOW,
@@ -140,7 +136,7 @@ TIERS: dict[str, tuple[str, str]] = {
     "tests/test_speculative.py::test_draft_model_gives_plain_greedy_tokens[preempting]": (SLOW, "roomy stays"),
     "tests/test_speculative.py::test_greedy_speculation_gives_plain_greedy_tokens[preempting]": (
         SLOW,
-        "swapping stays",
+        "roomy stays",
     ),
     "tests/test_speculative.py::test_prefix_hits_on_blocks_written_around_rejected_proposals_match_plain": (
         SLOW,
@@ -161,7 +157,10 @@ TIERS: dict[str, tuple[str, str]] = {
         "TP 2 stays",
     ),
     "tests/test_tensor_parallel.py::test_checkpoints_load_straight_into_their_shards[4]": (SLOW, "TP 2 stays"),
-    "tests/test_async_scheduling.py::test_async_equals_sync_under_tensor_parallelism[4]": (SLOW, "TP 2 stays"),
+    "tests/test_async_scheduling.py::test_async_equals_sync_under_tensor_parallelism": (
+        SLOW,
+        "async (fused windows, preemption, swaps) and TP stay apart",
+    ),
     "tests/test_pipeline_parallel.py::test_greedy_tokens_and_prompt_logits_equal_transformers": (
         SLOW,
         "TP x PP shapes",
@@ -170,22 +169,49 @@ TIERS: dict[str, tuple[str, str]] = {
         PR,
         "TP 2 x PP 2",
     ),
-    "tests/test_pipeline_parallel.py::test_engine_at_two_stages_equals_transformers_through_preemption_and_prefix_hits[swap-host-tier]": (
+    "tests/test_pipeline_parallel.py::test_engine_at_two_stages_equals_transformers_through_preemption_and_prefix_hits": (
         SLOW,
-        "recompute-ngram stays",
+        "PP's tokens stay (TP 2 x PP 2); preemption and prefix hits stay apart",
     ),
-    "tests/test_pipeline_carry.py::test_ticks_give_one_pipelined_step_and_the_unsharded_model[4]": (SLOW, "PP 2 stays"),
+    "tests/test_pipeline_carry.py::test_ticks_give_one_pipelined_step_and_the_unsharded_model": (
+        SLOW,
+        "the pipelined engine's tokens stay (test_pipelined_engine, PP 2)",
+    ),
     "tests/test_pipelined_engine.py::test_decoding_groups_keep_every_stage_busy_and_give_transformers_tokens[2-4]": (
         SLOW,
         "PP 2 stays",
     ),
-    "tests/test_moe.py::test_engine_tokens_equal_transformers_unsharded_and_split[mixtral_moe-4-True-int4]": (
+    "tests/test_moe.py::test_engine_tokens_equal_transformers_unsharded_and_split": (
         SLOW,
-        "qwen2_moe over 2 devices with int4 stays",
+        "mixtral unsharded stays; int4 experts (dense product) and experts over 2 devices (expert-parallel) stay",
+    ),
+    "tests/test_moe.py::test_engine_tokens_equal_transformers_unsharded_and_split[mixtral_moe-1-False-None]": (
+        PR,
+        "MoE against transformers",
     ),
     "tests/test_moe.py::test_quantized_experts_over_an_fp8_kv_pool_split_over_2_devices_give_the_one_device_tokens[ffn-split]": (
         SLOW,
         "expert-parallel stays",
+    ),
+    "tests/test_speculative.py::test_greedy_speculation_gives_plain_greedy_tokens[swapping]": (
+        SLOW,
+        "roomy stays; swaps stay (test_async_scheduling)",
+    ),
+    "tests/test_server.py::test_jaxpaged_serve_with_api_key": (
+        SLOW,
+        "`jaxpaged serve` processes stay in CI stage 3 (test_server_hardening), API keys in the app",
+    ),
+    "tests/test_examples.py::test_step_function_example_decodes_like_transformers": (
+        SLOW,
+        "the examples; the step API stays (test_training_loop)",
+    ),
+    "tests/test_llm_api.py::test_compilation_cache_dir_keeps_the_step_programs": (
+        SLOW,
+        "a fresh process; the compilation cache serves every test run",
+    ),
+    "tests/test_prompt_logprobs.py::test_prompt_logprobs_survive_preemption": (
+        SLOW,
+        "prompt logprobs stay; preemption stays apart",
     ),
     "tests/test_multihost.py": (SLOW, "several processes; the argument checks stay"),
     "tests/test_multihost.py::test_bad_multi_process_arguments_are_named": (PR, "no processes"),
@@ -195,8 +221,10 @@ TIERS: dict[str, tuple[str, str]] = {
         SLOW,
         "TP int4 and fp8 checkpoints stay (test_group_quant, test_fp8_checkpoint)",
     ),
-    "tests/test_quantization.py::test_demo_model_perplexity_stays_within_the_budget": (SLOW, "one mode stays"),
-    "tests/test_quantization.py::test_demo_model_perplexity_stays_within_the_budget[fp8-weights-fp8-kv]": (PR, "fp8"),
+    "tests/test_quantization.py::test_demo_model_perplexity_stays_within_the_budget": (
+        SLOW,
+        "fp8 logits stay (test_logits_stay_close_to_transformers)",
+    ),
     "tests/test_quantization.py::test_demo_model_int4_perplexity_stays_within_its_bound": (
         SLOW,
         "int4 tokens stay (test_group_quant)",
@@ -211,8 +239,8 @@ TIERS: dict[str, tuple[str, str]] = {
         "int8 weights, chunked prefill",
     ),
     "tests/test_quantization.py::test_engine_gives_the_reference_loops_tokens[fp8-kv-host-tier-swap]": (
-        PR,
-        "fp8 KV through the host tier",
+        SLOW,
+        "fp8 KV stays; the host tier's swaps stay (test_async_scheduling)",
     ),
     "tests/test_group_quant.py::test_tensor_parallel_int4_gives_the_unsharded_tokens_with_groups_beside_their_weights": (
         SLOW,

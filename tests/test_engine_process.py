@@ -18,7 +18,7 @@ from jaxpaged.engine.core_process import EngineCoreProcess
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
-from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError
 from jaxpaged.server.dev_routes import DEV_MODE_ENV
@@ -79,8 +79,12 @@ def test_outputs_are_the_same_with_the_engine_in_a_process(engines):
         "greedy": greedy,
         "seeded, n=3": SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=3, max_tokens=16),
         "logprobs": SamplingParams(temperature=0.7, seed=3, max_tokens=8, logprobs=3),
-        # a stop string late in the text: it ends inside a fused window of 4 tokens
         "stop string": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[words[-3]]),
+        # not streamed: decode steps fuse, and the stop string late in the text ends inside a
+        # fused window of 4 tokens
+        "stop string, one output": SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True, stop=[words[-3]], output_kind=RequestOutputKind.FINAL_ONLY
+        ),
         "stop kept": SamplingParams(temperature=0, max_tokens=24, stop=[words[2]], include_stop_str_in_output=True),
         "max_tokens": SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
     }
@@ -95,7 +99,10 @@ def test_outputs_are_the_same_with_the_engine_in_a_process(engines):
         a = collect(threaded, PROMPT, params, f"t-{name}")
         b = collect(process, PROMPT, params, f"p-{name}")
         assert a == b, name
-        if name == "stop string":
+        if name == "stop string, one output":
+            assert (
+                len(a["deltas"]) == 1 and a["total"] == collect(threaded, PROMPT, cases["stop string"], "t-s")["total"]
+            )
             assert dropped and dropped[0] > 0, "the stop string should end inside a fused window"
     stopped = collect(process, PROMPT, cases["stop string"], "p-stop-again")["total"][0]
     assert stopped["finish"] == "stop" and stopped["stop"] == words[-3] and words[-3] not in stopped["text"]

@@ -75,6 +75,15 @@ class RequestFailedError(RuntimeError):
     """Processing this request failed inside the engine; other requests go on."""
 
 
+def stream_kind(params: SamplingParams) -> SamplingParams:
+    """A request's parameters as the engine gets them: its outputs as deltas (a stream: every
+    token as it is sampled, no fused decode windows), unless it asks for `FINAL_ONLY` (one output
+    when it is done: the server's requests without `stream`, which keep the fused windows)."""
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+
+
 class RequestStream:
     """The delta outputs of requests added together, as an async iterator, in arrival order.
 
@@ -210,7 +219,8 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Adds requests (all or none) and returns the stream of their delta outputs.
+        """Adds requests (all or none) and returns the stream of their delta outputs (their final
+        outputs only if `params` asks `FINAL_ONLY`: see `stream_kind`).
 
         Args:
           request_ids: one unique id per prompt.
@@ -241,7 +251,8 @@ class AsyncEngine:
     async def generate(
         self, prompt: Any, params: SamplingParams, request_id: str, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Adds one request and yields its delta outputs; closing early aborts it.
+        """Adds one request and yields its delta outputs (one output when done if `params` asks
+        `FINAL_ONLY`: see `stream_kind`); closing early aborts it.
 
         Raises:
           ValueError: a bad prompt or parameters (raised at the first iteration).
@@ -455,7 +466,7 @@ class AsyncEngine:
         tag = next(self._tags)
         with self._cond:
             self._pending[tag] = command
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)  # streams carry deltas
+        params = stream_kind(params)
         return AddRequests(tag, stream.request_ids, prompts, params, cache_salt, arrival)
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -518,7 +529,7 @@ class AsyncEngine:
             return  # the caller went away before the request was added
         added = []
         try:
-            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)  # streams carry deltas
+            params = stream_kind(params)
             for request_id, prompt in zip(stream.request_ids, prompts, strict=True):
                 self.engine.add_request(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt)
                 added.append(request_id)

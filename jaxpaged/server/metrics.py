@@ -5,7 +5,7 @@ own cumulative counts, exposed as counters: prometheus_client adds `_total`, as 
 Latency histograms are observed on the engine thread as outputs leave it:
 
     vllm:time_to_first_token_seconds   arrival -> first generated token
-    vllm:inter_token_latency_seconds   between a request's consecutive outputs, per token
+    vllm:inter_token_latency_seconds   between a request's consecutive tokens (an output of several spreads its time)
     vllm:e2e_request_latency_seconds   arrival -> finished (aborted requests excluded)
 """
 
@@ -175,11 +175,13 @@ class ServerMetrics:
         last = self._last_token_time.get(output.request_id)
         if new_tokens:
             if last is None:
-                first = output.metrics.first_token_time if output.metrics else None
-                self.time_to_first_token.observe(max((first or now) - arrival, 0.0))
-            else:
-                for _ in range(new_tokens):  # fused decode steps deliver several tokens at once
-                    self.inter_token_latency.observe(max(now - last, 0.0) / new_tokens)
+                first = (output.metrics.first_token_time if output.metrics else None) or now
+                self.time_to_first_token.observe(max(first - arrival, 0.0))
+                # the tokens after the first in the same output (a request answered when done, or
+                # accepted proposals) came between the first token and now
+                last, new_tokens = first, new_tokens - 1
+            for _ in range(new_tokens):  # fused decode steps deliver several tokens at once
+                self.inter_token_latency.observe(max(now - last, 0.0) / new_tokens)
             self._last_token_time[output.request_id] = now
         if output.finished:
             self._last_token_time.pop(output.request_id, None)

@@ -9,6 +9,7 @@ its requests.
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
+from jaxpaged.sampling_params import RequestOutputKind
 from jaxpaged.server.async_engine import RequestStream
 from jaxpaged.server.event_stream import EventStreamResponse, run_until_disconnect, sse_events
 from jaxpaged.server.prompts import chat_prompt, completion_prompts, echo_texts, truncate
@@ -77,6 +79,8 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind)
     ids = [f"{engine_id}-{i}" for i in range(len(prompts))]
     # vLLM's request_id names the response; the engine's ids stay unique whatever clients send
     request_id = f"{kind.prefix}-{body.request_id}" if body.request_id else engine_id
+    if not body.stream:  # one output when done (as vLLM asks): its decode steps may be fused
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
     stream = await ctx.engine.add_requests(ids, prompts, params, cache_salt=body.cache_salt)
     logger.info(
         "%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s",
@@ -109,7 +113,8 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind)
 
 
 async def _collect(stream: RequestStream, kind: Kind, index_of: dict) -> tuple[dict[int, Choice], Usage]:
-    """Every output of the stream, accumulated per choice (the stream is aborted on the way out)."""
+    """Every output of the stream (one per request, when it is done: the request is FINAL_ONLY),
+    accumulated per choice (the stream is aborted on the way out)."""
     usage, choices = Usage(), {}
     try:
         prompt_lps = {}  # request id -> its prompt logprobs (in one output)

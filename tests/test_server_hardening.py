@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import gc
 import json
+import logging
 import os
 import signal
 import socket
@@ -659,6 +660,41 @@ def test_cors_flags(demo):
     for bad in ("*", '"*"', "[1]"):
         with pytest.raises(argparse.ArgumentTypeError):
             _json_list(bad)
+
+
+def test_several_served_model_names(demo):
+    """vLLM's `--served-model-name A B`: both names are listed and served, a response carries the
+    name its request used (the first when none), other names are 404; the flag takes them all
+    (it used to read the second as the model directory)."""
+    from starlette.testclient import TestClient
+
+    from jaxpaged.server.cli import add_serve_flags
+
+    client = TestClient(build_app(demo.async_engine, ["first", "second"], api_key=KEY))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert [card["id"] for card in client.get("/v1/models", headers=auth).json()["data"]] == ["first", "second"]
+    for model, expected in (("second", "second"), (None, "first")):
+        body = {"prompt": "hi", "max_tokens": 2, **({"model": model} if model else {})}
+        response = client.post("/v1/completions", json=body, headers=auth)
+        assert response.status_code == 200 and response.json()["model"] == expected, response.text
+    other = client.post("/v1/completions", json={"model": "third", "prompt": "hi", "max_tokens": 2}, headers=auth)
+    assert other.status_code == 404
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    args = parser.parse_args(["/m", "--served-model-name", "first", "second"])
+    assert args.served_model_name == ["first", "second"] and args.model_tag == "/m"
+
+
+def test_the_ready_line_counts_the_programs_the_compiling_line_announced(demo, caplog):
+    """The start-up log said "compiling 39 step programs" and the ready line "38": the ready
+    line now counts the same jobs (the penalty-row seeding, and the KV copies with a host tier)."""
+    from jaxpaged.server.cli import _log_start_up
+
+    engine = demo.llm.llm_engine
+    with caplog.at_level(logging.INFO, logger="jaxpaged"):
+        _log_start_up(engine, 1.0)
+    ready = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready in"))
+    assert f"; {len(engine.runner.compile_report)} step programs (token buckets" in ready, ready
 
 
 def test_readme_lists_every_limit_with_its_flag_and_default():

@@ -5,6 +5,7 @@ import pytest
 
 from jaxpaged.sampling_params import StructuredOutputsParams
 from jaxpaged.structured import check, grammar_text
+from jaxpaged.structured.grammar import ascii_digits
 
 VALID = [
     StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
@@ -68,3 +69,39 @@ def test_without_llguidance_a_constraint_is_a_clear_error(monkeypatch):
         llguidance()
     with pytest.raises(ValueError, match="need llguidance"):
         check(StructuredOutputsParams(regex="a+"))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "ascii"),
+    [
+        (r"\d{4}-\d{2}-\d{2}", "[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+        (r"[\d.]+", "[0-9.]+"),
+        (r"\D+", "[^0-9]+"),
+        (r"[a\D]", r"[a\D]"),  # "not a digit" inside a class stays
+        (r"\\d", r"\\d"),  # an escaped backslash, then a plain d
+        (r"[]\d]", "[]0-9]"),  # a `]` that opens a class is a literal
+        (r"[^]\d]x\d", "[^]0-9]x[0-9]"),
+        (r"\[\d\]", r"\[[0-9]\]"),
+    ],
+)
+def test_regex_digits_are_ascii_as_in_vllm(pattern, ascii):
+    assert ascii_digits(pattern) == ascii
+
+
+def test_a_regex_digit_never_matches_another_scripts_digits():
+    """`\\d` compiled for the demo tokenizer takes ASCII digits only (llguidance alone took Tamil
+    and Cham digits, and a date regex wrote them)."""
+    from transformers import AutoTokenizer
+
+    from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+    from jaxpaged.structured.backend import GrammarBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    backend = GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    try:
+        for text, valid in (("2026-12", True), ("௨௦௨௬-௧௨", False), ("꩕꤈72-12", False)):
+            matcher = backend.compile(StructuredOutputsParams(regex=r"\d{4}-\d{2}")).result().deep_copy()
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert (matcher.validate_tokens(ids) == len(ids)) is valid, text
+    finally:
+        backend.close()

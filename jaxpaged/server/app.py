@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -74,7 +75,7 @@ class CorsPolicy:
 
 def build_app(
     async_engine: AsyncEngine,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
     api_key: str | None = None,
     log_prompts: bool = False,
     max_sequences_per_request: int = 1024,
@@ -88,7 +89,8 @@ def build_app(
 
     Args:
       async_engine: the engine (its thread keeps running after the app stops; shut it down).
-      served_model_name: the `model` name clients use (others get 404).
+      served_model_name: the `model` name clients use, or several (vLLM's `--served-model-name A B`:
+        each is accepted and listed; the first names the metrics); others get 404.
       api_key: when set, every route but `UNAUTHENTICATED_PATHS` needs `Authorization: Bearer <api_key>`.
       log_prompts: request logs include the prompt text (off by default).
       max_sequences_per_request: prompts x n above this get 400.
@@ -101,9 +103,10 @@ def build_app(
     """
     limits = limits or ServerLimits()
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
     ctx = ServingContext(
         async_engine,
-        served_model_name,
+        names,
         log_prompts,
         max_sequences_per_request,
         tokenizer_pool_size,
@@ -111,7 +114,7 @@ def build_app(
         tool_call_parser,
         chat_template,
     )
-    metrics = ServerMetrics(async_engine, served_model_name)
+    metrics = ServerMetrics(async_engine, names[0])
     created = int(time.time())
     app.state.ctx, app.state.metrics = ctx, metrics
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_request_body_bytes)
@@ -143,16 +146,19 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> dict:
         ctx.require_ready()
-        card = {
-            "id": served_model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "jaxpaged",
-            "root": served_model_name,
-            "parent": None,
-            "max_model_len": async_engine.config.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "jaxpaged",
+                "root": names[0],
+                "parent": None,
+                "max_model_len": async_engine.config.max_model_len,
+            }
+            for name in names
+        ]
+        return {"object": "list", "data": cards}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

@@ -68,7 +68,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model directory (default: the demo model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=PORT, default=8000, help="TCP port to listen on")
-    parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the `model` clients send; several names are each accepted and listed, the first names the metrics "
+        "(default: MODEL)",
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -226,14 +233,14 @@ def serve(args: argparse.Namespace) -> int:
     for note in notes:
         logger.info(note)
     listener = _bind(args.host, args.port)  # a port in use is reported now, not after compiling
-    name = args.served_model_name or model or DEMO_MODEL_NAME
+    names = args.served_model_name or [model or DEMO_MODEL_NAME]
     core = None
     if args.engine_process:
         from jaxpaged.engine.core_process import EngineCoreProcess
 
         core = EngineCoreProcess(engine_args, on_ready=_log_start_up)
     try:
-        return _run(args, engine_args, core, listener, name, limits, chat_template)
+        return _run(args, engine_args, core, listener, names, limits, chat_template)
     finally:
         # Whatever ended the server (an error or Ctrl-C while starting included), the engine process
         # goes with it: it ignores SIGTERM, so multiprocessing's exit would otherwise wait on it forever.
@@ -246,7 +253,7 @@ def _run(
     engine_args: EngineArgs,
     core,
     listener: socket.socket,
-    name: str,
+    names: list[str],
     limits: ServerLimits,
     chat_template: str | None,
 ) -> int:
@@ -296,7 +303,7 @@ def _run(
     async_engine.when_ready(_freeze_startup_heap)
     app = build_app(
         async_engine,
-        name,
+        names,
         api_key=args.api_key,
         log_prompts=args.enable_log_requests,
         max_sequences_per_request=args.max_sequences_per_request,
@@ -446,7 +453,8 @@ def _log_start_up(engine, seconds: float) -> None:
 
     plan, runner, config = engine.plan, engine.runner, engine.config.model
     dtype = jax.tree.leaves(runner.params)[0].dtype
-    programs = len(getattr(runner, "compiled", runner.layouts))
+    # the count the "compiling N step programs" line announced (penalty seeding and KV copies included)
+    programs = len(getattr(runner, "compile_report", None) or runner.layouts)
     logger.info(
         "engine ready in %.1f s: model %s (%s, %d layers, dtype %s, max_model_len %d); KV cache %d blocks x %d = "
         "%d tokens (%.3f GiB), max concurrency %.2f at max_model_len; %d step programs (token buckets %s) "

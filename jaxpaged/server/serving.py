@@ -94,7 +94,12 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind)
     if ctx.log_prompts:
         for rid, p in zip(ids, prompts):
             logger.info("%s: prompt %r", rid, p.get("prompt") or p["prompt_token_ids"])
-    head = {"id": request_id, "object": kind.object(body.stream), "created": int(time.time()), "model": ctx.model_name}
+    head = {
+        "id": request_id,
+        "object": kind.object(body.stream),
+        "created": int(time.time()),
+        "model": ctx.response_model(body.model),
+    }
     index_of = {rid: i * params.n for i, rid in enumerate(ids)}
     if kind.echo is not None:
         kind.prompt_of = {rid: i for i, rid in enumerate(ids)}

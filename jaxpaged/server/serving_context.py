@@ -17,13 +17,14 @@ from jaxpaged.structured import check as structured_check
 
 @dataclasses.dataclass
 class ServingContext:
-    """What the handlers share: the engine, the name the model is served under, whether request
-    logs may include prompt text (`--enable-log-requests`), the per-request sequence cap, the
+    """What the handlers share: the engine, the names the model is served under (the first is the
+    one responses and metrics carry when a request names none), whether request logs may include
+    prompt text (`--enable-log-requests`), the per-request sequence cap, the
     tokenizer threads (made once the engine is ready) and the server's limits.
     """
 
     engine: AsyncEngine
-    model_name: str
+    model_names: tuple[str, ...]
     log_prompts: bool = False
     max_sequences_per_request: int = 1024
     tokenizer_pool_size: int = 2
@@ -85,11 +86,20 @@ class ServingContext:
             self.engine.config.model.vocab_size,
         )
 
+    @property
+    def model_name(self) -> str:
+        """The first served name: the metrics' label, and a response's `model` when its request named none."""
+        return self.model_names[0]
+
     def check_model(self, model: str | None) -> None:
-        """404 `model_not_found` unless `model` is None or the served name."""
+        """404 `model_not_found` unless `model` is None or a served name."""
         self.require_ready()
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(f"The model `{echo(model)}` does not exist.", 404, param="model", code="model_not_found")
+
+    def response_model(self, model: str | None) -> str:
+        """A response's `model`: the served name its request used (checked), else the first (vLLM's)."""
+        return model if model is not None else self.model_name
 
     def check_cache_salt(self, salt: str | None) -> None:
         """400 when `cache_salt` is longer than `--max-cache-salt-chars`."""

@@ -1,4 +1,4 @@
-"""llguidance grammar text from a request's `StructuredOutputsParams`, and its cheap check.
+r"""llguidance grammar text from a request's `StructuredOutputsParams`, and its cheap check.
 
 The grammar text (llguidance's JSON grammar format) is also the key of the compiled-grammar
 cache: two requests with the same constraint share one compiled grammar.
@@ -6,6 +6,10 @@ cache: two requests with the same constraint share one compiled grammar.
 JSON is compact unless the request gives a `whitespace_pattern`: no whitespace between tokens
 (separators "," and ":"), so a model cannot spin on whitespace inside a document until
 `max_tokens` cuts it (vLLM's `disable_any_whitespace` is therefore always on here).
+
+In a `regex` constraint `\d` is an ASCII digit, `[0-9]`, as in vLLM's default backend and in a
+JSON schema's `pattern` (llguidance alone reads it as any Unicode digit: a date regex then
+writes Tamil or Cham digits).
 """
 
 import copy
@@ -31,7 +35,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "json_object":
             return _json_grammar(params, {"type": "object"})
         if kind == "regex":
-            return llguidance().LLMatcher.grammar_from_regex(params.regex)
+            return llguidance().LLMatcher.grammar_from_regex(ascii_digits(params.regex))
         if kind == "choice":
             return llguidance().grammar_from("choice", list(params.choice))
         if kind == "grammar":
@@ -52,6 +56,36 @@ def check(params: StructuredOutputsParams) -> None:
     error = llguidance().LLMatcher.validate_grammar(text)
     if error:
         raise ValueError(f"structured_outputs.{params.kind}: {error.strip()}")
+
+
+def ascii_digits(pattern: str) -> str:
+    r"""`pattern` with `\d` as `[0-9]` (`0-9` inside a character class) and `\D` as `[^0-9]`
+    outside one; escapes, and a `]` that opens a class as a literal, are read as a regex reads
+    them. (`\D` inside a class stays: "not a digit" has no range to join the class with.)"""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            if nxt == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif nxt == "D" and not in_class:
+                out.append("[^0-9]")
+            else:
+                out.append(c + nxt)
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+        if c == "[" and not in_class:
+            in_class = True
+            for literal in ("^", "]"):  # `[^` and a `]` right after the opening are part of the class
+                if pattern.startswith(literal, i):
+                    out.append(literal)
+                    i += 1
+        elif c == "]" and in_class:
+            in_class = False
+    return "".join(out)
 
 
 def _json_grammar(params: StructuredOutputsParams, schema) -> str:

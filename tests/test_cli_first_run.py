@@ -200,12 +200,18 @@ def _proc_file(pid: int, name: str) -> str:
 
 
 def _waiting_for_the_check(pid: int, seconds: float = 0.3) -> bool:
-    """Whether `pid`'s main thread stays in one `read`, with the same arguments, for `seconds`:
-    the server waiting on its engine process's pipe for the device check, as JAX loads there
-    (not uvicorn's idle loop, which waits in epoll once the check passed)."""
+    """Whether `pid`'s main thread stays in one `read` of a socket, with the same arguments, for
+    `seconds`: the server waiting on its engine process's pipe for the device check, as JAX loads
+    there (not uvicorn's idle loop, which waits in epoll once the check passed, nor a read of a
+    file, which a loaded machine can stretch past `seconds`)."""
     with open(f"/proc/{pid}/syscall") as f:
         first = f.read()
     if first.startswith("running") or int(first.split()[0]) != READ_SYSCALL:
+        return False
+    try:  # the engine's pipe is a socket pair; a file read (an import on a loaded machine) is not it
+        if not os.readlink(f"/proc/{pid}/fd/{int(first.split()[1], 16)}").startswith("socket:"):
+            return False
+    except OSError:
         return False
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

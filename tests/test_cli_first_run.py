@@ -227,7 +227,13 @@ def _interrupt_while_the_engine_checks(lines: list[str]):
     returns (server, engine pids), or None when the check passed first (HTTP up: Ctrl-C would
     drain instead), the server then killed."""
     server = subprocess.Popen(
-        [sys.executable, "-m", "jaxpaged.cli", "serve", "--port", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT
+        [sys.executable, "-m", "jaxpaged.cli", "serve", "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        # Ctrl-C as a terminal delivers it, also when this test runs in a background job (a
+        # non-interactive shell's `&` starts its jobs with SIGINT ignored, and children inherit that)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Read as it comes: the server and its engine process write to this pipe, and a full pipe
     # would block whichever writes next (the server's exit line included).

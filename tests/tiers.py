@@ -236,6 +236,10 @@ TIERS: dict[str, tuple[str, str]] = {
         SLOW,
         "token ids without a tokenizer stay in CI stage 3 (test_cli_first_run)",
     ),
+    "tests/test_engine_parity.py::test_small_pool_preempts_and_matches_transformers": (
+        SLOW,
+        "preemption stays (test_quantization's prefix-cache-preemption, test_async_scheduling's preempt-recompute)",
+    ),
     "tests/test_multihost.py": (SLOW, "several processes (the issue's slow tier); the argument checks stay"),
     "tests/test_multihost.py::test_bad_multi_process_arguments_are_named": (PR, "no processes"),
     # --- quantization --------------------------------------------------------------------------

@@ -116,6 +116,17 @@ def shared_engines(request):
     engines.close()
 
 
+@pytest.fixture(scope="session")
+def demo_server(shared_engines):
+    """The demo server of the server test modules (tests/demo_server.py): one engine behind one
+    `AsyncEngine` for the session; each module serves its own app over it."""
+    from demo_server import DemoServer
+
+    server = DemoServer(shared_engines.take("demo-server"))
+    yield server
+    server.close()
+
+
 @pytest.fixture(autouse=True)
 def _keep_the_test_compilation_cache():
     """Points JAX back at TEST_XLA_CACHE after a test that moved it: an engine started with

@@ -31,6 +31,15 @@ MAX_ALIVE = 2
 CANONICAL = {
     "tiny": dict(dtype="float32", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64),
     "demo": dict(model=DEMO_MODEL_DIR, dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64),
+    # the shared demo server's engine (tests/demo_server.py): demo's shapes, one decode step per program
+    "demo-server": dict(
+        model=DEMO_MODEL_DIR,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_scheduler_steps=1,
+    ),
 }
 
 

@@ -33,7 +33,6 @@ from jaxpaged.server.app import build_app  # noqa: E402
 from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError  # noqa: E402
 
 MODEL = "tiny-llama"
-SETTINGS = dict(dtype="float32", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64)
 PROMPTS = [f"the quick brown fox number {i} jumps" for i in range(64)]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the lazy dog"}]
 MAX_TOKENS = 10
@@ -42,8 +41,7 @@ MAX_TOKENS = 10
 class Server:
     """A running server and the references computed before it started."""
 
-    def __init__(self, model_dir: str):
-        llm = LLM(model_dir, **SETTINGS)
+    def __init__(self, llm: LLM):
         greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         self.refs = {o.prompt: o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)}
         self.chat_ref = llm.chat(CHAT, greedy, use_tqdm=False)[0].outputs[0].text
@@ -108,10 +106,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("server_model"))
-    make_model_dir(path)
-    srv = Server(path)
+def server(shared_engines):
+    srv = Server(shared_engines.take("tiny"))  # the server's shutdown ends the engine: taken, not borrowed
     yield srv
     srv.close()
 

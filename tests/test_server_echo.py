@@ -10,9 +10,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 import test_server  # noqa: E402
-from engine_fixtures import make_model_dir  # noqa: E402
 
-from jaxpaged.entrypoints.llm import LLM  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT = [5, 77, 300, 12, 9, 250, 31, 404, 18, 66] * 8  # 80 tokens: two prefill chunks of 64
@@ -20,18 +18,12 @@ TEXT = "the quick brown fox jumps over the lazy dog"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("echo_model"))
-    make_model_dir(path)
-    llm = LLM(path, **test_server.SETTINGS)
+def server(shared_engines):
+    llm = shared_engines.take("tiny")  # the server's shutdown ends the engine: taken, not borrowed
     scored = SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1)
     refs = {"ids": llm.generate([{"prompt_token_ids": PROMPT}], scored, use_tqdm=False)[0]}
     refs["text"] = llm.generate([TEXT], scored, use_tqdm=False)[0]
-    build, test_server.LLM = test_server.LLM, lambda *args, **kwargs: llm  # the server takes this engine over
-    try:
-        srv = test_server.Server(path)
-    finally:
-        test_server.LLM = build
+    srv = test_server.Server(llm)
     srv.scored = refs
     yield srv
     srv.close()

@@ -15,7 +15,6 @@ import collections
 import json
 import os
 import re
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,21 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import fuzz_requests
 import httpx
 import pytest
-import uvicorn
 from fuzz_requests import API_KEY, MODEL, Case
 
-from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
-from jaxpaged.entrypoints.llm import LLM
-from jaxpaged.server.app import build_app
-from jaxpaged.server.async_engine import AsyncEngine
-
-SETTINGS = {
-    "dtype": "float32",
-    "max_model_len": 128,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 64,
-    "num_scheduler_steps": 1,
-}
 SEED = int(os.environ.get("JAXPAGED_FUZZ_SEED", "20250101"))
 SCALE = float(os.environ.get("JAXPAGED_FUZZ_SCALE", "1"))
 WORKERS = 4  # concurrent clients: valid requests batch in the engine while bad ones are answered
@@ -53,38 +39,18 @@ ALLOWED_WORDS = {"error", "exception"}  # the plain words are fine; class names 
 MAX_ERROR_BYTES = 2048  # an error answer's size bound, whatever the size of the request
 
 
-class FuzzServer:
-    def __init__(self):
-        llm = LLM(DEMO_MODEL_DIR, **SETTINGS)
-        self.async_engine = AsyncEngine(llm.llm_engine)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        app = build_app(self.async_engine, MODEL, api_key=API_KEY)
-        # Idle keep-alive connections stay open for the whole run: uvicorn closing one (after 5 s
-        # by default) just as a client reuses it resets that request, whatever its input.
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_keep_alive=600))
-        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.uvicorn.started and time.time() < deadline:
-            time.sleep(0.02)
-        assert self.uvicorn.started, "uvicorn did not start"
-
-    def client(self) -> "httpx.Client":
-        return httpx.Client(base_url=self.url, trust_env=False, timeout=TIMEOUT)
-
-    def close(self):
-        self.uvicorn.should_exit = True
-        self.thread.join(15)
-        self.async_engine.shutdown()
-
-
 @pytest.fixture(scope="module")
-def server():
-    srv = FuzzServer()
-    yield srv
-    srv.close()
+def server(demo_server):
+    """The session's demo engine behind this module's app (its API key). Idle keep-alive
+    connections stay open for the whole run: uvicorn closing one (after 5 s by default) just as a
+    client reuses it resets that request, whatever its input."""
+    served = demo_server.serve(MODEL, dict(log_level="critical", timeout_keep_alive=600), api_key=API_KEY)
+    yield served
+    served.close()
+
+
+def fuzz_client(server) -> "httpx.Client":
+    return httpx.Client(base_url=server.url, trust_env=False, timeout=TIMEOUT)
 
 
 def _leak(message: str) -> str | None:
@@ -208,7 +174,7 @@ def test_no_input_gets_5xx_or_a_dropped_connection(server):
 
     def run(case: Case) -> None:
         if not hasattr(local, "client"):
-            local.client = server.client()
+            local.client = fuzz_client(server)
             with lock:
                 clients.append(local.client)
         t0 = time.perf_counter() - started
@@ -227,7 +193,7 @@ def test_no_input_gets_5xx_or_a_dropped_connection(server):
 
     # afterwards: a plain request still works and the engine goes idle
     post = []
-    with server.client() as client:
+    with fuzz_client(server) as client:
         ok = client.post("/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "and the", "max_tokens": 4})
         if ok.status_code != 200 or not ok.json().get("choices"):
             post.append(f"completion after fuzzing: {ok.status_code} {ok.text[:120]}")

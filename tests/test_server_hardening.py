@@ -35,17 +35,13 @@ import pytest
 import uvicorn
 
 from jaxpaged.core.request_state import RequestState
-from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
-from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.outputs import CompletionOutput, Logprob
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.server.app import build_app
-from jaxpaged.server.async_engine import AsyncEngine
 from jaxpaged.server.http_protocol import guarded_h11_protocol
 from jaxpaged.server.limits import ServerLimits
 from jaxpaged.server.responses import Choice, Kind
 
-SETTINGS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=1)
 KEY = "sk-hardening"
 # small limits, so each is reached by a small request; connections enough for the flood
 LIMITS = ServerLimits(
@@ -57,27 +53,16 @@ LIMITS = ServerLimits(
 )
 
 
-class DemoServer:
-    """The demo model behind uvicorn on a free loopback port, with a gate that can hold the engine."""
+class HardeningServer:
+    """This module's app (API key, small limits, the header guard) over the session's demo engine,
+    whose gate can hold the engine's steps (tests/demo_server.py)."""
 
-    def __init__(self, **app_kwargs):
-        self.llm = LLM(DEMO_MODEL_DIR, **SETTINGS)
-        engine = self.llm.llm_engine
-        self.gate = threading.Event()
-        self.gate.set()
-        step = engine.step
-        engine.step = lambda: (self.gate.wait(60), step())[1]
-        self.async_engine = AsyncEngine(engine, max_num_waiting=app_kwargs.pop("max_num_waiting", None))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.app = build_app(self.async_engine, "demo", api_key=KEY, limits=LIMITS, **app_kwargs)
-        config = uvicorn.Config(self.app, log_level="warning", http=guarded_h11_protocol(LIMITS))
-        self.port = sock.getsockname()[1]
-        self.uvicorn = uvicorn.Server(config)
-        threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True).start()
-        while not self.uvicorn.started:
-            time.sleep(0.02)
+    def __init__(self, demo_server, **app_options):
+        self.llm, self.gate, self.async_engine = demo_server.llm, demo_server.gate, demo_server.async_engine
+        self.served = demo_server.serve(
+            "demo", dict(http=guarded_h11_protocol(LIMITS)), api_key=KEY, limits=LIMITS, **app_options
+        )
+        self.app, self.url, self.port = self.served.app, self.served.url, self.served.port
         self.http = httpx.Client(
             base_url=self.url, trust_env=False, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
         )
@@ -87,13 +72,12 @@ class DemoServer:
 
     def close(self):
         self.gate.set()
-        self.uvicorn.should_exit = True
-        self.async_engine.shutdown()
+        self.served.close()
 
 
 @pytest.fixture(scope="module")
-def demo():
-    server = DemoServer(max_num_waiting=6000, max_sequences_per_request=64)
+def demo(demo_server):
+    server = HardeningServer(demo_server, max_sequences_per_request=64)
     yield server
     server.close()
 

@@ -17,14 +17,11 @@ the official `openai` client (no torch: this file also runs in CI's server-only 
 
 import json
 import re
-import socket
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 openai = pytest.importorskip("openai")
 
@@ -32,13 +29,10 @@ from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR  # noqa: E402
 from jaxpaged.entrypoints.llm import LLM  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 from jaxpaged.server import fields, prompts, serving, serving_context, tool_parsers  # noqa: E402
-from jaxpaged.server.app import build_app  # noqa: E402
-from jaxpaged.server.async_engine import AsyncEngine  # noqa: E402
 from jaxpaged.server.errors import APIError  # noqa: E402
 from jaxpaged.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from jaxpaged.server.tools import tool_mode  # noqa: E402
 
-SETTINGS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
 MESSAGES = [{"role": "user", "content": "In the beginning"}]
 WEATHER = {
     "type": "function",
@@ -52,20 +46,12 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 
 
 class Server:
-    """The demo model behind uvicorn on a free loopback port (tool_call_parser settable per test)."""
+    """This module's app over the session's demo engine (tests/demo_server.py), with the raw
+    client and the openai one (tool_call_parser settable per test through `ctx`)."""
 
-    def __init__(self):
-        self.llm = LLM(DEMO_MODEL_DIR, **SETTINGS)
-        self.truncation = truncation_results(self.llm)  # before the server's thread owns the engine
-        self.async_engine = AsyncEngine(self.llm.llm_engine)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.app = build_app(self.async_engine, "demo")
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True).start()
-        while not self.uvicorn.started:
-            time.sleep(0.02)
+    def __init__(self, demo_server):
+        self.served = demo_server.serve("demo")
+        self.url, self.app = self.served.url, self.served.app
         self.http = httpx.Client(base_url=self.url, trust_env=False, timeout=120)
         self.client = openai.OpenAI(
             base_url=self.url + "/v1", api_key="unused", max_retries=0, http_client=httpx.Client(trust_env=False)
@@ -76,13 +62,12 @@ class Server:
         return self.app.state.ctx
 
     def close(self):
-        self.uvicorn.should_exit = True
-        self.async_engine.shutdown()
+        self.served.close()
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server()
+def server(demo_server):
+    srv = Server(demo_server)
     yield srv
     srv.close()
 
@@ -392,14 +377,15 @@ def truncation_results(llm: LLM) -> dict:
     return dict(ids=ids, truncated=truncated, ref=ref, short=(text, kept_short))
 
 
-def test_truncate_prompt_tokens_python_api(server):
-    r = server.truncation
+def test_truncate_prompt_tokens_python_api(shared_engines):
+    llm = shared_engines.get("demo")
+    r = truncation_results(llm)
     assert r["truncated"].prompt_token_ids == r["ids"][-5:] and r["truncated"].prompt is None
     assert r["truncated"].outputs[0].token_ids == r["ref"].outputs[0].token_ids
     long = {"prompt_token_ids": list(range(200))}  # -1: the last max_model_len tokens (the server's rule too)
     assert prompts.truncate(long, -1, 128) == {"prompt_token_ids": list(range(72, 200))}
     text, kept = r["short"]
-    assert text == "In the" and len(kept) < SETTINGS["max_model_len"]  # shorter: kept whole, text too
+    assert text == "In the" and len(kept) < llm.llm_engine.config.max_model_len  # shorter: kept whole, text too
 
 
 def test_truncate_prompt_tokens_server(server):

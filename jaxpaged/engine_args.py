@@ -64,6 +64,7 @@ def _option(
     aliases: tuple[str, ...] = (),
     compatibility: bool = False,
     refused: bool = False,
+    flag: bool = True,
 ):
     """A field: its default, its `--help` text, `per_process` when the processes of one
     multi-process engine may set it differently (paths, local resources; the others must agree),
@@ -71,7 +72,8 @@ def _option(
     `compatibility` for an option accepted only so that vLLM's arguments run unchanged (its help
     says what it means here; logged when set: `compatibility_notes`), and `refused` for a vLLM
     option jaxpaged cannot honour: any value but the default is an error whose reason is `help`
-    (clearer than an unknown flag)."""
+    (clearer than an unknown flag); `flag` False for a field the entry points set, which has no
+    command-line flag."""
     if compatibility:
         help = f"accepted for vLLM compatibility; changes nothing: {help}"
     if refused:
@@ -84,6 +86,7 @@ def _option(
         aliases=aliases,
         compatibility=compatibility,
         refused=refused,
+        flag=flag,
     )
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -152,9 +155,16 @@ class EngineArgs:
         per_process=True,
     )
     block_size: int = _option(defaults.BLOCK_SIZE, "tokens per KV cache block (a power of two)")
-    max_num_seqs: int = _option(defaults.MAX_NUM_SEQS, "most sequences running at once")
+    max_num_seqs: int | None = _option(
+        None,
+        "most sequences running at once (default: vLLM's for the device: 1024 on a GPU of at least 70 GiB other "
+        f"than an A100, else 256; {defaults.MAX_NUM_SEQS} on a CPU)",
+    )
     max_num_batched_tokens: int | None = _option(
-        None, f"most tokens computed per step (default: max({defaults.MIN_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))"
+        None,
+        "most tokens computed per step (default: vLLM's for the device and the entry point: on a GPU of at least "
+        "70 GiB other than an A100 16384 for LLM and 8192 for jaxpaged serve, else 8192 and 2048, at most "
+        f"max_num_seqs x max_model_len; on a CPU max({defaults.MIN_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))",
     )
     enable_prefix_caching: bool = _option(defaults.ENABLE_PREFIX_CACHING, "reuse the KV cache of equal prompt prefixes")
     kv_offloading_size: float | None = _option(
@@ -327,6 +337,14 @@ class EngineArgs:
         defaults.MAX_LOGPROBS,
         f"most logprobs a request may ask for, per token (at most {defaults.MAX_LOGPROBS}: what the sampler returns)",
     )
+    usage_context: str = _option(
+        "llm_class",
+        "who starts the engine, as vLLM's UsageContext: llm_class (LLM, jaxpaged generate and bench) or "
+        "openai_api_server (jaxpaged serve, which sets it); picks vLLM's default batch limits (max_num_seqs, "
+        "max_num_batched_tokens), the server's token budget being smaller",
+        choices=defaults.USAGE_CONTEXTS,
+        flag=False,
+    )
 
     def __post_init__(self):
         """Checks every option's type and range, and the options against each other; reads no
@@ -363,7 +381,6 @@ class EngineArgs:
             check_choice(name, getattr(self, name), allowed)
         for name in (
             "block_size",
-            "max_num_seqs",
             "num_scheduler_steps",
             "tensor_parallel_size",
             "pipeline_parallel_size",
@@ -376,7 +393,13 @@ class EngineArgs:
             raise EngineArgsError("node_rank", self.node_rank, f"must be below nnodes ({self.nnodes})")
         if not 0 < self.master_port < 65536 or isinstance(self.master_port, bool):
             raise EngineArgsError("master_port", self.master_port, "must be a TCP port (1-65535)")
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "compile_threads"):
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_cache_memory_bytes",
+            "compile_threads",
+        ):
             if getattr(self, name) is not None:
                 self._check_int(name, 1)
         if self.seed is not None:
@@ -401,11 +424,11 @@ class EngineArgs:
             raise EngineArgsError(
                 "compilation_cache_dir", self.compilation_cache_dir, "must be a directory, 'auto' or 'none'"
             )
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = defaults.max_num_batched_tokens(self.max_num_seqs)
         if self.compile_threads is None:
             self.compile_threads = max(1, min((os.cpu_count() or 1) // 2, MAX_COMPILE_THREADS))
-        check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
+        check_choice("usage_context", self.usage_context, defaults.USAGE_CONTEXTS)
 
     def _check_offloading(self) -> None:
         size = self.kv_offloading_size

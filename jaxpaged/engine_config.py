@@ -152,6 +152,13 @@ class EngineConfig:
         cache = dataclasses.replace(self.cache, num_blocks=num_blocks, num_host_blocks=host)
         return dataclasses.replace(self, cache=cache)
 
+    def with_batch_limits(self, platform: str, device_kind: str, memory_bytes: int | None) -> "EngineConfig":
+        """This configuration with the batch limits left unset filled for the devices (vLLM's
+        defaults: `SchedulingConfig.with_batch_limits`); `memory_bytes` is one device's total
+        memory (None: unknown)."""
+        scheduling = self.scheduling.with_batch_limits(platform, device_kind, memory_bytes, self.max_model_len)
+        return dataclasses.replace(self, scheduling=scheduling)
+
     def scheduler_config(self) -> SchedulerConfig:
         """What the scheduler needs (after planning), and so the runner: its buckets come from
         these limits and it fuses `num_scheduler_steps` decode steps (none under pipeline

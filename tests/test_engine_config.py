@@ -120,8 +120,10 @@ def test_every_default_is_the_engine_args_one():
     from jaxpaged.model import Llama
 
     engine = _field_defaults(EngineArgs)
-    engine["max_num_batched_tokens"] = EngineArgs(model=DEMO_MODEL_DIR).max_num_batched_tokens
-    assert engine["max_num_batched_tokens"] == defaults.max_num_batched_tokens(defaults.MAX_NUM_SEQS)
+    assert engine["max_num_seqs"] is engine["max_num_batched_tokens"] is None  # the device's: batch_limits
+    cpu = defaults.batch_limits("llm_class", "cpu", "cpu", None, 128)
+    engine["max_num_seqs"], engine["max_num_batched_tokens"] = cpu
+    assert cpu == (defaults.MAX_NUM_SEQS, defaults.max_num_batched_tokens(defaults.MAX_NUM_SEQS))
     others = {
         "SchedulerConfig": _field_defaults(SchedulerConfig),
         "make_plan": _signature_defaults(make_plan),
@@ -232,3 +234,41 @@ def test_generation_config_gives_every_entry_point_the_same_defaults(tmp_path):
     (other / "generation_config.json").write_text('{"temperature": -1}')
     with pytest.raises(EngineArgsError, match="generation_config=.*temperature must be non-negative"):
         EngineConfig.resolve(EngineArgs(model="demo", generation_config=str(other)))
+
+
+GiB = 2**30
+H100, A100, L4 = ("NVIDIA H100 80GB HBM3", 79 * GiB), ("NVIDIA A100-SXM4-80GB", 79 * GiB), ("NVIDIA L4", 22 * GiB)
+
+
+@pytest.mark.parametrize(
+    "usage, device, max_model_len, given, limits",
+    [
+        ("llm_class", H100, 2048, (None, None), (1024, 16384)),
+        ("openai_api_server", H100, 2048, (None, None), (1024, 8192)),
+        ("llm_class", A100, 2048, (None, None), (256, 8192)),  # vLLM PR #17885
+        ("openai_api_server", A100, 2048, (None, None), (256, 2048)),
+        ("openai_api_server", L4, 2048, (None, None), (256, 2048)),
+        ("openai_api_server", H100, 4, (None, None), (1024, 4096)),  # tokens at most seqs x context
+        ("llm_class", H100, 4, (8, None), (8, 32)),
+        ("llm_class", H100, 2048, (None, 512), (512, 512)),  # seqs at most the token budget
+        ("llm_class", H100, 2048, (2048, None), (2048, 16384)),
+        ("llm_class", ("cpu", None), 2048, (None, None), (256, 2048)),  # jaxpaged's own on a CPU
+        ("llm_class", ("cpu", None), 2048, (4096, None), (4096, 4096)),
+    ],
+)
+def test_unset_batch_limits_are_vllms_for_the_device(usage, device, max_model_len, given, limits):
+    """vLLM's `EngineArgs.get_batch_defaults` and its clamps (vllm/engine/arg_utils.py)."""
+    kind, memory = device
+    platform = "cpu" if kind == "cpu" else "gpu"
+    assert defaults.batch_limits(usage, platform, kind, memory, max_model_len, *given) == limits
+
+
+def test_a_default_token_budget_below_max_num_seqs_is_refused_naming_it():
+    from jaxpaged.config.checks import OptionError
+
+    args = EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=20000)
+    scheduling = EngineConfig.resolve(args).scheduling
+    with pytest.raises(OptionError, match="max_num_batched_tokens=16384: must be at least max_num_seqs"):
+        scheduling.with_batch_limits("gpu", *H100, max_model_len=2048)
+    with pytest.raises(EngineArgsError, match="usage_context"):
+        EngineArgs(model=DEMO_MODEL_DIR, usage_context="server")

@@ -63,6 +63,10 @@ TIERS: dict[str, tuple[str, str]] = {
         PR,
         "the pipeline tick",
     ),
+    "tests/gpu_compile/test_h100_programs.py::test_engines_on_large_gpus_take_vllms_batch_limits[h100-server]": (
+        PR,
+        "vLLM's batch limits on a large GPU",
+    ),
     # --- pool size: every program x dtype x path x split x layout -------------------------------
     "tests/test_pool_size.py::test_no_program_temporaries_grow_with_the_pool": (SLOW, "31 cases of 5-13 s"),
     "tests/test_pool_size.py::test_no_program_temporaries_grow_with_the_pool[bfloat16-pallas-1-device-kv-fp8]": (

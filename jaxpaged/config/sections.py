@@ -9,6 +9,8 @@ it holds, and tests/test_engine_config.py checks that every option lands in exac
 
 import dataclasses
 
+from jaxpaged.config import defaults
+from jaxpaged.config.checks import check_batch_limits
 from jaxpaged.config.quantization import kv_dtype_name
 
 
@@ -95,18 +97,43 @@ class SchedulingConfig:
     """How steps are batched (the scheduler's limits but the ones the pool decides).
 
     Attributes:
-      max_num_seqs: sequences running at once.
-      max_num_batched_tokens: tokens computed per step.
+      max_num_seqs: sequences running at once (None until the devices are known: vLLM's default
+        for them, `with_batch_limits`).
+      max_num_batched_tokens: tokens computed per step (None: as max_num_seqs).
       num_scheduler_steps: decode steps fused into one device program.
       async_scheduling: dispatch each step before the previous one's tokens reach the host.
       max_logprobs: most logprobs per token a request may ask for.
+      usage_context: who started the engine ("llm_class" or "openai_api_server"): picks the
+        default limits.
     """
 
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
     num_scheduler_steps: int
     async_scheduling: bool
     max_logprobs: int
+    usage_context: str
+
+    def with_batch_limits(
+        self, platform: str, device_kind: str, memory_bytes: int | None, max_model_len: int
+    ) -> "SchedulingConfig":
+        """These limits with the unset ones filled with vLLM's defaults for the device
+        (`jaxpaged.config.defaults.batch_limits`).
+
+        Raises:
+          OptionError: the token budget, given or default, holds fewer tokens than max_num_seqs.
+        """
+        seqs, tokens = defaults.batch_limits(
+            self.usage_context,
+            platform,
+            device_kind,
+            memory_bytes,
+            max_model_len,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+        )
+        check_batch_limits(seqs, tokens)
+        return dataclasses.replace(self, max_num_seqs=seqs, max_num_batched_tokens=tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ from jaxpaged.checkpoint.dummy import dummy_params
 from jaxpaged.checkpoint.format import TOKENIZER_FILES
 from jaxpaged.checkpoint.kv_scales import checkpoint_kv_scales
 from jaxpaged.checkpoint.loader import load_model, resolve_dtype
+from jaxpaged.config.checks import OptionError
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.quantization import is_fp8
 from jaxpaged.config.sections import LoadConfig
@@ -116,6 +117,7 @@ def prepare_device_worker(
         config = config.with_seed(seed)
     use_compilation_cache(config.compile.compilation_cache_dir)
     parallel = engine_mesh(config, devices)
+    config = with_device_batch_limits(config, parallel, abstract)
     if not abstract:
         check_host_memory(config, parallel)
     model = build_model(config, parallel, abstract)
@@ -183,7 +185,59 @@ def check_engine_fits(config: EngineConfig) -> None:
       EngineArgsError: naming the option.
     """
     if config.parallel.nnodes == 1:
-        check_host_memory(config, engine_mesh(config))
+        parallel = engine_mesh(config)
+        check_host_memory(with_device_batch_limits(config, parallel, log=False), parallel)
+
+
+def with_device_batch_limits(
+    config: EngineConfig, parallel: TensorParallel, abstract: bool = False, log: bool = True
+) -> EngineConfig:
+    """`config` with the batch limits it leaves unset filled with vLLM's defaults for the mesh's
+    devices (their kind and total memory; described GPUs with `abstract`: their published memory),
+    logged (with `log`) when any was filled.
+
+    Raises:
+      EngineArgsError: the limits do not fit together (naming `max_num_batched_tokens`).
+    """
+    device = parallel.mesh.devices.flat[0]
+    memory = device_total_memory_bytes(parallel, abstract)
+    s = config.scheduling
+    try:
+        resolved = config.with_batch_limits(parallel.platform, device.device_kind, memory)
+    except OptionError as err:
+        raise EngineArgsError(err.field, err.value, err.reason) from None
+    r = resolved.scheduling
+    if log and None in (s.max_num_seqs, s.max_num_batched_tokens):
+        size = "" if memory is None else f", {format_bytes(memory)}"
+        logger.info(
+            "batch limits: max_num_seqs=%d, max_num_batched_tokens=%d (defaults for %s%s, %s)",
+            r.max_num_seqs,
+            r.max_num_batched_tokens,
+            device.device_kind,
+            size,
+            s.usage_context,
+        )
+    return resolved
+
+
+def device_total_memory_bytes(parallel: TensorParallel, abstract: bool = False) -> int | None:
+    """One device's total memory, as vLLM reads it for its batch limits: on a GPU the allocator's
+    limit over its fraction (XLA_PYTHON_CLIENT_MEM_FRACTION); for a described GPU its published
+    figure (`jaxpaged.bench.gpu_targets`); None on a CPU or an unknown GPU."""
+    if parallel.platform == "cpu":
+        return None
+    if abstract:
+        from jaxpaged.bench.gpu_targets import GPU_TARGETS
+
+        kind = parallel.mesh.devices.flat[0].device_kind
+        return next((spec.memory_bytes for spec in GPU_TARGETS.values() if spec.description == kind), None)
+    limit = device_memory_bytes(parallel)
+    return None if limit is None else int(limit / allocator_fraction())
+
+
+def allocator_fraction() -> float:
+    """The share of a GPU's memory JAX's allocator takes (see jaxpaged/__init__.py)."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
 
 
 def build_draft_model(
@@ -539,8 +593,7 @@ def plan_cache(
         return plan_kv_cache(config, **common, **budget)
     weights = device_weight_bytes(model) + (device_weight_bytes(draft) if draft is not None else 0)
     activations = _peak_activation_bytes(engine_config, model, parallel)
-    # The allocator's limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (see jaxpaged/__init__.py).
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    fraction = allocator_fraction()  # the allocator's limit is this share of the device
     total = limit / fraction
     utilization = cache.gpu_memory_utilization
     if utilization > fraction:

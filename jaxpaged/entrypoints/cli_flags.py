@@ -114,6 +114,8 @@ def add_engine_flags(
     defaults = defaults or {}
     for f in dataclasses.fields(EngineArgs):
         meta = f.metadata
+        if not meta["flag"]:
+            continue
         kwargs = dict(default=defaults.get(f.name, f.default), help=meta["help"], dest=f.name)
         if f.name == "model" and "model" not in defaults:
             kwargs["help"] += " (default: the embedded demo model)"

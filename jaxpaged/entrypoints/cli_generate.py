@@ -146,9 +146,11 @@ def tokenize(items: list[dict], tokenizer) -> list[dict]:
 def size_to_job(
     args: argparse.Namespace, model: ModelConfig, prompts: list[dict], params: list[SamplingParams]
 ) -> dict:
-    """Engine limits for this job where the flags leave them open: sequences and batched tokens
-    from the workload, the context from the longest request (fewer, smaller step programs than a
-    server's defaults). Every request must fit the model's limit.
+    """Engine limits for this job where the flags leave them open: the context from the longest
+    request; a job of fewer sequences than any device's default (`defaults.MAX_NUM_SEQS`) gets
+    that many, and a token budget from its prompts (fewer, smaller step programs). A larger job
+    keeps the device's defaults (vLLM's on a GPU: `defaults.batch_limits`), as vLLM's `LLM` does.
+    Every request must fit the model's limit.
 
     Raises:
       ValueError: a request longer than --max-model-len or the model's context, naming it.
@@ -164,12 +166,11 @@ def size_to_job(
             f"{params[longest].max_tokens} it needs {lengths[longest]}, more than {what}; shorten it or lower --max-tokens"
         )
     sizes = {"max_model_len": given or lengths[longest]}
-    if args.max_num_seqs is None:
-        most = defaults.MAX_NUM_SEQS
-        sequences = sum(sp.n for sp in params)  # n > 1: each prompt runs n sequences
-        sizes["max_num_seqs"] = min(most, sequences, args.max_num_batched_tokens or most)
-    if args.max_num_batched_tokens is None:
-        seqs = sizes.get("max_num_seqs", args.max_num_seqs)
+    sequences = sum(sp.n for sp in params)  # n > 1: each prompt runs n sequences
+    if args.max_num_seqs is None and sequences < defaults.MAX_NUM_SEQS:
+        sizes["max_num_seqs"] = min(sequences, args.max_num_batched_tokens or sequences)
+    seqs = sizes.get("max_num_seqs", args.max_num_seqs)
+    if args.max_num_batched_tokens is None and seqs is not None:
         total = sum(len(p["prompt_token_ids"]) for p in prompts)
         sizes["max_num_batched_tokens"] = min(defaults.max_num_batched_tokens(seqs), max(total, seqs))
     return sizes

@@ -38,6 +38,7 @@ DISABLE_LOG_REQUESTS = (
 )
 # What the `server` extra installs (pyproject.toml), checked before anything slow starts.
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+SERVER_USAGE = "openai_api_server"  # vLLM's usage context of its API server: the server's default batch limits
 
 
 def load_chat_template(value: str) -> str:
@@ -199,7 +200,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.node_rank > 0:  # a follower serves nothing: it runs process 0's steps on its devices
         from jaxpaged.engine.follower import run_follower
 
-        run_follower(cli_flags.engine_args(args, model=args.model_tag or args.model))
+        run_follower(cli_flags.engine_args(args, model=args.model_tag or args.model, usage_context=SERVER_USAGE))
         return 0
     missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
     if missing:
@@ -226,7 +227,7 @@ def serve(args: argparse.Namespace) -> int:
     limits = limits_from(args)
     _make_room_for_connections(limits.max_connections + RESERVED_FILES)
     model = args.model_tag or args.model
-    engine_args = cli_flags.engine_args(args, model=model)  # every flag checked before JAX loads
+    engine_args = cli_flags.engine_args(args, model=model, usage_context=SERVER_USAGE)  # checked before JAX loads
     notes = compatibility_notes(engine_args) + (
         [f"disable_log_requests: {DISABLE_LOG_REQUESTS}"] if args.disable_log_requests else []
     )

@@ -17,6 +17,7 @@ machines' JAX (stage 2). No GPU is used.
 """
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import re
@@ -295,3 +296,29 @@ def test_no_h100_sampler_waits_on_the_host(tmp_path, options):
     compiled, _ = compile_for_h100(tiny_dir(tmp_path), SMALL_POOL, samplers=True, **options)
     assert any("sampler filter+logprobs+mask" in p for p in compiled) and all("sampler" in p for p in compiled)
     assert_no_host_waits(compiled)
+
+
+@pytest.mark.parametrize(
+    "target, usage, limits",
+    [
+        pytest.param("h100", "llm_class", (1024, 16384), id="h100-llm"),
+        pytest.param("h100", "openai_api_server", (1024, 8192), id="h100-server"),
+        pytest.param("h200", "llm_class", (1024, 16384), id="h200-llm"),
+    ],
+)
+def test_engines_on_large_gpus_take_vllms_batch_limits(tmp_path, target, usage, limits):
+    """Left unset, max_num_seqs and max_num_batched_tokens are vLLM's for the GPU and entry point
+    (the engine's own start-up on described GPUs: their kind and memory); given ones stay."""
+    args = EngineArgs(
+        model=tiny_dir(tmp_path),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        compilation_cache_dir="none",
+        max_model_len=2048,
+        usage_context=usage,
+    )
+    with compiling_for_target(target, 1) as devices:
+        scheduling = abstract_worker(args, devices).config.scheduling
+        assert (scheduling.max_num_seqs, scheduling.max_num_batched_tokens) == limits
+        given = abstract_worker(dataclasses.replace(args, max_num_seqs=64), devices).config.scheduling
+        assert (given.max_num_seqs, given.max_num_batched_tokens) == (64, limits[1])

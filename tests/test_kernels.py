@@ -492,3 +492,58 @@ def test_grouped_matmul_refuses_widths_it_does_not_tile():
     rows, weight = jnp.zeros((4, 96)), jnp.zeros((2, 96, 128))
     with pytest.raises(ValueError, match=r"multiples of 64 .* not \[96, 128\]"):
         grouped_matmul(rows, weight, *tile_schedule(jnp.asarray([4, 0]), 4, 1), 1, interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# a mixed step: its leading decode rows on the decode kernel, the rest on the ragged kernel
+
+# (kv_len, q_len): decodes first (one on a block edge, one long), a one-token prefill chunk among
+# them, then prefill chunks and fresh prompts; a step whose front is a prefill has no decode rows.
+MIXED = [(BS + 1, 1), (300, 1), (1, 1), (BS, 1), (37, 21), (BS + 1, BS + 1), (150, 64), (2, 1)]
+NO_LEADING_DECODES = [(37, 21), (BS + 1, 1), (300, 1)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("seqs", [MIXED, NO_LEADING_DECODES], ids=["decodes-first", "prefill-first"])
+def test_mixed_step_on_both_kernels_matches_the_ragged_reference(dtype, group, seqs):
+    """`mixed_paged_attention` over the Pallas kernels (interpret mode) equals the ragged
+    reference on every sequence, NaN-poisoned pages never read, padding rows zero."""
+    import pallas_kernels
+    from jaxpaged.model.metadata import AttentionMetadata
+    from jaxpaged.model.mixed_attention import leading_decode_rows, mixed_paged_attention
+
+    rng = np.random.default_rng(group * 7 + len(seqs))
+    q, k_pool, v_pool, cu, lens, tables, num_seqs = ragged_inputs(rng, seqs, group, 128, dtype)
+    meta = AttentionMetadata(
+        jnp.zeros(q.shape[0], jnp.int32), jnp.zeros(q.shape[0], jnp.int32), cu, lens, tables, num_seqs
+    )
+    assert int(leading_decode_rows(cu, num_seqs)) == (4 if seqs is MIXED else 0)
+    out = jax.jit(functools.partial(mixed_paged_attention, pallas_kernels))(q, k_pool, v_pool, meta)
+    ref = np.asarray(reference.ragged_paged_attention(q, k_pool, v_pool, cu, lens, tables, num_seqs), np.float64)
+    out = np.asarray(out, np.float64)
+    assert out.shape == q.shape and np.isfinite(out).all(), "NaN leaked from an unused page"
+    for s in range(len(seqs)):
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        assert rel_error(out[rows], ref[rows]) < TOLERANCE[dtype], f"sequence {s} {seqs[s]}"
+    assert (out[int(cu[len(seqs)]) :] == 0).all(), "padding rows must be zero"
+
+
+def test_mixed_step_over_float8_pools_matches_the_ragged_reference():
+    """Both kernels of a mixed step dequantise with the pool's per-head scales."""
+    from jaxpaged.model.metadata import AttentionMetadata
+    from jaxpaged.model.mixed_attention import mixed_paged_attention
+
+    import pallas_kernels
+
+    rng = np.random.default_rng(5)
+    q, k_pool, v_pool, cu, lens, tables, num_seqs = ragged_inputs(rng, MIXED, 4, 64, jnp.float32)
+    k_pool, v_pool = quantised(k_pool, jnp.float8_e4m3fn, "float8"), quantised(v_pool, jnp.float8_e4m3fn, "float8")
+    meta = AttentionMetadata(
+        jnp.zeros(q.shape[0], jnp.int32), jnp.zeros(q.shape[0], jnp.int32), cu, lens, tables, num_seqs
+    )
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    out = jax.jit(functools.partial(mixed_paged_attention, pallas_kernels, **scales))(q, k_pool, v_pool, meta)
+    ref = reference.ragged_paged_attention(q, k_pool, v_pool, cu, lens, tables, num_seqs, **scales)
+    real = int(cu[len(MIXED)])
+    assert np.isfinite(np.asarray(out)).all() and rel_error(out[:real], ref[:real]) < TOLERANCE[jnp.float32]

@@ -77,14 +77,16 @@ def abstract_engine():
     return graphdef, params, cache, packer
 
 
-def test_mixed_step_lowers_with_the_ragged_kernel(abstract_engine):
+def test_mixed_step_lowers_with_the_ragged_and_decode_kernels(abstract_engine):
     graphdef, params, cache, packer = abstract_engine
     layout = packer.layouts[512]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
     text = lower_for_cuda(functools.partial(_model_program, layout, False, graphdef), params, cache, flat)
-    # One Triton call, the ragged kernel's, in the one (scanned) layer body: the runner picks the
-    # decode program for decode batches instead of a per-layer `lax.cond` holding both kernels.
-    assert text.count(TRITON_CALL) == 1
+    # Two Triton calls in the one (scanned) layer body, both run every step: the decode kernel for
+    # the step's leading decode rows and the ragged kernel for the rest (mixed_attention.py), no
+    # `lax.cond` between them; the runner picks the decode program for decode batches.
+    assert text.count(TRITON_CALL) == 2
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
     assert_no_pool_sized_conversion(text)
 
 
@@ -178,7 +180,7 @@ def test_tensor_parallel_steps_lower_with_the_kernels_under_shard_map(abstract_t
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(step_fn).trace(params, cache, flat).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    assert text.count(TRITON_CALL) == 1  # in the one (scanned) layer body
+    assert text.count(TRITON_CALL) == (1 if decode else 2)  # in the one (scanned) layer body
     assert text.count("sdy.manual_computation") >= 3  # the layer body's write and attention, the embedding
     assert f"tensor<{NUM_BLOCKS * LLAMA_8B_2_LAYERS.num_layers}x16x4x128xbf16>" in text  # one GPU's share of the pool
     assert "all_reduce" in text

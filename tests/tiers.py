@@ -38,6 +38,18 @@ TIERS: dict[str, tuple[str, str]] = {
         SLOW,
         "the other tile override stays",
     ),
+    "tests/test_kernels.py::test_mixed_step_on_both_kernels_matches_the_ragged_reference": (
+        SLOW,
+        "the grid of GQA ratios x dtypes x step shapes",
+    ),
+    "tests/test_kernels.py::test_mixed_step_on_both_kernels_matches_the_ragged_reference[decodes-first-4-bf16]": (
+        PR,
+        "decodes first, GQA 4, bf16",
+    ),
+    "tests/test_kernels.py::test_mixed_step_on_both_kernels_matches_the_ragged_reference[prefill-first-1-f32]": (
+        PR,
+        "no leading decodes, GQA 1, f32",
+    ),
     "tests/test_reference_attention.py::test_ragged_matches_dense": (SLOW, "the grid of loops x GQA x dtypes"),
     "tests/test_reference_attention.py::test_ragged_matches_dense[cpu-4-float32-1e-05]": (PR, "CPU loop"),
     "tests/test_reference_attention.py::test_ragged_matches_dense[gpu-8-bfloat16-0.02]": (PR, "GPU loop, bf16"),

@@ -43,6 +43,7 @@ from jaxpaged.config.params import KV_HEADS, ParamSpec, Path
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
+from jaxpaged.model.mixed_attention import mixed_paged_attention
 from jaxpaged.model.moe import SparseMoe
 from jaxpaged.model.pipeline_carry import PipelineCarry, Stages, empty_carry, tick
 from jaxpaged.model.quant import project, quantize_param
@@ -314,7 +315,8 @@ def paged_attention(
 ) -> Float[Array, "T N H"]:
     """Attention of this step's queries over the pool (over whichever heads it is given: all of
     them, or one device's share under `shard_map`): the decode kernel for a decode program
-    (`meta.decode_only`), else the ragged one, which serves any batch.
+    (`meta.decode_only`); else the ragged one, which serves any batch, with the step's leading
+    decode rows on the decode kernel (`mixed_paged_attention`).
 
     There is no `lax.cond` choosing between them per step: a GPU conditional waits for its
     predicate on the host, and on CPU one over the pools copied every pool whose device holds a
@@ -330,17 +332,7 @@ def paged_attention(
             q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens, k_scale=k_scale, v_scale=v_scale
         )
         return jnp.pad(out, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
-    return ops.ragged_paged_attention(
-        q,
-        k_pool,
-        v_pool,
-        meta.cu_q_lens,
-        meta.kv_lens,
-        meta.block_tables,
-        meta.num_seqs,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    return mixed_paged_attention(ops, q, k_pool, v_pool, meta, k_scale=k_scale, v_scale=v_scale)
 
 
 class MLP(nnx.Module):

@@ -531,10 +531,9 @@ def test_mixed_step_on_both_kernels_matches_the_ragged_reference(dtype, group, s
 
 def test_mixed_step_over_float8_pools_matches_the_ragged_reference():
     """Both kernels of a mixed step dequantise with the pool's per-head scales."""
+    import pallas_kernels
     from jaxpaged.model.metadata import AttentionMetadata
     from jaxpaged.model.mixed_attention import mixed_paged_attention
-
-    import pallas_kernels
 
     rng = np.random.default_rng(5)
     q, k_pool, v_pool, cu, lens, tables, num_seqs = ragged_inputs(rng, MIXED, 4, 64, jnp.float32)

@@ -316,7 +316,8 @@ def paged_attention(
     """Attention of this step's queries over the pool (over whichever heads it is given: all of
     them, or one device's share under `shard_map`): the decode kernel for a decode program
     (`meta.decode_only`); else the ragged one, which serves any batch, with the step's leading
-    decode rows on the decode kernel (`mixed_paged_attention`).
+    decode rows on the decode kernel (`mixed_paged_attention`; the Pallas kernels only: the jnp
+    reference's decode would gather every row's whole block table).
 
     There is no `lax.cond` choosing between them per step: a GPU conditional waits for its
     predicate on the host, and on CPU one over the pools copied every pool whose device holds a
@@ -332,7 +333,19 @@ def paged_attention(
             q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens, k_scale=k_scale, v_scale=v_scale
         )
         return jnp.pad(out, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
-    return mixed_paged_attention(ops, q, k_pool, v_pool, meta, k_scale=k_scale, v_scale=v_scale)
+    if ops is pallas_kernels:  # the jnp reference serves decode rows as cheaply in either form
+        return mixed_paged_attention(ops, q, k_pool, v_pool, meta, k_scale=k_scale, v_scale=v_scale)
+    return ops.ragged_paged_attention(
+        q,
+        k_pool,
+        v_pool,
+        meta.cu_q_lens,
+        meta.kv_lens,
+        meta.block_tables,
+        meta.num_seqs,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
 class MLP(nnx.Module):

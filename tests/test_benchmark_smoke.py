@@ -12,6 +12,7 @@ The real runs need a GPU; these keep the scripts from rotting:
   its steps timed by program.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -219,3 +220,60 @@ def test_throughput_steps_reports_every_step_by_program(tmp_path):
     prefill = sum(r["tokens_per_step"] * r["steps"] for p, r in rows.items() if p.startswith("mixed"))
     assert prefill == 60
     assert 0 < summary["wait_seconds"] <= summary["step_seconds"]
+
+
+VLLM_STAGES = ("mixed_kernels", "engine_start", "throughput", "latency", "serve", "profile")
+
+
+def test_vllm_run_smoke_runs_every_stage(tmp_path):
+    """`benchmarks/vllm_gpu.py --smoke`: vLLM's sample prepared, then every stage of the one call
+    (both kernels of a mixed step, the engine cold and warm, the sample offline, batch-1 TPOT,
+    streamed serving at two rates with ITL, a profiled step's packed trace) on the demo model."""
+    dataset = tmp_path / "sharegpt.json"
+    run = functools.partial(
+        subprocess.run, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True
+    )
+    script = [sys.executable, "-m", "benchmarks.vllm_gpu"]
+    proc = run(
+        [*script, "--prepare-dataset", "--dataset-path", str(dataset), "--dataset-num-prompts", "20"], timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = run(
+        [*script, "--smoke", "--out", str(out), "--work-dir", str(work), "--dataset-path", str(dataset)], timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    records = {r["stage"]: r for r in json.loads((out / "summary.json").read_text())["stages"]}
+    assert list(records) == list(VLLM_STAGES) and all(r["status"] == "ok" for r in records.values())
+    heads = {name: r["headline"] for name, r in records.items()}
+    assert list(heads["mixed_kernels"]) == ["4-decodes+2-prompts"]
+    assert heads["throughput"]["requests"] == 4 and heads["throughput"]["output_tokens"] == 32
+    assert heads["latency"]["tpot_ms"] > 0 and heads["engine_start"]["cold_ready_s"] > 0
+    assert sorted(heads["serve"]) == ["rate 16.0", "rate inf"] and all("ITL p50" in v for v in heads["serve"].values())
+    profile = json.loads((work / "profile_steps.json").read_text())
+    assert len(profile["steps"]) == 2 and all(s["host_s"] > 0 and s["tokens"] >= 1 for s in profile["steps"])
+    with tarfile.open(work / "profile_trace.tar.gz") as tar:
+        assert any(name.endswith(".xplane.pb") for name in tar.getnames())
+    assert not (work / "profile_trace").exists()
+    mixed = json.loads((work / "mixed_attention.json").read_text())
+    assert mixed["complete"] and all(c["ok"] for c in mixed["checks"]) and len(mixed["checks"]) == 2
+
+
+def test_vllm_run_refuses_without_a_gpu(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.vllm_gpu",
+            "--out",
+            str(tmp_path / "out"),
+            "--work-dir",
+            str(tmp_path / "w"),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "REFUSED" in proc.stdout

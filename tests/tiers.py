@@ -110,6 +110,7 @@ TIERS: dict[str, tuple[str, str]] = {
     # --- benchmark and GPU-script smoke runs (subprocesses, whole scripts) -----------------------
     "tests/test_benchmark_smoke.py": (SLOW, "whole benchmark scripts; the GPU run's refusal stays"),
     "tests/test_benchmark_smoke.py::test_gpu_run_refuses_without_a_gpu": (PR, "no GPU: a clear refusal"),
+    "tests/test_benchmark_smoke.py::test_vllm_run_refuses_without_a_gpu": (PR, "no GPU: a clear refusal"),
     **{
         f"tests/test_quantization_gpu_script.py::{test}": (SLOW, "checks of one smoke run of the whole GPU script")
         for test in (

@@ -158,11 +158,15 @@ def abstract_worker(args, devices: list | None = None):
     the pool `kv_cache_memory_bytes` or `DEFAULT_POOL_BYTES`; nothing compiled yet."""
     import dataclasses
 
+    import jax
+
     from jaxpaged.engine.setup import prepare_device_worker
     from jaxpaged.engine_config import EngineConfig
 
     args = dataclasses.replace(args, kv_cache_memory_bytes=args.kv_cache_memory_bytes or DEFAULT_POOL_BYTES)
-    return prepare_device_worker(EngineConfig.resolve(args), devices=devices, abstract=True)
+    kind = (devices or jax.devices())[0].device_kind
+    memory = next((spec.memory_bytes for spec in GPU_TARGETS.values() if spec.description == kind), None)
+    return prepare_device_worker(EngineConfig.resolve(args), devices=devices, abstract=True, device_memory=memory)
 
 
 def format_report(report: dict) -> str:

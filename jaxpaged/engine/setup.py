@@ -101,9 +101,12 @@ def prepare_device_worker(
     eos_token_ids: frozenset[int] = frozenset(),
     devices: list | None = None,
     abstract: bool = False,
+    device_memory: int | None = None,
 ) -> DeviceWorker:
     """`start_device_worker` up to compiling: the model on its mesh, the planned pool, the runners
-    (their programs not compiled yet; `compile_seconds` 0)."""
+    (their programs not compiled yet; `compile_seconds` 0). `device_memory`: one device's total
+    memory for the batch limits where the devices cannot tell it (a described GPU's published
+    figure); default read from the allocator."""
     if abstract and config.cache.kv_cache_memory_bytes is None:
         raise EngineArgsError("kv_cache_memory_bytes", None, "an engine of shapes needs the pool's size")
     p = config.parallel
@@ -117,7 +120,7 @@ def prepare_device_worker(
         config = config.with_seed(seed)
     use_compilation_cache(config.compile.compilation_cache_dir)
     parallel = engine_mesh(config, devices)
-    config = with_device_batch_limits(config, parallel, abstract)
+    config = with_device_batch_limits(config, parallel, device_memory)
     if not abstract:
         check_host_memory(config, parallel)
     model = build_model(config, parallel, abstract)
@@ -190,17 +193,17 @@ def check_engine_fits(config: EngineConfig) -> None:
 
 
 def with_device_batch_limits(
-    config: EngineConfig, parallel: TensorParallel, abstract: bool = False, log: bool = True
+    config: EngineConfig, parallel: TensorParallel, memory_bytes: int | None = None, log: bool = True
 ) -> EngineConfig:
     """`config` with the batch limits it leaves unset filled with vLLM's defaults for the mesh's
-    devices (their kind and total memory; described GPUs with `abstract`: their published memory),
-    logged (with `log`) when any was filled.
+    devices (their kind and total memory: `memory_bytes` where given, e.g. a described GPU's
+    published figure, else `device_total_memory_bytes`), logged (with `log`) when any was filled.
 
     Raises:
       EngineArgsError: the limits do not fit together (naming `max_num_batched_tokens`).
     """
     device = parallel.mesh.devices.flat[0]
-    memory = device_total_memory_bytes(parallel, abstract)
+    memory = memory_bytes if memory_bytes is not None else device_total_memory_bytes(parallel)
     s = config.scheduling
     try:
         resolved = config.with_batch_limits(parallel.platform, device.device_kind, memory)
@@ -220,18 +223,16 @@ def with_device_batch_limits(
     return resolved
 
 
-def device_total_memory_bytes(parallel: TensorParallel, abstract: bool = False) -> int | None:
+def device_total_memory_bytes(parallel: TensorParallel) -> int | None:
     """One device's total memory, as vLLM reads it for its batch limits: on a GPU the allocator's
-    limit over its fraction (XLA_PYTHON_CLIENT_MEM_FRACTION); for a described GPU its published
-    figure (`jaxpaged.bench.gpu_targets`); None on a CPU or an unknown GPU."""
+    limit over its fraction (XLA_PYTHON_CLIENT_MEM_FRACTION); None on a CPU (and for described
+    GPUs, which have no allocator)."""
     if parallel.platform == "cpu":
         return None
-    if abstract:
-        from jaxpaged.bench.gpu_targets import GPU_TARGETS
-
-        kind = parallel.mesh.devices.flat[0].device_kind
-        return next((spec.memory_bytes for spec in GPU_TARGETS.values() if spec.description == kind), None)
-    limit = device_memory_bytes(parallel)
+    try:
+        limit = device_memory_bytes(parallel)
+    except jax.errors.JaxRuntimeError:  # a described GPU (deviceless compilation): no memory stats
+        return None
     return None if limit is None else int(limit / allocator_fraction())
 
 

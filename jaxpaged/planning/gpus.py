@@ -11,8 +11,8 @@ not the GPU's: they are the calibrated `StepCosts` of `step_cost.py`, applied to
 
 import dataclasses
 
-GB = 10**9
-TFLOPS = 10**12
+GB = 1e9
+TFLOPS = 1e12
 
 # The H100's measured in-place copy (read + write of 2 GiB; kernels.json "hbm_copy_Bps") over its
 # published 3.35 TB/s: what an estimated GPU's copy bandwidth is scaled by.

@@ -203,13 +203,14 @@ class Replay:
                 self.steps[-1].start, self.steps[-1].end = start, device_free
                 self.total.add(split)
                 in_flight.append((out, device_free))
-            if in_flight and (len(in_flight) > 1 or out is None or not self.setup.async_scheduling):
+            delivered = bool(in_flight) and (len(in_flight) > 1 or out is None or not self.setup.async_scheduling)
+            if delivered:
                 prev, end = in_flight.popleft()
                 now = max(now + host, end)
                 self._deliver(prev, end)
             elif out is not None:
                 now += host
-            if out is None and not in_flight:
+            if out is None and not delivered:  # nothing ran, nothing came back: wait for a request
                 send = self._next_send_time()
                 if send is not None:
                     now = max(now, send)

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory",
         default=None,
         type=BYTES_WITH_UNIT,
-        help="memory of one GPU with its unit, e.g. 80GiB or 141GB (default: --gpu's, else 80GiB)",
+        help="memory of one GPU with its unit, e.g. 80GiB or 141GB; with --gpu, that GPU's (default: 80GiB)",
     )
     plan.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's limit)")
     plan.add_argument(

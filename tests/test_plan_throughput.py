@@ -7,6 +7,8 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -289,10 +291,28 @@ def test_the_measurements_are_the_committed_files():
     assert (w.prompt_tokens, w.output_tokens) == (run["total_num_tokens"] - run["total_output_tokens"], 574_582)
 
 
-@pytest.mark.parametrize("case", sorted(calibration.cases()))
+@pytest.mark.parametrize("case", sorted(set(calibration.cases()) - {"sharegpt"}))
 def test_the_model_is_within_its_stated_error(case):
     rows = calibration.calibrate(engine_buckets, only={case})
     assert rows
+    for r in rows:
+        if r["bound"] is not None:
+            assert abs(r["error"]) <= r["bound"], r
+
+
+def test_every_run_is_within_its_stated_error_in_a_plain_process():
+    # Without the test session's type checks on every scheduler call, the 1,000 ShareGPT requests
+    # replay in seconds rather than minutes.
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxpaged.cli", "plan", "--model", "llama-3.1-8b", "--calibration", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    rows = json.loads(done.stdout)
+    assert {r["case"] for r in rows} == set(calibration.cases())
+    assert len(rows) == len(calibration.MEASUREMENTS)
     for r in rows:
         if r["bound"] is not None:
             assert abs(r["error"]) <= r["bound"], r
@@ -339,6 +359,7 @@ def test_plan_with_a_workload_adds_the_prediction(capsys):
         (["--workload", "random:2000:100", "--context", "2048"], "--context 2048: the workload has a request of 2100"),
         (["--workload", "random:8:8", "--token-bucket-step", "0"], "--token-bucket-step 0"),
         (["--workload", "random:8:8", "--gpu", "b200"], "--gpu: invalid choice"),
+        (["--model", "qwen2.5-7b", "--calibration"], "--calibration replays the runs of llama-3.1-8b"),
     ],
 )
 def test_plan_errors_name_the_flag(flags, message, capsys):

@@ -430,7 +430,11 @@ TIERS: dict[str, tuple[str, str]] = {
     ),  # --- the throughput model: replays of the committed GPU runs (the scheduler type-checked) -------
     "tests/test_plan_throughput.py::test_the_model_is_within_its_stated_error": (
         SLOW,
-        "every committed run (ShareGPT: 1,000 requests); batch-1 latency and serving at inf stay",
+        "the other committed runs in process; batch-1 latency and serving at inf stay",
+    ),
+    "tests/test_plan_throughput.py::test_every_run_is_within_its_stated_error_in_a_plain_process": (
+        SLOW,
+        "every committed run, ShareGPT's 1,000 requests too (7 s, a subprocess); the pr cases stay",
     ),
     "tests/test_plan_throughput.py::test_the_model_is_within_its_stated_error[latency]": (PR, "batch-1 latency"),
     "tests/test_plan_throughput.py::test_the_model_is_within_its_stated_error[latency_sync]": (PR, "without async"),

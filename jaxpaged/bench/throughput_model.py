@@ -171,6 +171,10 @@ def check_flags(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """`jaxpaged plan` with a workload (the memory plan, then the prediction) or `--calibration`."""
     if args.calibration:
+        if args.model.lower() not in calibration.MODELS:
+            raise ValueError(
+                f"--calibration replays the runs of {calibration.MODELS[0]}; give --model {calibration.MODELS[0]}"
+            )
         rows = calibration.calibrate(engine_buckets)
         print(json.dumps(rows, indent=2) if args.json else calibration.format_calibration(rows))
         return 0

@@ -22,6 +22,7 @@ from jaxpaged.planning.throughput import MEDIAN_LATENCY_BOUND, THROUGHPUT_BOUND,
 from jaxpaged.planning.workloads import Workload, lengths_workload, random_workload
 
 RUN = "benchmarks/results/h100_2026-11-26"
+MODELS = ("llama-3.1-8b", "meta-llama/llama-3.1-8b")  # the model every committed run used
 SHAREGPT_LENGTHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_2026-11-26_sharegpt.json")
 
 
@@ -153,6 +154,7 @@ def replay_case(case: Case, buckets: BucketFactory, costs: StepCosts = StepCosts
     """The model's prediction for one committed run (its engine as it ran)."""
     query = ThroughputQuery(
         workload=case.workload,
+        model=MODELS[0],
         gpu="h100",
         request_rate=case.request_rate,
         max_num_seqs=256,

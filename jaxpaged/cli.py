@@ -6,6 +6,7 @@
     jaxpaged serve [MODEL] --port 8000 [--api-key KEY]         # OpenAI-compatible server
     jaxpaged plan --model llama-3.1-8b --gpu-memory 80GiB --context 8192 [--tensor-parallel-size 2]
                   [--pipeline-parallel-size 2] [--json]
+    jaxpaged plan --model llama-3.1-8b --gpu h200 --workload sharegpt [--request-rate 16]  # + tokens/s, TTFT, TPOT
     jaxpaged bench throughput|latency|serve|plot|startup ...  # benchmarks (vLLM's `vllm bench`)
 
 Parsing and checking every flag imports no JAX: a mistake is reported at once, and each command
@@ -20,6 +21,7 @@ import os
 import sys
 
 from jaxpaged.bench.cli import add_bench_parser
+from jaxpaged.bench.throughput_model import add_plan_throughput_flags
 from jaxpaged.config import defaults
 from jaxpaged.config.presets import PRESETS
 from jaxpaged.config.quantization import DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS
@@ -76,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--gpu-memory",
-        default=80 * 2**30,
+        default=None,
         type=BYTES_WITH_UNIT,
-        help="memory of one GPU with its unit, e.g. 80GiB or 141GB (default: 80GiB)",
+        help="memory of one GPU with its unit, e.g. 80GiB or 141GB; with --gpu, that GPU's (default: 80GiB)",
     )
     plan.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's limit)")
     plan.add_argument(
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV cache block")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_plan_throughput_flags(plan)
     plan.set_defaults(run=_plan)
 
     add_bench_parser(commands)
@@ -174,8 +177,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from jaxpaged.bench import throughput_model
     from jaxpaged.planning.plan import run
 
+    throughput_model.check_flags(args)
+    throughput_model.resolve_gpu(args)
+    if args.workload is not None or args.calibration:
+        return throughput_model.run(args)
     return run(args)
 
 

@@ -440,5 +440,20 @@ TIERS: dict[str, tuple[str, str]] = {
     "tests/test_cli_first_run.py::test_seed_random_gives_fresh_samples_and_the_default_repeats": (
         SLOW,
         "four generate runs",
+    ),  # --- the throughput model: replays of the committed GPU runs (the scheduler type-checked) -------
+    "tests/test_plan_throughput.py::test_the_model_is_within_its_stated_error": (
+        SLOW,
+        "the other committed runs in process; batch-1 latency and serving at inf stay",
+    ),
+    "tests/test_plan_throughput.py::test_every_run_is_within_its_stated_error_in_a_plain_process": (
+        SLOW,
+        "every committed run, ShareGPT's 1,000 requests too (7 s, a subprocess); the pr cases stay",
+    ),
+    "tests/test_plan_throughput.py::test_the_model_is_within_its_stated_error[latency]": (PR, "batch-1 latency"),
+    "tests/test_plan_throughput.py::test_the_model_is_within_its_stated_error[latency_sync]": (PR, "without async"),
+    "tests/test_plan_throughput.py::test_the_model_is_within_its_stated_error[serve_inf]": (PR, "serving, saturated"),
+    "tests/test_plan_throughput.py::test_plan_predicts_vllms_sharegpt_sample": (
+        SLOW,
+        "tokenizes ShareGPT; the other workloads' command lines stay",
     ),
 }

@@ -17,7 +17,7 @@ import json
 import os
 
 from jaxpaged.planning.buckets import BucketFactory
-from jaxpaged.planning.step_cost import StepCosts
+from jaxpaged.planning.step_cost import Levers, StepCosts
 from jaxpaged.planning.throughput import MEDIAN_LATENCY_BOUND, THROUGHPUT_BOUND, TTFT_BOUND, ThroughputQuery, predict
 from jaxpaged.planning.workloads import Workload, lengths_workload, random_workload
 
@@ -163,6 +163,7 @@ def replay_case(case: Case, buckets: BucketFactory, costs: StepCosts = StepCosts
         async_scheduling=case.async_scheduling,
         enable_prefix_caching=case.enable_prefix_caching,
         costs=costs,
+        levers=Levers(decode_kernel_in_mixed=False),  # the engine of those runs
     )
     return predict(query, buckets)["predicted"]
 

@@ -72,25 +72,27 @@ class StepCosts:
 
 @dataclasses.dataclass(frozen=True)
 class Levers:
-    """Changes to the engine the model prices (all off: the engine as it is).
+    """Changes to the engine the model prices (the defaults: the engine as it is).
 
     Attributes:
-      decode_kernel_in_mixed: a mixed step's decode rows run on the decode kernel (a second
-        attention kernel per layer) instead of the ragged kernel.
+      decode_kernel_in_mixed: a mixed step's leading decode rows run on the decode kernel (a
+        second attention kernel per layer; the engine since `jaxpaged.model.mixed_attention`);
+        False prices the engine of the first H100 run, every row on the ragged kernel (the
+        calibration replays those runs so).
       token_bucket_step: finer token buckets: above 256 tokens, multiples of this many (None:
         the engine's buckets).
       balanced_decode: length-balanced decode attention (`balanced_decode_attention_of_copy`).
     """
 
-    decode_kernel_in_mixed: bool = False
+    decode_kernel_in_mixed: bool = True
     token_bucket_step: int | None = None
     balanced_decode: bool = False
 
     def names(self) -> list[str]:
-        """The levers that are on, by their flag names."""
+        """The changes from the engine as it is, by their flag names."""
         on = []
-        if self.decode_kernel_in_mixed:
-            on.append("decode-kernel-in-mixed")
+        if not self.decode_kernel_in_mixed:
+            on.append("ragged-kernel-in-mixed")
         if self.token_bucket_step is not None:
             on.append(f"token-bucket-step {self.token_bucket_step}")
         if self.balanced_decode:

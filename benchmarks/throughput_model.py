@@ -27,16 +27,16 @@ GPUS = ("h100", "h200")
 NUM_PROMPTS = 1000
 FINE_STEP = 128
 ALL = Levers(token_bucket_step=FINE_STEP, balanced_decode=True)
-FIRST_RUN = Levers(decode_kernel_in_mixed=False)  # the engine of the first H100 run
+FIRST_RUN = Levers(decode_kernel_in_mixed=False, three_quarter_buckets=False)  # the engine of the first H100 run
 # (label, max_num_seqs, max_num_batched_tokens, levers); None: vLLM's default.
 OFFLINE = (
     ("the first H100 run's engine and limits (256 / 2,048)", 256, 2048, FIRST_RUN),
     ("the first run's engine, vLLM's limits", None, None, FIRST_RUN),
-    ("+ decode rows on the decode kernel (today's engine)", None, None, Levers()),
+    ("+ decode rows on the decode kernel", None, None, Levers(three_quarter_buckets=False)),
+    ("+ 3/4-point token buckets within max_num_seqs (today's engine)", None, None, Levers()),
     (f"+ finer buckets ({FINE_STEP} above 256)", None, None, Levers(token_bucket_step=FINE_STEP)),
     ("+ length-balanced decode (every lever)", None, None, ALL),
-    ("the first run's engine, finer buckets alone", None, None, Levers(False, FINE_STEP)),
-    ("the first run's engine, length-balanced decode alone", None, None, Levers(False, balanced_decode=True)),
+    ("today's engine, length-balanced decode alone", None, None, Levers(balanced_decode=True)),
 )
 SERVING_RATES = (10.0, 35.0)  # ~25% and ~85% of the H100's offline 41 req/s
 SERVING = (("today, vLLM's server limits, streamed", Levers()), ("every lever", ALL))

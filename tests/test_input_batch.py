@@ -7,7 +7,7 @@ from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.input_batch import InputBatch
-from jaxpaged.worker.step_packer import StepPacker
+from jaxpaged.worker.step_packer import StepPacker, token_buckets
 
 
 def entry(seq_id, admitted=False, prefix=None, **params):
@@ -39,3 +39,13 @@ def test_slots_follow_admissions_and_releases():
     assert step.rows[0].slot == 0 and step.rows[0].banned_ids == (1, 4)  # EOS and the stop ids, before min_tokens
     with pytest.raises(RuntimeError, match="holds no slot"):
         batch.prepare([entry(13)])
+
+
+def test_token_buckets_add_three_quarter_points_where_steps_are_sequences():
+    assert token_buckets(2048, 256) == [16, 32, 64, 128, 256, 512, 1024, 2048]  # nothing within 256 sequences
+    # vLLM's GPU limits: 384 and 768 between the powers a decode step of 257-1,024 sequences uses
+    assert token_buckets(16384, 1024) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 2048, 4096, 8192, 16384]
+    assert token_buckets(300, 1024)[-1] == 384 and token_buckets(700, 700)[-2:] == [512, 1024]
+    packer = StepPacker(block_size=16, max_model_len=64, max_num_seqs=1024, max_num_batched_tokens=16384, vocab_size=32)
+    assert packer.bucket_for(300, 300) == 384 and packer.layouts[384].num_seqs == 384
+    assert packer.bucket_for(700, 700) == 768 and packer.bucket_for(1500, 1024) == 2048

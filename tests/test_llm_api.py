@@ -253,3 +253,15 @@ def test_skip_tokenizer_init_runs_token_ids_from_a_config_only_directory(tmp_pat
         llm.generate(["text"], greedy(2), use_tqdm=False)
     with pytest.raises(ValueError, match="stop strings"):
         llm.generate([{"prompt_token_ids": [1]}], greedy(2, stop=["x"]), use_tqdm=False)
+
+
+def test_three_quarter_token_buckets_give_the_tokens_of_the_powers(llm, model_dir):
+    """300 sequences decode in the 384-token bucket (a 3/4 point: max_num_seqs 384) with the
+    tokens the shared engine gives them 16 at a time in power-of-two buckets."""
+    prompts = [{"prompt_token_ids": [3 + i % 400, 5 + i % 7, 11]} for i in range(300)]
+    params = greedy(3)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    wide = LLM(model_dir[0], dtype="float32", max_model_len=16, max_num_seqs=384, max_num_batched_tokens=384)
+    packer = wide.llm_engine.runner.packer
+    assert 384 in packer.layouts and packer.bucket_for(300, 300) == 384
+    assert [o.outputs[0].token_ids for o in wide.generate(prompts, params, use_tqdm=False)] == expected

@@ -140,10 +140,11 @@ def test_the_pool_is_the_first_h100_runs():
 
 def test_engine_buckets_follow_the_step_packer(monkeypatch):
     rule = engine_buckets(Limits(1024, 16384, 2048, 16, VOCAB))
-    assert rule(300, 10) == (512, 512) and rule(1000, 1000) == (1024, 1024) and rule(16000, 1000) == (16384, 1024)
+    assert rule(300, 10) == (384, 384) and rule(700, 700) == (768, 768) and rule(1000, 1000) == (1024, 1024)
+    assert rule(1500, 1000) == (2048, 1024) and rule(16000, 1000) == (16384, 1024)
     from jaxpaged.worker import step_packer
 
-    monkeypatch.setattr(step_packer, "token_buckets", lambda top: [16, 64, 320, 1024, 16384])
+    monkeypatch.setattr(step_packer, "token_buckets", lambda top, seqs: [16, 64, 320, 1024, 16384])
     assert engine_buckets(Limits(1024, 16384, 2048, 16, VOCAB))(300, 10) == (320, 320)
 
 
@@ -250,6 +251,17 @@ def _sharegpt_like(n=24, seed=0):
     return lengths_workload("sharegpt-like", [(rng.randint(20, 600), rng.randint(10, 120)) for _ in range(n)])
 
 
+def test_three_quarter_buckets_pad_decode_steps_of_over_256_sequences_less():
+    w = lengths_workload("wide", [(30, 40)] * 300)  # 300 sequences decode together: 384, not 512
+
+    def predicted(levers):
+        return predict(ThroughputQuery(w, max_model_len=2048, levers=levers), engine_buckets)["predicted"]
+
+    powers, today = predicted(Levers(three_quarter_buckets=False)), predicted(Levers())
+    assert today["padding_fraction"] < powers["padding_fraction"]
+    assert today["output_throughput"] > powers["output_throughput"]
+
+
 def test_each_lever_raises_throughput_and_all_of_them_most():
     w = _sharegpt_like()
 
@@ -257,13 +269,14 @@ def test_each_lever_raises_throughput_and_all_of_them_most():
         query = ThroughputQuery(w, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048, levers=levers)
         return predict(query, engine_buckets)["predicted"]["output_throughput"]
 
-    base = throughput(Levers(decode_kernel_in_mixed=False))  # the first H100 run's engine
+    first = dict(decode_kernel_in_mixed=False, three_quarter_buckets=False)  # the first H100 run's engine
+    base = throughput(Levers(**first))
     alone = [
-        throughput(Levers()),  # today's: decode rows on the decode kernel
-        throughput(Levers(False, token_bucket_step=128)),
-        throughput(Levers(False, balanced_decode=True)),
+        throughput(Levers(three_quarter_buckets=False)),  # decode rows on the decode kernel
+        throughput(Levers(**first, token_bucket_step=128)),
+        throughput(Levers(**first, balanced_decode=True)),
     ]
-    every = throughput(Levers(True, 128, True))
+    every = throughput(Levers(token_bucket_step=128, balanced_decode=True))
     assert all(t > base for t in alone) and every > max(alone)
 
 

@@ -191,3 +191,27 @@ def test_prompt_logprobs_survive_preemption(tmp_path):
     assert engine.get_stats()["num_preemptions"] > 0
     for i, p in enumerate(prompts):
         check_against_transformers(done[str(i)].prompt_logprobs, p, hf_log_softmax(hf, p), 1)
+
+
+def test_prompt_logprobs_of_a_three_quarter_bucket_run_in_chunks_that_divide_it():
+    # T = 384 (a 3/4-point token bucket) in chunks of 128, the largest power of two dividing it
+    # within PROMPT_LOGPROBS_CHUNK: the same rows as one log_softmax over every token.
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.model.prompt_logprobs import prompt_logprobs, unpack_prompt_logprobs
+    from jaxpaged.model.sampler import MAX_LOGPROBS
+
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.standard_normal((384, 8)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 64, 384), jnp.int32)
+    logprobs, ranks, top_ids, top_logprobs = unpack_prompt_logprobs(
+        np.asarray(jax.jit(prompt_logprobs, static_argnums=1)(hidden, lambda h: h @ head, targets))
+    )
+    expected = np.asarray(jax.nn.log_softmax(hidden @ head, axis=-1))
+    rows = np.arange(384)
+    np.testing.assert_allclose(logprobs, expected[rows, np.asarray(targets)], atol=1e-5)
+    assert (top_ids[:, 0] == expected.argmax(-1)).all() and top_ids.shape == (384, MAX_LOGPROBS)
+    np.testing.assert_allclose(top_logprobs[:, 0], expected.max(-1), atol=1e-5)
+    assert (ranks == 1 + (expected > expected[rows, np.asarray(targets)][:, None]).sum(-1)).all()

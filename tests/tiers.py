@@ -249,6 +249,10 @@ TIERS: dict[str, tuple[str, str]] = {
         SLOW,
         "the bench commands' engine flags stay (test_bench_startup)",
     ),
+    "tests/test_llm_api.py::test_three_quarter_token_buckets_give_the_tokens_of_the_powers": (
+        SLOW,
+        "the 3/4-point buckets stay (test_input_batch: the packer's buckets; test_prompt_logprobs: their chunks)",
+    ),
     "tests/test_llm_api.py::test_skip_tokenizer_init_runs_token_ids_from_a_config_only_directory": (
         SLOW,
         "token ids without a tokenizer stay in CI stage 3 (test_cli_first_run)",

@@ -36,7 +36,13 @@ THROUGHPUT_FLAGS = (
     "num_scheduler_steps",
     "token_bucket_step",
 )
-THROUGHPUT_SWITCHES = ("ragged_kernel_in_mixed", "balanced_decode", "no_async_scheduling", "no_enable_prefix_caching")
+THROUGHPUT_SWITCHES = (
+    "ragged_kernel_in_mixed",
+    "powers_of_two_buckets",
+    "balanced_decode",
+    "no_async_scheduling",
+    "no_enable_prefix_caching",
+)
 
 
 def engine_buckets(limits: Limits) -> BucketRule:
@@ -149,7 +155,12 @@ def query_from_args(args: argparse.Namespace, dtype: str, max_model_len: int) ->
         stream=args.stream if args.stream is not None else usage == "openai_api_server",
         dtype=dtype,
         memory_bytes=args.gpu_memory,
-        levers=Levers(not args.ragged_kernel_in_mixed, args.token_bucket_step, args.balanced_decode),
+        levers=Levers(
+            not args.ragged_kernel_in_mixed,
+            not args.powers_of_two_buckets,
+            args.token_bucket_step,
+            args.balanced_decode,
+        ),
     )
 
 
@@ -262,6 +273,12 @@ def add_plan_throughput_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="price the engine of the first H100 run: a mixed step's decode rows on the ragged kernel (today's "
         "engine runs them on the decode kernel)",
+    )
+    group.add_argument(
+        "--powers-of-two-buckets",
+        action="store_true",
+        help="price the first H100 run's token buckets, powers of two alone (today's engine adds their 3/4 points "
+        "within --max-num-seqs)",
     )
     group.add_argument(
         "--token-bucket-step", type=int, metavar="N", help="lever: token buckets above 256 in multiples of N (e.g. 128)"

@@ -9,6 +9,7 @@ taken C at a time (`lax.map`), so the largest temporary is `[C, V]` float32, the
 logits a sampler already sees for C rows. Only `[T, 2 + 2L]` int32 comes back.
 """
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -35,14 +36,15 @@ def prompt_logprobs(
       compute_logits: the model's LM head (float32 logits).
       targets: the prompt token after each token (any id for tokens nobody asked about: their
         rows are computed and ignored).
-      chunk: tokens per chunk (a power of two; T is one too, or smaller than it).
+      chunk: tokens per chunk at most (a power of two; the chunk is the largest power of two
+        dividing T up to it: T = 384 runs in chunks of 128).
 
     Returns:
       `[T, 2 + 2L]`: per token the target's logprob (bit-cast), its rank (1 = likeliest),
       the top-L ids, then their logprobs (bit-cast). See `unpack_prompt_logprobs`.
     """
     num_tokens = hidden.shape[0]
-    c = min(chunk, num_tokens)
+    c = math.gcd(chunk, num_tokens)
 
     def one(args):
         h, t = args

@@ -4,7 +4,8 @@ the (T, S) shape its program was compiled for (no JAX here).
 The engine's rule is its step packer's (`jaxpaged.worker.step_packer.StepPacker.bucket_for` and its
 layouts' sequence counts): the caller hands it in (`jaxpaged.bench.throughput_model.engine_buckets`),
 so the model follows the engine when the rule changes; this module sits below the worker and
-cannot import it. `finer_buckets` is the finer-buckets lever on top of any rule.
+cannot import it. `finer_buckets` is the finer-buckets lever on top of any rule; `powers_of_two` the
+engine's buckets before their 3/4 points (the first H100 run's).
 """
 
 import dataclasses
@@ -60,3 +61,15 @@ def finer_buckets(rule: BucketRule, step: int, max_num_seqs: int) -> BucketRule:
         return fine, min(fine, max_num_seqs)
 
     return finer
+
+
+def powers_of_two(rule: BucketRule, max_num_seqs: int) -> BucketRule:
+    """`rule` with each token bucket rounded up to a power of two (the sequence bucket
+    min(T, max_num_seqs), as the engine's)."""
+
+    def powers(num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        t, s = rule(num_tokens, num_seqs)
+        power = 1 << (t - 1).bit_length()
+        return (t, s) if power == t else (power, min(power, max_num_seqs))
+
+    return powers

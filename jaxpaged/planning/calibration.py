@@ -163,7 +163,7 @@ def replay_case(case: Case, buckets: BucketFactory, costs: StepCosts = StepCosts
         async_scheduling=case.async_scheduling,
         enable_prefix_caching=case.enable_prefix_caching,
         costs=costs,
-        levers=Levers(decode_kernel_in_mixed=False),  # the engine of those runs
+        levers=Levers(decode_kernel_in_mixed=False, three_quarter_buckets=False),  # the engine of those runs
     )
     return predict(query, buckets)["predicted"]
 

@@ -79,12 +79,15 @@ class Levers:
         second attention kernel per layer; the engine since `jaxpaged.model.mixed_attention`);
         False prices the engine of the first H100 run, every row on the ragged kernel (the
         calibration replays those runs so).
+      three_quarter_buckets: the engine's token buckets as they are (powers of two and, within
+        max_num_seqs, their 3/4 points); False: powers of two alone, as in the first H100 run.
       token_bucket_step: finer token buckets: above 256 tokens, multiples of this many (None:
         the engine's buckets).
       balanced_decode: length-balanced decode attention (`balanced_decode_attention_of_copy`).
     """
 
     decode_kernel_in_mixed: bool = True
+    three_quarter_buckets: bool = True
     token_bucket_step: int | None = None
     balanced_decode: bool = False
 
@@ -93,6 +96,8 @@ class Levers:
         on = []
         if not self.decode_kernel_in_mixed:
             on.append("ragged-kernel-in-mixed")
+        if not self.three_quarter_buckets:
+            on.append("powers-of-two-buckets")
         if self.token_bucket_step is not None:
             on.append(f"token-bucket-step {self.token_bucket_step}")
         if self.balanced_decode:

@@ -21,7 +21,7 @@ from jaxpaged.config import defaults
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.core.scheduler import SchedulerConfig
-from jaxpaged.planning.buckets import BucketFactory, Limits, finer_buckets
+from jaxpaged.planning.buckets import BucketFactory, Limits, finer_buckets, powers_of_two
 from jaxpaged.planning.gpus import get_gpu
 from jaxpaged.planning.model_costs import model_costs
 from jaxpaged.planning.pool import replay_pool
@@ -119,6 +119,8 @@ def predict(query: ThroughputQuery, buckets: BucketFactory) -> dict:
     )
     limits = Limits(seqs, tokens, max_model_len, query.block_size, config.vocab_size)
     rule = buckets(limits)
+    if not query.levers.three_quarter_buckets:
+        rule = powers_of_two(rule, seqs)
     if query.levers.token_bucket_step is not None:
         rule = finer_buckets(rule, query.levers.token_bucket_step, seqs)
     pool = replay_pool(

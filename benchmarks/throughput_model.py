@@ -28,12 +28,14 @@ NUM_PROMPTS = 1000
 FINE_STEP = 128
 ALL = Levers(token_bucket_step=FINE_STEP, balanced_decode=True)
 FIRST_RUN = Levers(decode_kernel_in_mixed=False, three_quarter_buckets=False)  # the engine of the first H100 run
-# (label, max_num_seqs, max_num_batched_tokens, levers); None: vLLM's default.
+TODAY = "+ 3/4-point token buckets within max_num_seqs (today's engine)"
+# (label, max_num_seqs, max_num_batched_tokens, levers); None: vLLM's default. Each row's "vs" is
+# against the row before it (one change added), the last row's against today's engine.
 OFFLINE = (
     ("the first H100 run's engine and limits (256 / 2,048)", 256, 2048, FIRST_RUN),
     ("the first run's engine, vLLM's limits", None, None, FIRST_RUN),
     ("+ decode rows on the decode kernel", None, None, Levers(three_quarter_buckets=False)),
-    ("+ 3/4-point token buckets within max_num_seqs (today's engine)", None, None, Levers()),
+    (TODAY, None, None, Levers()),
     (f"+ finer buckets ({FINE_STEP} above 256)", None, None, Levers(token_bucket_step=FINE_STEP)),
     ("+ length-balanced decode (every lever)", None, None, ALL),
     ("today's engine, length-balanced decode alone", None, None, Levers(balanced_decode=True)),
@@ -117,23 +119,22 @@ def table(report: dict) -> str:
         "e.g. `jaxpaged plan --model llama-3.1-8b --gpu h100 --workload sharegpt --token-bucket-step 128`). "
         f"Model error: {report['stated_error']}. Offline: the LLM class's limits; served: the server's, requests "
         "streamed (so no fused decode steps), arriving as `bench serve` sends them: the throughput of a served row is "
-        'set by the rate, its TTFT/TPOT are the prediction. "vs": output tok/s against today at vLLM\'s limits '
-        "on the same GPU (that row: against the first H100 run's limits; served: against today at the same "
-        "rate). The first lever row is that lever alone.\n\n"
+        'set by the rate, its TTFT/TPOT are the prediction. "vs": output tok/s against the row above on the same '
+        "GPU (one change added), the last offline row's against today's engine; served: every lever against today "
+        "at the same rate.\n\n"
         "| GPU | mode | engine | seqs / tokens | output tok/s | vs | total tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
         "| padding | preemptions |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    lines, reference, old_limits = [], {}, {}
+    lines, today, previous = [], {}, {}
     for r in report["rows"]:
         key, value = (r["gpu"], r["mode"]), r["prediction"]["predicted"]["output_throughput"]
-        if r["label"] == OFFLINE[0][0]:
-            old_limits[r["gpu"]] = value
-            lines.append(_row(r))
-        elif r["label"].startswith("today"):
-            reference[key] = value
-            lines.append(_row(r, old_limits.get(r["gpu"]) if r["mode"] == "offline" else None))
+        if r["label"] == OFFLINE[-1][0]:
+            lines.append(_row(r, today[key]))
         else:
-            lines.append(_row(r, reference.get(key)))
+            lines.append(_row(r, previous.get(key)))
+        if r["label"] in (TODAY, SERVING[0][0]):
+            today[key] = value
+        previous[key] = value if r["mode"] == "offline" else today.get(key)
     v = report["vllm_published"]
     h100 = [r for r in report["rows"] if r["gpu"] == "h100" and r["mode"] == "offline"]
     best = max(r["prediction"]["predicted"]["output_throughput"] for r in h100)

@@ -8,6 +8,9 @@ from a range like ShareGPT's), then prefill chunks, padded to the step's token b
 are checked against the jnp reference first, then timed as `kernels_gpu.py` times (calls chained
 in one jitted loop, minus an empty loop's time; medians). The JSON is rewritten after every case.
 
+Then decode batches of ShareGPT-like contexts (log-normal, 20 to 2,000 tokens, in arrival order):
+the decode kernel visiting the sequences longest first (its default) against in batch order.
+
     python -m benchmarks.mixed_attention_gpu --out mixed.json     # on the GPU
     python -m benchmarks.mixed_attention_gpu --smoke --out x.json # tiny shapes, interpret mode (CPU)
 """
@@ -38,6 +41,9 @@ CASES = {
     "8-decodes+2k-chunk": (8, (64, 1200), [(2048, 2048)], 4096),
 }
 SMOKE_CASES = {"4-decodes+2-prompts": (4, (1, 40), [(BS + 1, BS + 1), (37, 21)], 64)}
+# name -> (sequences, median context, longest context) of a decode batch
+DECODE_ORDER_CASES = {"1024-sharegpt-like": (1024, 400, 2000), "256-sharegpt-like": (256, 400, 2000)}
+SMOKE_DECODE_ORDER_CASES = {"6-varied": (6, 20, 90)}
 
 
 def step_args(key, cfg, decodes, context_range, chunks, bucket):
@@ -101,14 +107,58 @@ def bench_mixed(cfg, log, results):
         gc.collect()
 
 
+def decode_contexts(seed: int, seqs: int, median: int, longest: int) -> list[int]:
+    """Log-normal contexts (sigma 1) around `median`, clipped to [1, longest], in arrival order."""
+    drawn = np.random.default_rng(seed).lognormal(np.log(median), 1.0, seqs)
+    return [int(n) for n in np.clip(drawn, 1, longest)]
+
+
+def bench_decode_order(cfg, log, results):
+    print("== decode: sequences visited longest first vs in batch order ==")
+    for i, (name, (seqs, median, longest)) in enumerate(cfg.decode_order_cases.items()):
+        key = jax.random.key(50 + i)
+        lens_list = decode_contexts(50 + i, seqs, median, longest)
+        width = max(-(-n // BS) for n in lens_list)
+        k_pool, v_pool, tables = paged_batch(key, lens_list, width, cfg.kv_heads, cfg.head_dim, jnp.bfloat16, True)
+        q = jax.random.normal(jax.random.fold_in(key, 1), (seqs, cfg.heads, cfg.head_dim)).astype(jnp.bfloat16)
+        lens = jnp.asarray(lens_list, jnp.int32)
+        args = (q, k_pool, v_pool, tables, lens)
+        ref = reference_or_none(reference.paged_decode_attention, args)
+        ways = {
+            "longest_first_s": functools.partial(pallas_kernels.paged_decode_attention, interpret=cfg.interpret),
+            "batch_order_s": functools.partial(
+                pallas_kernels.paged_decode_attention, interpret=cfg.interpret, longest_first=False
+            ),
+        }
+        for label, fn in ways.items():
+            check(f"{name}: {label[:-2]}", jax.jit(fn)(*args), ref, jnp.bfloat16, log)
+        base = time_loop(lambda q_, *_: q_, args, cfg)
+        row = dict(case=name, seqs=seqs, context_median=median, context_max=max(lens_list), baseline_s=base)
+        row["kv_bytes"] = 2 * sum(lens_list) * cfg.kv_heads * cfg.head_dim * 2
+        for label, fn in ways.items():
+            row[label] = max(time_loop(fn, args, cfg) - base, 1e-9)
+        row["speedup"] = row["batch_order_s"] / row["longest_first_s"]
+        row["longest_first_gb_s"] = row["kv_bytes"] / row["longest_first_s"] / 1e9
+        print(
+            f"  {name}: longest first {row['longest_first_s'] * 1e6:.1f} us ({row['longest_first_gb_s']:.0f} GB/s), "
+            f"batch order {row['batch_order_s'] * 1e6:.1f} us ({row['speedup']:.2f}x)"
+        )
+        results["decode_order"].append(row)
+        save(results, cfg.out)
+        del args, k_pool, v_pool, ref
+        gc.collect()
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
     p.add_argument("--out", required=True, help="the JSON to write")
     cfg = parse_timing(p, argv)
     cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.cases = 32, 8, 128, CASES
+    cfg.decode_order_cases = DECODE_ORDER_CASES
     if cfg.smoke:
         cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.cases = 8, 2, 64, SMOKE_CASES
+        cfg.decode_order_cases = SMOKE_DECODE_ORDER_CASES
         cfg.reps, cfg.warmup, cfg.iters, cfg.hbm_bytes = 2, 0, 1, 1 << 20
     elif not cfg.gpu:
         p.error("no GPU backend: run on a GPU, or pass --smoke for the CPU check")
@@ -120,8 +170,14 @@ def main(argv=None) -> int:
     kind = getattr(jax.devices()[0], "device_kind", "cpu")
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
     print(f"jax {jax.__version__} on {kind}; interpret={cfg.interpret}")
-    results = dict(device=kind, jax=jax.__version__, smoke=cfg.smoke, complete=False, checks=[], mixed=[])
-    return run_phases(cfg, results, [lambda: bench_mixed(cfg, results["checks"], results)])
+    results = dict(
+        device=kind, jax=jax.__version__, smoke=cfg.smoke, complete=False, checks=[], mixed=[], decode_order=[]
+    )
+    phases = [
+        lambda: bench_mixed(cfg, results["checks"], results),
+        lambda: bench_decode_order(cfg, results["checks"], results),
+    ]
+    return run_phases(cfg, results, phases)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@ h together (GQA packing: each K/V tile is read once for the whole group; rows pa
 BK-token tiles, gathering pool slots from the block table, with an f32 online softmax in base 2.
 It stores its normalised partial output and log-sum-exp; XLA combines the splits.
 
+Longest first: program b of the grid computes sequence `order[b]`, the sequences sorted by length,
+longest first (`longest_first`, the default), so the GPU, which starts programs in grid order,
+starts the long ones first and ends on short ones instead of waiting for a long one started last
+(a batch of ShareGPT lengths spans 10 to 2,000 tokens; with 1,024 sequences x 8 kv heads every
+program is one whole sequence). The order is a permutation only: the same results.
+
 Quantised (float8) pools are read as they are: each tile is cast to the dots' compute dtype once
 loaded, the kv head's k_scale multiplies the logits and its v_scale the output, so no dequantised
 copy of the pool ever exists.
@@ -46,6 +52,7 @@ def num_splits(
 
 
 def _decode_kernel(
+    order_ref,  # [B]
     q_ref,  # [B, K, G, H]
     k_ref,  # [NB * BS, K, H]
     v_ref,  # [NB * BS, K, H]
@@ -63,7 +70,7 @@ def _decode_kernel(
     splits: int,
     qk_scale: float,
 ):
-    b, h, s = c.pl.program_id(0), c.pl.program_id(1), c.pl.program_id(2)
+    b, h, s = order_ref[c.pl.program_id(0)], c.pl.program_id(1), c.pl.program_id(2)
     length = lens_ref[b]
     # Equal slices of the actual length, in whole tiles: [lo, hi) tiles for this split.
     tiles = c.pl.cdiv(length, block_k)
@@ -101,6 +108,7 @@ def paged_decode_attention(
     scale: float | None = None,
     interpret: bool | None = None,
     tiles: tuple[int, ...] | None = None,
+    longest_first: bool = True,
 ) -> Float[Array, "B N H"]:
     """One query token per sequence attending to its first `seq_lens[b]` pooled tokens.
 
@@ -121,6 +129,9 @@ def paged_decode_attention(
         `(_BLOCK_K[head_dim], 4, 2)`: keys per loop step (a power of two >= 16; the split count
         follows it), Triton warps (a power of two) and software-pipeline stages (>= 1). Results
         do not depend on it, only speed (`benchmarks/gpu/attention_sweep.py`).
+      longest_first: the grid visits the sequences longest first (a sort of `seq_lens`);
+        False: in batch order. Results do not depend on it, only speed
+        (`benchmarks/mixed_attention_gpu.py` times both on ShareGPT's lengths).
 
     Returns:
       The attention output per query head, `[B, N, H]` in q's dtype.
@@ -162,6 +173,7 @@ def paged_decode_attention(
         interpret=c.resolve_interpret(interpret),
         name="paged_decode_attention",
     )(
+        _visit_order(seq_lens, longest_first),
         q.astype(c.compute_dtype(q.dtype, k_pool.dtype)).reshape(batch, kh, group, hd),
         k_flat,
         v_flat,
@@ -178,3 +190,11 @@ def paged_decode_attention(
     else:
         o = o[:, :, 0]
     return o.reshape(batch, num_heads, hd).astype(q.dtype)
+
+
+def _visit_order(seq_lens: Int[Array, " B"], longest_first: bool) -> Int[Array, " B"]:
+    """The sequence each grid row computes: by length, longest first (ties in batch order), or
+    the batch order."""
+    if not longest_first:
+        return jnp.arange(seq_lens.shape[0], dtype=jnp.int32)
+    return jnp.argsort(-seq_lens.astype(jnp.int32), stable=True).astype(jnp.int32)

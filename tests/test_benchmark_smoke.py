@@ -256,7 +256,9 @@ def test_vllm_run_smoke_runs_every_stage(tmp_path):
         assert any(name.endswith(".xplane.pb") for name in tar.getnames())
     assert not (work / "profile_trace").exists()
     mixed = json.loads((work / "mixed_attention.json").read_text())
-    assert mixed["complete"] and all(c["ok"] for c in mixed["checks"]) and len(mixed["checks"]) == 2
+    assert mixed["complete"] and all(c["ok"] for c in mixed["checks"]) and len(mixed["checks"]) == 4
+    assert [row["case"] for row in mixed["decode_order"]] == ["6-varied"]
+    assert all(row["speedup"] > 0 for row in mixed["decode_order"])
 
 
 def test_vllm_run_refuses_without_a_gpu(tmp_path):

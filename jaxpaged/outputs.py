@@ -58,8 +58,10 @@ class RequestOutput:
     then per prompt token {token_id: Logprob} for that token and the top-k (vLLM's shape); in
     streaming, in the first output that has it only.
 
-    `error` is set when processing this request failed inside the engine (the request is
-    finished, its completions' `finish_reason` is "error"; other requests are unaffected).
+    `error` is set when the request failed (it is finished, its completions' `finish_reason`
+    is "error", their text and tokens empty; other requests are unaffected); `error_type` says
+    whose fault: "invalid_request_error" for what the request asked (its grammar did not
+    compile, allows no output, or could not continue), "server_error" for the engine's.
     """
 
     request_id: str
@@ -70,4 +72,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    error_type: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

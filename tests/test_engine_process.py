@@ -20,7 +20,7 @@ from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxpaged.server.app import build_app
-from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError
+from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from jaxpaged.server.dev_routes import DEV_MODE_ENV
 
 # Fused windows of 4 decode steps: a stop string can end inside one (its later tokens dropped).
@@ -144,7 +144,8 @@ def test_prompt_logprobs_and_logit_bias_cross_the_process(engines):
 
 def test_structured_outputs_in_the_child_match_and_a_bad_grammar_fails_alone(engines):
     """Matchers live in the child: the same constrained outputs as on a thread (greedy, seeded
-    n=2); an invalid grammar is the ValueError naming the field, from the child."""
+    n=2); an invalid grammar fails its request with an error naming the field (the client's fault),
+    from the child."""
     threaded, process = engines
     cases = {
         "regex": SamplingParams(
@@ -159,8 +160,9 @@ def test_structured_outputs_in_the_child_match_and_a_bad_grammar_fails_alone(eng
         assert a == collect(process, PROMPT, params, f"p-so-{name}"), name
         assert all(c["finish"] == "stop" for c in a["total"].values()), a
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a[b"))
-    with pytest.raises(ValueError, match=r"^structured_outputs\.regex:"):
+    with pytest.raises(RequestFailedError, match=r"^structured_outputs\.regex:") as err:
         collect(process, PROMPT, bad, "p-so-bad")
+    assert err.value.error_type == "invalid_request_error"
 
 
 def test_abort_frees_the_child_s_blocks_and_a_bad_request_fails_alone(engines):

@@ -470,6 +470,22 @@ def test_response_size_budget(demo):
     assert over.status_code == 400 and error["param"] == "max_tokens" and "--max-response-entries" in error["message"]
     assert "6000" in error["message"]
     assert demo.complete(n=8, max_tokens=100, logprobs=5, temperature=1).status_code == 200  # 4,800
+    # prompt logprobs and echoed prompts count: issue 44's 256 x 1,000-token prompts with
+    # prompt_logprobs 20 made a 355 MiB response; here 2 x 120 tokens x 21 + 2 x 4 = 5,048
+    prompt = list(range(10, 130))
+    over = demo.complete(prompt=[prompt, prompt], prompt_logprobs=20)
+    error = over.json()["error"]
+    assert over.status_code == 400 and error["param"] == "prompt_logprobs", error
+    assert "5048" in error["message"] and "--max-response-entries" in error["message"]
+    assert demo.complete(prompt=[prompt, prompt], prompt_logprobs=19).status_code == 200  # 4,808
+    # echo with logprobs asks for the prompt's logprobs too: 7 x 4 x 6 + 7 x 120 x 6 = 5,208
+    echo = dict(prompt=prompt, echo=True, logprobs=5, temperature=1)
+    over = demo.complete(n=7, **echo)
+    assert over.status_code == 400 and "5208" in over.json()["error"]["message"], over.text
+    assert demo.complete(n=6, **echo).status_code == 200  # 4,464
+    # echo alone: each choice repeats the prompt's tokens, 41 x (4 + 120) = 5,084
+    over = demo.complete(prompt=prompt, echo=True, n=41, temperature=1)
+    assert over.status_code == 400 and "5084" in over.json()["error"]["message"], over.text
 
 
 def _deltas(num_tokens: int, top: int, chunk: int) -> list[CompletionOutput]:

@@ -5,8 +5,10 @@ the official `openai` client (no torch: this file also runs in CI's server-only 
   them, no-effect fields a 200, unknown fields a 400; the README lists each as the code does;
 - `response_format`, `structured_outputs` and `guided_*` map onto one `StructuredOutputsParams`
   (two constraints: a 400 naming both);
-- a constraint is compiled off the event loop (on a tokenizer thread), `/health` answering
-  meanwhile, and one that cannot compile is a 400 naming the request's field;
+- a constraint is checked off the event loop (on the grammar-check threads) under a size and a
+  time budget, `/health` answering meanwhile; one that cannot compile is a 400 naming the
+  request's field, one that fails in the engine a 400 or an error event, never a 500; huge
+  schemas do not stall a neighbour's stream (issue 44);
 - `truncate_prompt_tokens` from the Python API and the server;
 - tool calls: the parsers (`hermes`, `llama3_json`, required, named) whole and streamed, the
   tool-choice rules, the template's `tools`, and named / required / auto through the server,
@@ -18,6 +20,7 @@ the official `openai` client (no torch: this file also runs in CI's server-only 
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -28,7 +31,7 @@ openai = pytest.importorskip("openai")
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR  # noqa: E402
 from jaxpaged.entrypoints.llm import LLM  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
-from jaxpaged.server import fields, prompts, serving, serving_context, tool_parsers  # noqa: E402
+from jaxpaged.server import fields, grammar_checks, prompts, serving, tool_parsers  # noqa: E402
 from jaxpaged.server.errors import APIError  # noqa: E402
 from jaxpaged.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from jaxpaged.server.tools import tool_mode  # noqa: E402
@@ -266,34 +269,141 @@ def test_tool_choice_and_response_format_conflict(server):
     assert "response_format" in error["message"] and "tool_choice" in error["message"]
 
 
-def test_constraint_is_compiled_off_the_event_loop_and_health_answers_meanwhile(server, monkeypatch):
-    """The check runs on a tokenizer thread (asserted by the thread it runs on, not by timing);
-    while it is held, /health answers; a failing check is a 400 naming the request's field."""
-    entered, release, threads = threading.Event(), threading.Event(), []
+def _schema_body(schema, **extra) -> dict:
+    return {
+        "messages": MESSAGES,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        **extra,
+    }
 
-    def slow_check(structured):
+
+def _wide(properties: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(properties)}}
+
+
+def test_constraints_are_checked_off_the_event_loop_under_budgets(server, monkeypatch):
+    """The check runs on the grammar-check threads (asserted by the thread it runs on, not by
+    timing), /health answering meanwhile; one still running after --grammar-check-timeout is a
+    400 naming the flag, one the busy threads never started a 503; a failing check is a 400
+    naming the request's field, and its verdict is cached; a constraint over --max-grammar-bytes
+    is a 400 before any check."""
+    entered, release, threads = threading.Semaphore(0), threading.Event(), []
+    checks = server.ctx.grammar_checks
+
+    def slow_check(structured, max_bytes):
         threads.append(threading.current_thread().name)
-        entered.set()
+        entered.release()
         assert release.wait(30)
         raise ValueError("structured_outputs.json: the schema cannot be compiled (test)")
 
-    monkeypatch.setattr(serving_context, "structured_check", slow_check)
-    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}
-    result = {}
-    body = {
-        "messages": MESSAGES,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": big}},
-    }
-    worker = threading.Thread(target=lambda: result.update(r=server.http.post("/v1/chat/completions", json=body)))
-    worker.start()
-    assert entered.wait(30)
-    assert server.http.get("/health", timeout=10).status_code == 200  # the loop is free while the check runs
+    monkeypatch.setattr(grammar_checks, "check", slow_check)
+    monkeypatch.setattr(checks, "timeout", 1.0)
+    results = {}
+
+    def post(name, schema):
+        results[name] = server.http.post("/v1/chat/completions", json=_schema_body(schema))
+
+    workers = [threading.Thread(target=post, args=(i, _wide(i + 1))) for i in range(3)]
+    for worker in workers[:2]:
+        worker.start()
+    assert entered.acquire(timeout=30) and entered.acquire(timeout=30)  # both threads held
+    assert server.http.get("/health", timeout=10).status_code == 200  # the loop is free meanwhile
+    workers[2].start()
+    for worker in workers:
+        worker.join(60)
     release.set()
-    worker.join(60)
-    assert threads == [threads[0]] and threads[0].startswith("jaxpaged-tokenizer")
-    error = result["r"].json()["error"]
-    assert result["r"].status_code == 400 and error["param"] == "response_format"
-    assert error["message"].startswith("response_format: structured_outputs.json:")
+    assert len(threads) == 2 and all(name.startswith("jaxpaged-grammar-check") for name in threads)
+    statuses = sorted(r.status_code for r in results.values())
+    assert statuses == [400, 400, 503], statuses
+    busy = next(r for r in results.values() if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "server_overloaded"
+    timed_out = [r.json()["error"] for r in results.values() if r.status_code == 400]
+    assert all("--grammar-check-timeout" in e["message"] and e["param"] == "response_format" for e in timed_out)
+    monkeypatch.setattr(checks, "timeout", 30.0)
+    cached = checks.cache_hits
+    for _ in range(2):  # the same schema twice: checked once
+        error = server.http.post("/v1/chat/completions", json=_schema_body(_wide(7))).json()["error"]
+        assert error["param"] == "response_format"
+        assert error["message"].startswith("response_format: structured_outputs.json: the schema cannot")
+    assert checks.cache_hits == cached + 1 and len(threads) == 3
+    monkeypatch.undo()
+    big = server.http.post("/v1/chat/completions", json=_schema_body(_wide(6000)))  # 150 KB
+    error = big.json()["error"]
+    assert big.status_code == 400 and "--max-grammar-bytes" in error["message"] and "131072" in error["message"]
+
+
+def test_grammars_that_fail_are_400s_or_error_events_never_500s(server):
+    """A `$ref` cycle passes llguidance's check and allows nothing once compiled: a 400
+    (`invalid_request_error`), streamed an error event; a schema 40 objects deep with
+    disable_additional_properties is served, 300 deep (a RecursionError and a 500 before) and
+    3,000 deep are 400s; the engine serves on."""
+    cycle = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    refused = server.http.post("/v1/chat/completions", json=_schema_body(cycle, max_tokens=8))
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["type"] == "invalid_request_error", refused.text
+    assert error["message"].startswith("structured_outputs.json:") and len(error["message"]) < 400
+    with server.http.stream("POST", "/v1/chat/completions", json=_schema_body(cycle, stream=True)) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert response.status_code == 200 and events[-1] == "data: [DONE]"
+    streamed = json.loads(events[-2][len("data: ") :])["error"]
+    assert streamed["type"] == "invalid_request_error" and streamed["message"] == error["message"]
+
+    def deep(levels):
+        schema = {"type": "string"}
+        for _ in range(levels):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return schema
+
+    so = {"structured_outputs": {"json": deep(40), "disable_additional_properties": True}, "max_tokens": 4}
+    assert server.http.post("/v1/completions", json={"prompt": "x", **so}).status_code == 200
+    for levels in (300, 3000):  # past llguidance's nesting limit (the body as text: json.dumps stops at 500)
+        schema = '{"type":"object","required":["a"],"properties":{"a":' * levels + '{"type":"string"}' + "}}" * levels
+        body = '{"prompt":"x","max_tokens":4,"structured_outputs":{"disable_additional_properties":true,"json":%s}}'
+        refused = server.http.post(
+            "/v1/completions", content=body % schema, headers={"content-type": "application/json"}
+        )
+        assert refused.status_code == 400, refused.text  # 3,000: the body parser's own limit
+        assert levels > 300 or refused.json()["error"]["param"] == "structured_outputs", refused.text
+    out = server.client.completions.create(model="demo", prompt="In the beginning", max_tokens=4)
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_huge_schemas_do_not_stall_a_neighbours_stream(server):
+    """Issue 44's attack at the size budget: 4 requests with 4,000-property schemas (112 KB each:
+    seconds of checking and compiling, then llguidance gives up on them) while a neighbour
+    streams: the neighbour's stream goes on while they are checked and compiled (its tokens
+    arrive before the attackers are answered), and every attacker gets an answer, none a 5xx."""
+    neighbour_times, answers = [], []
+    attack_started = threading.Event()
+
+    def neighbour():
+        body = {"model": "demo", "prompt": "In the beginning", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        with server.http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    neighbour_times.append(time.monotonic())
+                    if len(neighbour_times) == 5:
+                        attack_started.set()
+
+    def attacker(i):
+        schema = _wide(4000)
+        schema["properties"]["me"] = {"const": i}  # four different grammars: no cache hits
+        answers.append(server.http.post("/v1/chat/completions", json=_schema_body(schema, max_tokens=16)))
+
+    stream = threading.Thread(target=neighbour)
+    stream.start()
+    assert attack_started.wait(60)
+    attackers = [threading.Thread(target=attacker, args=(i,)) for i in range(4)]
+    began = time.monotonic()
+    for thread in attackers:
+        thread.start()
+    for thread in attackers:
+        thread.join(120)
+    answered = time.monotonic()
+    stream.join(120)
+    assert len(answers) == 4 and all(r.status_code < 500 for r in answers), [r.text[:200] for r in answers]
+    during = [t for t in neighbour_times if began < t < answered]
+    assert len(during) >= 5, (len(during), answered - began)
 
 
 def test_tool_schemas_are_built_off_the_event_loop(server, monkeypatch):

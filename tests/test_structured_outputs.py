@@ -3,7 +3,8 @@ obeys its constraint (JSON schema, regex, choice, Lark grammar), greedy and samp
 prefix-cache hits, under preemption and under tensor parallelism; with grammar speculation
 (forced tokens and n-gram proposals checked against the grammar) the outputs are the plain
 engine's, token for token; so are they when decodes compute the tokens their constraint forces
-without sampling them; invalid constraints are a ValueError naming the field and the engine goes on; with
+without sampling them; a grammar that fails (unreadable, allowing nothing, given up on mid-generation) fails
+its request with an error naming the field, and the engine goes on; with
 async scheduling (masks filled while the step's model program runs) the outputs are the
 synchronous engine's, token for token. (The masked distribution itself: tests/test_sampler_mask.py.)"""
 
@@ -102,18 +103,42 @@ def test_allowed_token_ids_and_bad_words(engine):
     assert word not in done["bad"][0].text and done["bad"][0].token_ids != free.token_ids
 
 
-def test_invalid_requests_are_value_errors_and_the_engine_serves_on(engine):
+def test_failed_grammars_fail_their_request_and_the_engine_serves_on(engine):
+    """A grammar that cannot be read, that allows no output (a `$ref` cycle) or that llguidance
+    gives up on mid-generation (600 optional properties: a row of more than its 2,000 Earley
+    items once the object opens) fails its request alone: finish_reason "error", empty text, an
+    `invalid_request_error` naming the field, nothing of the grammar quoted; a bad
+    allowed_token_ids is a ValueError at once; the engine serves on, and the grammars that
+    compiled are cached."""
+    cycle = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}
     bad = {
-        "structured_outputs.regex": SamplingParams(structured_outputs=StructuredOutputsParams(regex="a[b")),
-        "structured_outputs.json": SamplingParams(structured_outputs=StructuredOutputsParams(json='{"type": 5}')),
-        "allowed_token_ids": SamplingParams(allowed_token_ids=[1, 10**6]),
+        "regex": (StructuredOutputsParams(regex="a[b"), "structured_outputs.regex:"),
+        "json": (StructuredOutputsParams(json='{"type": 5}'), "structured_outputs.json:"),
+        "cycle": (StructuredOutputsParams(json=cycle), "structured_outputs.json:"),
+        "wide": (StructuredOutputsParams(json=wide), "structured_outputs: the grammar could not continue after"),
     }
-    for field, params in bad.items():
-        with pytest.raises(ValueError) as err:
-            engine.add_request(f"bad-{field}", PROMPT, params)
-        assert str(err.value).startswith(field)
-    assert not engine.has_unfinished_requests()
-    check_all_obey(run(engine, [("c-choice-ok", SamplingParams(structured_outputs=CONSTRAINTS["choice"]))]))
+    with pytest.raises(ValueError) as err:
+        engine.add_request("bad-allowed", PROMPT, SamplingParams(allowed_token_ids=[1, 10**6]))
+    assert str(err.value).startswith("allowed_token_ids")
+    requests = [
+        (f"bad-{name}", SamplingParams(n=2, max_tokens=20, structured_outputs=so)) for name, (so, _) in bad.items()
+    ]
+    requests.append(("c-choice-ok", SamplingParams(structured_outputs=CONSTRAINTS["choice"])))
+    for request_id, params in requests:
+        engine.add_request(request_id, PROMPT, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    for name, (_, message) in bad.items():
+        out = outputs[f"bad-{name}"]
+        assert out.error.startswith(message) and out.error_type == "invalid_request_error", out.error
+        assert len(out.error) < 400 and "\n" not in out.error
+        assert [(c.finish_reason, c.text) for c in out.outputs] == [("error", "")] * 2
+    check_all_obey({"c-choice-ok": outputs["c-choice-ok"].outputs})
+    compiles = engine.grammars.compiles
+    run(engine, [("again", SamplingParams(max_tokens=20, structured_outputs=bad["wide"][0]))])
+    assert engine.grammars.compiles == compiles  # the same schema: its compiled grammar again
 
 
 def test_grammar_speculation_gives_the_plain_tokens_under_preemption_and_prefix_hits(engine):

@@ -216,7 +216,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._released: list[int] = []  # seq_ids finished or preempted since the last schedule
-        self.failed: list[Sequence] = []  # aborted because their grammar failed to compile
+        self.failed: list[Sequence] = []  # aborted because their grammar failed (`Sequence.error`)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -351,6 +351,7 @@ class Scheduler:
             if seq is None or seq.num_pending_tokens:
                 break
             if seq.constraint is not None and seq.constraint.error is not None:
+                seq.error = seq.constraint.error
                 self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
                 self.failed.append(seq)
                 continue
@@ -697,6 +698,9 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence) -> tuple[SequenceStatus, int | None] | None:
         sp, token = seq.sampling_params, seq.last_token_id
+        if seq.constraint is not None and seq.constraint.failure is not None:  # the grammar gave up
+            seq.error = seq.constraint.failure
+            return SequenceStatus.FINISHED_ABORTED, None
         if seq.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, None

@@ -28,6 +28,7 @@ class SeqDelta:
       top_logprobs: their log-probabilities `[T, K]` float32; with logprobs.
       finish_reason: "stop", "length" or "abort" once the core finished it, else None.
       stop_reason: the stop token id that finished it, else None.
+      error: with finish_reason "abort": why the request fails (`Sequence.error`), else None.
       num_cached_tokens: its tokens served by the prefix cache at its last admission.
       prompt_logprobs: the request's prompt logprobs, in the delta of its first token (first
         sequence only, when the request asked for them), else None.
@@ -42,6 +43,7 @@ class SeqDelta:
     top_logprobs: np.ndarray | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -64,6 +66,7 @@ def seq_delta(seq: Sequence, count: int, sample: Callable[[int], dict[str, Any]]
         tokens,
         finish_reason=seq.status.finish_reason,
         stop_reason=seq.stop_reason,
+        error=seq.error,
         num_cached_tokens=seq.num_cached_tokens,
     )
     if count and seq.needs_prompt_logprobs:

@@ -67,6 +67,8 @@ class Sequence:
       arrival_time, first_token_time, finish_time: `time.time()` stamps (None until known).
       cache_salt: isolates this sequence's prefix-cache entries from other salts.
       stop_reason: the stop token id or stop string that finished it (None for EOS/length).
+      error: why its request failed because of what the request asked (its grammar did not
+        compile, allows nothing, or could not continue), with status FINISHED_ABORTED; else None.
       num_preemptions: how often it was preempted.
       spec_token_ids: a draft model's proposals for the tokens after its current ones (vLLM's
         name), from the output of the step that appended its newest tokens; the next step may
@@ -116,6 +118,7 @@ class Sequence:
         self.finish_time: float | None = None
         self.cache_salt = cache_salt
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []
         k = self.sampling_params.prompt_logprobs

@@ -4,9 +4,10 @@ How a request flows:
   1. `add_request` tokenizes the prompt, validates its `SamplingParams`, resolves its seed
      and queues `n` `Sequence`s with the `Scheduler` (which rejects what can never fit). A
      constrained request (structured outputs, allowed_token_ids, bad_words) has its grammar
-     checked here (a ValueError naming the field) and compiled on the `GrammarBackend`'s
-     threads; each sequence gets its own `SequenceConstraint` (its matcher), and is not
-     scheduled before its grammar is compiled.
+     built and compiled on the `GrammarBackend`'s threads, never on this one; each sequence
+     gets its own `SequenceConstraint` (its matcher), and is not scheduled before its grammar
+     is compiled. A grammar that fails to compile, allows nothing or cannot continue fails its
+     request (`RequestOutput.error`, "invalid_request_error").
   2. `step()` is schedule -> execute -> postprocess -> outputs. The scheduler picks this
      step's batch: one decode token per running sequence, then prefill chunks, under
      `max_num_seqs` and `max_num_batched_tokens`; blocks come from the `BlockManager`
@@ -67,7 +68,7 @@ from jaxpaged.engine_config import EngineConfig
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import FLOAT32_MAX, SamplingParams, check_text
-from jaxpaged.structured import GrammarBackend, SequenceConstraint, bad_words_token_ids, check
+from jaxpaged.structured import GrammarBackend, SequenceConstraint, bad_words_token_ids
 from jaxpaged.worker.input_batch import banned_ids
 from jaxpaged.worker.model_runner import StepHandle
 from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS
@@ -259,8 +260,10 @@ class LLMEngine(TrainingLoopControls):
             raise ValueError("SamplingParams.logit_bias values must be finite numbers")
 
     def _constraint_factory(self, params: SamplingParams) -> Callable[[], SequenceConstraint | None]:
-        """Validates a request's token constraints (its grammar checked cheaply, its compilation
-        started off this thread); returns what makes each of its sequences' `constraint`.
+        """Validates a request's token constraints and starts its grammar's compilation on the
+        grammar threads (nothing of the grammar runs on this thread: a grammar that fails fails its
+        request with `Sequence.error`; the front doors, `LLM.generate` and the server, check it
+        first); returns what makes each of its sequences' `constraint`.
 
         Raises:
           ValueError: naming the field (`structured_outputs.<kind>: ...`, `allowed_token_ids`,
@@ -274,7 +277,6 @@ class LLMEngine(TrainingLoopControls):
             raise ValueError(f"{field} needs a tokenizer; the engine runs with skip_tokenizer_init=True")
         grammar = None
         if params.structured_outputs is not None:
-            check(params.structured_outputs)
             grammar = self.grammars.compile(params.structured_outputs)
         allowed = params.allowed_token_ids
         if allowed is not None and max(allowed) >= vocab_size:
@@ -370,9 +372,9 @@ class LLMEngine(TrainingLoopControls):
             emit(self._postprocess(self._take_in_flight()))
         # (under pipeline parallelism the sequences in the micro-batches in flight wait their turn)
         output = self.scheduler.schedule(propose=propose, in_flight=self.runner.in_flight_seq_ids)
-        if self.scheduler.failed:  # their grammar did not compile: finished "abort"
+        if self.scheduler.failed:  # their grammar failed: finished with `Sequence.error`
             for seq in self.scheduler.failed:
-                logger.error("request %s: its grammar failed to compile", seq.request_id)
+                logger.info("request %s: %s", seq.request_id, seq.error)
             self._aborted += self.scheduler.failed
             self.scheduler.failed = []
         handles = self.runner.execute(output)

@@ -49,7 +49,7 @@ class OutputProcessor:
         self._order: dict[str, int] = {}  # request id -> arrival rank (outputs come in that order)
         self._next = 0
         self._changed: set[str] = set()
-        self._failed: dict[str, str] = {}  # request id -> why, until its output is returned
+        self._failed: dict[str, tuple[str, str]] = {}  # request id -> (why, error type), until output
 
     def add_request(
         self,
@@ -72,6 +72,11 @@ class OutputProcessor:
             state = self.requests.get(delta.request_id)
             if state is None or delta.request_id in self._failed:
                 continue  # finished or failed here first: the core's surplus
+            if delta.error is not None:  # the request's own failure (its grammar): the whole request
+                self._failed[delta.request_id] = (delta.error, "invalid_request_error")
+                self.abort(delta.request_id)
+                self._changed.add(delta.request_id)
+                continue
             try:
                 self._record(state, state.completions[delta.index], delta, now)
             except Exception as err:
@@ -138,7 +143,7 @@ class OutputProcessor:
     def _fail(self, request_id: str, err: Exception) -> None:
         """Fails one request (its host work raised): it is aborted and its output says why."""
         logger.exception("request %s failed; the engine goes on without it", request_id, exc_info=err)
-        self._failed[request_id] = f"processing the request failed ({type(err).__name__})"
+        self._failed[request_id] = (f"processing the request failed ({type(err).__name__})", "server_error")
         self.abort(request_id)
         self._changed.add(request_id)
 
@@ -150,6 +155,7 @@ class OutputProcessor:
             )
             for c in state.completions
         ]
+        error, error_type = self._failed[request_id]
         return RequestOutput(
-            request_id, state.prompt, state.prompt_token_ids, outs, finished=True, error=self._failed[request_id]
+            request_id, state.prompt, state.prompt_token_ids, outs, finished=True, error=error, error_type=error_type
         )

@@ -14,6 +14,7 @@ from jaxpaged.engine_args import EngineArgs, compatibility_notes
 from jaxpaged.entrypoints.logging_setup import configure_default_logging
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.structured import check as check_constraint
 
 PromptType = str | dict
 
@@ -105,6 +106,8 @@ class LLM:
             for prompt, sp in zip(prompts, params):
                 sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)  # only final outputs are kept
                 request_id = str(next(self._ids))
+                if sp.structured_outputs is not None:  # a bad constraint raises here, not in its output
+                    check_constraint(sp.structured_outputs)
                 self.llm_engine.add_request(request_id, prompt, sp)
                 ids.append(request_id)
         except ValueError:

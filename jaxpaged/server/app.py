@@ -262,6 +262,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def request_failed(_, err: RequestFailedError):
+        if err.error_type == "invalid_request_error":  # what the request asked failed (its grammar)
+            return reply(400, error_body(str(err), err.error_type))
         return reply(500, error_body(f"the engine failed on this request: {err}", "server_error"))
 
     @app.exception_handler(Exception)

@@ -68,11 +68,18 @@ class EngineNotReadyError(RuntimeError):
 
 
 class EngineOverloadedError(RuntimeError):
-    """More sequences wait than `max_num_waiting` allows; retry later."""
+    """The server is over capacity (more sequences wait than `max_num_waiting` allows, or the
+    grammar checks are busy); retry later."""
 
 
 class RequestFailedError(RuntimeError):
-    """Processing this request failed inside the engine; other requests go on."""
+    """This request failed inside the engine; other requests go on. `error_type`: OpenAI's error
+    type, "invalid_request_error" when what the request asked failed (its grammar), else
+    "server_error"."""
+
+    def __init__(self, message: str, error_type: str | None = None):
+        super().__init__(message)
+        self.error_type = error_type or "server_error"
 
 
 def stream_kind(params: SamplingParams) -> SamplingParams:
@@ -558,7 +565,7 @@ class AsyncEngine:
             if output.finished:
                 self._finished_seqs(self._seqs_of.pop(output.request_id, 0))
             if stream is not None:
-                item = RequestFailedError(output.error) if output.error else output
+                item = RequestFailedError(output.error, output.error_type) if output.error else output
                 by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)

@@ -73,7 +73,7 @@ async def sse_events(
         logger.info("%s: finished, %d completion tokens", head["id"], usage.completion)
         yield "data: [DONE]\n\n"
     except (EngineDeadError, RequestFailedError) as err:
-        yield _sse(error_body(str(err), "server_error"))
+        yield _sse(error_body(str(err), getattr(err, "error_type", "server_error")))
         yield "data: [DONE]\n\n"
     finally:
         stream.abort()

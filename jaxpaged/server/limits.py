@@ -7,8 +7,9 @@ limits (or by `max_model_len` / `--max-sequences-per-request`), checked before t
   idle one stays open, how large an unfinished header block may grow (uvicorn's names);
 - bodies: their size in bytes, and the length of each list field (prompts, token ids, messages)
   before any element is validated;
-- requests: `stop_token_ids` and `cache_salt` sizes, and the response's size (sequences x
-  max_tokens x (1 + top logprobs)), checked before the request reaches the engine;
+- requests: `stop_token_ids` and `cache_salt` sizes, the response's size (every token and
+  logprob it can hold: completions, prompt logprobs, echoed prompts), and a grammar's size and
+  check time (`grammar_checks.py`), checked before the request reaches the engine;
 - streams: a client that stops reading is disconnected after `stream_write_timeout`.
 """
 
@@ -58,8 +59,22 @@ class ServerLimits:
     max_cache_salt_chars: int = _limit(1024, "the longest cache_salt one request may give; longer get 400", "CHARS")
     max_response_entries: int = _limit(
         2**20,
-        "the response-size budget: sequences x max_tokens x (1 + top logprobs) above this get 400 "
-        "(with max_tokens unset, the room left in max_model_len counts)",
+        "the response-size budget in tokens and logprobs: sequences x max_tokens x (1 + top logprobs), "
+        "plus prompt tokens x (1 + prompt_logprobs) per choice with prompt_logprobs (or echo with "
+        "logprobs), plus prompt tokens per choice with echo; requests above it get 400 (with max_tokens "
+        "unset, the room left in max_model_len counts)",
+    )
+    max_grammar_bytes: int = _limit(
+        128 * 2**10,
+        "the largest structured-output constraint (a JSON schema or choices as compact JSON, a regex, "
+        "a grammar), in bytes; larger get 400 before any work on them",
+        "BYTES",
+    )
+    grammar_check_timeout: float = _limit(
+        10.0,
+        "a structured-output constraint still being checked after this many seconds gets 400 (one "
+        "not yet started then, the checks busy with others, gets 503)",
+        "SECONDS",
     )
     stream_write_timeout: float = _limit(
         30.0,

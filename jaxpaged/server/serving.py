@@ -45,7 +45,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
     for p in prompts:
         ctx.check_length(len(p["prompt_token_ids"]), params.max_tokens, "prompt")
     lens = [len(p["prompt_token_ids"]) for p in prompts]
-    ctx.check_response_size(num_prompts * params.n, lens, params, body.logprobs)
+    ctx.check_response_size(lens, params, body.logprobs, echo=body.echo)
     kind = Kind(chat=False, num_logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None)
     if body.echo:
         kind.echo = await echo_texts(ctx, prompts)
@@ -70,7 +70,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     prompt = truncate(await chat_prompt(ctx, body), params.truncate_prompt_tokens, ctx.engine.config.max_model_len)
     ctx.check_length(len(prompt["prompt_token_ids"]), params.max_tokens, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    ctx.check_response_size(params.n, [len(prompt["prompt_token_ids"])], params, num_logprobs)
+    ctx.check_response_size([len(prompt["prompt_token_ids"])], params, num_logprobs)
     return await _run(ctx, raw, body, params, [prompt], Kind(chat=True, num_logprobs=num_logprobs, tools=tools))
 
 

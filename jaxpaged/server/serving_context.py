@@ -8,11 +8,11 @@ import asyncio
 import dataclasses
 
 from jaxpaged.server.async_engine import AsyncEngine
+from jaxpaged.server.grammar_checks import GrammarChecks
 from jaxpaged.server.limits import ServerLimits
 from jaxpaged.server.protocol import APIError, echo
 from jaxpaged.server.request_body import ListLimits
 from jaxpaged.server.tokenizer_pool import TokenizerPool
-from jaxpaged.structured import check as structured_check
 
 
 @dataclasses.dataclass
@@ -43,6 +43,7 @@ class ServingContext:
 
     def __post_init__(self):
         self.engine.when_ready(self._start_pool)  # loads tokenizers off the event loop
+        self.grammar_checks = GrammarChecks(self.limits.max_grammar_bytes, self.limits.grammar_check_timeout)
 
     def _start_pool(self) -> None:
         if self.engine.tokenizer_dir is not None:
@@ -63,13 +64,10 @@ class ServingContext:
         return await self._pool.run(lambda _tokenizer: fn(*args))
 
     async def check_structured(self, params, field: str | None) -> None:
-        """400 naming the request's constraint field when its grammar cannot be compiled; the
-        compilation (seconds for a huge schema) runs off the event loop."""
-        if params.structured_outputs is None:
-            return
-        err = await self.run_blocking(_check_quietly, params.structured_outputs)
-        if err is not None:
-            raise APIError(f"{field}: {str(err)[:500]}", param=field)
+        """400 naming the request's constraint field when its grammar is over budget or cannot be
+        compiled (503 while the checks are busy); checked off the event loop (`grammar_checks.py`)."""
+        if params.structured_outputs is not None:
+            await self.grammar_checks.check(params.structured_outputs, field)
 
     @property
     def sampling_defaults(self) -> dict:
@@ -110,19 +108,33 @@ class ServingContext:
                 param="cache_salt",
             )
 
-    def check_response_size(self, num_sequences: int, prompt_lens: list[int], params, num_logprobs: int | None):
-        """400 when sequences x max_tokens x (1 + top logprobs) exceeds `--max-response-entries`
-        (max_tokens unset: the room each prompt leaves in max_model_len)."""
+    def check_response_size(self, prompt_lens: list[int], params, num_logprobs: int | None, echo: bool = False):
+        """400 when the response could hold more tokens and logprobs than `--max-response-entries`:
+        per prompt, n choices x max_tokens x (1 + top logprobs) (max_tokens unset: the room the
+        prompt leaves in max_model_len), plus in each choice the prompt's tokens x (1 +
+        prompt_logprobs) with prompt_logprobs (echo with logprobs asks for them), or the prompt's
+        tokens with echo alone."""
         limit = self.limits.max_response_entries
-        per_entry = 1 + (num_logprobs or 0)
+        per_token = 1 + (num_logprobs or 0)
+        per_prompt_token = 1 + params.prompt_logprobs if params.prompt_logprobs is not None else int(echo)
         room = [params.max_tokens or self.engine.config.max_model_len - n for n in prompt_lens]
-        entries = sum(r * params.n * per_entry for r in room)
-        if entries > limit:
+        generated = sum(r * params.n * per_token for r in room)
+        prompts = sum(n * params.n * per_prompt_token for n in prompt_lens)
+        if generated + prompts > limit:
+            parts = [
+                f"{len(prompt_lens) * params.n} choice(s) x max_tokens {max(room)} x (1 + {num_logprobs or 0} "
+                f"top logprobs) = {generated}"
+            ]
+            if prompts:
+                what = (
+                    f"(1 + {params.prompt_logprobs} prompt_logprobs)" if params.prompt_logprobs is not None else "echo"
+                )
+                parts.append(f"{sum(prompt_lens)} prompt tokens x n={params.n} x {what} = {prompts}")
             raise APIError(
-                f"this response could hold {entries} tokens and logprobs ({num_sequences} sequence(s) x "
-                f"max_tokens {max(room)} x (1 + {num_logprobs or 0} top logprobs)); the server returns at most "
-                f"{limit} (--max-response-entries): lower n, max_tokens or logprobs",
-                param="max_tokens",
+                f"this response could hold {generated + prompts} tokens and logprobs ({'; '.join(parts)}); the "
+                f"server returns at most {limit} (--max-response-entries): lower n, max_tokens, logprobs, "
+                "prompt_logprobs or the prompts",
+                param="prompt_logprobs" if prompts > generated else "max_tokens",
             )
 
     def check_sequences(self, num_prompts: int, n: int) -> None:
@@ -164,12 +176,3 @@ class ServingContext:
                 param=what,
                 code="context_length_exceeded",
             )
-
-
-def _check_quietly(structured) -> ValueError | None:
-    """`jaxpaged.structured.check`'s error, returned rather than raised (off the event loop)."""
-    try:
-        structured_check(structured)
-    except ValueError as err:
-        return err
-    return None

@@ -1,22 +1,38 @@
-"""The llguidance backend of an engine: its tokenizer, compiled grammars cached by grammar text
-(a bounded LRU), compiled on a thread pool off the engine thread.
+"""The llguidance backend of an engine: its tokenizer, and grammars built from a request's
+constraint and compiled on their own threads, cached by grammar text (a bounded LRU).
+
+All of a grammar's work (its text from the schema, the compile, the first mask) runs on those
+threads, never on the engine's: llguidance works without Python's lock held, and the threads
+run at the lowest CPU priority (`os.setpriority`, Linux), so a grammar that takes seconds to
+compile delays only its own request; the engine schedules a request once its grammar is ready.
 
 A compiled grammar is an `LLMatcher` at its start state; each sequence takes a `deep_copy` of it
-(microseconds). llguidance compiles without Python's lock held, so compiling never stalls the
-engine's steps.
+(microseconds). A grammar that fails to compile, or that allows no output at all (a `$ref`
+cycle, an empty language), fails its request with llguidance's reason.
 """
 
 import collections
 import concurrent.futures
+import os
 import threading
 
 import numpy as np
 
 from jaxpaged.sampling_params import StructuredOutputsParams
-from jaxpaged.structured.grammar import grammar_text
+from jaxpaged.structured.grammar import digest, grammar_text, parser_limits
 from jaxpaged.structured.llg import llguidance
 
 CACHE_SIZE = 256  # compiled grammars kept (LRU)
+LOWEST_PRIORITY = 19  # the grammar threads' niceness
+
+
+def lower_thread_priority() -> None:
+    """Runs the calling thread at the lowest CPU priority (Linux: threads have their own
+    niceness; elsewhere nothing changes)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
+    except (AttributeError, OSError):
+        pass
 
 
 def tokenizer_mask(tokenizer_size: int, vocab_size: int) -> np.ndarray:
@@ -48,7 +64,9 @@ class GrammarBackend:
         eos = sorted(eos_token_ids) or [tokenizer.eos_token_id]
         self.vocab_size = vocab_size
         self.valid_ids = tokenizer_mask(len(tokenizer), vocab_size)
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxpaged-grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="jaxpaged-grammar", initializer=lower_thread_priority
+        )
         # llguidance's view of the tokenizer (about a second for a 128K vocabulary), made off
         # the engine thread too; compilations wait for it.
         self._ll_tokenizer = self._pool.submit(
@@ -56,29 +74,47 @@ class GrammarBackend:
         )
         self._cache: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.compiles = 0  # grammars compiled (the others came from the cache)
+        self.cache_hits = 0
 
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
-        """The compiled grammar of a constraint (a future of an `LLMatcher` at its start state),
-        from the cache or submitted to the compiling threads. Never waits for a compilation.
+        """The compiled grammar of a constraint: a future of an `LLMatcher` at its start state,
+        or of the `ValueError` (`structured_outputs.<kind>: ...`) saying why there is none. Returns
+        at once: the grammar's text is built on the compiling threads too."""
+        return self._pool.submit(self._compiled, params)
 
-        Raises:
-          ValueError: the grammar's text cannot be built (see `grammar_text`).
-        """
+    def _compiled(self, params: StructuredOutputsParams):
         text = grammar_text(params)
         with self._lock:
             future = self._cache.get(text)
-            if future is not None:
+            mine = future is None
+            if mine:
+                future = self._cache[text] = concurrent.futures.Future()
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+                self.compiles += 1
+            else:
                 self._cache.move_to_end(text)
-                return future
-            future = self._cache[text] = self._pool.submit(self._compile, text)
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-            return future
+                self.cache_hits += 1
+        if mine:
+            try:
+                future.set_result(self._compile(params.kind, text))
+            except Exception as err:  # noqa: BLE001 - the request's error, cached like a grammar
+                future.set_exception(err)
+        return future.result()  # another thread's compile of the same text: waits for it
 
-    def _compile(self, text: str):
-        matcher = llguidance().LLMatcher(self._ll_tokenizer.result(), text, log_level=0)
+    def _compile(self, kind: str, text: str):
+        try:
+            matcher = llguidance().LLMatcher(self._ll_tokenizer.result(), text, log_level=0, limits=parser_limits())
+        except BaseException as err:  # llguidance raises a PanicException (a BaseException) on its own bugs
+            raise ValueError(f"structured_outputs.{kind}: the grammar failed to compile: {digest(str(err))}") from None
+        if not matcher.is_error():  # the first mask: a grammar that allows nothing fails here
+            row = np.zeros((1, self.valid_ids.size), np.int32)
+            llguidance().numpy.fill_next_token_bitmask(matcher, row, 0)
+            if not matcher.is_error() and not (row & self.valid_ids).any():
+                raise ValueError(f"structured_outputs.{kind}: the grammar allows no output")
         if matcher.is_error():
-            raise ValueError(matcher.get_error())
+            raise ValueError(f"structured_outputs.{kind}: {digest(matcher.get_error())}")
         return matcher
 
     def close(self) -> None:

@@ -17,14 +17,12 @@ exactly as plain decoding would there.
 """
 
 import concurrent.futures
-import logging
 
 import numpy as np
 
 from jaxpaged.structured.backend import pack_bits
+from jaxpaged.structured.grammar import digest
 from jaxpaged.structured.llg import llguidance
-
-logger = logging.getLogger("jaxpaged")
 
 # Below this many mask bits (rows x V) a step's grammar masks are filled on the calling thread:
 # measured on 2 CPU cores with the demo model's 4,096-token vocabulary and the clinical-notes
@@ -71,7 +69,7 @@ class SequenceConstraint:
         self.valid_ids = valid_ids
         self.grammar = grammar
         self.matcher = None  # an llguidance LLMatcher once the grammar is compiled
-        self.error: str | None = None  # the grammar failed to compile
+        self.error: str | None = None  # the grammar failed to compile (or allows nothing)
         self.static_mask: np.ndarray | None = None  # [W] of allowed_token_ids
         if allowed_token_ids is not None:
             allowed = np.zeros(32 * -(-vocab_size // 32), bool)
@@ -79,6 +77,7 @@ class SequenceConstraint:
             self.static_mask = pack_bits(allowed[None])[0]
         self.bad_words = bad_words or []
         self.history: list[int] = []  # outputs so far (for multi-token bad words)
+        self.num_accepted = 0  # tokens appended to the output
 
     @property
     def ready(self) -> bool:
@@ -102,17 +101,28 @@ class SequenceConstraint:
 
     @property
     def is_stopped(self) -> bool:
-        """The grammar is complete and nothing may follow (the sequence finishes: "stop")."""
-        return self.matcher is not None and self.matcher.is_stopped()
+        """The grammar is complete and nothing may follow (the sequence finishes: "stop"); a grammar
+        that failed is not complete (see `failure`)."""
+        return self.matcher is not None and self.matcher.is_stopped() and not self.matcher.is_error()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the grammar cannot continue (llguidance gave up: a limit reached, a token it
+        rejected), a digest; None while it can."""
+        if self.matcher is None or not self.matcher.is_error():
+            return None
+        return (
+            f"structured_outputs: the grammar could not continue after {self.num_accepted} token(s): "
+            f"{digest(self.matcher.get_error())}"
+        )
 
     def accept(self, token_id: int) -> None:
         """Advances the constraint over a token appended to the sequence's output."""
+        self.num_accepted += 1
         if self.bad_words:
             self.history.append(token_id)
-        if self.matcher is not None and not self.matcher.is_stopped() and not self.matcher.consume_token(token_id):
-            logger.warning(
-                "structured outputs: the grammar rejected sampled token %d: %s", token_id, self.matcher.get_error()
-            )
+        if self.matcher is not None and not self.matcher.is_stopped():
+            self.matcher.consume_token(token_id)  # a rejected token leaves it in error: `failure`
 
     def banned_now(self, ahead: list[int] = ()) -> list[int]:
         """Bad words' tokens banned at the next position (after the output and then `ahead`): a

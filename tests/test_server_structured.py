@@ -17,7 +17,10 @@ the official `openai` client (no torch: this file also runs in CI's server-only 
   tested is the plumbing; tests that need real constraints skip without `jaxpaged.structured`.
 """
 
+import concurrent.futures
 import json
+import logging
+import random
 import re
 import threading
 import time
@@ -406,6 +409,137 @@ def test_huge_schemas_do_not_stall_a_neighbours_stream(server):
     assert len(during) >= 5, (len(during), answered - began)
 
 
+def _fuzz_schema(rng: random.Random, depth: int = 0):
+    """A random JSON schema, often contradictory, invalid or empty (a language with no document)."""
+    pick = rng.randrange(14 if depth < 3 else 6)
+    if pick == 0:
+        return rng.choice([{"type": "string"}, {"type": "integer"}, {"type": "boolean"}, {"type": "null"}])
+    if pick == 1:
+        return {"type": "string", "minLength": rng.randint(0, 9), "maxLength": rng.randint(0, 9)}  # maybe empty
+    if pick == 2:
+        return {"type": "number", "minimum": rng.randint(-5, 5), "maximum": rng.randint(-5, 5)}
+    if pick == 3:
+        return {"enum": [rng.choice([f"v{i}", i, None, [i]]) for i in range(rng.choice([0, 1, 3, 2000]))]}
+    if pick == 4:
+        return rng.choice([True, False, 5, [], "string", {"type": "no-such-type"}, {"type": 5}, {"$ref": "#/nope"}])
+    if pick == 5:
+        return {"type": "string", "pattern": _fuzz_regex(rng), "format": rng.choice(["date", "email", "nope"])}
+    if pick in (6, 7, 8):
+        props = {f"k{i}": _fuzz_schema(rng, depth + 1) for i in range(rng.randint(0, 4))}
+        required = rng.sample([*props, "missing"], rng.randint(0, len(props) + 1))
+        return {"type": "object", "properties": props, "required": required, "additionalProperties": rng.random() < 0.5}
+    if pick == 9:
+        low, high = rng.randint(0, 4), rng.randint(0, 4)
+        return {"type": "array", "items": _fuzz_schema(rng, depth + 1), "minItems": low, "maxItems": high}
+    if pick == 10:
+        keyword = rng.choice(["anyOf", "allOf", "oneOf"])
+        return {keyword: [_fuzz_schema(rng, depth + 1) for _ in range(rng.randint(0, 3))]}
+    if pick == 11:
+        return {"not": _fuzz_schema(rng, depth + 1)}
+    if pick == 12:
+        return {"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}}
+    return {"const": rng.choice(["x", 1, {"a": [1]}, None])}
+
+
+def _fuzz_regex(rng: random.Random) -> str:
+    return "".join(
+        rng.choice(["a", "b", "\\d", ".", "*", "+", "?", "|", "(", ")", "[", "]", "{2,}", "^", "$"])
+        for _ in range(rng.randint(1, 12))
+    )
+
+
+def _fuzz_constraints() -> list[dict]:
+    """Issue 44's fuzz: random schemas and regexes from a fixed seed, and the adversarial cases
+    by name (deep nesting, huge enums, `$ref` cycles, empty languages, catastrophic regexes, bad
+    and empty grammars, odd choices)."""
+    rng = random.Random(44)
+    deep: dict = {"type": "integer"}
+    for _ in range(70):
+        deep = {"anyOf": [{"type": "array", "items": deep}, {"type": "null"}]}
+    constraints = [{"json": _fuzz_schema(rng)} for _ in range(14)] + [{"regex": _fuzz_regex(rng)} for _ in range(6)]
+    constraints += [
+        {"json": deep},
+        {"json": {"enum": [f"option {i}" for i in range(5000)]}},
+        {
+            "json": {
+                "type": "object",
+                "properties": {"a": {"type": "string"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            }
+        },
+        {"regex": "(a+)+$"},
+        {"regex": "((a|aa)*)*b"},
+        {"regex": "[^\\s\\S]"},
+        {"regex": "a{5,2}"},
+        {"grammar": "start: start"},
+        {"grammar": 'start: "a" start'},
+        {"grammar": "start: /[/"},
+        {"grammar": "start: x\nx: y\ny: x"},
+        {"grammar": "%%% not a grammar"},
+        {"choice": []},
+        {"choice": [""]},
+        {"choice": ["a"] * 1000},
+        {"choice": ["\ud7ff\ue000", "\u0000"]},
+    ]
+    return constraints
+
+
+def test_fuzzed_constraints_are_200s_or_400s_never_5xx_stalls_or_long_logs(server, caplog):
+    """Every fuzzed constraint (`_fuzz_constraints`), four at a time, some streamed, while a
+    neighbour streams: each is answered 200 or 400 `invalid_request_error` (streamed: an
+    error event of that type at most), its error message bounded; the neighbour's stream goes
+    on during the fuzz and ends whole; no log line over 1,000 characters, a few lines at most
+    per request."""
+    neighbour_times, outcomes = [], []
+    fuzz_started = threading.Event()
+
+    def neighbour():
+        body = {"model": "demo", "prompt": "In the beginning", "max_tokens": 60, "stream": True, "ignore_eos": True}
+        with server.http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    neighbour_times.append(time.monotonic())
+                    fuzz_started.wait(60)  # the fuzz begins with the stream under way
+
+    def send(case: tuple[int, dict]):
+        i, constraint = case
+        body = {"model": "demo", "prompt": "x", "max_tokens": 4, "structured_outputs": constraint}
+        if i % 3 == 0:
+            with server.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                text = response.read().decode()
+            if response.status_code != 200:  # refused before streaming: a JSON error body
+                return constraint, response.status_code, [json.loads(text)["error"]]
+            errors = [json.loads(line[6:])["error"] for line in text.splitlines() if '"error"' in line]
+            return constraint, response.status_code, errors
+        response = server.http.post("/v1/completions", json=body)
+        return constraint, response.status_code, [response.json()["error"]] if response.status_code != 200 else []
+
+    stream = threading.Thread(target=neighbour)
+    stream.start()
+    with caplog.at_level(logging.INFO):
+        while not neighbour_times:
+            time.sleep(0.01)
+        began = time.monotonic()
+        fuzz_started.set()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            outcomes = list(pool.map(send, enumerate(_fuzz_constraints())))
+        ended = time.monotonic()
+        stream.join(120)
+    assert len(outcomes) == 36
+    for constraint, status, errors in outcomes:
+        assert status in (200, 400), (status, str(constraint)[:200])
+        for error in errors:
+            assert error["type"] == "invalid_request_error" and len(error["message"]) < 600, (
+                error,
+                str(constraint)[:200],
+            )
+    assert sum(status == 400 for _, status, _ in outcomes) >= 12  # the invalid and empty ones
+    assert len(neighbour_times) == 60 and any(began < t < ended for t in neighbour_times)  # every token
+    assert all(len(record.getMessage()) <= 1000 for record in caplog.records)
+    assert len(caplog.records) <= 3 * len(outcomes), [r.getMessage()[:100] for r in caplog.records[:10]]
+
+
 def test_tool_schemas_are_built_off_the_event_loop(server, monkeypatch):
     threads, real = [], serving.tool_mode
     monkeypatch.setattr(serving, "tool_mode", lambda *a: (threads.append(threading.current_thread().name), real(*a))[1])
@@ -462,9 +596,34 @@ def test_request_id_names_the_response(server):
     assert error["param"] == "request_id"
 
 
+def _chunks(server, endpoint: str, **extra) -> list[dict]:
+    body = {"prompt": "In the beginning"} if endpoint == "completions" else {"messages": MESSAGES}
+    path = f"/v1/{endpoint.replace('chat', 'chat/completions')}"
+    with server.http.stream("POST", path, json={**body, "stream": True, **extra}) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    return [json.loads(line[6:]) for line in lines]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, endpoint):
+    """vLLM's `continuous_usage_stats` (guidellm sends it): with `include_usage`, every chunk's
+    usage counts the completion tokens sent so far (chat's role chunk: none yet), and the last
+    chunk is the whole usage; without `include_usage` it does nothing, as in vLLM."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _chunks(server, endpoint, max_tokens=5, ignore_eos=True, stream_options=options)
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    assert counts == ([0] if endpoint == "chat" else []) + [1, 2, 3, 4, 5], counts
+    assert all(
+        c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt + n
+        for c, n in zip(chunks, counts)
+    )
+    plain = _chunks(server, endpoint, max_tokens=2, stream_options={"continuous_usage_stats": True})
+    assert all("usage" not in c for c in plain)
+
+
 def test_stream_options_keys(server):
-    error = _post(server, "completions", stream=True, stream_options={"continuous_usage_stats": True}).json()["error"]
-    assert "continuous_usage_stats" in error["message"]
     assert "colour" in _post(server, "chat", stream=True, stream_options={"colour": 1}).json()["error"]["message"]
 
 

@@ -19,19 +19,35 @@ logger = logging.getLogger("jaxpaged.server")
 
 
 async def sse_events(
-    stream: RequestStream, kind: Kind, head: dict, index_of: dict, num_choices: int, include_usage: bool
+    stream: RequestStream,
+    kind: Kind,
+    head: dict,
+    index_of: dict,
+    num_choices: int,
+    usage: Usage,
+    include_usage: bool,
+    continuous_usage: bool,
 ):
     """A streamed response's SSE lines: chat's role chunks, a chunk per choice per output (echo's
-    prompt first; with tools, the parser's deltas), the usage when asked, then `[DONE]`; an engine
+    prompt first; with tools, the parser's deltas), the usage when asked (in every chunk too, so
+    far, with `continuous_usage`: `usage` knows the prompts' lengths), then `[DONE]`; an engine
     failure is an error event. The stream is aborted on the way out."""
-    usage, done, offsets, tool_streams = Usage(), set(), {}, {}
-    extra = {"usage": None} if include_usage else {}
+    done, offsets, tool_streams = set(), {}, {}
+
+    def usage_now() -> dict:
+        if kind.echo_only:  # the token generated to get there is not part of the answer
+            usage.completion = 0
+        return usage.to_dict()
+
+    def chunk(choice: dict) -> str:
+        extra = {"usage": usage_now() if continuous_usage else None} if include_usage else {}
+        return _sse({**head, "choices": [choice], **extra})
+
     try:
         if kind.chat:
             for i in range(num_choices):
                 delta = {"role": "assistant", "content": ""}
-                role = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None}
-                yield _sse({**head, "choices": [role], **extra})
+                yield chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None})
         prompt_lps, held = {}, {}  # echo: request id -> prompt logprobs; choice -> output held for them
         async for out in stream:
             usage.add(out)
@@ -60,16 +76,14 @@ async def sse_events(
                 if kind.tools is not None:
                     stream_i = tool_streams.setdefault(i, kind.tools.stream())
                     for choice in kind.tool_chunks(i, c, stream_i):
-                        yield _sse({**head, "choices": [choice], **extra})
+                        yield chunk(choice)
                     continue
                 offset = offsets.get(i, 0)
                 choice = kind.choice(i, text, ids, lps, c, chunk=True, offset=offset, first_text=first)
                 offsets[i] = offset + len(text)
-                yield _sse({**head, "choices": [choice], **extra})
+                yield chunk(choice)
         if include_usage:
-            if kind.echo_only:
-                usage.completion = 0
-            yield _sse({**head, "choices": [], "usage": usage.to_dict()})
+            yield _sse({**head, "choices": [], "usage": usage_now()})
         logger.info("%s: finished, %d completion tokens", head["id"], usage.completion)
         yield "data: [DONE]\n\n"
     except (EngineDeadError, RequestFailedError) as err:

@@ -63,18 +63,13 @@ class Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: `include_usage` adds a final chunk with `usage` and no choices; vLLM's
-    `continuous_usage_stats` (usage in every chunk) is refused; other keys are a 400."""
+    """`stream_options`: `include_usage` adds a final chunk with `usage` and no choices; with it,
+    vLLM's `continuous_usage_stats` puts the usage so far in every chunk too (without it, as in
+    vLLM, it does nothing); other keys are a 400."""
 
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
-
-    @model_validator(mode="after")
-    def _refuse_continuous_usage(self):
-        if self.continuous_usage_stats:
-            raise ValueError("continuous_usage_stats is not supported (include_usage gives a final usage chunk)")
-        return self
 
 
 class _SamplingRequest(Request):
@@ -229,6 +224,11 @@ class _SamplingRequest(Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's `continuous_usage_stats`, with `include_usage`)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):

@@ -107,8 +107,9 @@ class Usage:
     """The response's `usage`: prompt tokens and cached prompt tokens per engine request, and
     completion tokens, added up from its outputs."""
 
-    def __init__(self):
-        self.prompt: dict[str, int] = {}
+    def __init__(self, prompt_tokens: dict[str, int] | None = None):
+        """`prompt_tokens`: each engine request's prompt length, when known before its outputs."""
+        self.prompt: dict[str, int] = dict(prompt_tokens or {})
         self.cached: dict[str, int] = {}
         self.completion = 0
 

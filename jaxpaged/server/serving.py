@@ -104,7 +104,9 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind)
     if kind.echo is not None:
         kind.prompt_of = {rid: i for i, rid in enumerate(ids)}
     if body.stream:
-        events = sse_events(stream, kind, head, index_of, params.n * len(prompts), body.include_usage)
+        usage = Usage({rid: len(p["prompt_token_ids"]) for rid, p in zip(ids, prompts)})
+        num_choices = params.n * len(prompts)
+        events = sse_events(stream, kind, head, index_of, num_choices, usage, body.include_usage, body.continuous_usage)
         return EventStreamResponse(events, on_close=stream.abort, write_timeout=ctx.limits.stream_write_timeout)
     result = await run_until_disconnect(raw, _collect(stream, kind, index_of))
     if result is None:

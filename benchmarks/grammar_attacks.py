@@ -6,7 +6,8 @@ attack in turn while a neighbour streams completions back to back (the worst gap
 chunks during the attack is the number that matters: a stalled engine shows there, not in
 `/health`) and a prober process asks `GET /health` every 20 ms. Also reports what the attacker
 saw (statuses, response bytes, error messages) and the server's memory (the resident set of its
-process tree) before and after each attack.
+process tree) before and after each attack; at the end, the engine's grammar compiles, cache hits
+and compile-time histogram from `/metrics`.
 
     python -m benchmarks.grammar_attacks --json benchmarks/results/grammar_attacks_cpu_demo_after.json
 
@@ -239,6 +240,28 @@ ATTACKS = [
 ]
 
 
+def grammar_metrics(server: Server) -> dict:
+    """The engine's grammar counters from /metrics: compiles, cache hits (and their rate), and
+    how many compiles took at most each bucket's seconds (empty before the counters existed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with server.client() as http:
+        text = http.get("/metrics").text
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    value = {s.name: s.value for s in samples if "le" not in s.labels}
+    if "jaxpaged:grammar_compiles_total" not in value:
+        return {}
+    compiles, hits = value["jaxpaged:grammar_compiles_total"], value["jaxpaged:grammar_cache_hits_total"]
+    buckets = {s.labels["le"]: int(s.value) for s in samples if s.name == "jaxpaged:grammar_compile_seconds_bucket"}
+    return {
+        "compiles": int(compiles),
+        "cache_hits": int(hits),
+        "cache_hit_rate": round(hits / (hits + compiles), 3) if hits + compiles else None,
+        "compile_seconds_sum": round(value["jaxpaged:grammar_compile_seconds_sum"], 2),
+        "compiles_within_seconds": buckets,
+    }
+
+
 def measure(server: Server, neighbour: Neighbour, attack) -> dict:
     context = multiprocessing.get_context("spawn")
     stop, started = context.Event(), context.Event()
@@ -303,6 +326,7 @@ def main() -> None:
                 continue
             rows.append(measure(server, neighbour, attack))
             print(json.dumps(rows[-1]), flush=True)
+        grammars = grammar_metrics(server)
     finally:
         neighbour.close()
         server.close()
@@ -317,10 +341,12 @@ def main() -> None:
             statistics.median(b - a for a, b in zip(neighbour.times, neighbour.times[1:])), 3
         ),
         "rows": rows,
+        "grammars": grammars,
     }
     text = (
         table(rows, args.label or commit)
         + f"\n\nNeighbour's median gap over the run: {report['neighbour_median_gap_s']} s."
+        + f"\n\nThe engine's grammars over the run (`/metrics`): {json.dumps(grammars)}"
     )
     print(text)
     if args.json:

@@ -540,6 +540,30 @@ def test_fuzzed_constraints_are_200s_or_400s_never_5xx_stalls_or_long_logs(serve
     assert len(caplog.records) <= 3 * len(outcomes), [r.getMessage()[:100] for r in caplog.records[:10]]
 
 
+def _metric_samples(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = server.http.get("/metrics").text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels}
+
+
+def test_grammar_compiles_cache_hits_and_compile_seconds_are_metrics(server):
+    """The engine's grammar cache on /metrics: a constraint sent twice is compiled once (its
+    time in the histogram) and then a cache hit."""
+    before = _metric_samples(server)
+    body = {"model": "demo", "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "(metrics){2}"}}
+    for _ in range(2):
+        assert server.http.post("/v1/completions", json=body).status_code == 200
+    after = _metric_samples(server)
+    for name, grew in [
+        ("jaxpaged:grammar_compiles_total", 1),
+        ("jaxpaged:grammar_cache_hits_total", 1),
+        ("jaxpaged:grammar_compile_seconds_count", 1),
+    ]:
+        assert after[name] - before.get(name, 0) == grew, name
+    assert after["jaxpaged:grammar_compile_seconds_sum"] > before.get("jaxpaged:grammar_compile_seconds_sum", 0)
+
+
 def test_tool_schemas_are_built_off_the_event_loop(server, monkeypatch):
     threads, real = [], serving.tool_mode
     monkeypatch.setattr(serving, "tool_mode", lambda *a: (threads.append(threading.current_thread().name), real(*a))[1])

@@ -463,6 +463,7 @@ class LLMEngine(TrainingLoopControls):
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             **self._host_tier_stats(),
+            **(self.grammars.stats() if self.grammars is not None else {}),
             **self.spec_stats,
             **({SPEC_DECODE_PER_POSITION: list(self.spec_accepted_per_position)} if self.spec_stats else {}),
         }

@@ -9,8 +9,10 @@ Latency histograms are observed on the engine thread as outputs leave it:
     vllm:e2e_request_latency_seconds   arrival -> finished (aborted requests excluded)
 """
 
+import itertools
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from jaxpaged.core.speculation import SPEC_DECODE_PER_POSITION
 from jaxpaged.outputs import RequestOutput
@@ -104,10 +106,23 @@ _FROM_STATS = (
         "kv_disk_dropped_writes",
         "Disk-tier writes skipped because too many were pending.",
     ),
+    # With a tokenizer (structured outputs) only; the compile times: _GRAMMAR_COMPILE_SECONDS.
+    ("jaxpaged:grammar_compiles", "counter", "grammar_compiles", "Grammars compiled (failed compiles too)."),
+    (
+        "jaxpaged:grammar_cache_hits",
+        "counter",
+        "grammar_cache_hits",
+        "Constraints whose compiled grammar (or compile error) came from the cache.",
+    ),
     # With a speculative_config only.
     ("vllm:spec_decode_num_drafts", "counter", "spec_decode_num_drafts", "Proposal windows checked."),
     ("vllm:spec_decode_num_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Proposed tokens checked."),
     ("vllm:spec_decode_num_accepted_tokens", "counter", "spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
+)
+_GRAMMAR_COMPILE_SECONDS = (
+    "jaxpaged:grammar_compile_seconds",
+    "grammar_compile_seconds",
+    "Seconds each grammar took to compile (on the engine's grammar threads).",
 )
 _PER_POSITION = (
     "vllm:spec_decode_num_accepted_tokens_per_pos",
@@ -129,6 +144,14 @@ class _EngineStatsCollector:
                 continue
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield family
+        name, key, doc = _GRAMMAR_COMPILE_SECONDS
+        if key in stats:
+            bounds, counts, total = stats[key]
+            cumulative = list(itertools.accumulate(counts))
+            buckets = [(repr(float(b)), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], buckets, sum_value=total)
             yield family
         name, key, doc = _PER_POSITION
         if key in stats:

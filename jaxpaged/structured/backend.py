@@ -11,10 +11,12 @@ A compiled grammar is an `LLMatcher` at its start state; each sequence takes a `
 cycle, an empty language), fails its request with llguidance's reason.
 """
 
+import bisect
 import collections
 import concurrent.futures
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -23,6 +25,8 @@ from jaxpaged.structured.grammar import digest, grammar_text, parser_limits
 from jaxpaged.structured.llg import llguidance
 
 CACHE_SIZE = 256  # compiled grammars kept (LRU)
+# Upper bounds (s) of the compile-time histogram's buckets (`GrammarBackend.compile_seconds`).
+COMPILE_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LOWEST_PRIORITY = 19  # the grammar threads' niceness
 
 
@@ -76,6 +80,10 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (the others came from the cache)
         self.cache_hits = 0
+        # compiles (failed ones too) by seconds taken: bucket i counts those of at most
+        # COMPILE_SECONDS_BUCKETS[i] and above the one before; the last, those above them all
+        self.compile_seconds = [0] * (len(COMPILE_SECONDS_BUCKETS) + 1)
+        self.compile_seconds_sum = 0.0
 
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
         """The compiled grammar of a constraint: a future of an `LLMatcher` at its start state,
@@ -97,10 +105,15 @@ class GrammarBackend:
                 self._cache.move_to_end(text)
                 self.cache_hits += 1
         if mine:
+            began = time.perf_counter()
             try:
                 future.set_result(self._compile(params.kind, text))
             except Exception as err:  # noqa: BLE001 - the request's error, cached like a grammar
                 future.set_exception(err)
+            seconds = time.perf_counter() - began
+            with self._lock:
+                self.compile_seconds[bisect.bisect_left(COMPILE_SECONDS_BUCKETS, seconds)] += 1
+                self.compile_seconds_sum += seconds
         return future.result()  # another thread's compile of the same text: waits for it
 
     def _compile(self, kind: str, text: str):
@@ -116,6 +129,17 @@ class GrammarBackend:
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{kind}: {digest(matcher.get_error())}")
         return matcher
+
+    def stats(self) -> dict:
+        """Counters for the engine's stats: compiles, cache hits, and the compile-time histogram
+        (`(bucket upper bounds, counts per bucket, sum of seconds)`)."""
+        with self._lock:
+            histogram = (COMPILE_SECONDS_BUCKETS, tuple(self.compile_seconds), self.compile_seconds_sum)
+            return {
+                "grammar_compiles": self.compiles,
+                "grammar_cache_hits": self.cache_hits,
+                "grammar_compile_seconds": histogram,
+            }
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -5,7 +5,7 @@ import pytest
 
 from jaxpaged.sampling_params import StructuredOutputsParams
 from jaxpaged.structured import check, grammar_text
-from jaxpaged.structured.grammar import ascii_digits
+from jaxpaged.structured.grammar import ascii_classes
 
 VALID = [
     StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
@@ -82,10 +82,15 @@ def test_without_llguidance_a_constraint_is_a_clear_error(monkeypatch):
         (r"[]\d]", "[]0-9]"),  # a `]` that opens a class is a literal
         (r"[^]\d]x\d", "[^]0-9]x[0-9]"),
         (r"\[\d\]", r"\[[0-9]\]"),
+        (r"\w+@\w+", "[0-9A-Za-z_]+@[0-9A-Za-z_]+"),
+        (r"[\w.-]+", "[0-9A-Za-z_.-]+"),
+        (r"\s*\S", r"[ \t\n\r\f\v]*[^ \t\n\r\f\v]"),
+        (r"\W", "[^0-9A-Za-z_]"),
+        (r"[\s\W]", r"[ \t\n\r\f\v\W]"),  # a negation inside a class stays
     ],
 )
-def test_regex_digits_are_ascii_as_in_vllm(pattern, ascii):
-    assert ascii_digits(pattern) == ascii
+def test_regex_classes_are_ascii_as_in_vllm(pattern, ascii):
+    assert ascii_classes(pattern) == ascii
 
 
 def test_a_regex_digit_never_matches_another_scripts_digits():

@@ -8,6 +8,7 @@ its request with an error naming the field, and the engine goes on; with
 async scheduling (masks filled while the step's model program runs) the outputs are the
 synchronous engine's, token for token. (The masked distribution itself: tests/test_sampler_mask.py.)"""
 
+import re
 import time
 
 import numpy as np
@@ -88,6 +89,29 @@ def test_running_out_of_max_tokens_is_length(engine):
     params = SamplingParams(temperature=0, max_tokens=3, structured_outputs=CONSTRAINTS["json"])
     (c,) = run(engine, [("short", params)])["short"]
     assert c.finish_reason == "length" and len(c.token_ids) == 3
+
+
+def test_no_constraint_ends_in_part_of_a_character(engine):
+    """Constraints whose language holds characters of several UTF-8 bytes (any character, a
+    word class, accented and CJK choices, a JSON string), sampled hot: every completion stops
+    where its constraint accepts, with whole characters only (no U+FFFD from a cut sequence);
+    `\\w` and `\\d` are ASCII (issue 45)."""
+    constraints = {
+        "any": StructuredOutputsParams(regex=".{4}"),
+        "word": StructuredOutputsParams(regex=r"\w{3}-\d{3}"),
+        "choice": StructuredOutputsParams(choice=["café", "日本語", "naïve ☃"]),
+        "string": StructuredOutputsParams(json={"type": "string", "minLength": 2, "maxLength": 5}),
+    }
+    requests = [
+        (kind, SamplingParams(temperature=1.5, n=4, seed=11, max_tokens=40, structured_outputs=so))
+        for kind, so in constraints.items()
+    ]
+    done = run(engine, requests)
+    for kind, completions in done.items():
+        for c in completions:
+            assert c.finish_reason == "stop" and "\ufffd" not in c.text, (kind, c.text)
+    assert all(re.fullmatch(r"[0-9A-Za-z_]{3}-[0-9]{3}", c.text) for c in done["word"]), done["word"]
+    assert all(c.text in ("café", "日本語", "naïve ☃") for c in done["choice"])
 
 
 def test_allowed_token_ids_and_bad_words(engine):

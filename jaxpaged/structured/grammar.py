@@ -7,9 +7,10 @@ JSON is compact unless the request gives a `whitespace_pattern`: no whitespace b
 (separators "," and ":"), so a model cannot spin on whitespace inside a document until
 `max_tokens` cuts it (vLLM's `disable_any_whitespace` is therefore always on here).
 
-In a `regex` constraint `\d` is an ASCII digit, `[0-9]`, as in vLLM's default backend and in a
-JSON schema's `pattern` (llguidance alone reads it as any Unicode digit: a date regex then
-writes Tamil or Cham digits).
+In a `regex` constraint `\d`, `\w` and `\s` are ASCII (`[0-9]`, `[0-9A-Za-z_]`, `[ \t\n\r\f\v]`),
+as in vLLM's default backend and in a JSON schema's `pattern` (llguidance alone reads them as
+Unicode classes: a date regex then writes Tamil or Cham digits). `\b` and other lookarounds are
+not supported by llguidance: a 400.
 
 Budgets: a constraint's own text (the schema as JSON, the regex, the grammar, the choices) is at
 most `max_bytes` long before any work is done on it (`constraint_bytes`; llguidance's time grows
@@ -72,7 +73,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "json_object":
             return _json_grammar(params, {"type": "object"})
         if kind == "regex":
-            return llguidance().LLMatcher.grammar_from_regex(ascii_digits(params.regex))
+            return llguidance().LLMatcher.grammar_from_regex(ascii_classes(params.regex))
         if kind == "choice":
             return llguidance().grammar_from("choice", list(params.choice))
         if kind == "grammar":
@@ -107,19 +108,24 @@ def check(params: StructuredOutputsParams, max_bytes: int | None = None) -> None
         raise ValueError(f"structured_outputs.{params.kind}: {digest(error)}")
 
 
-def ascii_digits(pattern: str) -> str:
-    r"""`pattern` with `\d` as `[0-9]` (`0-9` inside a character class) and `\D` as `[^0-9]`
-    outside one; escapes, and a `]` that opens a class as a literal, are read as a regex reads
-    them. (`\D` inside a class stays: "not a digit" has no range to join the class with.)"""
+# A regex's class escapes with vLLM's (ASCII) meaning, as the ranges of a character class.
+ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
+
+
+def ascii_classes(pattern: str) -> str:
+    r"""`pattern` with `\d`, `\w` and `\s` in ASCII (`ASCII_CLASSES`: `[0-9]`, or `0-9` inside a
+    character class) and `\D`, `\W`, `\S` as their negations outside one; escapes, and a `]`
+    that opens a class as a literal, are read as a regex reads them. (`\D`, `\W`, `\S` inside a
+    class stay: a negation has no range to join the class with.)"""
     out, i, in_class = [], 0, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\" and i + 1 < len(pattern):
             nxt = pattern[i + 1]
-            if nxt == "d":
-                out.append("0-9" if in_class else "[0-9]")
-            elif nxt == "D" and not in_class:
-                out.append("[^0-9]")
+            if nxt in ASCII_CLASSES:
+                out.append(ASCII_CLASSES[nxt] if in_class else f"[{ASCII_CLASSES[nxt]}]")
+            elif nxt.lower() in ASCII_CLASSES and not in_class:
+                out.append(f"[^{ASCII_CLASSES[nxt.lower()]}]")
             else:
                 out.append(c + nxt)
             i += 2

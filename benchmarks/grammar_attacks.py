@@ -30,7 +30,6 @@ Attacks:
   prompt_lp_repeat  the same 4 times more, the memory after each (a plateau, or a leak)
 """
 
-import argparse
 import asyncio
 import json
 import multiprocessing
@@ -43,7 +42,7 @@ import time
 
 import httpx
 
-from benchmarks.health_under_attack import KEY, Server, _p99, probe
+from benchmarks.health_under_attack import KEY, Server, _p99, attack_parser, probe
 from benchmarks.results_files import save_results
 
 SCHEMA_MAX_TOKENS = 16
@@ -311,12 +310,7 @@ def table(rows: list[dict], label: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", help="write the report here (and a markdown table beside it)")
-    parser.add_argument("--label", default="", help="what this run measures (e.g. 'before the fixes')")
-    parser.add_argument("--serve-arg", action="append", default=[], help="an extra `jaxpaged serve` argument")
-    parser.add_argument("--only", nargs="*", help="attack names to run (default: all)")
-    args = parser.parse_args()
+    args = attack_parser(__doc__).parse_args()
     server = Server(["--max-model-len", "1024", *args.serve_arg])
     neighbour = Neighbour(server)
     try:

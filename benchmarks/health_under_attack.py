@@ -293,13 +293,19 @@ def table(rows: list[dict], label: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def attack_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags of an attack benchmark (this one and grammar_attacks.py), described by `doc`'s
+    first line."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--json", help="write the report here (and a markdown table beside it)")
     parser.add_argument("--label", default="", help="what this run measures (e.g. 'before the fixes')")
     parser.add_argument("--serve-arg", action="append", default=[], help="an extra `jaxpaged serve` argument")
     parser.add_argument("--only", nargs="*", help="attack names to run (default: all)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = attack_parser(__doc__).parse_args()
     server = Server(args.serve_arg)
     try:
         rows = []

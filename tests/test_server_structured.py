@@ -371,6 +371,29 @@ def test_grammars_that_fail_are_400s_or_error_events_never_500s(server):
     assert out.choices[0].finish_reason == "length"
 
 
+def _neighbour(server, max_tokens: int, times: list[float], after_chunk) -> threading.Thread:
+    """A neighbour's stream of `max_tokens` tokens on a thread of its own (started): each chunk's
+    arrival appended to `times`, then `after_chunk()` called."""
+
+    def stream():
+        body = {
+            "model": "demo",
+            "prompt": "In the beginning",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with server.http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
+                    after_chunk()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return thread
+
+
 def test_huge_schemas_do_not_stall_a_neighbours_stream(server):
     """Issue 44's attack at the size budget: 4 requests with 4,000-property schemas (112 KB each:
     seconds of checking and compiling, then llguidance gives up on them) while a neighbour
@@ -379,22 +402,12 @@ def test_huge_schemas_do_not_stall_a_neighbours_stream(server):
     neighbour_times, answers = [], []
     attack_started = threading.Event()
 
-    def neighbour():
-        body = {"model": "demo", "prompt": "In the beginning", "max_tokens": 100, "stream": True, "ignore_eos": True}
-        with server.http.stream("POST", "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    neighbour_times.append(time.monotonic())
-                    if len(neighbour_times) == 5:
-                        attack_started.set()
-
     def attacker(i):
         schema = _wide(4000)
         schema["properties"]["me"] = {"const": i}  # four different grammars: no cache hits
         answers.append(server.http.post("/v1/chat/completions", json=_schema_body(schema, max_tokens=16)))
 
-    stream = threading.Thread(target=neighbour)
-    stream.start()
+    stream = _neighbour(server, 100, neighbour_times, lambda: len(neighbour_times) == 5 and attack_started.set())
     assert attack_started.wait(60)
     attackers = [threading.Thread(target=attacker, args=(i,)) for i in range(4)]
     began = time.monotonic()
@@ -494,14 +507,6 @@ def test_fuzzed_constraints_are_200s_or_400s_never_5xx_stalls_or_long_logs(serve
     neighbour_times, outcomes = [], []
     fuzz_started = threading.Event()
 
-    def neighbour():
-        body = {"model": "demo", "prompt": "In the beginning", "max_tokens": 60, "stream": True, "ignore_eos": True}
-        with server.http.stream("POST", "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    neighbour_times.append(time.monotonic())
-                    fuzz_started.wait(60)  # the fuzz begins with the stream under way
-
     def send(case: tuple[int, dict]):
         i, constraint = case
         body = {"model": "demo", "prompt": "x", "max_tokens": 4, "structured_outputs": constraint}
@@ -515,8 +520,7 @@ def test_fuzzed_constraints_are_200s_or_400s_never_5xx_stalls_or_long_logs(serve
         response = server.http.post("/v1/completions", json=body)
         return constraint, response.status_code, [response.json()["error"]] if response.status_code != 200 else []
 
-    stream = threading.Thread(target=neighbour)
-    stream.start()
+    stream = _neighbour(server, 60, neighbour_times, lambda: fuzz_started.wait(60))  # the fuzz begins mid-stream
     with caplog.at_level(logging.INFO):
         while not neighbour_times:
             time.sleep(0.01)

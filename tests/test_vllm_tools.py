@@ -1,6 +1,6 @@
 """The load tools vLLM's users run, against `jaxpaged serve` (issue 45): guidellm's current release
-(0.8.1, the tool vLLM's docs point to) completes its runs with no errors, on chat and completions,
-streamed as it streams (`stream_options` with vLLM's `continuous_usage_stats`), behind an API key.
+(0.8.1, the tool vLLM's docs point to) completes its runs with no errors, on chat, completions and
+responses, streamed as it streams (`stream_options` with vLLM's `continuous_usage_stats`), behind an API key.
 
 guidellm needs torch, which the server-only venv this file runs in (CI stage 3) must not have: it
 is installed in a venv of its own and run as a subprocess, found through `$JAXPAGED_GUIDELLM`:
@@ -56,7 +56,11 @@ def guidellm(url: str, out: str, request_format: str, profile: str, requests: in
 
 @pytest.mark.parametrize(
     ("request_format", "profile"),
-    [("/v1/chat/completions", "concurrent,streams=4"), ("/v1/completions", "synchronous")],
+    [
+        ("/v1/chat/completions", "concurrent,streams=4"),
+        ("/v1/completions", "synchronous"),
+        ("/v1/responses", "concurrent,streams=2"),
+    ],
 )
 def test_guidellm_completes_its_run_with_no_errors(served, tmp_path, request_format, profile):
     report = guidellm(served.url, str(tmp_path / "report.json"), request_format, profile, requests=8)

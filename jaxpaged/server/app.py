@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI routes, vLLM's extra routes, auth, body limits and error shapes.
 
     POST /v1/completions, /v1/chat/completions   (serving.py; JSON or SSE)
+    POST /v1/responses                           (openai_responses.py: a chat completion, as a response)
     GET  /v1/models, /metrics, /version
     GET  /health (readiness: 200 once serving), /live (liveness: 200 while the process answers)
     POST /tokenize, /detokenize                  (vLLM's shapes)
@@ -41,6 +42,7 @@ from jaxpaged.server.async_engine import (
 from jaxpaged.server.dev_routes import add_dev_routes, dev_mode
 from jaxpaged.server.limits import RETRY_AFTER_SECONDS, ServerLimits
 from jaxpaged.server.metrics import ServerMetrics
+from jaxpaged.server.openai_responses import ResponsesRequest, create_response
 from jaxpaged.server.prompts import chat_prompt
 from jaxpaged.server.protocol import (
     APIError,
@@ -142,6 +144,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(ctx, await body_of(raw, ChatCompletionRequest), raw)
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        return await create_response(ctx, await body_of(raw, ResponsesRequest), raw)
 
     @app.get("/v1/models")
     async def models() -> dict:

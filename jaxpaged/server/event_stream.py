@@ -108,7 +108,12 @@ class EventStreamResponse(StreamingResponse):
 
     def __init__(self, content, on_close, write_timeout: float):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close, self._write_timeout = on_close, write_timeout
+        self._content, self._on_close, self._write_timeout = content, on_close, write_timeout
+
+    def mapped(self, transform) -> "EventStreamResponse":
+        """The same stream with its events rewritten: `transform(events)` is an async iterator of
+        the new events (e.g. the Responses API's from chat chunks)."""
+        return EventStreamResponse(transform(self._content), self._on_close, self._write_timeout)
 
     async def __call__(self, scope, receive, send) -> None:
         async def send_in_time(message) -> None:

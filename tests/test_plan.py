@@ -116,7 +116,7 @@ def test_parameter_count_is_exact_and_directories_work(tmp_path, capsys, variant
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_awq_and_gptq_on_a_preset_count_their_4_bit_layout(capsys, method):
-    """"How much does 70B-AWQ need" has an answer on the preset (issue 45): the 4-bit codes with
+    """ "How much does 70B-AWQ need" has an answer on the preset (issue 45): the 4-bit codes with
     a scale and a zero point per group, as the engine holds such a checkpoint (int4's bytes at
     the same group size), on one 80 GB GPU; bfloat16 needs two."""
     common = ("--model", "llama-3.1-70b", "--gpu-memory", "80GiB", "--context", "8192")

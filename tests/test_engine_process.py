@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -228,6 +229,33 @@ def test_dev_mode_routes_drive_the_child_between_steps(engines, monkeypatch):
     assert first.status_code == again.status_code == 200, (first.text, again.text)
     text = first.json()["choices"][0]["text"]
     assert text and again.json()["choices"][0]["text"] == text
+    assert process.is_ready and process.num_unfinished_seqs == 0
+
+
+def test_profile_routes_trace_the_engines_process(engines, tmp_path):
+    """With a profiler directory the app has /start_profile and /stop_profile (without, 404): the
+    trace is of the child, written where the route says, with the steps it ran; starting twice
+    or stopping none is a 409; the engine serves on."""
+    _, process = engines
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+
+    async def run(app, requests):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            return [await (http.post(url, json=body) if url.startswith("/v1") else http.post(url)) for url in requests]
+
+    [absent] = asyncio.run(run(build_app(process, "m"), ["/start_profile"]))
+    assert absent.status_code == 404
+    app = build_app(process, "m", profiler_dir=str(tmp_path / "traces"))
+    calls = asyncio.run(
+        run(app, ["/stop_profile", "/start_profile", "/start_profile", "/v1/completions", "/stop_profile"])
+    )
+    assert [r.status_code for r in calls] == [409, 200, 409, 200, 200], [r.text for r in calls]
+    assert "no profile is running" in calls[0].json()["error"]["message"]
+    assert "already being written" in calls[2].json()["error"]["message"]
+    run_dir = Path(calls[4].json()["profile_dir"])
+    assert run_dir.parent == tmp_path / "traces" / "plugins" / "profile"
+    [trace] = run_dir.glob("*.xplane.pb")
+    assert trace.stat().st_size > 10_000  # the child's steps, not an empty trace
     assert process.is_ready and process.num_unfinished_seqs == 0
 
 

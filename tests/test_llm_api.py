@@ -265,3 +265,19 @@ def test_three_quarter_token_buckets_give_the_tokens_of_the_powers(llm, model_di
     packer = wide.llm_engine.runner.packer
     assert 384 in packer.layouts and packer.bucket_for(300, 300) == 384
     assert [o.outputs[0].token_ids for o in wide.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_start_and_stop_profile_write_a_trace_of_the_steps(llm, tmp_path):
+    """`LLM.start_profile` / `stop_profile` (vLLM's): a jax.profiler trace of the generation in
+    between, in the directory given; a second start while one runs, or a stop with none, is a
+    RuntimeError naming why; generation is unchanged."""
+    before = llm.generate(["hello there"], greedy(4))[0].outputs[0].token_ids
+    with pytest.raises(RuntimeError, match="no profile is running"):
+        llm.stop_profile()
+    llm.start_profile(str(tmp_path))
+    with pytest.raises(RuntimeError, match="already being written"):
+        llm.start_profile(str(tmp_path))
+    during = llm.generate(["hello there"], greedy(4))[0].outputs[0].token_ids
+    run = llm.stop_profile()
+    [trace] = (tmp_path / "plugins" / "profile").glob("*/*.xplane.pb")
+    assert str(trace.parent) == run and trace.stat().st_size > 10_000 and during == before

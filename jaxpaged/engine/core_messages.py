@@ -41,8 +41,9 @@ class StopOnString:
     stop: str
 
 
-# The training-loop controls (`engine/training_loop.py`) the server may call, by the development-
-# mode routes: on the engine's thread or in the engine-core process, always between two steps.
+# The training-loop controls (`engine/training_loop.py`) the server may call by the development-
+# mode routes, and the profiler's (`engine/profiling.py`): on the engine's thread or in the
+# engine-core process, always between two steps.
 CONTROL_METHODS = (
     "sleep",
     "wake_up",
@@ -51,6 +52,8 @@ CONTROL_METHODS = (
     "pause_generation",
     "resume_generation",
     "is_paused",
+    "start_profile",
+    "stop_profile",
 )
 
 

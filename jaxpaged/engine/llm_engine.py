@@ -61,6 +61,7 @@ from jaxpaged.core.speculation import (
     make_proposer,
 )
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.profiling import ProfilerControls
 from jaxpaged.engine.setup import eos_token_ids, load_tokenizer, start_device_worker, start_disk_tier
 from jaxpaged.engine.training_loop import TrainingLoopControls
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
@@ -76,7 +77,7 @@ from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS
 logger = logging.getLogger("jaxpaged")
 
 
-class LLMEngine(TrainingLoopControls):
+class LLMEngine(TrainingLoopControls, ProfilerControls):
     """The engine behind `LLM` and the server (vLLM's name and verbs; in a training loop also
     `get_params`, `update_weights`, `sleep`, `wake_up`, `pause_generation`, ...:
     `jaxpaged.engine.training_loop`).

@@ -176,6 +176,14 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
 
+    def start_profile(self, profile_dir: str) -> None:
+        """Starts a `jax.profiler` trace of this process into `profile_dir` (`LLMEngine.start_profile`)."""
+        self.llm_engine.start_profile(profile_dir)
+
+    def stop_profile(self) -> str:
+        """Stops the trace and writes it; returns its run's directory (`LLMEngine.stop_profile`)."""
+        return self.llm_engine.stop_profile()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}

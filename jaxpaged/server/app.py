@@ -6,6 +6,7 @@
     GET  /health (readiness: 200 once serving), /live (liveness: 200 while the process answers)
     POST /tokenize, /detokenize                  (vLLM's shapes)
     /sleep, /wake_up, /pause, /resume, ...       with JAXPAGED_SERVER_DEV_MODE=1 only (dev_routes.py)
+    POST /start_profile, /stop_profile           with --profiler-dir only (profile_routes.py)
 
 CORS follows vLLM's flags and defaults (any origin, method and header; no credentials): a
 preflight (`OPTIONS` with `Access-Control-Request-Method`) never needs the API key.
@@ -43,6 +44,7 @@ from jaxpaged.server.dev_routes import add_dev_routes, dev_mode
 from jaxpaged.server.limits import RETRY_AFTER_SECONDS, ServerLimits
 from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.openai_responses import ResponsesRequest, create_response
+from jaxpaged.server.profile_routes import add_profile_routes
 from jaxpaged.server.prompts import chat_prompt
 from jaxpaged.server.protocol import (
     APIError,
@@ -86,6 +88,7 @@ def build_app(
     tool_call_parser: str | None = None,
     cors: CorsPolicy | None = None,
     chat_template: str | None = None,
+    profiler_dir: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over an `AsyncEngine` (which may still be starting).
 
@@ -102,6 +105,7 @@ def build_app(
         None refuses "auto" (vLLM's `--enable-auto-tool-choice` not given).
       cors: which browser origins may call (`CorsPolicy()`, vLLM's defaults, when None).
       chat_template: a Jinja chat template used instead of the tokenizer's (`--chat-template`).
+      profiler_dir: where `POST /start_profile` traces to (`--profiler-dir`); None: no such routes.
     """
     limits = limits or ServerLimits()
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -132,6 +136,8 @@ def build_app(
     _add_error_handlers(app)
     if dev_mode():  # /sleep, /wake_up, /pause, ... (vLLM's development mode)
         add_dev_routes(app, async_engine)
+    if profiler_dir is not None:  # /start_profile, /stop_profile
+        add_profile_routes(app, async_engine, profiler_dir)
 
     async def body_of(raw: Request, model):
         ctx.require_ready()  # the list limits need the engine's max_model_len

@@ -103,6 +103,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         metavar="FILE|TEMPLATE",
         help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's",
     )
+    parser.add_argument(
+        "--profiler-dir",
+        metavar="DIR",
+        help="adds POST /start_profile and /stop_profile: a jax.profiler trace of the engine's process into DIR "
+        "(TensorBoard's profile plugin, XProf or Perfetto open it; vLLM's --profiler-config torch_profiler_dir)",
+    )
     parser.add_argument("--enable-log-requests", action="store_true", help="include prompt text in request logs")
     parser.add_argument("--disable-log-requests", action="store_true", help=DISABLE_LOG_REQUESTS)
     parser.add_argument(
@@ -312,6 +318,7 @@ def _run(
         limits=limits,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         chat_template=chat_template,
+        profiler_dir=args.profiler_dir,
         cors=CorsPolicy(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),

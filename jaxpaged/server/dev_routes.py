@@ -33,18 +33,25 @@ def dev_mode() -> bool:
     return os.environ.get(DEV_MODE_ENV) == "1"
 
 
+async def call_control(engine: AsyncEngine, method: str, *args):
+    """`engine.control(method, *args)`'s result, or the error response: 400 for a bad argument
+    (ValueError), 409 for a call the engine's state forbids (RuntimeError); a stopped or starting
+    engine raises (the app's 503s)."""
+    try:
+        return await asyncio.wrap_future(engine.control(method, *args))
+    except (EngineDeadError, EngineNotReadyError):
+        raise
+    except ValueError as err:
+        return JSONResponse(error_body(str(err), "invalid_request_error"), status_code=400)
+    except RuntimeError as err:
+        return JSONResponse(error_body(str(err), "conflict"), status_code=409)
+
+
 def add_dev_routes(app: FastAPI, engine: AsyncEngine) -> None:
     """Adds the routes of the module docstring to `app`."""
 
     async def call(method: str, *args):
-        try:
-            return await asyncio.wrap_future(engine.control(method, *args))
-        except (EngineDeadError, EngineNotReadyError):
-            raise  # the app's 503s
-        except ValueError as err:
-            return JSONResponse(error_body(str(err), "invalid_request_error"), status_code=400)
-        except RuntimeError as err:
-            return JSONResponse(error_body(str(err), "conflict"), status_code=409)
+        return await call_control(engine, method, *args)
 
     async def done(method: str, *args) -> Response:
         result = await call(method, *args)

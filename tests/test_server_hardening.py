@@ -695,6 +695,14 @@ def test_the_ready_line_counts_the_programs_the_compiling_line_announced(demo, c
         _log_start_up(engine, 1.0)
     ready = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready in"))
     assert f"; {len(engine.runner.compile_report)} step programs (token buckets" in ready, ready
+    import jax
+
+    memory = engine.device_memory_stats()  # where the device memory went, in the same line
+    weights = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))  # one CPU device holds all
+    assert memory["device_weight_bytes"] == weights and memory["kv_cache_bytes"] == engine.plan.pool_bytes
+    assert 0 < memory["step_temp_bytes"] == max(engine.runner.temp_bytes.values())
+    assert 0 <= memory["kv_cache_used_bytes"] <= memory["kv_cache_bytes"]
+    assert f"per device: weights {weights / 2**30:.3f} GiB, KV pool {engine.plan.pool_bytes / 2**30:.3f} GiB" in ready
 
 
 def test_readme_lists_every_limit_with_its_flag_and_default():

@@ -553,7 +553,7 @@ def _metric_samples(server) -> dict[str, float]:
 
 def test_grammar_compiles_cache_hits_and_compile_seconds_are_metrics(server):
     """The engine's grammar cache on /metrics: a constraint sent twice is compiled once (its
-    time in the histogram) and then a cache hit."""
+    time in the histogram) and then a cache hit; the device-memory gauges are the engine's."""
     before = _metric_samples(server)
     body = {"model": "demo", "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "(metrics){2}"}}
     for _ in range(2):
@@ -566,6 +566,11 @@ def test_grammar_compiles_cache_hits_and_compile_seconds_are_metrics(server):
     ]:
         assert after[name] - before.get(name, 0) == grew, name
     assert after["jaxpaged:grammar_compile_seconds_sum"] > before.get("jaxpaged:grammar_compile_seconds_sum", 0)
+    # and where one device's memory went (`LLMEngine.device_memory_stats`)
+    stats = server.ctx.engine.stats
+    for name in ("device_weight_bytes", "kv_cache_bytes", "kv_cache_used_bytes", "step_temp_bytes"):
+        assert after[f"jaxpaged:{name}"] == stats[name], name
+    assert after["jaxpaged:device_weight_bytes"] > 0 and after["jaxpaged:kv_cache_bytes"] > 0
 
 
 def test_tool_schemas_are_built_off_the_event_loop(server, monkeypatch):

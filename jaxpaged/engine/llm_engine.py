@@ -465,6 +465,7 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
             "generation_tokens": self.num_generation_tokens,
             **self._host_tier_stats(),
             **(self.grammars.stats() if self.grammars is not None else {}),
+            **self.device_memory_stats(),
             **self.spec_stats,
             **({SPEC_DECODE_PER_POSITION: list(self.spec_accepted_per_position)} if self.spec_stats else {}),
         }

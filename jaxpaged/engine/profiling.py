@@ -1,4 +1,7 @@
-"""The engine's profiler (vLLM's `start_profile` / `stop_profile`): a `jax.profiler` trace of
+"""The engine's profiler (vLLM's `start_profile` / `stop_profile`), and where its device memory
+went (`device_memory_stats`: in `get_stats()`, `/metrics` and the start-up log).
+
+The trace: a `jax.profiler` trace of
 the process that runs the engine's steps (host threads and the device's kernels), written under
 a directory the caller names, for TensorBoard's profile plugin, XProf or Perfetto
 (`<dir>/plugins/profile/<run>/*.xplane.pb` and `*.trace.json.gz`).
@@ -14,6 +17,8 @@ import os
 
 import jax
 
+from jaxpaged.parallel.mesh import bytes_per_device
+
 logger = logging.getLogger("jaxpaged")
 
 
@@ -21,6 +26,28 @@ class ProfilerControls:
     """`LLMEngine`'s profiler methods."""
 
     _profile_dir: str | None = None
+    _weights: tuple[int, int] = (0, 0)  # (id of the parameter state measured, its bytes)
+
+    def device_memory_stats(self) -> dict[str, int]:
+        """One device's memory by use, in bytes: the weights (the fullest device's, measured
+        from the placed shards when the parameters change; 0 asleep), its KV pool and the
+        share of it in use, and the largest compiled step's temporaries (XLA's memory analysis).
+        """
+        params = self.runner.params
+        if self.is_sleeping():
+            weights = 0
+        elif self._weights[0] == id(params):
+            weights = self._weights[1]
+        else:
+            weights = max(bytes_per_device(params).values(), default=0)
+            self._weights = (id(params), weights)
+        pool = self.plan.pool_bytes
+        return {
+            "device_weight_bytes": weights,
+            "kv_cache_bytes": pool,
+            "kv_cache_used_bytes": int(self.scheduler.block_manager.usage * pool),
+            "step_temp_bytes": max(self.runner.temp_bytes.values(), default=0),
+        }
 
     def start_profile(self, profile_dir: str) -> None:
         """Starts tracing this process into `profile_dir` (made if missing).

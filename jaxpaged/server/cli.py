@@ -463,10 +463,11 @@ def _log_start_up(engine, seconds: float) -> None:
     dtype = jax.tree.leaves(runner.params)[0].dtype
     # the count the "compiling N step programs" line announced (penalty seeding and KV copies included)
     programs = len(getattr(runner, "compile_report", None) or runner.layouts)
+    memory = engine.device_memory_stats()
     logger.info(
         "engine ready in %.1f s: model %s (%s, %d layers, dtype %s, max_model_len %d); KV cache %d blocks x %d = "
         "%d tokens (%.3f GiB), max concurrency %.2f at max_model_len; %d step programs (token buckets %s) "
-        "compiled in %.1f s",
+        "compiled in %.1f s; per device: weights %.3f GiB, KV pool %.3f GiB, step temporaries up to %.3f GiB",
         seconds,
         engine.config.load.model,
         config.architecture,
@@ -481,4 +482,7 @@ def _log_start_up(engine, seconds: float) -> None:
         programs,
         sorted(runner.layouts),
         engine.compile_seconds,
+        memory["device_weight_bytes"] / 2**30,
+        memory["kv_cache_bytes"] / 2**30,
+        memory["step_temp_bytes"] / 2**30,
     )

@@ -106,6 +106,16 @@ _FROM_STATS = (
         "kv_disk_dropped_writes",
         "Disk-tier writes skipped because too many were pending.",
     ),
+    # One device's memory by use (`LLMEngine.device_memory_stats`).
+    ("jaxpaged:device_weight_bytes", "gauge", "device_weight_bytes", "Weight bytes on the fullest device."),
+    ("jaxpaged:kv_cache_bytes", "gauge", "kv_cache_bytes", "Bytes of one device's KV pool."),
+    ("jaxpaged:kv_cache_used_bytes", "gauge", "kv_cache_used_bytes", "Bytes of one device's KV pool in use."),
+    (
+        "jaxpaged:step_temp_bytes",
+        "gauge",
+        "step_temp_bytes",
+        "Temporaries of the largest compiled step program on one device (XLA's memory analysis).",
+    ),
     # With a tokenizer (structured outputs) only; the compile times: _GRAMMAR_COMPILE_SECONDS.
     ("jaxpaged:grammar_compiles", "counter", "grammar_compiles", "Grammars compiled (failed compiles too)."),
     (

@@ -50,6 +50,17 @@ def test_bad_flags_are_named(flag, value, message):
         extraction.check_flags(args)
 
 
+def test_requests_longer_than_the_models_context_are_refused_before_any_run(capsys):
+    """The seed workload's 900-token prefix does not fit the demo model's 1,024 tokens with a note
+    and an answer: one error naming the flags and the limit (before, every configuration failed
+    in its own process with a traceback naming --max-tokens, a flag the command does not have)."""
+    argv = ["bench", "extraction", "--num-prompts", "2", "--prefix-len", "900", "--note-len", "100,200"]
+    assert main([*argv, "--output-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--prefix-len 900" in err and "--output-len 64" in err and "context of 1024 tokens" in err
+    assert "running" not in err  # no configuration started
+
+
 def test_a_constrained_configuration_end_to_end(tmp_path, capsys):
     """One configuration in its own process (the others differ only in engine flags and whether
     the schema is sent), speculating (n-gram and the grammar's forced tokens): every output

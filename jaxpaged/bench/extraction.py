@@ -50,7 +50,8 @@ import subprocess
 import sys
 import tempfile
 
-from jaxpaged.entrypoints.cli_flags import engine_config
+from jaxpaged.bench import extraction_data
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_config
 
 CONFIGS = (
     "json+prefix-cache",
@@ -120,11 +121,47 @@ def check_flags(args: argparse.Namespace) -> tuple[int, int]:
     return low, high
 
 
+def extraction_tokenizer(args: argparse.Namespace):
+    """The tokenizer the run's prompts are drawn with: the model's, or --tokenizer's."""
+    from transformers import AutoTokenizer
+
+    from jaxpaged.bench.datasets import dataset_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(dataset_tokenizer_dir(args.model or DEMO_MODEL_DIR, args.tokenizer))
+
+
+def extraction_requests(args: argparse.Namespace, note_len: tuple[int, int], tokenizer) -> list[dict]:
+    """The run's prompts (`{"prompt_token_ids": ...}`)."""
+    ids = extraction_data.extraction_prompts(
+        tokenizer, args.num_prompts, args.prefix_len, note_len, seed=args.seed or 0
+    )
+    return [{"prompt_token_ids": p} for p in ids]
+
+
+def check_lengths(args: argparse.Namespace, context: int, note_len: tuple[int, int]) -> None:
+    """Every request (its prompt and --output-len) fits --max-model-len or the model's `context`.
+
+    Raises:
+      ValueError: the longest does not, naming the flags that make it and the limit.
+    """
+    requests = extraction_requests(args, note_len, extraction_tokenizer(args))
+    longest = max(len(p["prompt_token_ids"]) for p in requests) + args.output_len
+    limit = args.max_model_len or context
+    if longest > limit:
+        what = f"--max-model-len {limit}" if args.max_model_len else f"the model's context of {limit} tokens"
+        raise ValueError(
+            f"the longest request needs {longest} tokens (--prefix-len {args.prefix_len}, a note of up to "
+            f"{note_len[1]} tokens (--note-len) and the template, plus --output-len {args.output_len}), more than "
+            f"{what}; lower those flags, or use a model with a longer context"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """`jaxpaged bench extraction` with parsed arguments: each configuration in its own process."""
-    check_flags(args)
+    note_len = check_flags(args)
     placeholder = {} if args.max_num_seqs is not None else dict(max_num_seqs=1)
-    engine_config(args, **placeholder)  # every engine flag checked before anything slow
+    checked = engine_config(args, **placeholder)  # every engine flag checked before anything slow
+    check_lengths(args, checked.model.max_context_len, note_len)
     settings = {k: v for k, v in vars(args).items() if not callable(v)}
     results: dict = {"args": settings, "runs": {}}
     failed = False

@@ -14,9 +14,8 @@ import sys
 import time
 
 from jaxpaged.bench import extraction, extraction_data
-from jaxpaged.bench.datasets import dataset_tokenizer_dir
 from jaxpaged.core.speculation import SPEC_DECODE_COUNTERS
-from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
+from jaxpaged.entrypoints.cli_flags import engine_args, engine_config
 from jaxpaged.entrypoints.cli_generate import size_to_job
 from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -29,18 +28,10 @@ def config_modes(config: str) -> tuple[bool, str, bool, bool]:
 
 def run_config(args: argparse.Namespace, config: str) -> dict:
     """Starts the engine `config` describes, runs every request at once, measures."""
-    from transformers import AutoTokenizer
-
     note_len = extraction.check_flags(args)
     constrained, cache, speculation, overlapped = config_modes(config)
-    model = args.model or DEMO_MODEL_DIR
-    tokenizer = AutoTokenizer.from_pretrained(dataset_tokenizer_dir(model, args.tokenizer))
-    prompts = [
-        {"prompt_token_ids": ids}
-        for ids in extraction_data.extraction_prompts(
-            tokenizer, args.num_prompts, args.prefix_len, note_len, seed=args.seed or 0
-        )
-    ]
+    tokenizer = extraction.extraction_tokenizer(args)
+    prompts = extraction.extraction_requests(args, note_len, tokenizer)
     structured = StructuredOutputsParams(json=extraction_data.SCHEMA) if constrained else None
     # Unconstrained requests ignore EOS and write --output-len tokens (as vLLM's benchmarks do):
     # a toy or random-weight model would otherwise stop after a few tokens, and what the two modes

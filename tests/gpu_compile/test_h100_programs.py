@@ -161,6 +161,28 @@ def llama_8b_bfloat16(tmp_path_factory):
     return model, {p: c.memory_analysis() for p, c in compiled.items()}, params
 
 
+def test_8b_programs_at_32k_and_128k_contexts_grow_only_by_their_block_tables(tmp_path):
+    """Issue 48's lengths: Llama-3.1-8B's shapes (two layers, bfloat16) with --max-model-len 32768
+    and 131072 (llama3 RoPE scaling's full context) compile for an H100; against 4,096, each step
+    program's temporaries grow by at most two copies of the block tables' growth (4 sequences x
+    blocks per sequence x 4 bytes: 124 KiB at 128K; measured one copy in a step, two in the fused
+    steps), nothing that scales with the context's tokens; the pool (1.25 GiB: one 128K request)
+    is updated in place."""
+    model = model_dir(tmp_path, "llama-3.1-8b", num_hidden_layers=2)
+    temps = {}
+    for context in (4096, 32768, 131072):
+        compiled, _ = compile_for_h100(model, LARGE_POOL, dtype="bfloat16", max_model_len=context)
+        analyses = {p: c.memory_analysis() for p, c in compiled.items()}
+        temps[context] = {p: a.temp_size_in_bytes for p, a in analyses.items()}
+        assert all(a.alias_size_in_bytes >= LARGE_POOL * 0.95 for a in analyses.values()), context
+    print("temporaries (bytes) by context:", temps)
+    for context in (32768, 131072):
+        tables = 4 * (context // 16 - 4096 // 16) * 4  # sequences x more blocks each x int32
+        grown = {p: t - temps[4096][p] for p, t in temps[context].items()}
+        assert set(temps[context]) == set(temps[4096]), context
+        assert all(0 <= g <= 2 * tables + TOLERANCE for g in grown.values()), (context, tables, grown)
+
+
 def test_unrolled_steps_read_weights_in_place_and_scanned_steps_copy_them(llama_8b_bfloat16):
     """Llama-3.1-8B's shapes, two layers: one layer's weights are 416 MiB in bfloat16."""
     model, unrolled, params = llama_8b_bfloat16

@@ -63,6 +63,7 @@ TIERS: dict[str, tuple[str, str]] = {
     ),
     # --- programs compiled for an H100 (CI stage 2) --------------------------------------------
     "tests/gpu_compile/": (SLOW, "each compiles a model's programs for an H100 (15-28 s)"),
+    "tests/test_long_context.py": (SLOW, "8K and 32K prompts through chunked prefill on a CPU (a minute or two each)"),
     "tests/gpu_compile/test_h100_programs.py::test_no_h100_sampler_waits_on_the_host[bfloat16]": (
         PR,
         "no host waits in the step programs",

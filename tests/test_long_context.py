@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import BASE
+from tiny_models import BASE, widen_weights
 
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.sampling_params import SamplingParams
@@ -29,15 +29,7 @@ def models(tmp_path_factory):
         **{**BASE, "num_key_value_heads": 2, "max_position_embeddings": CONTEXT + 64, "rope_scaling": LLAMA3_ROPE}
     )
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # wider than HF's init, so that greedy decoding is decided by the model
-        for name, param in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            elif param.dim() == 1:
-                param.normal_(0, 0.5)
-            else:
-                param.normal_(0, 0.15)
+    hf = widen_weights(transformers.LlamaForCausalLM(config).eval())
     path = tmp_path_factory.mktemp("llama3-32k")
     hf.save_pretrained(path, safe_serialization=True)
     llm = LLM(

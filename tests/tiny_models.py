@@ -151,10 +151,13 @@ def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
     config_cls, model_cls, overrides = VARIANTS[name]
     torch.manual_seed(seed)
     config = config_cls(**{**BASE, **overrides})
-    model = model_cls(config).eval()
-    # HF's default init (std 0.02, unit norms, zero biases) gives near-uniform logits whose
-    # argmax is decided by rounding. Wider weights make greedy decoding a real test, and
-    # non-trivial norms and biases make every parameter matter.
+    return widen_weights(model_cls(config).eval())
+
+
+def widen_weights(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """`model` with wider random weights, in place. HF's default init (std 0.02, unit norms, zero
+    biases) gives near-uniform logits whose argmax is decided by rounding. Wider weights make
+    greedy decoding a real test, and non-trivial norms and biases make every parameter matter."""
     with torch.no_grad():
         for name_, param in model.named_parameters():
             if name_.endswith("norm.weight"):

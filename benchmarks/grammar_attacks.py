@@ -32,7 +32,6 @@ Attacks:
 
 import asyncio
 import json
-import multiprocessing
 import os
 import platform
 import statistics
@@ -42,7 +41,7 @@ import time
 
 import httpx
 
-from benchmarks.health_under_attack import KEY, Server, _p99, attack_parser, probe
+from benchmarks.health_under_attack import KEY, Prober, Server, _p99, attack_parser, run_attack
 from benchmarks.results_files import save_results
 
 SCHEMA_MAX_TOKENS = 16
@@ -262,22 +261,12 @@ def grammar_metrics(server: Server) -> dict:
 
 
 def measure(server: Server, neighbour: Neighbour, attack) -> dict:
-    context = multiprocessing.get_context("spawn")
-    stop, started = context.Event(), context.Event()
-    receive, send = context.Pipe(duplex=False)
-    prober = context.Process(target=probe, args=(server.port, stop, started, send))
-    prober.start()
-    started.wait(60)
+    prober = Prober(server.port)
     memory_before = rss_mib(server.proc.pid)
     start = time.monotonic()
-    try:
-        seen = attack(server)
-    except Exception as err:  # the attack's own failure is a result too
-        seen = {"attack_error": f"{type(err).__name__}: {err}"[:200]}
+    seen = run_attack(server, attack)
     end = time.monotonic()
-    stop.set()
-    latencies, failures = receive.recv()
-    prober.join()
+    latencies, failures = prober.stop()
     time.sleep(3.0)  # let the server settle (and give memory back) before the next attack
     return {
         "attack": attack.__name__,

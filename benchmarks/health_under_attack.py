@@ -248,22 +248,39 @@ def _p99(latencies: list[float]) -> float:
     return statistics.quantiles(latencies, n=100, method="inclusive")[98] if len(latencies) > 1 else latencies[0]
 
 
-def measure(server: Server, attack) -> dict:
-    context = multiprocessing.get_context("spawn")
-    stop, started = context.Event(), context.Event()
-    receive, send = context.Pipe(duplex=False)
-    prober = context.Process(target=probe, args=(server.port, stop, started, send))
-    prober.start()
-    started.wait(60)
-    start = time.perf_counter()
+class Prober:
+    """`probe` in a process of its own, from construction (once its first probe is answered)
+    until `stop()`, which returns `(latencies in seconds, failed probes)`."""
+
+    def __init__(self, port: int):
+        context = multiprocessing.get_context("spawn")
+        self._stop, started = context.Event(), context.Event()
+        self._receive, send = context.Pipe(duplex=False)
+        self._process = context.Process(target=probe, args=(port, self._stop, started, send))
+        self._process.start()
+        started.wait(60)
+
+    def stop(self) -> tuple[list[float], int]:
+        self._stop.set()
+        result = self._receive.recv()
+        self._process.join()
+        return result
+
+
+def run_attack(server: Server, attack) -> dict:
+    """What `attack(server)` saw; its own failure (e.g. a reset connection) is a result too."""
     try:
-        seen = attack(server)
-    except Exception as err:  # the attack's own failure is a result too (e.g. a reset connection)
-        seen = {"attack_error": f"{type(err).__name__}: {err}"[:200]}
+        return attack(server)
+    except Exception as err:
+        return {"attack_error": f"{type(err).__name__}: {err}"[:200]}
+
+
+def measure(server: Server, attack) -> dict:
+    prober = Prober(server.port)
+    start = time.perf_counter()
+    seen = run_attack(server, attack)
     seconds = time.perf_counter() - start
-    stop.set()
-    latencies, failures = receive.recv()
-    prober.join()
+    latencies, failures = prober.stop()
     time.sleep(1.0)  # let the server settle before the next attack
     return {
         "attack": attack.__name__,

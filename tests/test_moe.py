@@ -188,13 +188,13 @@ MAX_TOKENS = 10
 INT4_GROUP = 16  # hidden 64, heads 4 x 16, expert widths 128 (Mixtral) and 32, shared 96: all divide
 
 
-def int4_reference(path, variant: str):
-    """The tiny `variant` saved to `path / "int4"` (run with `--quantization int4`) and
-    transformers on its round-to-nearest values saved to `path / "dequantized"` (an independent
-    quantizer, tests/int4_checkpoints.py); returns (the int4 model's directory, the dequantized
-    transformers model)."""
+def int4_reference(path, variant: str, **config):
+    """The tiny `variant` (its config changed by `config`) saved to `path / "int4"` (run with
+    `--quantization int4`) and transformers on its round-to-nearest values saved to
+    `path / "dequantized"` (an independent quantizer, tests/int4_checkpoints.py); returns (the
+    int4 model's directory, the dequantized transformers model)."""
     model_dir, reference_dir = str(path / "int4"), str(path / "dequantized")
-    save_hf_model(variant, model_dir)
+    save_hf_model(variant, model_dir, **config)
     round_to_nearest(copy_checkpoint(model_dir, reference_dir), INT4_GROUP)
     return model_dir, transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
 
@@ -330,35 +330,44 @@ def expert_arrays(engine: LLMEngine, arrays_per_weight: int) -> list:
     return found
 
 
+# Tiny variants of the engine test: Mixtral with 6 experts, which 4 devices do not divide.
+VARIANT_CONFIGS = {"mixtral_6_experts": ("mixtral_moe", {"num_local_experts": 6})}
+
+
 @pytest.mark.parametrize(
     ("variant", "n", "expert_parallel", "quantization"),
-    [("mixtral_moe", 1, False, None), ("qwen2_moe", 2, False, "int4"), ("mixtral_moe", 4, True, "int4")],
+    [("mixtral_moe", 1, False, None), ("qwen2_moe", 2, False, "int4"), ("mixtral_6_experts", 4, True, "int4")],
 )
 def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant, n, expert_parallel, quantization):
     """Prefix caching, chunked prefill and preemption (tp_workload): Mixtral's 8 experts on one
     device; Qwen2-MoE's 4 experts and its shared expert in int4, split over their FFN width on 2
-    (each expert's scales and zero points with its inputs); and Mixtral's in int4 as 2 whole
-    experts on each of 4 devices. int4 runs equal transformers on the round-to-nearest weights."""
+    (each expert's scales and zero points with its inputs); and Mixtral with 6 experts in int4
+    over 4 devices as whole experts, 2, 2, 1 and 1 (8 slots, the last of devices 2 and 3 empty:
+    zeros, never routed to). int4 runs equal
+    transformers on the round-to-nearest weights."""
+    variant, config = VARIANT_CONFIGS.get(variant, (variant, {}))
     if quantization is None:
-        path, hf = str(tmp_path), save_hf_model(variant, str(tmp_path))
+        path, hf = str(tmp_path), save_hf_model(variant, str(tmp_path), **config)
         options = {}
     else:
-        path, hf = int4_reference(tmp_path, variant)
+        path, hf = int4_reference(tmp_path, variant, **config)
         options = {"quantization": quantization, "quantization_group_size": INT4_GROUP}
     prompts = tp_workload.prompts()
     tokens, engine = run_engine(path, n, prompts, enable_expert_parallel=expert_parallel, **options)
     assert tokens == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     num_experts = ModelConfig.from_pretrained(path).moe.num_experts
+    slots = {0: [0, 1], 1: [2, 3], 2: [4, None], 3: [5, None]}  # device -> its slots' experts (6 over 4)
     for name, array in expert_arrays(engine, 1 if quantization is None else 3):
         for shard in array.addressable_shards:
             experts, *rest = shard.index
-            held = range(num_experts)[experts]
-            if expert_parallel:  # device d holds experts 2d, 2d + 1, whole (8 over 4)
+            if expert_parallel:  # device d holds whole experts, its share of the slots
                 d = list(array.sharding.mesh.devices.flat).index(shard.device)
-                assert list(held) == [2 * d, 2 * d + 1], name
+                assert range(array.shape[0])[experts] == range(2 * d, 2 * d + 2), name
                 assert shard.data.shape[1:] == array.shape[1:], name
+                held = [bool(jnp.any(shard.data[i] != 0)) for i in range(2)]
+                assert held == [e is not None for e in slots[d]], name
             else:  # every expert, a 1/n share of its FFN width (or of its groups)
-                assert len(held) == num_experts, name
+                assert len(range(num_experts)[experts]) == num_experts, name
                 assert np.prod(shard.data.shape) * n == np.prod(array.shape), name
 
 
@@ -412,10 +421,33 @@ def test_quantized_experts_over_an_fp8_kv_pool_split_over_2_devices_give_the_one
     assert PagedGenerator(split, block_size=4, kv_dtype=fp8).generate(prompts, MAX_TOKENS) == expected
 
 
-def test_expert_parallel_needs_experts_that_split():
+def test_expert_parallel_spreads_experts_a_device_count_does_not_divide():
+    """Slots even out the devices (no device two experts more than another); more devices than
+    experts, or no experts, are refused naming the flag."""
     config = ModelConfig.from_hf({**BASE, **VARIANTS["mixtral_moe"][2], "architectures": ["MixtralForCausalLM"]})
-    with pytest.raises(TensorParallelError, match="must divide the number of experts \\(6\\)"):
-        TensorParallelLayout(dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=6)), 4, True)
+    config = dataclasses.replace(config, num_heads=8)  # (8 devices split them)
+
+    def layout(num_experts: int, n: int) -> TensorParallelLayout:
+        return TensorParallelLayout(
+            dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=num_experts)), n, True
+        )
+
+    assert layout(8, 4).empty_expert_slots == () and layout(8, 4).mesh_config.moe == config.moe
+    assert layout(6, 4).empty_expert_slots == (5, 7)
+    assert layout(6, 4).mesh_config.moe.expert_slots == (0, 1, 2, 3, 4, 6)
+    qwen = layout(60, 8)  # Qwen1.5/Qwen2-MoE's 60 over 8: 8, 8, 8, 8, 7, 7, 7, 7
+    assert qwen.empty_expert_slots == (39, 47, 55, 63)
+    assert qwen.mesh_shape(("layers", "moe", "gate_proj"), (2, 60, 64, 128)) == (2, 64, 64, 128)  # [L, E, D, F]
+    assert qwen.device_shape(("layers", "moe", "router"), (2, 64, 60)) == (2, 64, 8)  # [L, D, E]
+    experts = np.arange(6 * 2 * 3, dtype=np.float32).reshape(1, 6, 2, 3) + 1  # [L, E, D, F], one layer
+    for array in (experts, jnp.asarray(experts)):  # a checkpoint's numpy, the dummy loader's jax
+        slots = np.asarray(
+            TensorParallel(layout(6, 4), make_mesh(4)).to_mesh_layout(("layers", "moe", "up_proj"), array)
+        )
+        np.testing.assert_array_equal(slots[:, [0, 1, 2, 3, 4, 6]], experts)
+        assert not slots[:, [5, 7]].any()
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size=8 exceeds the number of experts \\(6\\)"):
+        layout(6, 8)
     dense = dataclasses.replace(config, architecture="llama", moe=None)
     with pytest.raises(TensorParallelError, match="has no experts; drop --enable-expert-parallel"):
         TensorParallelLayout(dense, 2, True)

@@ -94,7 +94,10 @@ def test_bad_pipelines_and_expert_parallelism_name_the_flag(capsys):
     assert main(["plan", "--model", "llama-3.1-8b", "--enable-expert-parallel"]) == 2
     assert "has no experts; drop --enable-expert-parallel" in capsys.readouterr().err
     assert main(["plan", "--model", "mixtral-8x7b", "-tp", "16", "--enable-expert-parallel"]) == 2
-    assert "must divide the number of experts (8) under expert parallelism" in capsys.readouterr().err
+    assert (
+        "--tensor-parallel-size=16 exceeds the number of experts (8) under expert parallelism"
+        in capsys.readouterr().err
+    )
     assert main(["plan", "--model", "mixtral-8x7b", "-tp", "2", "-pp", "2", "--enable-expert-parallel"]) == 0
     table = capsys.readouterr().out
     assert "2 GPU(s) per stage, 4 KV head(s) per GPU, whole experts per GPU (expert parallel)" in table

@@ -1,6 +1,7 @@
 """Tiny random-initialised Hugging Face models, built and saved inside the tests (no downloads)."""
 
 import os
+from typing import Any
 
 import torch
 import transformers
@@ -146,11 +147,11 @@ VARIANTS = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A float32 random model of the named variant, in eval mode."""
+def build_hf_model(name: str, seed: int = 0, **config: Any) -> transformers.PreTrainedModel:
+    """A float32 random model of the named variant (its config changed by `config`), in eval mode."""
     config_cls, model_cls, overrides = VARIANTS[name]
     torch.manual_seed(seed)
-    config = config_cls(**{**BASE, **overrides})
+    config = config_cls(**{**BASE, **overrides, **config})
     return widen_weights(model_cls(config).eval())
 
 
@@ -170,10 +171,11 @@ def widen_weights(model: transformers.PreTrainedModel) -> transformers.PreTraine
 
 
 def save_hf_model(
-    name: str, out_dir: str, seed: int = 0, max_shard_size: str | None = None
+    name: str, out_dir: str, seed: int = 0, max_shard_size: str | None = None, **config: Any
 ) -> transformers.PreTrainedModel:
-    """Builds the named variant and saves it (safetensors) to `out_dir`; returns the model."""
-    model = build_hf_model(name, seed)
+    """Builds the named variant (its config changed by `config`) and saves it (safetensors) to
+    `out_dir`; returns the model."""
+    model = build_hf_model(name, seed, **config)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     assert os.path.exists(os.path.join(out_dir, "config.json"))

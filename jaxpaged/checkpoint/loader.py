@@ -367,8 +367,8 @@ def load_model(
 
     Returns:
       `(config, model)`: the checkpoint's config (with its weight groups, `weight_bits` and
-      `weight_group_size`, when group-quantized), and the model (in the mesh layout, kv heads
-      repeated, when `parallel` repeats them).
+      `weight_group_size`, when group-quantized), and the model (in the mesh layout: kv heads
+      repeated, experts in their slots, where `parallel` reshapes them).
 
     Raises:
       ValueError: as `load_params`; `quantization` differs from a pre-quantized checkpoint's; the
@@ -468,8 +468,8 @@ def _load_converted(
     prequantized: str | None = None,
 ) -> tuple[np.dtype, Params]:
     """Restores a converted checkpoint: as numpy arrays, or with `parallel` straight into each
-    tensor's shards (each device reads its part; tensors whose kv heads must be repeated come
-    back as numpy for `parallel.place`). Plain tensors are cast to `dtype`; the quantized pairs
+    tensor's shards (each device reads its part; tensors the mesh reshapes, kv heads repeated
+    or experts in their slots, come back as numpy for `parallel.place`). Plain tensors are cast to `dtype`; the quantized pairs
     of a pre-quantized checkpoint are checked to be stored as they must be and kept so (4-bit
     codes, stored int4, come as the platform holds them: `code_dtype`)."""
     import orbax.checkpoint as ocp  # only converted checkpoints need Orbax
@@ -511,7 +511,7 @@ def _load_converted(
             cast = target if kept_dtype(config, path, prequantized) is None else None  # quantized pairs as stored
             if config.weight_group_size is not None and find_state_param(config, path).role == "quant":
                 cast = code_dtype(config.weight_bits)  # int4 on disk, int8 on a CPU
-            if parallel is None or parallel.repeats(path):
+            if parallel is None or parallel.reshapes(path):
                 return ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast)
             return ocp.ArrayRestoreArgs(sharding=parallel.restore_sharding(path), dtype=cast)
 

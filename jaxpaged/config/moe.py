@@ -26,6 +26,10 @@ class MoeConfig:
       shared_expert_size: the width of Qwen2-MoE's gated shared expert; 0: none.
       weights_in_model_dtype: the router weights are cast to the model's dtype before scaling
         the experts' outputs (Qwen, as transformers does); Mixtral keeps them in float32.
+      empty_slots: the expert slots of the mesh layout that hold no expert (zero weights, never
+        routed to), added so that the devices of expert parallelism hold equal numbers of slots
+        (`TensorParallelLayout.mesh_config`); the checkpoint's experts fill the others in order.
+        `()` in a checkpoint's config.
     """
 
     num_experts: int
@@ -34,6 +38,18 @@ class MoeConfig:
     normalize_top_k: bool = True
     shared_expert_size: int = 0
     weights_in_model_dtype: bool = False
+    empty_slots: tuple[int, ...] = ()
+
+    @property
+    def num_slots(self) -> int:
+        """The experts' axis in the mesh layout: the experts and the empty slots."""
+        return self.num_experts + len(self.empty_slots)
+
+    @property
+    def expert_slots(self) -> tuple[int, ...]:
+        """The slot of each of the checkpoint's experts, in order."""
+        empty = set(self.empty_slots)
+        return tuple(s for s in range(self.num_slots) if s not in empty)
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:

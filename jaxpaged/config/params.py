@@ -99,7 +99,7 @@ def _moe_axis_sizes(config: ModelConfig) -> dict[str, int]:
     moe = config.moe
     if moe is None:
         return {}
-    return {EXPERTS: moe.num_experts, EXPERT_MLP: moe.expert_size, SHARED_MLP: moe.shared_expert_size}
+    return {EXPERTS: moe.num_slots, EXPERT_MLP: moe.expert_size, SHARED_MLP: moe.shared_expert_size}
 
 
 def always(_: ModelConfig) -> bool:

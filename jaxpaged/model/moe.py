@@ -44,9 +44,11 @@ def route(
 
     Returns:
       `(weights [T, K]`, float32, or the model's dtype where transformers casts them (Qwen),
-      `experts [T, K]` int32, best first).
+      `experts [T, K]` int32, best first: their slots, `MoeConfig.expert_slots`).
     """
     logits = jnp.einsum("TD,DE->TE", x, router)
+    if moe.empty_slots:  # expert slots that hold no expert (expert parallelism): never chosen
+        logits = logits.at[:, list(moe.empty_slots)].set(-jnp.inf)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, moe.top_k)
     if moe.normalize_top_k:

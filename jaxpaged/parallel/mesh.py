@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import LAYER_STACK
+from jaxpaged.config.params import EXPERTS, LAYER_STACK
 from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.parallel.sharding import (
     KV_HEADS,
@@ -207,23 +207,39 @@ class TensorParallel:
     def pool_sharding(self) -> NamedSharding:
         return self.sharding(self.layout.mesh_axes(KV_POOL_AXES))
 
-    def repeats(self, path: tuple[str, ...]) -> bool:
+    def reshapes(self, path: tuple[str, ...]) -> bool:
         """Whether the parameter's checkpoint tensor differs from its mesh layout (kv heads
-        repeated onto more devices)."""
-        return self.layout.kv_replicas > 1 and KV_HEADS in self.layout.param_axes(path)
+        repeated onto more devices, or experts spread over slots with empty ones)."""
+        axes = self.layout.param_axes(path)
+        return (self.layout.kv_replicas > 1 and KV_HEADS in axes) or (
+            bool(self.layout.empty_expert_slots) and EXPERTS in axes
+        )
 
     def to_mesh_layout(self, path: tuple[str, ...], array, *, one_layer: bool = False):
         """A checkpoint tensor (numpy or jax) in the mesh layout: its kv-head axis, if any,
-        repeated `kv_replicas` times (each head next to the devices whose query heads read it).
+        repeated `kv_replicas` times (each head next to the devices whose query heads read it);
+        its experts' axis, if any, spread over the expert slots, zeros in the empty ones.
 
         Args:
           one_layer: `array` is one layer's slice of the stacked parameter at `path`.
         """
-        if not self.repeats(path):
+        if not self.reshapes(path):
             return array
         axes = self.layout.param_axes(path)[1 if one_layer else 0 :]
-        repeat = np.repeat if isinstance(array, np.ndarray) else jnp.repeat
-        return repeat(array, self.layout.kv_replicas, axis=axes.index(KV_HEADS))
+        xp = np if isinstance(array, np.ndarray) else jnp
+        if KV_HEADS in axes and self.layout.kv_replicas > 1:
+            array = xp.repeat(array, self.layout.kv_replicas, axis=axes.index(KV_HEADS))
+        if EXPERTS in axes and self.layout.empty_expert_slots:
+            moe = self.layout.mesh_config.moe
+            axis = axes.index(EXPERTS)
+            slots = xp.zeros((*array.shape[:axis], moe.num_slots, *array.shape[axis + 1 :]), array.dtype)
+            at = (slice(None),) * axis + (np.array(moe.expert_slots),)
+            if xp is np:
+                slots[at] = array
+            else:
+                slots = slots.at[at].set(array)
+            array = slots
+        return array
 
     def place(self, path: tuple[str, ...], array: np.ndarray, *, one_layer: bool = False) -> jax.Array:
         """Puts one checkpoint tensor (our layout, checkpoint kv heads) on the mesh; each device

@@ -6,7 +6,9 @@ Megatron-style tensor parallelism over the mesh axis `TENSOR_AXIS`:
     q/k/v projections, gate/up     split over heads / kv heads / MLP width (column parallel)
     o_proj, down_proj              split over their input (row parallel: one all-reduce each)
     experts [E, ...]               every expert split over its FFN width, like the MLP; under
-                                   expert parallelism whole experts, E / size per device
+                                   expert parallelism whole experts, E / size per device (where
+                                   size does not divide E, empty slots even them out:
+                                   `empty_expert_slots`)
     embedding, LM head             split over the vocabulary (rows of the table / its columns)
     norms, o_bias                  replicated
     KV pool [L * NB, BS, K, H]     split over kv heads
@@ -114,9 +116,9 @@ class TensorParallelLayout:
 
     Raises:
       TensorParallelError: `size` does not divide the query heads or the MLP width, or neither of
-        `size` and the kv heads divides the other; or the experts (their number under expert
-        parallelism, else their FFN width); or (group-quantized weights) the groups of a split
-        input (a quantization group never straddles two devices).
+        `size` and the kv heads divides the other; or the experts' FFN width (without expert
+        parallelism); or (group-quantized weights) the groups of a split input (a quantization
+        group never straddles two devices).
     """
 
     config: ModelConfig
@@ -152,10 +154,15 @@ class TensorParallelLayout:
             raise TensorParallelError(
                 f"tensor_parallel_size={n} must divide the shared expert's FFN width ({c.moe.shared_expert_size})"
             )
-        if self.expert_parallel and c.moe.num_experts % n:
+        if self.expert_parallel and c.moe.num_experts < n:
             raise TensorParallelError(
-                f"tensor_parallel_size={n} must divide the number of experts ({c.moe.num_experts}) under "
-                "expert parallelism (--enable-expert-parallel)"
+                f"tensor_parallel_size={n} exceeds the number of experts ({c.moe.num_experts}) under expert "
+                "parallelism (--enable-expert-parallel): every device holds whole experts, at least one; use at most "
+                f"{c.moe.num_experts} devices, or split every expert's FFN width (drop --enable-expert-parallel)"
+            )
+        if self.expert_parallel and c.moe.empty_slots:
+            raise TensorParallelError(
+                "lay out the checkpoint's config, not a mesh layout's (it has empty expert slots)"
             )
         if c.moe is not None and not self.expert_parallel and c.moe.expert_size % n:
             raise TensorParallelError(
@@ -188,9 +195,26 @@ class TensorParallelLayout:
         return max(1, self.size // self.config.num_kv_heads)
 
     @property
+    def empty_expert_slots(self) -> tuple[int, ...]:
+        """Under expert parallelism over a device count that does not divide the E experts, the
+        slots each device adds to hold as many as any other: ceil(E / size) slots a device, the
+        first E % size devices all experts, the others one slot (their last) empty, so that no
+        device holds two more experts than another (6 over 4: 2, 2, 1, 1; Qwen2-MoE's 60 over 8:
+        8, 8, 8, 8, 7, 7, 7, 7). `()` where they divide, or without expert parallelism."""
+        moe, n = self.config.moe, self.size
+        if not self.expert_parallel or moe.num_experts % n == 0:
+            return ()
+        per_device = -(-moe.num_experts // n)
+        return tuple(d * per_device + per_device - 1 for d in range(moe.num_experts % n, n))
+
+    @property
     def mesh_config(self) -> ModelConfig:
-        """The model as the mesh holds it: kv heads repeated `kv_replicas` times (the same model)."""
-        return dataclasses.replace(self.config, num_kv_heads=self.config.num_kv_heads * self.kv_replicas)
+        """The model as the mesh holds it (the same model): kv heads repeated `kv_replicas`
+        times; the experts in their slots (`empty_expert_slots`)."""
+        moe = self.config.moe
+        if self.empty_expert_slots:
+            moe = dataclasses.replace(moe, empty_slots=self.empty_expert_slots)
+        return dataclasses.replace(self.config, num_kv_heads=self.config.num_kv_heads * self.kv_replicas, moe=moe)
 
     @property
     def device_config(self) -> ModelConfig:
@@ -235,8 +259,10 @@ class TensorParallelLayout:
         return self.mesh_axes(self.param_axes(path))
 
     def mesh_shape(self, path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
-        """A checkpoint tensor's shape (in our layout) as the mesh holds it: kv axes repeated."""
-        return tuple(d * self.kv_replicas if a == KV_HEADS else d for a, d in zip(self.param_axes(path), shape))
+        """A checkpoint tensor's shape (in our layout) as the mesh holds it: kv axes repeated,
+        the experts' axis with its empty slots."""
+        grown = {KV_HEADS: lambda d: d * self.kv_replicas, EXPERTS: lambda d: d + len(self.empty_expert_slots)}
+        return tuple(grown[a](d) if a in grown else d for a, d in zip(self.param_axes(path), shape))
 
     def device_shape(self, path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
         """One device's shard of a checkpoint tensor of `shape` (in our layout); of a per-layer

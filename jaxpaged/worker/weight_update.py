@@ -5,7 +5,7 @@ Two forms come in (`new_params`):
 
 - the parameter pytree as the engine holds it (`ModelRunner.params`, an `nnx.State`, or its
   `nnx.to_pure_dict`; per-layer arrays as `LayerArrays` or a list): every array, in the mesh
-  layout (kv heads repeated as `get_params()` shows them), in the engine's dtype. An engine with
+  layout (kv heads repeated, experts in their slots, as `get_params()` shows them), in the engine's dtype. An engine with
   quantized weights also takes a quantizable weight plain (`<name>` `[*in, *out]` in the model's
   dtype, what a trainer holds) instead of its pair, and quantizes it on the devices. A
   `jax.Array` already on the engine's devices with the engine's sharding is taken as it is (no

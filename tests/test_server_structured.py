@@ -602,6 +602,24 @@ def test_json_schema_and_choice_outputs_are_valid(server):
     assert out.choices[0].text in ("yes", "no")
 
 
+def test_max_tokens_below_the_shortest_document_is_a_warning_in_the_log(server, caplog):
+    """A schema whose shortest document (a 40-character name) has more tokens than max_tokens: a
+    warning naming max_tokens, the field and the document, and the output cut off as in vLLM
+    (`finish_reason: "length"`); with room enough, no warning."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 40}}, "required": ["name"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    with caplog.at_level(logging.WARNING, logger="jaxpaged.server"):
+        out = server.client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, response_format=fmt)
+        roomy = server.client.completions.create(
+            model="demo", prompt="x", max_tokens=3, extra_body={"guided_choice": ["yes", "no"]}
+        )
+    assert out.choices[0].finish_reason == "length" and roomy.choices[0].text in ("yes", "no")
+    warnings = [r.getMessage() for r in caplog.records if "shortest output" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("max_tokens=4 is below the ") and "response_format allows" in warnings[0]
+    assert '\'{"name":"' + "a" * 40 + "\"}'" in warnings[0]
+
+
 def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(server):
     fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}
     error = bad_request(

@@ -1,6 +1,8 @@
 """`jaxpaged.structured.check`: cheap validation of a constraint without an engine (the server's
 400s), and the grammar text (compact JSON by default)."""
 
+import json
+
 import pytest
 
 from jaxpaged.sampling_params import StructuredOutputsParams
@@ -110,3 +112,76 @@ def test_a_regex_digit_never_matches_another_scripts_digits():
             assert (matcher.validate_tokens(ids) == len(ids)) is valid, text
     finally:
         backend.close()
+
+
+# (schema, its shortest compact document, or None where there is none or it cannot be computed)
+SHORTEST = [
+    (
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "minLength": 3},
+                "age": {"type": "integer", "exclusiveMinimum": 17},
+                "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2},
+                "note": {"type": "string"},
+            },
+            "required": ["name", "age", "tags"],
+        },
+        '{"name":"aaa","age":18,"tags":["",""]}',
+    ),
+    ({"type": ["integer", "null"], "minimum": 1000}, "1000"),
+    ({"type": "number", "maximum": -12.5}, "-13"),
+    ({"anyOf": [{"type": "object", "required": ["long_name"]}, {"type": "boolean"}]}, "true"),
+    ({"enum": ["a long option", "short", 7]}, "7"),
+    ({"type": "string", "format": "date"}, '"2000-01-01"'),
+    (
+        {"type": "array", "prefixItems": [{"const": "x"}, {"type": "null"}], "minItems": 3, "items": {"const": 5}},
+        '["x",null,5]',
+    ),
+    ({"type": "object", "required": ["x"], "additionalProperties": {"type": "boolean"}}, '{"x":true}'),
+    ({"$defs": {"node": {"properties": {"next": {"$ref": "#/$defs/node"}}}}, "$ref": "#/$defs/node"}, "{}"),
+    (
+        {
+            "$defs": {"node": {"properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}},
+            "$ref": "#/$defs/node",
+        },
+        None,
+    ),  # a required cycle: no finite document
+    ({"$ref": "https://example.com/schema.json"}, None),  # outside the schema
+    (False, None),
+]
+
+
+@pytest.mark.parametrize(("schema", "document"), SHORTEST, ids=range(len(SHORTEST)))
+def test_the_shortest_document_a_schema_allows(schema, document):
+    """What the server compares with max_tokens (`structured/shortest_document.py`): exact here,
+    and each document valid under its schema."""
+    import jsonschema
+
+    from jaxpaged.structured.shortest_document import shortest_json_document
+
+    assert shortest_json_document(schema) == document
+    if document is not None:
+        jsonschema.validate(json.loads(document), schema)
+
+
+def test_the_shortest_document_is_bounded_for_hostile_schemas():
+    """A billion required items is cut at max_chars; a `$ref` chain that branches twice per level
+    (2^60 paths in a few hundred bytes) and a schema deeper than MAX_DEPTH give None, quickly;
+    and the other constraints."""
+    from jaxpaged.structured.shortest_document import shortest_document, shortest_json_document
+
+    assert len(shortest_json_document({"type": "array", "minItems": 10**9}, max_chars=1000)) == 1000
+    branching = {"$defs": {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(60)}}
+    branching["$defs"]["d60"] = {"type": "null"}
+    assert shortest_json_document({**branching, "$ref": "#/$defs/d0"}) is None
+    deep = {"type": "null"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    assert shortest_json_document(deep) is None
+    # where it is not exact it errs short: 0.3 is the shortest number here; 1e20 as long as 10^20's shortest
+    assert shortest_json_document({"type": "number", "exclusiveMinimum": 0.25, "maximum": 0.75}) == "0"
+    assert shortest_json_document({"type": "number", "minimum": 10**20}) == "1e20"
+    assert shortest_document(StructuredOutputsParams(choice=["yes", "no"])) == "no"
+    assert shortest_document(StructuredOutputsParams(json_object=True)) == "{}"
+    assert shortest_document(StructuredOutputsParams(regex=r"\d+")) is None

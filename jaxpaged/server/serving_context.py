@@ -6,6 +6,7 @@ structured-output constraint).
 
 import asyncio
 import dataclasses
+import logging
 
 from jaxpaged.server.async_engine import AsyncEngine
 from jaxpaged.server.grammar_checks import GrammarChecks
@@ -13,6 +14,10 @@ from jaxpaged.server.limits import ServerLimits
 from jaxpaged.server.protocol import APIError, echo
 from jaxpaged.server.request_body import ListLimits
 from jaxpaged.server.tokenizer_pool import TokenizerPool
+from jaxpaged.structured.shortest_document import shortest_document
+
+logger = logging.getLogger("jaxpaged.server")
+MAX_LOGGED_DOCUMENT_CHARS = 80  # of the shortest document, in the cut-off warning
 
 
 @dataclasses.dataclass
@@ -65,9 +70,35 @@ class ServingContext:
 
     async def check_structured(self, params, field: str | None) -> None:
         """400 naming the request's constraint field when its grammar is over budget or cannot be
-        compiled (503 while the checks are busy); checked off the event loop (`grammar_checks.py`)."""
-        if params.structured_outputs is not None:
-            await self.grammar_checks.check(params.structured_outputs, field)
+        compiled (503 while the checks are busy); checked off the event loop (`grammar_checks.py`).
+        A warning in the log when `max_tokens` is below the tokens of the shortest output the
+        constraint allows, where that can be computed (`structured/shortest_document.py`): the
+        output will end cut off (vLLM's behaviour too, so not an error)."""
+        if params.structured_outputs is None:
+            return
+        await self.grammar_checks.check(params.structured_outputs, field)
+        if params.max_tokens is None or self._pool is None:
+            return
+
+        def shortest_and_its_tokens(tokenizer):
+            document = shortest_document(params.structured_outputs)
+            if document is None:
+                return None, 0
+            return document, len(tokenizer.encode(document, add_special_tokens=False))
+
+        document, tokens = await self._pool.run(shortest_and_its_tokens)
+        if document is not None and tokens > params.max_tokens:
+            shown = (
+                document if len(document) <= MAX_LOGGED_DOCUMENT_CHARS else document[:MAX_LOGGED_DOCUMENT_CHARS] + "..."
+            )
+            logger.warning(
+                "max_tokens=%d is below the %d tokens of the shortest output %s allows (%r): the output "
+                'will end cut off (finish_reason "length"); raise max_tokens',
+                params.max_tokens,
+                tokens,
+                field,
+                shown,
+            )
 
     @property
     def sampling_defaults(self) -> dict:

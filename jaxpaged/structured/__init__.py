@@ -3,7 +3,8 @@ engine thread and cached, a matcher per sequence, and the packed token bitmask t
 applies on the device.
 
 `check(params)` validates a constraint cheaply without an engine (the server calls it to answer
-a 400 before a request reaches the engine).
+a 400 before a request reaches the engine); `shortest_document(params)` the shortest output it
+allows, where that can be computed (the server warns when `max_tokens` is below it).
 """
 
 from jaxpaged.structured.backend import GrammarBackend

@@ -431,7 +431,7 @@ def token_logprobs(
 
     For a trainer: the log-probabilities the engine's sampler reports for the tokens it samples
     (raw: before temperature, penalties and filtering, vLLM's `raw_logprobs`) are this function's
-    up to batch composition and kernel choice (see the README's training-loop section for the
+    up to batch composition and kernel choice (see docs/training-loop.md for the
     measured gap); the trainer's own differentiable log-probabilities of a rollout come from here
     (`jax.grad` flows through it with the reference attention backend: the Pallas kernels have
     no gradient). Jit it with `graphdef` static.

@@ -80,7 +80,7 @@ class StructuredOutputsParams:
       json_object: True: the output is any JSON object.
       structural_tag: vLLM's structural tag (its JSON text): free text with tagged constrained parts.
       disable_any_whitespace: JSON without optional whitespace (jaxpaged's default is compact
-        JSON either way: a model cannot spin on whitespace until `max_tokens`; see the README).
+        JSON either way: a model cannot spin on whitespace until `max_tokens`; see docs/structured-outputs.md).
       disable_additional_properties: a schema's objects take no properties it does not list.
       whitespace_pattern: the regex of whitespace allowed between JSON tokens (None: compact).
       disable_fallback: accepted for vLLM compatibility; jaxpaged has one backend and never

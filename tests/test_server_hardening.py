@@ -705,15 +705,15 @@ def test_the_ready_line_counts_the_programs_the_compiling_line_announced(demo, c
     assert f"per device: weights {weights / 2**30:.3f} GiB, KV pool {engine.plan.pool_bytes / 2**30:.3f} GiB" in ready
 
 
-def test_readme_lists_every_limit_with_its_flag_and_default():
+def test_the_docs_list_every_limit_with_its_flag_and_default():
     import dataclasses
     import pathlib
     import re
 
     from jaxpaged.server.cli import add_serve_flags
 
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("### Running in production")[1].split("\n## ")[0]
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "server.md").read_text()
+    section = page.split("### Running in production")[1].split("\n## ")[0]
     rows = {m[1]: m[2] for m in re.finditer(r"^\s*\| .* \| `(--[a-z0-9-]+)` \| ([^|]+) \|$", section, re.M)}
     parser = argparse.ArgumentParser()
     add_serve_flags(parser)

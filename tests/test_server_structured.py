@@ -1,8 +1,8 @@
 """Structured outputs and tools on the server surface (issue 26), on the shipped demo model with
 the official `openai` client (no torch: this file also runs in CI's server-only venv).
 
-- the fields table (`jaxpaged/server/fields.py` = the README's): refused fields are a 400 naming
-  them, no-effect fields a 200, unknown fields a 400; the README lists each as the code does;
+- the fields table (`jaxpaged/server/fields.py` = docs/server.md's): refused fields are a 400 naming
+  them, no-effect fields a 200, unknown fields a 400; the docs list each as the code does;
 - `response_format`, `structured_outputs` and `guided_*` map onto one `StructuredOutputsParams`
   (two constraints: a 400 naming both);
 - a constraint is checked off the event loop (on the grammar-check threads) under a size and a
@@ -168,9 +168,9 @@ def test_unknown_fields_are_400_naming_them(server):
     assert "colour" in error["message"] and error["param"] == "messages"
 
 
-def test_readme_table_lists_every_field_as_the_code_does():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## Structured outputs and tools (server)", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_table_lists_every_field_as_the_code_does():
+    page = (Path(__file__).parent.parent / "docs" / "server.md").read_text()
+    section = page.split("## Request fields", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| `(\w+)` \| (honoured|no effect|refused)", section, re.M))
     declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
     # refused by the models' own code (until issue 26's prompt-logprobs work lands: keep this in step)

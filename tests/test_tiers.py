@@ -39,6 +39,13 @@ RENAMED: dict[str, str] = {
     "tests/test_moe.py::test_engine_tokens_equal_transformers_unsharded_and_split[mixtral_moe-4-True-int4]": (
         "tests/test_moe.py::test_engine_tokens_equal_transformers_unsharded_and_split[mixtral_6_experts-4-True-int4]"
     ),
+    # issue 46: the README's reference sections moved to docs/
+    "tests/test_server_hardening.py::test_readme_lists_every_limit_with_its_flag_and_default": (
+        "tests/test_server_hardening.py::test_the_docs_list_every_limit_with_its_flag_and_default"
+    ),
+    "tests/test_server_structured.py::test_readme_table_lists_every_field_as_the_code_does": (
+        "tests/test_server_structured.py::test_the_docs_table_lists_every_field_as_the_code_does"
+    ),
 }
 
 

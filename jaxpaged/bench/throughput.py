@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_transformers and importlib.util.find_spec("torch") is None:
         raise ValueError(
             "--compare-transformers runs Hugging Face transformers, which needs torch: pip install torch "
-            "(see the README for the CPU build), or drop --compare-transformers"
+            "(docs/development.md says how to get the CPU build), or drop --compare-transformers"
         )
     model = args.model or DEMO_MODEL_DIR
     skip = args.skip_tokenizer_init or tokenizer_dir(model, args.tokenizer) is None

@@ -4,7 +4,7 @@
   callers.
 - `protocol`: OpenAI request models and their `SamplingParams` (`chat_messages`: chat
   messages; `errors`: OpenAI's error shape).
-- `fields`: the fields accepted with no effect or refused (the README's table); others are 400.
+- `fields`: the fields accepted with no effect or refused (docs/server.md's table); others are 400.
 - `structured_request`: `response_format`, `structured_outputs`, `guided_*` -> one constraint.
 - `tools`, `tool_parsers`: `tools` / `tool_choice` in, `tool_calls` out (whole and streamed).
 - `serving`: the completions and chat-completions handlers (JSON and SSE), on

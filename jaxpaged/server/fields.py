@@ -1,4 +1,4 @@
-"""Which request fields the server honours, accepts with no effect, or refuses (the README's table).
+"""Which request fields the server honours, accepts with no effect, or refuses (docs/server.md's table).
 
 Every field a request model declares is honoured (`protocol.py`). The rest of OpenAI's and
 vLLM's fields are screened here before the model sees the body:
@@ -118,6 +118,7 @@ def screen(data: dict, declared: dict, endpoint: str) -> dict:
         else:
             name = echo(str(key))
             raise APIError(
-                f"Unrecognized request argument supplied: {name} (see the README's table of fields)", param=name
+                f"Unrecognized request argument supplied: {name} (see docs/server.md's table of request fields)",
+                param=name,
             )
     return kept

@@ -1,7 +1,7 @@
 """OpenAI request models (plus vLLM's extra sampling fields), their `SamplingParams`, and errors.
 
 Every field a model here declares is honoured; OpenAI's and vLLM's other fields are accepted
-with no effect or refused by `fields.screen` (the README's table), and an unknown field is a 400
+with no effect or refused by `fields.screen` (docs/server.md's table), and an unknown field is a 400
 naming it. Field types are checked by pydantic; values by `SamplingParams` (one source of
 truth), whose `ValueError` names the field.
 """

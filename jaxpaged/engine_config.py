@@ -24,8 +24,10 @@ from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
     GROUP_QUANT_BITS,
     CheckpointQuantizationError,
+    StoredWeights,
     group_size_field,
     resolve_quantization,
+    stored_weights,
 )
 from jaxpaged.config.sections import SECTIONS, CacheConfig, CompileConfig, LoadConfig, ParallelConfig, SchedulingConfig
 from jaxpaged.config.speculative import SpeculativeConfig
@@ -104,7 +106,7 @@ class EngineConfig:
         resolved = dict(
             seed=seed,
             quantization=quantization,
-            checkpoint_dtype=checkpoint_dtype(raw),
+            checkpoint=stored_weights(raw),
             tokenizer=tokenizer,
             pp_layer_partition=layout.pipeline.partition,
             sampling_defaults=tuple(sorted(defaults.items())),
@@ -201,17 +203,12 @@ class DraftModel:
     Attributes:
       path: its directory or preset (`speculative_config`'s "model").
       model: its configuration.
-      checkpoint_dtype: what `dtype` "auto" means for it (None: float32).
+      checkpoint: how its checkpoint stores its weights (its dtype: what `dtype` "auto" means).
     """
 
     path: str
     model: ModelConfig
-    checkpoint_dtype: str | None
-
-
-def checkpoint_dtype(raw: dict) -> str | None:
-    """The dtype a config.json names (`dtype`, or transformers 4's `torch_dtype`), or None."""
-    return raw.get("dtype") or raw.get("torch_dtype")
+    checkpoint: StoredWeights
 
 
 def check_model_dir(model: str, load_format: str, field: str = "model") -> None:
@@ -326,7 +323,7 @@ def _draft_model(args: EngineArgs, target: ModelConfig) -> DraftModel:
         raise EngineArgsError(
             field, spec, f"the draft model: {err}; lower `max_model_len` or use a draft with the target's context"
         ) from None
-    return DraftModel(spec.model, draft, checkpoint_dtype(raw))
+    return DraftModel(spec.model, draft, stored_weights(raw))
 
 
 def _tokenizer(args: EngineArgs) -> str:

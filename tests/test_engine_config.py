@@ -48,6 +48,18 @@ def test_resolve_reads_config_json_once(reads, seed):
     assert config.max_model_len == 64 and config.load.seed is not None
 
 
+def test_the_engine_loads_its_weights_from_the_resolved_config_without_reading_config_json_again(reads):
+    """The loader takes the model's configuration and how its weights are stored from the
+    resolved config (`EngineConfig.model`, `LoadConfig.checkpoint`): one read per start-up."""
+    from jaxpaged.engine.setup import build_model
+    from jaxpaged.parallel.mesh import TensorParallel, make_mesh
+
+    config = EngineConfig.resolve(EngineArgs(model=DEMO_MODEL_DIR, max_model_len=64, quantization="int8"))
+    model = build_model(config, TensorParallel(config.layout, make_mesh(1)))
+    assert reads == [DEMO_MODEL_DIR]
+    assert model.layers.attn.q_proj_quant.get_value()[0].dtype.name == "int8"
+
+
 def test_a_quantized_draft_model_is_refused_and_a_targets_format_is_not_asked_of_the_draft(tmp_path):
     """The draft runs unquantized: a pre-quantized draft checkpoint is refused naming
     speculative_config; `quantization` (the target's) is not checked against the draft's files."""
@@ -163,7 +175,7 @@ def test_every_option_lands_in_exactly_one_part():
     assert {name: holders.get(name, []) for name in options if len(holders.get(name, [])) != 1} == dict.fromkeys(
         on_config, []
     )
-    decided_at_start_up = {"checkpoint_dtype", "num_blocks", "num_host_blocks", "sampling_defaults"}
+    decided_at_start_up = {"checkpoint", "num_blocks", "num_host_blocks", "sampling_defaults"}
     assert set(holders) - set(options) == decided_at_start_up
     args = EngineArgs(model=DEMO_MODEL_DIR, max_num_seqs=3, block_size=32, compile_threads=3, nnodes=2, node_rank=1)
     config = EngineConfig.resolve(args)

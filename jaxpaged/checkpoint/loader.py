@@ -65,12 +65,7 @@ from jaxpaged.config.group_formats import GROUP_FORMATS, GroupFormat
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import LAYER_STACK
 from jaxpaged.config.presets import load_config_dict
-from jaxpaged.config.quantization import (
-    DEFAULT_GROUP_SIZE,
-    checkpoint_group_format,
-    checkpoint_quantization,
-    resolve_quantization,
-)
+from jaxpaged.config.quantization import DEFAULT_GROUP_SIZE, StoredWeights, resolve_quantization, stored_weights
 from jaxpaged.model.group_quant import code_dtype
 from jaxpaged.model.layer_arrays import LayerArrays, unstack_layers
 from jaxpaged.model.llama import Llama
@@ -288,22 +283,21 @@ def read_hf_params(
 def _checkpoint_tensors(
     model_dir: str | os.PathLike,
     config: ModelConfig,
-    raw: dict[str, Any],
+    stored: StoredWeights,
     dtype: Any,
     parallel: TensorParallel | None = None,
 ) -> tuple[np.dtype, Iterator]:
-    """`(target dtype, iterator of (path, layer, array))` of an HF or a converted directory whose
-    config.json is `(config, raw)` (arrays are numpy, or already placed `jax.Array`s when Orbax
-    restored them into shards; `layer` is the row of a stacked parameter a tensor fills, None:
-    the whole of it). A pre-quantized checkpoint's tensors come as their quantized pairs."""
-    prequantized = checkpoint_quantization(raw)
+    """`(target dtype, iterator of (path, layer, array))` of an HF or a converted directory of
+    `config` whose weights are `stored` so (arrays are numpy, or already placed `jax.Array`s when
+    Orbax restored them into shards; `layer` is the row of a stacked parameter a tensor fills,
+    None: the whole of it). A pre-quantized checkpoint's tensors come as their quantized pairs."""
     if is_converted_dir(model_dir):
-        target, params = _load_converted(model_dir, config, dtype, parallel, prequantized)
+        target, params = _load_converted(model_dir, config, dtype, parallel, stored.quantization)
         return target, ((path, None, array) for path, array in _flatten(params).items())
-    target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
+    target = resolve_dtype(dtype, stored.dtype)
     layers = None if parallel is None else parallel.local_layers  # a pipeline stage's: the others are not read
     return target, iter_hf_params(
-        model_dir, config, target, prequantized=prequantized, group_format=checkpoint_group_format(raw), layers=layers
+        model_dir, config, target, prequantized=stored.quantization, group_format=stored.group_format, layers=layers
     )
 
 
@@ -326,13 +320,15 @@ def load_params(model_dir: str | os.PathLike, dtype: Any = "auto") -> tuple[Mode
         duplicate, misshaped or wrongly typed keys.
     """
     config, raw = read_hf_config(model_dir)
-    prequantized = checkpoint_quantization(raw)
-    config = with_quantized_weights(config, prequantized, DEFAULT_GROUP_SIZE, raw)
+    stored = stored_weights(raw)
+    config = with_quantized_weights(config, stored.quantization, DEFAULT_GROUP_SIZE, raw)
     if not is_converted_dir(model_dir):
-        target = resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"))
-        group_format = checkpoint_group_format(raw)
-        return config, read_hf_params(model_dir, config, target, prequantized=prequantized, group_format=group_format)
-    _, tensors = _checkpoint_tensors(model_dir, config, raw, dtype)
+        target = resolve_dtype(dtype, stored.dtype)
+        params = read_hf_params(
+            model_dir, config, target, prequantized=stored.quantization, group_format=stored.group_format
+        )
+        return config, params
+    _, tensors = _checkpoint_tensors(model_dir, config, stored, dtype)
     params: Params = {}
     for path, _, array in tensors:
         _insert(params, path, array)
@@ -378,14 +374,43 @@ def load_model(
     config, raw = read_hf_config(model_dir)
     quantization = resolve_quantization(quantization, raw)
     config = with_quantized_weights(config, quantization, quantization_group_size, raw)
+    stored = stored_weights(raw)
+    return config, load_checkpoint(model_dir, config, stored, dtype, attention, parallel, scan_layers, quantization)
+
+
+def load_checkpoint(
+    model_dir: str | os.PathLike,
+    config: ModelConfig,
+    stored: StoredWeights,
+    dtype: Any = "auto",
+    attention: str = "auto",
+    parallel: TensorParallel | None = None,
+    scan_layers: bool = defaults.SCAN_LAYERS,
+    quantization: str | None = None,
+) -> Llama:
+    """`load_model` of a checkpoint whose configuration is already read and resolved (the
+    engine's: `EngineConfig.model` and `LoadConfig.checkpoint`, read once at start-up).
+
+    Args:
+      model_dir: an HF directory or a converted directory.
+      config: its configuration, with the weight groups of `quantization`
+        (`with_quantized_weights`).
+      stored: how it stores its weights (`stored_weights` of its config.json).
+      dtype, attention, parallel, scan_layers: as in `load_model`.
+      quantization: the weights' method, resolved against the checkpoint's
+        (`resolve_quantization`), or None.
+
+    Raises:
+      ValueError: as `load_model`.
+    """
     if parallel is not None and parallel.layout.config.weight_group_size != config.weight_group_size:
         raise ValueError(
             f"the tensor-parallel layout is for weight_group_size={parallel.layout.config.weight_group_size}, the "
             f"weights are quantized in groups of {config.weight_group_size}: lay it out from the config "
             "with_weight_groups gives"
         )
-    quantize_at_load = None if checkpoint_quantization(raw) else quantization  # pre-quantized: stored so
-    target, tensors = _checkpoint_tensors(model_dir, config, raw, dtype, parallel)
+    quantize_at_load = None if stored.quantization else quantization  # pre-quantized: stored so
+    target, tensors = _checkpoint_tensors(model_dir, config, stored, dtype, parallel)
     model_config = parallel.layout.mesh_config if parallel is not None else config
     abstract = nnx.eval_shape(
         lambda: Llama(
@@ -430,7 +455,7 @@ def load_model(
     leftover = [leaf for leaf in jax.tree.leaves(nnx.state(model)) if not isinstance(leaf, jax.Array)]
     if leftover:
         raise RuntimeError(f"{len(leftover)} model variables were not filled from the checkpoint")
-    return config, model
+    return model
 
 
 def _quantize_tensors(

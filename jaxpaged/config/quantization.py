@@ -22,6 +22,7 @@ group size in its config.json (`converted_quantization_config`) and is read as t
 those groups, without being asked.
 """
 
+import dataclasses
 from typing import Any
 
 from jaxpaged.config.group_formats import (
@@ -135,6 +136,37 @@ def checkpoint_group_format(hf_config: dict[str, Any]) -> GroupFormat | None:
     if method == "compressed-tensors" and is_int_compressed_tensors(qc):
         return pack_quantized_format(qc)
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredWeights:
+    """How a checkpoint's weights are stored, as its config.json says (read with the rest of it,
+    once: `EngineConfig.resolve`; the loader takes it from there).
+
+    Attributes:
+      quantization: the method they are already quantized with (`checkpoint_quantization`), or
+        None for plain weights.
+      group_format: their 4/8-bit integer format (`checkpoint_group_format`), or None.
+      dtype: the dtype config.json names (`dtype`, or transformers 4's `torch_dtype`); None means
+        float32.
+    """
+
+    quantization: str | None
+    group_format: GroupFormat | None
+    dtype: str | None
+
+
+def stored_weights(hf_config: dict[str, Any]) -> StoredWeights:
+    """How the checkpoint whose config.json is `hf_config` stores its weights.
+
+    Raises:
+      CheckpointQuantizationError: a `quantization_config` this engine cannot read.
+    """
+    return StoredWeights(
+        checkpoint_quantization(hf_config),
+        checkpoint_group_format(hf_config),
+        hf_config.get("dtype") or hf_config.get("torch_dtype"),
+    )
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:

@@ -11,7 +11,7 @@ import dataclasses
 
 from jaxpaged.config import defaults
 from jaxpaged.config.checks import check_batch_limits
-from jaxpaged.config.quantization import kv_dtype_name
+from jaxpaged.config.quantization import StoredWeights, kv_dtype_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +24,9 @@ class LoadConfig:
         `skip_tokenizer_init`.
       skip_tokenizer_init: token ids in and out, no tokenizer.
       load_format: "auto" reads the weights, "dummy" makes random ones.
-      dtype: the option ("auto" is `checkpoint_dtype`).
-      checkpoint_dtype: config.json's `dtype` (or `torch_dtype`); None: float32.
+      dtype: the option ("auto" is `checkpoint.dtype`).
+      checkpoint: how the checkpoint stores its weights (its dtype, a pre-quantized method and
+        format), as config.json says.
       quantization: the weights' method (the option, or the checkpoint's), or None.
       quantization_group_size: input features per group of "int4" (the model config holds the
         resolved groups: `ModelConfig.weight_group_size`).
@@ -42,7 +43,7 @@ class LoadConfig:
     skip_tokenizer_init: bool
     load_format: str
     dtype: str
-    checkpoint_dtype: str | None
+    checkpoint: StoredWeights
     quantization: str | None
     quantization_group_size: int
     attention_backend: str

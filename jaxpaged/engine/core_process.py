@@ -45,6 +45,7 @@ from jaxpaged.engine.core_messages import (
     StopOnString,
 )
 from jaxpaged.engine_args import EngineArgs
+from jaxpaged.engine_config import EngineConfig
 
 logger = logging.getLogger("jaxpaged")
 
@@ -60,14 +61,15 @@ class EngineCoreProcess:
     """The server's handle on an engine core running in a child process.
 
     Args:
-      args: the engine's arguments (checked; the child resolves them against the model).
+      args: the engine's configuration as the server resolved it (the child uses it as it is),
+        or its options (the child resolves them against the model).
       on_ready: called in the child as `on_ready(engine, seconds)` once the engine is built (the
         server logs what it sized and compiled); a module-level function (it is pickled).
 
     The pipe is used by one sender and one receiver thread at a time (`send` and `recv`).
     """
 
-    def __init__(self, args: EngineArgs, on_ready: Callable | None = None):
+    def __init__(self, args: EngineArgs | EngineConfig, on_ready: Callable | None = None):
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         level = logging.getLogger("jaxpaged").getEffectiveLevel()
@@ -129,7 +131,7 @@ class EngineCoreProcess:
         return f"the engine process died (exit code {self.process.exitcode})"
 
 
-def run_engine_core(args: EngineArgs, conn, log_level: int, on_ready: Callable | None) -> None:
+def run_engine_core(args: EngineArgs | EngineConfig, conn, log_level: int, on_ready: Callable | None) -> None:
     """The child's main function: builds the engine and serves commands until `Shutdown` or the
     server's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on these, then shuts us down
@@ -138,17 +140,17 @@ def run_engine_core(args: EngineArgs, conn, log_level: int, on_ready: Callable |
     logging.getLogger("jaxpaged").setLevel(log_level)
     from jaxpaged.engine.llm_engine import LLMEngine  # JAX loads here, in the child only
     from jaxpaged.engine.setup import check_engine_fits
-    from jaxpaged.engine_config import EngineConfig
 
     start = time.perf_counter()
     try:
-        check_engine_fits(EngineConfig.resolve(args))
+        config = args if isinstance(args, EngineConfig) else EngineConfig.resolve(args)
+        check_engine_fits(config)
     except BaseException as err:
         conn.send(CoreFailed(_picklable(err), starting=True))
         return
     conn.send(CoreChecked())
     try:
-        engine = LLMEngine(args)
+        engine = LLMEngine(config)
         if on_ready is not None:
             on_ready(engine, time.perf_counter() - start)
     except BaseException as err:

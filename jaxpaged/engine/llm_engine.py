@@ -83,18 +83,21 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
     `jaxpaged.engine.training_loop`).
 
     Args:
-      args: the engine configuration.
+      args: the engine's options, resolved here against the model's configuration, or a
+        configuration already resolved (`EngineConfig.resolve`, e.g. by the server, which checks
+        it before the engine process starts): a process resolves its options once.
     """
 
-    def __init__(self, args: EngineArgs):
-        if args.node_rank != 0:
+    def __init__(self, args: EngineArgs | EngineConfig):
+        node_rank = args.parallel.node_rank if isinstance(args, EngineConfig) else args.node_rank
+        if node_rank != 0:
             raise EngineArgsError(
                 "node_rank",
-                args.node_rank,
+                node_rank,
                 "only process 0 runs the engine; start the others "
                 "with `jaxpaged serve --node-rank N` (they run process 0's steps)",
             )
-        config = EngineConfig.resolve(args)
+        config = args if isinstance(args, EngineConfig) else EngineConfig.resolve(args)
         self.tokenizer = None if config.load.tokenizer is None else load_tokenizer(config.load.tokenizer)
         eos = frozenset(eos_token_ids(config, self.tokenizer))
         worker = start_device_worker(config, eos)

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxpaged.checkpoint.dummy import dummy_params
 from jaxpaged.checkpoint.format import TOKENIZER_FILES
 from jaxpaged.checkpoint.kv_scales import checkpoint_kv_scales
-from jaxpaged.checkpoint.loader import load_model, resolve_dtype
+from jaxpaged.checkpoint.loader import load_checkpoint, resolve_dtype
 from jaxpaged.config.checks import OptionError
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.quantization import is_fp8
@@ -250,9 +250,7 @@ def build_draft_model(
     if draft is None:
         return None, None
     draft_parallel = TensorParallel(TensorParallelLayout(draft.model, config.layout.size), parallel.mesh)
-    load = dataclasses.replace(
-        config.load, model=draft.path, quantization=None, checkpoint_dtype=draft.checkpoint_dtype
-    )
+    load = dataclasses.replace(config.load, model=draft.path, quantization=None, checkpoint=draft.checkpoint)
     draft_engine = dataclasses.replace(
         config, model=draft.model, layout=draft_parallel.layout, load=load, speculative=None, draft=None
     )
@@ -390,14 +388,15 @@ def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool =
     if load.load_format == "dummy":
         model = _dummy_model(model_config, model_dtype(config), load, parallel)
     else:
-        _, model = load_model(
+        model = load_checkpoint(
             load.model,
+            model_config,
+            load.checkpoint,
             load.dtype,
             attention=load.attention_backend,
             parallel=parallel,
             scan_layers=load.scan_layers,
             quantization=load.quantization,
-            quantization_group_size=load.quantization_group_size,
         )
     logger.info(
         "model %s: %s, %d layers, dtype %s%s, KV cache %s",
@@ -413,7 +412,7 @@ def build_model(config: EngineConfig, parallel: TensorParallel, abstract: bool =
 
 def model_dtype(config: EngineConfig) -> jnp.dtype:
     """The model's dtype: `dtype`, or with "auto" the config's (float32 if it names none)."""
-    return jnp.dtype(resolve_dtype(config.load.dtype, config.load.checkpoint_dtype))
+    return jnp.dtype(resolve_dtype(config.load.dtype, config.load.checkpoint.dtype))
 
 
 def _abstract_model(load: LoadConfig, dtype, parallel: TensorParallel) -> Llama:
@@ -513,7 +512,7 @@ def check_host_memory(config: EngineConfig, parallel: TensorParallel, available:
         config.model, dtype.name, load.quantization, n, config.layout.expert_parallel, config.layout.pipeline
     )
     if config.draft is not None:
-        draft_dtype = jnp.dtype(resolve_dtype(load.dtype, config.draft.checkpoint_dtype)).name
+        draft_dtype = jnp.dtype(resolve_dtype(load.dtype, config.draft.checkpoint.dtype)).name
         weights += devices * weight_bytes_per_gpu(config.draft.model, draft_dtype, None, n)
     pool = cache.kv_cache_memory_bytes
     if pool is None:

@@ -140,8 +140,9 @@ def _plain_type(annotation):
     return str
 
 
-def _options(args: argparse.Namespace, **overrides) -> EngineArgs:
-    """`EngineArgs` from parsed engine flags (the demo model when no model was given)."""
+def engine_options(args: argparse.Namespace, **overrides) -> EngineArgs:
+    """`EngineArgs` from parsed engine flags (the demo model when no model was given), not yet
+    resolved against the model (`EngineConfig.resolve`)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
     values.update(overrides)
     values["model"] = values.get("model") or DEMO_MODEL_DIR
@@ -151,13 +152,13 @@ def _options(args: argparse.Namespace, **overrides) -> EngineArgs:
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The engine's configuration from parsed engine flags, resolved: every flag checked and the
     model's configuration read, without JAX."""
-    return EngineConfig.resolve(_options(args, **overrides))
+    return EngineConfig.resolve(engine_options(args, **overrides))
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     """`EngineArgs` from parsed engine flags, checked as `engine_config` checks them (a "random"
     seed drawn: the engine runs with the one logged here)."""
-    options = _options(args, **overrides)
+    options = engine_options(args, **overrides)
     return dataclasses.replace(options, seed=EngineConfig.resolve(options).load.seed)
 
 

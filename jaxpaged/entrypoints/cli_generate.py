@@ -17,7 +17,9 @@ import sys
 from jaxpaged.checkpoint.format import tokenizer_dir
 from jaxpaged.config import defaults
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_args, engine_config
+from jaxpaged.engine_args import compatibility_notes
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR, engine_config, engine_options
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpaged")
@@ -194,11 +196,14 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(load.tokenizer)
     prompts = tokenize(items, tokenizer)
     sizes = size_to_job(args, resolved.model, prompts, params)
-    engine = engine_args(args, **sizes, skip_tokenizer_init=skip, seed=load.seed)
+    options = engine_options(args, **sizes, skip_tokenizer_init=skip, seed=load.seed)
+    config = EngineConfig.resolve(options)  # the job's sizes: the engine runs with this, not resolved again
+    for note in compatibility_notes(options):
+        logger.info(note)
 
     from jaxpaged.entrypoints.llm import LLM  # JAX is imported from here on
 
-    llm = LLM(**dataclasses.asdict(engine))
+    llm = LLM.from_engine_config(config)
     outputs = llm.generate(prompts, params, use_tqdm=bool(args.input))
     if args.output:
         with open(args.output, "w") as f:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from jaxpaged.config.defaults import DEMO_MODEL_NAME
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, compatibility_notes
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.entrypoints.logging_setup import configure_default_logging
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -54,7 +55,20 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         for note in compatibility_notes(args):
             logger.info(note)
-        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._start(LLMEngine.from_engine_args(args))
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        """An `LLM` over options already resolved against the model (`EngineConfig.resolve`),
+        which it does not resolve again (`jaxpaged generate` resolves its flags to check them
+        before JAX loads)."""
+        configure_default_logging()
+        llm = cls.__new__(cls)
+        llm._start(LLMEngine(config))
+        return llm
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.llm_engine = engine
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 
-from jaxpaged.engine_args import EngineArgs, compatibility_notes
+from jaxpaged.engine_args import compatibility_notes
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.entrypoints import cli_flags
 from jaxpaged.entrypoints.cli_flags import PORT
 from jaxpaged.server.limits import RESERVED_FILES, ServerLimits, add_limit_flags, limits_from
@@ -233,7 +234,8 @@ def serve(args: argparse.Namespace) -> int:
     limits = limits_from(args)
     _make_room_for_connections(limits.max_connections + RESERVED_FILES)
     model = args.model_tag or args.model
-    engine_args = cli_flags.engine_args(args, model=model, usage_context=SERVER_USAGE)  # checked before JAX loads
+    engine_args = cli_flags.engine_options(args, model=model, usage_context=SERVER_USAGE)
+    config = EngineConfig.resolve(engine_args)  # once: checked before JAX loads, handed to the engine
     notes = compatibility_notes(engine_args) + (
         [f"disable_log_requests: {DISABLE_LOG_REQUESTS}"] if args.disable_log_requests else []
     )
@@ -245,9 +247,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.engine_process:
         from jaxpaged.engine.core_process import EngineCoreProcess
 
-        core = EngineCoreProcess(engine_args, on_ready=_log_start_up)
+        core = EngineCoreProcess(config, on_ready=_log_start_up)
     try:
-        return _run(args, engine_args, core, listener, names, limits, chat_template)
+        return _run(args, config, core, listener, names, limits, chat_template)
     finally:
         # Whatever ended the server (an error or Ctrl-C while starting included), the engine process
         # goes with it: it ignores SIGTERM, so multiprocessing's exit would otherwise wait on it forever.
@@ -257,7 +259,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def _run(
     args: argparse.Namespace,
-    engine_args: EngineArgs,
+    config: EngineConfig,
     core,
     listener: socket.socket,
     names: list[str],
@@ -272,13 +274,12 @@ def _run(
         core.wait_checked()  # devices and host memory, checked where the engine runs, before HTTP starts
     else:
         from jaxpaged.engine.setup import check_engine_fits
-        from jaxpaged.engine_config import EngineConfig
 
-        check_engine_fits(EngineConfig.resolve(engine_args))  # devices and host memory, before HTTP starts
+        check_engine_fits(config)  # devices and host memory, before HTTP starts
     logger.info(
         "starting the engine for %s in its own %s (loading JAX and the model, then compiling); "
         "/live answers now, /health once it is ready",
-        engine_args.model,
+        config.load.model,
         "process" if args.engine_process else "thread",
     )
     import uvicorn
@@ -300,7 +301,7 @@ def _run(
     def build():
         from jaxpaged.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(engine_args)
+        engine = LLMEngine(config)
         _log_start_up(engine, time.perf_counter() - start)
         return engine
 

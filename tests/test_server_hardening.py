@@ -727,6 +727,14 @@ def test_the_docs_list_every_limit_with_its_flag_and_default():
         assert value == defaults[flag], (flag, cell, defaults[flag])
 
 
+def _requests_running(http: httpx.Client) -> float:
+    """`vllm:num_requests_running` from the server's /metrics (0 before the first step)."""
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_second_sigterm_ends_the_drain_with_clean_shapes(tmp_path):
     proc, url, log = _serve(tmp_path, "--shutdown-timeout", "600", "--max-model-len", "1024")
     body = {"prompt": "And", "max_tokens": 1000, "ignore_eos": True}
@@ -742,6 +750,12 @@ def test_second_sigterm_ends_the_drain_with_clean_shapes(tmp_path):
             with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
                 lines = stream.iter_lines()
                 next(line for line in lines if line.startswith("data:"))  # generating now
+                # the plain request admitted too (under load its POST may still be on its way: a
+                # SIGTERM then answers it 503, not the abort this checks)
+                deadline = time.time() + 60
+                while _requests_running(http) < 2 and time.time() < deadline:
+                    time.sleep(0.05)
+                assert _requests_running(http) == 2
                 proc.send_signal(signal.SIGTERM)
                 while "draining" not in open(log).read():
                     time.sleep(0.05)

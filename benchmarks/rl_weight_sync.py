@@ -127,7 +127,8 @@ def weight_sync(shape: str) -> dict:
     out["update_from_host"] = {"copied_bytes": stats.copied_bytes, **copy_rate(seconds, weights, device_put)}
     host = None
     config = a.runner.parallel.layout.config
-    pairs = [(s.hf_name, np.full(s.hf_shape, 0.01, ml_dtypes.bfloat16)) for s in hf_key_specs(config)]
+    shapes = {s.hf_name: s.hf_shape for s in hf_key_specs(config)}  # a fused tensor once
+    pairs = [(name, np.full(shape, 0.01, ml_dtypes.bfloat16)) for name, shape in shapes.items()]
     hf_bytes = sum(x.nbytes for _, x in pairs)
     stats, seconds = update(a, pairs)
     out["update_from_hf_pairs"] = {

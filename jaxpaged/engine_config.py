@@ -90,11 +90,12 @@ class EngineConfig:
         raw = load_config_dict(args.model)[1]
         quantization = _quantization(args.model, args.quantization, raw)
         model = _weight_groups(ModelConfig.from_hf(raw), quantization, args, raw)
+        max_model_len = model.check_max_model_len(args.max_model_len or model.max_context_len)
+        model = model.for_max_model_len(max_model_len)
         layout = _layout(model, args.tensor_parallel_size, args.enable_expert_parallel, _pipeline(model, args))
         draft = None
         if args.speculative_config is not None and args.speculative_config.model is not None:
             draft = _draft_model(args, model)
-        max_model_len = model.check_max_model_len(args.max_model_len or model.max_context_len)
         if args.kv_cache_dir is not None and os.path.exists(args.kv_cache_dir) and not os.path.isdir(args.kv_cache_dir):
             raise EngineArgsError("kv_cache_dir", args.kv_cache_dir, "exists and is not a directory")
         tokenizer = None if args.skip_tokenizer_init else _tokenizer(args)
@@ -318,7 +319,7 @@ def _draft_model(args: EngineArgs, target: ModelConfig) -> DraftModel:
             f"target's ({target.vocab_size}): it proposes the target's token ids",
         )
     try:
-        draft.check_max_model_len(args.max_model_len or target.max_context_len)
+        draft = draft.for_max_model_len(draft.check_max_model_len(args.max_model_len or target.max_context_len))
     except ValueError as err:
         raise EngineArgsError(
             field, spec, f"the draft model: {err}; lower `max_model_len` or use a draft with the target's context"

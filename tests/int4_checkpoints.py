@@ -16,13 +16,13 @@ import re
 import numpy as np
 import torch
 from checkpoint_edits import copy_checkpoint, edit_tensors, save_quantized_checkpoint
-from fp8_checkpoint import PROJECTIONS
 from tiny_models import build_hf_model
 
 AWQ_SLOT_FEATURE = (0, 2, 4, 6, 1, 3, 5, 7)  # the output feature (of 8) each 4-bit slot of a word holds
 # The decoder projections of a saved Llama-family or mixture-of-experts checkpoint: attention's
 # q/k/v/o, the MLP's, each expert's (Mixtral's w1, w2, w3) and a shared expert's; not the routers.
-PROJECTION_NAME = re.compile(r"\.([qkvo]_proj|gate_proj|up_proj|down_proj|w[123])\.weight$")
+# Phi-3's fused qkv_proj and gate_up_proj are one linear each.
+PROJECTION_NAME = re.compile(r"\.([qkvo]_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|down_proj|w[123])\.weight$")
 
 
 def quantize(w: np.ndarray, bits: int, groups: np.ndarray, sym: bool, min_zero: int = 0) -> tuple[np.ndarray, ...]:
@@ -219,8 +219,9 @@ def write_int4_checkpoint(model, kind: str, out_dir: str, group_size: int = 32, 
         tensors.pop("lm_head.weight", None)
     with torch.no_grad():
         for i in range(model.config.num_hidden_layers):
-            for proj in PROJECTIONS:
-                prefix = f"model.layers.{i}.{proj}"
+            layer = f"model.layers.{i}."
+            projections = [n for n in tensors if n.startswith(layer) and PROJECTION_NAME.search(n)]
+            for prefix in (n.removesuffix(".weight") for n in projections):
                 stored, dequant = packer(tensors.pop(prefix + ".weight").numpy(), rng)
                 tensors.update({f"{prefix}.{suffix}": t for suffix, t in stored.items()})
                 model.get_submodule(prefix).weight.copy_(torch.from_numpy(dequant))

@@ -114,3 +114,34 @@ def test_inverse_frequencies_match_transformers(rope_parameters):
     ours_config = ModelConfig.from_hf({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     ours = inverse_frequencies(ours_config.rope, 128)
     np.testing.assert_allclose(ours, rotary.inv_freq.to(torch.float32).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_longrope_frequencies_and_attention_factor_match_transformers(long):
+    """Phi-4-mini's shapes: 3/4 of 128 features rotated, 4K pre-training context grown to 128K."""
+    factors = dict(short_factor=[1.0 + i / 50 for i in range(48)], long_factor=[1.0 + i for i in range(48)])
+    hf_config = transformers.Phi3Config(
+        hidden_size=3072,
+        num_attention_heads=24,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        partial_rotary_factor=0.75,
+        rope_scaling=dict(type="longrope", **factors),
+        pad_token_id=0,
+    )
+    init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"]
+    inv_freq, attention = init(hf_config, None, seq_len=8192 if long else None)
+    ours = ModelConfig.from_hf({**hf_config.to_dict(), "architectures": ["Phi3ForCausalLM"]})
+    ours = ours.for_max_model_len(8192 if long else 4096)
+    assert ours.rope.use_long_factor == long and ours.rope.rotary_dim(128) == 96
+    np.testing.assert_allclose(inverse_frequencies(ours.rope, 128), inv_freq.numpy(), rtol=1e-6)
+    assert ours.rope.attention_factor == pytest.approx(attention, rel=1e-12)
+
+
+def test_longrope_and_partial_rotary_errors_name_the_field():
+    phi = {**LLAMA_31_8B, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 4096}
+    longrope = {"type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 63}
+    with pytest.raises(ValueError, match=r"rope_scaling.long_factor must list 64 numbers"):
+        ModelConfig.from_hf({**phi, "rope_scaling": longrope})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.2 rotates 25 of head_dim=128"):
+        ModelConfig.from_hf({**phi, "rope_scaling": None, "partial_rotary_factor": 0.2})

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxpaged.checkpoint.hf_keys import hf_key_specs
+from jaxpaged.checkpoint.hf_keys import by_name, hf_key_specs
 from jaxpaged.config.architectures import ARCHITECTURES, BY_HF_NAME
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.setup import build_model
@@ -44,6 +44,7 @@ VARIANTS = {
     "mistral": dict(architectures=["MistralForCausalLM"], sliding_window=None),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"]),
+    "phi3": dict(architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.5),  # fused qkv and gate/up tensors
     "mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(
         architectures=["Qwen2MoeForCausalLM"],
@@ -91,7 +92,12 @@ def test_checkpoint_keys_target_exactly_the_model_state(variant):
         for s in specs:
             lead = () if s.layer is None else (config.num_layers,) if s.expert is None else (config.num_layers, experts)
             assert (*lead, *s.shape) == shapes[s.target], s
-            assert math.prod(s.hf_shape) == math.prod(s.shape), s
+            rows = s.hf_shape[0] if s.rows is None else s.rows[1] - s.rows[0]  # a fused tensor's part
+            assert rows * math.prod(s.hf_shape[1:]) == math.prod(s.shape), s
+        for parts in by_name(specs).values():  # a fused tensor's parts tile its rows, in order
+            if parts[0].rows is not None and not parts[0].broadcast:
+                bounds = [b for p in parts for b in p.rows]
+                assert bounds[0] == 0 and bounds[-1] == parts[0].hf_shape[0] and bounds == sorted(bounds), parts
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)

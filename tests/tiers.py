@@ -91,7 +91,7 @@ TIERS: dict[str, tuple[str, str]] = {
         "the storage rule itself stays (test_cpu_stores_bfloat16_pools_in_float32)",
     ),
     # --- transformers parity: 18 architecture variants x 3 checks -------------------------------
-    "tests/test_hf_parity.py": (SLOW, "18 variants x (prompt logits, greedy, chunked prefill)"),
+    "tests/test_hf_parity.py": (SLOW, "20 variants x (prompt logits, greedy, chunked prefill)"),
     **{
         f"tests/test_hf_parity.py::test_prompt_logits_match_transformers[{variant}]": (
             PR,
@@ -104,6 +104,7 @@ TIERS: dict[str, tuple[str, str]] = {
             "mistral_tp",
             "qwen2_bias",
             "qwen3_qk_norm",
+            "phi3_longrope",
         )  # mixtral's tokens stay in test_moe, TP's in test_tensor_parallel, PP's in test_pipeline_parallel
     },
     "tests/test_hf_parity.py::test_greedy_continuations_match_transformers[llama_gqa4]": (PR, "greedy"),
@@ -161,6 +162,10 @@ TIERS: dict[str, tuple[str, str]] = {
         "3 variants x 4 sizes",
     ),
     "tests/test_tensor_parallel.py::test_greedy_tokens_equal_transformers_for_every_size[llama_tp-2]": (PR, "TP 2"),
+    "tests/test_tensor_parallel.py::test_greedy_tokens_equal_transformers_for_every_size[phi3_tp-2]": (
+        PR,
+        "Phi-3's fused tensors split over 2 devices",
+    ),
     "tests/test_tensor_parallel.py::test_greedy_tokens_equal_transformers_for_every_size[mistral_tp-8]": (
         PR,
         "TP 8: more devices than KV heads",

@@ -77,6 +77,31 @@ VARIANTS = {
         transformers.MistralForCausalLM,
         dict(num_key_value_heads=2, head_dim=32, sliding_window=None),
     ),
+    # Phi-3/Phi-4: fused qkv_proj and gate_up_proj in the checkpoint; Phi-4-mini's partial rotary
+    # embedding (3/4 of 16 features) and LongRoPE (contexts up to 300 < 512: its short factors,
+    # and an attention factor > 1 from 2048 / 512)
+    "phi3_longrope": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            num_key_value_heads=2,
+            pad_token_id=0,
+            tie_word_embeddings=True,
+            max_position_embeddings=2048,
+            original_max_position_embeddings=512,
+            partial_rotary_factor=0.75,
+            rope_scaling=dict(
+                type="longrope",
+                short_factor=[1.0 + 0.2 * i for i in range(6)],
+                long_factor=[2.0 + 1.5 * i for i in range(6)],
+            ),
+        ),
+    ),
+    "phi4": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(num_key_value_heads=2, pad_token_id=0, original_max_position_embeddings=1024),
+    ),
     # Tensor-parallel variants: 8 query heads split over up to 8 devices, fewer kv heads than that.
     "llama_tp": (
         transformers.LlamaConfig,
@@ -94,6 +119,18 @@ VARIANTS = {
         transformers.Qwen2Config,
         transformers.Qwen2ForCausalLM,
         dict(vocab_size=500, num_attention_heads=8, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True),
+    ),
+    # head_dim 64 / 8 = 8, half of it rotated
+    "phi3_tp": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=1024,
+        ),
     ),
     "mistral_tp": (
         transformers.MistralConfig,

@@ -56,6 +56,13 @@ class GroupQuantized:
             return self.g_idx
         return np.arange(self.q.shape[0]) // self.group_size
 
+    def outputs(self, start: int, stop: int) -> "GroupQuantized":
+        """The weight of output features `start:stop` only (one part of a fused linear)."""
+        cut = slice(start, stop)
+        return GroupQuantized(
+            self.q[:, cut], self.scale[:, cut], self.zero[:, cut], self.g_idx, self.bits, self.group_size
+        )
+
     def dequantize(self) -> Float[np.ndarray, "I O"]:
         """The float32 weight `[I, O]` the codes stand for (the reference every format is tested against)."""
         g = self.groups()

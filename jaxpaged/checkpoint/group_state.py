@@ -16,6 +16,7 @@ Round-to-nearest int4 at load (`--quantization int4`) produces the same arrays o
 (`jaxpaged.model.group_quant.quantize_groups`).
 """
 
+import functools
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -74,10 +75,17 @@ def group_tensors(
 ) -> Iterator[tuple[Path, int, np.ndarray]]:
     """Every group-quantized projection of every decoder layer (of `layers`; None: all) as the
     loader's `(path, layer, array)`: `read_linear(prefix)` converted by `group_state`, layer by
-    layer (a per-expert weight's experts each read and converted alone, then stacked `[E, ...]`)."""
+    layer (a per-expert weight's experts each read and converted alone, then stacked `[E, ...]`;
+    a fused linear read once, each part its own outputs: `ParamSpec.hf_rows`)."""
     specs = [spec for spec in param_specs(config) if spec.quantize]
+    read = functools.lru_cache(maxsize=1)(read_linear)  # a fused linear's parts follow one another
+
+    def part(spec: ParamSpec, prefix: str) -> GroupQuantized:
+        rows = spec.hf_rows(config)
+        return read(prefix) if rows is None else read(prefix).outputs(*rows)
+
     for layer in range(config.num_layers) if layers is None else sorted(layers):
         for spec in specs:
-            experts = [group_state(read_linear(p), spec, config, p) for p in linear_prefixes(spec, config, layer)]
+            experts = [group_state(part(spec, p), spec, config, p) for p in linear_prefixes(spec, config, layer)]
             arrays = [np.stack(a) for a in zip(*experts)] if spec.per_expert else experts[0]
             yield from ((path, layer, array) for path, array in zip(quantized_paths(config, spec), arrays))

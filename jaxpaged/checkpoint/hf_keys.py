@@ -66,6 +66,9 @@ class KeySpec:
         cast to the model's dtype.
       broadcast: a scale that may also be one number for the whole tensor (`SCALAR_SHAPES`),
         broadcast to `shape`.
+      rows: `(start, stop)`: the rows (first axis) of the stored tensor that are this parameter,
+        cut out before the transform (one part of a fused tensor, `ParamSpec.fused`: several
+        key specs share its name); None: the whole tensor.
     """
 
     hf_name: str
@@ -77,6 +80,7 @@ class KeySpec:
     dtype: str | None = None
     broadcast: bool = False
     expert: int | None = None
+    rows: tuple[int, int] | None = None
 
     def check(self, shape: tuple[int, ...], stored_dtype: str | None = None) -> None:
         """Checks a stored shape (and the safetensors dtype, when given) from the header.
@@ -110,6 +114,8 @@ class KeySpec:
             x = x.astype(dtype, copy=False)
         if self.broadcast and x.shape in SCALAR_SHAPES:
             return np.full(self.shape, x.reshape(()), x.dtype)
+        if self.rows is not None:
+            x = x[self.rows[0] : self.rows[1]]
         y = x.T if self.transpose else x
         return np.ascontiguousarray(y.reshape(self.shape))
 
@@ -117,7 +123,8 @@ class KeySpec:
     def description(self) -> str:
         """The transform in words, e.g. `[256, 64] -T-> [64, 4, 64]`."""
         arrow = "-T->" if self.transpose else "->"
-        text = f"{list(self.hf_shape)} {arrow} {list(self.shape)}"
+        rows = "" if self.rows is None else f"[{self.rows[0]}:{self.rows[1]}] "
+        text = f"{list(self.hf_shape)} {rows}{arrow} {list(self.shape)}"
         if self.broadcast:
             text += f" (or [1] / [] broadcast to {list(self.shape)})"
         return text + (f" {self.dtype}" if self.dtype else "")
@@ -149,7 +156,8 @@ def hf_key_specs(config: ModelConfig, prequantized: str | None = None) -> list[K
 
     Returns:
       One `KeySpec` per parameter of `Llama(config, quantization=prequantized)` (per layer for a
-      decoder layer's); their targets are exactly the leaves of its state pure dict.
+      decoder layer's); their targets are exactly the leaves of its state pure dict. The parts of
+      a fused tensor share its name (`by_name` groups them).
     """
     params = param_specs(config)
     first_layer = next(i for i, p in enumerate(params) if p.per_layer)
@@ -171,10 +179,19 @@ def hf_key_specs(config: ModelConfig, prequantized: str | None = None) -> list[K
                 param.hf_layout == "linear",
                 layer,
                 expert=expert,
+                rows=param.hf_rows(config),
             )
             quantized = prequantized is not None and param.quantize
             specs += _prequantized(spec, param, prequantized) if quantized else [spec]
     return specs
+
+
+def by_name(specs: list[KeySpec]) -> dict[str, list[KeySpec]]:
+    """The key specs of each stored tensor (several for a fused tensor's parts), in order."""
+    grouped: dict[str, list[KeySpec]] = {}
+    for spec in specs:
+        grouped.setdefault(spec.hf_name, []).append(spec)
+    return grouped
 
 
 def _prequantized(spec: KeySpec, param: ParamSpec, method: str) -> list[KeySpec]:
@@ -193,6 +210,7 @@ def _prequantized(spec: KeySpec, param: ParamSpec, method: str) -> list[KeySpec]
             spec.layer,
             dtype=QUANTIZED_WEIGHT_DTYPES[method],
             expert=spec.expert,
+            rows=spec.rows,
         ),
         KeySpec(
             spec.hf_name + "_scale",
@@ -204,6 +222,7 @@ def _prequantized(spec: KeySpec, param: ParamSpec, method: str) -> list[KeySpec]
             dtype="float32",
             broadcast=True,
             expert=spec.expert,
+            rows=spec.rows,
         ),
     ]
 

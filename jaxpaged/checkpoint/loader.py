@@ -51,6 +51,7 @@ from jaxpaged.checkpoint.formats import linear_reader, quantized_linears
 from jaxpaged.checkpoint.group_state import group_tensors
 from jaxpaged.checkpoint.hf_keys import (
     Path,
+    by_name,
     check_shape,
     format_names,
     hf_key_specs,
@@ -216,13 +217,13 @@ def iter_hf_params(
     for name, shapes in optional.items():
         if shapes is not None and name in ckpt.locations:
             check_shape(name, shapes[0], ckpt.shape(name), also=shapes[1:])
-    by_name = {s.hf_name: s for s in specs if layers is None or s.layer is None or s.layer in layers}
+    wanted = by_name([s for s in specs if layers is None or s.layer is None or s.layer in layers])
 
     def tensors():
-        with tqdm(total=len(by_name), desc="loading tensors", unit="tensor", disable=not progress) as bar:
-            for name, array in ckpt.iter_tensors(by_name):
-                spec = by_name[name]
-                yield spec, spec.transform(array, dtype)
+        with tqdm(total=len(wanted), desc="loading tensors", unit="tensor", disable=not progress) as bar:
+            for name, array in ckpt.iter_tensors(wanted):
+                for spec in wanted[name]:  # a fused tensor's parts, each cut out of it
+                    yield spec, spec.transform(array, dtype)
                 bar.update()
 
     def read():

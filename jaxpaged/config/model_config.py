@@ -1,7 +1,7 @@
 """Model configuration: the static description of a Llama-family network.
 
 `ModelConfig.from_hf` reads a Hugging Face `config.json` dictionary (the architectures of
-`jaxpaged.config.architectures`: Llama, Mistral, Qwen2 and Qwen3 causal LMs, and the
+`jaxpaged.config.architectures`: Llama, Mistral, Qwen2, Qwen3 and Phi-3 causal LMs, and the
 Mixtral, Qwen2-MoE and Qwen3-MoE mixtures of experts) and refuses anything this engine would compute differently from
 transformers, naming the field, its value and what would fix it.
 """
@@ -14,7 +14,9 @@ from typing import Any
 from jaxpaged.config.moe import MoeConfig, moe_from_hf
 from jaxpaged.config.presets import read_config_json
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# Older Phi-3 configs' names for LongRoPE (as transformers reads them).
+LONGROPE_ALIASES = ("su", "yarn")
 
 
 # The most input features per group a per-channel checkpoint's weights are held in (their one
@@ -29,9 +31,19 @@ class RopeConfig:
 
     Attributes:
       theta: base of the inverse frequencies (`rope_theta`).
-      rope_type: "default", "linear" or "llama3".
+      rope_type: one of `SUPPORTED_ROPE_TYPES`.
       factor: scaling factor for "linear" and "llama3".
-      low_freq_factor, high_freq_factor, original_max_position_embeddings: "llama3" only.
+      low_freq_factor, high_freq_factor: "llama3" only.
+      original_max_position_embeddings: the pre-training context ("llama3", "longrope").
+      partial_rotary_factor: the fraction of each head's features rotated (the first
+        `rotary_dim`; Phi-4-mini rotates 3/4); the rest pass through.
+      short_factor, long_factor: "longrope": each frequency's divisor for contexts within
+        `original_max_position_embeddings` and beyond it.
+      use_long_factor: "longrope": the engine's contexts reach beyond the pre-training context,
+        so every position uses `long_factor` (`ModelConfig.for_max_model_len`; transformers
+        switches per sequence length, which a shared KV cache cannot).
+      attention_factor: cos and sin are multiplied by it ("longrope": `sqrt(1 + ln(s) /
+        ln(original))`, s the context's growth, for short and long contexts alike).
     """
 
     theta: float = 10000.0
@@ -40,6 +52,15 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    use_long_factor: bool = False
+    attention_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The features of a head that are rotated."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,7 +68,7 @@ class ModelConfig:
     """Static configuration of a decoder-only Llama-family model (hashable, jit-static).
 
     Attributes:
-      architecture: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe" or "qwen3_moe" (declared, with its parameter table, in
+      architecture: "llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe" or "qwen3_moe" (declared, with its parameter table, in
         `jaxpaged.config.architectures`).
       vocab_size: V, rows of the embedding table.
       hidden_size: D, the residual width.
@@ -181,6 +202,15 @@ class ModelConfig:
             )
         return max_model_len
 
+    def for_max_model_len(self, max_model_len: int) -> "ModelConfig":
+        """This model as an engine of `max_model_len` computes it: LongRoPE's long factors for
+        every position when its contexts may grow beyond the pre-training context (as vLLM
+        chooses), its short ones otherwise."""
+        if self.rope.rope_type != "longrope":
+            return self
+        long = max_model_len > self.rope.original_max_position_embeddings
+        return dataclasses.replace(self, rope=dataclasses.replace(self.rope, use_long_factor=long))
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Builds a config from a Hugging Face `config.json` dictionary.
@@ -222,7 +252,7 @@ class ModelConfig:
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(hf),
+            rope=_rope_from_hf(hf, int(head_dim)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
@@ -244,17 +274,29 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+def _rope_from_hf(hf: dict[str, Any], head_dim: int) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or {})
     params.update(hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type in LONGROPE_ALIASES else rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope_scaling.rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial)
+    if not 0 < partial <= 1 or rotary_dim % 2:
+        raise ValueError(
+            f"partial_rotary_factor={partial} rotates {rotary_dim} of head_dim={head_dim} features; it must be "
+            "in (0, 1] and rotate an even number of them"
+        )
     if rope_type == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
+    if rope_type == "longrope":
+        return _longrope_from_hf(hf, params, theta, partial, rotary_dim)
+    if partial != 1:
+        raise ValueError(f"partial_rotary_factor={partial} with rope_type={rope_type!r} is not supported")
     factor = float(params["factor"])
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=factor)
@@ -265,6 +307,41 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _longrope_from_hf(
+    hf: dict[str, Any], params: dict[str, Any], theta: float, partial: float, rotary_dim: int
+) -> RopeConfig:
+    """Phi-3's LongRoPE, as transformers reads it: the growth `factor` defaults to
+    max_position_embeddings / original_max_position_embeddings, and the attention factor to
+    `sqrt(1 + ln(factor) / ln(original))` (1 when the context does not grow)."""
+    original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("rope_scaling.rope_type='longrope' needs original_max_position_embeddings")
+    original = int(original)
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        values = params.get(name)
+        if not isinstance(values, (list, tuple)) or len(values) != rotary_dim // 2:
+            raise ValueError(
+                f"rope_scaling.{name} must list {rotary_dim // 2} numbers (one per rotated frequency of "
+                f"{rotary_dim} rotary features), got {values!r}"
+            )
+        factors[name] = tuple(float(v) for v in values)
+    factor = params.get("factor")
+    factor = float(hf.get("max_position_embeddings", 2048)) / original if factor is None else float(factor)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(
+        theta=theta,
+        rope_type="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        partial_rotary_factor=partial,
+        attention_factor=float(attention),
+        **factors,
     )
 
 

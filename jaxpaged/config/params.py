@@ -14,6 +14,11 @@ How a Hugging Face checkpoint stores a parameter (`hf_layout`):
               split out: q_proj `[D, N, H]` <- `[N*H, D]` transposed; the first `num_in` axes
               are the inputs, which the matmul contracts
 
+A parameter may be one part of a tensor the checkpoint stores fused with others (`Fused`:
+Phi-3's `qkv_proj` holds q, k and v one after another along its outputs, its `gate_up_proj` gate
+and up): its `hf_shape` is the fused tensor's, and the loader, the 4-bit formats and
+`update_weights` cut its rows out of it (`Fused.rows`) before the layout above applies.
+
 A `quantize` parameter (a decoder layer's projection) is replaced under weight quantization by
 its pair `<name>_quant` `[*out, *in]` (outputs first, as the fp8 GEMM wants it) and
 `<name>_scale` `[*out]` (one float32 scale per output channel; see `jaxpaged.model.quant`).
@@ -102,6 +107,38 @@ def _moe_axis_sizes(config: ModelConfig) -> dict[str, int]:
     return {EXPERTS: moe.num_slots, EXPERT_MLP: moe.expert_size, SHARED_MLP: moe.shared_expert_size}
 
 
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """A parameter the checkpoint stores as one part of a fused tensor: the parts' rows (a
+    linear's output features, a flat tensor's elements) follow one another in `parts`' order.
+
+    Attributes:
+      parts: each part's output axes, e.g. Phi-3's `qkv_proj`: `((HEADS, HEAD_DIM), (KV_HEADS,
+        HEAD_DIM), (KV_HEADS, HEAD_DIM))`.
+      index: which part this parameter is.
+    """
+
+    parts: tuple[tuple[str, ...], ...]
+    index: int
+
+    def __post_init__(self):
+        assert 0 <= self.index < len(self.parts), self
+
+    def _lengths(self, config: ModelConfig) -> list[int]:
+        sizes = axis_sizes(config)
+        return [math.prod(sizes[a] for a in part) for part in self.parts]
+
+    def rows(self, config: ModelConfig) -> tuple[int, int]:
+        """`(start, stop)`: this part's rows of the fused tensor."""
+        lengths = self._lengths(config)
+        start = sum(lengths[: self.index])
+        return start, start + lengths[self.index]
+
+    def total(self, config: ModelConfig) -> int:
+        """The fused tensor's rows."""
+        return sum(self._lengths(config))
+
+
 def always(_: ModelConfig) -> bool:
     return True
 
@@ -120,6 +157,8 @@ class ParamSpec:
       quantize: weight quantization replaces it by its quantized pair.
       init: its random initialisation, one of `INITS`.
       exists: whether a model of the given config has it (e.g. biases only with `qkv_bias`).
+      fused: the part of a fused checkpoint tensor it is (`hf_name` names the fused tensor), or
+        None: a tensor of its own.
     """
 
     path: Path
@@ -130,6 +169,7 @@ class ParamSpec:
     quantize: bool = False
     init: str = "normal"
     exists: Callable[[ModelConfig], bool] = always
+    fused: Fused | None = None
 
     def __post_init__(self):
         assert self.hf_layout in HF_LAYOUTS and self.init in INITS, self
@@ -137,6 +177,9 @@ class ParamSpec:
         assert not self.quantize or self.hf_layout == "linear", self
         assert self.per_layer == ("{layer}" in self.hf_name), self
         assert self.per_expert == (self.axes[:1] == (EXPERTS,)), self
+        if self.fused is not None:  # its part's axes are its outputs; experts are never fused
+            assert self.hf_layout != "same" and not self.per_expert, self
+            assert self.fused.parts[self.fused.index] == self.axes[self.num_in :], self
 
     @property
     def name(self) -> str:
@@ -168,9 +211,15 @@ class ParamSpec:
         shape = self.shape(config)[self.num_lead :]
         if self.hf_layout == "same":
             return shape
+        rows = math.prod(shape[self.num_in :]) if self.fused is None else self.fused.total(config)
         if self.hf_layout == "flat":
-            return (math.prod(shape),)
-        return math.prod(shape[self.num_in :]), math.prod(shape[: self.num_in])
+            return (rows,)
+        return rows, math.prod(shape[: self.num_in])
+
+    def hf_rows(self, config: ModelConfig) -> tuple[int, int] | None:
+        """`(start, stop)`: the rows of the stored tensor that are this parameter (a fused
+        tensor's part); None: all of them."""
+        return None if self.fused is None else self.fused.rows(config)
 
     def hf_key(self, layer: int | None, expert: int | None = None) -> str:
         return self.hf_name.format(layer=layer, expert=expert) if self.per_layer else self.hf_name

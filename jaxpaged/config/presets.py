@@ -187,6 +187,61 @@ _QWEN3_30B_A3B = {
     "vocab_size": 151936,
 }
 
+_PHI_4 = {  # microsoft/phi-4
+    "architectures": ["Phi3ForCausalLM"],
+    "attention_bias": False,
+    "bos_token_id": 100257,
+    "eos_token_id": 100265,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 17920,
+    "max_position_embeddings": 16384,
+    "model_type": "phi3",
+    "num_attention_heads": 40,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 10,
+    "original_max_position_embeddings": 16384,
+    "pad_token_id": 100349,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 250000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 100352,
+}
+
+# microsoft/Phi-4-mini-instruct's shapes: 3/4 of each head rotated, LongRoPE from 4K to 128K.
+# Its 48 short and long factors are not copied here (placeholders: 1.0 and 1.0 + i/8); they set
+# only the numbers a random-weights model computes, not its shapes, memory or speed.
+_PHI_4_MINI = {
+    "architectures": ["Phi3ForCausalLM"],
+    "bos_token_id": 199999,
+    "eos_token_id": 199999,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "model_type": "phi3",
+    "num_attention_heads": 24,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "original_max_position_embeddings": 4096,
+    "pad_token_id": 199999,
+    "partial_rotary_factor": 0.75,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0] * 48,
+        "long_factor": [1.0 + i / 8 for i in range(48)],
+    },
+    "rope_theta": 10000.0,
+    "sliding_window": 262144,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 200064,
+}
+
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _LLAMA_31_8B,
     "llama-3.1-70b": _LLAMA_31_70B,
@@ -195,6 +250,8 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-7b": _QWEN25_7B,
     "mixtral-8x7b": _MIXTRAL_8X7B,
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "phi-4": _PHI_4,
+    "phi-4-mini": _PHI_4_MINI,
 }
 
 

@@ -278,8 +278,8 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = rms_norm(q, self.q_norm[...], self.eps), rms_norm(k, self.k_norm[...], self.eps)
         inv_freq = jnp.asarray(inverse_frequencies(self.rope, self.head_dim))  # a trace-time constant
-        q = apply_rope(q, meta.positions, inv_freq)
-        k = apply_rope(k, meta.positions, inv_freq)
+        q = apply_rope(q, meta.positions, inv_freq, self.rope.attention_factor)
+        k = apply_rope(k, meta.positions, inv_freq, self.rope.attention_factor)
         k_scale, v_scale = (None, None) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
         write = functools.partial(_write_kv, None if kv_quant is None else kv_quant.dtype)
         attend = functools.partial(paged_attention, pallas_kernels if self.attention == "pallas" else reference)

@@ -21,6 +21,7 @@ leaves the engine as it was.
 """
 
 import dataclasses
+import difflib
 import functools
 import math
 from collections.abc import Iterable
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.checkpoint.hf_keys import format_names, hf_key_specs, quantizable
+from jaxpaged.checkpoint.hf_keys import by_name, format_names, hf_key_specs, quantizable
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model.quant import quantize_param
 from jaxpaged.parallel.mesh import TensorParallel, param_path
@@ -210,11 +211,12 @@ class WeightTarget:
                 f"{self.config.architecture} is a mixture of experts: Hugging Face (name, array) pairs are not "
                 "taken for its per-expert tensors yet; pass the engine's parameter pytree (get_params())"
             )
-        specs = {s.hf_name: s for s in hf_key_specs(self.config)}
+        specs = by_name(hf_key_specs(self.config))  # a fused tensor's parts share its name
         pairs, seen = [], set()
         for name, array in weights:
             if name not in specs:
                 close = [n for n in specs if n.split(".")[-2:] == name.split(".")[-2:]][:3]
+                close = close or difflib.get_close_matches(name, specs, n=3, cutoff=0.9)  # e.g. a fused tensor
                 hint = f" (e.g. {', '.join(close)})" if close else ""
                 raise WeightUpdateError(f"tensor {name!r} is not a parameter of this {self.config.architecture}{hint}")
             if name in seen:
@@ -223,10 +225,10 @@ class WeightTarget:
             if not jnp.issubdtype(array.dtype, jnp.floating):
                 raise WeightUpdateError(f"tensor {name!r} is {np.dtype(array.dtype).name}, expected a float array")
             try:
-                specs[name].check(tuple(array.shape))
+                specs[name][0].check(tuple(array.shape))
             except ValueError as err:
                 raise WeightUpdateError(str(err).split("; ")[0]) from None
-            pairs.append((specs[name], array))
+            pairs += [(spec, array) for spec in specs[name]]
         new: dict[Key, jax.Array] = {}
         copied = quantized = 0
         for spec, array in pairs:

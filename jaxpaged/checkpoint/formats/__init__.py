@@ -35,14 +35,14 @@ Linear = tuple[str, int, int]  # (prefix, num_in, num_out)
 def quantized_linears(config: ModelConfig) -> list[Linear]:
     """`(prefix, num_in, num_out)` of every linear a quantized checkpoint of `config` stores as
     integer codes (the decoder layers' projections, each expert's its own, but those of
-    `config.float_weights`), layer by layer."""
+    `config.float_weights`), layer by layer; a fused linear once, with all its outputs."""
     specs = [p for p in param_specs(config) if p.quantize]
-    linears = []
+    linears: dict[str, Linear] = {}
     for layer in range(config.num_layers):
         for spec in specs:
             num_out, num_in = spec.hf_shape(config)
-            linears += [(prefix, num_in, num_out) for prefix in linear_prefixes(spec, config, layer)]
-    return linears
+            linears.update({prefix: (prefix, num_in, num_out) for prefix in linear_prefixes(spec, config, layer)})
+    return list(linears.values())
 
 
 def reader(fmt: GroupFormat) -> types.ModuleType:

@@ -21,6 +21,8 @@ PROJECTIONS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
+# A checkpoint that fuses q/k/v and gate/up (Phi-3) stores these instead.
+FUSED_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def quantization_config(strategy: str = "channel", static_input: bool = False, kv_cache: bool = False) -> dict:
@@ -93,8 +95,9 @@ def save_fp8_checkpoint(
             tensors[name] = param.detach().clone().contiguous()
         if model.config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)  # shared with the embedding; safetensors stores it once
+        fused = [p for p in FUSED_PROJECTIONS if f"model.layers.0.{p}.weight" in tensors]  # Phi-3's
         for i in range(model.config.num_hidden_layers):
-            for proj in PROJECTIONS:
+            for proj in fused or PROJECTIONS:
                 prefix = f"model.layers.{i}.{proj}."
                 q, scale = quantize_fp8(tensors[prefix + "weight"], strategy)
                 scale = scale.to(scale_dtype)

@@ -2,12 +2,16 @@
 long factors in an engine whose contexts pass the pre-training context (transformers uses them
 for such a sequence), through prefix caching and chunked prefill; 4-bit AWQ and GPTQ checkpoints
 whose fused `qkv_proj` and `gate_up_proj` are one quantized linear each; and `update_weights` from
-Hugging Face pairs naming the fused tensors."""
+Hugging Face pairs naming the fused tensors; a compressed-tensors FP8 checkpoint of the fused
+tensors (weights and per-channel scales cut in rows)."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from engine_fixtures import hf_greedy
+from flax import nnx
+from fp8_checkpoint import save_fp8_checkpoint
 from int4_checkpoints import save_int4_checkpoint
 from tiny_models import build_hf_model, save_hf_model
 
@@ -93,3 +97,24 @@ def test_update_weights_takes_the_fused_tensors_by_their_names(saved):
     assert greedy(engine, PROMPTS[:1]) == [hf_greedy(other, PROMPTS[0], NEW_TOKENS)]
     with pytest.raises(WeightUpdateError, match="q_proj.weight' is not a parameter.*qkv_proj"):
         engine.update_weights([("model.layers.0.self_attn.q_proj.weight", np.zeros((64, 64), np.float32))])
+
+
+def test_a_fused_fp8_checkpoint_holds_what_quantizing_the_plain_one_at_load_makes(saved, tmp_path):
+    """The same seed's weights: the fp8 bytes and scales cut out of `qkv_proj` and `gate_up_proj`
+    (and their `[out, 1]` scales) are those quantizing each part at load makes."""
+    path, _ = saved
+    save_fp8_checkpoint(VARIANT, str(tmp_path))
+    _, at_load = load_model(path, "float32", quantization="fp8", scan_layers=True)
+    _, stored = load_model(str(tmp_path), "float32", scan_layers=True)
+    at_load, stored = nnx.to_pure_dict(nnx.state(at_load)), nnx.to_pure_dict(nnx.state(stored))
+    for group, names in (("attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+        for name in names:
+            ours, theirs = stored["layers"][group], at_load["layers"][group]
+            fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
+            assert np.asarray(ours[name + "_quant"]).dtype == fp8
+            np.testing.assert_array_equal(
+                np.asarray(ours[name + "_quant"]).view(np.uint8), np.asarray(theirs[name + "_quant"]).view(np.uint8)
+            )
+            np.testing.assert_allclose(
+                np.asarray(ours[name + "_scale"]), np.asarray(theirs[name + "_scale"]), rtol=2e-7
+            )

@@ -95,9 +95,9 @@ def save_fp8_checkpoint(
             tensors[name] = param.detach().clone().contiguous()
         if model.config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)  # shared with the embedding; safetensors stores it once
-        fused = [p for p in FUSED_PROJECTIONS if f"model.layers.0.{p}.weight" in tensors]  # Phi-3's
+        fused = "model.layers.0.self_attn.qkv_proj.weight" in tensors  # Phi-3's
         for i in range(model.config.num_hidden_layers):
-            for proj in fused or PROJECTIONS:
+            for proj in FUSED_PROJECTIONS if fused else PROJECTIONS:
                 prefix = f"model.layers.{i}.{proj}."
                 q, scale = quantize_fp8(tensors[prefix + "weight"], strategy)
                 scale = scale.to(scale_dtype)

@@ -144,7 +144,8 @@ class AsyncEngine:
         `EngineCoreProcess`, the engine starting in a child process.
       max_num_waiting: sequences that may wait beyond the engine's `max_num_seqs` running
         ones; adding more raises `EngineOverloadedError` (None: no limit).
-      on_dead: called once, on the engine thread, if the engine fails (not on shutdown).
+      on_dead: called once, on the engine thread, if the engine fails (not on shutdown),
+        before any request or stream learns of it.
 
     Attributes:
       engine: the wrapped engine, None while starting or in a child process (do not call it
@@ -576,6 +577,8 @@ class AsyncEngine:
             self._unfinished_seqs = 0
             commands, self._commands = self._commands, []
             pending, self._pending = list(self._pending.values()), {}
+        if fatal and self._on_dead is not None:
+            self._on_dead(err)  # first: a client that sees the death knows the server has been told
         for command in commands + pending:
             if command[0] in ("add", "control") and (
                 command[-1].running() or command[-1].set_running_or_notify_cancel()
@@ -584,8 +587,6 @@ class AsyncEngine:
         streams, self._streams = self._streams, {}
         for stream in set(streams.values()):
             _call_soon(stream.loop, _put_all, [(stream, err)])
-        if fatal and self._on_dead is not None:
-            self._on_dead(err)
 
 
 def _settle(done: concurrent.futures.Future, answer: ControlResult) -> None:

@@ -90,6 +90,16 @@ def kv_scales(k_scale, v_scale, num_kv_heads: int) -> tuple[jax.Array, jax.Array
     return k_scale, v_scale
 
 
+# The window of a kernel call without one: longer than any context (a query sees every earlier key).
+NO_WINDOW = 1 << 30
+
+
+def window_array(window) -> jax.Array:
+    """A kernel's sliding window as its `[1]` int32 input (`NO_WINDOW` for None): a query at
+    position p sees the keys at positions > p - window."""
+    return jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
+
+
 def check_shapes(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> tuple[int, int, int]:
     """Validates head layout; returns (num_kv_heads K, group G = N // K, head_dim H).
 

@@ -58,6 +58,7 @@ def _decode_kernel(
     v_ref,  # [NB * BS, K, H]
     bt_ref,  # [B, P]
     lens_ref,  # [B]
+    window_ref,  # [1]
     k_scale_ref,  # [K]
     v_scale_ref,  # [K]
     o_ref,  # [B, K, NS, Gp, H]
@@ -72,10 +73,11 @@ def _decode_kernel(
 ):
     b, h, s = order_ref[c.pl.program_id(0)], c.pl.program_id(1), c.pl.program_id(2)
     length = lens_ref[b]
-    # Equal slices of the actual length, in whole tiles: [lo, hi) tiles for this split.
-    tiles = c.pl.cdiv(length, block_k)
-    per_split = c.pl.cdiv(tiles, splits)
-    lo = s * per_split
+    start = jnp.maximum(length - window_ref[0], 0)  # the first key in the query's window
+    # Equal slices of the tiles the window covers: [lo, hi) tiles for this split.
+    first_tile, tiles = start // block_k, c.pl.cdiv(length, block_k)
+    per_split = c.pl.cdiv(tiles - first_tile, splits)
+    lo = first_tile + s * per_split
     hi = jnp.minimum(lo + per_split, tiles)
 
     g = jnp.arange(rows)
@@ -87,7 +89,8 @@ def _decode_kernel(
     def body(j, carry):
         pos = j * block_k + jnp.arange(block_k)
         slots = c.kv_slots(bt_ref, b, pos, block_size, num_pages)
-        return c.online_softmax_step(q, k_ref, v_ref, slots, h, pos < length, None, carry, head_qk_scale)
+        seen = (pos < length) & (pos >= start)
+        return c.online_softmax_step(q, k_ref, v_ref, slots, h, seen, None, carry, head_qk_scale)
 
     acc, m, l = jax.lax.fori_loop(lo, hi, body, c.init_carry(rows, q.shape[-1]))
     empty = l == 0.0  # this split got no tiles (short or padding sequence)
@@ -106,6 +109,7 @@ def paged_decode_attention(
     k_scale: Float[Array, " K"] | None = None,
     v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
+    window: int | Int[Array, ""] | None = None,
     interpret: bool | None = None,
     tiles: tuple[int, ...] | None = None,
     longest_first: bool = True,
@@ -123,6 +127,9 @@ def paged_decode_attention(
         reads `k_pool * k_scale[kv head]` and `v_pool * v_scale[kv head]`, never materialised:
         k_scale multiplies the logits, v_scale the output.
       scale: softmax scale, default `H ** -0.5`.
+      window: sliding-window attention: the query sees the keys at positions > its own -
+        window only, and the splits cover only the tiles those keys lie in (a Python or traced
+        int >= 1; None: every earlier key).
       interpret: run the kernel in the Pallas interpreter; `None` interprets unless the
         default backend is a GPU.
       tiles: the tuning hook, `(block_k, num_warps, num_stages)`, default
@@ -179,6 +186,7 @@ def paged_decode_attention(
         v_flat,
         block_tables.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
+        c.window_array(window),
         *c.kv_scales(k_scale, v_scale, kh),
     )
     o, lse = o[:, :, :, :group], lse[:, :, :, :group]

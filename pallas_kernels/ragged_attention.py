@@ -58,6 +58,7 @@ def _ragged_kernel(
     work_ref,  # [3, W]
     cu_ref,  # [S + 1]
     kv_lens_ref,  # [S]
+    window_ref,  # [1]
     bt_ref,  # [S, P]
     q_ref,  # [T, K, G, H]
     k_ref,  # [NB * BS, K, H]
@@ -88,21 +89,28 @@ def _ragged_kernel(
     q_pos = tok + offset
 
     nonempty = end > first
+    window = window_ref[0]
     kv_hi = jnp.where(nonempty, end + offset, 0)  # causal limit of the block's last token, + 1
     num_tiles = c.pl.cdiv(kv_hi, block_k)
     full_tiles = jnp.minimum(jnp.where(nonempty, (first + offset + 1) // block_k, 0), num_tiles)
+    # Under a sliding window the tiles before the first row's window are skipped, and those
+    # before the last row's window starts are masked as the diagonal ones are (none without one).
+    first_tile = jnp.minimum(jnp.maximum(first + offset - window + 1, 0) // block_k, full_tiles)
+    edge_tiles = jnp.clip(c.pl.cdiv(jnp.maximum(end - 1 + offset - window + 1, 0), block_k), first_tile, full_tiles)
     num_pages = bt_ref.shape[1]
     head_qk_scale = qk_scale * k_scale_ref[h]
 
-    def body(j, carry, causal: bool):
+    def body(j, carry, masked: bool):
         pos = j * block_k + jnp.arange(block_k)
         slots = c.kv_slots(bt_ref, seq, pos, block_size, num_pages)
-        logit_mask = pos[None, :] <= q_pos[:, None] if causal else None
-        return c.online_softmax_step(q, k_ref, v_ref, slots, h, pos < kv_hi, logit_mask, carry, head_qk_scale)
+        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window) if masked else None
+        exists = (pos < kv_hi) & (pos > first + offset - window)  # none read before the first row's window
+        return c.online_softmax_step(q, k_ref, v_ref, slots, h, exists, seen, carry, head_qk_scale)
 
     carry = c.init_carry(q.shape[0], q.shape[1])
-    carry = jax.lax.fori_loop(0, full_tiles, functools.partial(body, causal=False), carry)
-    acc, _, l = jax.lax.fori_loop(full_tiles, num_tiles, functools.partial(body, causal=True), carry)
+    carry = jax.lax.fori_loop(first_tile, edge_tiles, functools.partial(body, masked=True), carry)
+    carry = jax.lax.fori_loop(edge_tiles, full_tiles, functools.partial(body, masked=False), carry)
+    acc, _, l = jax.lax.fori_loop(full_tiles, num_tiles, functools.partial(body, masked=True), carry)
     out = (acc * (v_scale_ref[h] / jnp.where(l == 0.0, 1.0, l))[:, None]).astype(o_ref.dtype)
     # Masked-off rows point at the spare token row T: never a real row, so even a store that
     # writes back old values (interpret mode) cannot race with a real one.
@@ -121,6 +129,7 @@ def ragged_paged_attention(
     k_scale: Float[Array, " K"] | None = None,
     v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
+    window: int | Int[Array, ""] | None = None,
     interpret: bool | None = None,
     tiles: tuple[int, ...] | None = None,
 ) -> Float[Array, "T N H"]:
@@ -141,6 +150,9 @@ def ragged_paged_attention(
         reads `k_pool * k_scale[kv head]` and `v_pool * v_scale[kv head]`, never materialised:
         k_scale multiplies the logits, v_scale the output.
       scale: softmax scale, default `H ** -0.5`.
+      window: sliding-window attention: a query at position p sees the keys at positions
+        > p - window only, and the tiles before its block's first window are skipped (a
+        Python or traced int >= 1; None: every earlier key).
       interpret: run the kernel in the Pallas interpreter; `None` interprets unless the
         default backend is a GPU.
       tiles: the tuning hook, `(rows, block_k, num_warps, num_stages)`, default
@@ -187,7 +199,7 @@ def ragged_paged_attention(
         kernel,
         grid=(max_work, kh),
         out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
-        input_output_aliases={9: 0},
+        input_output_aliases={10: 0},
         compiler_params=c.compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=c.resolve_interpret(interpret),
         name="ragged_paged_attention",
@@ -195,6 +207,7 @@ def ragged_paged_attention(
         work,
         cu_q_lens,
         kv_lens.astype(jnp.int32),
+        c.window_array(window),
         block_tables.astype(jnp.int32),
         q.astype(c.compute_dtype(q.dtype, k_pool.dtype)).reshape(num_tokens, kh, group, hd),
         k_flat,

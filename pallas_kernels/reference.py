@@ -140,6 +140,14 @@ def _attend(
     return out.reshape(t, n, h).astype(q.dtype)
 
 
+def _in_window(key_pos: Array, q_pos: Array, window) -> Array:
+    """Whether each key is inside its query's sliding window (`key > query - window`; all of
+    them without a window)."""
+    if window is None:
+        return jnp.ones(jnp.broadcast_shapes(key_pos.shape, q_pos.shape), bool)
+    return key_pos > q_pos - window
+
+
 def paged_decode_attention(
     q: Float[Array, "B N H"],
     k_pool: Float[Array, "NB BS K H"],
@@ -150,6 +158,7 @@ def paged_decode_attention(
     k_scale: Float[Array, " K"] | None = None,
     v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
+    window: int | Int[Array, ""] | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B N H"]:
     """One query token per sequence attending to its first `seq_lens[b]` pooled tokens.
@@ -163,6 +172,8 @@ def paged_decode_attention(
       k_scale, v_scale: `[K]` float32 dequantisation scale per kv head (None: 1): attention
         reads `k_pool * k_scale[kv head]` and `v_pool * v_scale[kv head]`.
       scale: softmax scale, default `H ** -0.5`.
+      window: sliding-window attention: a query at position p sees the keys at positions
+        > p - window only (a Python or traced int >= 1; None: every earlier key).
       interpret: unused by the reference (kept for the kernel's signature).
 
     Returns:
@@ -173,7 +184,8 @@ def paged_decode_attention(
     length = block_tables.shape[1] * k_pool.shape[1]
 
     def one(qb, table, n):
-        mask = (jnp.arange(length) < n)[None, :]
+        pos = jnp.arange(length)
+        mask = ((pos < n) & _in_window(pos, n - 1, window))[None, :]
         k, v = _gather_pages(k_pool, table, k_scale), _gather_pages(v_pool, table, v_scale)
         return _attend(qb[None], k, v, mask, scale)[0]
 
@@ -192,6 +204,7 @@ def ragged_paged_attention(
     k_scale: Float[Array, " K"] | None = None,
     v_scale: Float[Array, " K"] | None = None,
     scale: float | None = None,
+    window: int | Int[Array, ""] | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "T N H"]:
     """Causal attention for any mix of decode tokens, prefills and prefill chunks.
@@ -210,6 +223,8 @@ def ragged_paged_attention(
       k_scale, v_scale: `[K]` float32 dequantisation scale per kv head (None: 1): attention
         reads `k_pool * k_scale[kv head]` and `v_pool * v_scale[kv head]`.
       scale: softmax scale, default `H ** -0.5`.
+      window: sliding-window attention: a query at position p sees the keys at positions
+        > p - window only (a Python or traced int >= 1; None: every earlier key).
       interpret: unused by the reference (kept for the kernel's signature).
 
     Returns:
@@ -238,7 +253,8 @@ def ragged_paged_attention(
         rows = first + jnp.arange(block_q)
         row_ok = (w < ends[-1]) & (rows < cu_q_lens[s + 1])
         q_pos = kv_lens[s] - cu_q_lens[s + 1] + rows  # absolute position of each row
-        mask = row_ok[:, None] & (key_pos[None, :] <= q_pos[:, None])
+        seen = (key_pos[None, :] <= q_pos[:, None]) & _in_window(key_pos[None, :], q_pos[:, None], window)
+        mask = row_ok[:, None] & seen
         q_rows = jax.lax.dynamic_slice_in_dim(q_padded, first, block_q)
         table = block_tables[s]
         k, v = _gather_pages(k_pool, table, k_scale), _gather_pages(v_pool, table, v_scale)

@@ -14,15 +14,17 @@ from pallas_kernels import compiling_for, reference
 BLOCK_SIZE = 16
 
 
-def dense_attention(q, k, v, q_positions):
-    """float64 causal attention of queries at `q_positions` over keys 0..len(k)-1."""
+def dense_attention(q, k, v, q_positions, window=None):
+    """float64 causal attention of queries at `q_positions` over keys 0..len(k)-1 (with `window`:
+    the keys at positions > query - window only)."""
     t, n, h = q.shape
     kh = k.shape[1]
     g = n // kh
     k = np.repeat(k, g, axis=1)
     v = np.repeat(v, g, axis=1)
     scores = np.einsum("tnh,lnh->ntl", q, k) * h**-0.5
-    mask = np.arange(len(k))[None, :] <= np.asarray(q_positions)[:, None]
+    key_pos, q_pos = np.arange(len(k))[None, :], np.asarray(q_positions)[:, None]
+    mask = (key_pos <= q_pos) & (True if window is None else key_pos > q_pos - window)
     scores = np.where(mask[None], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -146,6 +148,32 @@ def test_decode_matches_dense(dtype, tol):
         expected = dense_attention(sq, sk, sv, [kv_lens[b] - 1])[0]
         err = np.linalg.norm(out[b] - expected) / np.linalg.norm(expected)
         assert err < tol, f"sequence {b}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("window", [1, 7, BLOCK_SIZE, 40])
+def test_sliding_windows_match_dense(window):
+    """Sliding-window attention (a traced window, as a model's per-layer windows are) equals
+    dense attention masked to the window, for decode rows and prompts, across block edges."""
+    rng = np.random.default_rng(window)
+    kv_lens = [1, BLOCK_SIZE + 1, 300, 40, 37]
+    q_lens = [1, 3, 1, 40, 21]
+    k_pool, v_pool, tables, seqs = build_batch(rng, kv_lens, q_lens, 2, 4, 64, jnp.float32)
+    q = jnp.asarray(np.concatenate([s[0] for s in seqs]), jnp.float32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    ragged = jax.jit(reference.ragged_paged_attention)(
+        q, k_pool, v_pool, cu, lens, jnp.asarray(tables), jnp.int32(len(kv_lens)), window=jnp.int32(window)
+    )
+    decode = jax.jit(reference.paged_decode_attention)(
+        q[np.asarray(cu[1:]) - 1], k_pool, v_pool, jnp.asarray(tables), lens, window=jnp.int32(window)
+    )
+    for s, (sq, sk, sv) in enumerate(seqs):
+        positions = np.arange(kv_lens[s] - q_lens[s], kv_lens[s])
+        expected = dense_attention(sq, sk, sv, positions, window)
+        rows = np.asarray(ragged[int(cu[s]) : int(cu[s + 1])], np.float64)
+        assert np.linalg.norm(rows - expected) / np.linalg.norm(expected) < 1e-5, f"ragged, sequence {s}"
+        last = np.asarray(decode[s], np.float64)
+        assert np.linalg.norm(last - expected[-1]) / np.linalg.norm(expected[-1]) < 1e-5, f"decode, sequence {s}"
 
 
 @pytest.mark.parametrize("storage", ["float8", "float32"])

@@ -37,6 +37,8 @@ def mixed_paged_attention(
     meta: AttentionMetadata,
     k_scale: Float[Array, " K"] | None = None,
     v_scale: Float[Array, " K"] | None = None,
+    scale: float | None = None,
+    window: int | Int[Array, ""] | None = None,
 ) -> Float[Array, "T N H"]:
     """`ops.ragged_paged_attention` of the step, its leading one-token sequences computed by
     `ops.paged_decode_attention` instead (same results; see the module docstring).
@@ -44,6 +46,7 @@ def mixed_paged_attention(
     Args:
       ops: `pallas_kernels` or `pallas_kernels.reference`.
       k_scale, v_scale: scales of an fp8 pool (None: 1).
+      scale, window: the softmax scale and sliding window, as the kernels take them.
     """
     num_tokens, num_slots = q.shape[0], meta.kv_lens.shape[0]
     decodes = leading_decode_rows(meta.cu_q_lens, meta.num_seqs)
@@ -57,6 +60,8 @@ def mixed_paged_attention(
         jnp.where(is_decode, meta.kv_lens[:rows], 0),  # the other rows come back as zeros
         k_scale=k_scale,
         v_scale=v_scale,
+        scale=scale,
+        window=window,
     )
     rest = ops.ragged_paged_attention(
         q,
@@ -68,5 +73,7 @@ def mixed_paged_attention(
         meta.num_seqs,
         k_scale=k_scale,
         v_scale=v_scale,
+        scale=scale,
+        window=window,
     )
     return rest + jnp.pad(decode_out.astype(rest.dtype), ((0, num_tokens - rows), (0, 0), (0, 0)))

@@ -22,9 +22,11 @@ from pallas_kernels.grouped_matmul import supports as grouped_matmul_supports
 from pallas_kernels.platform import compiling_for, target_platform
 from pallas_kernels.quant_matmul import group_quant_matmul
 from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.reference import NO_WINDOW
 from pallas_kernels.write_kv import write_kv
 
 __all__ = [
+    "NO_WINDOW",
     "compiling_for",
     "grouped_matmul",
     "grouped_matmul_supports",

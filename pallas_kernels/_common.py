@@ -22,7 +22,7 @@ except ImportError as e:  # pragma: no cover - a JAX without the Pallas Triton b
     ) from e
 
 from pallas_kernels.platform import target_platform
-from pallas_kernels.reference import FLOAT8_DTYPES, MASK_VALUE
+from pallas_kernels.reference import FLOAT8_DTYPES, MASK_VALUE, NO_WINDOW
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 LOG2E = math.log2(math.e)
@@ -88,10 +88,6 @@ def kv_scales(k_scale, v_scale, num_kv_heads: int) -> tuple[jax.Array, jax.Array
     k_scale = ones if k_scale is None else jnp.asarray(k_scale, jnp.float32).reshape(num_kv_heads)
     v_scale = ones if v_scale is None else jnp.asarray(v_scale, jnp.float32).reshape(num_kv_heads)
     return k_scale, v_scale
-
-
-# The window of a kernel call without one: longer than any context (a query sees every earlier key).
-NO_WINDOW = 1 << 30
 
 
 def window_array(window) -> jax.Array:

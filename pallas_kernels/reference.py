@@ -29,6 +29,8 @@ from pallas_kernels.platform import target_platform
 
 # A large finite negative for masked logits: -inf would turn fully masked rows into NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The window of a kernel call without one: longer than any context (a query sees every earlier key).
+NO_WINDOW = 1 << 30
 # Query rows per work item of the ragged reference.
 QUERY_BLOCK = 64
 # Traces inside `every_work_item()` run every work item of a bucket (see `ragged_paged_attention`).

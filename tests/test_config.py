@@ -78,19 +78,62 @@ def test_unsupported_fields_are_named(change, field):
         ModelConfig.from_hf({**LLAMA_31_8B, **change})
 
 
-def test_sliding_window_caps_the_context():
-    """Within the window sliding-window attention is full attention; beyond it we refuse."""
-    config = ModelConfig.from_hf(
+def test_sliding_windows_per_layer_and_any_context():
+    """A window applies to the layers config.json says (Mistral: all; Qwen2: from
+    max_window_layers, only with use_sliding_window) and no longer caps the context."""
+    mistral = ModelConfig.from_hf(
         {**LLAMA_31_8B, "architectures": ["MistralForCausalLM"], "rope_scaling": None, "sliding_window": 4096}
     )
-    assert config.max_context_len == 4096
-    assert config.check_max_model_len(4096) == 4096
-    with pytest.raises(ValueError, match="sliding_window=4096"):
-        config.check_max_model_len(8192)
-    qwen = ModelConfig.from_hf(
-        {**LLAMA_31_8B, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": False}
-    )
-    assert qwen.sliding_window is None
+    assert mistral.max_context_len == 131072 and mistral.check_max_model_len(32768) == 32768
+    assert {mistral.window_of(i) for i in range(32)} == {4096} and mistral.layers_alike
+    qwen = dict(LLAMA_31_8B, architectures=["Qwen2ForCausalLM"], sliding_window=4096, num_hidden_layers=4)
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": False}).sliding_window is None
+    upper = ModelConfig.from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 2})
+    assert [upper.window_of(i) for i in range(4)] == [None, None, 4096, 4096] and not upper.layers_alike
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf({**qwen, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 3})
+
+
+GEMMA3_1B_V4 = {  # gemma-3-1b's config.json as transformers 4.50 wrote it (sizes cut down)
+    "architectures": ["Gemma3ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "vocab_size": 512,
+    "rope_theta": 1000000,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+}
+
+
+def test_gemma3_configs_of_transformers_4_and_5_read_the_same():
+    """Local layers (5 of 6) slide with their own base; the global ones scale theirs; the fields a
+    4.x config.json leaves out take Gemma3TextConfig's defaults, not Llama's."""
+    old = ModelConfig.from_hf(GEMMA3_1B_V4)
+    assert [old.window_of(i) is None for i in range(12)] == [i % 6 == 5 for i in range(12)]
+    assert old.rope.theta == 1e6 and old.rope.rope_type == "linear" and old.rope.factor == 8.0
+    assert old.local_rope.theta == 1e4 and old.local_rope.rope_type == "default"
+    assert old.rope_of(0) == old.local_rope and old.rope_of(5) == old.rope
+    assert old.head_dim == 256 and old.softmax_scale == 256**-0.5 and old.hidden_act == "gelu_pytorch_tanh"
+    assert old.tie_word_embeddings and old.rms_norm_eps == 1e-6 and old.max_position_embeddings == 131072
+    new = {k: v for k, v in GEMMA3_1B_V4.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+    new |= {
+        "layer_types": [("full" if i % 6 == 5 else "sliding") + "_attention" for i in range(12)],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }
+    assert ModelConfig.from_hf(new) == old
+    for field, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0), ("hidden_act", "relu")):
+        with pytest.raises(ValueError, match=field):
+            ModelConfig.from_hf({**GEMMA3_1B_V4, field: value, "hidden_activation": None})
 
 
 def test_context_beyond_position_limit_is_refused():

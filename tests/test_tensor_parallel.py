@@ -53,7 +53,7 @@ def saved_model(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="module", params=["llama_tp", "qwen2_tp", "mistral_tp", "phi3_tp"])
+@pytest.fixture(scope="module", params=["llama_tp", "qwen2_tp", "mistral_tp", "phi3_tp", "gemma3_tp"])
 def tp_model(request, saved_model):
     """(variant, model dir, prompts, transformers' greedy continuations)."""
     path, references = saved_model(request.param)

@@ -90,8 +90,8 @@ TIERS: dict[str, tuple[str, str]] = {
         SLOW,
         "the storage rule itself stays (test_cpu_stores_bfloat16_pools_in_float32)",
     ),
-    # --- transformers parity: 18 architecture variants x 3 checks -------------------------------
-    "tests/test_hf_parity.py": (SLOW, "20 variants x (prompt logits, greedy, chunked prefill)"),
+    # --- transformers parity: 24 architecture variants x 3 checks -------------------------------
+    "tests/test_hf_parity.py": (SLOW, "24 variants x (prompt logits, greedy, chunked prefill)"),
     **{
         f"tests/test_hf_parity.py::test_prompt_logits_match_transformers[{variant}]": (
             PR,
@@ -105,6 +105,8 @@ TIERS: dict[str, tuple[str, str]] = {
             "qwen2_bias",
             "qwen3_qk_norm",
             "phi3_longrope",
+            "gemma3",
+            "mistral_window",
         )  # mixtral's tokens stay in test_moe, TP's in test_tensor_parallel, PP's in test_pipeline_parallel
     },
     "tests/test_hf_parity.py::test_greedy_continuations_match_transformers[llama_gqa4]": (PR, "greedy"),
@@ -159,12 +161,16 @@ TIERS: dict[str, tuple[str, str]] = {
     # --- tensor, pipeline and expert parallelism --------------------------------------------------
     "tests/test_tensor_parallel.py::test_greedy_tokens_equal_transformers_for_every_size": (
         SLOW,
-        "3 variants x 4 sizes",
+        "5 variants x 4 sizes",
     ),
     "tests/test_tensor_parallel.py::test_greedy_tokens_equal_transformers_for_every_size[llama_tp-2]": (PR, "TP 2"),
     "tests/test_tensor_parallel.py::test_greedy_tokens_equal_transformers_for_every_size[phi3_tp-2]": (
         PR,
         "Phi-3's fused tensors split over 2 devices",
+    ),
+    "tests/test_tensor_parallel.py::test_greedy_tokens_equal_transformers_for_every_size[gemma3_tp-2]": (
+        PR,
+        "Gemma 3's per-layer windows and extra norms over 2 devices",
     ),
     "tests/test_tensor_parallel.py::test_greedy_tokens_equal_transformers_for_every_size[mistral_tp-8]": (
         PR,

@@ -102,6 +102,33 @@ VARIANTS = {
         transformers.Phi3ForCausalLM,
         dict(num_key_value_heads=2, pad_token_id=0, original_max_position_embeddings=1024),
     ),
+    # Gemma 3: two sliding layers (a window of 7, across block edges) with their own rotary base,
+    # then a full one with linear scaling; softmax scale from query_pre_attn_scalar (not head_dim),
+    # GELU-tanh, 1 + w norms before and after attention and MLP, scaled embeddings
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=7,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        ),
+    ),
+    # Mistral's sliding window on every layer (a trace-time constant), contexts far past it
+    "mistral_window": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(num_key_value_heads=2, head_dim=32, sliding_window=12),
+    ),
     # Tensor-parallel variants: 8 query heads split over up to 8 devices, fewer kv heads than that.
     "llama_tp": (
         transformers.LlamaConfig,
@@ -130,6 +157,22 @@ VARIANTS = {
             pad_token_id=0,
             partial_rotary_factor=0.5,
             original_max_position_embeddings=1024,
+        ),
+    ),
+    # Gemma 3 over up to 8 devices: q/k norms and the norms after attention and MLP replicated
+    "gemma3_tp": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=8,
+            query_pre_attn_scalar=12,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            tie_word_embeddings=True,
+            pad_token_id=0,
         ),
     ),
     "mistral_tp": (

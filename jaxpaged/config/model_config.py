@@ -15,6 +15,10 @@ from jaxpaged.config.moe import MoeConfig, moe_from_hf
 from jaxpaged.config.presets import read_config_json
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# config.json's `hidden_act` (`hidden_activation`) values the MLP computes.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# config.json's `layer_types` entries: a layer attends to every earlier token or to a window.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # Older Phi-3 configs' names for LongRoPE (as transformers reads them).
 LONGROPE_ALIASES = ("su", "yarn")
 
@@ -83,8 +87,16 @@ class ModelConfig:
       tie_word_embeddings: the LM head reuses the embedding table.
       qkv_bias: q/k/v projections carry a bias (Qwen2, or Llama with attention_bias).
       o_bias: the output projection carries a bias (Llama with attention_bias).
-      sliding_window: Mistral/Qwen2 sliding-window size, or None. Attention is full
-        attention as long as the context stays within it, so the usable context is capped.
+      sliding_window: the sliding window (a query sees the `sliding_window` latest keys, itself
+        included) of the layers `layer_types` names sliding, or None: every layer full.
+      layer_types: each layer's `LAYER_TYPES` entry (Gemma 3's local and global layers, Qwen2's
+        layers from `max_window_layers`); empty: every layer slides when `sliding_window` is set
+        (Mistral).
+      local_rope: the sliding layers' rotary embedding where it differs from `rope` (Gemma 3's
+        `rope_local_base_freq`), or None.
+      hidden_act: the MLP's activation, one of `SUPPORTED_ACTIVATIONS`.
+      query_pre_attn_scalar: the softmax scale is its inverse square root (Gemma 3); None:
+        `head_dim`'s.
       bos_token_id, eos_token_ids: special tokens from the config (may be empty).
       moe: every layer's sparse MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), or None: a dense MLP.
       weight_bits, weight_group_size: the decoder projections' bits and input features per group
@@ -110,6 +122,10 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    local_rope: RopeConfig | None = None
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None
@@ -176,25 +192,40 @@ class ModelConfig:
 
     @property
     def max_context_len(self) -> int:
-        """Longest context computed exactly: the position limit, capped by a sliding window."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """Longest context computed exactly: the position limit (sliding windows are computed
+        at any length)."""
+        return self.max_position_embeddings
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, or None: it attends to every earlier token."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        """Layer `layer`'s rotary embedding (a sliding layer's `local_rope` where there is one)."""
+        if self.local_rope is not None and self.window_of(layer) is not None:
+            return self.local_rope
+        return self.rope
+
+    @property
+    def layers_alike(self) -> bool:
+        """Every layer has the same window and rotary embedding (so both are trace-time constants)."""
+        return len({(self.window_of(i), self.rope_of(i)) for i in range(self.num_layers)}) == 1
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention logits' scale."""
+        return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
 
     def check_max_model_len(self, max_model_len: int) -> int:
         """Validates a requested context length and returns it.
 
         Raises:
-          ValueError: when it exceeds the position limit or the sliding window.
+          ValueError: when it exceeds the position limit.
         """
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be at least 1")
-        if self.sliding_window is not None and max_model_len > self.sliding_window:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds sliding_window={self.sliding_window}: "
-                "sliding-window attention is not supported, so contexts are limited to the "
-                f"window; pass max_model_len<={self.sliding_window}"
-            )
         if max_model_len > self.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's "
@@ -228,9 +259,15 @@ class ModelConfig:
         arch = next((BY_HF_NAME[a] for a in archs if a in BY_HF_NAME), None)
         if arch is None:
             raise ValueError(f"architectures={archs!r} is not supported; jaxpaged runs {sorted(BY_HF_NAME)}")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+        hf = {**dict(arch.hf_defaults), **hf}
+        act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+        if act not in SUPPORTED_ACTIVATIONS or (act != "silu" and arch.moe is not None):
+            raise ValueError(
+                f"hidden_act={act!r} is not supported here; supported: {', '.join(SUPPORTED_ACTIVATIONS)} (experts: silu)"
+            )
+        for field in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+            if hf.get(field):
+                raise ValueError(f"{field}={hf[field]!r} is not supported (only null/false)")
         if hf.get("mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         if hf.get("pretraining_tp", 1) != 1:
@@ -242,6 +279,8 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         attention_bias = bool(hf.get("attention_bias", False))
         qkv_bias = {"qkv": True, "qkv_bias": bool(hf.get("qkv_bias", True))}.get(arch.biases, attention_bias)
+        rope, local_rope = _ropes_from_hf(hf, int(head_dim))
+        window = _sliding_window_from_hf(arch.sliding_window_opt_in, hf)
         return cls(
             architecture=arch.name,
             vocab_size=int(hf["vocab_size"]),
@@ -252,12 +291,18 @@ class ModelConfig:
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(hf, int(head_dim)),
+            rope=rope,
+            local_rope=local_rope,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=arch.biases == "attention_bias" and attention_bias,
-            sliding_window=_sliding_window_from_hf(arch.sliding_window_opt_in, hf),
+            sliding_window=window,
+            layer_types=_layer_types_from_hf(arch.sliding_window_opt_in, hf, window),
+            hidden_act=act,
+            query_pre_attn_scalar=None
+            if hf.get("query_pre_attn_scalar") is None
+            else float(hf["query_pre_attn_scalar"]),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             moe=None if arch.moe is None else moe_from_hf(arch.moe, hf),
@@ -343,6 +388,51 @@ def _longrope_from_hf(
         attention_factor=float(attention),
         **factors,
     )
+
+
+def _ropes_from_hf(hf: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:
+    """The full layers' rotary embedding and, where it differs, the sliding layers': from
+    `rope_parameters` per layer type (transformers 5's Gemma 3), or `rope_local_base_freq` (4.x)."""
+    params = hf.get("rope_parameters") or {}
+    plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    if set(params) & set(LAYER_TYPES):
+        full, local = ({**plain, "rope_parameters": params.get(t) or {}} for t in LAYER_TYPES)
+        rope, local_rope = _rope_from_hf(full, head_dim), _rope_from_hf(local, head_dim)
+    elif "rope_local_base_freq" in hf:
+        rope = _rope_from_hf(hf, head_dim)
+        local_rope = _rope_from_hf({**plain, "rope_theta": hf["rope_local_base_freq"]}, head_dim)
+    else:
+        return _rope_from_hf(hf, head_dim), None
+    if (
+        local_rope.rotary_dim(head_dim) != rope.rotary_dim(head_dim)
+        or local_rope.attention_factor != rope.attention_factor
+    ):
+        raise ValueError(
+            "the sliding layers' rotary embedding rotates other features or scales otherwise than the "
+            f"full layers' ({local_rope} against {rope}); not supported"
+        )
+    return rope, None if local_rope == rope else local_rope
+
+
+def _layer_types_from_hf(opt_in: bool, hf: dict[str, Any], window: int | None) -> tuple[str, ...]:
+    """`ModelConfig.layer_types`: config.json's own list, Gemma 3's `sliding_window_pattern` (each
+    pattern's last layer full), or Qwen2's layers from `max_window_layers` on; () for Mistral's
+    every-layer window and for models without one."""
+    if window is None:
+        return ()
+    num_layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None and hf.get("sliding_window_pattern"):
+        pattern = int(hf["sliding_window_pattern"])
+        types = [LAYER_TYPES[bool((i + 1) % pattern)] for i in range(num_layers)]
+    elif types is None and opt_in:
+        first = int(hf.get("max_window_layers", num_layers))
+        types = [LAYER_TYPES[i >= first] for i in range(num_layers)]
+    if types is None:
+        return ()
+    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types={types!r} must name one of {LAYER_TYPES} for each of the {num_layers} layers")
+    return tuple(types)
 
 
 def _sliding_window_from_hf(opt_in: bool, hf: dict[str, Any]) -> int | None:

@@ -32,11 +32,13 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
 from jaxpaged.config import defaults
+from jaxpaged.config.architectures import ARCHITECTURES
 from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import KV_HEADS, ParamSpec, Path
@@ -200,6 +202,10 @@ class ParamDeclarer:
             jnp.stack([jnp.zeros_like(some[i]) if v is None else v[i] for v in values]) for i in range(len(some))
         )
 
+    def has(self, prefix: Path) -> bool:
+        """Whether the table declares a parameter under `prefix` (an optional module's)."""
+        return any(spec.path[:-1] == prefix for spec in self.specs)
+
     def check_all_declared(self) -> None:
         """Raises naming every parameter of the table no module asked for."""
         missing = [".".join(s.path) for s in self.specs if s.path not in self.declared]
@@ -214,23 +220,30 @@ def _is_layer_arrays(x) -> bool:
     return isinstance(x, LayerArrays)
 
 
-def rms_norm(x: Float[Array, "... D"], scale: Float[Array, " D"], eps: float) -> Float[Array, "... D"]:
+def rms_norm(
+    x: Float[Array, "... D"], scale: Float[Array, " D"], eps: float, unit_offset: bool = False
+) -> Float[Array, "... D"]:
     """`x / rms(x) * scale` over the last axis, normalised in float32 and cast back before the
-    scale (as HF does)."""
+    scale (as HF does for Llama); with `unit_offset`, `x / rms(x) * (1 + scale)` all in float32,
+    then cast (Gemma)."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
     return scale * normed.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    """`rms_norm` with the table's `scale` under `prefix` (stacked `[L, D]` in the layers)."""
+    """`rms_norm` with the table's `scale` under `prefix` (stacked `[L, D]` in the layers), its
+    scale offset by one where the architecture's norms are (`Architecture.unit_offset_norms`)."""
 
     def __init__(self, params: ParamDeclarer, prefix: Path, eps: float):
         params.declare(self, prefix)
         self.eps = eps
+        self.unit_offset = ARCHITECTURES[params.config.architecture].unit_offset_norms
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, self.unit_offset)
 
 
 class Attention(nnx.Module):
@@ -253,8 +266,12 @@ class Attention(nnx.Module):
         self.qkv_bias = hasattr(self, "q_bias")
         self.has_o_bias = hasattr(self, "o_bias")
         self.qk_norm = hasattr(self, "q_norm")  # Qwen3: an RMSNorm over each head's q and k before RoPE
+        self.unit_offset = ARCHITECTURES[config.architecture].unit_offset_norms
         self.eps = config.rms_norm_eps
-        self.rope = config.rope
+        # every layer's window and rotary embedding, where all layers share them; else the layer's
+        # own arrive with each call (`LayerAttention`)
+        self.window, self.rope = config.window_of(0), config.rope_of(0)
+        self.scale = config.softmax_scale
         self.head_dim = config.head_dim
         self.attention = attention  # "reference" or "pallas" (resolved)
         self.parallel = parallel
@@ -266,23 +283,30 @@ class Attention(nnx.Module):
         v_pool: Float[Array, "LNB BS K H"],
         meta: AttentionMetadata,
         kv_quant: KVQuant | None = None,
+        own: "LayerAttention | None" = None,
     ) -> tuple[Float[Array, "T D"], Float[Array, "LNB BS K H"], Float[Array, "LNB BS K H"]]:
         """One layer over this step's tokens; `meta` addresses this layer's blocks of the pool
         (all layers' blocks in a row, `AttentionMetadata.for_layer`); `kv_quant`: this layer's
-        scales of an fp8 pool (None: the pool holds the values as they are)."""
+        scales of an fp8 pool (None: the pool holds the values as they are); `own`: this layer's
+        window and inverse frequencies where the layers differ (None: the shared ones)."""
         q = project(self, "q_proj", x)
         k = project(self, "k_proj", x)
         v = project(self, "v_proj", x)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
-            q, k = rms_norm(q, self.q_norm[...], self.eps), rms_norm(k, self.k_norm[...], self.eps)
-        inv_freq = jnp.asarray(inverse_frequencies(self.rope, self.head_dim))  # a trace-time constant
+            q = rms_norm(q, self.q_norm[...], self.eps, self.unit_offset)
+            k = rms_norm(k, self.k_norm[...], self.eps, self.unit_offset)
+        if own is None:  # trace-time constants
+            window, inv_freq = self.window, jnp.asarray(inverse_frequencies(self.rope, self.head_dim))
+        else:
+            window, inv_freq = own.window, own.inv_freq
         q = apply_rope(q, meta.positions, inv_freq, self.rope.attention_factor)
         k = apply_rope(k, meta.positions, inv_freq, self.rope.attention_factor)
         k_scale, v_scale = (None, None) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
         write = functools.partial(_write_kv, None if kv_quant is None else kv_quant.dtype)
-        attend = functools.partial(paged_attention, pallas_kernels if self.attention == "pallas" else reference)
+        ops = pallas_kernels if self.attention == "pallas" else reference
+        attend = functools.partial(paged_attention, ops, scale=self.scale, window=window)
         if self.parallel is not None:  # each device writes and reads its own heads (and their scales)
             pool, sc = STAGE_POOL_AXES, (KV_HEADS,) if kv_quant is not None else ()  # a layer sees its stage's pool
             write = self.parallel.per_head(
@@ -312,6 +336,9 @@ def paged_attention(
     meta: AttentionMetadata,
     k_scale: Float[Array, " K"] | None = None,
     v_scale: Float[Array, " K"] | None = None,
+    *,
+    scale: float,
+    window: int | Int[Array, ""] | None,
 ) -> Float[Array, "T N H"]:
     """Attention of this step's queries over the pool (over whichever heads it is given: all of
     them, or one device's share under `shard_map`): the decode kernel for a decode program
@@ -326,44 +353,43 @@ def paged_attention(
     Args:
       ops: `pallas_kernels` or `pallas_kernels.reference` (same functions, same results).
       k_scale, v_scale: scales of an fp8 pool, dequantized inside the kernels (None: 1).
+      scale: the softmax scale (`ModelConfig.softmax_scale`).
+      window: the layer's sliding window (a Python or traced int), or None.
     """
+    kw = dict(k_scale=k_scale, v_scale=v_scale, scale=scale, window=window)
     if meta.decode_only:  # token i is sequence i's only query: decode attention, padded to T rows
         num_seqs = meta.kv_lens.shape[0]
-        out = ops.paged_decode_attention(
-            q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens, k_scale=k_scale, v_scale=v_scale
-        )
+        out = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens, **kw)
         return jnp.pad(out, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
     if ops is pallas_kernels:  # the jnp reference serves decode rows as cheaply in either form
-        return mixed_paged_attention(ops, q, k_pool, v_pool, meta, k_scale=k_scale, v_scale=v_scale)
+        return mixed_paged_attention(ops, q, k_pool, v_pool, meta, **kw)
     return ops.ragged_paged_attention(
-        q,
-        k_pool,
-        v_pool,
-        meta.cu_q_lens,
-        meta.kv_lens,
-        meta.block_tables,
-        meta.num_seqs,
-        k_scale=k_scale,
-        v_scale=v_scale,
+        q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables, meta.num_seqs, **kw
     )
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (parameters stacked over the layers)."""
+    """Gated feed-forward: `down(act(gate(x)) * up(x))`, act SiLU (SwiGLU) or GELU-tanh
+    (`ModelConfig.hidden_act`; parameters stacked over the layers)."""
 
     def __init__(self, params: ParamDeclarer):
         params.declare(self, ("layers", "mlp"))  # gate_proj [D, F], up_proj [D, F], down_proj [F, D]
         self.quantization, self.group_kernel = params.quantization, params.group_kernel
+        self.act = params.config.hidden_act
 
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         gate = project(self, "gate_proj", x)
         up = project(self, "up_proj", x)
-        return project(self, "down_proj", jax.nn.silu(gate) * up)
+        return project(self, "down_proj", ACTIVATIONS[self.act](gate) * up)
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention, then MLP. Built once for all layers (every parameter
-    stacked `[L, ...]`, or per-layer arrays); a call runs the one layer it is given."""
+    """Pre-norm residual block: attention, then MLP, each output normed again where the table
+    declares `attn_out_norm` / `mlp_out_norm` (Gemma 3). Built once for all layers (every
+    parameter stacked `[L, ...]`, or per-layer arrays); a call runs the one layer it is given."""
 
     def __init__(
         self, config: ModelConfig, params: ParamDeclarer, *, attention: str, parallel: TensorParallel | None = None
@@ -371,25 +397,51 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(params, ("layers", "input_norm"), config.rms_norm_eps)
         self.attn = Attention(config, params, attention=attention, parallel=parallel)
         self.post_attention_norm = RMSNorm(params, ("layers", "post_attention_norm"), config.rms_norm_eps)
+        for name in ("attn_out_norm", "mlp_out_norm"):
+            if params.has(("layers", name)):
+                setattr(self, name, RMSNorm(params, ("layers", name), config.rms_norm_eps))
         if config.moe is None:
             self.mlp = MLP(params)
         else:  # a mixture of experts (moe.py)
             self.moe = SparseMoe(config, params, parallel, kernels=attention == "pallas")
 
-    def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata, kv_quant: KVQuant | None = None):
-        attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta, kv_quant)
-        x = x + attn
+    def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata, kv_quant: KVQuant | None = None, own=None):
+        attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta, kv_quant, own)
+        x = x + (self.attn_out_norm(attn) if hasattr(self, "attn_out_norm") else attn)
         feed_forward = self.moe if hasattr(self, "moe") else self.mlp
-        x = x + feed_forward(self.post_attention_norm(x))
+        out = feed_forward(self.post_attention_norm(x))
+        x = x + (self.mlp_out_norm(out) if hasattr(self, "mlp_out_norm") else out)
         return x, k_pool, v_pool
 
 
-def _one_layer(graphdef, block_size: int, carry, params, first_block, kv_quant, meta: AttentionMetadata):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """One layer's own sliding window and rotary frequencies, for models whose layers differ
+    (Gemma 3's local and global layers), stacked `[L, ...]` over the layers by `of`."""
+
+    window: Int[Array, "*L"]  # `NO_WINDOW` for a full layer; L: stacked, or one layer's
+    inv_freq: Float[Array, "*L R2"]
+
+    @staticmethod
+    def of(config: ModelConfig) -> "LayerAttention | None":
+        """Every layer's, stacked; None where the layers are alike (`ModelConfig.layers_alike`:
+        then both are trace-time constants of the one layer body)."""
+        if config.layers_alike:
+            return None
+        windows = [config.window_of(i) for i in range(config.num_layers)]
+        windows = [pallas_kernels.NO_WINDOW if w is None else w for w in windows]
+        freqs = [inverse_frequencies(config.rope_of(i), config.head_dim) for i in range(config.num_layers)]
+        return LayerAttention(jnp.asarray(windows, jnp.int32), jnp.asarray(np.stack(freqs)))
+
+
+def _one_layer(graphdef, block_size: int, carry, params, first_block, kv_quant, meta: AttentionMetadata, own=None):
     """Decoder layer `params` (one layer's, merged with the layers' `graphdef`) over `carry`
-    `(x, k_pool, v_pool)`, addressing the pool's blocks from `first_block`."""
+    `(x, k_pool, v_pool)`, addressing the pool's blocks from `first_block`; `own`: the layer's
+    `LayerAttention` (None: the layers are alike)."""
     x, k_pool, v_pool = carry
     layer = nnx.merge(graphdef, params)
-    return layer(x, k_pool, v_pool, meta.for_layer(first_block, block_size), kv_quant)
+    return layer(x, k_pool, v_pool, meta.for_layer(first_block, block_size), kv_quant, own)
 
 
 class Llama(nnx.Module):
@@ -427,6 +479,11 @@ class Llama(nnx.Module):
         self.scan_layers = scan_layers
         pipeline = None if parallel is None else parallel.layout.pipeline
         self.pipeline = pipeline if pipeline is not None and pipeline.size > 1 else None
+        if self.pipeline is not None and not config.layers_alike:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline.size} with a {config.architecture} model whose layers "
+                "differ in sliding window or rotary embedding is not supported yet; use tensor parallelism"
+            )
         if self.pipeline is not None and scan_layers:
             raise ValueError(
                 f"scan_layers=True with pipeline_parallel_size={self.pipeline.size}: a stage runs its layer slots "
@@ -456,8 +513,7 @@ class Llama(nnx.Module):
         Returns:
           The final-normed hidden state of every token, and the updated pool.
         """
-        table = self.embed[...]
-        x = table[token_ids] if self.parallel is None else self.parallel.embed(table, token_ids)
+        x = self._embed(token_ids)
         graphdef, layer_params = nnx.split(self.layers)
         if self.pipeline is not None:
             x, k, v = self._pipelined(graphdef, layer_params, x, kv_pool, meta)
@@ -465,12 +521,13 @@ class Llama(nnx.Module):
         num_layers, num_blocks, block_size = kv_pool.num_layers, kv_pool.num_blocks, kv_pool.block_size
 
         def one_layer(carry, per_layer):
-            params, first_block, kv_quant = per_layer
-            return _one_layer(graphdef, block_size, carry, params, first_block, kv_quant, meta), None
+            params, first_block, kv_quant, own = per_layer
+            return _one_layer(graphdef, block_size, carry, params, first_block, kv_quant, meta, own), None
 
         carry = (x, kv_pool.k, kv_pool.v)
         first_blocks = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks
-        per_layer = (layer_params, first_blocks, kv_pool.quant)  # the pool's scales: [L, K] -> [K] a layer
+        # the pool's scales: [L, K] -> [K] a layer; the layers' own windows and frequencies
+        per_layer = (layer_params, first_blocks, kv_pool.quant, LayerAttention.of(self.config))
         if self.scan_layers:
             if any(map(_is_layer_arrays, jax.tree.leaves(layer_params, is_leaf=_is_layer_arrays))):
                 raise ValueError(
@@ -486,6 +543,15 @@ class Llama(nnx.Module):
                 carry, _ = traced_once(carry, layer)
             x, k, v = carry
         return self.final_norm(x), dataclasses.replace(kv_pool, k=k, v=v)
+
+    def _embed(self, token_ids: Int[Array, " T"]) -> Float[Array, "T D"]:
+        """The tokens' embeddings (vocabulary-parallel under tensor parallelism), times
+        `sqrt(hidden_size)` in their dtype where the architecture scales them."""
+        table = self.embed[...]
+        x = table[token_ids] if self.parallel is None else self.parallel.embed(table, token_ids)
+        if ARCHITECTURES[self.config.architecture].scaled_embeddings:
+            x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
+        return x
 
     def _stages(self, graphdef, layer_params, kv_pool: KVPool) -> Stages:
         """The layer slots as one tick's program over every stage (`pipeline_carry.Stages`)."""
@@ -567,7 +633,7 @@ class Llama(nnx.Module):
         """
         if self.pipeline is None:
             raise ValueError("pipeline_tick needs pipeline parallelism (pipeline_parallel_size > 1)")
-        x = self.parallel.embed(self.embed[...], token_ids)
+        x = self._embed(token_ids)
         graphdef, layer_params = nnx.split(self.layers)
         stages = self._stages(graphdef, layer_params, kv_pool)
         k, v = stages.split_pool(kv_pool)

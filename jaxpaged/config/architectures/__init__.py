@@ -33,6 +33,15 @@ class Architecture:
         or sliding `layer_types` (Qwen2, Qwen3); otherwise it always applies (Mistral).
       moe: a mixture of experts, one of `MOE_KINDS` (how config.json sizes and routes them);
         None: a dense model.
+      hf_defaults: `(field, value)` pairs config.json may leave out, read as its transformers
+        config class reads them (Gemma 3's defaults are not Llama's).
+      unit_offset_norms: every RMSNorm scales by `1 + w`, in float32 before the cast (Gemma);
+        False: by `w`, after the cast (Llama).
+      scaled_embeddings: the embedding's rows are multiplied by `sqrt(hidden_size)` (rounded to
+        the parameters' dtype, as transformers does; Gemma).
+
+    The forward pass follows the table as well: a layer holds the norms after attention and
+    after the MLP (`attn_out_norm`, `mlp_out_norm`) when its table declares them (Gemma 3).
     """
 
     name: str
@@ -41,6 +50,9 @@ class Architecture:
     biases: str = "attention_bias"
     sliding_window_opt_in: bool = False
     moe: str | None = None
+    hf_defaults: tuple[tuple[str, object], ...] = ()
+    unit_offset_norms: bool = False
+    scaled_embeddings: bool = False
 
     def __post_init__(self):
         if self.biases not in BIAS_RULES:

@@ -1,0 +1,91 @@
+"""Gemma 3 (`Gemma3ForCausalLM`) beyond the parity of tests/test_hf_parity.py: an engine whose
+prompts run far past the sliding window, through prefix caching, chunked prefill and fused
+decode steps; the Pallas kernels (interpret mode) with per-layer windows; the layers stacked for
+a scan; bfloat16; and pipeline parallelism refused by name."""
+
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import hf_greedy
+from tiny_models import save_hf_model
+
+from jaxpaged.checkpoint.loader import load_model
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.paged_generate import PagedGenerator
+
+VARIANT = "gemma3"  # window 7: two sliding layers, then a full one
+PREFIX = np.random.default_rng(0).integers(3, 512, 36).tolist()
+PROMPTS = [PREFIX + [5, 6, 7, 8], PREFIX + np.random.default_rng(1).integers(3, 512, 30).tolist()]
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(model directory, its transformers model)."""
+    path = str(tmp_path_factory.mktemp("gemma3"))
+    return path, save_hf_model(VARIANT, path)
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return [list(done[i]) for i in range(len(prompts))]
+
+
+def engine_args(path: str, **kwargs) -> EngineArgs:
+    options = dict(
+        model=path,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        block_size=8,
+        max_num_batched_tokens=16,  # prompts prefilled in chunks of 16 > the window of 7
+        max_num_seqs=2,
+        num_scheduler_steps=4,
+    )
+    return EngineArgs(**{**options, **kwargs})
+
+
+def test_an_engine_past_the_window_gives_transformers_tokens_from_the_prefix_cache(saved):
+    path, hf = saved
+    engine = LLMEngine(engine_args(path))
+    references = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+    assert greedy(engine, PROMPTS) == references
+    assert greedy(engine, PROMPTS[::-1]) == references[::-1]  # again, the shared prefix from the cache
+    assert engine.get_stats()["prefix_cache_hits"] > 0
+
+
+def test_the_kernels_with_per_layer_windows_give_transformers_tokens(tmp_path):
+    """head_dim 64 (the kernels'): the ragged kernel for chunked prefills, the decode kernel in
+    fused decode steps, each layer's window traced."""
+    hf = save_hf_model(VARIANT, str(tmp_path), hidden_size=128, head_dim=64)
+    engine = LLMEngine(engine_args(str(tmp_path), attention_backend="pallas"))
+    assert greedy(engine, PROMPTS) == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def test_stacked_layers_and_bfloat16_equal_transformers(saved):
+    """A scan over the stacked layers slices each layer's own window and frequencies; in
+    bfloat16 the logits stay within bfloat16's rounding of transformers' bfloat16 model."""
+    path, hf = saved
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].numpy()
+        reference_bf16 = hf.to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float().numpy()
+    hf.to(torch.float32)
+    _, stacked = load_model(path, "float32", scan_layers=True)
+    np.testing.assert_allclose(PagedGenerator(stacked).prompt_logits(prompt), reference, atol=2e-4)
+    _, bf16 = load_model(path, "bfloat16")
+    ours = np.asarray(PagedGenerator(bf16).prompt_logits(prompt), np.float32)
+    assert np.linalg.norm(ours - reference_bf16) / np.linalg.norm(reference_bf16) < 3e-2
+
+
+def test_pipeline_parallelism_is_refused_by_name(saved):
+    path, _ = saved
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 with a gemma3 model whose layers differ"):
+        LLMEngine(engine_args(path, pipeline_parallel_size=2))

@@ -90,6 +90,20 @@ def test_ragged_lowers_to_triton(model, num_tokens, num_seqs):
     assert TRITON_CALL in text
 
 
+@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+def test_traced_sliding_windows_lower_to_triton(kernel):
+    """Gemma-3-1b's heads (4 query heads, 1 kv head, head_dim 256), the layer's window traced."""
+    window = sds((), jnp.int32)
+    if kernel == "decode":
+        fn = functools.partial(paged_decode_attention, interpret=False)
+        args = (sds((64, 4, 256)), *pools(1, 256), sds((64, MAX_PAGES), jnp.int32), sds((64,), jnp.int32))
+    else:
+        fn = functools.partial(ragged_paged_attention, interpret=False)
+        args = (sds((2048, 4, 256)), *pools(1, 256), sds((65,), jnp.int32), sds((64,), jnp.int32))
+        args += (sds((64, MAX_PAGES), jnp.int32), sds((), jnp.int32))
+    assert TRITON_CALL in lower_for_cuda(fn, *args, window=window)
+
+
 def test_tiles_override_reaches_the_triton_call():
     """`tiles=` sets the Triton call's warps, stages and (through the rows) its grid."""
     n, k, h = MODELS["llama-3.1-8b"]

@@ -72,6 +72,7 @@ def test_presets_are_the_public_configs():
         "qwen3-30b-a3b",
         "phi-4",
         "phi-4-mini",
+        "gemma-3-1b",
     }
     assert get_preset("meta-llama/Llama-3.1-8B") == PRESETS["llama-3.1-8b"] and get_preset("gpt-2") is None
     assert count_parameters(ModelConfig.from_hf(get_preset("Mistral-7B-v0.3")))[0] == 7_248_023_552
@@ -80,6 +81,9 @@ def test_presets_are_the_public_configs():
     # microsoft/phi-4's 14.66B and Phi-4-mini's 3.84B (tied embeddings), their fused tensors counted once
     assert count_parameters(ModelConfig.from_hf(get_preset("phi-4")))[0] == 14_659_507_200
     assert count_parameters(ModelConfig.from_hf(get_preset("phi-4-mini")))[0] == 3_836_021_760
+    # google/gemma-3-1b's 999,885,952 (tied embeddings; four norms a layer and q/k norms)
+    gemma = ModelConfig.from_hf(get_preset("gemma-3-1b"))
+    assert count_parameters(gemma)[0] == 999_885_952 and [gemma.window_of(i) for i in (4, 5)] == [512, None]
     r = make_plan("qwen2.5-7b", gpu_memory=24 * GiB, context=32768)
     assert r["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2 and r["kv_bytes_per_request"] == 1792 * MiB
 

@@ -242,6 +242,34 @@ _PHI_4_MINI = {
     "vocab_size": 200064,
 }
 
+_GEMMA_3_1B = {  # google/gemma-3-1b-it (written by transformers 4.50: 4.x rope fields)
+    "architectures": ["Gemma3ForCausalLM"],
+    "attention_bias": False,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "model_type": "gemma3_text",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 262144,
+}
+
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _LLAMA_31_8B,
     "llama-3.1-70b": _LLAMA_31_70B,
@@ -252,6 +280,7 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "phi-4": _PHI_4,
     "phi-4-mini": _PHI_4_MINI,
+    "gemma-3-1b": _GEMMA_3_1B,
 }
 
 

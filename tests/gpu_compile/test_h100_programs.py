@@ -130,7 +130,23 @@ CASES = [
 
 @pytest.mark.parametrize("options", CASES)
 def test_no_h100_program_temporaries_grow_with_the_pool(tmp_path, options):
-    model = tiny_dir(tmp_path)
+    assert_pool_independent(tiny_dir(tmp_path), options)
+
+
+def test_gemma3_programs_with_per_layer_windows_compile_without_host_waits(tmp_path):
+    """Gemma-3-1b's heads (head_dim 256, one kv head), six layers (five sliding, one full: each
+    layer's window and frequencies traced), small widths: every step program compiles for an
+    H100, waits on no host, and its temporaries do not grow with the pool."""
+    model = model_dir(
+        tmp_path, "gemma-3-1b", hidden_size=256, intermediate_size=512, num_hidden_layers=6, vocab_size=512
+    )
+    assert_pool_independent(model, dict(dtype="bfloat16"))
+
+
+def assert_pool_independent(model: str, options: dict) -> None:
+    """`model`'s step programs with `options`, compiled for an H100 over a small and a 20x larger
+    pool: no host waits, the same temporaries, the pool donated and updated in place (and under
+    tensor parallelism the LM head's shards never gathered)."""
     small, _ = compile_for_h100(model, SMALL_POOL, **options)
     large, _ = compile_for_h100(model, LARGE_POOL, **options)
     compiled = large

@@ -42,6 +42,7 @@ between (one without pipeline parallelism).
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections import deque
 
@@ -63,6 +64,8 @@ from jaxpaged.sampling_params import RequestOutputKind
 
 # What a preempted sequence loses: recompute frees its blocks, swap copies them to the host tier.
 PREEMPTION_MODES = ("recompute", "swap")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,6 +145,8 @@ class SchedulerOutput:
       stores: the host tier's write-through copies, to run after the step (see host_tier.py).
       released_seq_ids: sequences finished or preempted since the previous schedule (the
         runner frees their slots before this step takes any).
+      failed: sequences this schedule finished with an error instead of admitting them (their
+        grammar failed: `Sequence.error`); the engine reports them as it reports aborts.
     """
 
     scheduled: list[tuple[Sequence, int]]
@@ -157,6 +162,7 @@ class SchedulerOutput:
     transfers: KVTransfers = KVTransfers([], [])
     stores: KVTransfers = KVTransfers([], [])
     released_seq_ids: list[int] = dataclasses.field(default_factory=list)
+    failed: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -216,7 +222,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._released: list[int] = []  # seq_ids finished or preempted since the last schedule
-        self.failed: list[Sequence] = []  # aborted because their grammar failed (`Sequence.error`)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -319,6 +324,7 @@ class Scheduler:
         drafts: dict[int, list[int]] = {}  # seq_id -> proposals it checks this step
         forced: dict[int, list[int]] = {}  # seq_id -> tokens it computes unsampled after its own
         admitted: set[int] = set()  # seq_ids admitted from the waiting queue this step
+        failed: list[Sequence] = []  # finished with their grammar's error instead of admitted
         # 1. Decodes, then 2. prefill chunks of running sequences, both in admission order.
         for decode in (True, False):
             for seq in list(self.running):
@@ -353,7 +359,8 @@ class Scheduler:
             if seq.constraint is not None and seq.constraint.error is not None:
                 seq.error = seq.constraint.error
                 self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
-                self.failed.append(seq)
+                logger.info("request %s: %s", seq.request_id, seq.error)
+                failed.append(seq)
                 continue
             parent = self._fork_parent(seq)
             if parent is None:
@@ -401,7 +408,64 @@ class Scheduler:
             transfers=bm.take_transfers(),
             stores=bm.take_stores(),
             released_seq_ids=released,
+            failed=failed,
         )
+
+    def copies_done(self, output: SchedulerOutput) -> None:
+        """Called once `output`'s host-tier copies have run (the step dispatched): with a disk
+        tier, queues the blocks they brought into host slots under a prefix hash for writing."""
+        bm = self.block_manager
+        if bm.disk_tier is None:
+            return
+        for transfers in (output.transfers, output.stores):
+            for _, slot in transfers.offloads:
+                block_hash = bm.host_tier.hash_of(slot)
+                if block_hash is not None:  # a swapped-out sequence's slots have none
+                    bm.disk_tier.save(block_hash, slot)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (`BlockManager.reset_prefix_cache`: after new weights)."""
+        self.block_manager.reset_prefix_cache()
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of the pool's blocks in use."""
+        return self.block_manager.usage
+
+    def cache_stats(self, block_bytes: int) -> dict[str, float | int]:
+        """The KV cache's gauges and counters under vLLM's names (the host tier's and the disk
+        tier's too, where there are those); `block_bytes`: one block's bytes on the device."""
+        bm, tier, disk = self.block_manager, self.block_manager.host_tier, self.block_manager.disk_tier
+        stats = {
+            "gpu_cache_usage_perc": bm.usage,
+            "num_total_blocks": bm.num_total_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_tokens": len(bm.cached_block_hash_to_block) * bm.block_size,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+        }
+        if tier is not None:  # prefix hits there under vLLM's names for an external KV cache
+            stats |= {
+                "external_prefix_cache_queries": tier.queries,
+                "external_prefix_cache_hits": tier.hits,
+                "kv_host_tier_blocks": tier.num_slots,
+                "kv_host_tier_cached_blocks": len(tier.cached),
+                "kv_host_tier_swapped_blocks": tier.num_swapped,
+                "kv_offload_bytes": tier.offloaded_blocks * block_bytes,
+                "kv_load_bytes": tier.loaded_blocks * block_bytes,
+                "kv_swapped_out_blocks": tier.swapped_out_blocks,
+                "kv_swapped_in_blocks": tier.swapped_in_blocks,
+            }
+        if tier is not None and disk is not None:
+            stats |= {
+                "kv_disk_hit_tokens": disk.hits * bm.block_size,
+                "kv_disk_read_bytes": disk.read_bytes,
+                "kv_disk_write_bytes": disk.write_bytes,
+                "kv_disk_blocks": disk.num_files,
+                "kv_disk_rejected_files": disk.rejected,
+                "kv_disk_dropped_writes": disk.dropped_writes,
+            }
+        return stats
 
     def _step_input(
         self, seq: Sequence, n: int, proposal: list[int], forced: list[int], num_steps: int, admitted: bool

@@ -43,14 +43,13 @@ scheduler passes over the sequences still in flight.
 import atexit
 import dataclasses
 import functools
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.seq_delta import SeqDelta, seq_delta
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.core.speculation import (
@@ -73,8 +72,6 @@ from jaxpaged.structured import GrammarBackend, SequenceConstraint, bad_words_to
 from jaxpaged.worker.input_batch import banned_ids
 from jaxpaged.worker.model_runner import StepHandle
 from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS
-
-logger = logging.getLogger("jaxpaged")
 
 
 class LLMEngine(TrainingLoopControls, ProfilerControls):
@@ -376,13 +373,9 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
             emit(self._postprocess(self._take_in_flight()))
         # (under pipeline parallelism the sequences in the micro-batches in flight wait their turn)
         output = self.scheduler.schedule(propose=propose, in_flight=self.runner.in_flight_seq_ids)
-        if self.scheduler.failed:  # their grammar failed: finished with `Sequence.error`
-            for seq in self.scheduler.failed:
-                logger.info("request %s: %s", seq.request_id, seq.error)
-            self._aborted += self.scheduler.failed
-            self.scheduler.failed = []
+        self._aborted += output.failed  # their grammar failed: finished with `Sequence.error`
         handles = self.runner.execute(output)
-        self._queue_disk_writes(output)
+        self.scheduler.copies_done(output)
         previous, self._in_flight = self._in_flight, handles
         if previous:
             emit(self._postprocess(previous))
@@ -427,18 +420,6 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         if seqs is not None and all(seq.is_finished for seq in seqs):
             del self._seqs[request_id]
 
-    def _queue_disk_writes(self, output: SchedulerOutput) -> None:
-        """With a disk tier, queues the blocks that the step's copies brought into host slots under
-        a prefix hash for writing to disk."""
-        if self.disk_tier is None:
-            return
-        tier = self.scheduler.block_manager.host_tier
-        for transfers in (output.transfers, output.stores):
-            for _, slot in transfers.offloads:
-                block_hash = tier.hash_of(slot)
-                if block_hash is not None:  # a swapped-out sequence's slots have none
-                    self.disk_tier.save(block_hash, slot)
-
     def _count_speculation(self, num_drafts: list[int], accepted: list[int]) -> None:
         """Speculative decoding's counters (vLLM's): proposals made and kept, by position."""
         for k, a in zip(num_drafts, accepted):
@@ -453,54 +434,16 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
 
     def get_stats(self) -> dict[str, float | int]:
         """Cache and scheduler gauges and counters (vLLM's names)."""
-        bm = self.scheduler.block_manager
+        transfer = self.runner.kv_transfer
         return {
-            "gpu_cache_usage_perc": bm.usage,
-            "num_total_blocks": bm.num_total_blocks,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_cached_tokens": len(bm.cached_block_hash_to_block) * bm.block_size,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
+            **self.scheduler.cache_stats(0 if transfer is None else transfer.block_bytes),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
-            **self._host_tier_stats(),
             **(self.grammars.stats() if self.grammars is not None else {}),
             **self.device_memory_stats(),
             **self.spec_stats,
             **({SPEC_DECODE_PER_POSITION: list(self.spec_accepted_per_position)} if self.spec_stats else {}),
-        }
-
-    def _host_tier_stats(self) -> dict[str, int]:
-        """The host tier's counters (none without one): prefix hits there under vLLM's names for
-        an external KV cache, blocks and bytes moved under jaxpaged's."""
-        tier, transfer = self.scheduler.block_manager.host_tier, self.runner.kv_transfer
-        if tier is None:
-            return {}
-        return {
-            "external_prefix_cache_queries": tier.queries,
-            "external_prefix_cache_hits": tier.hits,
-            "kv_host_tier_blocks": tier.num_slots,
-            "kv_host_tier_cached_blocks": len(tier.cached),
-            "kv_host_tier_swapped_blocks": tier.num_swapped,
-            "kv_offload_bytes": tier.offloaded_blocks * transfer.block_bytes,
-            "kv_load_bytes": tier.loaded_blocks * transfer.block_bytes,
-            "kv_swapped_out_blocks": tier.swapped_out_blocks,
-            "kv_swapped_in_blocks": tier.swapped_in_blocks,
-            **self._disk_tier_stats(),
-        }
-
-    def _disk_tier_stats(self) -> dict[str, int]:
-        disk = self.disk_tier
-        if disk is None:
-            return {}
-        return {
-            "kv_disk_hit_tokens": disk.hits * self.scheduler.config.block_size,
-            "kv_disk_read_bytes": disk.read_bytes,
-            "kv_disk_write_bytes": disk.write_bytes,
-            "kv_disk_blocks": disk.num_files,
-            "kv_disk_rejected_files": disk.rejected,
-            "kv_disk_dropped_writes": disk.dropped_writes,
         }

@@ -45,7 +45,7 @@ class ProfilerControls:
         return {
             "device_weight_bytes": weights,
             "kv_cache_bytes": pool,
-            "kv_cache_used_bytes": int(self.scheduler.block_manager.usage * pool),
+            "kv_cache_used_bytes": int(self.scheduler.kv_usage * pool),
             "step_temp_bytes": max(self.runner.temp_bytes.values(), default=0),
         }
 

@@ -130,7 +130,7 @@ class TrainingLoopControls:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (vLLM's name): later requests compute their prompts again.
         Returns True."""
-        self.scheduler.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
         return True
 
     # -- sleep mode -----------------------------------------------------------------------------

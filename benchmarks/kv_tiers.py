@@ -100,13 +100,14 @@ def requests(args, context: int):
 def run_one(args) -> dict:
     """One configuration: start the engine, run the requests one by one, measure."""
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+    from jaxpaged.config.hf_config import model_config_from_hf
+    from jaxpaged.config.model_config import kv_bytes_per_token
     from jaxpaged.config.presets import load_config_dict
     from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
     from jaxpaged.model import kv_storage_dtype
 
     raw = load_config_dict(args.model or DEMO_MODEL_DIR)[1]
-    config = ModelConfig.from_hf(raw)
+    config = model_config_from_hf(raw)
     reqs = requests(args, config.max_context_len)
     longest = max(r.prompt_len for r in reqs) + args.output_len
     blocks_per_request = -(-longest // 16)

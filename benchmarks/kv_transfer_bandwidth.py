@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxpaged.config.model_config import ModelConfig
+    from jaxpaged.config.hf_config import model_config_from_hf
     from jaxpaged.config.presets import load_config_dict
     from jaxpaged.core.host_tier import KVTransfers
     from jaxpaged.functional import DeviceCache
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from jaxpaged.parallel.mesh import TensorParallel
     from jaxpaged.worker.kv_transfer import KVTransfer
 
-    config = ModelConfig.from_hf(load_config_dict(args.model)[1])
+    config = model_config_from_hf(load_config_dict(args.model)[1])
     parallel = TensorParallel.create(config, 1)
     dtype = kv_storage_dtype(args.dtype)
     num_blocks = args.blocks + 1

@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.results_files import save_results  # noqa: E402
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig  # noqa: E402
 from jaxpaged.core.step_inputs import ScheduledSequence  # noqa: E402
 from jaxpaged.model import Llama, init_kv_pool  # noqa: E402
@@ -203,7 +204,7 @@ def prepare(config: ModelConfig, stages: int, micro: int | None, work: Workload 
 
 
 def main(out_path: str) -> None:
-    config = ModelConfig.from_hf(CONFIG)
+    config = model_config_from_hf(CONFIG)
     runs = []
     for stages, micro in RUNS:
         runs.append(prepare(config, stages, micro))

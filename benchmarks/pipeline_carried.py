@@ -48,6 +48,7 @@ from benchmarks.pipeline_bubbles import (
     timed,
 )
 from benchmarks.results_files import save_results
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.parallel.sharding import PIPELINE_AXIS
 
@@ -182,7 +183,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(out_path: str) -> None:
-    config = ModelConfig.from_hf(CONFIG)
+    config = model_config_from_hf(CONFIG)
     load = {"before": os.getloadavg()}
     results = []
     for work in (PREFILL, DECODE):  # each workload's configurations timed in rounds over all of them

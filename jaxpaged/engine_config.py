@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxpaged.checkpoint.format import TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights, tokenizer_dir
 from jaxpaged.config.generation import sampling_defaults
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import CONFIG_FILE, PRESETS, get_preset, load_config_dict, preset_tokenizer
 from jaxpaged.config.quantization import (
@@ -89,7 +90,7 @@ class EngineConfig:
         check_model_dir(args.model, args.load_format)
         raw = load_config_dict(args.model)[1]
         quantization = _quantization(args.model, args.quantization, raw)
-        model = _weight_groups(ModelConfig.from_hf(raw), quantization, args, raw)
+        model = _weight_groups(model_config_from_hf(raw), quantization, args, raw)
         max_model_len = model.check_max_model_len(args.max_model_len or model.max_context_len)
         model = model.for_max_model_len(max_model_len)
         layout = _layout(model, args.tensor_parallel_size, args.enable_expert_parallel, _pipeline(model, args))
@@ -307,7 +308,7 @@ def _draft_model(args: EngineArgs, target: ModelConfig) -> DraftModel:
                 f"its checkpoint is quantized ({stored}); a draft model runs unquantized: give it a plain "
                 "bfloat16/float32 checkpoint"
             )
-        draft = ModelConfig.from_hf(raw)
+        draft = model_config_from_hf(raw)
         _layout(draft, args.tensor_parallel_size)
     except (EngineArgsError, ValueError, OSError) as err:
         raise EngineArgsError(field, spec, f"the draft model: {getattr(err, 'reason', err)}") from None

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxpaged.cli import main
+from jaxpaged.config.hf_config import read_model_config
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.setup import use_compilation_cache
 from jaxpaged.engine_args import EngineArgs, default_compilation_cache_dir
@@ -187,7 +188,7 @@ def test_unrolled_models_hold_per_layer_arrays_from_creation_and_load(tmp_path):
     hf_dir, converted = str(tmp_path / "hf"), str(tmp_path / "converted")
     save_hf_model("llama_tp", hf_dir)
     convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
-    parallel = TensorParallel.create(ModelConfig.from_pretrained(hf_dir), 2)
+    parallel = TensorParallel.create(read_model_config(hf_dir), 2)
     loaded = {
         (source, scan): load_model(source, "float32", parallel=parallel, scan_layers=scan)[1]
         for source in (hf_dir, converted)

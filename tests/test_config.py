@@ -1,11 +1,12 @@
-"""ModelConfig.from_hf reads every supported option and names whatever it refuses."""
+"""model_config_from_hf reads every supported option and names whatever it refuses."""
 
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.hf_config import model_config_from_hf
+from jaxpaged.config.model_config import kv_bytes_per_token
 from jaxpaged.model.rope import inverse_frequencies
 
 LLAMA_31_8B = {
@@ -34,7 +35,7 @@ LLAMA_31_8B = {
 
 
 def test_llama_31_8b_config():
-    config = ModelConfig.from_hf(LLAMA_31_8B)
+    config = model_config_from_hf(LLAMA_31_8B)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (32, 8, 128)
     assert config.rope.rope_type == "llama3" and config.rope.theta == 500000.0
     assert config.eos_token_ids == (128001, 128008, 128009)
@@ -43,9 +44,9 @@ def test_llama_31_8b_config():
 
 
 def test_qwen2_has_qkv_bias_and_mistral_head_dim():
-    qwen = ModelConfig.from_hf({**LLAMA_31_8B, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": None})
+    qwen = model_config_from_hf({**LLAMA_31_8B, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": None})
     assert qwen.qkv_bias and not qwen.o_bias and qwen.architecture == "qwen2"
-    mistral = ModelConfig.from_hf(
+    mistral = model_config_from_hf(
         {
             **LLAMA_31_8B,
             "architectures": ["MistralForCausalLM"],
@@ -58,7 +59,7 @@ def test_qwen2_has_qkv_bias_and_mistral_head_dim():
 
 
 def test_llama_attention_bias():
-    config = ModelConfig.from_hf({**LLAMA_31_8B, "attention_bias": True})
+    config = model_config_from_hf({**LLAMA_31_8B, "attention_bias": True})
     assert config.qkv_bias and config.o_bias
 
 
@@ -75,23 +76,23 @@ def test_llama_attention_bias():
 )
 def test_unsupported_fields_are_named(change, field):
     with pytest.raises(ValueError, match=field):
-        ModelConfig.from_hf({**LLAMA_31_8B, **change})
+        model_config_from_hf({**LLAMA_31_8B, **change})
 
 
 def test_sliding_windows_per_layer_and_any_context():
     """A window applies to the layers config.json says (Mistral: all; Qwen2: from
     max_window_layers, only with use_sliding_window) and no longer caps the context."""
-    mistral = ModelConfig.from_hf(
+    mistral = model_config_from_hf(
         {**LLAMA_31_8B, "architectures": ["MistralForCausalLM"], "rope_scaling": None, "sliding_window": 4096}
     )
     assert mistral.max_context_len == 131072 and mistral.check_max_model_len(32768) == 32768
     assert {mistral.window_of(i) for i in range(32)} == {4096} and mistral.layers_alike
     qwen = dict(LLAMA_31_8B, architectures=["Qwen2ForCausalLM"], sliding_window=4096, num_hidden_layers=4)
-    assert ModelConfig.from_hf({**qwen, "use_sliding_window": False}).sliding_window is None
-    upper = ModelConfig.from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 2})
+    assert model_config_from_hf({**qwen, "use_sliding_window": False}).sliding_window is None
+    upper = model_config_from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 2})
     assert [upper.window_of(i) for i in range(4)] == [None, None, 4096, 4096] and not upper.layers_alike
     with pytest.raises(ValueError, match="layer_types"):
-        ModelConfig.from_hf({**qwen, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 3})
+        model_config_from_hf({**qwen, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 3})
 
 
 GEMMA3_1B_V4 = {  # gemma-3-1b's config.json as transformers 4.50 wrote it (sizes cut down)
@@ -115,7 +116,7 @@ GEMMA3_1B_V4 = {  # gemma-3-1b's config.json as transformers 4.50 wrote it (size
 def test_gemma3_configs_of_transformers_4_and_5_read_the_same():
     """Local layers (5 of 6) slide with their own base; the global ones scale theirs; the fields a
     4.x config.json leaves out take Gemma3TextConfig's defaults, not Llama's."""
-    old = ModelConfig.from_hf(GEMMA3_1B_V4)
+    old = model_config_from_hf(GEMMA3_1B_V4)
     assert [old.window_of(i) is None for i in range(12)] == [i % 6 == 5 for i in range(12)]
     assert old.rope.theta == 1e6 and old.rope.rope_type == "linear" and old.rope.factor == 8.0
     assert old.local_rope.theta == 1e4 and old.local_rope.rope_type == "default"
@@ -130,15 +131,15 @@ def test_gemma3_configs_of_transformers_4_and_5_read_the_same():
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     }
-    assert ModelConfig.from_hf(new) == old
+    assert model_config_from_hf(new) == old
     for field, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0), ("hidden_act", "relu")):
         with pytest.raises(ValueError, match=field):
-            ModelConfig.from_hf({**GEMMA3_1B_V4, field: value, "hidden_activation": None})
+            model_config_from_hf({**GEMMA3_1B_V4, field: value, "hidden_activation": None})
 
 
 def test_context_beyond_position_limit_is_refused():
     with pytest.raises(ValueError, match="max_position_embeddings=131072"):
-        ModelConfig.from_hf(LLAMA_31_8B).check_max_model_len(200000)
+        model_config_from_hf(LLAMA_31_8B).check_max_model_len(200000)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +155,7 @@ def test_inverse_frequencies_match_transformers(rope_parameters):
         hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072, rope_parameters=rope_parameters
     )
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)
-    ours_config = ModelConfig.from_hf({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    ours_config = model_config_from_hf({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     ours = inverse_frequencies(ours_config.rope, 128)
     np.testing.assert_allclose(ours, rotary.inv_freq.to(torch.float32).numpy(), rtol=1e-6)
 
@@ -174,7 +175,7 @@ def test_longrope_frequencies_and_attention_factor_match_transformers(long):
     )
     init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"]
     inv_freq, attention = init(hf_config, None, seq_len=8192 if long else None)
-    ours = ModelConfig.from_hf({**hf_config.to_dict(), "architectures": ["Phi3ForCausalLM"]})
+    ours = model_config_from_hf({**hf_config.to_dict(), "architectures": ["Phi3ForCausalLM"]})
     ours = ours.for_max_model_len(8192 if long else 4096)
     assert ours.rope.use_long_factor == long and ours.rope.rotary_dim(128) == 96
     np.testing.assert_allclose(inverse_frequencies(ours.rope, 128), inv_freq.numpy(), rtol=1e-6)
@@ -185,6 +186,27 @@ def test_longrope_and_partial_rotary_errors_name_the_field():
     phi = {**LLAMA_31_8B, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 4096}
     longrope = {"type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 63}
     with pytest.raises(ValueError, match=r"rope_scaling.long_factor must list 64 numbers"):
-        ModelConfig.from_hf({**phi, "rope_scaling": longrope})
+        model_config_from_hf({**phi, "rope_scaling": longrope})
     with pytest.raises(ValueError, match=r"partial_rotary_factor=0.2 rotates 25 of head_dim=128"):
-        ModelConfig.from_hf({**phi, "rope_scaling": None, "partial_rotary_factor": 0.2})
+        model_config_from_hf({**phi, "rope_scaling": None, "partial_rotary_factor": 0.2})
+
+
+def test_the_config_modules_import_one_way():
+    """model_config <- config.params <- config.architectures <- hf_config: no module imports one
+    after it (not even lazily, inside a function)."""
+    import ast
+    import pathlib
+
+    order = ["model_config", "params", "architectures", "hf_config"]
+    root = pathlib.Path(__file__).parent.parent / "jaxpaged" / "config"
+    sources = {
+        "model_config": root / "model_config.py",
+        "params": root / "params.py",
+        "hf_config": root / "hf_config.py",
+    }
+    sources["architectures"] = root / "architectures" / "__init__.py"
+    for i, name in enumerate(order):
+        tree = ast.parse(sources[name].read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        later = {f"jaxpaged.config.{m}" for m in order[i + 1 :]}
+        assert not imported & later, (name, imported & later)

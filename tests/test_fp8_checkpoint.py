@@ -25,7 +25,7 @@ from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.hf_keys import param_shapes
 from jaxpaged.checkpoint.loader import load_model, load_params
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
-from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.hf_config import read_model_config
 from jaxpaged.config.quantization import CheckpointQuantizationError
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
@@ -360,7 +360,7 @@ def test_fp8_checkpoint_loads_into_its_shards(tmp_path):
     hf_dir, converted = str(tmp_path / "hf"), str(tmp_path / "converted")
     save_fp8_checkpoint("llama_tp", hf_dir)
     convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
-    config = ModelConfig.from_pretrained(hf_dir)
+    config = read_model_config(hf_dir)
     _, single = load_model(hf_dir, "float32", scan_layers=True)
     parallel = TensorParallel.create(config, 4)
     assert parallel.layout.kv_replicas == 2

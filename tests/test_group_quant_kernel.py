@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.presets import get_preset
 from jaxpaged.model.group_quant import group_matmul
 from jaxpaged.model.llama import group_kernel_parallel, use_group_kernel
@@ -152,7 +152,7 @@ def test_the_model_takes_the_kernel_on_a_gpu_on_one_device_or_every_devices_shar
     """On a GPU: on one device (or one per pipeline stage), and under tensor parallelism on every
     device over its shard (`group_kernel_parallel`: a Pallas call under GSPMD would gather its
     operands whole); not with tensor and pipeline parallelism together."""
-    config = ModelConfig.from_hf(get_preset("llama-3.1-8b"))
+    config = model_config_from_hf(get_preset("llama-3.1-8b"))
     one, two = TensorParallel.create(config, 1), TensorParallel.create(config, 2)
     two_stages = TensorParallel.create(config, 2, pipeline=PipelineLayout(config.num_layers, 2))
     assert not use_group_kernel(None) and not use_group_kernel(one) and group_kernel_parallel(two) is None  # this CPU

@@ -29,7 +29,7 @@ from jaxpaged.config.group_formats import (
     gptq_format,
     pack_quantized_format,
 )
-from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import checkpoint_group_format, checkpoint_quantization, resolve_quantization
 from jaxpaged.parallel.sharding import TensorParallelLayout
@@ -188,7 +188,7 @@ def test_config_fields():
 def test_tiny_checkpoint_linears(tmp_path):
     """Every projection of a tiny GPTQ act-order checkpoint reads back as the model it stands for."""
     model = save_int4_checkpoint("llama_gqa4", "gptq_act_order_asym", str(tmp_path))
-    config = ModelConfig.from_hf(model.config.to_dict())
+    config = model_config_from_hf(model.config.to_dict())
     ckpt = SafetensorsCheckpoint(tmp_path)
     qconfig = checkpoint_kinds()["gptq_act_order_asym"][1]
     linears = quantized_linears(config)
@@ -203,7 +203,7 @@ def test_channel_weights_regrouped_to_one_model_group_size(tmp_path):
     """One group per output channel differs between linears of different widths: they are read
     in the largest group size dividing every input width (`with_weight_groups`), the same weights."""
     model = save_int4_checkpoint("llama_gqa4", "compressed_channel", str(tmp_path))
-    config = ModelConfig.from_hf(model.config.to_dict()).with_weight_groups((4, None))
+    config = model_config_from_hf(model.config.to_dict()).with_weight_groups((4, None))
     linears = quantized_linears(config)
     fmt = fmt_of(checkpoint_kinds()["compressed_channel"][1])
     _, read_linear = linear_reader(fmt, linears, SafetensorsCheckpoint(tmp_path), config.weight_group_size)
@@ -216,7 +216,7 @@ def test_channel_weights_regrouped_to_one_model_group_size(tmp_path):
 def test_channel_weights_of_a_large_model_split_over_eight_devices():
     """8B's projections' inputs share 2048 as their largest divisor (7 MLP groups, which no tensor-
     parallel size splits); per-channel weights are held in groups of at most 128 instead."""
-    config = ModelConfig.from_hf(load_config_dict("llama-3.1-8b")[1]).with_weight_groups((4, None))
+    config = model_config_from_hf(load_config_dict("llama-3.1-8b")[1]).with_weight_groups((4, None))
     assert config.weight_group_size == 128
     for n in (2, 4, 8):
         TensorParallelLayout(config, n)

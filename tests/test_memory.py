@@ -5,11 +5,12 @@ import os
 import pytest
 from test_config import LLAMA_31_8B
 
-from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.hf_config import model_config_from_hf
+from jaxpaged.config.model_config import kv_bytes_per_token
 from jaxpaged.planning.memory import GiB, plan_kv_cache, sequence_state_bytes
 
-LLAMA_8B = ModelConfig.from_hf(LLAMA_31_8B)
-LLAMA_70B = ModelConfig.from_hf(
+LLAMA_8B = model_config_from_hf(LLAMA_31_8B)
+LLAMA_70B = model_config_from_hf(
     {**LLAMA_31_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64}
 )
 

@@ -25,7 +25,7 @@ from tiny_models import BASE, VARIANTS, save_hf_model
 
 from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.loader import load_model, load_params
-from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.hf_config import model_config_from_hf, read_model_config
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.model.group_quant import code_dtype, quantize_groups
@@ -355,7 +355,7 @@ def test_engine_tokens_equal_transformers_unsharded_and_split(tmp_path, variant,
     prompts = tp_workload.prompts()
     tokens, engine = run_engine(path, n, prompts, enable_expert_parallel=expert_parallel, **options)
     assert tokens == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    num_experts = ModelConfig.from_pretrained(path).moe.num_experts
+    num_experts = read_model_config(path).moe.num_experts
     slots = {0: [0, 1], 1: [2, 3], 2: [4, None], 3: [5, None]}  # device -> its slots' experts (6 over 4)
     for name, array in expert_arrays(engine, 1 if quantization is None else 3):
         for shard in array.addressable_shards:
@@ -395,7 +395,7 @@ def test_expert_parallel_over_8_devices_gives_the_one_device_tokens(tmp_path):
 def test_layers_mixing_dense_and_sparse_mlps_are_refused_by_name(field, value):
     hf = {**BASE, **VARIANTS["qwen3_moe"][2], "architectures": ["Qwen3MoeForCausalLM"], field: value}
     with pytest.raises(ValueError, match=f"{field}=.* is not supported"):
-        ModelConfig.from_hf(hf)
+        model_config_from_hf(hf)
 
 
 @pytest.mark.parametrize(
@@ -424,7 +424,7 @@ def test_quantized_experts_over_an_fp8_kv_pool_split_over_2_devices_give_the_one
 def test_expert_parallel_spreads_experts_a_device_count_does_not_divide():
     """Slots even out the devices (no device two experts more than another); more devices than
     experts, or no experts, are refused naming the flag."""
-    config = ModelConfig.from_hf({**BASE, **VARIANTS["mixtral_moe"][2], "architectures": ["MixtralForCausalLM"]})
+    config = model_config_from_hf({**BASE, **VARIANTS["mixtral_moe"][2], "architectures": ["MixtralForCausalLM"]})
     config = dataclasses.replace(config, num_heads=8)  # (8 devices split them)
 
     def layout(num_experts: int, n: int) -> TensorParallelLayout:
@@ -458,7 +458,7 @@ def test_group_sizes_that_do_not_divide_an_experts_inputs_or_split_a_group_are_r
     the experts' FFN width is refused naming it; so is a tensor-parallel size that would split an
     expert's groups, which expert parallelism (whole experts) does not, nor a projection held in
     float (a shared expert an AWQ checkpoint leaves unquantized has no groups to split)."""
-    config = ModelConfig.from_hf({**BASE, **VARIANTS["qwen2_moe"][2], "architectures": ["Qwen2MoeForCausalLM"]})
+    config = model_config_from_hf({**BASE, **VARIANTS["qwen2_moe"][2], "architectures": ["Qwen2MoeForCausalLM"]})
     with pytest.raises(ValueError, match="=64 does not divide each expert's intermediate size=32"):
         config.with_weight_groups((4, 64))
     with pytest.raises(ValueError, match="=64 does not divide shared_expert_intermediate_size=96"):

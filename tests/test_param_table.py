@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxpaged.checkpoint.hf_keys import by_name, hf_key_specs
 from jaxpaged.config.architectures import ARCHITECTURES, BY_HF_NAME
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.engine.setup import build_model
 from jaxpaged.engine_args import EngineArgs
@@ -63,7 +64,7 @@ SIZES = (1, 2, 4, 8)
 
 
 def config_of(variant: str) -> ModelConfig:
-    return ModelConfig.from_hf({**BASE, **VARIANTS[variant]})
+    return model_config_from_hf({**BASE, **VARIANTS[variant]})
 
 
 def test_every_architecture_and_every_optional_parameter_is_covered():

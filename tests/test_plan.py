@@ -8,6 +8,7 @@ import pytest
 from tiny_models import build_hf_model
 
 from jaxpaged.cli import main
+from jaxpaged.config.hf_config import model_config_from_hf, read_model_config
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.presets import PRESETS, get_preset
 from jaxpaged.entrypoints.cli_flags import parse_bytes
@@ -75,14 +76,14 @@ def test_presets_are_the_public_configs():
         "gemma-3-1b",
     }
     assert get_preset("meta-llama/Llama-3.1-8B") == PRESETS["llama-3.1-8b"] and get_preset("gpt-2") is None
-    assert count_parameters(ModelConfig.from_hf(get_preset("Mistral-7B-v0.3")))[0] == 7_248_023_552
-    qwen = ModelConfig.from_hf(get_preset("Qwen2.5-7B"))
+    assert count_parameters(model_config_from_hf(get_preset("Mistral-7B-v0.3")))[0] == 7_248_023_552
+    qwen = model_config_from_hf(get_preset("Qwen2.5-7B"))
     assert qwen.qkv_bias and qwen.sliding_window is None and count_parameters(qwen)[0] == 7_615_616_512
     # microsoft/phi-4's 14.66B and Phi-4-mini's 3.84B (tied embeddings), their fused tensors counted once
-    assert count_parameters(ModelConfig.from_hf(get_preset("phi-4")))[0] == 14_659_507_200
-    assert count_parameters(ModelConfig.from_hf(get_preset("phi-4-mini")))[0] == 3_836_021_760
+    assert count_parameters(model_config_from_hf(get_preset("phi-4")))[0] == 14_659_507_200
+    assert count_parameters(model_config_from_hf(get_preset("phi-4-mini")))[0] == 3_836_021_760
     # google/gemma-3-1b's 999,885,952 (tied embeddings; four norms a layer and q/k norms)
-    gemma = ModelConfig.from_hf(get_preset("gemma-3-1b"))
+    gemma = model_config_from_hf(get_preset("gemma-3-1b"))
     assert count_parameters(gemma)[0] == 999_885_952 and [gemma.window_of(i) for i in (4, 5)] == [512, None]
     r = make_plan("qwen2.5-7b", gpu_memory=24 * GiB, context=32768)
     assert r["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2 and r["kv_bytes_per_request"] == 1792 * MiB
@@ -109,7 +110,7 @@ def test_parameter_count_is_exact_and_directories_work(tmp_path, capsys, variant
     hf = build_hf_model(variant)
     hf.config.architectures = [type(hf).__name__]
     hf.config.to_json_file(tmp_path / "config.json")
-    config = ModelConfig.from_pretrained(tmp_path)
+    config = read_model_config(tmp_path)
     assert count_parameters(config)[0] == sum(p.numel() for p in hf.parameters())
     r = plan_json(capsys, "--model", str(tmp_path), "--gpu-memory", "1GiB", "--context", "64", "--dtype", "float32")
     expected = plan_kv_cache(
@@ -155,7 +156,7 @@ def test_bad_arguments_name_the_flag(capsys):
 def test_parse_bytes_and_kv_head_split():
     assert parse_bytes("80GiB") == parse_bytes("80G") == 80 * GiB and parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("1.5 TiB") == 3 * 2**39 and parse_bytes("4096") == 4096
-    seventy_b = ModelConfig.from_hf(get_preset("llama-3.1-70b"))  # 8 kv heads
+    seventy_b = model_config_from_hf(get_preset("llama-3.1-70b"))  # 8 kv heads
     split = [TensorParallelLayout(seventy_b, tp) for tp in (1, 2, 4, 8, 16)]
     assert [s.device_config.num_kv_heads for s in split] == [8, 4, 2, 1, 1]
     assert [s.kv_replicas for s in split] == [1, 1, 1, 1, 2]

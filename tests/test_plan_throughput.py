@@ -15,7 +15,7 @@ import pytest
 from jaxpaged.bench.gpu_targets import GPU_TARGETS
 from jaxpaged.bench.throughput_model import engine_buckets
 from jaxpaged.cli import main
-from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.core.scheduler import SchedulerConfig
 from jaxpaged.planning import calibration
@@ -121,7 +121,7 @@ def test_gpu_descriptions_match_the_deviceless_targets():
 def test_the_pool_is_the_first_h100_runs():
     _, raw = load_config_dict("llama-3.1-8b")
     pool = replay_pool(
-        ModelConfig.from_hf(raw),
+        model_config_from_hf(raw),
         dtype="bfloat16",
         memory_bytes=GPUS["h100"].memory_bytes,
         gpu_memory_utilization=0.9,

@@ -109,13 +109,13 @@ def test_refuses_without_a_gpu(tmp_path):
 
 
 def test_gpu_plan_draft_is_llama_32_1b_with_8b_vocabulary(tmp_path):
-    from jaxpaged.config.model_config import ModelConfig
+    from jaxpaged.config.hf_config import model_config_from_hf
     from jaxpaged.config.presets import get_preset
 
     plan = speculative_gpu.gpu_plan({})
     directory = speculative_gpu.write_draft_config(plan, str(tmp_path / "draft"))
-    config = ModelConfig.from_hf(json.loads((tmp_path / "draft" / "config.json").read_text()))
-    target = ModelConfig.from_hf(get_preset("llama-3.1-8b"))
+    config = model_config_from_hf(json.loads((tmp_path / "draft" / "config.json").read_text()))
+    target = model_config_from_hf(get_preset("llama-3.1-8b"))
     assert directory == str(tmp_path / "draft") and config.vocab_size == target.vocab_size == 128256
     assert (
         config.hidden_size,

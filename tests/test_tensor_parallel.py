@@ -20,7 +20,7 @@ from tiny_models import save_hf_model
 
 from jaxpaged.checkpoint.convert import convert_checkpoint
 from jaxpaged.checkpoint.loader import load_model
-from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.hf_config import model_config_from_hf, read_model_config
 from jaxpaged.config.presets import get_preset
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.setup import build_model, device_weight_bytes, plan_cache
@@ -78,7 +78,7 @@ def test_greedy_tokens_equal_transformers_for_every_size(tp_model, n):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     # The default layout (layers unrolled): the per-layer arrays split at start-up keep each
     # layer's shards where the table puts them (kv heads repeated where devices outnumber them).
-    config = ModelConfig.from_pretrained(path)
+    config = read_model_config(path)
     [q] = jax.tree.leaves(
         engine.runner.params["layers"]["attn"]["q_proj"], is_leaf=lambda x: isinstance(x, LayerArrays)
     )
@@ -101,7 +101,7 @@ def test_host_tier_swaps_per_device_shards_and_tokens_equal_transformers(saved_m
     stats = engine.get_stats()
     assert stats["num_preemptions"] > 0 and stats["kv_swapped_in_blocks"] > 0 and stats["kv_load_bytes"] > 0
     k = engine.runner.kv_transfer.host.shape[4]  # the host block holds every device's heads
-    assert k == TensorParallelLayout(ModelConfig.from_pretrained(path), n).mesh_config.num_kv_heads
+    assert k == TensorParallelLayout(read_model_config(path), n).mesh_config.num_kv_heads
 
 
 def test_seeded_sampling_penalties_and_logprobs_agree_across_sizes(tmp_path):
@@ -243,7 +243,7 @@ def test_sizes_that_do_not_split_are_named(tmp_path):
 def test_llama_70b_shards_are_what_jaxpaged_plan_counts(n):
     """The engine's layout of Llama-3.1-70B (abstract: shapes and shardings, no weights) puts on
     each GPU exactly the bytes `jaxpaged plan` reports, and a pool of plan's kv heads per GPU."""
-    config = ModelConfig.from_hf(get_preset("llama-3.1-70b"))
+    config = model_config_from_hf(get_preset("llama-3.1-70b"))
     parallel = TensorParallel.create(config, n)
     model = nnx.eval_shape(
         lambda: Llama(parallel.layout.mesh_config, jnp.bfloat16, rngs=nnx.Rngs(0), parallel=parallel, scan_layers=True)
@@ -263,7 +263,7 @@ def test_checkpoints_load_straight_into_their_shards(tmp_path, n):
     hf_dir, converted = str(tmp_path / "hf"), str(tmp_path / "converted")
     save_hf_model("llama_tp", hf_dir)
     convert_checkpoint(hf_dir, converted, dtype="float32", progress=False)
-    config = ModelConfig.from_pretrained(hf_dir)
+    config = read_model_config(hf_dir)
     _, single = load_model(hf_dir, "float32", scan_layers=True)
     parallel = TensorParallel.create(config, n)
     check_loaded_into_shards(

@@ -4,7 +4,8 @@ chunked prefill and preemption all happen, for any tensor-parallel size."""
 
 import numpy as np
 
-from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.hf_config import read_model_config
+from jaxpaged.config.model_config import kv_bytes_per_token
 from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.parallel.sharding import TensorParallelLayout
 
@@ -24,7 +25,7 @@ def engine_options(path: str, n: int, pp: int = 1) -> dict:
     """`EngineArgs` keywords for a float32 model directory on `n` devices per stage and `pp`
     stages, with a pool of `POOL_BLOCKS` blocks per device (what one device holds shrinks with
     `n`)."""
-    config = ModelConfig.from_pretrained(path)
+    config = read_model_config(path)
     layout = TensorParallelLayout(config, n, pipeline=PipelineLayout(config.num_layers, pp))
     per_token = kv_bytes_per_token(layout.device_config, 4)
     return dict(

@@ -63,6 +63,7 @@ from jaxpaged.checkpoint.hf_keys import (
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config import defaults
 from jaxpaged.config.group_formats import GROUP_FORMATS, GroupFormat
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import LAYER_STACK
 from jaxpaged.config.presets import load_config_dict
@@ -131,10 +132,10 @@ def read_hf_config(model: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any
 
     Raises:
       ValueError: neither a preset nor a directory with config.json, or an unsupported
-        configuration (from `ModelConfig.from_hf`).
+        configuration (from `model_config_from_hf`).
     """
     _, raw = load_config_dict(os.fspath(model))
-    return ModelConfig.from_hf(raw), raw
+    return model_config_from_hf(raw), raw
 
 
 def check_names(expected: AbstractSet, present: AbstractSet, where: str, optional: AbstractSet = frozenset()) -> None:

@@ -1,7 +1,7 @@
 """Public `config.json` files of popular checkpoints, for planning without a download.
 
 `jaxpaged plan --model llama-3.1-8b` reads these; names are case-insensitive. They are the
-configs as published on the Hugging Face Hub (base models), so `ModelConfig.from_hf` sees
+configs as published on the Hugging Face Hub (base models), so `jaxpaged.config.hf_config.model_config_from_hf` sees
 exactly what it would see in a downloaded directory.
 
 The Llama-3 presets also have their real tokenizer where it is installed: the `tokenizer.json`

@@ -14,7 +14,8 @@ A mixture of experts is priced as if every step read all its experts (true of la
 
 import dataclasses
 
-from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.hf_config import model_config_from_hf
+from jaxpaged.config.model_config import kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import DTYPE_BYTES
 from jaxpaged.planning.plan import MODEL_DTYPES, count_active_parameters, weight_bytes_per_gpu
@@ -63,7 +64,7 @@ def model_costs(model: str, dtype: str = "bfloat16") -> ModelCosts:
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"--dtype {dtype}: the throughput model prices {', '.join(MODEL_DTYPES)}")
     name, raw = load_config_dict(model)
-    config = ModelConfig.from_hf(raw)
+    config = model_config_from_hf(raw)
     element = DTYPE_BYTES[dtype]
     table = config.vocab_size * config.hidden_size
     embed_bytes = 0 if config.tie_word_embeddings else table * element

@@ -30,6 +30,7 @@ import math
 
 from jaxpaged.config import defaults
 from jaxpaged.config.checks import check_block_size, check_choice, check_memory_fraction
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
@@ -138,7 +139,7 @@ def make_plan(
         split the model does not take (`TensorParallelError`, `PipelineParallelError`).
     """
     name, raw = load_config_dict(model)
-    config = ModelConfig.from_hf(raw)
+    config = model_config_from_hf(raw)
     try:
         context = config.check_max_model_len(context or config.max_context_len)
     except ValueError as err:

@@ -18,7 +18,7 @@ import dataclasses
 import math
 
 from jaxpaged.config import defaults
-from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.core.scheduler import SchedulerConfig
 from jaxpaged.planning.buckets import BucketFactory, Limits, finer_buckets, powers_of_two
@@ -99,7 +99,7 @@ def predict(query: ThroughputQuery, buckets: BucketFactory) -> dict:
         raise ValueError(f"--request-rate {query.request_rate}: must be positive (inf: all at once)")
     gpu = get_gpu(query.gpu)
     _, raw = load_config_dict(query.model)
-    config = ModelConfig.from_hf(raw)
+    config = model_config_from_hf(raw)
     try:
         max_model_len = config.check_max_model_len(query.max_model_len or config.max_context_len)
     except ValueError as err:

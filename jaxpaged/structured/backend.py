@@ -124,8 +124,12 @@ class GrammarBackend:
         if not matcher.is_error():  # the first mask: a grammar that allows nothing fails here
             row = np.zeros((1, self.valid_ids.size), np.int32)
             llguidance().numpy.fill_next_token_bitmask(matcher, row, 0)
-            if not matcher.is_error() and not (row & self.valid_ids).any():
-                raise ValueError(f"structured_outputs.{kind}: the grammar allows no output")
+            if matcher.is_error() or not (row & self.valid_ids).any():  # e.g. a `$ref` cycle
+                why = f" (llguidance: {digest(matcher.get_error())})" if matcher.is_error() else ""
+                raise ValueError(
+                    f"structured_outputs.{kind}: the grammar allows no output: no first token can start a "
+                    f"document it accepts (a `$ref` cycle or an empty language?){why}"
+                )
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{kind}: {digest(matcher.get_error())}")
         return matcher

@@ -6,13 +6,12 @@ a scan; bfloat16; and pipeline parallelism refused by name."""
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import hf_greedy
+from engine_fixtures import engine_greedy, hf_greedy
 from tiny_models import save_hf_model
 
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
-from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.paged_generate import PagedGenerator
 
 VARIANT = "gemma3"  # window 7: two sliding layers, then a full one
@@ -29,13 +28,7 @@ def saved(tmp_path_factory):
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    return [list(done[i]) for i in range(len(prompts))]
+    return engine_greedy(engine, prompts, NEW_TOKENS)
 
 
 def engine_args(path: str, **kwargs) -> EngineArgs:

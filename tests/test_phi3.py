@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import hf_greedy
+from engine_fixtures import engine_greedy, hf_greedy
 from flax import nnx
 from fp8_checkpoint import save_fp8_checkpoint
 from int4_checkpoints import save_int4_checkpoint
@@ -19,7 +19,6 @@ from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_config import EngineConfig
-from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.paged_generate import PagedGenerator
 from jaxpaged.worker.weight_update import WeightUpdateError
 
@@ -50,13 +49,7 @@ def engine_args(path: str, max_model_len: int) -> EngineArgs:
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((int(o.request_id), o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    return [list(done[i]) for i in range(len(prompts))]
+    return engine_greedy(engine, prompts, NEW_TOKENS)
 
 
 def test_an_engine_past_the_pretraining_context_uses_the_long_factors_as_transformers_does(saved):

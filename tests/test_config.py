@@ -191,6 +191,35 @@ def test_longrope_and_partial_rotary_errors_name_the_field():
         model_config_from_hf({**phi, "rope_scaling": None, "partial_rotary_factor": 0.2})
 
 
+def test_a_gemma3_multimodal_config_reads_its_text_config_with_gemma3s_defaults():
+    """google/gemma-3-4b-it's config.json (transformers 4.50): its text_config names only widths,
+    depth, the window and the global layers' scaling; the rest are Gemma3TextConfig's defaults."""
+    hf = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "eos_token_id": [1, 106],
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"},
+    }
+    config = model_config_from_hf(hf)
+    assert config.architecture == "gemma3_vlm" and (config.num_heads, config.num_kv_heads, config.head_dim) == (
+        8,
+        4,
+        256,
+    )
+    assert config.vocab_size == 262208 and config.eos_token_ids == (1, 106) and config.tie_word_embeddings
+    assert config.rope.factor == 8.0 and config.local_rope.theta == 1e4 and config.window_of(5) is None
+    assert config.window_of(0) == 1024
+    with pytest.raises(ValueError, match="no 'text_config'"):
+        model_config_from_hf({"architectures": ["Gemma3ForConditionalGeneration"]})
+
+
 def test_the_config_modules_import_one_way():
     """model_config <- config.params <- config.architectures <- hf_config: no module imports one
     after it (not even lazily, inside a function)."""

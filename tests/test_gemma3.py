@@ -1,13 +1,15 @@
 """Gemma 3 (`Gemma3ForCausalLM`) beyond the parity of tests/test_hf_parity.py: an engine whose
 prompts run far past the sliding window, through prefix caching, chunked prefill and fused
 decode steps; the Pallas kernels (interpret mode) with per-layer windows; the layers stacked for
-a scan; bfloat16; and pipeline parallelism refused by name."""
+a scan; bfloat16; pipeline parallelism refused by name; and a multimodal checkpoint
+(`Gemma3ForConditionalGeneration`) served as its language model."""
 
 import numpy as np
 import pytest
 import torch
+import transformers
 from engine_fixtures import engine_greedy, hf_greedy
-from tiny_models import save_hf_model
+from tiny_models import VARIANTS, save_hf_model, widen_weights
 
 from jaxpaged.checkpoint.loader import load_model
 from jaxpaged.engine.llm_engine import LLMEngine
@@ -82,3 +84,22 @@ def test_pipeline_parallelism_is_refused_by_name(saved):
     path, _ = saved
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 with a gemma3 model whose layers differ"):
         LLMEngine(engine_args(path, pipeline_parallel_size=2))
+
+
+def test_a_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """gemma-3-4b's layout in small: config.json's text_config, the language
+    model's tensors under `language_model.`, a vision tower and projector that are skipped;
+    greedy text continuations equal transformers' Gemma3ForConditionalGeneration's."""
+    text = {k: v for k, v in VARIANTS[VARIANT][2].items() if k != "rope_parameters"}
+    text |= dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, rope_theta=1e6)
+    text |= dict(rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision | dict(patch_size=14), mm_tokens_per_image=4
+    )
+    torch.manual_seed(0)
+    hf = widen_weights(transformers.Gemma3ForConditionalGeneration(config).eval())
+    hf.save_pretrained(str(tmp_path))
+    engine = LLMEngine(engine_args(str(tmp_path)))
+    assert engine.config.model.architecture == "gemma3_vlm" and engine.config.model.local_rope.theta == 1e4
+    assert greedy(engine, PROMPTS) == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]

@@ -47,6 +47,8 @@ VARIANTS = {
     "qwen3": dict(architectures=["Qwen3ForCausalLM"]),
     "phi3": dict(architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.5),  # fused qkv and gate/up tensors
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], sliding_window=16),  # norms after attention and MLP
+    # its tensors under language_model., the sizes in text_config
+    "gemma3_vlm": dict(architectures=["Gemma3ForConditionalGeneration"], text_config={**BASE, "sliding_window": 16}),
     "mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(
         architectures=["Qwen2MoeForCausalLM"],

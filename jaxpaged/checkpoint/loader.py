@@ -62,6 +62,7 @@ from jaxpaged.checkpoint.hf_keys import (
 )
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config import defaults
+from jaxpaged.config.architectures import ARCHITECTURES
 from jaxpaged.config.group_formats import GROUP_FORMATS, GroupFormat
 from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig
@@ -205,7 +206,8 @@ def iter_hf_params(
         optional = optional_hf_keys(config)
     try:
         expected = {s.hf_name for s in specs} | set(grouped)
-        check_names(expected, set(ckpt.names), f"checkpoint {os.fspath(model_dir)!r}", set(optional))
+        skipped = {n for n in ckpt.names if n.startswith(ARCHITECTURES[config.architecture].ignored_prefixes)}
+        check_names(expected, set(ckpt.names), f"checkpoint {os.fspath(model_dir)!r}", set(optional) | skipped)
     except ValueError as err:
         if prequantized is None and any(name.endswith(".weight_scale") for name in ckpt.names):
             raise ValueError(

@@ -39,6 +39,12 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     arch = next((BY_HF_NAME[a] for a in archs if a in BY_HF_NAME), None)
     if arch is None:
         raise ValueError(f"architectures={archs!r} is not supported; jaxpaged runs {sorted(BY_HF_NAME)}")
+    if arch.text_config is not None:  # the language model's own config, the class name above it
+        text = hf.get(arch.text_config)
+        if not isinstance(text, dict):
+            raise ValueError(f"{archs[0]}: config.json has no {arch.text_config!r} describing its language model")
+        top = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in hf}
+        hf = {**top, **text, "architectures": archs}
     hf = {**dict(arch.hf_defaults), **hf}
     act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS or (act != "silu" and arch.moe is not None):

@@ -39,6 +39,10 @@ class Architecture:
         False: by `w`, after the cast (Llama).
       scaled_embeddings: the embedding's rows are multiplied by `sqrt(hidden_size)` (rounded to
         the parameters' dtype, as transformers does; Gemma).
+      text_config: config.json describes the language model under this key (a multimodal
+        checkpoint served as its text model: Gemma 3's 4B-27B); None: at the top.
+      ignored_prefixes: checkpoint tensors under these prefixes are not the model's and are
+        skipped (a multimodal checkpoint's vision tower and projector).
 
     The forward pass follows the table as well: a layer holds the norms after attention and
     after the MLP (`attn_out_norm`, `mlp_out_norm`) when its table declares them (Gemma 3).
@@ -53,6 +57,8 @@ class Architecture:
     hf_defaults: tuple[tuple[str, object], ...] = ()
     unit_offset_norms: bool = False
     scaled_embeddings: bool = False
+    text_config: str | None = None
+    ignored_prefixes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.biases not in BIAS_RULES:

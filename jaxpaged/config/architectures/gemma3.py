@@ -1,5 +1,5 @@
 """Gemma 3's text models (`Gemma3ForCausalLM`: gemma-3-1b, and the text-only checkpoints of the
-larger ones): Llama's network with Qwen3's q/k norms, a norm after attention and after the MLP
+larger ones; `gemma3_vlm.py` serves the multimodal ones' language model): Llama's network with Qwen3's q/k norms, a norm after attention and after the MLP
 as well as before each, every norm scaling by `1 + w`, embeddings scaled by `sqrt(hidden_size)`,
 GELU-tanh in the MLP and a softmax scale from `query_pre_attn_scalar`. Five of every six layers
 attend to a sliding window with their own rotary base (`layer_types`, `rope_parameters` per
@@ -32,8 +32,17 @@ def _gemma(spec: ParamSpec) -> ParamSpec:
 
 PARAMS = tuple(_gemma(spec) for spec in (*QWEN3_PARAMS, *SANDWICH))
 
-# Gemma3TextConfig's defaults for what a config.json may leave out.
+# Gemma3TextConfig's defaults for what a config.json may leave out (a multimodal checkpoint's
+# text_config names little more than its widths and depth).
 HF_DEFAULTS = (
+    ("vocab_size", 262_208),
+    ("hidden_size", 2304),
+    ("intermediate_size", 9216),
+    ("num_hidden_layers", 26),
+    ("num_attention_heads", 8),
+    ("num_key_value_heads", 4),
+    ("bos_token_id", 2),
+    ("eos_token_id", 1),
     ("hidden_activation", "gelu_pytorch_tanh"),
     ("rms_norm_eps", 1e-6),
     ("tie_word_embeddings", True),

@@ -13,6 +13,10 @@ ROOT = Path(__file__).parent.parent
 BASELINE = [line for line in (ROOT / "tests" / "tier_baseline.txt").read_text().splitlines() if line and line[0] != "#"]
 # A baseline test that now has another id: old id -> new id.
 RENAMED: dict[str, str] = {
+    # issue 46: sliding windows are computed at any context (they no longer cap it)
+    "tests/test_config.py::test_sliding_window_caps_the_context": (
+        "tests/test_config.py::test_sliding_windows_per_layer_and_any_context"
+    ),
     # vLLM's ShareGPT rule: the seeded shuffle is checked request for request against vLLM's
     "tests/test_bench_datasets.py::test_sampling_is_a_seeded_shuffle": (
         "tests/test_bench_datasets.py::test_the_sample_is_vllms_request_for_request[12]"

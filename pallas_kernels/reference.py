@@ -142,12 +142,10 @@ def _attend(
     return out.reshape(t, n, h).astype(q.dtype)
 
 
-def _in_window(key_pos: Array, q_pos: Array, window) -> Array:
+def _in_window(key_pos: Array, q_pos: Array, window) -> Array | bool:
     """Whether each key is inside its query's sliding window (`key > query - window`; all of
     them without a window)."""
-    if window is None:
-        return jnp.ones(jnp.broadcast_shapes(key_pos.shape, q_pos.shape), bool)
-    return key_pos > q_pos - window
+    return True if window is None else key_pos > q_pos - window
 
 
 def paged_decode_attention(

@@ -22,7 +22,7 @@ class RopeConfig:
 
     Attributes:
       theta: base of the inverse frequencies (`rope_theta`).
-      rope_type: one of `SUPPORTED_ROPE_TYPES`.
+      rope_type: one of `jaxpaged.config.hf_config.SUPPORTED_ROPE_TYPES`.
       factor: scaling factor for "linear" and "llama3".
       low_freq_factor, high_freq_factor: "llama3" only.
       original_max_position_embeddings: the pre-training context ("llama3", "longrope").
@@ -81,7 +81,7 @@ class ModelConfig:
         (Mistral).
       local_rope: the sliding layers' rotary embedding where it differs from `rope` (Gemma 3's
         `rope_local_base_freq`), or None.
-      hidden_act: the MLP's activation, one of `SUPPORTED_ACTIVATIONS`.
+      hidden_act: the MLP's activation, one of `jaxpaged.config.hf_config.SUPPORTED_ACTIVATIONS`.
       query_pre_attn_scalar: the softmax scale is its inverse square root (Gemma 3); None:
         `head_dim`'s.
       bos_token_id, eos_token_ids: special tokens from the config (may be empty).

@@ -40,6 +40,7 @@ import pallas_kernels
 from jaxpaged.config import defaults
 from jaxpaged.config.architectures import ARCHITECTURES
 from jaxpaged.config.attention import ATTENTION_BACKENDS
+from jaxpaged.config.hf_config import SUPPORTED_ACTIVATIONS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import KV_HEADS, ParamSpec, Path
 from jaxpaged.model.kv_pool import KVPool, KVQuant
@@ -368,7 +369,9 @@ def paged_attention(
     )
 
 
+# config.json's activation names (the list config reading accepts) -> the function
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+assert tuple(ACTIVATIONS) == SUPPORTED_ACTIVATIONS, "an activation config reading accepts has no function here"
 
 
 class MLP(nnx.Module):

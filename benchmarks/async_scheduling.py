@@ -51,7 +51,7 @@ def timed_fetch(engine: LLMEngine) -> list[float]:
 
 
 def run_once(engine: LLMEngine, batch: int, async_scheduling: bool, waits: list[float]) -> dict:
-    engine.async_scheduling = async_scheduling
+    engine.runner.async_scheduling = async_scheduling
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     for i in range(batch):
         prompt = [(7 * i + j) % 500 + 3 for j in range(PROMPT_LEN)]

@@ -74,8 +74,8 @@ def run_once(
     `seed`: request i sampled with seed `seed + i` (None: unseeded); `overlapped`: constrained
     steps overlapped too (not reading the step in flight first: forced runs cut in two)."""
     constrained, config = lengths is None, engine.scheduler.config
-    engine.async_scheduling = not sync
-    engine.read_first_under_grammars = not overlapped
+    engine.runner.async_scheduling = not sync
+    engine.runner.read_first_under_grammars = not overlapped
     if single_steps:
         engine.scheduler.config = dataclasses.replace(config, num_scheduler_steps=1)
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
@@ -99,7 +99,11 @@ def run_once(
                 valid += obeys("json", out.outputs[0].text) if constrained else 1
         steps += 1
     seconds = time.perf_counter() - start
-    engine.async_scheduling, engine.scheduler.config, engine.read_first_under_grammars = True, config, True
+    engine.runner.async_scheduling, engine.scheduler.config, engine.runner.read_first_under_grammars = (
+        True,
+        config,
+        True,
+    )
     tokens = sum(out_lengths)
     return {
         "tokens_per_s": round(tokens / seconds, 1),

@@ -132,7 +132,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_async_outputs_equal_sync_outputs(model_path, name):
     sync, asyn = engines(model_path, **CONFIGS[name])
-    assert asyn.async_scheduling and not sync.async_scheduling
+    assert asyn.runner.async_scheduling and not sync.runner.async_scheduling
     requests = workload(*stop_rules(sync))
     expected = run(sync, requests)
     got = run(asyn, requests)
@@ -163,7 +163,7 @@ def test_async_equals_sync_when_steps_switch_between_speculating_and_not(model_p
     if method == "draft":
         spec = {"model": model_path, "num_speculative_tokens": 2}
     sync, asyn = engines(model_path, num_scheduler_steps=4, speculative_config=spec)
-    assert asyn.async_scheduling
+    assert asyn.runner.async_scheduling
     for engine in (sync, asyn):
         calls = iter(range(10**6))
         engine.governor.speculate = lambda running, calls=calls: next(calls) // 2 % 2 == 0

@@ -520,7 +520,7 @@ def test_draft_model_catches_up_after_plain_steps_prefix_hits_and_preemption(tin
             speculative_config={"model": tiny_dir, "num_speculative_tokens": 3},
         )
     )
-    assert engine.async_scheduling and engine.scheduler.config.num_scheduler_steps == 4
+    assert engine.runner.async_scheduling and engine.scheduler.config.num_scheduler_steps == 4
     pattern = iter(range(10**6))
     engine.governor.speculate = lambda running: next(pattern) % 7 < 3  # 3 steps on, 4 off
     calls = count_draft_calls(engine)

@@ -255,10 +255,10 @@ def test_overlapped_masks_equal_synchronous_steps(options):
     By default, while grammars run, the step in flight is read before the next is scheduled;
     the preempting case overlaps those steps too (their forced runs cut in two)."""
     sync, overlapped = make_engine(async_scheduling=False, **options), make_engine(**options)
-    overlapped.read_first_under_grammars = "kv_cache_memory_bytes" not in options
+    overlapped.runner.read_first_under_grammars = "kv_cache_memory_bytes" not in options
     deferred = []
-    sample = overlapped.runner.sample
-    overlapped.runner.sample = lambda handle: (deferred.append(handle and handle.pending is not None), sample(handle))
+    dispatch = overlapped.runner.dispatch_sampler
+    overlapped.runner.dispatch_sampler = lambda handle: (deferred.append(handle.pending is not None), dispatch(handle))
     word = "the"
     requests = constrained_requests("o", n=3) + [
         ("free-greedy", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),

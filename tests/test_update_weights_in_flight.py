@@ -77,7 +77,7 @@ def test_update_weights_while_requests_run(models):
             preemption_mode="swap",
         )
     )
-    assert engine.async_scheduling
+    assert engine.runner.async_scheduling
     seqs = []
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
@@ -88,7 +88,7 @@ def test_update_weights_while_requests_run(models):
     was_swapped = set()
 
     def update(weights: int) -> None:
-        assert engine._in_flight
+        assert engine.runner.busy
         for s, phase in zip(seqs, phases):  # what the weights so far computed of each sequence
             kept = swapped[s.seq_id][1] if s.seq_id in swapped else s.num_computed_tokens
             phase.append((hf[weights - 1], s.num_tokens + s.num_pending_tokens, kept))

@@ -55,7 +55,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     from jaxpaged.entrypoints.llm import LLM  # JAX is imported from here on
 
     llm = LLM(**dataclasses.asdict(options))
-    llm.llm_engine.read_first_under_grammars = not overlapped
+    llm.llm_engine.runner.read_first_under_grammars = not overlapped
     # Warm-up: one request that shares nothing with the timed ones (no prefix hit), with the same
     # constraint (its grammar is compiled and cached here, as on a server that has seen the schema).
     rng = random.Random(1)

@@ -28,7 +28,7 @@ How a request flows:
      results has the draft propose for the next step. A step with grammars (or other token
      masks) is dispatched in two halves: its model program at once, then, once the previous
      step's tokens have advanced the matchers, its packed token mask is filled
-     (`fill_bitmask`) and its sampler program dispatched (`runner.sample`), so the mask work
+     (`fill_bitmask`) and its sampler program dispatched (`ModelRunner.sample`), so the mask work
      overlaps the step's forward pass on the device. A sequence whose grammar completes has one
      surplus step, dropped like one after EOS. While grammars run, each step is read before the
      next is scheduled (their forced runs are then known whole; with several processes the step
@@ -71,7 +71,7 @@ from jaxpaged.sampling_params import FLOAT32_MAX, SamplingParams, check_text
 from jaxpaged.structured import GrammarBackend, SequenceConstraint, bad_words_token_ids
 from jaxpaged.worker.input_batch import banned_ids
 from jaxpaged.worker.model_runner import StepHandle
-from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS
+from jaxpaged.worker.step_fields import MAX_BANNED, MAX_LOGIT_BIAS
 
 
 class LLMEngine(TrainingLoopControls, ProfilerControls):
@@ -120,17 +120,7 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         self.output_processor = OutputProcessor(self.tokenizer, self.stop_on_string, self.abort_request)
         # Structured outputs: grammars compiled on their own threads, cached by grammar text.
         self.grammars = None if self.tokenizer is None else GrammarBackend(self.tokenizer, config.model.vocab_size, eos)
-        # Steps overlap (one in flight while the next is scheduled); a step that speculates waits
-        # for the previous one (proposals follow the newest tokens) and is read at its end (a
-        # draft model proposes for the next step from its tokens).
-        self.async_scheduling = self.config.scheduling.async_scheduling
         self.governor = SpeculationGovernor(spec.disable_by_batch_size, adaptive=spec.adaptive) if spec else None
-        # While grammars constrain running sequences, the step in flight is read before the next
-        # is scheduled, so their forced runs are scheduled whole (overlapped, a run's first token
-        # is still pending and the run costs two steps). Measured faster at every batch size
-        # (benchmarks/results/README.md); False (overlap) is kept to measure that against.
-        self.read_first_under_grammars = True
-        self._in_flight: list[StepHandle] = []  # dispatched steps whose results are still to read
         self.num_prompt_tokens = 0
 
     @classmethod
@@ -327,7 +317,7 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         """Whether `step()` has work: unfinished sequences (not while paused or asleep, when steps
         schedule nothing), a step in flight, or aborts to deliver."""
         waiting = self.scheduler.has_unfinished() and not (self._paused or self._slept is not None)
-        return waiting or bool(self._in_flight or self.runner.busy or self._aborted)
+        return waiting or self.runner.busy or bool(self._aborted)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -348,47 +338,26 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         return deltas
 
     def _step(self, emit: Callable[[list[SeqDelta]], None]) -> None:
-        """Schedule -> execute -> postprocess; each postprocessed step's deltas go to `emit` at
-        once (a stop string found there finishes its sequence before the next schedule)."""
+        """Schedule -> execute -> postprocess what is ready; each postprocessed step's deltas go
+        to `emit` at once (a stop string found there finishes its sequence before the next
+        schedule). When a step may be read is the runner's to say (`ModelRunner`'s module doc)."""
         if self._aborted:
             aborted, self._aborted = self._aborted, []
             emit(self._deltas([(seq, 0, None) for seq in aborted]))
-        if self._idle():  # paused or asleep: only the steps already in flight are read
-            self._in_flight += self.runner.drain()  # (a pipeline's micro-batches leave)
-            if self._in_flight:
-                emit(self._postprocess(self._take_in_flight()))
+        if self._idle():  # paused or asleep: only the steps already dispatched are read
+            emit(self._postprocess(self.runner.read_all()))
             return
         start, tokens, running = time.perf_counter(), self.num_generation_tokens, self.scheduler.num_running
         propose = self.governor is not None and self.governor.speculate(running)
-        # Proposals follow the newest tokens: no overlap for those steps. Grammars' masks do too
-        # (filled after the step's model program is dispatched: `runner.sample`, except with
-        # other processes, whose step channel sends a step whole, masks included); their forced
-        # runs are scheduled whole when the step in flight is read first.
-        read_first = (
-            bool(self._in_flight)
-            and (self.runner.channel is not None or self.read_first_under_grammars)
-            and self.scheduler.needs_last_tokens()  # a scan of the running sequences: last
-        )
-        if (propose or read_first) and self._in_flight:
-            emit(self._postprocess(self._take_in_flight()))
-        # (under pipeline parallelism the sequences in the micro-batches in flight wait their turn)
+        emit(self._postprocess(self.runner.read_before_schedule(propose, self.scheduler.needs_last_tokens)))
         output = self.scheduler.schedule(propose=propose, in_flight=self.runner.in_flight_seq_ids)
         self._aborted += output.failed  # their grammar failed: finished with `Sequence.error`
-        handles = self.runner.execute(output)
+        previous = self.runner.execute(output)  # the steps before it, read while it runs
         self.scheduler.copies_done(output)
-        previous, self._in_flight = self._in_flight, handles
-        if previous:
-            emit(self._postprocess(previous))
-        for handle in handles:
-            self.runner.sample(handle)  # a masked step's sampler, its masks following `previous`
-        if self._in_flight and (not self.async_scheduling or output.num_draft_tokens or any(output.drafting)):
-            emit(self._postprocess(self._take_in_flight()))
+        emit(self._postprocess(previous))
+        emit(self._postprocess(self.runner.sample()))  # its masked samplers; itself if it is read now
         if self.governor is not None and output.num_decode_seqs:
             self.governor.record(running, propose, time.perf_counter() - start, self.num_generation_tokens - tokens)
-
-    def _take_in_flight(self) -> list[StepHandle]:
-        handles, self._in_flight = self._in_flight, []
-        return handles
 
     def _postprocess(self, handles: list[StepHandle]) -> list[SeqDelta]:
         """Reads steps' results (waiting for the device), oldest first, appends their tokens;

@@ -14,9 +14,8 @@ import time
 from flax import nnx
 
 from jaxpaged.engine.setup import build_model
-from jaxpaged.model.layer_arrays import place_params
 from jaxpaged.worker import sleep as sleep_mode
-from jaxpaged.worker.weight_update import WeightTarget, WeightUpdateStats, replace_params
+from jaxpaged.worker.weight_update import WeightTarget, WeightUpdateStats
 
 logger = logging.getLogger("jaxpaged")
 
@@ -97,7 +96,7 @@ class TrainingLoopControls:
         else:
             new, stats = target.from_hf(weights)
         del target
-        self.runner.params = replace_params(self.runner.params, new)
+        self.runner.update_params(new)
         self._weightless = self._weightless and sleep_mode.is_abstract(self.runner.params)
         self.reset_prefix_cache()
         logger.info(
@@ -121,9 +120,9 @@ class TrainingLoopControls:
         self._check_one_process("reload_weights")
         self._check_one_stage("reload_weights")
         if not self._weightless:  # the old weights go before the new ones arrive
-            self.runner.params = sleep_mode.abstract(self.runner.params)
+            self.runner.drop_params()
         _, params = nnx.split(build_model(self.config, self.runner.parallel))
-        self.runner.params = place_params(params, self.runner.parallel)
+        self.runner.set_params(params)
         self._weightless = False
         self.reset_prefix_cache()
 
@@ -161,10 +160,9 @@ class TrainingLoopControls:
                 f"sleep({level}) with {self.scheduler.num_running + self.scheduler.num_waiting} unfinished "
                 "sequences; finish or abort them first (pause_generation('abort') aborts them)"
             )
-        if self._in_flight:
-            self._postprocess(self._take_in_flight())  # its sequences are finished: nothing to emit
+        self._postprocess(self.runner.read_all())  # its sequences are finished: nothing to emit
         self.reset_prefix_cache()
-        self._slept = sleep_mode.sleep(self.runner, level)
+        self._slept = self.runner.sleep(level)
         self._weightless = level == 2
         logger.info("engine asleep (level %d)", level)
 
@@ -175,7 +173,7 @@ class TrainingLoopControls:
         if self._slept is None:
             return
         slept, self._slept = self._slept, None
-        sleep_mode.wake_up(self.runner, slept)
+        self.runner.wake_up(slept)
         logger.info("engine awake%s", " (give weights: update_weights or reload_weights)" if slept.level == 2 else "")
 
     def is_sleeping(self) -> bool:

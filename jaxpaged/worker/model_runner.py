@@ -1,15 +1,26 @@
 """The device side of the engine: parameters, the cache, the compiled step programs, one
 transfer per step in and one copy of its results out.
 
-`execute` carries out a `SchedulerOutput`: the host tier's copies, the slots it frees and takes
-(`InputBatch`), the packed step, the model and sampler programs dispatched, the results' copy
-to the host started; it returns a `StepHandle` at once, without waiting for the device. A step
-with grammars is dispatched in two halves: `execute` dispatches its model program, and `sample`
-fills its token masks and dispatches its sampler once the previous step's tokens have advanced
-the matchers (so the host's mask work overlaps the device's forward pass). `fetch`
-waits for a handle's results (and, with a draft model, has it propose for the next step from
-them). Between the two the host is free: the engine schedules and dispatches the next step
-before it fetches this one (async scheduling).
+The runner owns a step from dispatch to the moment it may be read; the engine asks it in three
+calls per step (`jaxpaged.engine.llm_engine`):
+
+  `read_before_schedule`  the steps in flight that the next schedule must see read (it proposes,
+                          or a running grammar needs its sequence's last token), else none;
+  `execute`               carries out a `SchedulerOutput` (the host tier's copies, the slots it
+                          frees and takes in the `InputBatch`, the packed step, the model and
+                          sampler programs dispatched, the results' copy to the host started)
+                          without waiting for the device, and hands over the steps dispatched
+                          before it: the engine reads them while this one runs (async
+                          scheduling);
+  `sample`                dispatches the samplers of the step just executed whose token masks
+                          had to wait (grammars: the masks follow the tokens just read, so the
+                          host's mask work overlaps the device's forward pass), and hands the
+                          step over at once when it must be read now (no async scheduling,
+                          proposals checked, a draft model to propose from its tokens).
+
+`fetch` waits for a handle's results (and, with a draft model, has it propose for the next step
+from them); `read_all` hands over everything dispatched (paused, asleep). The parameters and the
+pool are the runner's: `replace_params`, `drop_params`, `sleep` and `wake_up` change them.
 
 The programs (`StepPrograms`: a mixed step per token bucket, decode steps and fused decode steps
 per decode bucket, the samplers) are all compiled by `warm_up`, so nothing compiles while serving.
@@ -19,6 +30,7 @@ import dataclasses
 import logging
 import time
 import typing
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -37,9 +49,11 @@ from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.multihost import EXECUTE, SEED, StepChannel
 from jaxpaged.structured.constraint import fill_bitmask
 from jaxpaged.structured.llg import llguidance
+from jaxpaged.worker import sleep as sleep_mode
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_transfer import KVTransfer
 from jaxpaged.worker.step_programs import Program, ResultLayout, SamplerProgram, StepPrograms, compile_all, sampler_for
+from jaxpaged.worker.weight_update import Key, replace_params
 
 logger = logging.getLogger("jaxpaged")
 
@@ -54,7 +68,7 @@ class StepHandle:
       layout: how to read them.
       prompt_packed: with prompt logprobs, `[T, 2 + 2L]` per token (see
         `jaxpaged.model.prompt_logprobs`), else None.
-      pending: a step whose sampler waits for its token masks (`ModelRunner.sample`); `packed`
+      pending: a step whose sampler waits for its token masks (`ModelRunner.dispatch_sampler`); `packed`
         is None until then.
     """
 
@@ -194,6 +208,48 @@ class ModelRunner:
         self._seed = None  # the compiled penalty-row seeding
         self.compile_report = []  # warm-up's `CompiledProgram`s: names and seconds
         self._mask_executor = None  # llguidance's threads that fill grammars' mask rows (made on first use)
+        # Steps overlap (one in flight while the next is scheduled); a step that speculates waits
+        # for the previous one (proposals follow the newest tokens) and is read at its end (a
+        # draft model proposes for the next step from its tokens).
+        self.async_scheduling = config.scheduling.async_scheduling
+        # While grammars constrain running sequences, the step in flight is read before the next
+        # is scheduled, so their forced runs are scheduled whole (overlapped, a run's first token
+        # is still pending and the run costs two steps). Measured faster at every batch size
+        # (benchmarks/results/README.md); False (overlap) is kept to measure that against.
+        self.read_first_under_grammars = True
+        self._in_flight: list[StepHandle] = []  # dispatched steps not handed to the engine yet
+        self._read_at_once = False  # the step just executed must be read before the next
+
+    # -- the parameters and the pool (the training loop's verbs, `engine/training_loop.py`) -----
+
+    def update_params(self, new: dict[Key, jax.Array]) -> None:
+        """Serves the arrays at `new`'s keys from the next step on (the others kept)."""
+        self.params = replace_params(self.params, new)
+
+    def set_params(self, params) -> None:
+        """Serves a whole parameter state, placed by the sharding table."""
+        self.params = place_params(params, self.parallel)
+
+    def drop_params(self) -> None:
+        """Lets go of the weights (their device memory is freed once nothing else holds them),
+        keeping each array's shape, dtype and sharding."""
+        self.params = sleep_mode.abstract(self.params)
+
+    def sleep(self, level: int) -> "sleep_mode.Slept":
+        """Gives the device memory back (sleep mode, `jaxpaged.worker.sleep`); returns what
+        `wake_up` needs."""
+        slept = sleep_mode.keep(self.params, self.cache, level)
+        self.drop_params()
+        self.cache = None
+        return slept
+
+    def wake_up(self, slept: "sleep_mode.Slept") -> None:
+        """A fresh (zeroed) pool and, after level 1, the weights back where they were."""
+        if slept.host_params is not None:
+            self.params = sleep_mode.restore(slept.host_params, self.params)
+        self.cache = self.zero_cache(self.num_blocks)
+        if slept.kv_scales is not None:
+            self.set_kv_scales(*slept.kv_scales)
 
     def mask_executor(self):
         """llguidance's thread pool for mask rows (made by the first masked step)."""
@@ -304,21 +360,81 @@ class ModelRunner:
         if transfers:
             self.cache = self.kv_transfer.run(self.cache, transfers)
 
+    def read_before_schedule(self, propose: bool, needs_last_tokens: Callable[[], bool]) -> list[StepHandle]:
+        """The steps in flight that the next schedule must see read, oldest first: all of them
+        when it proposes (proposals follow the newest tokens) or when a running grammar needs its
+        sequence's last token (`needs_last_tokens`, a scan of the running sequences, asked only
+        then; with `read_first_under_grammars`, or always over several processes, whose step
+        channel sends a step with its masks): its forced runs are then scheduled whole.
+        Otherwise none: the next step overlaps them."""
+        if not self._in_flight:
+            return []
+        if propose or ((self.channel is not None or self.read_first_under_grammars) and needs_last_tokens()):
+            return self._take()
+        return []
+
     def execute(self, output: SchedulerOutput) -> list[StepHandle]:
-        """Carries out one scheduled step: the host tier's copies, the slots freed and taken, then
-        the step (or its fused steps) dispatched and its results' copy to the host started; the
-        write-through copies after it. Returns without waiting for the device: the handles of
-        the steps whose results are coming, oldest first (here the step's own; none when the
-        schedule computes nothing. A pipelined runner returns those of earlier steps)."""
+        """Carries out one scheduled step: the slots freed, the host tier's copies, the slots
+        taken, then the step (or its fused steps) dispatched and its results' copy to the host
+        started; the write-through copies after it. Returns without waiting for the device: the
+        handles of the steps dispatched before it, oldest first, for the engine to read while
+        this one runs. This step's handles stay in flight (`sample`)."""
+        previous, self._in_flight = self._in_flight, []
         self.input_batch.release(output.released_seq_ids)
         if self.draft is not None:
             self.draft.release(output.released_seq_ids)
+        handles = self._drain() if output.transfers else []  # (a pipeline's micro-batches leave first)
         self.move_kv(output.transfers)
-        if output.is_empty:
+        prepared = None
+        if not output.is_empty:
+            prepared = self.input_batch.prepare(output.step_inputs)
+            for slot, tokens, prompt_len in prepared.seeds:
+                self.seed_penalty_slot(slot, tokens, prompt_len)
+        handles += self._dispatch_step(output, prepared)
+        if output.stores:  # write-through of what the step computed, once its blocks are whole
+            handles += self._drain()
+            self.move_kv(output.stores)
+        self._in_flight = handles
+        self._read_at_once = not self.async_scheduling or bool(output.num_draft_tokens or any(output.drafting))
+        return previous
+
+    def sample(self) -> list[StepHandle]:
+        """Dispatches the samplers of the step just executed that wait for their token masks
+        (`dispatch_sampler`: the masks follow the tokens the engine read since `execute`);
+        returns that step's handles when it must be read at once (no async scheduling, proposals
+        checked, a draft model to propose from its tokens), else none (they stay in flight)."""
+        for handle in self._in_flight:
+            self.dispatch_sampler(handle)
+        return self._take() if self._read_at_once else []
+
+    def read_all(self) -> list[StepHandle]:
+        """Runs what is dispatched to the end and hands over every step still to read, oldest
+        first (the engine reads them while paused or asleep)."""
+        handles, self._in_flight = self._in_flight + self._drain(), []
+        return handles
+
+    def _take(self) -> list[StepHandle]:
+        handles, self._in_flight = self._in_flight, []
+        return handles
+
+    @property
+    def busy(self) -> bool:
+        """Whether dispatched work is still to be handed to the engine."""
+        return bool(self._in_flight)
+
+    @property
+    def in_flight_seq_ids(self) -> frozenset[int]:
+        """Sequences that the next schedule must pass over: those whose step is dispatched but
+        not yet among the handles (none here: a step's handle comes with it; see
+        `PipelinedRunner`)."""
+        return frozenset()
+
+    def _dispatch_step(self, output: SchedulerOutput, prepared) -> list[StepHandle]:
+        """The stage a pipelined runner overrides: dispatches the step (`prepared`: its slots, or
+        None when the schedule computes nothing) and returns the handles of the steps whose
+        results are coming (here the step's own)."""
+        if prepared is None:
             return []
-        prepared = self.input_batch.prepare(output.step_inputs)
-        for slot, tokens, prompt_len in prepared.seeds:
-            self.seed_penalty_slot(slot, tokens, prompt_len)
         num_drafts = num_drafts_of(output)
         # Without other processes a masked step's sampler waits for `sample` (its masks follow
         # the previous step's tokens); their step channel sends a step whole, masks included.
@@ -337,33 +453,20 @@ class ModelRunner:
         else:
             handle.packed, handle.prompt_packed = self._run(program, prepared.options, flat)
             handle.packed.copy_to_host_async()
-        self.move_kv(output.stores)  # write-through of what the step computed
         if handle.prompt_packed is not None:
             handle.prompt_packed.copy_to_host_async()
         return [handle]
 
-    def drain(self) -> list[StepHandle]:
+    def _drain(self) -> list[StepHandle]:
         """Runs what is dispatched to the end; returns the handles of steps still to come back
         (none here: each step's handle comes back with it; see `PipelinedRunner`)."""
         return []
 
-    @property
-    def busy(self) -> bool:
-        """Whether dispatched work is still to come back beyond the handles returned (never
-        here; a pipeline's micro-batches in flight: see `PipelinedRunner`)."""
-        return False
-
-    @property
-    def in_flight_seq_ids(self) -> frozenset[int]:
-        """Sequences whose step was dispatched but whose results are not among the handles
-        returned yet (none here: a step's handle comes back with it; see `PipelinedRunner`)."""
-        return frozenset()
-
-    def sample(self, handle: StepHandle | None) -> None:
+    def dispatch_sampler(self, handle: StepHandle) -> None:
         """Fills a masked step's token masks from its sequences' constraints (as the previous
         step's tokens left them) and dispatches its sampler; nothing for other steps. A sequence
         that finished since it was scheduled keeps an all-ones row (its token is surplus)."""
-        pending = None if handle is None else handle.pending
+        pending = handle.pending
         if pending is None:
             return
         handle.pending = None
@@ -378,7 +481,7 @@ class ModelRunner:
 
     def _pack(self, inputs: list[ScheduledSequence], prepared, steps: int, num_drafts: list[int], defer: bool):
         """The step's program, layout and packed buffer (sent to the other processes first); its
-        masks are filled now unless `defer` (then `sample` fills them)."""
+        masks are filled now unless `defer` (then `dispatch_sampler` fills them)."""
         t = self.packer.bucket_for(sum(len(s.token_ids) for s in inputs), len(inputs))
         prompt_logprobs = any(s.prompt_targets for s in inputs)  # the mixed variant (never fused)
         decode = all(len(s.token_ids) == 1 for s in inputs) and not prompt_logprobs
@@ -465,8 +568,8 @@ class ModelRunner:
     def fetch(self, handle: StepHandle) -> StepResult:
         """Waits for a step's results; returns them per scheduled entry, with a draft model's
         proposals for its `drafting` entries. A masked step's sampler is dispatched first if it
-        still waits (`sample`)."""
-        self.sample(handle)
+        still waits (`dispatch_sampler`)."""
+        self.dispatch_sampler(handle)
         out = handle.output
         values = handle.layout.unpack(np.asarray(handle.packed))
         steps = out.num_steps

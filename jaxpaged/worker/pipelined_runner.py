@@ -2,10 +2,10 @@
 that carries the micro-batches in flight from step to step (`pipeline_feed`), so in steady
 state every stage works every tick instead of idling (P - 1) / P of a decode step.
 
-`execute` packs the scheduled step as the entering micro-batch, dispatches one tick (the
-compiled step program with the carry donated like the pool), and samples the micro-batch that
-left the last stage, which entered P - 1 steps earlier: the handles it returns are that
-micro-batch's (none while the pipeline fills). A leaving micro-batch's token masks are filled
+Its one stage of `ModelRunner.execute` (`_dispatch_step`) packs the scheduled step as the
+entering micro-batch, dispatches one tick (the compiled step program with the carry donated like
+the pool), and samples the micro-batch that left the last stage, which entered P - 1 steps
+earlier: the handles it yields are that micro-batch's (none while the pipeline fills). A leaving micro-batch's token masks are filled
 then, from its constraints as the engine has left them: the previous tokens of its sequences
 came back steps before.
 
@@ -60,36 +60,24 @@ class PipelinedRunner(ModelRunner):
 
     @property
     def busy(self) -> bool:
-        """Whether a micro-batch is in the pipeline (the engine steps until none is)."""
-        return self.feed.busy
+        """Whether a micro-batch is in the pipeline or a step's handle is still to be handed over
+        (the engine steps until neither is)."""
+        return self.feed.busy or super().busy
 
     @property
     def in_flight_seq_ids(self) -> frozenset[int]:
         """Sequences in a micro-batch still in the pipeline (the scheduler passes over them)."""
         return self.feed.seq_ids()
 
-    def execute(self, output: SchedulerOutput) -> list[StepHandle]:
+    def _dispatch_step(self, output: SchedulerOutput, prepared) -> list[StepHandle]:
         """One tick with the scheduled step entering (none entering when the schedule is empty
         and micro-batches are in flight), after the drain ticks it needs (see the module doc).
         Returns the handles of the micro-batches that left, oldest first."""
-        self.input_batch.release(output.released_seq_ids)
-        handles = []
-        if output.transfers:
-            handles += self.drain()
-        self.move_kv(output.transfers)
-        if output.is_empty:
-            return handles + (self._tick(None) if self.feed.busy else [])
-        prepared = self.input_batch.prepare(output.step_inputs)
-        for slot, tokens, prompt_len in prepared.seeds:
-            self.seed_penalty_slot(slot, tokens, prompt_len)
+        if prepared is None:
+            return self._tick(None) if self.feed.busy else []
         entering = self._micro_batch(output, prepared)
-        if self.feed.must_drain_for(entering.key):
-            handles += self.drain()
-        handles += self._tick(entering)
-        if output.stores:  # write-through once the step's blocks are whole
-            handles += self.drain()
-            self.move_kv(output.stores)
-        return handles
+        handles = self._drain() if self.feed.must_drain_for(entering.key) else []
+        return handles + self._tick(entering)
 
     def follow_step(self, fields: tuple[int, ...], payload: np.ndarray) -> None:
         """A follower's tick, as the leader sent it: the entering micro-batch's fields (when one
@@ -131,7 +119,7 @@ class PipelinedRunner(ModelRunner):
         seq_ids = frozenset(s.seq_id for s in inputs if s.samples)  # a prompt's next chunk may follow
         return MicroBatch(key, prompt_logprobs, prepared.options, fields, mask, output, seq_ids)
 
-    def drain(self) -> list[StepHandle]:
+    def _drain(self) -> list[StepHandle]:
         """Ticks that feed nothing until no micro-batch is in flight; returns their handles."""
         handles = []
         while self.feed.busy:

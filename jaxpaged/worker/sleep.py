@@ -49,25 +49,20 @@ def check_level(level: int) -> None:
         raise ValueError(f"sleep level={level!r} must be 1 (weights to host memory) or 2 (weights discarded)")
 
 
-def sleep(runner, level: int) -> Slept:
-    """Drops the runner's device arrays (see the module docstring); returns what it must keep.
+def keep(params, cache, level: int) -> Slept:
+    """What a runner going to sleep at `level` must keep of its `params` and `cache` (see the
+    module docstring); the runner then drops them (`ModelRunner.sleep`).
 
     Raises:
       ValueError: a level other than 1 or 2.
     """
     check_level(level)
-    quant = runner.cache.kv.quant
+    quant = cache.kv.quant
     scales = None if quant is None else (np.asarray(quant.k_scale)[:, 0], np.asarray(quant.v_scale)[:, 0])
-    host = jax.tree.map(np.asarray, runner.params) if level == 1 else None
-    runner.params = abstract(runner.params)
-    runner.cache = None
+    host = jax.tree.map(np.asarray, params) if level == 1 else None
     return Slept(level, host, scales)
 
 
-def wake_up(runner, slept: Slept) -> None:
-    """A fresh (zeroed) pool and, after level 1, the weights back where they were."""
-    if slept.host_params is not None:
-        runner.params = jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), slept.host_params, runner.params)
-    runner.cache = runner.zero_cache(runner.num_blocks)
-    if slept.kv_scales is not None:
-        runner.set_kv_scales(*slept.kv_scales)
+def restore(host_params, abstract_params):
+    """Level 1's host copy of the weights back on the devices, each with its sharding."""
+    return jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), host_params, abstract_params)

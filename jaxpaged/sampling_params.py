@@ -30,7 +30,7 @@ def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"SamplingParams.{field} must be {allowed}, got {shown}")
 
 
-# The device step holds these fields in int32 / float32 (see step_packer.SAMPLING_FIELDS).
+# The device step holds these fields in int32 / float32 (see worker/step_fields.py).
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 # float32's smallest normal number: the device flushes smaller magnitudes to 0.

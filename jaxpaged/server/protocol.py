@@ -16,7 +16,7 @@ from jaxpaged.server.chat_messages import ChatMessage
 from jaxpaged.server.errors import APIError, api_error_from, echo, error_body  # noqa: F401 (re-exported)
 from jaxpaged.server.structured_request import ResponseFormat, StructuredOutputsRequest, structured_outputs_of
 from jaxpaged.server.tools import Tool, ToolChoice
-from jaxpaged.worker.step_packer import MAX_LOGIT_BIAS
+from jaxpaged.worker.step_fields import MAX_LOGIT_BIAS
 
 MAX_STOP_STRINGS = 16  # stop strings are matched on every new token; keep the list short
 MAX_BAD_WORDS = 1024  # each is tokenized (twice) when the engine takes the request

@@ -14,7 +14,8 @@ import numpy as np
 
 from jaxpaged.core.step_inputs import ScheduledSequence
 from jaxpaged.model.sampler import SamplerOptions
-from jaxpaged.worker.step_packer import MAX_BANNED, SequenceRow, StepPacker, sampling_row
+from jaxpaged.worker.step_fields import MAX_BANNED
+from jaxpaged.worker.step_packer import SequenceRow, StepPacker, sampling_row
 
 
 def banned_ids(params, eos_token_ids) -> tuple[int, ...]:

@@ -6,7 +6,8 @@
    tables to the pages of `max_model_len` (P).
 2. Each bucket owns one preallocated buffer; every input of the step (token ids, attention
    metadata, sampling parameters with floats bit-cast to int32) is written into fixed views
-   of it, so a step is one host->device transfer. `step_programs.unpack` is the device side.
+   of it, so a step is one host->device transfer. The fields are declared once, in
+   `step_fields.STEP_FIELDS`; `step_programs.unpack` is the device side.
 3. A step with constrained rows (structured outputs, allowed_token_ids, bad_words) has its packed
    token mask `[rows, W]` (W = ceil(V / 32)) after the step's fields in a longer buffer of the
    same layout; the model program reads the fields, the sampler the mask (see step_programs.py).
@@ -21,30 +22,11 @@ import itertools
 import numpy as np
 
 from jaxpaged.core.step_inputs import ScheduledSequence
+from jaxpaged.worker.step_fields import SAMPLING_FIELDS, field_shapes
 
 MIN_TOKEN_BUCKET = 16
 # Above this many tokens, the buckets within max_num_seqs have a 3/4 point between two powers.
 THREE_QUARTER_BUCKETS_ABOVE = 256
-# Token ids a sequence may not sample yet (EOS and stop_token_ids before min_tokens), per row.
-MAX_BANNED = 16
-# Logit-bias entries per request (OpenAI's limit for `logit_bias`): each sampling row carries
-# this many (token id, bias) pairs, padded with id V.
-MAX_LOGIT_BIAS = 300
-# Rows of `SamplingTensors`, in buffer order; float rows are bit-cast.
-SAMPLING_FIELDS = (
-    ("temperature", np.float32),
-    ("top_k", np.int32),
-    ("top_p", np.float32),
-    ("min_p", np.float32),
-    ("presence_penalty", np.float32),
-    ("frequency_penalty", np.float32),
-    ("repetition_penalty", np.float32),
-    ("seed", np.int32),
-    ("index", np.int32),
-    ("position", np.int32),
-    ("slot", np.int32),
-    ("ban_until", np.int32),
-)
 _POSITION_ROW = [name for name, _ in SAMPLING_FIELDS].index("position")
 _SLOT_ROW = [name for name, _ in SAMPLING_FIELDS].index("slot")
 
@@ -94,29 +76,8 @@ class Layout:
 
     @property
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
-        t, s, p, r = self.num_tokens, self.num_seqs, self.pages, self.num_seqs * self.rows_per_seq
-        return [
-            ("token_ids", (t,)),
-            ("positions", (t,)),
-            ("slot_mapping", (t,)),
-            ("token_slot", (t,)),
-            ("token_is_output", (t,)),
-            ("from_last", (t,)),
-            ("cu_q_lens", (s + 1,)),
-            ("kv_lens", (s,)),
-            ("logits_indices", (r,)),
-            ("num_drafts", (s,)),
-            ("reset_slots", (s,)),
-            ("last_slot", (s,)),
-            ("live_steps", (s,)),
-            ("sampling", (len(SAMPLING_FIELDS), r)),
-            ("block_tables", (s, p)),
-            ("banned_ids", (r, MAX_BANNED)),
-            ("num_seqs", ()),
-            ("prompt_targets", (t,)),  # the prompt token after each token (prompt logprobs)
-            ("logit_bias_ids", (r, MAX_LOGIT_BIAS)),
-            ("logit_bias_values", (r, MAX_LOGIT_BIAS)),  # float32 bit-cast
-        ]
+        """Each field's name and shape, in buffer order (`step_fields.STEP_FIELDS`)."""
+        return field_shapes(self.num_tokens, self.num_seqs, self.pages, self.rows_per_seq)
 
     @property
     def size(self) -> int:

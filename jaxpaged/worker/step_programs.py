@@ -62,39 +62,32 @@ from jaxpaged.model.sampler import (
 )
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import KV_SCALE_AXES, STAGES
-from jaxpaged.worker.step_packer import MAX_BANNED, MAX_LOGIT_BIAS, SAMPLING_FIELDS, Layout, StepPacker, mask_words
+from jaxpaged.worker.step_fields import MAX_BANNED, MAX_LOGIT_BIAS, SAMPLING_FIELDS, STEP_FIELDS
+from jaxpaged.worker.step_packer import Layout, StepPacker, mask_words
 
 
 def unpack(layout: Layout, flat: jax.Array) -> StepInput:
-    """Device side of the single transfer: the flat int32 buffer back into a `StepInput`."""
+    """Device side of the single transfer: the flat int32 buffer back into a `StepInput`, each
+    field as `step_fields.STEP_FIELDS` declares it."""
     v = layout.views(flat)
-    rows = {name: v["sampling"][i] for i, (name, _) in enumerate(SAMPLING_FIELDS)}
-    for name, dtype in SAMPLING_FIELDS:
-        if dtype == np.float32:
-            rows[name] = jax.lax.bitcast_convert_type(rows[name], jnp.float32)
-    return StepInput(
-        token_ids=v["token_ids"],
-        metadata=AttentionMetadata(
-            positions=v["positions"],
-            slot_mapping=v["slot_mapping"],
-            cu_q_lens=v["cu_q_lens"],
-            kv_lens=v["kv_lens"],
-            block_tables=v["block_tables"],
-            num_seqs=v["num_seqs"],
-        ),
-        logits_indices=v["logits_indices"],
-        num_drafts=v["num_drafts"] if layout.rows_per_seq > 1 else None,
-        sampling=SamplingTensors(**rows),
-        token_slot=v["token_slot"],
-        token_is_output=v["token_is_output"] != 0,
-        reset_slots=v["reset_slots"],
-        banned_ids=v["banned_ids"],
-        from_last=v["from_last"] != 0,
-        last_slot=v["last_slot"],
-        logit_bias_ids=v["logit_bias_ids"],
-        logit_bias_values=jax.lax.bitcast_convert_type(v["logit_bias_values"], jnp.float32),
-        prompt_targets=v["prompt_targets"],
-    )
+    parts = {"step": {}, "metadata": {}}
+    for field in STEP_FIELDS:
+        if field.target in parts and (layout.rows_per_seq > 1 or not field.speculative):
+            parts[field.target][field.name] = _device_value(field.kind, v[field.name])
+    return StepInput(metadata=AttentionMetadata(**parts["metadata"]), **parts["step"])
+
+
+def _device_value(kind: str, words: jax.Array):
+    """A field's int32 words as its device value (`StepField.kind`)."""
+    if kind == "bool":
+        return words != 0
+    if kind == "float32":
+        return jax.lax.bitcast_convert_type(words, jnp.float32)
+    if kind == "sampling":
+        rows = {name: words[i] for i, (name, _) in enumerate(SAMPLING_FIELDS)}
+        floats = {name for name, dtype in SAMPLING_FIELDS if dtype == np.float32}
+        return SamplingTensors(**{k: _device_value("float32", x) if k in floats else x for k, x in rows.items()})
+    return words
 
 
 def _model_program(layout: Layout, decode: bool, graphdef, params, cache: DeviceCache, flat: jax.Array):

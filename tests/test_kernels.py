@@ -7,6 +7,7 @@ the Pallas interpreter runs every program one after another on the CPU.
 """
 
 import functools
+import inspect
 import re
 
 import jax
@@ -115,6 +116,19 @@ def test_decode_visits_longest_first_with_the_same_results(dtype):
     out = np.asarray(sorted_out, np.float64)
     assert np.isfinite(out).all() and (out[0] == 0).all()
     assert rel_error(out[1:], ref[1:]) < TOLERANCE[dtype]
+
+
+def test_every_attention_backend_option_is_a_registered_implementation_of_the_references_signatures():
+    """`attention_backend`'s choices (read without JAX) are the registry's names plus "auto";
+    each implementation takes every argument its reference takes."""
+    from jaxpaged.config.attention import ATTENTION_BACKENDS
+    from jaxpaged.model.attention import BACKENDS
+
+    assert set(BACKENDS) == set(ATTENTION_BACKENDS) - {"auto"}
+    for backend in BACKENDS.values():
+        for name in ("paged_decode_attention", "ragged_paged_attention"):
+            wanted = inspect.signature(getattr(reference, name)).parameters
+            assert set(wanted) <= set(inspect.signature(getattr(backend, name)).parameters), (backend.name, name)
 
 
 def test_decode_scale_and_default_interpret():

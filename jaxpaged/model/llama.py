@@ -39,14 +39,13 @@ from jaxtyping import Array, Float, Int
 import pallas_kernels
 from jaxpaged.config import defaults
 from jaxpaged.config.architectures import ARCHITECTURES
-from jaxpaged.config.attention import ATTENTION_BACKENDS
 from jaxpaged.config.hf_config import SUPPORTED_ACTIVATIONS
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.params import KV_HEADS, ParamSpec, Path
+from jaxpaged.model.attention import BACKENDS, paged_attention, resolve_attention_backend
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
 from jaxpaged.model.metadata import AttentionMetadata
-from jaxpaged.model.mixed_attention import mixed_paged_attention
 from jaxpaged.model.moe import SparseMoe
 from jaxpaged.model.pipeline_carry import PipelineCarry, Stages, empty_carry, tick
 from jaxpaged.model.quant import project, quantize_param
@@ -55,20 +54,9 @@ from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.parallel.sharding import KEY_VALUE_AXES, QUERY_AXES, STAGE_POOL_AXES
 from jaxpaged.params.tables import param_specs, quantized_paths
-from pallas_kernels import reference
 
 INIT_STDDEV = 0.02
 INIT_CHUNK = 1 << 22  # elements of random values made at once (see `initial_value`)
-
-
-def resolve_attention_backend(name: str) -> str:
-    """ "auto" is the Pallas kernels on a GPU and the jnp reference elsewhere; "pallas" on a
-    CPU runs the kernels in interpret mode (slow; for tests)."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")
-    if name == "auto":
-        return "pallas" if pallas_kernels.target_platform() == "gpu" else "reference"
-    return name
 
 
 def use_group_kernel(parallel: TensorParallel | None) -> bool:
@@ -306,8 +294,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, meta.positions, inv_freq, self.rope.attention_factor)
         k_scale, v_scale = (None, None) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
         write = functools.partial(_write_kv, None if kv_quant is None else kv_quant.dtype)
-        ops = pallas_kernels if self.attention == "pallas" else reference
-        attend = functools.partial(paged_attention, ops, scale=self.scale, window=window)
+        attend = functools.partial(paged_attention, BACKENDS[self.attention], scale=self.scale, window=window)
         if self.parallel is not None:  # each device writes and reads its own heads (and their scales)
             pool, sc = STAGE_POOL_AXES, (KV_HEADS,) if kv_quant is not None else ()  # a layer sees its stage's pool
             write = self.parallel.per_head(
@@ -326,46 +313,6 @@ def _write_kv(quant_dtype, k_pool, v_pool, k, v, slot_mapping, k_scale, v_scale)
     """The pool write, quantizing to `quant_dtype` with the `[K]` scales (None: as is)."""
     return pallas_kernels.write_kv(
         k_pool, v_pool, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale, quant_dtype=quant_dtype
-    )
-
-
-def paged_attention(
-    ops,
-    q: Float[Array, "T N H"],
-    k_pool: Float[Array, "NB BS K H"],
-    v_pool: Float[Array, "NB BS K H"],
-    meta: AttentionMetadata,
-    k_scale: Float[Array, " K"] | None = None,
-    v_scale: Float[Array, " K"] | None = None,
-    *,
-    scale: float,
-    window: int | Int[Array, ""] | None,
-) -> Float[Array, "T N H"]:
-    """Attention of this step's queries over the pool (over whichever heads it is given: all of
-    them, or one device's share under `shard_map`): the decode kernel for a decode program
-    (`meta.decode_only`); else the ragged one, which serves any batch, with the step's leading
-    decode rows on the decode kernel (`mixed_paged_attention`; the Pallas kernels only: the jnp
-    reference's decode would gather every row's whole block table).
-
-    There is no `lax.cond` choosing between them per step: a GPU conditional waits for its
-    predicate on the host, and on CPU one over the pools copied every pool whose device holds a
-    single kv head (XLA gave the operand another layout). The runner picks the program instead.
-
-    Args:
-      ops: `pallas_kernels` or `pallas_kernels.reference` (same functions, same results).
-      k_scale, v_scale: scales of an fp8 pool, dequantized inside the kernels (None: 1).
-      scale: the softmax scale (`ModelConfig.softmax_scale`).
-      window: the layer's sliding window (a Python or traced int), or None.
-    """
-    kw = dict(k_scale=k_scale, v_scale=v_scale, scale=scale, window=window)
-    if meta.decode_only:  # token i is sequence i's only query: decode attention, padded to T rows
-        num_seqs = meta.kv_lens.shape[0]
-        out = ops.paged_decode_attention(q[:num_seqs], k_pool, v_pool, meta.block_tables, meta.kv_lens, **kw)
-        return jnp.pad(out, ((0, q.shape[0] - num_seqs), (0, 0), (0, 0)))
-    if ops is pallas_kernels:  # the jnp reference serves decode rows as cheaply in either form
-        return mixed_paged_attention(ops, q, k_pool, v_pool, meta, **kw)
-    return ops.ragged_paged_attention(
-        q, k_pool, v_pool, meta.cu_q_lens, meta.kv_lens, meta.block_tables, meta.num_seqs, **kw
     )
 
 
@@ -406,7 +353,7 @@ class DecoderLayer(nnx.Module):
         if config.moe is None:
             self.mlp = MLP(params)
         else:  # a mixture of experts (moe.py)
-            self.moe = SparseMoe(config, params, parallel, kernels=attention == "pallas")
+            self.moe = SparseMoe(config, params, parallel, kernels=BACKENDS[attention].kernels)
 
     def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata, kv_quant: KVQuant | None = None, own=None):
         attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta, kv_quant, own)

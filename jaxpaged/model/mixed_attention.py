@@ -44,7 +44,8 @@ def mixed_paged_attention(
     `ops.paged_decode_attention` instead (same results; see the module docstring).
 
     Args:
-      ops: `pallas_kernels` or `pallas_kernels.reference`.
+      ops: the implementation (an `attention.AttentionBackend`, or `pallas_kernels` or its
+        `reference` module: the same two functions).
       k_scale, v_scale: scales of an fp8 pool (None: 1).
       scale, window: the softmax scale and sliding window, as the kernels take them.
     """

@@ -20,6 +20,7 @@ from jaxpaged.checkpoint.format import TOKENIZER_FILES, WEIGHT_FILES, has_tokeni
 from jaxpaged.config.generation import sampling_defaults
 from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params.quantized import with_quantized_weights
 from jaxpaged.config.presets import CONFIG_FILE, PRESETS, get_preset, load_config_dict, preset_tokenizer
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
@@ -36,7 +37,6 @@ from jaxpaged.core.scheduler import SchedulerConfig
 from jaxpaged.engine_args import EngineArgs, EngineArgsError, pipeline_error
 from jaxpaged.parallel.pipeline import PipelineLayout, PipelineParallelError, parse_partition
 from jaxpaged.parallel.sharding import TensorParallelError, TensorParallelLayout
-from jaxpaged.params.quantized_config import with_quantized_weights
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpaged")

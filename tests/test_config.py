@@ -221,18 +221,15 @@ def test_a_gemma3_multimodal_config_reads_its_text_config_with_gemma3s_defaults(
 
 
 def test_the_config_modules_import_one_way():
-    """model_config <- config.params <- config.architectures <- hf_config: no module imports one
-    after it (not even lazily, inside a function)."""
+    """model_config <- config.params.spec <- config.architectures <- hf_config, and the tables
+    derived from the architectures after them: no module imports one after it (not even lazily,
+    inside a function)."""
     import ast
     import pathlib
 
-    order = ["model_config", "params", "architectures", "hf_config"]
+    order = ["model_config", "params.spec", "architectures", "hf_config", "params.tables", "params.quantized"]
     root = pathlib.Path(__file__).parent.parent / "jaxpaged" / "config"
-    sources = {
-        "model_config": root / "model_config.py",
-        "params": root / "params.py",
-        "hf_config": root / "hf_config.py",
-    }
+    sources = {name: root / f"{name.replace('.', '/')}.py" for name in order}
     sources["architectures"] = root / "architectures" / "__init__.py"
     for i, name in enumerate(order):
         tree = ast.parse(sources[name].read_text())

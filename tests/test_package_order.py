@@ -17,8 +17,7 @@ TOP = "jaxpaged"  # the root package's __init__
 LAYERS = (
     "sampling_params",  # what a request asks for
     "outputs",  # what it gets back
-    "config",  # static facts: the model's configuration, its architecture and parameter table, options, quantization
-    "params",  # a model state's arrays derived from the architectures' parameter tables (no JAX)
+    "config",  # static facts: the model's configuration, its architecture and parameter tables, options, quantization
     "core",  # the host side: sequences, block manager, scheduler, detokenizer (no JAX)
     "structured",  # structured outputs: llguidance grammars, matchers, token masks (no JAX)
     "parallel",  # the sharding rules, the device mesh, several processes

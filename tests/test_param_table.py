@@ -17,12 +17,12 @@ from jaxpaged.checkpoint.hf_keys import by_name, hf_key_specs
 from jaxpaged.config.architectures import ARCHITECTURES, BY_HF_NAME
 from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params.tables import state_params, state_shapes
 from jaxpaged.engine.setup import build_model
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model import LayerArrays, Llama
 from jaxpaged.parallel.mesh import TensorParallel, bytes_per_device, make_mesh, param_path
-from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.planning.plan import weight_bytes_per_gpu
 
 BASE = dict(

@@ -53,6 +53,7 @@ from jaxpaged.checkpoint.loader import (
     resolve_dtype,
 )
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params.quantized import with_quantized_weights
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
     GROUP_QUANT_BITS,
@@ -60,7 +61,6 @@ from jaxpaged.config.quantization import (
     checkpoint_quantization,
     converted_quantization_config,
 )
-from jaxpaged.params.quantized_config import with_quantized_weights
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (

@@ -13,13 +13,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import ParamSpec, Path
+from jaxpaged.config.params.spec import ParamSpec, Path
+from jaxpaged.config.params.tables import param_specs, quantized_paths
 from jaxpaged.config.sections import LoadConfig
 from jaxpaged.model import LayerArrays
 from jaxpaged.model.llama import initial_value
 from jaxpaged.model.quant import quantize_param
 from jaxpaged.parallel.mesh import TensorParallel
-from jaxpaged.params.tables import param_specs, quantized_paths
 
 
 def dummy_programs(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorParallel) -> dict[str, object]:

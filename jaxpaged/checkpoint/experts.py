@@ -1,7 +1,7 @@
 """A mixture of experts' checkpoint tensors gathered into our per-expert parameters.
 
 A checkpoint stores each expert's projection as a tensor of its own; our parameter holds a
-layer's experts as one `[E, ...]` array (`jaxpaged.config.params`, `EXPERTS`). The key map names
+layer's experts as one `[E, ...]` array (`jaxpaged.config.params.spec`, `EXPERTS`). The key map names
 each tensor's expert (`KeySpec.expert`); `stack_experts` holds one parameter's experts of a
 layer until all have been read (the key map orders them together), then yields them stacked.
 """

@@ -23,9 +23,9 @@ import numpy as np
 
 from jaxpaged.checkpoint.group_quant import GroupQuantized
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import ParamSpec, Path
+from jaxpaged.config.params.spec import ParamSpec, Path
+from jaxpaged.config.params.tables import linear_prefixes, param_specs, quantized_paths
 from jaxpaged.model.group_quant import code_dtype
-from jaxpaged.params.tables import linear_prefixes, param_specs, quantized_paths
 
 # The reader hook: an HF projection's prefix (its tensors' names without `.qweight` etc.) -> its weight.
 LinearReader = Callable[[str], GroupQuantized]

@@ -32,9 +32,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import ParamSpec, Path
+from jaxpaged.config.params.spec import ParamSpec, Path
+from jaxpaged.config.params.tables import find_state_param, param_specs, state_shapes
 from jaxpaged.config.quantization import QUANTIZED_WEIGHT_DTYPES, group_dtypes
-from jaxpaged.params.tables import find_state_param, param_specs, state_shapes
 
 Shapes = tuple[tuple[int, ...], ...]  # the shapes a tensor may have
 

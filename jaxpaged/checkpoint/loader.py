@@ -66,7 +66,9 @@ from jaxpaged.config.architectures import ARCHITECTURES
 from jaxpaged.config.group_formats import GROUP_FORMATS, GroupFormat
 from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import LAYER_STACK
+from jaxpaged.config.params.quantized import with_quantized_weights
+from jaxpaged.config.params.spec import LAYER_STACK
+from jaxpaged.config.params.tables import find_state_param, quantized_paths
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import DEFAULT_GROUP_SIZE, StoredWeights, resolve_quantization, stored_weights
 from jaxpaged.model.group_quant import code_dtype
@@ -74,8 +76,6 @@ from jaxpaged.model.layer_arrays import LayerArrays, unstack_layers
 from jaxpaged.model.llama import Llama
 from jaxpaged.model.quant import quantize_param
 from jaxpaged.parallel.mesh import TensorParallel, param_path
-from jaxpaged.params.quantized_config import with_quantized_weights
-from jaxpaged.params.tables import find_state_param, quantized_paths
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 

@@ -47,7 +47,7 @@ class GroupFormat:
         how they match a module): AWQ's `modules_to_not_convert` (e.g. Mixtral's routers,
         `gate`), compressed-tensors' `ignore` (e.g. `lm_head`, `re:.*mlp.gate$`). The
         projections left in float in every layer and expert are the model's `float_weights`
-        (`jaxpaged.params.tables.float_weights`).
+        (`jaxpaged.config.params.tables.float_weights`).
     """
 
     method: str

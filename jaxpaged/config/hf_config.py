@@ -6,7 +6,8 @@ this engine would compute differently from transformers is refused, naming the f
 and what would fix it.
 
 Reading sits above the architectures' tables (which are written against `ModelConfig`), so the
-imports run one way: model_config <- config.params <- config.architectures <- hf_config.
+imports run one way: model_config <- config.params.spec <- config.architectures <- hf_config
+(and the tables derived from the architectures, `config.params.tables`).
 """
 
 import math

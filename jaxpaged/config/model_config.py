@@ -137,8 +137,8 @@ class ModelConfig:
         """This model with its decoder projections group-quantized: `groups` is `(bits,
         group_size)` (`jaxpaged.config.quantization.weight_groups`), None for none; `act_order`:
         the checkpoint's groups are not contiguous (GPTQ `desc_act`), so each projection keeps a
-        permutation of its inputs (see `jaxpaged.config.params`); `float_weights`: the paths of
-        the projections left in float (`jaxpaged.params.tables.float_weights`). A group size of None (one group
+        permutation of its inputs (see `jaxpaged.config.params.spec`); `float_weights`: the paths of
+        the projections left in float (`jaxpaged.config.params.tables.float_weights`). A group size of None (one group
         per output channel, which differs between projections of different widths) becomes the
         largest size dividing every projection's inputs and `PER_CHANNEL_GROUP_CAP`: each
         channel's scale and zero point repeated over its groups hold the same weights.

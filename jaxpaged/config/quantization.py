@@ -78,7 +78,7 @@ def is_fp8(dtype_name: str) -> bool:
 
 def group_dtypes(bits: int) -> dict[str, str]:
     """The dtype of each array of a group-quantized weight of `bits`, by its role in the model
-    state (`jaxpaged.params.tables.ROLES`), as stored (`GROUP_CODE_DTYPES`: a CPU holds 4-bit
+    state (`jaxpaged.config.params.tables.ROLES`), as stored (`GROUP_CODE_DTYPES`: a CPU holds 4-bit
     codes in int8, `jaxpaged.model.group_quant.code_dtype`)."""
     return {"quant": GROUP_CODE_DTYPES[bits], "scale": GROUP_SCALE_DTYPE, "zero": GROUP_ZERO_DTYPE, "perm": "int32"}
 

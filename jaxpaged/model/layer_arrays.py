@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxpaged.config.params import LAYER_STACK
+from jaxpaged.config.params.spec import LAYER_STACK
 from jaxpaged.parallel.mesh import param_path
 
 

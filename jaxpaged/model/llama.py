@@ -41,7 +41,8 @@ from jaxpaged.config import defaults
 from jaxpaged.config.architectures import ARCHITECTURES
 from jaxpaged.config.hf_config import SUPPORTED_ACTIVATIONS
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import KV_HEADS, ParamSpec, Path
+from jaxpaged.config.params.spec import KV_HEADS, ParamSpec, Path
+from jaxpaged.config.params.tables import param_specs, quantized_paths
 from jaxpaged.model.attention import BACKENDS, paged_attention, resolve_attention_backend
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
@@ -53,7 +54,6 @@ from jaxpaged.model.rope import apply_rope, inverse_frequencies
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.parallel.sharding import KEY_VALUE_AXES, QUERY_AXES, STAGE_POOL_AXES
-from jaxpaged.params.tables import param_specs, quantized_paths
 
 INIT_STDDEV = 0.02
 INIT_CHUNK = 1 << 22  # elements of random values made at once (see `initial_value`)

@@ -29,12 +29,12 @@ from jaxtyping import Array, Float, Int
 import pallas_kernels
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.config.moe import MoeConfig
-from jaxpaged.config.params import QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
+from jaxpaged.config.params.spec import QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
+from jaxpaged.config.params.tables import find_state_param, quantized_paths
 from jaxpaged.model.grouped_matmul import grouped_matmul, tile_rows, tile_schedule
 from jaxpaged.model.quant import fp8_matmul, project, quantize_activations, weight_matmul
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import TENSOR_AXIS
-from jaxpaged.params.tables import find_state_param, quantized_paths
 
 
 def route(

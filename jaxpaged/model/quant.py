@@ -1,6 +1,6 @@
 """Quantized weights and the matmuls that read them.
 
-A weight in our layout `[*in, *out]` (see `jaxpaged.config.params`) is quantized with one scale per
+A weight in our layout `[*in, *out]` (see `jaxpaged.config.params.spec`) is quantized with one scale per
 output channel into `[*out, *in]` (its quantized pair, declared with it there):
 
     fp8   q = saturate(w / s).astype(float8_e4m3fn), s = max|w| / 448 over the inputs
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import PERM_SUFFIX, QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
+from jaxpaged.config.params.spec import PERM_SUFFIX, QUANT_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
 from jaxpaged.model.group_quant import group_matmul, quantize_groups
 from jaxpaged.model.sharded_group_matmul import kernel_on_every_device
 

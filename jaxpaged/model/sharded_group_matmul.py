@@ -14,7 +14,7 @@ import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
-from jaxpaged.config.params import Path
+from jaxpaged.config.params.spec import Path
 from jaxpaged.model.group_quant import group_matmul
 from jaxpaged.parallel.mesh import TensorParallel
 from jaxpaged.parallel.sharding import TENSOR_AXIS, TensorParallelLayout

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import EXPERTS, LAYER_STACK
+from jaxpaged.config.params.spec import EXPERTS, LAYER_STACK
 from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.parallel.sharding import (
     KV_HEADS,

@@ -30,7 +30,7 @@ import dataclasses
 import math
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import (
+from jaxpaged.config.params.spec import (
     EXPERT_MLP,
     EXPERTS,
     GROUP_AXES,
@@ -43,8 +43,8 @@ from jaxpaged.config.params import (
     VOCAB,
     axis_sizes,
 )
+from jaxpaged.config.params.tables import find_state_param, state_params
 from jaxpaged.parallel.pipeline import PipelineLayout
-from jaxpaged.params.tables import find_state_param, state_params
 
 # Mesh axis names: declared once here. The pipeline axis is the outer one (a stage per host is
 # the common layout across hosts: each host's devices are one stage's tensor-parallel group).
@@ -52,7 +52,7 @@ PIPELINE_AXIS = "pp"
 TENSOR_AXIS = "tp"
 MESH_AXES = (PIPELINE_AXIS, TENSOR_AXIS)
 
-# Logical axes of the KV pool (the parameters' are declared with them, in jaxpaged.config.params).
+# Logical axes of the KV pool (the parameters' are declared with them, in jaxpaged.config.params.spec).
 BLOCKS, SLOTS = "blocks", "slots"
 # The pool's leading axis: every (virtual) layer's blocks in a row, split over the stages; and
 # the pool's layers where an array has one axis for them (scales, blocks copied to the host).

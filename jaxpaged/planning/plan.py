@@ -32,6 +32,8 @@ from jaxpaged.config import defaults
 from jaxpaged.config.checks import check_block_size, check_choice, check_memory_fraction
 from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
+from jaxpaged.config.params.quantized import with_quantized_weights
+from jaxpaged.config.params.tables import state_params, state_shapes
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
@@ -47,8 +49,6 @@ from jaxpaged.config.quantization import (
 )
 from jaxpaged.parallel.pipeline import PipelineLayout, parse_partition
 from jaxpaged.parallel.sharding import TensorParallelLayout
-from jaxpaged.params.quantized_config import with_quantized_weights
-from jaxpaged.params.tables import state_params, state_shapes
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")

@@ -34,9 +34,9 @@ from flax import nnx
 
 from jaxpaged.checkpoint.hf_keys import by_name, format_names, hf_key_specs, quantizable
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params.tables import quantized_paths
 from jaxpaged.model.quant import quantize_param
 from jaxpaged.parallel.mesh import TensorParallel, param_path
-from jaxpaged.params.tables import quantized_paths
 
 Key = tuple[tuple[str, ...], int | None]  # (parameter path, layer of a per-layer array or None)
 

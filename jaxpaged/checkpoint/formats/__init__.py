@@ -25,7 +25,7 @@ from jaxpaged.checkpoint.group_quant import GroupQuantized
 from jaxpaged.checkpoint.safetensors_index import SafetensorsCheckpoint
 from jaxpaged.config.group_formats import GroupFormat
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.params.tables import linear_prefixes, param_specs
+from jaxpaged.config.params.tables import linear_prefixes, param_specs
 
 READERS: dict[str, types.ModuleType] = {"awq": awq, "gptq": gptq, "compressed-tensors": pack_quantized}
 

@@ -2,7 +2,7 @@
 
 Each module of this package declares `ARCHITECTURE`, an `Architecture`: its Hugging Face class
 names (config.json's `architectures`), how its config.json differs from Llama's, and its
-parameter table (`jaxpaged.config.params.ParamSpec`s). The package finds its modules itself, so
+parameter table (`jaxpaged.config.params.spec.ParamSpec`s). The package finds its modules itself, so
 a new dense architecture is a module here plus what its forward pass does differently in
 `jaxpaged/model/llama.py`; the model, sharding, checkpoint map, conversion and `jaxpaged plan`
 follow from the table. No JAX here.
@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import pkgutil
 
-from jaxpaged.config.params import ParamSpec
+from jaxpaged.config.params.spec import ParamSpec
 
 BIAS_RULES = ("attention_bias", "qkv", "qkv_bias")
 MOE_KINDS = ("mixtral", "qwen")  # how config.json describes the experts (jaxpaged.config.moe)

@@ -13,7 +13,7 @@ import dataclasses
 from jaxpaged.config.architectures import Architecture
 from jaxpaged.config.architectures.llama import LAYER
 from jaxpaged.config.architectures.qwen3 import PARAMS as QWEN3_PARAMS
-from jaxpaged.config.params import EMBED, ParamSpec
+from jaxpaged.config.params.spec import EMBED, ParamSpec
 
 # The Llama slot `post_attention_norm` is the norm before the MLP: Gemma's pre_feedforward_layernorm.
 RENAMED = {("layers", "post_attention_norm", "scale"): LAYER + "pre_feedforward_layernorm.weight"}

@@ -5,7 +5,7 @@ Dimension letters: V vocabulary, D hidden, N query heads, K kv heads, H head_dim
 """
 
 from jaxpaged.config.architectures import Architecture
-from jaxpaged.config.params import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, VOCAB, ParamSpec
+from jaxpaged.config.params.spec import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, VOCAB, ParamSpec
 
 ATTN, LAYER = ("layers", "attn"), "model.layers.{layer}."
 

@@ -7,7 +7,7 @@ Dimension letters: D hidden, E experts, F one expert's FFN width.
 
 from jaxpaged.config.architectures import Architecture
 from jaxpaged.config.architectures.llama import LAYER, PARAMS, linear
-from jaxpaged.config.params import EMBED, EXPERT_MLP, EXPERTS, ParamSpec
+from jaxpaged.config.params.spec import EMBED, EXPERT_MLP, EXPERTS, ParamSpec
 
 MOE = ("layers", "moe")
 

@@ -11,7 +11,7 @@ import dataclasses
 from jaxpaged.config.architectures import Architecture
 from jaxpaged.config.architectures.llama import LAYER
 from jaxpaged.config.architectures.llama import PARAMS as LLAMA_PARAMS
-from jaxpaged.config.params import HEAD_DIM, HEADS, KV_HEADS, MLP, Fused
+from jaxpaged.config.params.spec import HEAD_DIM, HEADS, KV_HEADS, MLP, Fused
 
 QKV = ((HEADS, HEAD_DIM), (KV_HEADS, HEAD_DIM), (KV_HEADS, HEAD_DIM))  # qkv_proj's rows: N*H, K*H, K*H
 GATE_UP = ((MLP,), (MLP,))  # gate_up_proj's rows: F, F

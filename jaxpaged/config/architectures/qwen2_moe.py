@@ -10,7 +10,7 @@ from jaxpaged.config.architectures.llama import LAYER, linear
 from jaxpaged.config.architectures.llama import PARAMS as LLAMA_PARAMS
 from jaxpaged.config.architectures.mixtral import MOE, sparse_params
 from jaxpaged.config.architectures.qwen3_moe import EXPERT_NAMES
-from jaxpaged.config.params import EMBED, SHARED_MLP, ParamSpec
+from jaxpaged.config.params.spec import EMBED, SHARED_MLP, ParamSpec
 
 SHARED = LAYER + "mlp.shared_expert."
 

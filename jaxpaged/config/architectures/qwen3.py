@@ -4,7 +4,7 @@ per head before RoPE)."""
 from jaxpaged.config.architectures import Architecture
 from jaxpaged.config.architectures.llama import ATTN, LAYER
 from jaxpaged.config.architectures.llama import PARAMS as LLAMA_PARAMS
-from jaxpaged.config.params import HEAD_DIM, ParamSpec
+from jaxpaged.config.params.spec import HEAD_DIM, ParamSpec
 
 PARAMS: tuple[ParamSpec, ...] = (
     *LLAMA_PARAMS,

@@ -1,13 +1,13 @@
 """A model's configuration with its weights' quantization applied: which weight groups its
-projections get, and which a checkpoint's format leaves in float (read from the parameter table,
-hence here rather than in `jaxpaged.config`)."""
+projections get, and which a checkpoint's format leaves in float (read from the parameter table:
+`tables.py`)."""
 
 from typing import Any
 
 from jaxpaged.config.group_formats import GROUP_FORMATS
 from jaxpaged.config.model_config import ModelConfig
+from jaxpaged.config.params.tables import float_weights
 from jaxpaged.config.quantization import checkpoint_group_format, group_size_field, weight_groups
-from jaxpaged.params.tables import float_weights
 
 
 def with_quantized_weights(

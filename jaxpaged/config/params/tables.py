@@ -10,7 +10,7 @@ import dataclasses
 from jaxpaged.config.architectures import ARCHITECTURES
 from jaxpaged.config.group_formats import GroupFormat
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params import LAYERS, ParamSpec, Path, axis_sizes
+from jaxpaged.config.params.spec import LAYERS, ParamSpec, Path, axis_sizes
 
 # A parameter as declared, or one array of its quantized pair (group-quantized: triple, and the
 # act-order permutation).

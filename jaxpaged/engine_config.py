@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from jaxpaged.checkpoint.format import TOKENIZER_FILES, WEIGHT_FILES, has_tokenizer, has_weights, tokenizer_dir
+from jaxpaged.config.checks import OptionError
 from jaxpaged.config.generation import sampling_defaults
 from jaxpaged.config.hf_config import model_config_from_hf
 from jaxpaged.config.model_config import ModelConfig
@@ -115,6 +116,24 @@ class EngineConfig:
         )
         parts = {name: _part(part, args, resolved) for name, part in SECTIONS.items()}
         return cls(model, max_model_len, layout, **parts, speculative=args.speculative_config, draft=draft)
+
+    @classmethod
+    def for_shapes(cls, model: str, *, context_flag: str = "max_model_len", **options) -> "EngineConfig":
+        """`resolve` of `EngineArgs` options for a model's shapes alone (dummy weights, no
+        tokenizer: nothing but config.json is read), with every check the engine makes:
+        `jaxpaged plan` sizes a model with it. An error of the context limit names
+        `context_flag` (plan's `--context`).
+
+        Raises:
+          OptionError: naming the option (`EngineArgsError`), as `jaxpaged serve` would.
+        """
+        args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, seed=0, **options)
+        try:
+            return cls.resolve(args)
+        except OptionError as err:
+            if err.field != "max_model_len":
+                raise
+            raise OptionError(context_flag, err.value, err.reason) from None
 
     def default_sampling_params(self) -> SamplingParams:
         """The parameters of a request that sets none (vLLM's `get_default_sampling_params`):
@@ -290,7 +309,9 @@ def _layout(
         return TensorParallelLayout(model, tensor_parallel_size, expert_parallel, pipeline)
     except TensorParallelError as err:
         reason = str(err).removeprefix(f"tensor_parallel_size={tensor_parallel_size} ")
-        field = "enable_expert_parallel" if expert_parallel and "expert" in reason else "tensor_parallel_size"
+        no_experts = expert_parallel and "has no experts" in reason  # the only error that is the flag's own
+        field = "enable_expert_parallel" if no_experts else "tensor_parallel_size"
+        reason = reason.removeprefix("with enable_expert_parallel: ")
         value = expert_parallel if field == "enable_expert_parallel" else tensor_parallel_size
         raise EngineArgsError(field, value, reason) from None
 

@@ -192,7 +192,7 @@ def test_components_below_the_engine_never_see_the_options_object():
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent / "jaxpaged"
-    below = ["core", "model", "parallel", "params", "checkpoint", "planning", "worker", "functional.py"]
+    below = ["core", "model", "parallel", "checkpoint", "planning", "worker", "functional.py"]
     files = [root / "engine" / "setup.py", root / "engine_config.py"]
     files += [p for name in below for p in ((root / name).rglob("*.py") if (root / name).is_dir() else [root / name])]
     offenders = []

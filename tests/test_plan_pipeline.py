@@ -86,16 +86,16 @@ def test_a_model_that_does_not_fit_is_offered_wider_tp_before_stages():
 def test_bad_pipelines_and_expert_parallelism_name_the_flag(capsys):
     assert main(["plan", "--model", "llama-3.1-8b", "-pp", "2", "--pp-layer-partition", "20,13"]) == 2
     assert (
-        "--pp-layer-partition=20,13 must give each of the 2 stages (--pipeline-parallel-size)"
+        "--pp-layer-partition 20,13: must give each of the 2 stages (--pipeline-parallel-size)"
         in capsys.readouterr().err
     )
     assert main(["plan", "--model", "llama-3.1-8b", "-pp", "33"]) == 2
-    assert "--pipeline-parallel-size=33 exceeds the model's 32 decoder layers" in capsys.readouterr().err
+    assert "--pipeline-parallel-size 33: exceeds the model's 32 decoder layers" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-3.1-8b", "--enable-expert-parallel"]) == 2
     assert "has no experts; drop --enable-expert-parallel" in capsys.readouterr().err
     assert main(["plan", "--model", "mixtral-8x7b", "-tp", "16", "--enable-expert-parallel"]) == 2
     assert (
-        "--tensor-parallel-size=16 exceeds the number of experts (8) under expert parallelism"
+        "--tensor-parallel-size 16: exceeds the number of experts (8) under expert parallelism"
         in capsys.readouterr().err
     )
     assert main(["plan", "--model", "mixtral-8x7b", "-tp", "2", "-pp", "2", "--enable-expert-parallel"]) == 0

@@ -4,6 +4,7 @@ config.json becomes one in `jaxpaged.config.hf_config`)."""
 import dataclasses
 import math
 
+from jaxpaged.config.checks import OptionError
 from jaxpaged.config.moe import MoeConfig
 
 # config.json's `layer_types` entries: a layer attends to every earlier token or to a window.
@@ -209,14 +210,16 @@ class ModelConfig:
         """Validates a requested context length and returns it.
 
         Raises:
-          ValueError: when it exceeds the position limit.
+          OptionError: naming `max_model_len`, when it is below 1 or exceeds the position limit.
         """
         if max_model_len < 1:
-            raise ValueError(f"max_model_len={max_model_len} must be at least 1")
+            raise OptionError("max_model_len", max_model_len, "must be at least 1")
         if max_model_len > self.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's "
-                f"max_position_embeddings={self.max_position_embeddings}; pass a smaller max_model_len"
+            raise OptionError(
+                "max_model_len",
+                max_model_len,
+                f"exceeds the model's max_position_embeddings={self.max_position_embeddings}; "
+                f"ask for {self.max_position_embeddings} tokens or fewer",
             )
         return max_model_len
 

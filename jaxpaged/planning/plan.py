@@ -20,7 +20,9 @@
     KV pool per GPU      = GPU memory x gpu_memory_utilization - weights per GPU
     max concurrency      = pool blocks / blocks of one request of `context` tokens
 
-The pool arithmetic is the engine's own (`jaxpaged.planning.memory.plan_kv_cache`); the engine also
+The options are resolved by the engine's own resolver (`EngineConfig.for_shapes`: the same
+checks, the same errors as `jaxpaged serve`), and the pool arithmetic is the engine's own
+(`jaxpaged.planning.memory.plan_kv_cache`): `plan` is the two and a report. The engine also
 subtracts the largest compiled step's activations, which only a compile can measure, so leave
 headroom in `gpu_memory_utilization`.
 """
@@ -29,25 +31,20 @@ import json
 import math
 
 from jaxpaged.config import defaults
-from jaxpaged.config.checks import check_block_size, check_choice, check_memory_fraction
-from jaxpaged.config.hf_config import model_config_from_hf
+from jaxpaged.config.checks import check_choice
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
-from jaxpaged.config.params.quantized import with_quantized_weights
 from jaxpaged.config.params.tables import state_params, state_shapes
 from jaxpaged.config.presets import load_config_dict
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
     DTYPE_BYTES,
-    FP8_KV_DTYPES,
     KV_CACHE_DTYPES,
-    QUANTIZATION_METHODS,
     QUANTIZED_WEIGHT_DTYPES,
     checkpoint_quantization,
     group_dtypes,
-    group_size_field,
-    resolve_quantization,
 )
-from jaxpaged.parallel.pipeline import PipelineLayout, parse_partition
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.parallel.pipeline import PipelineLayout
 from jaxpaged.parallel.sharding import TensorParallelLayout
 from jaxpaged.planning.memory import format_bytes, plan_kv_cache
 
@@ -138,46 +135,42 @@ def make_plan(
       ValueError: an unknown model, dtype, memory size, or a context over the model's limit; a
         split the model does not take (`TensorParallelError`, `PipelineParallelError`).
     """
-    name, raw = load_config_dict(model)
-    config = model_config_from_hf(raw)
-    try:
-        context = config.check_max_model_len(context or config.max_context_len)
-    except ValueError as err:
-        raise ValueError(f"--context: {err}") from None
-    check_choice("dtype", dtype, ("auto", *MODEL_DTYPES))
-    if dtype == "auto":
-        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").removeprefix("torch.")
-        if dtype not in MODEL_DTYPES:
-            raise ValueError(
-                f"the checkpoint's dtype {dtype!r} is not supported; give `dtype` ({', '.join(MODEL_DTYPES)})"
-            )
+    name, raw = load_config_dict(model)  # (the report's names and the 4-bit what-if below)
     check_choice("kv_cache_dtype", kv_cache_dtype, PLAN_KV_CACHE_DTYPES)
-    if quantization is not None:
-        check_choice("quantization", quantization, QUANTIZATION_METHODS)
     # A 4-bit checkpoint format named for a config without its quantization_config (a preset:
     # "how much does 70B-AWQ need") is counted as the engine holds such a checkpoint: int4 codes
     # with a scale and a zero point per group of --quantization-group-size inputs.
     held_as = quantization
     if quantization in PLANNED_AS_INT4 and checkpoint_quantization(raw) is None:
         held_as = "int4"
-    try:
-        held_as = resolve_quantization(held_as, raw)
-    except ValueError as err:
-        raise ValueError(f"--quantization: {err}") from None
-    try:
-        config = with_quantized_weights(config, held_as, quantization_group_size, raw)
-    except ValueError as err:
-        flag = group_size_field(held_as)
-        raise ValueError(f"{flag.replace('quantization_group_size', '--quantization-group-size')}: {err}") from None
+    engine = EngineConfig.for_shapes(
+        model,
+        context_flag="context",
+        max_model_len=context,
+        dtype=dtype,
+        kv_cache_dtype="auto" if kv_cache_dtype in MODEL_DTYPES else kv_cache_dtype,
+        quantization=held_as,
+        quantization_group_size=quantization_group_size,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        pp_layer_partition=pp_layer_partition,
+        enable_expert_parallel=enable_expert_parallel,
+        block_size=block_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )
+    config, context, held_as = engine.model, engine.max_model_len, engine.load.quantization
+    if dtype == "auto":
+        dtype = engine.load.checkpoint.dtype or "float32"
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"the checkpoint's dtype {dtype!r} is not supported; give `dtype` ({', '.join(MODEL_DTYPES)})"
+            )
     named = quantization if held_as == "int4" and quantization in PLANNED_AS_INT4 else held_as
-    kv_dtype = dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
-    check_block_size(block_size)
-    check_memory_fraction(gpu_memory_utilization)
-    tp, ep = tensor_parallel_size, enable_expert_parallel
-    pipeline = PipelineLayout(config.num_layers, pipeline_parallel_size, parse_partition(pp_layer_partition))
+    kv_dtype = kv_cache_dtype if kv_cache_dtype in MODEL_DTYPES else engine.cache.kv_dtype(dtype)
+    tp, ep, pipeline = tensor_parallel_size, enable_expert_parallel, engine.layout.pipeline
     total_params, _ = count_parameters(config, tp, pipeline, ep)
     weights = weight_bytes_per_gpu(config, dtype, held_as, tp, ep, pipeline)
-    device_config = TensorParallelLayout(config, tp, ep, pipeline).device_config
+    device_config = engine.layout.device_config
     per_token = kv_bytes_per_token(device_config, DTYPE_BYTES[kv_dtype])
     report = {
         "model": name,

@@ -18,9 +18,8 @@ import dataclasses
 import math
 
 from jaxpaged.config import defaults
-from jaxpaged.config.hf_config import model_config_from_hf
-from jaxpaged.config.presets import load_config_dict
 from jaxpaged.core.scheduler import SchedulerConfig
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.planning.buckets import BucketFactory, Limits, finer_buckets, powers_of_two
 from jaxpaged.planning.gpus import get_gpu
 from jaxpaged.planning.model_costs import model_costs
@@ -98,25 +97,21 @@ def predict(query: ThroughputQuery, buckets: BucketFactory) -> dict:
     if not query.request_rate > 0:
         raise ValueError(f"--request-rate {query.request_rate}: must be positive (inf: all at once)")
     gpu = get_gpu(query.gpu)
-    _, raw = load_config_dict(query.model)
-    config = model_config_from_hf(raw)
-    try:
-        max_model_len = config.check_max_model_len(query.max_model_len or config.max_context_len)
-    except ValueError as err:
-        raise ValueError(f"--context: {err}") from None
+    memory = query.memory_bytes or gpu.memory_bytes
+    engine = EngineConfig.for_shapes(  # the engine's own resolution and vLLM's limits for the GPU
+        query.model,
+        context_flag="context",
+        max_model_len=query.max_model_len,
+        block_size=query.block_size,
+        max_num_seqs=query.max_num_seqs,
+        max_num_batched_tokens=query.max_num_batched_tokens,
+        usage_context=query.usage_context,
+    ).with_batch_limits("cuda", gpu.description, memory)
+    config, max_model_len = engine.model, engine.max_model_len
+    seqs, tokens = engine.scheduling.max_num_seqs, engine.scheduling.max_num_batched_tokens
     longest = max(r.prompt_len + r.output_len for r in query.workload.requests)
     if longest > max_model_len:
         raise ValueError(f"--context {max_model_len}: the workload has a request of {longest} tokens; raise --context")
-    memory = query.memory_bytes or gpu.memory_bytes
-    seqs, tokens = defaults.batch_limits(
-        query.usage_context,
-        "cuda",
-        gpu.description,
-        memory,
-        max_model_len,
-        query.max_num_seqs,
-        query.max_num_batched_tokens,
-    )
     limits = Limits(seqs, tokens, max_model_len, query.block_size, config.vocab_size)
     rule = buckets(limits)
     if not query.levers.three_quarter_buckets:

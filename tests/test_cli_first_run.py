@@ -64,7 +64,7 @@ BAD_INPUT = [
     ),
     (
         ["serve", "--max-model-len", "4096"],
-        "--max-model-len=4096 exceeds the model's max_position_embeddings=1024; pass a smaller --max-model-len",
+        "--max-model-len 4096: exceeds the model's max_position_embeddings=1024; ask for 1024 tokens or fewer",
     ),
     (["generate", "--kv-offloading-size", "0", "hi"], "--kv-offloading-size 0.0: must be a positive number of GiB"),
     (

@@ -432,11 +432,15 @@ class Scheduler:
         """The fraction of the pool's blocks in use."""
         return self.block_manager.usage
 
-    def cache_stats(self, block_bytes: int) -> dict[str, float | int]:
-        """The KV cache's gauges and counters under vLLM's names (the host tier's and the disk
-        tier's too, where there are those); `block_bytes`: one block's bytes on the device."""
+    def stats(self, block_bytes: int) -> dict[str, float | int]:
+        """The scheduler's gauges and counters and the KV cache's, under vLLM's names (the host
+        tier's and the disk tier's too, where there are those); `block_bytes`: one block's bytes
+        on the device."""
         bm, tier, disk = self.block_manager, self.block_manager.host_tier, self.block_manager.disk_tier
         stats = {
+            "num_preemptions": self.num_preemptions,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
             "gpu_cache_usage_perc": bm.usage,
             "num_total_blocks": bm.num_total_blocks,
             "num_free_blocks": bm.num_free_blocks,

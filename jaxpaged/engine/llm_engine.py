@@ -402,13 +402,12 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
     # -- stats ------------------------------------------------------------------------------
 
     def get_stats(self) -> dict[str, float | int]:
-        """Cache and scheduler gauges and counters (vLLM's names)."""
+        """Gauges and counters (vLLM's names), each component's own: the scheduler's and the KV
+        cache's (`Scheduler.stats`), the tokens handed out, the grammars', the device memory's
+        and speculative decoding's."""
         transfer = self.runner.kv_transfer
         return {
-            **self.scheduler.cache_stats(0 if transfer is None else transfer.block_bytes),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
+            **self.scheduler.stats(0 if transfer is None else transfer.block_bytes),
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             **(self.grammars.stats() if self.grammars is not None else {}),

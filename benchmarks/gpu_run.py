@@ -1,6 +1,6 @@
 """Everything a lent GPU should measure, in one device call of at most 10 minutes.
 
-    bash benchmarks/run_gpu.sh "$OUT"                      # on the GPU machine (this script, --out "$OUT")
+    bash benchmarks/run_gpu.sh engine "$OUT"                      # on the GPU machine (this script, --out "$OUT")
     python -m benchmarks.gpu_run --prepare-dataset --prepare-wheels   # first, here (see gpu/prepare.py)
     python -m benchmarks.gpu_run --smoke --out /tmp/smoke  # the whole run on a CPU: demo model, tiny shapes
 

@@ -1,6 +1,6 @@
 """What a lent GPU should measure about quantization, in one device call of at most 10 minutes.
 
-    bash benchmarks/run_gpu_quantization.sh "$OUT"              # on the GPU machine (this script, --out "$OUT")
+    bash benchmarks/run_gpu.sh quantization "$OUT"              # on the GPU machine (this script, --out "$OUT")
     python -m benchmarks.quantization_gpu --smoke --out /tmp/q  # the whole run on a CPU: demo model, tiny shapes
 
 Nothing needs preparing or carrying: the 8B engines use dummy weights and random prompts.

@@ -1,7 +1,7 @@
 """What a lent GPU should measure about speculative decoding, in one device call of at most 10 minutes:
 the 8B engine's batch-1 (and batch-8) TPOT on repetitive prompts with n-gram speculation vs without.
 
-    bash benchmarks/run_gpu_speculative.sh "$OUT"               # on the GPU machine (this script, --out "$OUT")
+    bash benchmarks/run_gpu.sh speculative "$OUT"               # on the GPU machine (this script, --out "$OUT")
     python -m benchmarks.speculative_gpu --smoke --out /tmp/s   # the whole run on a CPU: demo model, tiny shapes
 
 Nothing needs preparing or carrying: the engines use dummy weights (Llama-3.1-8B's shapes, bf16)

@@ -2,7 +2,7 @@
 lent GPU runs (issue 43).
 
     python -m benchmarks.vllm_gpu --prepare-dataset --prepare-wheels   # first, here (network)
-    bash benchmarks/run_gpu_vllm.sh "$OUT"                             # on the GPU machine
+    bash benchmarks/run_gpu.sh vllm "$OUT"                             # on the GPU machine
     python -m benchmarks.vllm_gpu --smoke --out /tmp/smoke             # the whole run on a CPU
 
 Every 8B engine of the run has one configuration, vLLM's limits on a GPU of >= 70 GiB (1,024

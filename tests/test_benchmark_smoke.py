@@ -9,7 +9,8 @@ The real runs need a GPU; these keep the scripts from rotting:
   stage's JSON and log, the summary after every stage, and a stage out of time recorded as such
   while the later stages still run;
 - `benchmarks/throughput_steps.py` (a CPU analysis, not a GPU script): `bench throughput` with
-  its steps timed by program.
+  its steps timed by program;
+- `benchmarks/run_gpu.sh`, the one entry point of the GPU suites: each suite's script reached.
 """
 
 import functools
@@ -279,3 +280,20 @@ def test_vllm_run_refuses_without_a_gpu(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "REFUSED" in proc.stdout
+
+
+def test_the_one_gpu_entry_point_runs_each_suite_and_refuses_others():
+    """`benchmarks/run_gpu.sh SUITE OUT [flags]` runs each suite's script with `--out OUT` and the
+    flags (here `--help`: each prints its own usage); an unknown suite exits 2, naming the four."""
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    script = os.path.join(ROOT, "benchmarks", "run_gpu.sh")
+    for suite, module in [
+        ("vllm", "vllm_gpu"),
+        ("engine", "gpu_run"),
+        ("quantization", "quantization_gpu"),
+        ("speculative", "speculative_gpu"),
+    ]:
+        proc = subprocess.run(["bash", script, suite, "/tmp/unused", "--help"], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: {module}.py"), (suite, proc.stderr)
+    proc = subprocess.run(["bash", script, "everything"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "vllm, engine, quantization or speculative" in proc.stderr

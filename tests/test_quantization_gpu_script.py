@@ -1,7 +1,7 @@
 """`benchmarks/quantization_gpu.py` runs end to end on the CPU with `--smoke` (the demo model with
 dummy weights, tiny shapes, the kernels in interpret mode), and its HLO census reads GPU-style HLO.
 
-The real run needs a GPU (`bash benchmarks/run_gpu_quantization.sh "$OUT"`); these keep it from
+The real run needs a GPU (`bash benchmarks/run_gpu.sh quantization "$OUT"`); these keep it from
 rotting: every stage and step in its own process, each step's JSON parsed into the summary, the
 headlines (HLO counts per step and program, fp8/bf16 kernel times, engine ratios to bf16), the
 markdown tables, the tarball with the HLO text; and the census on a hand-written module of the

@@ -1,7 +1,7 @@
 """`benchmarks/speculative_gpu.py` runs end to end on the CPU with `--smoke` (the demo model with
 dummy weights, tiny shapes and batch sizes 1 and 2), and its pieces do what the GPU run needs.
 
-The real run needs a GPU (`bash benchmarks/run_gpu_speculative.sh "$OUT"`); these keep it from
+The real run needs a GPU (`bash benchmarks/run_gpu.sh speculative "$OUT"`); these keep it from
 rotting: every stage (plain, n-gram k=2 and k=4, a draft model) an engine in its own process,
 each step's JSON parsed into the summary, the headlines (TPOT, tokens/s, acceptance, ratios to
 plain), the markdown table and notes, the tarball; the prompts, the counters' sums and the

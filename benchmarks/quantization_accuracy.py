@@ -45,7 +45,8 @@ MODES = {
     "int8 weights + fp8 KV": ("int8", "float8_e4m3fn"),
     "int4 weights (RTN)": ("int4", None),
     "int4 weights (RTN) + fp8 KV": ("int4", "float8_e4m3fn"),
-    # AWQ, GPTQ and compressed-tensors checkpoints of the demo model: benchmarks/int4_formats_accuracy.py
+    # AWQ, GPTQ and compressed-tensors checkpoints of the demo model: the removed one-off study
+    # benchmarks/int4_formats_accuracy.py (git log -- benchmarks/int4_formats_accuracy.py)
 }
 # Input features per group of the int4 modes: the demo model's MLP width (704 = 11 x 64) refuses 128.
 INT4_GROUP_SIZE = 64

@@ -33,6 +33,7 @@ _EXPORTS = {
     "EngineArgs": "jaxpaged.engine_args",
     "ModelConfig": "jaxpaged.config.model_config",
     "SamplingParams": "jaxpaged.sampling_params",
+    "LoRARequest": "jaxpaged.lora_request",
     "RequestOutputKind": "jaxpaged.sampling_params",
     "StructuredOutputsParams": "jaxpaged.sampling_params",
     "RequestOutput": "jaxpaged.outputs",

@@ -333,6 +333,21 @@ class EngineArgs:
         per_process=True,
         refused=True,
     )
+    enable_lora: bool = _option(
+        False,
+        "serve LoRA adapters (PEFT's format) over the base model: a request names its adapter (LLM: "
+        "lora_request=LoRARequest(...)); up to --max-loras adapters in one batch",
+    )
+    max_loras: int = _option(1, "LoRA adapters on the device at once (slots of the adapter pool); with --enable-lora")
+    max_lora_rank: int = _option(
+        16, "largest LoRA rank an adapter may have (the pool's slots are this wide); with --enable-lora"
+    )
+    max_cpu_loras: int | None = _option(
+        None,
+        "LoRA adapters kept read in host memory, least recently used evicted (default: --max-loras); with "
+        "--enable-lora",
+        metavar="N",
+    )
     max_logprobs: int = _option(
         defaults.MAX_LOGPROBS,
         f"most logprobs a request may ask for, per token (at most {defaults.MAX_LOGPROBS}: what the sampler returns)",
@@ -407,6 +422,7 @@ class EngineArgs:
             if self.seed >= MAX_SEED:
                 raise EngineArgsError("seed", self.seed, f"must be below 2**62 ({MAX_SEED})")
         self._check_offloading()
+        self._check_lora()
         self._check_pipeline()
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise EngineArgsError(
@@ -429,6 +445,28 @@ class EngineArgs:
         if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
             check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
         check_choice("usage_context", self.usage_context, defaults.USAGE_CONTEXTS)
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+                raise EngineArgsError(name, value, "must be an integer from 1 to 1024")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise EngineArgsError(
+                "max_cpu_loras", cpu, f"must be an integer of at least --max-loras ({self.max_loras})"
+            )
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise EngineArgsError(
+                "enable_lora",
+                True,
+                f"LoRA adapters under pipeline parallelism (pipeline_parallel_size={self.pipeline_parallel_size}) "
+                "are not supported yet; use tensor parallelism",
+            )
+        if self.enable_lora and self.speculative_config is not None:
+            raise EngineArgsError(
+                "enable_lora", True, "LoRA adapters with speculative decoding are not supported yet; drop one"
+            )
 
     def _check_offloading(self) -> None:
         size = self.kv_offloading_size

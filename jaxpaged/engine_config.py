@@ -32,7 +32,15 @@ from jaxpaged.config.quantization import (
     resolve_quantization,
     stored_weights,
 )
-from jaxpaged.config.sections import SECTIONS, CacheConfig, CompileConfig, LoadConfig, ParallelConfig, SchedulingConfig
+from jaxpaged.config.sections import (
+    SECTIONS,
+    CacheConfig,
+    CompileConfig,
+    LoadConfig,
+    LoraConfig,
+    ParallelConfig,
+    SchedulingConfig,
+)
 from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.core.scheduler import SchedulerConfig
 from jaxpaged.engine_args import EngineArgs, EngineArgsError, pipeline_error
@@ -56,6 +64,7 @@ class EngineConfig:
       scheduling: the batching limits.
       parallel: devices and processes.
       compile: how the step programs are compiled.
+      lora: the LoRA adapters' limits.
       speculative: the speculative decoding options, or None.
       draft: the draft model's configuration and checkpoint dtype (speculative decoding with a
         draft model), or None.
@@ -69,6 +78,7 @@ class EngineConfig:
     scheduling: SchedulingConfig
     parallel: ParallelConfig
     compile: CompileConfig
+    lora: LoraConfig
     speculative: SpeculativeConfig | None = None
     draft: "DraftModel | None" = None
 
@@ -199,6 +209,7 @@ class EngineConfig:
             preemption_mode=c.resolved_preemption_mode,
             num_scheduler_steps=1 if stages > 1 else s.num_scheduler_steps,
             pipeline_depth=stages,
+            lora_slots=self.lora.max_loras if self.lora.enable_lora else 0,
         )
 
 

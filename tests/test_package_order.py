@@ -16,6 +16,7 @@ TOP = "jaxpaged"  # the root package's __init__
 
 LAYERS = (
     "sampling_params",  # what a request asks for
+    "lora_request",  # the LoRA adapter a request runs with
     "outputs",  # what it gets back
     "config",  # static facts: the model's configuration, its architecture and parameter tables, options, quantization
     "core",  # the host side: sequences, block manager, scheduler, detokenizer (no JAX)

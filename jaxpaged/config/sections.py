@@ -1,5 +1,5 @@
 """The typed parts of the engine's resolved configuration (vLLM's names: load, cache, scheduling,
-parallel, compile), what each component receives instead of the options object. No JAX here.
+parallel, compile, lora), what each component receives instead of the options object. No JAX here.
 
 Each part's fields are `EngineArgs` fields of the same name, resolved (`EngineConfig.resolve`
 fills them from the options), plus what start-up decides (the checkpoint's dtype, the pool's
@@ -176,10 +176,28 @@ class CompileConfig:
     compilation_cache_dir: str
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served over the base model (`jaxpaged.lora`).
+
+    Attributes:
+      enable_lora: requests may name an adapter.
+      max_loras: adapters on the device at once (the adapter pool's slots).
+      max_lora_rank: the pool's rank: an adapter's rank may be at most this.
+      max_cpu_loras: adapters kept read in host memory (None: `max_loras`).
+    """
+
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None
+
+
 SECTIONS = {
     "load": LoadConfig,
     "cache": CacheConfig,
     "scheduling": SchedulingConfig,
     "parallel": ParallelConfig,
     "compile": CompileConfig,
+    "lora": LoraConfig,
 }

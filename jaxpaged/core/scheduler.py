@@ -51,6 +51,7 @@ from jaxpaged.config.checks import check_batch_limits, check_choice
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier, KVTransfers
+from jaxpaged.core.lora_slots import LoraSlots
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.speculation import (
     NGRAM_LOOKBACK,
@@ -88,6 +89,7 @@ class SchedulerConfig:
         1: none). A step's results come back P - 1 steps later, a sequence is in one micro-batch
         in flight at most, and a step decodes at most 1/P of the running sequences, so that P
         groups take turns and every stage has work.
+      lora_slots: LoRA adapters in one batch (the device pool's slots, `LoraSlots`); 0: no LoRA.
     """
 
     max_num_seqs: int = defaults.MAX_NUM_SEQS
@@ -100,6 +102,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     num_scheduler_steps: int = defaults.NUM_SCHEDULER_STEPS
     pipeline_depth: int = 1
+    lora_slots: int = 0
 
     def __post_init__(self):
         for name in (
@@ -147,6 +150,7 @@ class SchedulerOutput:
         runner frees their slots before this step takes any).
       failed: sequences this schedule finished with an error instead of admitting them (their
         grammar failed: `Sequence.error`); the engine reports them as it reports aborts.
+      lora_loads: `(slot, adapter)` LoRA adapters to load into the device pool before the step.
     """
 
     scheduled: list[tuple[Sequence, int]]
@@ -163,6 +167,7 @@ class SchedulerOutput:
     stores: KVTransfers = KVTransfers([], [])
     released_seq_ids: list[int] = dataclasses.field(default_factory=list)
     failed: list[Sequence] = dataclasses.field(default_factory=list)
+    lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -222,6 +227,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._released: list[int] = []  # seq_ids finished or preempted since the last schedule
+        self.lora_slots = LoraSlots(config.lora_slots) if config.lora_slots else None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -237,6 +243,10 @@ class Scheduler:
             raise ValueError(f"only new sequences can be added, got {seq}")
         if p == 0:
             raise ValueError(f"request {seq.request_id!r}: the prompt is empty; give at least one token")
+        if seq.lora is not None and self.lora_slots is None:
+            raise ValueError(
+                f"request {seq.request_id!r} asks for LoRA adapter {seq.lora!r}; start the engine with enable_lora=True"
+            )
         if mt is None and p >= cfg.max_model_len:
             raise ValueError(
                 f"request {seq.request_id!r}: the prompt ({p} tokens) leaves no room to generate under "
@@ -280,6 +290,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._give_back_lora(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
@@ -353,7 +364,7 @@ class Scheduler:
         # 3. Waiting sequences, FCFS; the queue's head blocks the rest (also while it waits for
         # a pending token: it was preempted with a step in flight).
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
-            seq = next((s for s in self.waiting if s.constraint is None or s.constraint.ready), None)
+            seq = next((s for s in self.waiting if self._admissible(s)), None)
             if seq is None or seq.num_pending_tokens:
                 break
             if seq.constraint is not None and seq.constraint.error is not None:
@@ -370,6 +381,8 @@ class Scheduler:
             if not bm.can_allocate(seq, n, parent):
                 break
             self.waiting.remove(seq)
+            if seq.lora is not None:
+                seq.lora_slot = self.lora_slots.take(seq.lora)
             bm.allocate(seq, parent)
             bm.may_append(seq, n)
             seq.status = SequenceStatus.RUNNING
@@ -409,7 +422,14 @@ class Scheduler:
             stores=bm.take_stores(),
             released_seq_ids=released,
             failed=failed,
+            lora_loads=self.lora_slots.take_loads() if self.lora_slots is not None else [],
         )
+
+    def _admissible(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence may start now: its grammar compiled, its LoRA adapter given
+        a slot (the batch holds at most `max_loras` adapters)."""
+        ready = seq.constraint is None or seq.constraint.ready
+        return ready and (seq.lora is None or self.lora_slots.can_take(seq.lora))
 
     def copies_done(self, output: SchedulerOutput) -> None:
         """Called once `output`'s host-tier copies have run (the step dispatched): with a disk
@@ -505,6 +525,7 @@ class Scheduler:
             prompt_targets=targets,
             constraint=seq.constraint,
             num_forced=len(forced),
+            lora_slot=seq.lora_slot,
         )
 
     def _live_steps(self, seq: Sequence, num_steps: int) -> int:
@@ -749,6 +770,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._give_back_lora(seq)
         self._released.append(seq.seq_id)
         if not (self.config.preemption_mode == "swap" and self.block_manager.swap_out(seq)):
             self.block_manager.deallocate(seq)  # by recompute
@@ -756,6 +778,11 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _give_back_lora(self, seq: Sequence) -> None:
+        if self.lora_slots is not None:
+            self.lora_slots.give_back(seq.lora_slot)
+        seq.lora_slot = 0
 
     def _fork_parent(self, seq: Sequence) -> Sequence | None:
         """With prefix caching off, the running sibling whose computed prompt blocks `seq` can share."""

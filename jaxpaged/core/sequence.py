@@ -79,6 +79,8 @@ class Sequence:
       constraint: what it may sample next (a `jaxpaged.structured.SequenceConstraint`: its
         grammar's matcher, allowed_token_ids, bad_words), advanced with each output token;
         None: unconstrained, or finished (released).
+      lora: the LoRA adapter it runs with (its name), or None for the base model.
+      lora_slot: the adapter's slot in the device's pool while it runs (`LoraSlots`), else 0.
     """
 
     def __init__(
@@ -125,6 +127,8 @@ class Sequence:
         self.prompt_logprobs = None if k is None or index else PromptLogprobs.empty(len(self.prompt_token_ids), k)
         self.prompt_logprobs_sent = False
         self.constraint = None
+        self.lora: str | None = None
+        self.lora_slot = 0
 
     def __repr__(self) -> str:
         return (

@@ -38,6 +38,8 @@ class ScheduledSequence:
       num_forced: how many of `token_ids` after its first are tokens its constraint allows
         alone, computed without sampling (`SequenceConstraint.forced_run`); its sampling row
         follows them (and any proposals after them).
+      lora_slot: its LoRA adapter's slot in the device's adapter pool (1..max_loras), 0 for the
+        base model.
     """
 
     token_ids: list[int]
@@ -55,3 +57,4 @@ class ScheduledSequence:
     prompt_targets: list[int] | None = None
     constraint: object | None = None
     num_forced: int = 0
+    lora_slot: int = 0

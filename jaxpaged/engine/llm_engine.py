@@ -59,12 +59,14 @@ from jaxpaged.core.speculation import (
     is_constrained,
     make_proposer,
 )
+from jaxpaged.engine.lora_registry import LoraRegistry
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.profiling import ProfilerControls
 from jaxpaged.engine.setup import eos_token_ids, load_tokenizer, start_device_worker, start_disk_tier
 from jaxpaged.engine.training_loop import TrainingLoopControls
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.engine_config import EngineConfig
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.parallel.multihost import STOP
 from jaxpaged.sampling_params import FLOAT32_MAX, SamplingParams, check_text
@@ -121,6 +123,10 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         # Structured outputs: grammars compiled on their own threads, cached by grammar text.
         self.grammars = None if self.tokenizer is None else GrammarBackend(self.tokenizer, config.model.vocab_size, eos)
         self.governor = SpeculationGovernor(spec.disable_by_batch_size, adaptive=spec.adaptive) if spec else None
+        self.loras = None  # the LoRA adapters asked for (enable_lora)
+        if self.config.lora.enable_lora:
+            self.loras = LoraRegistry(self.config.model, self.config.lora, self.config.layout.kv_replicas)
+            self.runner.lora_weights = self.loras.weights
         self.num_prompt_tokens = 0
 
     @classmethod
@@ -148,10 +154,13 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues a request; its outputs come from `step()`. Arguments and errors: `add_sequences`."""
         arrival = time.time() if arrival_time is None else arrival_time
-        accepted = self.add_sequences(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt)
+        accepted = self.add_sequences(
+            request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt, lora_request=lora_request
+        )
         self.output_processor.add_request(request_id, *accepted, arrival)
 
     def add_sequences(
@@ -162,6 +171,7 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, list[int], SamplingParams]:
         """Validates and tokenizes a request and queues its `n` sequences with the scheduler, for
         an engine whose outputs are processed elsewhere (`step_deltas`); `add_request` is this plus
@@ -174,6 +184,7 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
             model's generation config over `SamplingParams`' defaults).
           arrival_time: `time.time()` of arrival (default now).
           cache_salt: isolates this request's prefix-cache entries.
+          lora_request: the LoRA adapter it runs with (an engine with `enable_lora`), or None.
 
         Returns:
           `(prompt text or None, prompt token ids, params with max_tokens and seed resolved)`; with
@@ -204,6 +215,15 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
             raise ValueError("stop strings need a tokenizer; the engine runs with skip_tokenizer_init=True")
         if cache_salt is not None:
             check_text("cache_salt", cache_salt)
+        lora = None
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError(
+                    f"the request asks for LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r}; "
+                    "start the engine with enable_lora=True (--enable-lora)"
+                )
+            salt = self.loras.register(lora_request)  # its blocks cached apart from others'
+            cache_salt, lora = f"{cache_salt or ''}\x00{salt}", lora_request.lora_name
         make_constraint = self._constraint_factory(params)
         text, token_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:  # keep the last k tokens (-1: max_model_len)
@@ -226,6 +246,7 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         ]
         for i, seq in enumerate(seqs):
             seq.constraint = make_constraint()  # each sequence its own matcher
+            seq.lora = lora
             try:
                 self.scheduler.add(seq)
             except ValueError:

@@ -13,6 +13,7 @@ from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, compatibility_notes
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.entrypoints.logging_setup import configure_default_logging
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.structured import check as check_constraint
@@ -88,6 +89,7 @@ class LLM:
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates completions for every prompt; returns their final outputs in input order.
 
@@ -97,6 +99,8 @@ class LLM:
           sampling_params: one for all prompts, or one per prompt (default
             `get_default_sampling_params()`: the model's generation config).
           use_tqdm: show a progress bar.
+          lora_request: the LoRA adapter every prompt runs with, or one (or None: the base model)
+            per prompt; the engine needs `enable_lora=True`.
 
         Raises:
           ValueError: a bad prompt or parameter (nothing is left queued then).
@@ -115,14 +119,22 @@ class LLM:
                 raise ValueError(
                     f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"got {len(loras)} lora_request for {len(prompts)} prompts; pass one or one per prompt"
+                )
         ids = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, lora in zip(prompts, params, loras):
                 sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)  # only final outputs are kept
                 request_id = str(next(self._ids))
                 if sp.structured_outputs is not None:  # a bad constraint raises here, not in its output
                     check_constraint(sp.structured_outputs)
-                self.llm_engine.add_request(request_id, prompt, sp)
+                self.llm_engine.add_request(request_id, prompt, sp, lora_request=lora)
                 ids.append(request_id)
         except ValueError:
             self.llm_engine.abort_request(ids)

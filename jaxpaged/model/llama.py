@@ -46,6 +46,7 @@ from jaxpaged.config.params.tables import param_specs, quantized_paths
 from jaxpaged.model.attention import BACKENDS, paged_attention, resolve_attention_backend
 from jaxpaged.model.kv_pool import KVPool, KVQuant
 from jaxpaged.model.layer_arrays import LayerArrays
+from jaxpaged.model.lora import LayerLora, LoraPool, lora_delta, token_onehot
 from jaxpaged.model.metadata import AttentionMetadata
 from jaxpaged.model.moe import SparseMoe
 from jaxpaged.model.pipeline_carry import PipelineCarry, Stages, empty_carry, tick
@@ -273,14 +274,16 @@ class Attention(nnx.Module):
         meta: AttentionMetadata,
         kv_quant: KVQuant | None = None,
         own: "LayerAttention | None" = None,
+        lora: LayerLora | None = None,
     ) -> tuple[Float[Array, "T D"], Float[Array, "LNB BS K H"], Float[Array, "LNB BS K H"]]:
         """One layer over this step's tokens; `meta` addresses this layer's blocks of the pool
         (all layers' blocks in a row, `AttentionMetadata.for_layer`); `kv_quant`: this layer's
         scales of an fp8 pool (None: the pool holds the values as they are); `own`: this layer's
-        window and inverse frequencies where the layers differ (None: the shared ones)."""
-        q = project(self, "q_proj", x)
-        k = project(self, "k_proj", x)
-        v = project(self, "v_proj", x)
+        window and inverse frequencies where the layers differ (None: the shared ones); `lora`:
+        this layer's LoRA adapters and the tokens' slots (None: none)."""
+        q = project(self, "q_proj", x) + lora_delta(lora, "q_proj", x)
+        k = project(self, "k_proj", x) + lora_delta(lora, "k_proj", x)
+        v = project(self, "v_proj", x) + lora_delta(lora, "v_proj", x)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -303,7 +306,7 @@ class Attention(nnx.Module):
             attend = self.parallel.per_head(attend, (QUERY_AXES, pool, pool, (), sc, sc), QUERY_AXES)
         k_pool, v_pool = write(k_pool, v_pool, k, v, meta.slot_mapping, k_scale, v_scale)
         attn = attend(q, k_pool, v_pool, meta, k_scale, v_scale)
-        out = project(self, "o_proj", attn)
+        out = project(self, "o_proj", attn) + lora_delta(lora, "o_proj", attn)
         if self.has_o_bias:
             out = out + self.o_bias[...]
         return out, k_pool, v_pool
@@ -330,10 +333,11 @@ class MLP(nnx.Module):
         self.quantization, self.group_kernel = params.quantization, params.group_kernel
         self.act = params.config.hidden_act
 
-    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        gate = project(self, "gate_proj", x)
-        up = project(self, "up_proj", x)
-        return project(self, "down_proj", ACTIVATIONS[self.act](gate) * up)
+    def __call__(self, x: Float[Array, "T D"], lora: LayerLora | None = None) -> Float[Array, "T D"]:
+        gate = project(self, "gate_proj", x) + lora_delta(lora, "gate_proj", x)
+        up = project(self, "up_proj", x) + lora_delta(lora, "up_proj", x)
+        hidden = ACTIVATIONS[self.act](gate) * up
+        return project(self, "down_proj", hidden) + lora_delta(lora, "down_proj", hidden)
 
 
 class DecoderLayer(nnx.Module):
@@ -355,11 +359,13 @@ class DecoderLayer(nnx.Module):
         else:  # a mixture of experts (moe.py)
             self.moe = SparseMoe(config, params, parallel, kernels=BACKENDS[attention].kernels)
 
-    def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata, kv_quant: KVQuant | None = None, own=None):
-        attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta, kv_quant, own)
+    def __call__(
+        self, x, k_pool, v_pool, meta: AttentionMetadata, kv_quant: KVQuant | None = None, own=None, lora=None
+    ):
+        attn, k_pool, v_pool = self.attn(self.input_norm(x), k_pool, v_pool, meta, kv_quant, own, lora)
         x = x + (self.attn_out_norm(attn) if hasattr(self, "attn_out_norm") else attn)
-        feed_forward = self.moe if hasattr(self, "moe") else self.mlp
-        out = feed_forward(self.post_attention_norm(x))
+        normed = self.post_attention_norm(x)
+        out = self.moe(normed) if hasattr(self, "moe") else self.mlp(normed, lora)
         x = x + (self.mlp_out_norm(out) if hasattr(self, "mlp_out_norm") else out)
         return x, k_pool, v_pool
 
@@ -385,13 +391,15 @@ class LayerAttention:
         return LayerAttention(jnp.asarray(windows, jnp.int32), jnp.asarray(np.stack(freqs)))
 
 
-def _one_layer(graphdef, block_size: int, carry, params, first_block, kv_quant, meta: AttentionMetadata, own=None):
+def _one_layer(
+    graphdef, block_size: int, carry, params, first_block, kv_quant, meta: AttentionMetadata, own=None, lora=None
+):
     """Decoder layer `params` (one layer's, merged with the layers' `graphdef`) over `carry`
     `(x, k_pool, v_pool)`, addressing the pool's blocks from `first_block`; `own`: the layer's
-    `LayerAttention` (None: the layers are alike)."""
+    `LayerAttention` (None: the layers are alike); `lora`: the layer's `LayerLora` (None: none)."""
     x, k_pool, v_pool = carry
     layer = nnx.merge(graphdef, params)
-    return layer(x, k_pool, v_pool, meta.for_layer(first_block, block_size), kv_quant, own)
+    return layer(x, k_pool, v_pool, meta.for_layer(first_block, block_size), kv_quant, own, lora)
 
 
 class Llama(nnx.Module):
@@ -456,9 +464,14 @@ class Llama(nnx.Module):
         params.check_all_declared()
 
     def __call__(
-        self, token_ids: Int[Array, " T"], kv_pool: KVPool, meta: AttentionMetadata
+        self,
+        token_ids: Int[Array, " T"],
+        kv_pool: KVPool,
+        meta: AttentionMetadata,
+        lora: tuple[LoraPool, Int[Array, " T"]] | None = None,
     ) -> tuple[Float[Array, "T D"], KVPool]:
-        """Runs every layer over this step's tokens.
+        """Runs every layer over this step's tokens; `lora`: the LoRA adapter pool and each
+        token's slot in it (None: the base model for every token).
 
         Returns:
           The final-normed hidden state of every token, and the updated pool.
@@ -466,18 +479,27 @@ class Llama(nnx.Module):
         x = self._embed(token_ids)
         graphdef, layer_params = nnx.split(self.layers)
         if self.pipeline is not None:
+            if lora is not None:
+                raise ValueError("LoRA adapters under pipeline parallelism are not supported yet")
             x, k, v = self._pipelined(graphdef, layer_params, x, kv_pool, meta)
             return self.final_norm(x), dataclasses.replace(kv_pool, k=k, v=v)
         num_layers, num_blocks, block_size = kv_pool.num_layers, kv_pool.num_blocks, kv_pool.block_size
+        onehot = None
+        if lora is not None:
+            pool, slots = lora
+            onehot = token_onehot(slots, next(iter(pool.b.values())).shape[1], x.dtype)
+            lora = (pool.a, pool.b)
 
         def one_layer(carry, per_layer):
-            params, first_block, kv_quant, own = per_layer
-            return _one_layer(graphdef, block_size, carry, params, first_block, kv_quant, meta, own), None
+            params, first_block, kv_quant, own, adapters = per_layer
+            layer_lora = None if adapters is None else LayerLora(*adapters, onehot)
+            return _one_layer(graphdef, block_size, carry, params, first_block, kv_quant, meta, own, layer_lora), None
 
         carry = (x, kv_pool.k, kv_pool.v)
         first_blocks = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks
-        # the pool's scales: [L, K] -> [K] a layer; the layers' own windows and frequencies
-        per_layer = (layer_params, first_blocks, kv_pool.quant, LayerAttention.of(self.config))
+        # the pool's scales: [L, K] -> [K] a layer; the layers' own windows and frequencies; the
+        # layer's adapters
+        per_layer = (layer_params, first_blocks, kv_pool.quant, LayerAttention.of(self.config), lora)
         if self.scan_layers:
             if any(map(_is_layer_arrays, jax.tree.leaves(layer_params, is_leaf=_is_layer_arrays))):
                 raise ValueError(

@@ -43,6 +43,7 @@ from jaxpaged.engine_config import EngineConfig
 from jaxpaged.functional import DeviceCache, init_cache
 from jaxpaged.model import Llama
 from jaxpaged.model.layer_arrays import place_params, state_shardings
+from jaxpaged.model.lora import write_slot
 from jaxpaged.model.prompt_logprobs import unpack_prompt_logprobs
 from jaxpaged.model.sampler import SamplerOptions
 from jaxpaged.parallel.mesh import TensorParallel
@@ -188,6 +189,12 @@ class ModelRunner:
         else:
             self.params = place_params(params, parallel)  # no copy when the loader placed them already
         self._whole = parallel.sharding()
+        lora = config.lora
+        # LoRA adapters: the pool's (slots, rank, dtype), and where the engine reads an adapter's
+        # weights from (`jaxpaged.engine.lora_registry`; set by the engine)
+        self.lora_pool_shape = (lora.max_loras, lora.max_lora_rank, self.params_dtype) if lora.enable_lora else None
+        self.lora_weights = None
+        self._write_lora = None
         self.cache = self.zero_cache(config.cache.num_blocks)
         if kv_scales is not None and self.cache.kv.quant is not None:
             self.set_kv_scales(*kv_scales)
@@ -251,6 +258,17 @@ class ModelRunner:
         if slept.kv_scales is not None:
             self.set_kv_scales(*slept.kv_scales)
 
+    def load_lora(self, slot: int, weights) -> None:
+        """Writes a LoRA adapter (`checkpoint.lora.LoraWeights`) into slot `slot` (1..max_loras)
+        of the device's pool, in place (one compiled program for every slot and adapter)."""
+        if self._write_lora is None:
+            shardings = self.step_programs.cache_shardings.lora
+            self._write_lora = jax.jit(write_slot, donate_argnums=0, out_shardings=shardings)
+        slot = jax.device_put(np.int32(slot), self._whole)
+        a = {k: jax.device_put(v.astype(self.params_dtype), self._whole) for k, v in weights.a.items()}
+        b = {k: jax.device_put(v.astype(self.params_dtype), self._whole) for k, v in weights.b.items()}
+        self.cache = dataclasses.replace(self.cache, lora=self._write_lora(self.cache.lora, slot, a, b))
+
     def mask_executor(self):
         """llguidance's thread pool for mask rows (made by the first masked step)."""
         if self._mask_executor is None:
@@ -271,6 +289,7 @@ class ModelRunner:
                 dtype=kv_dtype,
                 max_num_seqs=self.max_num_seqs,
                 platform=self.parallel.platform,
+                lora=self.lora_pool_shape,
             )
 
         if self.abstract:
@@ -385,6 +404,8 @@ class ModelRunner:
             self.draft.release(output.released_seq_ids)
         handles = self._drain() if output.transfers else []  # (a pipeline's micro-batches leave first)
         self.move_kv(output.transfers)
+        for slot, adapter in output.lora_loads:
+            self.load_lora(slot, self.lora_weights(adapter))
         prepared = None
         if not output.is_empty:
             prepared = self.input_batch.prepare(output.step_inputs)

@@ -82,6 +82,7 @@ STEP_FIELDS = (
     StepField("prompt_targets", "T"),  # the prompt token after each token (prompt logprobs)
     StepField("logit_bias_ids", "SR LB"),
     StepField("logit_bias_values", "SR LB", kind="float32"),
+    StepField("lora_slots", "T"),  # each token's LoRA adapter slot (0: the base model)
 )
 
 

@@ -303,6 +303,8 @@ class StepPacker:
         for i, seq in enumerate(inputs):
             if seq.prompt_targets:
                 v["prompt_targets"][starts[i] : starts[i] + len(seq.prompt_targets)] = seq.prompt_targets
+        lora_slots = np.fromiter((s.lora_slot for s in inputs), np.int32, n)
+        v["lora_slots"][:total] = lora_slots[seq_of_token]
         v["num_seqs"][...] = n
         return t, buffer
 

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.config.lora import lora_targets
 from jaxpaged.config.quantization import is_fp8
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.functional import (
@@ -51,6 +52,7 @@ from jaxpaged.functional import (
     step,
 )
 from jaxpaged.model import AttentionMetadata, KVPool, KVQuant
+from jaxpaged.model.lora import LoraPool
 from jaxpaged.model.pipeline_carry import PipelineCarry, empty_carry
 from jaxpaged.model.sampler import (
     ENGINE_SAMPLER_OPTIONS,
@@ -405,11 +407,16 @@ class StepPrograms:
         whole, pool = parallel.sharding(), parallel.pool_sharding
         scales = parallel.logical_sharding(KV_SCALE_AXES)
         quant = KVQuant(k_scale=scales, v_scale=scales, dtype=kv_dtype) if is_fp8(kv_dtype) else None
+        lora = None
+        if config.lora.enable_lora:  # (whole on every device; GSPMD splits the deltas' products)
+            names = lora_targets(config.layout.mesh_config)
+            lora = LoraPool(a=dict.fromkeys(names, whole), b=dict.fromkeys(names, whole))
         shardings = DeviceCache(
             kv=KVPool(k=pool, v=pool, num_layers=config.layout.pipeline.num_virtual_layers, quant=quant),
             prompt_mask=whole,
             output_counts=whole,
             last_tokens=whole,
+            lora=lora,
         )
         carry = None
         pipeline = config.layout.pipeline

@@ -1,0 +1,139 @@
+"""LoRA adapters (PEFT's format) served over the base model: greedy tokens and logprobs equal
+transformers + PEFT (the adapter applied, not merged) for adapters of different ranks, targets
+and scalings mixed in one batch with base-model rows; more adapters than the pool's slots take
+turns; prefix-cache blocks never cross adapters; bad adapters are refused by name."""
+
+import json
+import os
+
+import numpy as np
+import peft
+import pytest
+import torch
+from engine_fixtures import hf_greedy, make_model_dir
+
+from jaxpaged import LLM, LoRARequest, SamplingParams
+
+# (name, PEFT LoraConfig options): ranks 4 / 8 / 2 / 6, attention-only and MLP targets, rsLoRA,
+# a rank_pattern and an alpha_pattern
+ADAPTERS = {
+    "attn-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all-r8": dict(r=8, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "mlp-rs": dict(r=2, lora_alpha=3, use_rslora=True, target_modules=["gate_proj", "down_proj"]),
+    "patterns": dict(
+        r=6, lora_alpha=12, target_modules=["o_proj", "up_proj"], rank_pattern={"up_proj": 3}, alpha_pattern={"o_proj": 2}
+    ),
+}
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [300, 2, 8, 8, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [77, 78]]
+NEW_TOKENS = 8
+
+
+def save_adapter(base, name: str, path: str, seed: int):
+    """A PEFT adapter of `ADAPTERS[name]` over `base` with random (not zero) B, saved to `path`;
+    returns the PEFT model."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, **ADAPTERS[name])
+    model = peft.get_peft_model(base, config, adapter_name=name)
+    with torch.no_grad():  # PEFT's non-default init is small: scale it so the adapters change tokens
+        for param_name, param in model.named_parameters():
+            if "lora_" in param_name:
+                param.mul_(8.0)
+    model.save_pretrained(path, selected_adapters=[name])
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny Llama, its adapters on disk, and transformers + PEFT's greedy tokens for each
+    (adapter, prompt)."""
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = str(root / "base")
+    base = make_model_dir(model_dir)
+    base.eval()
+    expected, dirs = {}, {}
+    for seed, name in enumerate(ADAPTERS):
+        out = str(root / name)
+        fresh = make_model_dir(str(root / f"base-{name}"))  # PEFT wraps the model it is given
+        peft_model = save_adapter(fresh, name, out, seed)
+        dirs[name] = os.path.join(out, name) if os.path.isdir(os.path.join(out, name)) else out
+        peft_model.eval()
+        expected[name] = [hf_greedy(peft_model, p, NEW_TOKENS) for p in PROMPTS]
+    expected[None] = [hf_greedy(base, p, NEW_TOKENS) for p in PROMPTS]
+    return model_dir, dirs, expected
+
+
+def request(dirs, name, i):
+    return None if name is None else LoRARequest(name, i + 1, dirs[name])
+
+
+def greedy(n: int = NEW_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_adapters_mixed_in_one_batch_equal_peft(setup):
+    """Four adapters and the base model, every prompt under each, in one `generate` (the pool
+    holds all four): each output equals transformers + PEFT's greedy tokens."""
+    model_dir, dirs, expected = setup
+    llm = LLM(model_dir, enable_lora=True, max_loras=4, max_lora_rank=8, max_num_seqs=32, num_scheduler_steps=1)
+    names = [*ADAPTERS, None]
+    ids = {name: i for i, name in enumerate(ADAPTERS)}
+    prompts, loras, want = [], [], []
+    for name in names:
+        for j, prompt in enumerate(PROMPTS):
+            prompts.append({"prompt_token_ids": prompt})
+            loras.append(None if name is None else LoRARequest(name, ids[name] + 1, dirs[name]))
+            want.append(expected[name][j])
+    outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == want
+    assert all(expected[name] != expected[None] for name in ADAPTERS)  # every adapter changes tokens
+
+
+def test_more_adapters_than_slots_take_turns_and_the_cache_keeps_them_apart(setup):
+    """A pool of one slot serves four adapters (each waits for the slot to free) with PEFT's
+    tokens; the same prompt under two adapters and the base model shares no cached block, while
+    the same prompt under the same adapter hits the cache."""
+    model_dir, dirs, expected = setup
+    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=2, num_scheduler_steps=1)
+    names = list(ADAPTERS)
+    prompts = [{"prompt_token_ids": PROMPTS[0]}] * len(names)
+    loras = [LoRARequest(name, i + 1, dirs[name]) for i, name in enumerate(names)]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [expected[n][0] for n in names]
+    engine = llm.llm_engine
+    hits = engine.get_stats()["prefix_cache_hits"]
+    long_prompt = {"prompt_token_ids": PROMPTS[2] * 3}  # 39 tokens: two full blocks of 16
+    llm.generate([long_prompt], greedy(2), use_tqdm=False, lora_request=loras[0])
+    llm.generate([long_prompt], greedy(2), use_tqdm=False, lora_request=loras[1])
+    llm.generate([long_prompt], greedy(2), use_tqdm=False)
+    assert engine.get_stats()["prefix_cache_hits"] == hits  # no adapter reads another's blocks
+    llm.generate([long_prompt], greedy(2), use_tqdm=False, lora_request=loras[1])
+    assert engine.get_stats()["prefix_cache_hits"] > hits
+
+
+def test_bad_adapters_and_requests_are_refused_by_name(setup, tmp_path):
+    model_dir, dirs, _ = setup
+    plain = LLM(model_dir, num_scheduler_steps=1)
+    with pytest.raises(ValueError, match="start the engine with enable_lora=True"):
+        plain.generate(["hi"], greedy(), use_tqdm=False, lora_request=LoRARequest("a", 1, dirs["attn-r4"]))
+    llm = LLM(model_dir, enable_lora=True, max_lora_rank=4, num_scheduler_steps=1)
+    with pytest.raises(ValueError, match="rank 8, above max_lora_rank=4; raise --max-lora-rank to 8"):
+        llm.generate(["hi"], greedy(), use_tqdm=False, lora_request=LoRARequest("big", 1, dirs["all-r8"]))
+    with pytest.raises(ValueError, match="is not a directory"):
+        llm.generate(["hi"], greedy(), use_tqdm=False, lora_request=LoRARequest("gone", 2, str(tmp_path / "no")))
+    bad = tmp_path / "dora"
+    bad.mkdir()
+    config = json.load(open(os.path.join(dirs["attn-r4"], "adapter_config.json")))
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora=True: DoRA adapters are not supported"):
+        llm.generate(["hi"], greedy(), use_tqdm=False, lora_request=LoRARequest("dora", 3, str(bad)))
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "lm_head"]}))
+    with pytest.raises(ValueError, match=r"target_modules \['lm_head'\] are not projections"):
+        llm.generate(["hi"], greedy(), use_tqdm=False, lora_request=LoRARequest("head", 4, str(bad)))
+    ok = LoRARequest("attn", 5, dirs["attn-r4"])
+    llm.generate(["hi"], greedy(2), use_tqdm=False, lora_request=ok)
+    with pytest.raises(ValueError, match="already this engine's adapter of id 5"):
+        llm.generate(["hi"], greedy(), use_tqdm=False, lora_request=LoRARequest("attn", 6, dirs["mlp-rs"]))
+    with pytest.raises(ValueError, match="lora_int_id=0 must be a positive integer"):
+        LoRARequest("x", 0, dirs["attn-r4"])
+    assert np.isfinite(llm.generate(["hi"], greedy(2, logprobs=1), use_tqdm=False, lora_request=ok)[0].outputs[0].cumulative_logprob)

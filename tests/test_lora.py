@@ -18,10 +18,16 @@ from jaxpaged import LLM, LoRARequest, SamplingParams
 # a rank_pattern and an alpha_pattern
 ADAPTERS = {
     "attn-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all-r8": dict(r=8, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "all-r8": dict(
+        r=8, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    ),
     "mlp-rs": dict(r=2, lora_alpha=3, use_rslora=True, target_modules=["gate_proj", "down_proj"]),
     "patterns": dict(
-        r=6, lora_alpha=12, target_modules=["o_proj", "up_proj"], rank_pattern={"up_proj": 3}, alpha_pattern={"o_proj": 2}
+        r=6,
+        lora_alpha=12,
+        target_modules=["o_proj", "up_proj"],
+        rank_pattern={"up_proj": 3},
+        alpha_pattern={"o_proj": 2},
     ),
 }
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [300, 2, 8, 8, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [77, 78]]
@@ -134,6 +140,30 @@ def test_bad_adapters_and_requests_are_refused_by_name(setup, tmp_path):
     llm.generate(["hi"], greedy(2), use_tqdm=False, lora_request=ok)
     with pytest.raises(ValueError, match="already this engine's adapter of id 5"):
         llm.generate(["hi"], greedy(), use_tqdm=False, lora_request=LoRARequest("attn", 6, dirs["mlp-rs"]))
+    assert llm.llm_engine.remove_lora("attn") and not llm.llm_engine.remove_lora("attn")
+    llm.generate(["hi"], greedy(2), use_tqdm=False, lora_request=LoRARequest("attn", 6, dirs["mlp-rs"]))  # a new one
+    with pytest.raises(ValueError, match="LoRA adapter 'big': .*rank 8, above max_lora_rank=4"):
+        llm.llm_engine.add_lora(LoRARequest("big", 7, dirs["all-r8"]))
     with pytest.raises(ValueError, match="lora_int_id=0 must be a positive integer"):
         LoRARequest("x", 0, dirs["attn-r4"])
-    assert np.isfinite(llm.generate(["hi"], greedy(2, logprobs=1), use_tqdm=False, lora_request=ok)[0].outputs[0].cumulative_logprob)
+    again = LoRARequest("attn", 6, dirs["mlp-rs"])
+    out = llm.generate(["hi"], greedy(2, logprobs=1), use_tqdm=False, lora_request=again)
+    assert np.isfinite(out[0].outputs[0].cumulative_logprob)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_adapters_equal_peft(setup, tp):
+    """Over 2 devices, and over 4 (more devices than the model's 2 kv heads: the k/v adapters'
+    heads repeated as the mesh holds the kv heads), the mixed batch gives PEFT's tokens."""
+    model_dir, dirs, expected = setup
+    llm = LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=tp, num_scheduler_steps=1)
+    names = ["all-r8", None, "attn-r4"]
+    ids = {name: i for i, name in enumerate(ADAPTERS)}
+    prompts, loras, want = [], [], []
+    for name in names:
+        for j in (0, 2):
+            prompts.append({"prompt_token_ids": PROMPTS[j]})
+            loras.append(None if name is None else LoRARequest(name, ids[name] + 1, dirs[name]))
+            want.append(expected[name][j])
+    outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want

@@ -79,7 +79,8 @@ class Sequence:
       constraint: what it may sample next (a `jaxpaged.structured.SequenceConstraint`: its
         grammar's matcher, allowed_token_ids, bad_words), advanced with each output token;
         None: unconstrained, or finished (released).
-      lora: the LoRA adapter it runs with (its name), or None for the base model.
+      lora: the LoRA adapter it runs with (its registration key, `LoraRegistry.register`), or None
+        for the base model.
       lora_slot: the adapter's slot in the device's pool while it runs (`LoraSlots`), else 0.
     """
 

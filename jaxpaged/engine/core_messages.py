@@ -54,6 +54,8 @@ CONTROL_METHODS = (
     "is_paused",
     "start_profile",
     "stop_profile",
+    "add_lora",
+    "remove_lora",
 )
 
 

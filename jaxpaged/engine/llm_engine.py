@@ -222,8 +222,8 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
                     f"the request asks for LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r}; "
                     "start the engine with enable_lora=True (--enable-lora)"
                 )
-            salt = self.loras.register(lora_request)  # its blocks cached apart from others'
-            cache_salt, lora = f"{cache_salt or ''}\x00{salt}", lora_request.lora_name
+            lora = self.loras.register(lora_request)  # its key: its blocks cached apart from others'
+            cache_salt = f"{cache_salt or ''}\x00{lora}"
         make_constraint = self._constraint_factory(params)
         text, token_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:  # keep the last k tokens (-1: max_model_len)
@@ -320,6 +320,23 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         still computes their tokens, which are dropped). Their final deltas (outputs) come with
         the next step."""
         self._aborted += self.scheduler.abort(request_id)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads and checks a LoRA adapter now (vLLM's `add_lora`; requests naming it later start
+        without reading it). Returns True.
+
+        Raises:
+          ValueError: LoRA is off, or the adapter is refused (named, with the reason)."""
+        if self.loras is None:
+            raise ValueError("add_lora: the engine runs without LoRA; start it with enable_lora=True")
+        self.loras.register(lora_request)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forgets an adapter's name (vLLM's `remove_lora`, by name): requests already queued
+        with it finish with it; a later adapter of that name is another adapter. Returns whether
+        the name was known."""
+        return self.loras is not None and self.loras.remove(lora_name)
 
     def stop_on_string(self, request_id: str, index: int, num_output_tokens: int, stop: str) -> None:
         """Finishes a sequence that the output side found a stop string in, ending at its

@@ -17,7 +17,9 @@ from jaxpaged.lora_request import LoRARequest
 
 
 class LoraRegistry:
-    """Adapters by name.
+    """Adapters by name, each registration keyed by its id and files (`register`'s key): a
+    sequence, a pool slot and the host cache hold the key, so an adapter removed and another
+    registered under its name never share a slot or a cached block.
 
     Args:
       config: the base model's configuration (the checkpoint's).
@@ -28,40 +30,46 @@ class LoraRegistry:
 
     def __init__(self, config: ModelConfig, lora: LoraConfig, kv_replicas: int = 1):
         self.config, self.limits, self.kv_replicas = config, lora, kv_replicas
-        self.requests: dict[str, LoRARequest] = {}
-        self.fingerprints: dict[str, str] = {}
+        self.names: dict[str, tuple[LoRARequest, str]] = {}  # name -> (request, key)
+        self.requests: dict[str, LoRARequest] = {}  # key -> request (every registration's)
         self._weights: collections.OrderedDict[str, LoraWeights] = collections.OrderedDict()
 
     def register(self, request: LoRARequest) -> str:
-        """Checks and reads (once) the adapter a request names; returns the cache salt its
-        sequences' blocks are cached under.
+        """Checks and reads (once) the adapter a request names; returns its key (also the cache
+        salt its sequences' blocks are cached under).
 
         Raises:
           ValueError: the name taken by another adapter, or the adapter refused (its files named).
         """
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
-        known = self.requests.get(request.lora_name)
-        if known is not None and (known.lora_int_id, known.lora_path) != (request.lora_int_id, request.lora_path):
-            raise ValueError(
-                f"LoRA adapter {request.lora_name!r} is already this engine's adapter of id {known.lora_int_id} "
-                f"at {known.lora_path}; give another adapter another name"
-            )
+        known = self.names.get(request.lora_name)
+        if known is not None:
+            if (known[0].lora_int_id, known[0].lora_path) != (request.lora_int_id, request.lora_path):
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} is already this engine's adapter of id "
+                    f"{known[0].lora_int_id} at {known[0].lora_path}; give another adapter another name"
+                )
+            return known[1]
         if not os.path.isdir(request.lora_path):
             raise ValueError(f"LoRARequest.lora_path={request.lora_path!r} is not a directory")
-        if known is None:
-            weights = self._read(request)
-            self.requests[request.lora_name] = request
-            self.fingerprints[request.lora_name] = weights.fingerprint
-            self._keep(request.lora_name, weights)
-        return f"lora:{self.fingerprints[request.lora_name]}"
+        weights = self._read(request)
+        key = f"lora:{request.lora_int_id}:{weights.fingerprint}"
+        self.names[request.lora_name] = (request, key)
+        self.requests[key] = request
+        self._keep(key, weights)
+        return key
 
-    def weights(self, name: str) -> LoraWeights:
-        """A registered adapter's weights (read again if evicted from host memory)."""
-        weights = self._weights.get(name)
+    def remove(self, name: str) -> bool:
+        """Forgets the name (requests already queued keep their adapter); False if unknown."""
+        return self.names.pop(name, None) is not None
+
+    def weights(self, key: str) -> LoraWeights:
+        """A registration's weights (read again if evicted from host memory)."""
+        weights = self._weights.get(key)
         if weights is None:
-            weights = self._read(self.requests[name])
-        self._keep(name, weights)
+            weights = self._read(self.requests[key])
+        self._keep(key, weights)
         return weights
 
     def _read(self, request: LoRARequest) -> LoraWeights:
@@ -70,8 +78,8 @@ class LoraRegistry:
         except ValueError as err:
             raise ValueError(f"LoRA adapter {request.lora_name!r}: {err}") from None
 
-    def _keep(self, name: str, weights: LoraWeights) -> None:
-        self._weights[name] = weights
-        self._weights.move_to_end(name)
+    def _keep(self, key: str, weights: LoraWeights) -> None:
+        self._weights[key] = weights
+        self._weights.move_to_end(key)
         while len(self._weights) > (self.limits.max_cpu_loras or self.limits.max_loras):
             self._weights.popitem(last=False)

@@ -18,6 +18,7 @@ from jaxpaged.engine.core_process import EngineCoreProcess
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
@@ -31,6 +32,9 @@ ARGS = EngineArgs(
     max_num_seqs=8,
     max_num_batched_tokens=64,
     num_scheduler_steps=4,
+    enable_lora=True,  # unused by most tests: requests without an adapter pay nothing
+    max_loras=1,
+    max_lora_rank=4,
 )
 PROMPT = "And God said, Let there be light"
 
@@ -46,12 +50,12 @@ def engines():
     process.shutdown()
 
 
-def collect(engine: AsyncEngine, prompt, params: SamplingParams, request_id: str) -> dict:
+def collect(engine: AsyncEngine, prompt, params: SamplingParams, request_id: str, lora=None) -> dict:
     """Every delta of one request, and what they add up to per completion."""
 
     async def run():
         deltas = []
-        async for output in engine.generate(prompt, params, request_id):
+        async for output in engine.generate(prompt, params, request_id, lora_request=lora):
             deltas.append(
                 [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in output.outputs]
             )
@@ -108,6 +112,25 @@ def test_outputs_are_the_same_with_the_engine_in_a_process(engines):
     assert stopped["finish"] == "stop" and stopped["stop"] == words[-3] and words[-3] not in stopped["text"]
     assert len(stopped["tokens"]) < 24
     assert len(collect(process, PROMPT, cases["max_tokens"], "p-max")["total"][0]["tokens"]) == 7
+
+
+def test_a_lora_adapter_crosses_the_process(engines, tmp_path):
+    """A request naming a LoRA adapter (a PEFT adapter of the demo model) gets the same tokens
+    from the engine in its own process as from the one on a thread, and not the base model's."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    peft.get_peft_model(base, config).save_pretrained(str(tmp_path))
+    lora = LoRARequest("demo-lora", 1, str(tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    threaded, process = engines
+    with_lora = [collect(e, PROMPT, params, f"lora-{i}", lora)["total"] for i, e in enumerate(engines)]
+    assert with_lora[0] == with_lora[1]
+    assert with_lora[0][0]["tokens"] != collect(threaded, PROMPT, params, "no-lora")["total"][0]["tokens"]
 
 
 def test_concurrent_requests_match(engines):

@@ -167,3 +167,71 @@ def test_tensor_parallel_adapters_equal_peft(setup, tp):
             want.append(expected[name][j])
     outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_the_server_serves_adapters_by_model_name_and_loads_them_at_runtime(setup, monkeypatch):
+    """`--lora-modules` adapters are models of their own on the server: listed with the base as
+    their parent, picked by a request's `model` (PEFT's tokens, as `LLM.generate` gives them), an
+    unknown name a 404; with vLLM's runtime switch an adapter is loaded and unloaded by name."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from jaxpaged.server.app import build_app
+    from jaxpaged.server.async_engine import AsyncEngine
+    from jaxpaged.server.lora_modules import RUNTIME_LORA_ENV, parse_lora_modules
+
+    model_dir, dirs, _ = setup
+    llm = LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=8, num_scheduler_steps=1)
+    modules = parse_lora_modules([f"attn={dirs['attn-r4']}", json.dumps({"name": "mlp", "path": dirs["mlp-rs"]})])
+    prompt = PROMPTS[0]
+    refs = {
+        name: llm.generate([{"prompt_token_ids": prompt}], greedy(), use_tqdm=False, lora_request=lora)[0]
+        for name, lora in [
+            ("base", None),
+            ("attn", modules["attn"]),
+            ("all", LoRARequest("all-ref", 9, dirs["all-r8"])),
+        ]
+    }
+    monkeypatch.setenv(RUNTIME_LORA_ENV, "true")
+    engine = AsyncEngine(llm.llm_engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "base", lora_modules=modules), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        http = httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", trust_env=False, timeout=60)
+
+        def complete(model):
+            body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+            return http.post("/v1/completions", json=body)
+
+        cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+        assert cards["attn"]["parent"] == cards["mlp"]["parent"] == "base" and cards["base"]["parent"] is None
+        for name in ("base", "attn"):
+            reply = complete(name)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == refs[name].outputs[0].text
+        assert refs["attn"].outputs[0].token_ids != refs["base"].outputs[0].token_ids
+        missing = complete("all")
+        assert missing.status_code == 404 and "The model `all` does not exist." in missing.text
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": dirs["all-r8"] + "x"})
+        assert bad.status_code == 400 and "is not a directory" in bad.text
+        assert (
+            http.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": dirs["all-r8"]}).status_code
+            == 200
+        )
+        assert complete("all").json()["choices"][0]["text"] == refs["all"].outputs[0].text
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 200
+        assert complete("attn").status_code == 404
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 404
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        engine.shutdown()

@@ -7,6 +7,7 @@ from typing import Any
 
 from jaxpaged.core.seq_delta import SeqDelta
 from jaxpaged.engine_config import EngineConfig
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.sampling_params import SamplingParams
 
 # -- server -> core ---------------------------------------------------------------------------
@@ -22,6 +23,7 @@ class AddRequests:
     params: SamplingParams
     cache_salt: str | None
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass

@@ -210,7 +210,12 @@ def _add(engine, command: AddRequests) -> AddResult:
     try:
         for request_id, prompt in zip(command.request_ids, command.prompts, strict=True):
             resolved = engine.add_sequences(
-                request_id, prompt, command.params, arrival_time=command.arrival_time, cache_salt=command.cache_salt
+                request_id,
+                prompt,
+                command.params,
+                arrival_time=command.arrival_time,
+                cache_salt=command.cache_salt,
+                lora_request=command.lora_request,
             )
             accepted.append((request_id, *resolved))
     except Exception as err:  # the caller's error (a ValueError, usually): hand it back

@@ -6,6 +6,7 @@
     GET  /health (readiness: 200 once serving), /live (liveness: 200 while the process answers)
     POST /tokenize, /detokenize                  (vLLM's shapes)
     /sleep, /wake_up, /pause, /resume, ...       with JAXPAGED_SERVER_DEV_MODE=1 only (dev_routes.py)
+    /v1/load_lora_adapter, /v1/unload_lora_adapter   with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (lora_routes.py)
     POST /start_profile, /stop_profile           with --profiler-dir only (profile_routes.py)
 
 CORS follows vLLM's flags and defaults (any origin, method and header; no credentials): a
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -42,6 +44,8 @@ from jaxpaged.server.async_engine import (
 )
 from jaxpaged.server.dev_routes import add_dev_routes, dev_mode
 from jaxpaged.server.limits import RETRY_AFTER_SECONDS, ServerLimits
+from jaxpaged.server.lora_modules import runtime_updates
+from jaxpaged.server.lora_routes import add_lora_routes
 from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.openai_responses import ResponsesRequest, create_response
 from jaxpaged.server.profile_routes import add_profile_routes
@@ -89,6 +93,7 @@ def build_app(
     cors: CorsPolicy | None = None,
     chat_template: str | None = None,
     profiler_dir: str | None = None,
+    lora_modules: dict[str, LoRARequest] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over an `AsyncEngine` (which may still be starting).
 
@@ -106,6 +111,7 @@ def build_app(
       cors: which browser origins may call (`CorsPolicy()`, vLLM's defaults, when None).
       chat_template: a Jinja chat template used instead of the tokenizer's (`--chat-template`).
       profiler_dir: where `POST /start_profile` traces to (`--profiler-dir`); None: no such routes.
+      lora_modules: LoRA adapters requests may name as their `model` (`--lora-modules`), by name.
     """
     limits = limits or ServerLimits()
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -119,6 +125,7 @@ def build_app(
         limits,
         tool_call_parser,
         chat_template,
+        dict(lora_modules or {}),
     )
     metrics = ServerMetrics(async_engine, names[0])
     created = int(time.time())
@@ -138,6 +145,8 @@ def build_app(
         add_dev_routes(app, async_engine)
     if profiler_dir is not None:  # /start_profile, /stop_profile
         add_profile_routes(app, async_engine, profiler_dir)
+    if runtime_updates():  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+        add_lora_routes(app, ctx)
 
     async def body_of(raw: Request, model):
         ctx.require_ready()  # the list limits need the engine's max_model_len
@@ -169,6 +178,18 @@ def build_app(
                 "max_model_len": async_engine.config.max_model_len,
             }
             for name in names
+        ]
+        cards += [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "jaxpaged",
+                "root": lora.lora_path,
+                "parent": names[0],
+                "max_model_len": async_engine.config.max_model_len,
+            }
+            for name, lora in ctx.lora_modules.items()
         ]
         return {"object": "list", "data": cards}
 

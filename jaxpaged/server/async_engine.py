@@ -53,6 +53,7 @@ from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.setup import load_tokenizer
 from jaxpaged.engine_config import EngineConfig
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -226,6 +227,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Adds requests (all or none) and returns the stream of their delta outputs (their final
         outputs only if `params` asks `FINAL_ONLY`: see `stream_kind`).
@@ -235,6 +237,7 @@ class AsyncEngine:
           prompts: anything `LLMEngine.add_request` takes.
           params: sampling parameters shared by all of them.
           cache_salt: isolates their prefix-cache entries.
+          lora_request: the LoRA adapter they run with (None: the base model).
 
         Raises:
           ValueError: from `LLMEngine.add_request` (nothing stays queued then).
@@ -248,7 +251,8 @@ class AsyncEngine:
             raise EngineNotReadyError("the server is shutting down" if self.draining else "the engine is starting")
         stream = RequestStream(self, request_ids, asyncio.get_running_loop())
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", stream, list(prompts), params, cache_salt, time.time(), done), len(prompts) * params.n)
+        command = ("add", stream, list(prompts), params, cache_salt, lora_request, time.time(), done)
+        self._submit(command, len(prompts) * params.n)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -257,7 +261,12 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, cache_salt: str | None = None
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Adds one request and yields its delta outputs (one output when done if `params` asks
         `FINAL_ONLY`: see `stream_kind`); closing early aborts it.
@@ -265,7 +274,9 @@ class AsyncEngine:
         Raises:
           ValueError: a bad prompt or parameters (raised at the first iteration).
         """
-        stream = await self.add_requests([request_id], [prompt], params, cache_salt=cache_salt)
+        stream = await self.add_requests(
+            [request_id], [prompt], params, cache_salt=cache_salt, lora_request=lora_request
+        )
         try:
             async for output in stream:
                 yield output
@@ -410,7 +421,7 @@ class AsyncEngine:
 
     def _answer_add(self, result: AddResult) -> None:
         with self._cond:
-            _, stream, _, params, _, arrival, done = self._pending.pop(result.tag)
+            _, stream, _, params, _, _, arrival, done = self._pending.pop(result.tag)
         if result.error is not None:
             self._finished_seqs(len(stream.request_ids) * params.n)
             done.set_exception(result.error)
@@ -467,7 +478,7 @@ class AsyncEngine:
             with self._cond:
                 self._pending[control.tag] = command
             return control
-        _, stream, prompts, params, cache_salt, arrival, done = command
+        _, stream, prompts, params, cache_salt, lora, arrival, done = command
         if not done.set_running_or_notify_cancel():
             self._finished_seqs(len(stream.request_ids) * params.n)
             return None  # the caller went away before the request was added
@@ -475,7 +486,7 @@ class AsyncEngine:
         with self._cond:
             self._pending[tag] = command
         params = stream_kind(params)
-        return AddRequests(tag, stream.request_ids, prompts, params, cache_salt, arrival)
+        return AddRequests(tag, stream.request_ids, prompts, params, cache_salt, arrival, lora)
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -531,7 +542,7 @@ class AsyncEngine:
         if command[0] == "abort_all":
             self.engine.abort_request(list(self._streams))
             return
-        _, stream, prompts, params, cache_salt, arrival, done = command
+        _, stream, prompts, params, cache_salt, lora, arrival, done = command
         if not done.set_running_or_notify_cancel():
             self._finished_seqs(len(stream.request_ids) * params.n)
             return  # the caller went away before the request was added
@@ -539,7 +550,9 @@ class AsyncEngine:
         try:
             params = stream_kind(params)
             for request_id, prompt in zip(stream.request_ids, prompts, strict=True):
-                self.engine.add_request(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt)
+                self.engine.add_request(
+                    request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt, lora_request=lora
+                )
                 added.append(request_id)
         except Exception as err:  # the caller's error (a ValueError, usually): hand it back
             if added:  # their outputs come with the next step, to no stream

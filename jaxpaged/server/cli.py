@@ -22,6 +22,7 @@ from jaxpaged.engine_config import EngineConfig
 from jaxpaged.entrypoints import cli_flags
 from jaxpaged.entrypoints.cli_flags import PORT
 from jaxpaged.server.limits import RESERVED_FILES, ServerLimits, add_limit_flags, limits_from
+from jaxpaged.server.lora_modules import parse_lora_modules
 from jaxpaged.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("jaxpaged.server")
@@ -179,6 +180,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="vLLM's CORS flag: allow credentials (default: off, as in vLLM)",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="vLLM's: LoRA adapters (PEFT directories) requests may name as their model, as name=path or "
+        'JSON {"name": ..., "path": ...}; needs --enable-lora',
+    )
     add_limit_flags(parser)
 
 
@@ -231,6 +240,9 @@ def serve(args: argparse.Namespace) -> int:
             f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})"
         )
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+    lora_modules = parse_lora_modules(args.lora_modules or [])
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules: the server serves LoRA adapters with --enable-lora; add it")
     limits = limits_from(args)
     _make_room_for_connections(limits.max_connections + RESERVED_FILES)
     model = args.model_tag or args.model
@@ -249,7 +261,7 @@ def serve(args: argparse.Namespace) -> int:
 
         core = EngineCoreProcess(config, on_ready=_log_start_up)
     try:
-        return _run(args, config, core, listener, names, limits, chat_template)
+        return _run(args, config, core, listener, names, limits, chat_template, lora_modules)
     finally:
         # Whatever ended the server (an error or Ctrl-C while starting included), the engine process
         # goes with it: it ignores SIGTERM, so multiprocessing's exit would otherwise wait on it forever.
@@ -265,6 +277,7 @@ def _run(
     names: list[str],
     limits: ServerLimits,
     chat_template: str | None,
+    lora_modules: dict,
 ) -> int:
     """`serve` once its flags are checked and its port bound: checks the devices and host memory
     (in the engine process `core`, an `EngineCoreProcess`, or here when it is None), then runs
@@ -320,6 +333,7 @@ def _run(
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         chat_template=chat_template,
         profiler_dir=args.profiler_dir,
+        lora_modules=lora_modules,
         cors=CorsPolicy(
             tuple(args.allowed_origins),
             tuple(args.allowed_methods),

@@ -31,7 +31,7 @@ logger = logging.getLogger("jaxpaged.server")
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: Request) -> Response:
     """`POST /v1/completions`: one engine request per prompt, choices indexed prompt-major."""
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     params = body.sampling_params(ctx.engine.config.model.vocab_size, ctx.sampling_defaults)
     num_prompts = (
         1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(body.prompt)
@@ -50,12 +50,12 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
     if body.echo:
         kind.echo = await echo_texts(ctx, prompts)
         kind.echo_only = body.echo_only
-    return await _run(ctx, raw, body, params, prompts, kind)
+    return await _run(ctx, raw, body, params, prompts, kind, lora)
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
     """`POST /v1/chat/completions`: the conversation through the chat template, one request."""
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     vocab_size = ctx.engine.config.model.vocab_size
 
     def params_and_tools():
@@ -71,17 +71,18 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     ctx.check_length(len(prompt["prompt_token_ids"]), params.max_tokens, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     ctx.check_response_size([len(prompt["prompt_token_ids"])], params, num_logprobs)
-    return await _run(ctx, raw, body, params, [prompt], Kind(chat=True, num_logprobs=num_logprobs, tools=tools))
+    kind = Kind(chat=True, num_logprobs=num_logprobs, tools=tools)
+    return await _run(ctx, raw, body, params, [prompt], kind, lora)
 
 
-async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind) -> Response:
+async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind, lora=None) -> Response:
     engine_id = f"{kind.prefix}-{uuid.uuid4().hex}"
     ids = [f"{engine_id}-{i}" for i in range(len(prompts))]
     # vLLM's request_id names the response; the engine's ids stay unique whatever clients send
     request_id = f"{kind.prefix}-{body.request_id}" if body.request_id else engine_id
     if not body.stream:  # one output when done (as vLLM asks): its decode steps may be fused
         params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-    stream = await ctx.engine.add_requests(ids, prompts, params, cache_salt=body.cache_salt)
+    stream = await ctx.engine.add_requests(ids, prompts, params, cache_salt=body.cache_salt, lora_request=lora)
     logger.info(
         "%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s",
         request_id,

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.server.async_engine import AsyncEngine
 from jaxpaged.server.grammar_checks import GrammarChecks
 from jaxpaged.server.limits import ServerLimits
@@ -36,6 +37,8 @@ class ServingContext:
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice, else None
     chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
+    # the LoRA adapters requests may name as their `model` (--lora-modules, /v1/load_lora_adapter)
+    lora_modules: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
     _pool: TokenizerPool | None = None
 
     def require_ready(self) -> None:
@@ -120,11 +123,15 @@ class ServingContext:
         """The first served name: the metrics' label, and a response's `model` when its request named none."""
         return self.model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        """404 `model_not_found` unless `model` is None or a served name."""
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: a served name, or no name); 404
+        `model_not_found` for any other name."""
         self.require_ready()
-        if model is not None and model not in self.model_names:
-            raise APIError(f"The model `{echo(model)}` does not exist.", 404, param="model", code="model_not_found")
+        if model is None or model in self.model_names:
+            return None
+        if model in self.lora_modules:
+            return self.lora_modules[model]
+        raise APIError(f"The model `{echo(model)}` does not exist.", 404, param="model", code="model_not_found")
 
     def response_model(self, model: str | None) -> str:
         """A response's `model`: the served name its request used (checked), else the first (vLLM's)."""

@@ -115,6 +115,7 @@ TIERS: dict[str, tuple[str, str]] = {
     "tests/test_benchmark_smoke.py": (SLOW, "whole benchmark scripts; the GPU run's refusal stays"),
     "tests/test_benchmark_smoke.py::test_gpu_run_refuses_without_a_gpu": (PR, "no GPU: a clear refusal"),
     "tests/test_benchmark_smoke.py::test_vllm_run_refuses_without_a_gpu": (PR, "no GPU: a clear refusal"),
+    "tests/test_lora.py::test_tensor_parallel_adapters_equal_peft[2]": (SLOW, "4 devices (kv heads repeated) stay"),
     "tests/test_benchmark_smoke.py::test_the_one_gpu_entry_point_runs_each_suite_and_refuses_others": (
         PR,
         "the GPU entry point's dispatch (seconds)",

@@ -463,6 +463,12 @@ class EngineArgs:
                 f"LoRA adapters under pipeline parallelism (pipeline_parallel_size={self.pipeline_parallel_size}) "
                 "are not supported yet; use tensor parallelism",
             )
+        if self.enable_lora and self.nnodes > 1:
+            raise EngineArgsError(
+                "enable_lora",
+                True,
+                f"LoRA adapters over several processes (nnodes={self.nnodes}) are not supported yet",
+            )
         if self.enable_lora and self.speculative_config is not None:
             raise EngineArgsError(
                 "enable_lora", True, "LoRA adapters with speculative decoding are not supported yet; drop one"

@@ -144,6 +144,16 @@ def test_bad_adapters_and_requests_are_refused_by_name(setup, tmp_path):
     llm.generate(["hi"], greedy(2), use_tqdm=False, lora_request=LoRARequest("attn", 6, dirs["mlp-rs"]))  # a new one
     with pytest.raises(ValueError, match="LoRA adapter 'big': .*rank 8, above max_lora_rank=4"):
         llm.llm_engine.add_lora(LoRARequest("big", 7, dirs["all-r8"]))
+    from jaxpaged.engine_args import EngineArgs, EngineArgsError
+
+    for options, reason in [
+        (dict(pipeline_parallel_size=2), "under pipeline parallelism"),
+        (dict(nnodes=2, node_rank=0, master_addr="127.0.0.1"), "over several processes"),
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "with speculative decoding"),
+        (dict(max_cpu_loras=0), "max_cpu_loras=0: must be an integer of at least --max-loras"),
+    ]:
+        with pytest.raises(EngineArgsError, match=reason):
+            EngineArgs(model=model_dir, enable_lora=True, **options)
     with pytest.raises(ValueError, match="lora_int_id=0 must be a positive integer"):
         LoRARequest("x", 0, dirs["attn-r4"])
     again = LoRARequest("attn", 6, dirs["mlp-rs"])

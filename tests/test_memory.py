@@ -96,18 +96,27 @@ def test_start_up_fails_when_a_step_needs_more_temporaries_than_planned():
 
 def test_the_plan_counts_every_per_sequence_array_of_the_cache():
     """Everything the cache holds beside the pool is per sequence, and `sequence_state_bytes`
-    counts all of it (a new per-sequence array left out of the plan fails here)."""
+    counts all of it (a new per-sequence array left out of the plan fails here), but the LoRA
+    adapter pool, which `pool_bytes` counts (the start-up plan subtracts both)."""
     import jax
     import jax.numpy as jnp
 
+    from jaxpaged.config.lora import pool_bytes
     from jaxpaged.functional import init_cache
 
     for max_num_seqs in (4, 256):
         cache = jax.eval_shape(
             lambda: init_cache(LLAMA_8B, num_blocks=3, block_size=16, dtype=jnp.bfloat16, max_num_seqs=max_num_seqs)
         )
-        beside_pool = [x for name, x in vars(cache).items() if name != "kv"]
+        beside_pool = [x for name, x in vars(cache).items() if name not in ("kv", "lora")]
         assert sum(x.size * x.dtype.itemsize for x in beside_pool) == sequence_state_bytes(max_num_seqs, 128256)
+    lora = jax.eval_shape(  # and the LoRA adapter pool, counted by `pool_bytes`
+        lambda: init_cache(
+            LLAMA_8B, num_blocks=3, block_size=16, dtype=jnp.bfloat16, max_num_seqs=4, lora=(8, 16, jnp.bfloat16)
+        )
+    ).lora
+    counted = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lora))
+    assert counted == pool_bytes(LLAMA_8B, 8, 16, 2) and counted > 0
 
 
 def test_the_activation_probe_reserves_the_fused_decode_programs_temporaries(tmp_path, monkeypatch):
@@ -163,3 +172,36 @@ def test_importing_jaxpaged_keeps_the_gpu_allocator_preallocated():
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["false", "0.95"]
+
+
+def test_a_gpu_plan_leaves_room_for_the_lora_adapter_pool(tmp_path, monkeypatch):
+    """With LoRA on, a plan from the device's memory subtracts the adapter pool's bytes (the pool
+    shrinks by that much, to the block)."""
+    from tiny_models import save_hf_model
+
+    from jaxpaged.config.lora import pool_bytes
+    from jaxpaged.engine import setup as engine_setup
+    from jaxpaged.engine_args import EngineArgs
+    from jaxpaged.engine_config import EngineConfig
+    from jaxpaged.parallel.mesh import TensorParallel, make_mesh
+
+    save_hf_model("llama_tp", str(tmp_path))
+    monkeypatch.setattr(engine_setup, "_peak_activation_bytes", lambda *a: 0)  # no compile here
+    pools = {}
+    for lora in (False, True):
+        args = EngineArgs(
+            model=str(tmp_path),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            max_model_len=64,
+            enable_lora=lora,
+            max_loras=8,
+            max_lora_rank=16,
+        )
+        config = EngineConfig.resolve(args).with_batch_limits("cpu", "cpu", None)
+        parallel = TensorParallel(config.layout, make_mesh(1))
+        model = engine_setup.build_model(config, parallel)
+        pools[lora] = engine_setup.plan_cache(config, model, parallel, memory_bytes=GiB // 16)
+    adapters = pool_bytes(config.layout.mesh_config, 8, 16, 4)
+    block = pools[True].pool_bytes // pools[True].num_blocks
+    assert 0 <= pools[False].pool_bytes - pools[True].pool_bytes - adapters < block

@@ -16,7 +16,7 @@ import os
 import re
 
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params.spec import ParamSpec
+from jaxpaged.config.params.spec import ParamSpec, axis_sizes
 from jaxpaged.config.params.tables import param_specs
 
 CONFIG_FILE = "adapter_config.json"
@@ -37,6 +37,22 @@ def lora_targets(config: ModelConfig) -> dict[str, ParamSpec]:
         and not spec.per_expert
         and spec.fused is None
     }
+
+
+def pool_shapes(config: ModelConfig, max_loras: int, max_rank: int) -> dict[str, tuple[tuple, tuple]]:
+    """`{projection: (A's shape, B's shape)}` of the device's adapter pool for a model of `config`
+    (the mesh's): A `[L, *in, S, R]`, B `[L, S, R, *out]` (`jaxpaged.model.lora`)."""
+    sizes, shapes = axis_sizes(config), {}
+    for name, spec in lora_targets(config).items():
+        ins = tuple(sizes[a] for a in spec.axes[: spec.num_in])
+        outs = tuple(sizes[a] for a in spec.axes[spec.num_in :])
+        shapes[name] = ((config.num_layers, *ins, max_loras, max_rank), (config.num_layers, max_loras, max_rank, *outs))
+    return shapes
+
+
+def pool_bytes(config: ModelConfig, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
+    """Device bytes of the adapter pool (whole on every device)."""
+    return sum(math.prod(a) + math.prod(b) for a, b in pool_shapes(config, max_loras, max_rank).values()) * dtype_bytes
 
 
 @dataclasses.dataclass(frozen=True)

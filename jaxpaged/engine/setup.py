@@ -9,6 +9,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpaged.checkpoint.dummy import dummy_params
@@ -16,6 +17,7 @@ from jaxpaged.checkpoint.format import TOKENIZER_FILES
 from jaxpaged.checkpoint.kv_scales import checkpoint_kv_scales
 from jaxpaged.checkpoint.loader import load_checkpoint, resolve_dtype
 from jaxpaged.config.checks import OptionError
+from jaxpaged.config.lora import pool_bytes
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.quantization import is_fp8
 from jaxpaged.config.sections import LoadConfig
@@ -612,7 +614,19 @@ def plan_cache(
         weight_bytes=weights,
         activation_bytes=activations,
         **common,
-        state_bytes=sequence_state_bytes(max_num_seqs, engine_config.model.vocab_size),
+        state_bytes=sequence_state_bytes(max_num_seqs, engine_config.model.vocab_size)
+        + _lora_pool_bytes(engine_config, model),
+    )
+
+
+def _lora_pool_bytes(engine_config: EngineConfig, model: Llama) -> int:
+    """The LoRA adapter pool's bytes on each device (0 without LoRA): out of its memory like the
+    weights."""
+    lora = engine_config.lora
+    if not lora.enable_lora:
+        return 0
+    return pool_bytes(
+        engine_config.layout.mesh_config, lora.max_loras, lora.max_lora_rank, np.dtype(model.dtype).itemsize
     )
 
 

@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxpaged.config.lora import lora_targets
+from jaxpaged.config.lora import pool_shapes
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params.spec import axis_sizes
 
 
 @typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (shardings, specs)
@@ -57,16 +56,6 @@ class LayerLora:
     a: dict[str, Float[Array, "..."]]
     b: dict[str, Float[Array, "..."]]
     onehot: Float[Array, "T S"]
-
-
-def pool_shapes(config: ModelConfig, max_loras: int, max_rank: int) -> dict[str, tuple[tuple, tuple]]:
-    """`{projection: (A's shape, B's shape)}` of a pool for a model of `config` (the mesh's)."""
-    sizes, shapes = axis_sizes(config), {}
-    for name, spec in lora_targets(config).items():
-        ins = tuple(sizes[a] for a in spec.axes[: spec.num_in])
-        outs = tuple(sizes[a] for a in spec.axes[spec.num_in :])
-        shapes[name] = ((config.num_layers, *ins, max_loras, max_rank), (config.num_layers, max_loras, max_rank, *outs))
-    return shapes
 
 
 def zero_pool(config: ModelConfig, max_loras: int, max_rank: int, dtype) -> LoraPool:

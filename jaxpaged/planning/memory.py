@@ -99,8 +99,8 @@ def plan_kv_cache(
       sized_from: why the budget is what it is (default: the arithmetic above).
       extra_bytes_per_token: bytes each token also takes elsewhere, block for block (a draft
         model's pool).
-      state_bytes: the per-sequence device state (`sequence_state_bytes`), out of the device's
-        memory like the weights.
+      state_bytes: the device state beside the pool (the per-sequence rows, `sequence_state_bytes`,
+        and a LoRA adapter pool), out of the device's memory like the weights.
 
     Raises:
       ValueError: when not even one `max_model_len` request fits, with the numbers and knobs.
@@ -118,7 +118,7 @@ def plan_kv_cache(
         source = (
             f"{device_memory_bytes / GiB:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization} - "
             f"weights {weight_bytes / GiB:.2f} GiB - activations {activation_bytes / GiB:.2f} GiB - "
-            f"per-sequence state {state_bytes / GiB:.2f} GiB"
+            f"per-sequence state and adapters {state_bytes / GiB:.2f} GiB"
         )
     num_blocks = max(budget, 0) // per_block  # the null block comes out of the budget too
     needed = -(-max_model_len // block_size) + 1

@@ -238,6 +238,8 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_at_runtime(setu
             == 200
         )
         assert complete("all").json()["choices"][0]["text"] == refs["all"].outputs[0].text
+        info = [line for line in http.get("/metrics").text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+        assert len(info) == 1 and 'max_lora="2"' in info[0] and 'waiting_lora_adapters=""' in info[0], info
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 200
         assert complete("attn").status_code == 404
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 404

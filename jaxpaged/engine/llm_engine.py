@@ -427,6 +427,19 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         if seqs is not None and all(seq.is_finished for seq in seqs):
             del self._seqs[request_id]
 
+    def _lora_stats(self) -> dict:
+        """vLLM's `lora_requests_info`: the adapters of running and of waiting requests, by name."""
+        if self.loras is None:
+            return {}
+        names = lambda seqs: ",".join(sorted({self.loras.requests[s.lora].lora_name for s in seqs if s.lora}))  # noqa: E731
+        return {
+            "lora_requests_info": {
+                "max_lora": str(self.config.lora.max_loras),
+                "running_lora_adapters": names(self.scheduler.running),
+                "waiting_lora_adapters": names(self.scheduler.waiting),
+            }
+        }
+
     def _count_speculation(self, num_drafts: list[int], accepted: list[int]) -> None:
         """Speculative decoding's counters (vLLM's): proposals made and kept, by position."""
         for k, a in zip(num_drafts, accepted):
@@ -439,16 +452,17 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
 
     # -- stats ------------------------------------------------------------------------------
 
-    def get_stats(self) -> dict[str, float | int]:
+    def get_stats(self) -> dict[str, Any]:
         """Gauges and counters (vLLM's names), each component's own: the scheduler's and the KV
-        cache's (`Scheduler.stats`), the tokens handed out, the grammars', the device memory's
-        and speculative decoding's."""
+        cache's (`Scheduler.stats`), the tokens handed out, the grammars', the LoRA adapters' (vLLM's
+        `lora_requests_info`), the device memory's and speculative decoding's."""
         transfer = self.runner.kv_transfer
         return {
             **self.scheduler.stats(0 if transfer is None else transfer.block_bytes),
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             **(self.grammars.stats() if self.grammars is not None else {}),
+            **self._lora_stats(),
             **self.device_memory_stats(),
             **self.spec_stats,
             **({SPEC_DECODE_PER_POSITION: list(self.spec_accepted_per_position)} if self.spec_stats else {}),

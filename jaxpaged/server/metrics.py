@@ -10,6 +10,7 @@ Latency histograms are observed on the engine thread as outputs leave it:
 """
 
 import itertools
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -162,6 +163,15 @@ class _EngineStatsCollector:
             buckets = [(repr(float(b)), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
             family = HistogramMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], buckets, sum_value=total)
+            yield family
+        if "lora_requests_info" in stats:  # vLLM's: its labels say which adapters run and wait
+            info = stats["lora_requests_info"]
+            family = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running and waiting LoRA adapters (labels); the value is when they were read.",
+                labels=list(info),
+            )
+            family.add_metric(list(info.values()), time.time())
             yield family
         name, key, doc = _PER_POSITION
         if key in stats:

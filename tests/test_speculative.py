@@ -403,7 +403,7 @@ def test_draft_model_refusals_name_the_field(tmp_path, tiny_dir):
     save_hf_model("llama_mha", str(short))
     config = json.loads((short / "config.json").read_text())
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
-    with pytest.raises(EngineArgsError, match=r"the draft model: max_model_len=128 .*64"):
+    with pytest.raises(EngineArgsError, match=r"the draft model: max_model_len=128: .*64"):
         EngineConfig.resolve(
             EngineArgs(
                 model=tiny_dir, max_model_len=128, speculative_config={"model": str(short), "num_speculative_tokens": 2}

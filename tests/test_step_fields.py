@@ -63,10 +63,11 @@ def test_the_packer_writes_every_field_and_nothing_else():
 
 def test_unpacking_gives_each_field_its_view_and_value():
     """Every field of a layout with proposals (R = 2) comes back from a buffer of distinct words
-    at its view, converted as its kind says; with R = 1 the speculative fields are None."""
+    at its view, converted as its kind says; with R = 1 the speculative fields are None, and
+    without LoRA (a step no adapter is in) the adapter slots are."""
     layout = Layout(num_tokens=16, num_seqs=4, pages=3, rows_per_seq=2)
     flat = np.arange(layout.size, dtype=np.int32)
-    views, inp = layout.views(flat), unpack(layout, jnp.asarray(flat))
+    views, inp = layout.views(flat), unpack(layout, jnp.asarray(flat), lora=True)
     for field in STEP_FIELDS:
         if field.target == "fused":
             continue
@@ -81,3 +82,4 @@ def test_unpacking_gives_each_field_its_view_and_value():
             assert np.asarray(value).view(np.int32).tolist() == words.tolist(), field.name
     single = unpack(Layout(16, 4, 3), jnp.zeros(Layout(16, 4, 3).size, jnp.int32))
     assert all(getattr(single, f.name) is None for f in STEP_FIELDS if f.speculative)
+    assert single.lora_slots is None and unpack(layout, jnp.asarray(flat)).lora_slots is None

@@ -108,7 +108,7 @@ def _measure(args, devices: list | None, cache_dir: str | None) -> dict:
     config, parallel, runner = worker.config, worker.parallel, worker.runner
     setup_seconds = time.perf_counter() - began
     # An engine that sizes its pool from the GPU's memory compiles this probe first.
-    probe = Program(max(runner.layouts), 1, False)
+    probe = Program(max(runner.layouts), 1, False, lora=runner.step_programs.lora)
     began = time.perf_counter()
     small_pool = runner.zero_cache(runner.pages + 1)  # as the engine's probe has it
     results = compile_all(

@@ -680,13 +680,13 @@ def _peak_activation_bytes(config: EngineConfig, model: Llama, parallel: TensorP
     there against 1.7 GiB for the largest mixed step, and the engine refused to start."""
     pages = -(-config.max_model_len // config.cache.block_size)
     probe = ModelRunner(model, parallel=parallel, config=config.with_blocks(pages + 1))
-    program = Program(max(probe.layouts), 1, False)
+    program = Program(max(probe.layouts), 1, False, lora=probe.step_programs.lora)  # (LoRA's the larger)
     analysis = probe.compile_program(program).memory_analysis()
     handed_over = max(0, int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes))
     sampler = max(probe.step_programs.samplers([program]), key=lambda p: (p.num_seqs * p.rows_per_seq, p.options))
     probe.compile_program(sampler)
     temp = probe.temp_bytes[program] + handed_over + probe.temp_bytes[sampler]
-    fused = [p for p in probe.step_programs.all() if p.steps > 1]
+    fused = [p for p in probe.step_programs.all() if p.steps > 1 and p.lora == probe.step_programs.lora]
     fused_temp = 0
     if fused:
         largest = max(fused, key=lambda p: p.tokens)

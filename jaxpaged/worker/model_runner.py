@@ -507,7 +507,8 @@ class ModelRunner:
         prompt_logprobs = any(s.prompt_targets for s in inputs)  # the mixed variant (never fused)
         decode = all(len(s.token_ids) == 1 for s in inputs) and not prompt_logprobs
         options = self.step_programs.fused_options if steps > 1 else SamplerOptions()
-        program = Program(t, steps, decode, options, prompt_logprobs)
+        lora = self.step_programs.lora and any(s.lora_slot for s in inputs)  # else no adapter deltas
+        program = Program(t, steps, decode, options, prompt_logprobs, lora)
         if program not in self.compiled and not prompt_logprobs:
             raise RuntimeError(f"no compiled program {program}: call warm_up() first")
         live = [s.live_steps for s in inputs] if steps > 1 else None
@@ -522,7 +523,8 @@ class ModelRunner:
             fill_bitmask(self.mask_executor(), rows, self.packer.mask_of(layout, flat))
         if self.channel is not None:
             options = prepared.options if steps == 1 else program.options
-            bits = option_bits(options) | int(program.prompt_logprobs) << 3  # bits 0-2: the sampler's
+            # bits 0-2: the sampler's
+            bits = option_bits(options) | int(program.prompt_logprobs) << 3 | int(program.lora) << 4
             self.channel.send(EXECUTE, (program.tokens, program.steps, int(program.decode), bits), flat)
         return program, self.step_programs.layout(program), flat
 
@@ -632,7 +634,7 @@ class ModelRunner:
         options = SamplerOptions(filter=bool(fields[3] & 1), logprobs=bool(fields[3] & 2), mask=bool(fields[3] & 4))
         steps = fields[1]
         fused = options if steps > 1 else SamplerOptions()
-        return Program(fields[0], steps, bool(fields[2]), fused, bool(fields[3] & 8)), options
+        return Program(fields[0], steps, bool(fields[2]), fused, bool(fields[3] & 8), bool(fields[3] & 16)), options
 
 
 def num_drafts_of(output) -> list[int]:

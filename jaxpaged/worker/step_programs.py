@@ -68,14 +68,17 @@ from jaxpaged.worker.step_fields import MAX_BANNED, MAX_LOGIT_BIAS, SAMPLING_FIE
 from jaxpaged.worker.step_packer import Layout, StepPacker, mask_words
 
 
-def unpack(layout: Layout, flat: jax.Array) -> StepInput:
+def unpack(layout: Layout, flat: jax.Array, lora: bool = False) -> StepInput:
     """Device side of the single transfer: the flat int32 buffer back into a `StepInput`, each
-    field as `step_fields.STEP_FIELDS` declares it."""
+    field as `step_fields.STEP_FIELDS` declares it. Without `lora` the tokens' adapter slots are
+    left out (`lora_slots` None): a step with no adapter computes no adapter delta at all."""
     v = layout.views(flat)
     parts = {"step": {}, "metadata": {}}
     for field in STEP_FIELDS:
         if field.target in parts and (layout.rows_per_seq > 1 or not field.speculative):
             parts[field.target][field.name] = _device_value(field.kind, v[field.name])
+    if not lora:
+        parts["step"]["lora_slots"] = None
     return StepInput(metadata=AttentionMetadata(**parts["metadata"]), **parts["step"])
 
 
@@ -92,20 +95,20 @@ def _device_value(kind: str, words: jax.Array):
     return words
 
 
-def _model_program(layout: Layout, decode: bool, graphdef, params, cache: DeviceCache, flat: jax.Array):
+def _model_program(layout: Layout, decode: bool, lora: bool, graphdef, params, cache: DeviceCache, flat: jax.Array):
     """One step's model: the cache, the logits and the sampler's inputs (`decode`: the decode
-    kernel, every sequence has one token)."""
-    inp = unpack(layout, flat)
+    kernel, every sequence has one token; `lora`: some token has a LoRA adapter)."""
+    inp = unpack(layout, flat, lora)
     if decode:
         inp = dataclasses.replace(inp, metadata=dataclasses.replace(inp.metadata, decode_only=True))
     cache, logits = forward(graphdef, params, cache, inp)
     return cache, logits, sampler_input(inp)
 
 
-def _prompt_logprobs_program(layout: Layout, graphdef, params, cache: DeviceCache, flat: jax.Array):
+def _prompt_logprobs_program(layout: Layout, lora: bool, graphdef, params, cache: DeviceCache, flat: jax.Array):
     """A mixed step that also computes prompt logprobs at every token (the variant of a step
     with a request that asks for them: `Program.prompt_logprobs`)."""
-    inp = unpack(layout, flat)
+    inp = unpack(layout, flat, lora)
     cache, logits, prompt = forward_prompt_logprobs(graphdef, params, cache, inp)
     return cache, logits, sampler_input(inp), prompt
 
@@ -140,7 +143,14 @@ def _sampler_program(options: SamplerOptions, prompt_mask, output_counts, last_t
 
 
 def _fused_decode_steps(
-    layout: Layout, num_steps: int, options: SamplerOptions, graphdef, params, cache: DeviceCache, flat: jax.Array
+    layout: Layout,
+    num_steps: int,
+    options: SamplerOptions,
+    lora: bool,
+    graphdef,
+    params,
+    cache: DeviceCache,
+    flat: jax.Array,
 ):
     """`num_steps` decode steps in one program: each feeds back the tokens the previous sampled.
 
@@ -149,7 +159,7 @@ def _fused_decode_steps(
     max_model_len inside the window) write into the null block and attend over its own tokens
     only; the host drops what they sample. Results are packed per step, stacked `[num_steps, N]`.
     """
-    inp = unpack(layout, flat)
+    inp = unpack(layout, flat, lora)
     inp = dataclasses.replace(inp, metadata=dataclasses.replace(inp.metadata, decode_only=True))
     num_seqs, num_tokens = layout.num_seqs, layout.num_tokens
     bs = cache.kv.block_size
@@ -206,6 +216,8 @@ class Program(typing.NamedTuple):
       options: the sampler paths of fused steps (1-step programs have their own samplers).
       prompt_logprobs: a mixed step that also returns every token's prompt logprobs
         (compiled on first use, not at warm-up: see `ModelRunner.run_packed`).
+      lora: some token of the step has a LoRA adapter: the variant that computes the adapters'
+        deltas (an engine with LoRA compiles both: a step without adapters pays nothing).
     """
 
     tokens: int
@@ -213,11 +225,13 @@ class Program(typing.NamedTuple):
     decode: bool
     options: SamplerOptions = SamplerOptions()
     prompt_logprobs: bool = False
+    lora: bool = False
 
     def describe(self) -> str:
         kind = "decode" if self.decode else "mixed + prompt logprobs" if self.prompt_logprobs else "mixed"
         sampler = f", sampler {self.options.describe()}" if self.steps > 1 else ""
-        return f"{kind} step, {self.tokens} tokens x {self.steps} step(s){sampler}"
+        lora = ", LoRA" if self.lora else ""
+        return f"{kind}{lora} step, {self.tokens} tokens x {self.steps} step(s){sampler}"
 
 
 class SamplerProgram(typing.NamedTuple):
@@ -349,8 +363,12 @@ class StepPrograms:
         self.cache_shardings = cache_shardings
         self.fused_options = fused_options
         self.whole = whole
+        self.lora = cache_shardings.lora is not None  # LoRA: every program also in its LoRA variant
         self._model = jax.jit(
-            _model_program, static_argnums=(0, 1, 2), donate_argnums=(4,), out_shardings=(cache_shardings, whole, whole)
+            _model_program,
+            static_argnums=(0, 1, 2, 3),
+            donate_argnums=(5,),
+            out_shardings=(cache_shardings, whole, whole),
         )
         self._sampler = jax.jit(
             _sampler_program,
@@ -360,14 +378,14 @@ class StepPrograms:
         )
         self._fused = jax.jit(
             _fused_decode_steps,
-            static_argnums=(0, 1, 2, 3),
-            donate_argnums=(5,),
+            static_argnums=(0, 1, 2, 3, 4),
+            donate_argnums=(6,),
             out_shardings=(cache_shardings, whole),
         )
         self._prompt_logprobs = jax.jit(
             _prompt_logprobs_program,
-            static_argnums=(0, 1),
-            donate_argnums=(3,),
+            static_argnums=(0, 1, 2),
+            donate_argnums=(4,),
             out_shardings=(cache_shardings, whole, whole, whole),
         )
         self.seed = jax.jit(_seed_penalty_rows, donate_argnums=(0,), out_shardings=cache_shardings)
@@ -428,14 +446,18 @@ class StepPrograms:
     def all(self) -> list[Program]:
         """Every model program: a mixed step (ragged attention) for each token bucket, and for each
         bucket a decode-only batch uses (one token per sequence) a decode step (the decode
-        kernel) and, with `num_decode_steps` > 1, fused decode steps."""
+        kernel) and, with `num_decode_steps` > 1, fused decode steps; with LoRA each of them also
+        as the variant that computes the adapters' deltas (`Program.lora`)."""
         mixed = [Program(t, 1, False) for t in self.packer.layouts]
         max_num_seqs = self.packer.max_num_seqs
         decode_buckets = sorted({self.packer.bucket_for(n, n) for n in range(1, max_num_seqs + 1)})
         decode = [Program(t, 1, True) for t in decode_buckets]
         if self.num_decode_steps > 1:
             decode += [Program(t, self.num_decode_steps, True, self.fused_options) for t in decode_buckets]
-        return mixed + decode
+        programs = mixed + decode
+        if self.lora:
+            programs += [p._replace(lora=True) for p in programs]
+        return programs
 
     def samplers(self, programs: list[Program] | None = None) -> list[SamplerProgram]:
         """The sampler programs the 1-step model programs need, each of `ENGINE_SAMPLER_OPTIONS`."""
@@ -459,7 +481,9 @@ class StepPrograms:
         layout = self.layout(program)
         flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self.whole)  # whole on every device
         if program.steps > 1:
-            return self._fused.lower(layout, program.steps, program.options, self.graphdef, params, cache, flat)
+            return self._fused.lower(
+                layout, program.steps, program.options, program.lora, self.graphdef, params, cache, flat
+            )
         if self.carry is not None:
             carry = self.carry.shapes(layout, program.decode)
             tick = self._ticks[program.prompt_logprobs]
@@ -476,8 +500,8 @@ class StepPrograms:
                 flat,
             )
         if program.prompt_logprobs:
-            return self._prompt_logprobs.lower(layout, self.graphdef, params, cache, flat)
-        return self._model.lower(layout, program.decode, self.graphdef, params, cache, flat)
+            return self._prompt_logprobs.lower(layout, program.lora, self.graphdef, params, cache, flat)
+        return self._model.lower(layout, program.decode, program.lora, self.graphdef, params, cache, flat)
 
     def _lower_sampler(self, program: SamplerProgram, cache: DeviceCache) -> jax.stages.Lowered:
         s, r = program.num_seqs, program.rows_per_seq

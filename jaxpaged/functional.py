@@ -43,7 +43,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxpaged.config.model_config import ModelConfig
 from jaxpaged.model import AttentionMetadata, KVPool, init_kv_pool
-from jaxpaged.model.lora import LoraPool, zero_pool
+from jaxpaged.model.lora import LoraAdapter, LoraPool, single_slot_pool, zero_pool
 from jaxpaged.model.pipeline_carry import PipelineCarry
 from jaxpaged.model.prompt_logprobs import prompt_logprobs
 from jaxpaged.model.sampler import SampleResult, SamplerOptions, SamplingTensors, sample, update_penalty_tables
@@ -442,6 +442,7 @@ def token_logprobs(
     *,
     block_size: int = 16,
     chunk: int = SCORE_CHUNK,
+    lora: LoraAdapter | None = None,
 ) -> Float[Array, "B T1"]:
     """The scoring path: each token's log-probability given the tokens before it, computed by the
     engine's own model code (the same layers, paged attention and LM head as `step`), as float32.
@@ -460,6 +461,8 @@ def token_logprobs(
         positions before it).
       block_size: the scratch pool's block size.
       chunk: logits rows computed at once.
+      lora: a LoRA adapter every token runs with (`model.lora.LoraAdapter`, e.g. from
+        `LLM.init_lora`): differentiate with respect to it to train the adapter alone.
 
     Returns:
       `[B, T - 1]`: entry `[b, t]` is `log p(token_ids[b, t + 1] | token_ids[b, : t + 1])`.
@@ -479,8 +482,11 @@ def token_logprobs(
         vocab_size=model.config.vocab_size,
         max_num_seqs=batch,
     )
+    adapter = None
+    if lora is not None:  # a pool of one slot, every token in it
+        adapter = (single_slot_pool(lora), jnp.ones_like(inp.token_ids))
     with reference.every_work_item():  # a loop of static length: differentiable
-        hidden, _ = model(inp.token_ids, pool, inp.metadata)  # [B * T, D]
+        hidden, _ = model(inp.token_ids, pool, inp.metadata, adapter)  # [B * T, D]
     targets = jnp.concatenate([token_ids[:, 1:], token_ids[:, :1]], axis=1).reshape(-1)  # last column unused
     rows = hidden.shape[0]
     c = min(chunk, rows)

@@ -111,3 +111,23 @@ def test_rl_grpo_example_trains_with_shared_weights(tmp_path):
     curve = json.loads(curve_file.read_text())["reward"]
     assert len(curve) == 4 and curve[-1] > curve[0], curve
     assert out.count("copied 0 B") == 4, out
+
+
+def test_rl_grpo_example_trains_a_lora_adapter(tmp_path):
+    """`--lora-rank`: GRPO trains a LoRA adapter over the frozen base model, and the engine
+    serves each version (`update_lora`) to the next rollouts: the reward rises."""
+    import json
+
+    script = os.path.join(ROOT, "examples", "rl_grpo.py")
+    curve_file = tmp_path / "curve.json"
+    args = ["--iterations", "6", "--lora-rank", "8", "--learning-rate", "1e-2", "--json", str(curve_file)]
+    out = subprocess.run(
+        [sys.executable, script, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    ).stdout
+    curve = json.loads(curve_file.read_text())["reward"]
+    assert len(curve) == 6 and curve[-1] > 4 * curve[0], curve
+    assert out.count("adapter 'policy' (rank 8") == 6, out

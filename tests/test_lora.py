@@ -247,3 +247,89 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_at_runtime(setu
         server.should_exit = True
         thread.join(15)
         engine.shutdown()
+
+
+def record_programs(runner) -> list:
+    """The programs the runner dispatches from now on, appended to the returned list."""
+    ran, pack = [], runner._pack
+
+    def recording(*args):
+        program, layout, flat = pack(*args)
+        ran.append(program)
+        return program, layout, flat
+
+    runner._pack = recording
+    return ran
+
+
+def test_a_trainers_adapter_is_served_as_given_and_updated_without_compiling(setup):
+    """A JAX trainer's adapter (a PEFT adapter's arrays, in the engine's layout) served with
+    `update_lora`: PEFT's greedy tokens, and `token_logprobs(lora=...)` equals PEFT's
+    log-probabilities; updated to another adapter's arrays under the same name, the requests made
+    after it get that one's tokens, no cached block crosses the versions and nothing is compiled;
+    a step with no adapter runs the program without LoRA deltas. Bad adapters are refused."""
+    import jax
+    import jax.numpy as jnp
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged.checkpoint.lora import read_lora_weights
+    from jaxpaged.functional import token_logprobs
+    from jaxpaged.model.lora import LoraAdapter
+
+    model_dir, dirs, expected = setup
+    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8, num_scheduler_steps=1)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    config = engine.config.model
+
+    def as_trainer_arrays(name):
+        weights = read_lora_weights(dirs[name], config, max_rank=8)
+        return LoraAdapter(
+            {k: jnp.asarray(v) for k, v in weights.a.items()}, {k: jnp.asarray(v) for k, v in weights.b.items()}
+        )
+
+    ran = record_programs(runner)
+    base = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in base] == expected[None]
+    assert ran and not any(p.lora for p in ran)  # no adapter in the batch: no adapter deltas computed
+
+    first = as_trainer_arrays("all-r8")
+    trainer = llm.update_lora("trainer", first)
+    assert trainer.lora_name == "trainer" and trainer.lora_path == ""
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False, lora_request=trainer)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected["all-r8"]
+    assert all(p.lora for p in ran[-NEW_TOKENS:])
+
+    sequence = jnp.array([PROMPTS[0] + expected["all-r8"][0]], jnp.int32)
+    ours = token_logprobs(llm.get_graphdef(), llm.get_params(), sequence, lora=first)
+    hf = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), dirs["all-r8"]).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor(np.asarray(sequence))).logits[0, :-1].log_softmax(-1)
+    theirs = logits.gather(1, torch.tensor(np.asarray(sequence)[0, 1:])[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(np.asarray(ours)[0], theirs, atol=2e-4)
+    grads = jax.grad(lambda ad: token_logprobs(llm.get_graphdef(), llm.get_params(), sequence, lora=ad).sum())(first)
+    assert jax.tree.structure(grads) == jax.tree.structure(first) and float(jnp.abs(grads.b["q_proj"]).max()) > 0
+
+    long_prompt = {"prompt_token_ids": PROMPTS[2] * 3}  # two full blocks of 16
+    llm.generate([long_prompt], greedy(2), use_tqdm=False, lora_request=trainer)
+    hits, compiled, writers = (
+        engine.get_stats()["prefix_cache_hits"],
+        len(runner.compiled),
+        runner._write_lora._cache_size(),
+    )
+    assert llm.update_lora("trainer", as_trainer_arrays("attn-r4")) == trainer
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False, lora_request=trainer)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected["attn-r4"]
+    llm.generate([long_prompt], greedy(2), use_tqdm=False, lora_request=trainer)
+    assert engine.get_stats()["prefix_cache_hits"] == hits  # the new version reads none of the old's blocks
+    assert (len(runner.compiled), runner._write_lora._cache_size()) == (compiled, writers)
+
+    llm.llm_engine.add_lora(LoRARequest("file", 3, dirs["mlp-rs"]))
+    with pytest.raises(ValueError, match="update_lora: 'file' is the adapter read from"):
+        llm.update_lora("file", first)
+    wrong = LoraAdapter({"q_proj": first.a["q_proj"][:, :5]}, {"q_proj": first.b["q_proj"]})
+    with pytest.raises(ValueError, match=r"adapter projection 'q_proj': A \(2, 5, 8\)"):
+        llm.update_lora("other", wrong)
+    with pytest.raises(ValueError, match="rank 16, above --max-lora-rank 8"):
+        llm.update_lora("other", llm.init_lora(16))
+    with pytest.raises(ValueError, match="LoRARequest.lora_path='' for adapter 'nowhere'"):
+        llm.generate(["hi"], greedy(), use_tqdm=False, lora_request=LoRARequest("nowhere", 9))

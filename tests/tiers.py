@@ -144,6 +144,7 @@ TIERS: dict[str, tuple[str, str]] = {
     "tests/test_bench_extraction.py::test_a_constrained_configuration_end_to_end": (SLOW, "a whole benchmark run"),
     "tests/test_synthetic_tokenizer.py": (SLOW, "builds every preset's tokenizer and runs bench extraction"),
     "tests/test_examples.py::test_rl_grpo_example_trains_with_shared_weights": (SLOW, "trains for several steps"),
+    "tests/test_examples.py::test_rl_grpo_example_trains_a_lora_adapter": (SLOW, "trains for several steps"),
     # --- speculative decoding ------------------------------------------------------------------
     "tests/test_speculative.py::test_sampled_tokens_follow_the_plain_distribution": (SLOW, "300 requests twice"),
     "tests/test_speculative.py::test_tensor_parallel_speculation_gives_the_unsharded_tokens": (

@@ -12,15 +12,16 @@ import dataclasses
 import hashlib
 import math
 import os
+import typing
 
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
 from jaxpaged.checkpoint.safetensors_index import _data_offsets, _read_raw
-from jaxpaged.config.lora import WEIGHTS_FILE, lora_targets, module_key, read_adapter_config
+from jaxpaged.config.lora import WEIGHTS_FILE, lora_targets, module_key, projection_dims, read_adapter_config
 from jaxpaged.config.model_config import ModelConfig
-from jaxpaged.config.params.spec import KV_HEADS, axis_sizes
+from jaxpaged.config.params.spec import KV_HEADS
 
 PEFT_PREFIX = "base_model.model."
 
@@ -33,10 +34,12 @@ class LoraWeights:
       a: projection name -> `[L, *in, R]` float32 (every projection `lora_targets` names).
       b: projection name -> `[L, R, *out]` float32, PEFT's scaling folded in.
       fingerprint: sha256 of the adapter's files: blocks computed under it are cached under it.
+    A trainer's adapter (`LoraRegistry.update`) holds its own `jax.Array`s, of rank r <= R, and
+    its registration key as the fingerprint.
     """
 
-    a: dict[str, np.ndarray]
-    b: dict[str, np.ndarray]
+    a: dict[str, typing.Any]  # numpy arrays read here, or a trainer's jax.Array
+    b: dict[str, typing.Any]
     fingerprint: str
 
 
@@ -53,11 +56,10 @@ def read_lora_weights(path: str, config: ModelConfig, max_rank: int, kv_replicas
     if not os.path.isfile(file):
         raise ValueError(f"{path}: no {WEIGHTS_FILE} there (PEFT's save_pretrained writes one)")
     tensors = _read_all(file)
-    specs, sizes = lora_targets(config), axis_sizes(config)
+    specs, dims = lora_targets(config), projection_dims(config)
     a_out, b_out, used = {}, {}, set()
     for name, spec in specs.items():
-        ins = [sizes[axis] for axis in spec.axes[: spec.num_in]]
-        outs = [sizes[axis] for axis in spec.axes[spec.num_in :]]
+        ins, outs = dims[name]
         a = np.zeros((config.num_layers, *ins, max_rank), np.float32)
         b = np.zeros((config.num_layers, max_rank, *outs), np.float32)
         if name in adapter.targets:

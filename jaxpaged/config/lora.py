@@ -39,15 +39,51 @@ def lora_targets(config: ModelConfig) -> dict[str, ParamSpec]:
     }
 
 
+def projection_dims(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """`{projection: (in dims, out dims)}` of each projection an adapter may adapt, in the model's
+    einsum layout (`q_proj`: `((D,), (Q, H))`)."""
+    sizes, dims = axis_sizes(config), {}
+    for name, spec in lora_targets(config).items():
+        dims[name] = (
+            tuple(sizes[a] for a in spec.axes[: spec.num_in]),
+            tuple(sizes[a] for a in spec.axes[spec.num_in :]),
+        )
+    return dims
+
+
 def pool_shapes(config: ModelConfig, max_loras: int, max_rank: int) -> dict[str, tuple[tuple, tuple]]:
     """`{projection: (A's shape, B's shape)}` of the device's adapter pool for a model of `config`
     (the mesh's): A `[L, *in, S, R]`, B `[L, S, R, *out]` (`jaxpaged.model.lora`)."""
-    sizes, shapes = axis_sizes(config), {}
-    for name, spec in lora_targets(config).items():
-        ins = tuple(sizes[a] for a in spec.axes[: spec.num_in])
-        outs = tuple(sizes[a] for a in spec.axes[spec.num_in :])
-        shapes[name] = ((config.num_layers, *ins, max_loras, max_rank), (config.num_layers, max_loras, max_rank, *outs))
-    return shapes
+    layers = config.num_layers
+    return {
+        name: ((layers, *ins, max_loras, max_rank), (layers, max_loras, max_rank, *outs))
+        for name, (ins, outs) in projection_dims(config).items()
+    }
+
+
+def check_adapter_shapes(shapes: dict[str, tuple[tuple, tuple]], config: ModelConfig, max_rank: int) -> None:
+    """Checks an adapter given as arrays (`{projection: (A's shape, B's shape)}`, A `[L, *in, r]`,
+    B `[L, r, *out]`) against a model of `config` (the mesh's) and the engine's `max_rank`.
+
+    Raises:
+      ValueError: no projection, one the model does not adapt, a shape that does not fit, or a rank
+        above `max_rank` (each named).
+    """
+    dims = projection_dims(config)
+    if not shapes:
+        raise ValueError(f"the adapter adapts no projection; give some of {', '.join(dims)}")
+    for name, (a, b) in shapes.items():
+        if name not in dims:
+            raise ValueError(f"adapter projection {name!r}: not one a LoRA adapter may adapt ({', '.join(dims)})")
+        ins, outs = dims[name]
+        r = a[-1] if a else 0
+        if tuple(a) != (config.num_layers, *ins, r) or tuple(b) != (config.num_layers, r, *outs):
+            raise ValueError(
+                f"adapter projection {name!r}: A {tuple(a)} / B {tuple(b)} do not fit the model's "
+                f"A {(config.num_layers, *ins, 'r')} / B {(config.num_layers, 'r', *outs)}"
+            )
+        if r > max_rank:
+            raise ValueError(f"adapter projection {name!r} has rank {r}, above --max-lora-rank {max_rank}; raise it")
 
 
 def pool_bytes(config: ModelConfig, max_loras: int, max_rank: int, dtype_bytes: int) -> int:

@@ -125,7 +125,8 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         self.governor = SpeculationGovernor(spec.disable_by_batch_size, adaptive=spec.adaptive) if spec else None
         self.loras = None  # the LoRA adapters asked for (enable_lora)
         if self.config.lora.enable_lora:
-            self.loras = LoraRegistry(self.config.model, self.config.lora, self.config.layout.kv_replicas)
+            layout = self.config.layout
+            self.loras = LoraRegistry(self.config.model, self.config.lora, layout.kv_replicas, layout.mesh_config)
             self.runner.lora_weights = self.loras.weights
         self.num_prompt_tokens = 0
 
@@ -336,7 +337,11 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         """Forgets an adapter's name (vLLM's `remove_lora`, by name): requests already queued
         with it finish with it; a later adapter of that name is another adapter. Returns whether
         the name was known."""
-        return self.loras is not None and self.loras.remove(lora_name)
+        return self.loras is not None and self.loras.remove(lora_name, self._loras_in_use())
+
+    def _loras_in_use(self) -> set[str]:
+        """The adapters (registration keys) of unfinished sequences."""
+        return {seq.lora for seqs in self._seqs.values() for seq in seqs if seq.lora}
 
     def stop_on_string(self, request_id: str, index: int, num_output_tokens: int, stop: str) -> None:
         """Finishes a sequence that the output side found a stop string in, ending at its

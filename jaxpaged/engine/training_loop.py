@@ -11,9 +11,12 @@ new weights of the same shapes need no compilation.
 import logging
 import time
 
+import jax
 from flax import nnx
 
 from jaxpaged.engine.setup import build_model
+from jaxpaged.lora_request import LoRARequest
+from jaxpaged.model.lora import LoraAdapter, init_lora
 from jaxpaged.worker import sleep as sleep_mode
 from jaxpaged.worker.weight_update import WeightTarget, WeightUpdateStats
 
@@ -108,6 +111,44 @@ class TrainingLoopControls:
             stats.quantized_bytes,
         )
         return stats
+
+    def init_lora(self, rank: int, target_modules=None, seed: int = 0) -> LoraAdapter:
+        """A new LoRA adapter for this engine's model, as PEFT initialises one (B zeros: it starts
+        as the base model), in the layout `update_lora` takes (`model.lora.init_lora`).
+
+        Args:
+          rank: its rank (at most the engine's `max_lora_rank`).
+          target_modules: the projections it adapts (`q_proj`, ...; default every one LoRA may).
+          seed: its random A's seed.
+        """
+        mesh_config = self.config.layout.mesh_config
+        adapter = init_lora(mesh_config, rank, jax.random.key(seed), target_modules, self.runner.params_dtype)
+        return jax.device_put(adapter, self.runner.parallel.sharding())  # whole on every device, as the pool
+
+    def update_lora(self, lora_name: str, adapter: LoraAdapter) -> LoRARequest:
+        """Serves a trainer's LoRA adapter under `lora_name` from the next step on: requests made
+        with the returned `LoRARequest` run with it (vLLM has no equivalent: its adapters come
+        from files). The arrays are taken where they lie, with nothing read back to the host and
+        no program compiled for them (their slot of the device's adapter pool is written in place
+        when a request needs it: one device-side copy of the adapter). Called again with new
+        arrays, the name's new version serves the requests added from then on; requests already
+        added finish with the version they started with, and no cached prefix crosses versions.
+
+        Args:
+          lora_name: the adapter's name (not one read from a directory).
+          adapter: `LoraAdapter` arrays of the mesh's shapes (`init_lora` makes one; a gradient
+            step on one keeps its shapes).
+
+        Raises:
+          ValueError: LoRA is off, the name is a directory's adapter, or the arrays do not fit.
+          RuntimeError: over several processes (the arrays live in this one).
+        """
+        if self.loras is None:
+            raise ValueError("update_lora: the engine runs without LoRA; start it with enable_lora=True")
+        self._check_one_process("update_lora")
+        if not isinstance(adapter, LoraAdapter):
+            raise ValueError(f"update_lora: give a LoraAdapter (init_lora makes one), got {type(adapter).__name__}")
+        return self.loras.update(lora_name, adapter.a, adapter.b, self._loras_in_use())
 
     def reload_weights(self) -> None:
         """Reads the weights again from the checkpoint (or makes the seeded dummy weights again)

@@ -182,6 +182,15 @@ class LLM:
         parameter pytree, or Hugging Face `(name, array)` pairs)."""
         return self.llm_engine.update_weights(weights)
 
+    def init_lora(self, rank: int, target_modules=None, seed: int = 0):
+        """A new LoRA adapter for the model, B zeros (`LLMEngine.init_lora`), for a trainer."""
+        return self.llm_engine.init_lora(rank, target_modules, seed)
+
+    def update_lora(self, lora_name: str, adapter):
+        """Serves a trainer's LoRA adapter (`LLMEngine.update_lora`); returns the `LoRARequest`
+        that runs with it."""
+        return self.llm_engine.update_lora(lora_name, adapter)
+
     def reload_weights(self) -> None:
         """The checkpoint's weights again (`LLMEngine.reload_weights`)."""
         self.llm_engine.reload_weights()

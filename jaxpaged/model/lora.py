@@ -16,6 +16,7 @@ of the base model gets an exact zero. The slot's value is data: loading an adapt
 """
 
 import dataclasses
+import math
 import string
 import typing
 
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxpaged.config.lora import pool_shapes
+from jaxpaged.config.lora import pool_shapes, projection_dims
 from jaxpaged.config.model_config import ModelConfig
 
 
@@ -58,6 +59,56 @@ class LayerLora:
     onehot: Float[Array, "T S"]
 
 
+@typing.no_type_check  # JAX rebuilds pytrees from non-array leaves (shardings, specs)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoraAdapter:
+    """One LoRA adapter as a JAX trainer holds it, in the engine's layout (the mesh's, as
+    `get_params()`): per projection it adapts (`config.lora.lora_targets`' names), A `[L, *in, r]`
+    and B `[L, r, *out]`; a token's delta is `x @ A @ B` (any scaling is part of B). A pytree:
+    `jax.grad` gives an adapter's gradient as a `LoraAdapter`.
+
+    Attributes:
+      a: projection name -> `[L, *in, r]`.
+      b: projection name -> `[L, r, *out]`.
+    """
+
+    a: dict[str, Float[Array, "..."]]
+    b: dict[str, Float[Array, "..."]]
+
+
+def init_lora(config: ModelConfig, rank: int, key: jax.Array, targets=None, dtype=jnp.float32) -> LoraAdapter:
+    """A new adapter of `rank` for a model of `config` (the mesh's), initialised as PEFT does: A
+    uniform in `+-1 / sqrt(in)` (kaiming-uniform, `a = sqrt(5)`), B zeros, so it starts as the
+    base model. `targets`: the projections it adapts (default: every one `lora_targets` names).
+
+    Raises:
+      ValueError: a target the model does not adapt, or a rank below 1.
+    """
+    dims = projection_dims(config)
+    targets = tuple(dims) if targets is None else tuple(targets)
+    unknown = sorted(set(targets) - set(dims))
+    if unknown or isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(
+            f"init_lora: targets {unknown} / rank {rank!r}: give a rank >= 1 and some of {', '.join(dims)}"
+        )
+    a, b = {}, {}
+    for name, k in zip(targets, jax.random.split(key, len(targets))):
+        ins, outs = dims[name]
+        bound = 1.0 / math.prod(ins) ** 0.5
+        a[name] = jax.random.uniform(k, (config.num_layers, *ins, rank), dtype, -bound, bound)
+        b[name] = jnp.zeros((config.num_layers, rank, *outs), dtype)
+    return LoraAdapter(a, b)
+
+
+def single_slot_pool(adapter: LoraAdapter) -> LoraPool:
+    """A pool of one slot holding `adapter` (tokens of slot 1 run with it): what the scoring path
+    differentiates through (`functional.token_logprobs(..., lora=adapter)`)."""
+    return LoraPool(
+        a={k: v[..., None, :] for k, v in adapter.a.items()}, b={k: v[:, None] for k, v in adapter.b.items()}
+    )
+
+
 def zero_pool(config: ModelConfig, max_loras: int, max_rank: int, dtype) -> LoraPool:
     """A pool with every slot empty (zeros: every slot computes a zero delta)."""
     shapes = pool_shapes(config, max_loras, max_rank)
@@ -68,16 +119,25 @@ def zero_pool(config: ModelConfig, max_loras: int, max_rank: int, dtype) -> Lora
 
 
 def write_slot(pool: LoraPool, slot: Int[Array, ""], a: dict, b: dict) -> LoraPool:
-    """The pool with slot `slot` (1..S) holding the adapter `a` (`[L, *in, R]` per projection) and
-    `b` (`[L, R, *out]`); jit it with the pool donated (an in-place write)."""
+    """The pool with slot `slot` (1..S) holding the adapter `a` (`[L, *in, r]` per projection) and
+    `b` (`[L, r, *out]`), ranks `r` below the pool's zero-padded and a projection absent from `a`
+    zeros; jit it with the pool donated (an in-place write: one program per set of ranks)."""
     i = slot - 1
 
-    def put_a(pool_a, new):  # [L, *in, S, R] <- [L, *in, R]
-        return jax.lax.dynamic_update_index_in_dim(pool_a, new.astype(pool_a.dtype), i, pool_a.ndim - 2)
+    def put_a(pool_a, new):  # [L, *in, S, R] <- [L, *in, r]
+        pad = [(0, 0)] * (new.ndim - 1) + [(0, pool_a.shape[-1] - new.shape[-1])]
+        new = jnp.pad(new.astype(pool_a.dtype), pad)
+        return jax.lax.dynamic_update_index_in_dim(pool_a, new, i, pool_a.ndim - 2)
 
-    def put_b(pool_b, new):  # [L, S, R, *out] <- [L, R, *out]
-        return jax.lax.dynamic_update_index_in_dim(pool_b, new.astype(pool_b.dtype), i, 1)
+    def put_b(pool_b, new):  # [L, S, R, *out] <- [L, r, *out]
+        pad = [(0, 0), (0, pool_b.shape[2] - new.shape[1])] + [(0, 0)] * (new.ndim - 2)
+        return jax.lax.dynamic_update_index_in_dim(pool_b, jnp.pad(new.astype(pool_b.dtype), pad), i, 1)
 
+    def zeros_like_slot(x, axis):
+        return jnp.zeros(x.shape[:axis] + x.shape[axis + 1 :], x.dtype)
+
+    a = {k: a[k] if k in a else zeros_like_slot(v, v.ndim - 2) for k, v in pool.a.items()}
+    b = {k: b[k] if k in b else zeros_like_slot(v, 1) for k, v in pool.b.items()}
     return LoraPool(a={k: put_a(v, a[k]) for k, v in pool.a.items()}, b={k: put_b(v, b[k]) for k, v in pool.b.items()})
 
 

@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="input features per group of --quantization int4",
     )
     plan.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV cache block")
+    plan.add_argument("--enable-lora", action="store_true", help="leave room for a LoRA adapter pool (serve's flag)")
+    plan.add_argument("--max-loras", type=int, default=1, help="the adapter pool's slots, with --enable-lora")
+    plan.add_argument("--max-lora-rank", type=int, default=16, help="the adapter pool's rank, with --enable-lora")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_plan_throughput_flags(plan)
     plan.set_defaults(run=_plan)

@@ -184,3 +184,20 @@ def test_plan_needs_no_jax():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["kv_bytes_per_token"] == 131_072
+
+
+def test_a_lora_adapter_pool_is_counted_beside_the_weights(capsys):
+    """`--enable-lora --max-loras 8 --max-lora-rank 16` on Llama-3.1-8B: the pool's 640 MiB (32
+    layers x 8 slots x rank 16 x the seven projections' in + out, bfloat16) come out of the KV
+    pool, as the engine's start-up counts them; a layout the engine refuses LoRA on is refused."""
+    argv = ["--model", "llama-3.1-8b", "--gpu-memory", "80GiB", "--context", "8192"]
+    base = plan_json(capsys, *argv)
+    lora = plan_json(capsys, *argv, "--enable-lora", "--max-loras", "8", "--max-lora-rank", "16")
+    d, kv, f = 4096, 1024, 14336
+    per_layer = (d + d) + 2 * (d + kv) + (d + d) + 2 * (d + f) + (f + d)  # q, k, v, o, gate, up, down
+    assert base["lora_pool_bytes_per_gpu"] == 0 and lora["lora_pool_bytes_per_gpu"] == 32 * 8 * 16 * per_layer * 2
+    budget = int(80 * GiB * 0.9) - lora["weight_bytes_per_gpu"] - lora["lora_pool_bytes_per_gpu"]
+    assert lora["kv_cache_blocks"] == budget // (131_072 * 16) - 1 < base["kv_cache_blocks"]
+    assert main(["plan", *argv, "--enable-lora"]) == 0 and "LoRA adapter pool per GPU" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="under pipeline parallelism"):
+        make_plan("llama-3.1-8b", gpu_memory=80 * GiB, pipeline_parallel_size=2, enable_lora=True)

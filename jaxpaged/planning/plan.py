@@ -32,6 +32,7 @@ import math
 
 from jaxpaged.config import defaults
 from jaxpaged.config.checks import check_choice
+from jaxpaged.config.lora import pool_bytes as lora_pool_bytes
 from jaxpaged.config.model_config import ModelConfig, kv_bytes_per_token
 from jaxpaged.config.params.tables import state_params, state_shapes
 from jaxpaged.config.presets import load_config_dict
@@ -122,6 +123,9 @@ def make_plan(
     quantization: str | None = None,
     quantization_group_size: int = DEFAULT_GROUP_SIZE,
     block_size: int = defaults.BLOCK_SIZE,
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
     suggest: bool = True,
 ) -> dict:
     """The plan as a JSON-ready dict (bytes are per GPU unless the key says `_all_gpus`).
@@ -129,6 +133,8 @@ def make_plan(
     Args:
       pp_layer_partition: layers per pipeline stage as `--pp-layer-partition` takes them
         ("20,12"); None: balanced.
+      enable_lora, max_loras, max_lora_rank: a LoRA adapter pool of `max_loras` slots of rank
+        `max_lora_rank` (whole on every GPU, in the model's dtype) beside the weights.
       suggest: when the model does not fit, say in the note which layout on more GPUs does.
 
     Raises:
@@ -157,6 +163,7 @@ def make_plan(
         enable_expert_parallel=enable_expert_parallel,
         block_size=block_size,
         gpu_memory_utilization=gpu_memory_utilization,
+        **(dict(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank) if enable_lora else {}),
     )
     config, context, held_as = engine.model, engine.max_model_len, engine.load.quantization
     if dtype == "auto":
@@ -170,6 +177,10 @@ def make_plan(
     tp, ep, pipeline = tensor_parallel_size, enable_expert_parallel, engine.layout.pipeline
     total_params, _ = count_parameters(config, tp, pipeline, ep)
     weights = weight_bytes_per_gpu(config, dtype, held_as, tp, ep, pipeline)
+    lora = engine.lora
+    adapters = 0
+    if lora.enable_lora:  # (as the engine's start-up plan counts it)
+        adapters = lora_pool_bytes(engine.layout.mesh_config, lora.max_loras, lora.max_lora_rank, DTYPE_BYTES[dtype])
     device_config = engine.layout.device_config
     per_token = kv_bytes_per_token(device_config, DTYPE_BYTES[kv_dtype])
     report = {
@@ -192,6 +203,7 @@ def make_plan(
         "context": context,
         "block_size": block_size,
         "weight_bytes_per_gpu": weights,
+        "lora_pool_bytes_per_gpu": adapters,
         "kv_bytes_per_token": per_token,
         "kv_bytes_per_token_all_gpus": kv_bytes_per_token(config, DTYPE_BYTES[kv_dtype]),
         "kv_bytes_per_request": per_token * context,
@@ -205,12 +217,14 @@ def make_plan(
             max_model_len=context,
             device_memory_bytes=gpu_memory,
             gpu_memory_utilization=gpu_memory_utilization,
-            weight_bytes=weights,
+            weight_bytes=weights + adapters,
         )
     except ValueError:
-        budget = int(gpu_memory * gpu_memory_utilization) - weights
+        budget = int(gpu_memory * gpu_memory_utilization) - weights - adapters
         note = (
-            f"weights take {format_bytes(weights)} of the {format_bytes(int(gpu_memory * gpu_memory_utilization))} "
+            f"weights take {format_bytes(weights)}"
+            + (f" and the LoRA adapter pool {format_bytes(adapters)}" if adapters else "")
+            + f" of the {format_bytes(int(gpu_memory * gpu_memory_utilization))} "
             f"that --gpu-memory-utilization {gpu_memory_utilization} allows per GPU, leaving "
             f"{format_bytes(max(budget, 0))} for the KV cache; one request of --context {context} needs "
             f"{format_bytes(per_token * context)}"
@@ -224,6 +238,9 @@ def make_plan(
             kv_cache_dtype=kv_cache_dtype,
             quantization=quantization,
             block_size=block_size,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
         if suggest:
             fitting = next(((t, p) for t, p in _larger_layouts(tp, pipeline.size) if _fits(model, t, p, options)), None)
@@ -317,6 +334,7 @@ def format_plan(r: dict) -> str:
         ("pipeline parallel", _stages(r)),
         ("GPU memory x utilization", f"{_size(r['gpu_memory_bytes'])} x {r['gpu_memory_utilization']}"),
         ("weights per GPU", _size(r["weight_bytes_per_gpu"])),
+        *([("LoRA adapter pool per GPU", _size(r["lora_pool_bytes_per_gpu"]))] if r["lora_pool_bytes_per_gpu"] else []),
         (
             "KV bytes per token per GPU",
             _size(r["kv_bytes_per_token"])
@@ -353,6 +371,9 @@ def run(args) -> int:
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         block_size=args.block_size,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0 if report["fits"] else 1

@@ -3,13 +3,14 @@ its current release: guidellm 0.8.1 (the tool vLLM's docs point to) completes it
 errors, on chat, completions and responses, streamed as it streams (`stream_options` with vLLM's
 `continuous_usage_stats`), behind an API key; lm-eval 0.4.13's `local-completions` (log-likelihoods
 from echoed prompt logprobs, and generations) and `local-chat-completions` run a task of their own
-(four KJV continuations, the demo model's text) to the scores the engine's own answers give.
+(four KJV continuations, the demo model's text) to the scores the engine's own answers give;
+vLLM's router (vllm-router 0.1.17) in front of two servers answers every request.
 
 Both need torch, which the server-only venv this file runs in (CI stage 3) must not have: they
 are installed in a venv of their own and run as subprocesses, found through `$JAXPAGED_TOOLS_BIN`:
 
     python3 -m venv .venv-tools
-    .venv-tools/bin/pip install torch==2.13.0 guidellm==0.8.1 'lm-eval[api]==0.4.13'
+    .venv-tools/bin/pip install torch==2.13.0 guidellm==0.8.1 'lm-eval[api]==0.4.13' vllm-router==0.1.17
     JAXPAGED_TOOLS_BIN=.venv-tools/bin pytest tests/test_vllm_tools.py
 """
 
@@ -21,10 +22,10 @@ from pathlib import Path
 import pytest
 
 TOOLS_BIN = os.environ.get("JAXPAGED_TOOLS_BIN")
-GUIDELLM, LM_EVAL = (os.path.join(TOOLS_BIN or "", name) for name in ("guidellm", "lm_eval"))
-if not (TOOLS_BIN and all(os.access(tool, os.X_OK) for tool in (GUIDELLM, LM_EVAL))):  # shown as skipped, with why
+GUIDELLM, LM_EVAL, ROUTER = (os.path.join(TOOLS_BIN or "", name) for name in ("guidellm", "lm_eval", "vllm-router"))
+if not (TOOLS_BIN and all(os.access(tool, os.X_OK) for tool in (GUIDELLM, LM_EVAL, ROUTER))):  # skipped, with why
     pytest.skip(
-        "needs guidellm and lm-eval in a venv of their own (they need torch): see this file's docstring",
+        "needs guidellm, lm-eval and vllm-router in a venv of their own (torch): see this file's docstring",
         allow_module_level=True,
     )
 
@@ -171,3 +172,60 @@ def test_lm_eval_local_chat_completions_generates_through_the_chat_template(serv
     _, responses = lm_eval(tmp_path, "local-chat-completions", args, "jaxpaged_gen", "--apply_chat_template")
     for question, _ in DOCS:
         assert responses["jaxpaged_gen"][question] == [[greedy(served, question, chat=True)]]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "power_of_two", "cache_aware"])
+def test_vllm_router_in_front_of_two_servers_answers_every_request(demo_server, policy):
+    """vLLM's router (vllm-router 0.1.17, run as its users run it) over two servers of the demo
+    model, for each policy that needs nothing from the workers: chat, completions and a streamed
+    chat come back 200 with the servers' own greedy text (the router re-serialises each body with
+    its own fields: docs/server.md's request-fields rule)."""
+    import socket
+    import time
+
+    import httpx
+
+    servers = [demo_server.serve("demo") for _ in range(2)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls"]
+    router = subprocess.Popen([*argv, *(s.url for s in servers)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60)
+        deadline = time.time() + 60
+        while time.time() < deadline and router.poll() is None:
+            try:
+                if http.get("/v1/models").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        chat = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": "And God said"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        completion = {"model": "demo", "prompt": "In the beginning", "max_tokens": 8, "temperature": 0}
+        direct = httpx.Client(base_url=servers[0].url, trust_env=False, timeout=60)
+        want_chat = direct.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+        want_text = direct.post("/v1/completions", json=completion).json()["choices"][0]["text"]
+        for _ in range(4):  # every worker gets some under each policy
+            reply = http.post("/v1/chat/completions", json=chat)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == want_chat
+            reply = http.post("/v1/completions", json=completion)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want_text, reply.text
+        with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as stream:
+            assert stream.status_code == 200
+            events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events[:-1]]
+        pieces = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+        assert events[-1] == "[DONE]" and "".join(pieces) == want_chat
+        refused = http.post("/v1/completions", json={**completion, "return_hidden_states": True})
+        assert refused.status_code == 400 and "return_hidden_states" in refused.text
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+        for served in servers:
+            served.close()

@@ -45,6 +45,9 @@ NO_EFFECT: dict[str, tuple[str, str]] = {
     "session_id": (BOTH, "vLLM's stable session id for routing; one server routes nothing"),
     "return_token_offsets": (BOTH, "vLLM's: only its render endpoints use it; generation ignores it there too"),
     "return_mm_kwargs": (BOTH, "vLLM's: only its render endpoints use it; there is no multimodal input"),
+    # vllm-router (0.1.17) re-serialises every request with its own fields at their defaults
+    "separate_reasoning": (CHAT, "vllm-router's reasoning-parser switch; there is no reasoning parser here"),
+    "stream_reasoning": (CHAT, "vllm-router's reasoning-parser switch; there is no reasoning parser here"),
 }
 
 REFUSED: dict[str, tuple[str, Refused]] = {
@@ -58,6 +61,9 @@ REFUSED: dict[str, tuple[str, Refused]] = {
     "return_tokens_as_token_ids": (BOTH, Refused("logprobs name tokens by their text")),
     "return_token_ids": (BOTH, Refused("responses carry text, not token ids")),
     "mm_processor_kwargs": (BOTH, Refused("there is no multimodal input")),
+    # vllm-router's (SGLang's vocabulary), sent false by the router on every request
+    "no_stop_trim": (BOTH, Refused("use include_stop_str_in_output to keep the stop string")),
+    "return_hidden_states": (BOTH, Refused("responses carry no hidden states")),
     # completions declare prompt_logprobs (and echo) themselves; on chat they are refused
     "prompt_logprobs": (
         CHAT,

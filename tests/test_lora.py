@@ -267,7 +267,9 @@ def test_a_trainers_adapter_is_served_as_given_and_updated_without_compiling(set
     `update_lora`: PEFT's greedy tokens, and `token_logprobs(lora=...)` equals PEFT's
     log-probabilities; updated to another adapter's arrays under the same name, the requests made
     after it get that one's tokens, no cached block crosses the versions and nothing is compiled;
-    a step with no adapter runs the program without LoRA deltas. Bad adapters are refused."""
+    updated while requests run, those finish with their version and the later ones get the new
+    one (one slot: they wait for it); a step with no adapter runs the program without LoRA
+    deltas. Bad adapters are refused."""
     import jax
     import jax.numpy as jnp
     from transformers import AutoModelForCausalLM
@@ -322,6 +324,26 @@ def test_a_trainers_adapter_is_served_as_given_and_updated_without_compiling(set
     llm.generate([long_prompt], greedy(2), use_tqdm=False, lora_request=trainer)
     assert engine.get_stats()["prefix_cache_hits"] == hits  # the new version reads none of the old's blocks
     assert (len(runner.compiled), runner._write_lora._cache_size()) == (compiled, writers)
+
+    # updated while requests of the old version run: they finish with it, the new ones (waiting
+    # for the pool's one slot) run with the new version; nothing mixes, nothing is lost
+    llm.update_lora("trainer", first)
+    params = greedy()
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(f"old-{i}", {"prompt_token_ids": prompt}, params, lora_request=trainer)
+    engine.step()
+    llm.update_lora("trainer", as_trainer_arrays("attn-r4"))
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(f"new-{i}", {"prompt_token_ids": prompt}, params, lora_request=trainer)
+    done = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        done.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
+    assert done == {
+        **{f"old-{i}": expected["all-r8"][i] for i in range(2)},
+        **{f"new-{i}": expected["attn-r4"][i] for i in range(2)},
+    }
 
     llm.llm_engine.add_lora(LoRARequest("file", 3, dirs["mlp-rs"]))
     with pytest.raises(ValueError, match="update_lora: 'file' is the adapter read from"):

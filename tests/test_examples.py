@@ -94,21 +94,25 @@ def test_make_step_input_runs_a_ragged_batch_like_transformers(tmp_path):
         assert output[:new_tokens] == hf_greedy(hf_model, prompt, new_tokens)
 
 
-def test_rl_grpo_example_trains_with_shared_weights(tmp_path):
-    """A few GRPO iterations: the reward rises and every update takes the trainer's arrays (no
-    copy)."""
-    script = os.path.join(ROOT, "examples", "rl_grpo.py")
+def run_grpo(tmp_path, *args: str) -> tuple[list[float], str]:
+    """examples/rl_grpo.py with `args` on the CPU: its reward per iteration and its output."""
+    import json
+
     curve_file = tmp_path / "curve.json"
     out = subprocess.run(
-        [sys.executable, script, "--iterations", "4", "--json", str(curve_file)],
+        [sys.executable, os.path.join(ROOT, "examples", "rl_grpo.py"), *args, "--json", str(curve_file)],
         capture_output=True,
         text=True,
         check=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     ).stdout
-    import json
+    return json.loads(curve_file.read_text())["reward"], out
 
-    curve = json.loads(curve_file.read_text())["reward"]
+
+def test_rl_grpo_example_trains_with_shared_weights(tmp_path):
+    """A few GRPO iterations: the reward rises and every update takes the trainer's arrays (no
+    copy)."""
+    curve, out = run_grpo(tmp_path, "--iterations", "4")
     assert len(curve) == 4 and curve[-1] > curve[0], curve
     assert out.count("copied 0 B") == 4, out
 
@@ -116,18 +120,6 @@ def test_rl_grpo_example_trains_with_shared_weights(tmp_path):
 def test_rl_grpo_example_trains_a_lora_adapter(tmp_path):
     """`--lora-rank`: GRPO trains a LoRA adapter over the frozen base model, and the engine
     serves each version (`update_lora`) to the next rollouts: the reward rises."""
-    import json
-
-    script = os.path.join(ROOT, "examples", "rl_grpo.py")
-    curve_file = tmp_path / "curve.json"
-    args = ["--iterations", "6", "--lora-rank", "8", "--learning-rate", "1e-2", "--json", str(curve_file)]
-    out = subprocess.run(
-        [sys.executable, script, *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    ).stdout
-    curve = json.loads(curve_file.read_text())["reward"]
+    curve, out = run_grpo(tmp_path, "--iterations", "6", "--lora-rank", "8", "--learning-rate", "1e-2")
     assert len(curve) == 6 and curve[-1] > 4 * curve[0], curve
     assert out.count("adapter 'policy' (rank 8") == 6, out

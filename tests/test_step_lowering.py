@@ -81,7 +81,7 @@ def test_mixed_step_lowers_with_the_ragged_and_decode_kernels(abstract_engine):
     graphdef, params, cache, packer = abstract_engine
     layout = packer.layouts[512]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-    text = lower_for_cuda(functools.partial(_model_program, layout, False, graphdef), params, cache, flat)
+    text = lower_for_cuda(functools.partial(_model_program, layout, False, False, graphdef), params, cache, flat)
     # Two Triton calls in the one (scanned) layer body, both run every step: the decode kernel for
     # the step's leading decode rows and the ragged kernel for the rest (mixed_attention.py), no
     # `lax.cond` between them; the runner picks the decode program for decode batches.
@@ -95,7 +95,7 @@ def test_fused_decode_steps_lower_with_the_decode_kernel(abstract_engine):
     layout = packer.layouts[packer.bucket_for(64, 64)]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
     text = lower_for_cuda(
-        functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), graphdef), params, cache, flat
+        functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), False, graphdef), params, cache, flat
     )
     assert text.count(TRITON_CALL) == 1  # the decode kernel, in the layer body of the step body
     assert_no_pool_sized_conversion(text)
@@ -173,9 +173,9 @@ def test_tensor_parallel_steps_lower_with_the_kernels_under_shard_map(abstract_t
     layout = packer.layouts[packer.bucket_for(64, 64) if decode else 512]
     flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=whole)
     step_fn = (
-        functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), graphdef)
+        functools.partial(_fused_decode_steps, layout, 4, SamplerOptions(), False, graphdef)
         if decode
-        else functools.partial(_model_program, layout, False, graphdef)
+        else functools.partial(_model_program, layout, False, False, graphdef)
     )
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(step_fn).trace(params, cache, flat).lower(lowering_platforms=("cuda",))

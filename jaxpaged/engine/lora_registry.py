@@ -102,8 +102,7 @@ class LoraRegistry:
         request = known[0] if known else LoRARequest(name, 1 + max(ids, default=0), "")
         version = self._versions[name] = self._versions.get(name, 0) + 1
         key = f"lora:{request.lora_int_id}:trainer:{version}"
-        for old in [k for k in self._in_memory if self.requests[k].lora_name == name and k not in in_use]:
-            del self._in_memory[old], self.requests[old]
+        self._forget_versions(name, in_use)
         self._in_memory[key] = LoraWeights(dict(a), dict(b), key)
         self.names[name], self.requests[key] = (request, key), request
         return request
@@ -111,9 +110,13 @@ class LoraRegistry:
     def remove(self, name: str, in_use: set[str] = frozenset()) -> bool:
         """Forgets the name (requests already queued keep their adapter; an in-memory adapter's
         versions no key of `in_use` holds are dropped); False if unknown."""
+        self._forget_versions(name, in_use)
+        return self.names.pop(name, None) is not None
+
+    def _forget_versions(self, name: str, in_use: set[str]) -> None:
+        """Drops the in-memory adapter `name`'s versions that no key of `in_use` holds."""
         for old in [k for k in self._in_memory if self.requests[k].lora_name == name and k not in in_use]:
             del self._in_memory[old], self.requests[old]
-        return self.names.pop(name, None) is not None
 
     def weights(self, key: str) -> LoraWeights:
         """A registration's weights (read again if evicted from host memory)."""

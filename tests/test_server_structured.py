@@ -119,6 +119,8 @@ REFUSED_VALUES = {
     "routed_experts_prompt_start": 1,
     "ec_transfer_params": {"a": 1},
     "media_io_kwargs": {"image": {}},
+    "no_stop_trim": True,
+    "return_hidden_states": True,
 }
 REFUSED_CASES = [
     (name, endpoint)

@@ -19,6 +19,7 @@ from jaxpaged.config.checks import (
     check_memory_fraction,
 )
 from jaxpaged.config.defaults import MAX_COMPILE_THREADS
+from jaxpaged.config.kv_events import KVEventsConfig, KVEventsConfigError
 from jaxpaged.config.presets import PRESETS
 from jaxpaged.config.quantization import (
     DEFAULT_GROUP_SIZE,
@@ -185,6 +186,15 @@ class EngineArgs:
         16.0,
         "GiB of files the disk tier keeps in --kv-cache-dir for this model (least recently used removed first)",
         metavar="GIB",
+    )
+    kv_events_config: KVEventsConfig | dict | str | None = _option(
+        None,
+        "publish the prefix cache's KV events in vLLM's format, as JSON: {\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": ""}: every block '
+        "stored on the device or in the host tier and every eviction, over a ZeroMQ PUB socket (what vLLM's "
+        "router follows with --policy kv_aware; needs the server extra); with --enable-prefix-caching "
+        "(default: off)",
+        metavar="JSON",
     )
     preemption_mode: str | None = _option(
         None,
@@ -434,6 +444,15 @@ class EngineArgs:
             raise EngineArgsError("speculative_config", self.speculative_config, str(err)) from None
         if self.speculative_config is not None and self.speculative_config.model is not None:
             self._check_draft_model()
+        try:
+            self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        except KVEventsConfigError as err:
+            raise EngineArgsError("kv_events_config", self.kv_events_config, str(err)) from None
+        events = self.kv_events_config
+        if events is not None and events.enable_kv_cache_events and not self.enable_prefix_caching:
+            raise EngineArgsError(
+                "kv_events_config", events, "announces prefix-cache blocks: it needs `enable_prefix_caching` on"
+            )
         check_block_size(self.block_size)
         check_memory_fraction(self.gpu_memory_utilization)
         if not isinstance(self.compilation_cache_dir, str) or not self.compilation_cache_dir:

@@ -11,6 +11,7 @@ import dataclasses
 
 from jaxpaged.config import defaults
 from jaxpaged.config.checks import check_batch_limits
+from jaxpaged.config.kv_events import KVEventsConfig
 from jaxpaged.config.quantization import StoredWeights, kv_dtype_name
 
 
@@ -67,6 +68,7 @@ class CacheConfig:
       kv_cache_dir: the disk tier's directory, or None.
       kv_cache_dir_size: GiB of files the disk tier keeps.
       preemption_mode: the option (None: see `resolved_preemption_mode`).
+      kv_events_config: the KV event options, or None (off).
       num_blocks: blocks per device, the null block included (0 until planned).
       num_host_blocks: blocks of the host tier (0: none; planned with the pool).
     """
@@ -80,6 +82,7 @@ class CacheConfig:
     kv_cache_dir: str | None
     kv_cache_dir_size: float
     preemption_mode: str | None
+    kv_events_config: KVEventsConfig | None = None
     num_blocks: int = 0
     num_host_blocks: int = 0
 

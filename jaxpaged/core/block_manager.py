@@ -34,6 +34,9 @@ blocks there and gets them back, in fresh device blocks, when it is admitted aga
 Disk tier (`disk_tier`, optional, with a host tier; see disk_tier.py): before a sequence is
 admitted, the blocks of its prefix that neither the device nor host memory holds but the disk
 does are read into host slots (`promote_from_disk`), so the lookup finds them there.
+
+KV events (`events`, optional; see kv_events.py): blocks registered on the device, offloaded to
+the host tier, evicted from either, and resets are recorded for subscribers such as vLLM's router.
 """
 
 import collections
@@ -44,6 +47,7 @@ from array import array
 
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier, KVTransfers
+from jaxpaged.core.kv_events import GPU, KVEventLog
 from jaxpaged.core.sequence import Sequence
 
 NULL_BLOCK = 0
@@ -101,6 +105,7 @@ class BlockManager:
       prefix_cache_queries: tokens looked up in the prefix cache (vLLM's metric).
       prefix_cache_hits: of those, tokens served from the device's cache.
       host_tier: the host tier, or None.
+      events: the KV event log, or None.
     """
 
     def __init__(
@@ -110,6 +115,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         host_tier: HostTier | None = None,
         disk_tier: DiskTier | None = None,
+        events: KVEventLog | None = None,
     ):
         """Args:
         num_blocks: pool blocks including the null block 0 (so at least 2).
@@ -117,6 +123,7 @@ class BlockManager:
         enable_prefix_caching: reuse full blocks across sequences by content hash.
         host_tier: keep evicted blocks and swapped-out sequences in host memory.
         disk_tier: find prefix blocks of earlier runs on disk (needs `host_tier`).
+        events: record the prefix cache's events there (the host tier's too).
         """
         if disk_tier is not None and host_tier is None:
             raise ValueError("a disk tier reads and writes through a host tier; give host_tier too")
@@ -136,6 +143,9 @@ class BlockManager:
         self.prefix_cache_hits = 0
         self.host_tier = host_tier
         self.disk_tier = disk_tier
+        self.events = events
+        if host_tier is not None:
+            host_tier.events = events
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already registered
         # Sequences whose K/V predates the last `reset_prefix_cache` (held or swapped out then):
         # after new weights it mixes the old weights' with the new ones', so they register nothing.
@@ -289,7 +299,7 @@ class BlockManager:
             for i, slot in enumerate(prefix.host_slots):
                 if slot is not None:
                     tier.load(slot, table[i])
-                    self._register_block(self._block_hash_of(seq, i), table[i])
+                    self._register_block(seq, i, table[i])
         seq.block_table = table
         seq.num_cached_tokens = seq.num_computed_tokens = prefix.num_tokens
         # A swapped-in sequence registers its full blocks again as `may_append` reaches them.
@@ -405,6 +415,8 @@ class BlockManager:
         self.block_hash = [None] * self.num_blocks
         if self.host_tier is not None:
             self.host_tier.clear_cached()
+        if self.events is not None:
+            self.events.cleared()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -418,6 +430,8 @@ class BlockManager:
             self.block_hash[block] = None
             if self.host_tier is not None:
                 self.host_tier.offload(block, block_hash)
+            if self.events is not None:  # after the offload: that announces the host copy first
+                self.events.removed(block_hash, GPU)
         self.ref_counts[block] = 1
         return block
 
@@ -426,10 +440,12 @@ class BlockManager:
             return
         start = self._num_registered.get(seq.seq_id, 0)
         for i in range(start, num_full_blocks):
-            self._register_block(self._block_hash_of(seq, i), seq.block_table[i])
+            self._register_block(seq, i, seq.block_table[i])
         self._num_registered[seq.seq_id] = max(start, num_full_blocks)
 
-    def _register_block(self, block_hash: bytes, block: int) -> None:
+    def _register_block(self, seq: Sequence, i: int, block: int) -> None:
+        """Registers device `block` as `seq`'s full block `i`."""
+        block_hash = self._block_hash_of(seq, i)
         # Equal content already cached elsewhere (e.g. the last-token block that a fully cached
         # prompt recomputes): keep that one; this block stays unhashed.
         if block_hash not in self.cached_block_hash_to_block and self.block_hash[block] is None:
@@ -437,3 +453,8 @@ class BlockManager:
             self.block_hash[block] = block_hash
             if self.host_tier is not None:
                 self.host_tier.registered(block, block_hash)
+            if self.events is not None:
+                bs = self.block_size
+                parent = seq.block_hashes[i - 1] if i else None
+                tokens = seq.token_ids_slice(i * bs, (i + 1) * bs)
+                self.events.stored(block_hash, parent, tokens, seq.lora_name, GPU)

@@ -28,6 +28,8 @@ before that step computes the block, so these copies are handed over after the s
 import collections
 import dataclasses
 
+from jaxpaged.core.kv_events import CPU, KVEventLog
+
 
 @dataclasses.dataclass(frozen=True)
 class KVTransfers:
@@ -75,6 +77,7 @@ class HostTier:
         self._offloads: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self._stores: list[tuple[int, bytes]] = []  # registered for this step: copied after it
+        self.events: KVEventLog | None = None  # the block manager's KV event log, if any
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -116,11 +119,16 @@ class HostTier:
         if slot is not None:
             self.cached[block_hash] = slot
             self._slot_hash[slot] = block_hash
+            if self.events is not None:
+                self.events.moved(block_hash, CPU)
         return slot
 
     def uncache_slot(self, slot: int) -> None:
         """Takes back a `cache_slot` whose block could not be read."""
-        del self.cached[self._slot_hash.pop(slot)]
+        block_hash = self._slot_hash.pop(slot)
+        del self.cached[block_hash]
+        if self.events is not None:
+            self.events.removed(block_hash, CPU)
         self._pinned.discard(slot)
         self._free.append(slot)
 
@@ -136,6 +144,8 @@ class HostTier:
             return
         self.cached[block_hash] = slot
         self._slot_hash[slot] = block_hash
+        if self.events is not None:
+            self.events.moved(block_hash, CPU)
         self._offloads.append((device_block, slot))
         self.offloaded_blocks += 1
 
@@ -237,5 +247,7 @@ class HostTier:
                 return None
             slot = self.cached.pop(victim)
             del self._slot_hash[slot]
+            if self.events is not None:
+                self.events.removed(victim, CPU)
         self._pinned.add(slot)  # written by this step's offloads: nothing else takes it now
         return slot

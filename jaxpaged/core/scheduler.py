@@ -51,6 +51,7 @@ from jaxpaged.config.checks import check_batch_limits, check_choice
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.disk_tier import DiskTier
 from jaxpaged.core.host_tier import HostTier, KVTransfers
+from jaxpaged.core.kv_events import KVEvent, KVEventLog
 from jaxpaged.core.lora_slots import LoraSlots
 from jaxpaged.core.sequence import Sequence, SequenceStatus
 from jaxpaged.core.speculation import (
@@ -90,6 +91,7 @@ class SchedulerConfig:
         in flight at most, and a step decodes at most 1/P of the running sequences, so that P
         groups take turns and every stage has work.
       lora_slots: LoRA adapters in one batch (the device pool's slots, `LoraSlots`); 0: no LoRA.
+      kv_events: record the prefix cache's events (`take_kv_events`).
     """
 
     max_num_seqs: int = defaults.MAX_NUM_SEQS
@@ -103,6 +105,7 @@ class SchedulerConfig:
     num_scheduler_steps: int = defaults.NUM_SCHEDULER_STEPS
     pipeline_depth: int = 1
     lora_slots: int = 0
+    kv_events: bool = False
 
     def __post_init__(self):
         for name in (
@@ -218,8 +221,9 @@ class Scheduler:
         self.proposer = proposer
         self.config = config
         tier = HostTier(config.num_host_blocks, write_through=disk_tier is not None) if config.num_host_blocks else None
+        events = KVEventLog(config.block_size) if config.kv_events else None
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, tier, disk_tier
+            config.num_blocks, config.block_size, config.enable_prefix_caching, tier, disk_tier, events
         )
         ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         self.eos_token_ids = frozenset(ids)
@@ -446,6 +450,11 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (`BlockManager.reset_prefix_cache`: after new weights)."""
         self.block_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's events since the last call (none unless `kv_events`)."""
+        events = self.block_manager.events
+        return [] if events is None else events.take()
 
     @property
     def kv_usage(self) -> float:

@@ -81,6 +81,7 @@ class Sequence:
         None: unconstrained, or finished (released).
       lora: the LoRA adapter it runs with (its registration key, `LoraRegistry.register`), or None
         for the base model.
+      lora_name: that adapter's name as requests give it (`LoRARequest.lora_name`), or None.
       lora_slot: the adapter's slot in the device's pool while it runs (`LoraSlots`), else 0.
     """
 
@@ -129,6 +130,7 @@ class Sequence:
         self.prompt_logprobs_sent = False
         self.constraint = None
         self.lora: str | None = None
+        self.lora_name: str | None = None
         self.lora_slot = 0
 
     def __repr__(self) -> str:

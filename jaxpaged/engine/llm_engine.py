@@ -59,6 +59,7 @@ from jaxpaged.core.speculation import (
     is_constrained,
     make_proposer,
 )
+from jaxpaged.engine.kv_event_publisher import KVEventPublisher
 from jaxpaged.engine.lora_registry import LoraRegistry
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.profiling import ProfilerControls
@@ -129,6 +130,8 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
             self.loras = LoraRegistry(self.config.model, self.config.lora, layout.kv_replicas, layout.mesh_config)
             self.runner.lora_weights = self.loras.weights
         self.num_prompt_tokens = 0
+        events = self.config.cache.kv_events_config
+        self.kv_events = KVEventPublisher(events) if events is not None and events.publishes else None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -141,6 +144,8 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
             self.disk_tier.close()
         if self.grammars is not None:
             self.grammars.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         channel, self.runner.channel = self.runner.channel, None
         if channel is not None:
             channel.send(STOP, (), np.zeros(0, np.int32))
@@ -248,6 +253,7 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         for i, seq in enumerate(seqs):
             seq.constraint = make_constraint()  # each sequence its own matcher
             seq.lora = lora
+            seq.lora_name = None if lora_request is None else lora_request.lora_name
             try:
                 self.scheduler.add(seq)
             except ValueError:
@@ -397,6 +403,9 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         self._aborted += output.failed  # their grammar failed: finished with `Sequence.error`
         previous = self.runner.execute(output)  # the steps before it, read while it runs
         self.scheduler.copies_done(output)
+        events = self.scheduler.take_kv_events()  # taken each step, sent or not (publisher "null")
+        if self.kv_events is not None:
+            self.kv_events.publish(events)
         emit(self._postprocess(previous))
         emit(self._postprocess(self.runner.sample()))  # its masked samplers; itself if it is read now
         if self.governor is not None and output.num_decode_seqs:

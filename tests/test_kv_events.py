@@ -9,7 +9,8 @@ import pytest
 from jaxpaged.config.kv_events import KVEventsConfig
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.host_tier import HostTier
-from jaxpaged.core.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, external_hash
+from jaxpaged.core.kv_events import CPU, GPU, AllBlocksCleared, BlockStored, KVEventLog, external_hash
+from jaxpaged.engine.kv_event_publisher import encode_event
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 
@@ -17,29 +18,36 @@ BS = 4
 
 
 class Subscriber:
-    """What a subscriber rebuilds from the events: per medium, the hashes held and each one's
-    parent and tokens (a store must name a parent the subscriber knows, as the router requires)."""
+    """What a subscriber rebuilds from the events as they come over the wire (vLLM's tagged
+    maps): per medium, the hashes held and each one's parent and tokens."""
 
-    def __init__(self):
+    def __init__(self, block_size: int = BS):
+        self.block_size = block_size
         self.held = {GPU: set(), CPU: set()}
         self.blocks = {}  # hash -> (parent, tokens)
 
-    def apply(self, events) -> None:
+    def apply(self, events: list[dict]) -> None:
+        bs = self.block_size
         for event in events:
-            if isinstance(event, AllBlocksCleared):
+            kind = event["type"]
+            if kind == "AllBlocksCleared":
                 self.held = {GPU: set(), CPU: set()}
-            elif isinstance(event, BlockRemoved):
-                assert set(event.block_hashes) <= self.held[event.medium], "removed a block never stored"
-                self.held[event.medium] -= set(event.block_hashes)
+            elif kind == "BlockRemoved":
+                assert set(event["block_hashes"]) <= self.held[event["medium"]], "removed a block never stored"
+                self.held[event["medium"]] -= set(event["block_hashes"])
             else:
-                assert isinstance(event, BlockStored) and event.block_size == BS
-                assert len(event.token_ids) == BS * len(event.block_hashes)
-                parent = event.parent_block_hash
-                for i, h in enumerate(event.block_hashes):
-                    assert h not in self.held[event.medium], "stored twice"
-                    self.held[event.medium].add(h)
-                    self.blocks[h] = (parent, tuple(event.token_ids[i * BS : (i + 1) * BS]))
+                assert kind == "BlockStored" and event["block_size"] == bs
+                hashes, tokens, parent = event["block_hashes"], event["token_ids"], event["parent_block_hash"]
+                assert len(tokens) == bs * len(hashes)
+                assert parent is None or parent in self.blocks, "a store whose parent was never announced"
+                for i, h in enumerate(hashes):
+                    assert h not in self.held[event["medium"]], "stored twice"
+                    self.held[event["medium"]].add(h)
+                    self.blocks[h] = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
                     parent = h
+
+    def take(self, log: KVEventLog) -> None:
+        self.apply([encode_event(e) for e in log.take()])
 
 
 def held_by(bm: BlockManager) -> dict[str, set[int]]:
@@ -70,7 +78,7 @@ def test_the_events_replayed_are_what_each_tier_holds():
             running.append(seq)
         if step % 50 == 49:
             bm.reset_prefix_cache()
-        sub.apply(bm.events.take())
+        sub.take(bm.events)
         assert sub.held == held_by(bm), f"step {step}"
         for seq in running:
             for i, h in enumerate(seq.block_hashes[: len(seq.block_table)]):
@@ -126,3 +134,77 @@ def test_options_take_vllms_json_and_need_prefix_caching():
     assert not KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "null"}).publishes
     with pytest.raises(EngineArgsError, match="needs `enable_prefix_caching` on"):
         EngineArgs(model="demo", enable_prefix_caching=False, kv_events_config={"enable_kv_cache_events": True})
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _receive(socket, timeout_ms: int = 5000) -> list[list[bytes]]:
+    """Every message that arrives until none has for `timeout_ms`."""
+    messages = []
+    while socket.poll(timeout_ms):
+        messages.append(socket.recv_multipart())
+        timeout_ms = 500
+    return messages
+
+
+def test_an_engine_publishes_what_its_prefix_cache_holds_and_replays_it():
+    """The demo engine with events on: prompts sharing a prefix; the batches that arrive on a SUB
+    socket (vLLM's three frames, numbered from 0) rebuild the device's prefix cache exactly, and
+    the replay socket sends them again, ending with -1."""
+    import msgpack
+    import zmq
+
+    from jaxpaged import LLM, SamplingParams
+    from shared_engines import CANONICAL
+
+    port, replay_port = _free_port(), _free_port()
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": "kv@demo",
+    }
+    llm = LLM(**CANONICAL["demo"], kv_events_config=config)
+    context = zmq.Context()
+    try:
+        sub = context.socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@demo")
+        engine = llm.llm_engine
+        deadline = 50
+        while not _receive(sub, 100) and deadline:  # PUB drops what it sends before SUB joins
+            engine.kv_events.publish([AllBlocksCleared()])
+            deadline -= 1
+        _receive(sub, 300)
+        start = engine.kv_events.num_batches
+        prefix = (
+            "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+            "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters."
+        )
+        suffixes = (" And God said, Let there be light", " And God saw the light", " And the evening and the morning")
+        llm.generate([prefix + s for s in suffixes], SamplingParams(max_tokens=4))
+        messages = _receive(sub)
+        assert [m[0] for m in messages] == [b"kv@demo"] * len(messages)
+        assert [int.from_bytes(m[1], "big") for m in messages] == list(range(start, start + len(messages)))
+        sub_view = Subscriber(block_size=engine.config.cache.block_size)
+        for _, _, payload in messages:
+            ts, events, rank = msgpack.unpackb(payload)
+            assert rank == 0 and isinstance(ts, float)
+            sub_view.apply(events)
+        held = {external_hash(h) for h in engine.scheduler.block_manager.cached_block_hash_to_block}
+        assert sub_view.held[GPU] == held and len(held) >= 3, len(held)  # the shared prefix and the prompts
+        replay = context.socket(zmq.DEALER)
+        replay.connect(f"tcp://127.0.0.1:{replay_port}")
+        replay.send_multipart([b"", start.to_bytes(8, "big")])
+        replayed = _receive(replay)
+        assert [m[1:] for m in replayed[:-1]] == [m[1:] for m in messages]
+        assert replayed[-1] == [b"", (-1).to_bytes(8, "big", signed=True), b""]
+    finally:
+        context.destroy(linger=0)
+        llm.llm_engine.shutdown()

@@ -10,8 +10,8 @@ from jaxpaged.config.kv_events import KVEventsConfig
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.kv_events import CPU, GPU, AllBlocksCleared, BlockStored, KVEventLog, external_hash
-from jaxpaged.engine.kv_event_publisher import encode_event
 from jaxpaged.core.sequence import Sequence
+from jaxpaged.engine.kv_event_publisher import encode_event
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
 
 BS = 4
@@ -159,9 +159,9 @@ def test_an_engine_publishes_what_its_prefix_cache_holds_and_replays_it():
     the replay socket sends them again, ending with -1."""
     import msgpack
     import zmq
+    from shared_engines import CANONICAL
 
     from jaxpaged import LLM, SamplingParams
-    from shared_engines import CANONICAL
 
     port, replay_port = _free_port(), _free_port()
     config = {

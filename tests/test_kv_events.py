@@ -203,8 +203,8 @@ def test_an_engine_publishes_what_its_prefix_cache_holds_and_replays_it():
         replay.connect(f"tcp://127.0.0.1:{replay_port}")
         replay.send_multipart([b"", start.to_bytes(8, "big")])
         replayed = _receive(replay)
-        assert [m[1:] for m in replayed[:-1]] == [m[1:] for m in messages]
-        assert replayed[-1] == [b"", (-1).to_bytes(8, "big", signed=True), b""]
+        assert [m[1:] for m in replayed[:-1]] == messages  # the router's frames: topic, seq, payload
+        assert replayed[-1] == [b"", b"kv@demo", (-1).to_bytes(8, "big", signed=True), b""]
     finally:
         context.destroy(linger=0)
         llm.llm_engine.shutdown()

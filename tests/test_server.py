@@ -342,6 +342,20 @@ def test_models_tokenize_detokenize(server):
     chat = server.http.post("/tokenize", json={"messages": CHAT}).json()
     assert chat["count"] > tokens["count"] // 2
     assert server.http.get("/health").status_code == 200
+    # the render routes vllm-router asks for a request's prompt tokens (vLLM's names): as /tokenize
+    # tokenizes, and as the request would run (truncated, continued), the router's fields accepted
+    router_fields = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False}
+    render = server.http.post("/v1/completions/render", json={"prompt": [PROMPTS[0], PROMPTS[1]], **router_fields})
+    assert [r["token_ids"] for r in render.json()][0] == tokens["tokens"] and len(render.json()) == 2
+    body = {"prompt": PROMPTS[0], "truncate_prompt_tokens": 3, **router_fields}
+    assert server.http.post("/v1/completions/render", json=body).json() == [{"token_ids": tokens["tokens"][-3:]}]
+    rendered = server.http.post("/v1/chat/completions/render", json={"messages": CHAT, **router_fields}).json()
+    assert rendered == {"token_ids": chat["tokens"]}
+    tail = [*CHAT, {"role": "assistant", "content": "In the"}]
+    continued = server.http.post("/tokenize", json={"messages": tail, "continue_final_message": False}).json()
+    open_turn = server.http.post("/tokenize", json={"messages": tail, "continue_final_message": True}).json()
+    assert open_turn["tokens"] != continued["tokens"]
+    assert server.http.post("/v1/chat/completions/render", json={"messages": CHAT, "model": "nope"}).status_code == 404
 
 
 def test_async_engine_generate_and_errors(server):

@@ -229,3 +229,113 @@ def test_vllm_router_in_front_of_two_servers_answers_every_request(demo_server, 
         router.wait(timeout=30)
         for served in servers:
             served.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Two tasks, each a shared instruction prefix of a few KV blocks, and the notes sent with them
+# (the clinical workload's shape at the demo model's size), in an order that round robin splits.
+TASKS = {
+    "genesis": "Summarise the passage in one line. In the beginning God created the heaven and the earth. "
+    "And the earth was without form, and void; and darkness was upon the face of the deep.",
+    "exodus": "Name the people in the passage. Now these are the names of the children of Israel, which "
+    "came into Egypt; every man and his household came with Jacob. Reuben, Simeon, Levi, and Judah.",
+}
+NOTES = (" And God said", " Let there be light", " And there was light", " And God saw")
+
+
+def test_vllm_router_kv_aware_sends_each_prefix_to_the_replica_holding_it():
+    """Two engines with KV events on (`kv_events_config`), vllm-router 0.1.17's `kv_aware` policy
+    following them (`--kv-event-source`; it asks the workers' /v1/completions/render for the
+    token ids). Each task's prefix is first computed on a replica of its own (sent to it directly,
+    genesis to the second, exodus to the first, as no load-only choice would place them); then
+    every request of a task runs on the replica holding its prefix and reuses it, while round robin
+    splits the tasks and reuses less."""
+
+    from demo_server import DemoServer
+    from shared_engines import CANONICAL
+
+    from jaxpaged import LLM
+
+    replicas, served, event_ports = [], [], []
+    try:
+        for _ in range(2):
+            event_ports.append(_free_port())
+            events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{event_ports[-1]}"}
+            replicas.append(DemoServer(LLM(**CANONICAL["demo-server"], kv_events_config=events)))
+            served.append(replicas[-1].serve("demo"))
+        block_size = replicas[0].llm.llm_engine.config.cache.block_size
+        sources = [f"{s.url}=tcp://127.0.0.1:{p}" for s, p in zip(served, event_ports)]
+        kv_aware = ["--kv-event-model", "demo", "--kv-event-block-size", str(block_size), "--router-temperature", "0"]
+        for source in sources:
+            kv_aware += ["--kv-event-source", source]
+        placements = {}
+        for policy, extra in (("kv_aware", kv_aware), ("round_robin", [])):
+            for replica in replicas:
+                replica.llm.llm_engine.reset_prefix_cache()
+            placements[policy] = _place_tasks(policy, extra, served, replicas)
+        kv, rr = placements["kv_aware"], placements["round_robin"]
+        for task, home in zip(TASKS, (1, 0)):
+            assert {replica for replica, _ in kv[task]} == {home}, kv
+            assert min(hits for _, hits in kv[task]) >= 2 * block_size, kv  # every one reused the prefix
+        kv_hits, rr_hits = (sum(hits for runs in p.values() for _, hits in runs) for p in (kv, rr))
+        assert rr_hits < kv_hits, (kv, rr)
+        assert any(len({replica for replica, _ in rr[task]}) == 2 for task in TASKS), rr
+    finally:
+        for s in served:
+            s.close()
+        for replica in replicas:
+            replica.close()
+            replica.llm.llm_engine.shutdown()
+
+
+def _place_tasks(policy: str, extra: list[str], served, replicas) -> dict[str, list[tuple[int, int]]]:
+    """Computes each task's prefix on its replica (genesis on the second, exodus on the first),
+    then sends the tasks' notes through a router of `policy`, one at a time (A A B B A A B B);
+    for each, the replica that ran it and the prompt tokens its prefix cache served."""
+    import time
+
+    import httpx
+
+    port = _free_port()
+    argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, *extra, "--worker-urls"]
+    router = subprocess.Popen([*argv, *(s.url for s in served)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    placed = {task: [] for task in TASKS}
+    try:
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60)
+        deadline = time.time() + 60
+        while time.time() < deadline and router.poll() is None:
+            try:
+                if http.get("/v1/models").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        time.sleep(0.5)  # its subscriptions join the publishers (events sent before are lost to it)
+        for task, home in zip(TASKS, (1, 0)):
+            direct = httpx.post(
+                f"{served[home].url}/v1/completions", json={"model": "demo", "prompt": TASKS[task], "max_tokens": 1}
+            )
+            assert direct.status_code == 200, direct.text
+        time.sleep(0.3)
+        order = [task for task in TASKS for _ in range(2)] * 2  # genesis genesis exodus exodus ...
+        for i, task in enumerate(order):
+            managers = [r.llm.llm_engine.scheduler.block_manager for r in replicas]
+            before = [(m.prefix_cache_queries, m.prefix_cache_hits) for m in managers]
+            body = {"model": "demo", "prompt": TASKS[task] + NOTES[i % len(NOTES)], "max_tokens": 2, "temperature": 0}
+            reply = http.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            ran = [j for j, m in enumerate(managers) if m.prefix_cache_queries != before[j][0]]
+            assert len(ran) == 1, ran
+            placed[task].append((ran[0], managers[ran[0]].prefix_cache_hits - before[ran[0]][1]))
+            time.sleep(0.3)  # the step's events reach the router
+    finally:
+        router.terminate()
+        output = router.communicate(timeout=30)[0].decode(errors="replace")
+    assert router.returncode is not None, output[-2000:]
+    return placed

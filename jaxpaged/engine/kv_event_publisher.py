@@ -2,12 +2,13 @@
 
 Each engine step's events (`Scheduler.take_kv_events`) go out as one batch, a message of three
 frames on a PUB socket: `[topic, seq, payload]`, `seq` the batch's number (8 bytes big-endian,
-from 0) and `payload` the msgpack of `encode_batch`. With a `replay_endpoint`, a ROUTER socket
-answers a subscriber's `[b"", start_seq]` with every batch still buffered from `start_seq` on
-(`[b"", seq, payload]` each), then `[b"", -1, b""]`.
-
-The format follows vLLM 0.11-0.12's `vllm/distributed/kv_events.py` as vllm-router 0.1.17 reads
-it; docs/server.md says which fields carry what.
+from 0) and `payload` the msgpack of `encode_batch`: an array `[ts, events, data_parallel_rank]`,
+each event a map tagged by its "type": what vllm-router 0.1.17 decodes (vLLM's current publisher
+writes the same events but the batch as a map, which that router refuses). With a `replay_endpoint`, a ROUTER
+socket answers a subscriber's `[b"", start_seq]` (a DEALER's) with every batch still buffered
+from `start_seq` on, `[b"", topic, seq, payload]` each, then `[b"", topic, -1, b""]`: the frames
+vllm-router 0.1.17 reads (vLLM's own replay leaves the topic out, and the router ignores it).
+docs/server.md#kv-events says which fields carry what.
 """
 
 import logging
@@ -125,11 +126,12 @@ class KVEventPublisher:
             logger.warning("KV event replay request of %d frames ignored (expected [identity, b'', seq])", len(frames))
             return
         client, _, start = frames
+        topic = self.config.topic.encode()
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+                self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", topic, END_OF_REPLAY, b""))
 
 
 def _offset_port(endpoint: str, rank: int) -> str:

@@ -5,6 +5,7 @@
     GET  /v1/models, /metrics, /version
     GET  /health (readiness: 200 once serving), /live (liveness: 200 while the process answers)
     POST /tokenize, /detokenize                  (vLLM's shapes)
+    POST /v1/completions/render, /v1/chat/completions/render   a request's prompt token ids (serving.py)
     /sleep, /wake_up, /pause, /resume, ...       with JAXPAGED_SERVER_DEV_MODE=1 only (dev_routes.py)
     /v1/load_lora_adapter, /v1/unload_lora_adapter   with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (lora_routes.py)
     POST /start_profile, /stop_profile           with --profiler-dir only (profile_routes.py)
@@ -60,7 +61,7 @@ from jaxpaged.server.protocol import (
     error_body,
 )
 from jaxpaged.server.request_body import parse_body, validation_message
-from jaxpaged.server.serving import create_chat_completion, create_completion
+from jaxpaged.server.serving import create_chat_completion, create_completion, render_chat, render_completion
 from jaxpaged.server.serving_context import ServingContext
 
 logger = logging.getLogger("jaxpaged.server")
@@ -160,6 +161,14 @@ def build_app(
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(ctx, await body_of(raw, ChatCompletionRequest), raw)
 
+    @app.post("/v1/completions/render")
+    async def completions_render(raw: Request) -> list[dict]:
+        return await render_completion(ctx, await body_of(raw, CompletionRequest))
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(raw: Request) -> dict:
+        return await render_chat(ctx, await body_of(raw, ChatCompletionRequest))
+
     @app.post("/v1/responses")
     async def responses(raw: Request) -> Response:
         return await create_response(ctx, await body_of(raw, ResponsesRequest), raw)
@@ -229,7 +238,11 @@ def build_app(
         if body.messages is not None:
             if not body.messages:
                 raise APIError("messages must not be empty", param="messages")
-            request = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            request = ChatCompletionRequest(
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message,
+            )
             tokens = (await chat_prompt(ctx, request))["prompt_token_ids"]
         else:
             ctx.check_text_length(len(body.prompt), "prompt")

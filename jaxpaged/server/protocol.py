@@ -344,6 +344,7 @@ class TokenizeRequest(Request):
     messages: _list(ChatMessage) | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(Request):

@@ -75,6 +75,26 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     return await _run(ctx, raw, body, params, [prompt], kind, lora)
 
 
+async def render_completion(ctx: ServingContext, body: CompletionRequest) -> list[dict]:
+    """`POST /v1/completions/render`: the token ids each prompt of a completion request would run
+    with (tokenized and truncated as `create_completion` does), `[{"token_ids": [...]}, ...]`;
+    vLLM's router asks for them to match prompts against the engines' KV events."""
+    ctx.check_model(body.model)
+    params = body.sampling_params(ctx.engine.config.model.vocab_size, ctx.sampling_defaults)
+    prompts = await completion_prompts(ctx, body.prompt, body.add_special_tokens)
+    max_len = ctx.engine.config.max_model_len
+    return [{"token_ids": truncate(p, params.truncate_prompt_tokens, max_len)["prompt_token_ids"]} for p in prompts]
+
+
+async def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
+    """`POST /v1/chat/completions/render`: the token ids a chat request would run with (its
+    template, tools and documents rendered as `create_chat_completion` renders them),
+    `{"token_ids": [...]}`."""
+    ctx.check_model(body.model)
+    keep, max_len = body.truncate_prompt_tokens, ctx.engine.config.max_model_len
+    return {"token_ids": truncate(await chat_prompt(ctx, body), keep, max_len)["prompt_token_ids"]}
+
+
 async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind, lora=None) -> Response:
     engine_id = f"{kind.prefix}-{uuid.uuid4().hex}"
     ids = [f"{engine_id}-{i}" for i in range(len(prompts))]

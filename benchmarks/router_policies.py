@@ -4,8 +4,9 @@ hit rate and time to first token per policy, against one replica alone, in the s
 N `jaxpaged serve` replicas of the demo model (each publishing KV events) start once; for each
 policy a router starts in front of them (`kv_aware` following the events), every replica's
 prefix cache is reset, and the same requests are sent: `--tasks` tasks, each its own shared
-instruction prefix (the extraction workload's instruction and few-shot examples, under the
-task's name) and `--notes` notes of its own, in a seeded shuffled order, `--concurrency` at a
+instruction prefix (the first `--prefix-chars` characters of the extraction workload's
+instruction and few-shot examples, under the task's name: about 400 of the demo model's tokens)
+and `--notes` notes of its own (about 100 tokens), in a seeded shuffled order, `--concurrency` at a
 time, each streamed with `--max-tokens` tokens out. The hit rate is the replicas' prefix-cache
 hits over their lookups, in tokens (`vllm:prefix_cache_hits` / `_queries`); "one replica"
 sends everything to the first replica directly.
@@ -60,7 +61,8 @@ def start_replicas(count: int, max_model_len: int) -> list[tuple[str, int, subpr
         port, events = free_port(), free_port()
         config = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{events}"}}'
         argv = [sys.executable, "-m", "jaxpaged.cli", "serve", "--port", str(port), "--host", "127.0.0.1"]
-        argv += ["--max-model-len", str(max_model_len), "--kv-events-config", config, "--uvicorn-log-level", "warning"]
+        argv += ["--max-model-len", str(max_model_len), "--kv-events-config", config, "--served-model-name", "demo"]
+        argv += ["--uvicorn-log-level", "warning"]
         replicas.append((f"http://127.0.0.1:{port}", events, subprocess.Popen(argv, env=env)))
     for url, _, process in replicas:
         wait_for(f"{url}/health", 600, process)
@@ -103,7 +105,10 @@ def run_policy(policy: str, replicas, prompts: list[str], args, block_size: int)
             argv += ["--kv-event-model", "demo", "--kv-event-block-size", str(block_size), "--router-temperature", "0"]
             for url, events, _ in replicas:
                 argv += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}"]
-        router = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        metrics_port = free_port()
+        argv += ["--prometheus-port", str(metrics_port), "--prometheus-host", "127.0.0.1", "--log-level", "debug"]
+        log = open(os.path.join(args.router_log_dir, f"router_{len(replicas)}_{policy}.log"), "w")
+        router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         target = f"http://127.0.0.1:{port}"
         wait_for(f"{target}/health", 60, router)
         time.sleep(1.0)  # its KV event subscriptions join the publishers
@@ -113,16 +118,32 @@ def run_policy(policy: str, replicas, prompts: list[str], args, block_size: int)
             ttfts = list(pool.map(lambda p: first_token_seconds(target, p, args.max_tokens), prompts))
         time.sleep(1.0)  # the last steps' counters
         hits1, queries1 = prefix_counters(urls)
+        credited = None
+        if policy == "kv_aware":  # the router's own count of the placements that reused a prefix
+            text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+            credited = _placements_with_prefix(log.name)
+            print("router:", [line for line in text.splitlines() if "kv_placement" in line and line[0] != "#"])
     finally:
         if router is not None:
             router.terminate()
             router.wait(timeout=30)
     return {
+        "router_placed_on_a_held_prefix": credited,
         "policy": policy,
         "hit_rate": (hits1 - hits0) / max(queries1 - queries0, 1),
         "ttft_p50_ms": statistics.median(ttfts) * 1e3,
         "ttft_mean_ms": statistics.fmean(ttfts) * 1e3,
     }
+
+
+def _placements_with_prefix(log_path: str) -> str:
+    """ "k of n": the router's kv_aware decisions (its debug log) that chose a replica holding
+    some of the prompt's blocks."""
+    import re
+
+    with open(log_path, errors="replace") as f:
+        credits = [int(c) for c in re.findall(r"KV prefix decision.*?credited_prefix_tokens=(\d+)", f.read())]
+    return f"{sum(c > 0 for c in credits)} of {len(credits)}"
 
 
 def main() -> None:
@@ -131,16 +152,18 @@ def main() -> None:
     parser.add_argument("--router", default="vllm-router", help="the vllm-router executable (pip install vllm-router)")
     parser.add_argument("--tasks", type=int, default=6)
     parser.add_argument("--notes", type=int, default=8, help="requests per task")
-    parser.add_argument("--note-words", type=int, default=60)
+    parser.add_argument("--prefix-chars", type=int, default=800)
+    parser.add_argument("--note-words", type=int, default=30)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--router-log-dir", default="/tmp", help="where each router's debug log is written")
     parser.add_argument("--output", default="benchmarks/results/router_policies_cpu_demo.json")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     prompts = [
-        f"Task {task}.\n{prefix_text()}\nNote: {note_text(rng, args.note_words)}\nJSON: "
+        f"Task {task}.\n{prefix_text()[: args.prefix_chars]}\nNote: {note_text(rng, args.note_words)}\nJSON: "
         for task in range(args.tasks)
         for _ in range(args.notes)
     ]
@@ -158,10 +181,14 @@ def main() -> None:
                 process.terminate()
             for _, _, process in replicas:
                 process.wait(timeout=60)
-    table = ["| replicas | policy | prefix-cache hit rate | TTFT p50 (ms) | TTFT mean (ms) |", "|---|---|---|---|---|"]
+    table = [
+        "| replicas | policy | prefix-cache hit rate | TTFT p50 (ms) | TTFT mean (ms) | kv_aware: placed on a held prefix |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         table.append(
-            f"| {r['replicas']} | {r['policy']} | {r['hit_rate']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_mean_ms']:.0f} |"
+            f"| {r['replicas']} | {r['policy']} | {r['hit_rate']:.2f} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['ttft_mean_ms']:.0f} | {r['router_placed_on_a_held_prefix'] or ''} |"
         )
     command = "python -m benchmarks.router_policies " + " ".join(sys.argv[1:])
     report = {"command": command, "args": vars(args), "rows": rows}

@@ -118,15 +118,16 @@ def run_policy(policy: str, replicas, prompts: list[str], args, block_size: int)
             ttfts = list(pool.map(lambda p: first_token_seconds(target, p, args.max_tokens), prompts))
         time.sleep(1.0)  # the last steps' counters
         hits1, queries1 = prefix_counters(urls)
-        credited = None
-        if policy == "kv_aware":  # the router's own count of the placements that reused a prefix
+        if policy == "kv_aware":
             text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-            credited = _placements_with_prefix(log.name)
             print("router:", [line for line in text.splitlines() if "kv_placement" in line and line[0] != "#"])
     finally:
         if router is not None:
             router.terminate()
             router.wait(timeout=30)
+            log.close()
+    # the router's own count of its placements that reused a prefix (its log, complete once it ended)
+    credited = _placements_with_prefix(log.name) if policy == "kv_aware" else None
     return {
         "router_placed_on_a_held_prefix": credited,
         "policy": policy,
@@ -142,7 +143,8 @@ def _placements_with_prefix(log_path: str) -> str:
     import re
 
     with open(log_path, errors="replace") as f:
-        credits = [int(c) for c in re.findall(r"KV prefix decision.*?credited_prefix_tokens=(\d+)", f.read())]
+        text = re.sub(r"\x1b\[[0-9;]*m", "", f.read())  # its terminal colours
+    credits = [int(c) for c in re.findall(r"KV prefix decision.*?credited_prefix_tokens=(\d+)", text)]
     return f"{sum(c > 0 for c in credits)} of {len(credits)}"
 
 

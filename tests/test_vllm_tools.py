@@ -14,6 +14,7 @@ are installed in a venv of their own and run as subprocesses, found through `$JA
     JAXPAGED_TOOLS_BIN=.venv-tools/bin pytest tests/test_vllm_tools.py
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -180,17 +181,50 @@ def test_vllm_router_in_front_of_two_servers_answers_every_request(demo_server, 
     model, for each policy that needs nothing from the workers: chat, completions and a streamed
     chat come back 200 with the servers' own greedy text (the router re-serialises each body with
     its own fields: docs/server.md's request-fields rule)."""
-    import socket
+    import httpx
+
+    servers = [demo_server.serve("demo") for _ in range(2)]
+    try:
+        with _router(policy, [s.url for s in servers]) as http:
+            chat = {
+                "model": "demo",
+                "messages": [{"role": "user", "content": "And God said"}],
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+            completion = {"model": "demo", "prompt": "In the beginning", "max_tokens": 8, "temperature": 0}
+            direct = httpx.Client(base_url=servers[0].url, trust_env=False, timeout=60)
+            want_chat = direct.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+            want_text = direct.post("/v1/completions", json=completion).json()["choices"][0]["text"]
+            for _ in range(4):  # every worker gets some under each policy
+                reply = http.post("/v1/chat/completions", json=chat)
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["message"]["content"] == want_chat
+                reply = http.post("/v1/completions", json=completion)
+                assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want_text, reply.text
+            with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as stream:
+                assert stream.status_code == 200
+                events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+            chunks = [json.loads(e) for e in events[:-1]]
+            pieces = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+            assert events[-1] == "[DONE]" and "".join(pieces) == want_chat
+            refused = http.post("/v1/completions", json={**completion, "return_hidden_states": True})
+            assert refused.status_code == 400 and "return_hidden_states" in refused.text
+    finally:
+        for served in servers:
+            served.close()
+
+
+@contextlib.contextmanager
+def _router(policy: str, worker_urls: list[str], extra: tuple[str, ...] = ()):
+    """vllm-router with `policy` over `worker_urls` on a free loopback port, once it answers: a
+    client of it; the router is stopped on exit."""
     import time
 
     import httpx
 
-    servers = [demo_server.serve("demo") for _ in range(2)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls"]
-    router = subprocess.Popen([*argv, *(s.url for s in servers)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port := _free_port()), "--policy", policy, *extra]
+    router = subprocess.Popen([*argv, "--worker-urls", *worker_urls], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60)
         deadline = time.time() + 60
@@ -200,35 +234,11 @@ def test_vllm_router_in_front_of_two_servers_answers_every_request(demo_server, 
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        chat = {
-            "model": "demo",
-            "messages": [{"role": "user", "content": "And God said"}],
-            "max_tokens": 8,
-            "temperature": 0,
-        }
-        completion = {"model": "demo", "prompt": "In the beginning", "max_tokens": 8, "temperature": 0}
-        direct = httpx.Client(base_url=servers[0].url, trust_env=False, timeout=60)
-        want_chat = direct.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
-        want_text = direct.post("/v1/completions", json=completion).json()["choices"][0]["text"]
-        for _ in range(4):  # every worker gets some under each policy
-            reply = http.post("/v1/chat/completions", json=chat)
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["message"]["content"] == want_chat
-            reply = http.post("/v1/completions", json=completion)
-            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want_text, reply.text
-        with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as stream:
-            assert stream.status_code == 200
-            events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
-        chunks = [json.loads(e) for e in events[:-1]]
-        pieces = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
-        assert events[-1] == "[DONE]" and "".join(pieces) == want_chat
-        refused = http.post("/v1/completions", json={**completion, "return_hidden_states": True})
-        assert refused.status_code == 400 and "return_hidden_states" in refused.text
+        assert router.poll() is None, router.communicate()[0].decode(errors="replace")[-2000:]
+        yield http
     finally:
         router.terminate()
         router.wait(timeout=30)
-        for served in servers:
-            served.close()
 
 
 def _free_port() -> int:
@@ -303,19 +313,8 @@ def _place_tasks(policy: str, extra: list[str], served, replicas) -> dict[str, l
 
     import httpx
 
-    port = _free_port()
-    argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, *extra, "--worker-urls"]
-    router = subprocess.Popen([*argv, *(s.url for s in served)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     placed = {task: [] for task in TASKS}
-    try:
-        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60)
-        deadline = time.time() + 60
-        while time.time() < deadline and router.poll() is None:
-            try:
-                if http.get("/v1/models").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with _router(policy, [s.url for s in served], tuple(extra)) as http:
         time.sleep(0.5)  # its subscriptions join the publishers (events sent before are lost to it)
         for task, home in zip(TASKS, (1, 0)):
             direct = httpx.post(
@@ -334,8 +333,4 @@ def _place_tasks(policy: str, extra: list[str], served, replicas) -> dict[str, l
             assert len(ran) == 1, ran
             placed[task].append((ran[0], managers[ran[0]].prefix_cache_hits - before[ran[0]][1]))
             time.sleep(0.3)  # the step's events reach the router
-    finally:
-        router.terminate()
-        output = router.communicate(timeout=30)[0].decode(errors="replace")
-    assert router.returncode is not None, output[-2000:]
     return placed

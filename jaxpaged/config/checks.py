@@ -55,3 +55,22 @@ def check_memory_fraction(gpu_memory_utilization: float) -> None:
     value = gpu_memory_utilization
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise OptionError("gpu_memory_utilization", value, "must be a number in (0, 1]")
+
+
+def json_object(value, error: type[ValueError], example: str) -> dict:
+    """A JSON-object option (`speculative_config`, `kv_events_config`) as a dict: `value` itself,
+    or its JSON text parsed.
+
+    Raises:
+      error: the text is not JSON, or not an object (`example` shows one).
+    """
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise error(f"is not JSON ({err.msg} at character {err.pos})") from None
+    if not isinstance(value, dict):
+        raise error(f"must be a JSON object such as {example}")
+    return value

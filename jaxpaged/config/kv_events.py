@@ -8,8 +8,9 @@ them, `jaxpaged.engine.kv_event_publisher` sends them in vLLM's wire format.
 """
 
 import dataclasses
-import json
 from typing import Any
+
+from jaxpaged.config.checks import json_object
 
 PUBLISHERS = ("null", "zmq")
 
@@ -59,13 +60,7 @@ class KVEventsConfig:
         """
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise KVEventsConfigError(f"is not JSON ({err.msg} at character {err.pos})") from None
-        if not isinstance(value, dict):
-            raise KVEventsConfigError('must be a JSON object such as {"enable_kv_cache_events": true}')
+        value = json_object(value, KVEventsConfigError, '{"enable_kv_cache_events": true}')
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

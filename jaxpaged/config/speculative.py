@@ -12,8 +12,9 @@ every sequence in one step (see `jaxpaged.core.speculation`).
 """
 
 import dataclasses
-import json
 from typing import Any
+
+from jaxpaged.config.checks import json_object
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -56,15 +57,7 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise SpeculativeConfigError(f"is not JSON ({err.msg} at character {err.pos})") from None
-        if not isinstance(value, dict):
-            raise SpeculativeConfigError(
-                'must be a JSON object such as {"method": "ngram", "num_speculative_tokens": 4}'
-            )
+        value = json_object(value, SpeculativeConfigError, '{"method": "ngram", "num_speculative_tokens": 4}')
         known = {
             "method",
             "num_speculative_tokens",

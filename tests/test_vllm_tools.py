@@ -251,7 +251,7 @@ def _free_port() -> int:
 
 # Two tasks, each a shared instruction prefix of a few KV blocks, and the notes sent with them
 # (the clinical workload's shape at the demo model's size), in an order that round robin splits.
-TASKS = {
+PREFIX_TASKS = {
     "genesis": "Summarise the passage in one line. In the beginning God created the heaven and the earth. "
     "And the earth was without form, and void; and darkness was upon the face of the deep.",
     "exodus": "Name the people in the passage. Now these are the names of the children of Israel, which "
@@ -291,12 +291,12 @@ def test_vllm_router_kv_aware_sends_each_prefix_to_the_replica_holding_it():
                 replica.llm.llm_engine.reset_prefix_cache()
             placements[policy] = _place_tasks(policy, extra, served, replicas)
         kv, rr = placements["kv_aware"], placements["round_robin"]
-        for task, home in zip(TASKS, (1, 0)):
+        for task, home in zip(PREFIX_TASKS, (1, 0)):
             assert {replica for replica, _ in kv[task]} == {home}, kv
             assert min(hits for _, hits in kv[task]) >= 2 * block_size, kv  # every one reused the prefix
         kv_hits, rr_hits = (sum(hits for runs in p.values() for _, hits in runs) for p in (kv, rr))
         assert rr_hits < kv_hits, (kv, rr)
-        assert any(len({replica for replica, _ in rr[task]}) == 2 for task in TASKS), rr
+        assert any(len({replica for replica, _ in rr[task]}) == 2 for task in PREFIX_TASKS), rr
     finally:
         for s in served:
             s.close()
@@ -313,20 +313,26 @@ def _place_tasks(policy: str, extra: list[str], served, replicas) -> dict[str, l
 
     import httpx
 
-    placed = {task: [] for task in TASKS}
+    placed = {task: [] for task in PREFIX_TASKS}
     with _router(policy, [s.url for s in served], tuple(extra)) as http:
         time.sleep(0.5)  # its subscriptions join the publishers (events sent before are lost to it)
-        for task, home in zip(TASKS, (1, 0)):
+        for task, home in zip(PREFIX_TASKS, (1, 0)):
             direct = httpx.post(
-                f"{served[home].url}/v1/completions", json={"model": "demo", "prompt": TASKS[task], "max_tokens": 1}
+                f"{served[home].url}/v1/completions",
+                json={"model": "demo", "prompt": PREFIX_TASKS[task], "max_tokens": 1},
             )
             assert direct.status_code == 200, direct.text
         time.sleep(0.3)
-        order = [task for task in TASKS for _ in range(2)] * 2  # genesis genesis exodus exodus ...
+        order = [task for task in PREFIX_TASKS for _ in range(2)] * 2  # genesis genesis exodus exodus ...
         for i, task in enumerate(order):
             managers = [r.llm.llm_engine.scheduler.block_manager for r in replicas]
             before = [(m.prefix_cache_queries, m.prefix_cache_hits) for m in managers]
-            body = {"model": "demo", "prompt": TASKS[task] + NOTES[i % len(NOTES)], "max_tokens": 2, "temperature": 0}
+            body = {
+                "model": "demo",
+                "prompt": PREFIX_TASKS[task] + NOTES[i % len(NOTES)],
+                "max_tokens": 2,
+                "temperature": 0,
+            }
             reply = http.post("/v1/completions", json=body)
             assert reply.status_code == 200, reply.text
             ran = [j for j, m in enumerate(managers) if m.prefix_cache_queries != before[j][0]]

@@ -210,7 +210,7 @@ class EngineConfig:
             num_scheduler_steps=1 if stages > 1 else s.num_scheduler_steps,
             pipeline_depth=stages,
             lora_slots=self.lora.max_loras if self.lora.enable_lora else 0,
-            kv_events=c.kv_events_config is not None and c.kv_events_config.enable_kv_cache_events,
+            kv_events=c.kv_events_config is not None and c.kv_events_config.publishes,
         )
 
 

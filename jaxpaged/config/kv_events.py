@@ -25,7 +25,7 @@ class KVEventsConfig:
 
     Attributes:
       enable_kv_cache_events: record block stored / removed / all cleared events.
-      publisher: "zmq" (a PUB socket) or "null" (recorded, sent nowhere); default "zmq" when
+      publisher: "zmq" (a PUB socket) or "null" (nothing recorded or sent); default "zmq" when
         events are on.
       endpoint: the PUB socket's address: with `*` (or `::`, ipc://, inproc://) it binds, else
         it connects to a subscriber's bound socket.

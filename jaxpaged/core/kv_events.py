@@ -1,8 +1,9 @@
 """The prefix cache's events, as vLLM's KV events name them (host only, no JAX here).
 
 A block is *stored* in a tier (medium) when its hash becomes findable there: registered on the
-device (`GPU`), offloaded to host memory (`CPU`), written to the disk tier (`DISK`); it is
-*removed* from a tier when that tier forgets it (evicted, or the tier cleared). A reset of the
+device (`GPU`) or offloaded to host memory (`CPU`); it is *removed* from a tier when that tier
+forgets it (evicted, or the tier cleared). The disk tier's files are not announced (its writer
+thread evicts them, and processes share them). A reset of the
 prefix cache clears every tier at once (`AllBlocksCleared`). `jaxpaged.engine.kv_event_publisher`
 sends them; a subscriber such as vLLM's router rebuilds from them which prefixes an engine holds.
 
@@ -13,7 +14,7 @@ token ids, so a subscriber can hash the tokens its own way and chain the blocks.
 
 import dataclasses
 
-GPU, CPU, DISK = "GPU", "CPU", "DISK"
+GPU, CPU = "GPU", "CPU"
 
 
 def external_hash(block_hash: bytes) -> int:
@@ -31,7 +32,7 @@ class BlockStored:
       token_ids: the blocks' tokens, `block_size` per block.
       block_size: tokens per block.
       lora_name: the LoRA adapter the blocks were computed with, or None.
-      medium: GPU, CPU or DISK.
+      medium: GPU or CPU.
     """
 
     block_hashes: list[int]

@@ -91,7 +91,7 @@ class SchedulerConfig:
         in flight at most, and a step decodes at most 1/P of the running sequences, so that P
         groups take turns and every stage has work.
       lora_slots: LoRA adapters in one batch (the device pool's slots, `LoraSlots`); 0: no LoRA.
-      kv_events: record the prefix cache's events (`take_kv_events`).
+      kv_events: record the prefix cache's events (`take_kv_events`; only when they are published).
     """
 
     max_num_seqs: int = defaults.MAX_NUM_SEQS

@@ -403,9 +403,8 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
         self._aborted += output.failed  # their grammar failed: finished with `Sequence.error`
         previous = self.runner.execute(output)  # the steps before it, read while it runs
         self.scheduler.copies_done(output)
-        events = self.scheduler.take_kv_events()  # taken each step, sent or not (publisher "null")
         if self.kv_events is not None:
-            self.kv_events.publish(events)
+            self.kv_events.publish(self.scheduler.take_kv_events())
         emit(self._postprocess(previous))
         emit(self._postprocess(self.runner.sample()))  # its masked samplers; itself if it is read now
         if self.governor is not None and output.num_decode_seqs:

@@ -243,6 +243,16 @@ class EngineArgs:
         "split a mixture of experts' experts over the --tensor-parallel-size devices (whole experts "
         "on each) instead of splitting every expert's FFN width; attention stays tensor parallel",
     )
+    data_parallel_size: int = _option(
+        1,
+        "jaxpaged serve: engine replicas behind the one API server, each on its own --tensor-parallel-size x "
+        "--pipeline-parallel-size devices (replica r takes the r-th group of CUDA_VISIBLE_DEVICES), each "
+        "request sent to the least loaded replica",
+        aliases=("-dp",),
+    )
+    data_parallel_rank: int = _option(
+        0, "this replica among --data-parallel-size (the server sets it for each)", flag=False, per_process=True
+    )
     nnodes: int = _option(1, "processes (machines) the engine spans; each runs jaxpaged serve with its own --node-rank")
     node_rank: int = _option(
         0,
@@ -410,10 +420,25 @@ class EngineArgs:
             "tensor_parallel_size",
             "pipeline_parallel_size",
             "nnodes",
+            "data_parallel_size",
             "quantization_group_size",
         ):
             self._check_int(name, 1)
         self._check_int("node_rank", 0)
+        self._check_int("data_parallel_rank", 0)
+        if self.data_parallel_rank >= self.data_parallel_size:
+            raise EngineArgsError(
+                "data_parallel_rank",
+                self.data_parallel_rank,
+                f"must be below data_parallel_size ({self.data_parallel_size})",
+            )
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise EngineArgsError(
+                "data_parallel_size",
+                self.data_parallel_size,
+                f"replicas of an engine that spans several processes (nnodes={self.nnodes}) are not supported yet; "
+                "run one jaxpaged serve per group of machines behind vllm-router (docs/server.md)",
+            )
         if self.node_rank >= self.nnodes:
             raise EngineArgsError("node_rank", self.node_rank, f"must be below nnodes ({self.nnodes})")
         if not 0 < self.master_port < 65536 or isinstance(self.master_port, bool):

@@ -150,6 +150,16 @@ class EngineConfig:
         `SamplingParams`' defaults, overridden by the model's generation config."""
         return SamplingParams(**dict(self.load.sampling_defaults))
 
+    def for_replica(self, rank: int) -> "EngineConfig":
+        """The configuration of data-parallel replica `rank` (0 to `data_parallel_size` - 1): this
+        engine with its rank, which picks its devices and offsets its KV-event ports, and the seed
+        offset by it (unseeded requests on two replicas draw differently; seeded ones alike)."""
+        return dataclasses.replace(
+            self,
+            parallel=dataclasses.replace(self.parallel, data_parallel_rank=rank),
+            load=dataclasses.replace(self.load, seed=self.load.seed + rank),
+        )
+
     def option(self, name: str):
         """The resolved value of the `EngineArgs` option `name` (from the part that holds it)."""
         if name == "speculative_config":

@@ -153,6 +153,21 @@ def test_serve_reports_a_busy_port_at_once_naming_the_flag():
     ]
 
 
+def test_data_parallel_replicas_need_engine_processes_and_are_the_server_s():
+    """`--data-parallel-size` runs replicas in engine processes: refused on the server's thread, and
+    by `generate` (one engine), each one line naming the flag."""
+    result = run_cli("serve", "--data-parallel-size", "2", "--no-engine-process", "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "jaxpaged: error: --data-parallel-size 2: each replica runs in an engine process of its own; "
+        "drop --no-engine-process",
+        "NO_JAX",
+    ]
+    result = run_cli("generate", "-dp", "2", "hello")
+    assert result.returncode == 2, result.stderr
+    assert "--data-parallel-size 2: replicas are served by jaxpaged serve --data-parallel-size" in result.stderr
+
+
 def test_serve_reports_missing_devices_before_http_starts():
     """`--tensor-parallel-size 2` on one device: one line naming the flag, before the server
     starts (the engine's own thread would report it with a traceback, after listening)."""

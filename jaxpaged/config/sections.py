@@ -150,6 +150,9 @@ class ParallelConfig:
       pp_layer_partition: layers per stage, first to last (resolved from its text), or None:
         balanced (`EngineConfig.layout.pipeline` holds the split).
       enable_expert_parallel: a mixture of experts' experts split over them whole.
+      data_parallel_size: engine replicas the server runs (each with this layout).
+      data_parallel_rank: this replica among them (it offsets the seed and the KV-event ports,
+        and picks the devices).
       nnodes: processes of the engine.
       node_rank: this process among them (0 schedules).
       master_addr: where the processes meet.
@@ -160,6 +163,8 @@ class ParallelConfig:
     pipeline_parallel_size: int
     pp_layer_partition: tuple[int, ...] | None
     enable_expert_parallel: bool
+    data_parallel_size: int
+    data_parallel_rank: int
     nnodes: int
     node_rank: int
     master_addr: str

@@ -46,6 +46,7 @@ from jaxpaged.engine.core_messages import (
 )
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_config import EngineConfig
+from jaxpaged.parallel.replicas import check_replica_platform, restrict_to_replica_gpus
 
 logger = logging.getLogger("jaxpaged")
 
@@ -138,13 +139,21 @@ def run_engine_core(args: EngineArgs | EngineConfig, conn, log_level: int, on_re
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxpaged").setLevel(log_level)
-    from jaxpaged.engine.llm_engine import LLMEngine  # JAX loads here, in the child only
-    from jaxpaged.engine.setup import check_engine_fits
-
     start = time.perf_counter()
     try:
         config = args if isinstance(args, EngineConfig) else EngineConfig.resolve(args)
+        replicas = config.parallel.data_parallel_size
+        if replicas > 1:  # before JAX loads: this replica's process sees its own GPUs only
+            devices = config.layout.size * config.layout.pipeline.size
+            restrict_to_replica_gpus(config.parallel.data_parallel_rank, devices, replicas)
+        from jaxpaged.engine.llm_engine import LLMEngine  # JAX loads here, in the child only
+        from jaxpaged.engine.setup import check_engine_fits
+
         check_engine_fits(config)
+        if replicas > 1:
+            import jax
+
+            check_replica_platform(config.parallel.data_parallel_rank, replicas, jax.default_backend())
     except BaseException as err:
         conn.send(CoreFailed(_picklable(err), starting=True))
         return

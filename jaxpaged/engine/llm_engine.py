@@ -131,7 +131,11 @@ class LLMEngine(TrainingLoopControls, ProfilerControls):
             self.runner.lora_weights = self.loras.weights
         self.num_prompt_tokens = 0
         events = self.config.cache.kv_events_config
-        self.kv_events = KVEventPublisher(events) if events is not None and events.publishes else None
+        self.kv_events = (
+            KVEventPublisher(events, self.config.parallel.data_parallel_rank)
+            if events is not None and events.publishes
+            else None
+        )
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

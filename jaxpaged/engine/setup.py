@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -447,13 +448,20 @@ def _dummy_model(config: ModelConfig, dtype, load: LoadConfig, parallel: TensorP
     return nnx.merge(graphdef, state)
 
 
+# transformers' lazy first import is not thread-safe: two threads importing it at once (the output
+# threads of two data-parallel replicas) can see a half-built module ("cannot import name
+# 'AutoTokenizer'"). Tokenizers load one at a time.
+_TOKENIZER_LOCK = threading.Lock()
+
+
 def load_tokenizer(tokenizer_dir: str):
     """The checkpoint's tokenizer (transformers' AutoTokenizer). transformers is imported here, not
     at the top: it imports torch where torch is installed (seconds), which an engine without a
-    tokenizer (`skip_tokenizer_init`, token-id prompts) never needs."""
-    from transformers import AutoTokenizer
+    tokenizer (`skip_tokenizer_init`, token-id prompts) never needs. Thread-safe."""
+    with _TOKENIZER_LOCK:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:

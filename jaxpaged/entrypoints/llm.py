@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from jaxpaged.config.defaults import DEMO_MODEL_NAME
 from jaxpaged.engine.llm_engine import LLMEngine
-from jaxpaged.engine_args import EngineArgs, compatibility_notes
+from jaxpaged.engine_args import EngineArgs, EngineArgsError, compatibility_notes
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.entrypoints.logging_setup import configure_default_logging
 from jaxpaged.lora_request import LoRARequest
@@ -54,6 +54,7 @@ class LLM:
             )
         configure_default_logging()
         args = EngineArgs(model=model, **kwargs)
+        _refuse_replicas(args.data_parallel_size)
         for note in compatibility_notes(args):
             logger.info(note)
         self._start(LLMEngine.from_engine_args(args))
@@ -63,6 +64,7 @@ class LLM:
         """An `LLM` over options already resolved against the model (`EngineConfig.resolve`),
         which it does not resolve again (`jaxpaged generate` resolves its flags to check them
         before JAX loads)."""
+        _refuse_replicas(config.parallel.data_parallel_size)
         configure_default_logging()
         llm = cls.__new__(cls)
         llm._start(LLMEngine(config))
@@ -229,3 +231,14 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update()
         return [finished[i] for i in ids]
+
+
+def _refuse_replicas(data_parallel_size: int) -> None:
+    """Offline, one `LLM` is one engine: replicas are the server's."""
+    if data_parallel_size > 1:
+        raise EngineArgsError(
+            "data_parallel_size",
+            data_parallel_size,
+            "replicas are served by jaxpaged serve --data-parallel-size; an LLM is one engine (run one per "
+            "group of devices, or leave it at 1)",
+        )

@@ -255,24 +255,31 @@ def serve(args: argparse.Namespace) -> int:
         logger.info(note)
     listener = _bind(args.host, args.port)  # a port in use is reported now, not after compiling
     names = args.served_model_name or [model or DEMO_MODEL_NAME]
-    core = None
+    replicas = config.parallel.data_parallel_size
+    if replicas > 1 and not args.engine_process:
+        raise ValueError(
+            f"--data-parallel-size {replicas}: each replica runs in an engine process of its own; "
+            "drop --no-engine-process"
+        )
+    cores = []
     if args.engine_process:
         from jaxpaged.engine.core_process import EngineCoreProcess
 
-        core = EngineCoreProcess(config, on_ready=_log_start_up)
+        # every replica starts now (they check their devices, load and compile side by side)
+        cores = [EngineCoreProcess(config.for_replica(r), on_ready=_log_start_up) for r in range(replicas)]
     try:
-        return _run(args, config, core, listener, names, limits, chat_template, lora_modules)
+        return _run(args, config, cores, listener, names, limits, chat_template, lora_modules)
     finally:
-        # Whatever ended the server (an error or Ctrl-C while starting included), the engine process
-        # goes with it: it ignores SIGTERM, so multiprocessing's exit would otherwise wait on it forever.
-        if core is not None:
+        # Whatever ended the server (an error or Ctrl-C while starting included), the engine processes
+        # go with it: they ignore SIGTERM, so multiprocessing's exit would otherwise wait on them forever.
+        for core in cores:
             core.stop(timeout=0.0)
 
 
 def _run(
     args: argparse.Namespace,
     config: EngineConfig,
-    core,
+    cores: list,
     listener: socket.socket,
     names: list[str],
     limits: ServerLimits,
@@ -280,20 +287,24 @@ def _run(
     lora_modules: dict,
 ) -> int:
     """`serve` once its flags are checked and its port bound: checks the devices and host memory
-    (in the engine process `core`, an `EngineCoreProcess`, or here when it is None), then runs
-    uvicorn until it stops."""
+    (in the engine processes `cores`, one `EngineCoreProcess` per data-parallel replica, or here
+    when there are none), then runs uvicorn until it stops."""
     port = listener.getsockname()[1]
-    if core is not None:
+    for core in cores:
         core.wait_checked()  # devices and host memory, checked where the engine runs, before HTTP starts
-    else:
+    if not cores:
         from jaxpaged.engine.setup import check_engine_fits
 
         check_engine_fits(config)  # devices and host memory, before HTTP starts
     logger.info(
-        "starting the engine for %s in its own %s (loading JAX and the model, then compiling); "
+        "starting the engine for %s in %s (loading JAX and the model, then compiling); "
         "/live answers now, /health once it is ready",
         config.load.model,
-        "process" if args.engine_process else "thread",
+        f"{len(cores)} replicas, each in a process of its own"
+        if len(cores) > 1
+        else "a process of its own"
+        if cores
+        else "a thread of the server's process",
     )
     import uvicorn
 
@@ -318,9 +329,13 @@ def _run(
         _log_start_up(engine, time.perf_counter() - start)
         return engine
 
-    async_engine = AsyncEngine(
-        core if core is not None else build, max_num_waiting=args.max_num_waiting, on_dead=on_dead
-    )
+    if len(cores) > 1:
+        from jaxpaged.server.data_parallel import DataParallelEngine, core_replicas
+
+        start_replica = core_replicas(config, cores, max_num_waiting=args.max_num_waiting, on_ready=_log_start_up)
+        async_engine = DataParallelEngine(start_replica, len(cores), on_dead=on_dead)
+    else:
+        async_engine = AsyncEngine(cores[0] if cores else build, max_num_waiting=args.max_num_waiting, on_dead=on_dead)
     async_engine.when_ready(_freeze_startup_heap)
     app = build_app(
         async_engine,

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 
 from jaxpaged.config.checks import OptionError
@@ -23,6 +24,7 @@ from jaxpaged.engine_config import EngineConfig
 from jaxpaged.entrypoints.cli_flags import DEMO_MODEL_DIR
 from jaxpaged.parallel.replicas import replica_gpus
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.server.app import build_app
 from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError
 from jaxpaged.server.data_parallel import DataParallelEngine, combine_stats, core_replicas
 
@@ -89,6 +91,26 @@ def test_replicas_answer_like_one_engine_and_share_the_load(engines):
     assert replicas.config.parallel.data_parallel_size == 2
     assert [r.config.parallel.data_parallel_rank for r in replicas.replicas] == [0, 1]
     assert replicas.config.load.seed + 1 == replicas.replicas[1].config.load.seed
+
+
+def test_the_rank_header_pins_a_request_to_its_replica(engines):
+    """vLLM's `X-data-parallel-rank` (what a router that follows the replicas' KV events sends)."""
+    _, replicas = engines
+    app = build_app(replicas, "m")
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+
+    async def run(headers: dict) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            return await http.post("/v1/completions", json=body, headers=headers)
+
+    for rank in (1, 0, 1):
+        before = [r.stats["prompt_tokens"] for r in replicas.replicas]
+        assert asyncio.run(run({"X-data-parallel-rank": str(rank)})).status_code == 200
+        grew = [r.stats["prompt_tokens"] > b for r, b in zip(replicas.replicas, before, strict=True)]
+        assert grew == [rank == 0, rank == 1]
+    for value, message in (("2", "X-data-parallel-rank 2: this server runs 2 engine replica"), ("x", "an integer")):
+        answer = asyncio.run(run({"x-data-parallel-rank": value}))
+        assert answer.status_code == 400 and message in answer.json()["error"]["message"], answer.text
 
 
 def test_controls_reach_every_replica(engines):

@@ -268,6 +268,7 @@ def test_vllm_router_kv_aware_sends_each_prefix_to_the_replica_holding_it():
     every request of a task runs on the replica holding its prefix and reuses it, while round robin
     splits the tasks and reuses less."""
 
+    import httpx
     from demo_server import DemoServer
     from shared_engines import CANONICAL
 
@@ -285,11 +286,20 @@ def test_vllm_router_kv_aware_sends_each_prefix_to_the_replica_holding_it():
         kv_aware = ["--kv-event-model", "demo", "--kv-event-block-size", str(block_size), "--router-temperature", "0"]
         for source in sources:
             kv_aware += ["--kv-event-source", source]
+        managers = [r.llm.llm_engine.scheduler.block_manager for r in replicas]
+
+        def compute_prefix(task: str, home: int):
+            body = {"model": "demo", "prompt": PREFIX_TASKS[task], "max_tokens": 1}
+            return httpx.post(f"{served[home].url}/v1/completions", json=body)
+
+        def counters() -> list[tuple[int, int]]:
+            return [(m.prefix_cache_queries, m.prefix_cache_hits) for m in managers]
+
         placements = {}
         for policy, extra in (("kv_aware", kv_aware), ("round_robin", [])):
             for replica in replicas:
                 replica.llm.llm_engine.reset_prefix_cache()
-            placements[policy] = _place_tasks(policy, extra, served, replicas)
+            placements[policy] = _place_tasks(policy, extra, [s.url for s in served], compute_prefix, counters)
         kv, rr = placements["kv_aware"], placements["round_robin"]
         for task, home in zip(PREFIX_TASKS, (1, 0)):
             assert {replica for replica, _ in kv[task]} == {home}, kv
@@ -305,28 +315,24 @@ def test_vllm_router_kv_aware_sends_each_prefix_to_the_replica_holding_it():
             replica.llm.llm_engine.shutdown()
 
 
-def _place_tasks(policy: str, extra: list[str], served, replicas) -> dict[str, list[tuple[int, int]]]:
-    """Computes each task's prefix on its replica (genesis on the second, exodus on the first),
-    then sends the tasks' notes through a router of `policy`, one at a time (A A B B A A B B);
-    for each, the replica that ran it and the prompt tokens its prefix cache served."""
+def _place_tasks(policy: str, extra: list[str], worker_urls: list[str], compute_prefix, counters) -> dict:
+    """Computes each task's prefix on its replica (`compute_prefix(task, home)`: genesis on the
+    second, exodus on the first), then sends the tasks' notes through a router of `policy` over
+    `worker_urls`, one at a time (A A B B A A B B); for each, the replica that ran it and the
+    prompt tokens its prefix cache served (`counters()`: each replica's prefix-cache queries and
+    hits)."""
     import time
 
-    import httpx
-
     placed = {task: [] for task in PREFIX_TASKS}
-    with _router(policy, [s.url for s in served], tuple(extra)) as http:
+    with _router(policy, worker_urls, tuple(extra)) as http:
         time.sleep(0.5)  # its subscriptions join the publishers (events sent before are lost to it)
         for task, home in zip(PREFIX_TASKS, (1, 0)):
-            direct = httpx.post(
-                f"{served[home].url}/v1/completions",
-                json={"model": "demo", "prompt": PREFIX_TASKS[task], "max_tokens": 1},
-            )
+            direct = compute_prefix(task, home)
             assert direct.status_code == 200, direct.text
         time.sleep(0.3)
         order = [task for task in PREFIX_TASKS for _ in range(2)] * 2  # genesis genesis exodus exodus ...
         for i, task in enumerate(order):
-            managers = [r.llm.llm_engine.scheduler.block_manager for r in replicas]
-            before = [(m.prefix_cache_queries, m.prefix_cache_hits) for m in managers]
+            before = counters()
             body = {
                 "model": "demo",
                 "prompt": PREFIX_TASKS[task] + NOTES[i % len(NOTES)],
@@ -335,8 +341,55 @@ def _place_tasks(policy: str, extra: list[str], served, replicas) -> dict[str, l
             }
             reply = http.post("/v1/completions", json=body)
             assert reply.status_code == 200, reply.text
-            ran = [j for j, m in enumerate(managers) if m.prefix_cache_queries != before[j][0]]
+            after = counters()
+            ran = [j for j, (b, a) in enumerate(zip(before, after)) if a[0] != b[0]]
             assert len(ran) == 1, ran
-            placed[task].append((ran[0], managers[ran[0]].prefix_cache_hits - before[ran[0]][1]))
+            placed[task].append((ran[0], after[ran[0]][1] - before[ran[0]][1]))
             time.sleep(0.3)  # the step's events reach the router
     return placed
+
+
+def test_vllm_router_kv_aware_follows_the_replicas_of_a_data_parallel_server():
+    """One server of two replicas (`--data-parallel-size 2`: each publishes its KV events on the
+    endpoint's port + its rank), the router told so (`--intra-node-data-parallel-size 2`, both
+    endpoints in one `--kv-event-source`): it sends each task to the replica holding its prefix
+    with vLLM's `X-data-parallel-rank` header, which the server honours."""
+    import httpx
+    from demo_server import Served
+    from shared_engines import CANONICAL
+
+    from jaxpaged.engine.core_process import EngineCoreProcess
+    from jaxpaged.engine_args import EngineArgs
+    from jaxpaged.engine_config import EngineConfig
+    from jaxpaged.server.data_parallel import DataParallelEngine, core_replicas
+
+    port = _free_port()
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}
+    args = EngineArgs(**CANONICAL["demo-server"], kv_events_config=events, data_parallel_size=2)
+    config = EngineConfig.resolve(args)
+    replicas = DataParallelEngine(
+        core_replicas(config, [EngineCoreProcess(config.for_replica(r)) for r in range(2)]), 2
+    )
+    served = None
+    try:
+        assert replicas.ready.wait(300), [r.dead for r in replicas.replicas]
+        served = Served(replicas, "demo", {"log_level": "warning"}, {})
+        endpoints = f"{served.url}=tcp://127.0.0.1:{port},tcp://127.0.0.1:{port + 1}"
+        extra = ["--intra-node-data-parallel-size", "2", "--kv-event-source", endpoints, "--kv-event-model", "demo"]
+        extra += ["--kv-event-block-size", str(config.cache.block_size), "--router-temperature", "0"]
+
+        def compute_prefix(task: str, home: int):
+            body = {"model": "demo", "prompt": PREFIX_TASKS[task], "max_tokens": 1}
+            return httpx.post(f"{served.url}/v1/completions", json=body, headers={"X-data-parallel-rank": str(home)})
+
+        def counters() -> list[tuple[int, int]]:
+            return [(r.stats["prefix_cache_queries"], r.stats["prefix_cache_hits"]) for r in replicas.replicas]
+
+        placed = _place_tasks("kv_aware", extra, [served.url], compute_prefix, counters)
+        for task, home in zip(PREFIX_TASKS, (1, 0)):
+            assert {replica for replica, _ in placed[task]} == {home}, placed
+            assert min(hits for _, hits in placed[task]) >= 2 * config.cache.block_size, placed
+    finally:
+        if served is not None:
+            served.close()
+        replicas.shutdown()

@@ -37,12 +37,12 @@ from starlette.responses import JSONResponse, Response
 
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.server.async_engine import (
-    AsyncEngine,
     EngineDeadError,
     EngineNotReadyError,
     EngineOverloadedError,
     RequestFailedError,
 )
+from jaxpaged.server.data_parallel import EngineClient
 from jaxpaged.server.dev_routes import add_dev_routes, dev_mode
 from jaxpaged.server.limits import RETRY_AFTER_SECONDS, ServerLimits
 from jaxpaged.server.lora_modules import runtime_updates
@@ -83,7 +83,7 @@ class CorsPolicy:
 
 
 def build_app(
-    async_engine: AsyncEngine,
+    async_engine: EngineClient,
     served_model_name: str | Sequence[str],
     api_key: str | None = None,
     log_prompts: bool = False,

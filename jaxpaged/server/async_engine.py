@@ -83,6 +83,20 @@ class RequestFailedError(RuntimeError):
         self.error_type = error_type or "server_error"
 
 
+def check_data_parallel_rank(rank: int | None, size: int) -> None:
+    """Refuses a replica rank (vLLM's `X-data-parallel-rank` header) a server of `size` replicas
+    does not have.
+
+    Raises:
+      ValueError: naming the header and the ranks there are.
+    """
+    if rank is not None and not 0 <= rank < size:
+        raise ValueError(
+            f"X-data-parallel-rank {rank}: this server runs {size} engine replica(s) (--data-parallel-size "
+            f"{size}); send a rank from 0 to {size - 1}, or leave the header out"
+        )
+
+
 def stream_kind(params: SamplingParams) -> SamplingParams:
     """A request's parameters as the engine gets them: its outputs as deltas (a stream: every
     token as it is sampled, no fused decode windows), unless it asks for `FINAL_ONLY` (one output
@@ -228,6 +242,7 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        data_parallel_rank: int | None = None,
     ) -> RequestStream:
         """Adds requests (all or none) and returns the stream of their delta outputs (their final
         outputs only if `params` asks `FINAL_ONLY`: see `stream_kind`).
@@ -238,13 +253,17 @@ class AsyncEngine:
           params: sampling parameters shared by all of them.
           cache_salt: isolates their prefix-cache entries.
           lora_request: the LoRA adapter they run with (None: the base model).
+          data_parallel_rank: the replica asked for (vLLM's `X-data-parallel-rank`): 0 or None
+            for one engine (`DataParallelEngine` serves more).
 
         Raises:
-          ValueError: from `LLMEngine.add_request` (nothing stays queued then).
+          ValueError: from `LLMEngine.add_request` (nothing stays queued then), or a
+            `data_parallel_rank` other than 0.
           EngineDeadError: the engine thread has stopped.
           EngineNotReadyError: still starting, or draining.
           EngineOverloadedError: `max_num_waiting` would be exceeded.
         """
+        check_data_parallel_rank(data_parallel_rank, 1)
         if self.dead is not None:
             raise EngineDeadError("the engine is not running")
         if self.draining or not self.ready.is_set():

@@ -31,7 +31,12 @@ from jaxpaged.engine_config import EngineConfig
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
+from jaxpaged.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineNotReadyError,
+    check_data_parallel_rank,
+)
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -144,15 +149,28 @@ class DataParallelEngine:
         *,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        data_parallel_rank: int | None = None,
     ) -> "ReplicaStream":
-        """`AsyncEngine.add_requests` on the least loaded replica; the stream moves to another
-        replica if its own dies before streaming anything."""
+        """`AsyncEngine.add_requests` on replica `data_parallel_rank` if given (vLLM's
+        `X-data-parallel-rank`: a router that knows where a prefix lives), else on the least
+        loaded one; the stream moves to another replica if its own dies before streaming anything.
+
+        Raises:
+          ValueError: a rank the server lacks, or the request's own error.
+          EngineNotReadyError: starting, draining, or the replica asked for is starting again.
+        """
+        check_data_parallel_rank(data_parallel_rank, len(self.replicas))
         if self.dead is not None:
             raise EngineDeadError("the engine is not running")
         if self.draining or not self.ready.is_set():
             raise EngineNotReadyError("the server is shutting down" if self.draining else "the engine is starting")
         request = (list(request_ids), list(prompts), params, cache_salt, lora_request)
-        replica = self.choose()
+        if data_parallel_rank is None:
+            replica = self.choose()
+        elif self.replicas[data_parallel_rank] in self._live():
+            replica = self.replicas[data_parallel_rank]
+        else:
+            raise EngineNotReadyError(f"engine replica {data_parallel_rank} is starting again; retry shortly")
         return ReplicaStream(self, replica, await _add(replica, request), request)
 
     generate = AsyncEngine.generate  # one request through `add_requests` (it uses nothing else)
@@ -382,3 +400,7 @@ def combine_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
 def _join(a: str, b: str) -> str:
     names = sorted(set(filter(None, a.split(","))) | set(filter(None, b.split(","))))
     return ",".join(names)
+
+
+# What the server's routes drive: one engine, or replicas behind a `DataParallelEngine`.
+EngineClient = AsyncEngine | DataParallelEngine

@@ -22,7 +22,8 @@ import os
 from fastapi import FastAPI
 from starlette.responses import JSONResponse, Response
 
-from jaxpaged.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
+from jaxpaged.server.async_engine import EngineDeadError, EngineNotReadyError
+from jaxpaged.server.data_parallel import EngineClient
 from jaxpaged.server.errors import error_body
 
 DEV_MODE_ENV = "JAXPAGED_SERVER_DEV_MODE"  # vLLM's VLLM_SERVER_DEV_MODE
@@ -33,7 +34,7 @@ def dev_mode() -> bool:
     return os.environ.get(DEV_MODE_ENV) == "1"
 
 
-async def call_control(engine: AsyncEngine, method: str, *args):
+async def call_control(engine: EngineClient, method: str, *args):
     """`engine.control(method, *args)`'s result, or the error response: 400 for a bad argument
     (ValueError), 409 for a call the engine's state forbids (RuntimeError); a stopped or starting
     engine raises (the app's 503s)."""
@@ -47,7 +48,7 @@ async def call_control(engine: AsyncEngine, method: str, *args):
         return JSONResponse(error_body(str(err), "conflict"), status_code=409)
 
 
-def add_dev_routes(app: FastAPI, engine: AsyncEngine) -> None:
+def add_dev_routes(app: FastAPI, engine: EngineClient) -> None:
     """Adds the routes of the module docstring to `app`."""
 
     async def call(method: str, *args):

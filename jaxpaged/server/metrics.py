@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from jaxpaged.core.speculation import SPEC_DECODE_PER_POSITION
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.server.async_engine import AsyncEngine
+from jaxpaged.server.data_parallel import EngineClient
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -145,7 +145,7 @@ _PER_POSITION = (
 class _EngineStatsCollector:
     """Reads the engine's latest stats snapshot at every scrape."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.engine, self.model_name = engine, model_name
 
     def collect(self):
@@ -189,7 +189,7 @@ class ServerMetrics:
       model_name: the `model_name` label (the served model name).
     """
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(engine, model_name))
 

@@ -11,11 +11,11 @@ or the engine-core process). Profile a few requests only: a trace grows with eve
 from fastapi import FastAPI
 from starlette.responses import Response
 
-from jaxpaged.server.async_engine import AsyncEngine
+from jaxpaged.server.data_parallel import EngineClient
 from jaxpaged.server.dev_routes import call_control
 
 
-def add_profile_routes(app: FastAPI, engine: AsyncEngine, profiler_dir: str) -> None:
+def add_profile_routes(app: FastAPI, engine: EngineClient, profiler_dir: str) -> None:
     """Adds the routes of the module docstring to `app`, tracing into `profiler_dir`."""
 
     @app.post("/start_profile")

@@ -95,6 +95,22 @@ async def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
     return {"token_ids": truncate(await chat_prompt(ctx, body), keep, max_len)["prompt_token_ids"]}
 
 
+def replica_rank(raw: Request) -> int | None:
+    """The engine replica a request asks for: vLLM's `X-data-parallel-rank` header (a router
+    that tracks each replica's KV cache sends it), or None.
+
+    Raises:
+      ValueError: the header is not an integer.
+    """
+    text = raw.headers.get("x-data-parallel-rank")
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"X-data-parallel-rank {text!r}: expected an engine replica's rank (an integer)") from None
+
+
 async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind, lora=None) -> Response:
     engine_id = f"{kind.prefix}-{uuid.uuid4().hex}"
     ids = [f"{engine_id}-{i}" for i in range(len(prompts))]
@@ -102,7 +118,9 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind,
     request_id = f"{kind.prefix}-{body.request_id}" if body.request_id else engine_id
     if not body.stream:  # one output when done (as vLLM asks): its decode steps may be fused
         params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-    stream = await ctx.engine.add_requests(ids, prompts, params, cache_salt=body.cache_salt, lora_request=lora)
+    stream = await ctx.engine.add_requests(
+        ids, prompts, params, cache_salt=body.cache_salt, lora_request=lora, data_parallel_rank=replica_rank(raw)
+    )
     logger.info(
         "%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s",
         request_id,

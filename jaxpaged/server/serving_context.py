@@ -9,7 +9,7 @@ import dataclasses
 import logging
 
 from jaxpaged.lora_request import LoRARequest
-from jaxpaged.server.async_engine import AsyncEngine
+from jaxpaged.server.data_parallel import EngineClient
 from jaxpaged.server.grammar_checks import GrammarChecks
 from jaxpaged.server.limits import ServerLimits
 from jaxpaged.server.protocol import APIError, echo
@@ -29,7 +29,7 @@ class ServingContext:
     tokenizer threads (made once the engine is ready) and the server's limits.
     """
 
-    engine: AsyncEngine
+    engine: EngineClient
     model_names: tuple[str, ...]
     log_prompts: bool = False
     max_sequences_per_request: int = 1024

@@ -34,6 +34,7 @@ from jaxpaged.server.cli import API_KEY_ENV
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+ROUTER_MANIFESTS = sorted((DEPLOY / "kubernetes" / "router").glob("*.yaml"))
 K8S_VERSION = "1.37"  # the newest Kubernetes that kubernetes-validate 1.37 bundles schemas for
 RESOURCES = [doc for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
 (DEPLOYMENT,) = [r for r in RESOURCES if r["kind"] == "Deployment"]
@@ -61,7 +62,7 @@ def args():
     return serve_args(CONTAINER["args"], {e["name"]: "sk-test" for e in CONTAINER.get("env", [])})
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MANIFESTS + ROUTER_MANIFESTS, ids=lambda p: p.name)
 def test_manifest_validates_against_the_kubernetes_schemas(path):
     docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
     assert docs
@@ -184,3 +185,59 @@ def test_dockerfile():
     a = serve_args(entrypoint[2:] + cmd, {})
     assert a.host == "0.0.0.0" and str(a.port) in last["EXPOSE"].split()
     assert any(f"{a.compilation_cache_dir}/".startswith(f"{v.rstrip('/')}/") for v in volumes)
+
+
+ROUTER_RESOURCES = [doc for path in ROUTER_MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def router_resource(kind: str) -> dict:
+    (resource,) = [r for r in ROUTER_RESOURCES if r["kind"] == kind]
+    return resource
+
+
+def router_flags() -> dict[str, str | None]:
+    """The router container's flags: each `--flag` to the value after it (None for a switch)."""
+    argv = router_resource("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    flags = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            flags[arg] = None if following.startswith("--") else following
+    return flags
+
+
+def test_the_router_finds_every_server_pod_by_itself():
+    """deploy/kubernetes/router/: vllm-router's Kubernetes mode selects the pods of deployment.yaml
+    (their labels, their `--port`) in its own namespace, with the rights to watch them; it sends
+    the servers' API key from the same Secret; its Service reaches its port; its probes are the
+    router's own routes (the flags parse with the router's parser: tests/test_vllm_tools.py)."""
+    flags = router_flags()
+    assert "--service-discovery" in flags and flags["--policy"] == "cache_aware"
+    key, _, value = flags["--selector"].partition("=")
+    assert DEPLOYMENT["spec"]["template"]["metadata"]["labels"][key] == value
+    assert int(flags["--service-discovery-port"]) == args().port
+    pod = router_resource("Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e["valueFrom"] for e in container["env"]}
+    assert flags["--service-discovery-namespace"] == "$(POD_NAMESPACE)"
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    (server_key,) = [e["valueFrom"] for e in CONTAINER["env"] if e["name"] == API_KEY_ENV]
+    assert flags["--api-key"] == f"$({API_KEY_ENV})" and env[API_KEY_ENV] == server_key
+    role, binding = router_resource("Role"), router_resource("RoleBinding")
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]} in role["rules"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert {"kind": "ServiceAccount", "name": pod["serviceAccountName"]} in binding["subjects"]
+    assert router_resource("ServiceAccount")["metadata"]["name"] == pod["serviceAccountName"]
+    service = router_resource("Service")
+    labels = router_resource("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (port,) = container["ports"]
+    assert port["containerPort"] == int(flags["--port"]) and service["spec"]["ports"][0]["targetPort"] == port["name"]
+    assert {container[f"{k}Probe"]["httpGet"]["path"] for k in ("liveness", "readiness")} == {"/liveness", "/readiness"}
+
+
+def test_the_router_image_is_the_router_ci_runs_behind():
+    pinned = re.findall(r"vllm-router==([\w.]+)", (DEPLOY / "Dockerfile.router").read_text())
+    in_ci = re.findall(r"vllm-router==([\w.]+)", (DEPLOY.parent / ".ci" / "run").read_text())
+    assert pinned and pinned == in_ci[:1]
+    assert router_resource("Deployment")["spec"]["template"]["spec"]["containers"][0].get("command") is None

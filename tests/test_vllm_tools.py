@@ -215,6 +215,42 @@ def test_vllm_router_in_front_of_two_servers_answers_every_request(demo_server, 
             served.close()
 
 
+# Run by the tools' Python: the router manifest's container args, parsed by vllm-router's own
+# parser (`$(VAR)` replaced as the kubelet does), and what they set.
+_PARSE_ROUTER_MANIFEST = r"""
+import json, re, sys, yaml
+from vllm_router.launch_router import parse_router_args
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "Deployment"]
+argv = [re.sub(r"\$\((\w+)\)", "from-env", a) for a in docs[0]["spec"]["template"]["spec"]["containers"][0]["args"]]
+a = parse_router_args(argv)
+print(json.dumps({k: getattr(a, k) for k in ("host", "port", "policy", "service_discovery", "selector",
+    "service_discovery_port", "service_discovery_namespace", "api_key")}))
+"""
+
+
+def test_the_router_manifest_s_flags_parse_with_the_router_s_own_parser():
+    """deploy/kubernetes/router/router.yaml's args mean to vllm-router what tests/test_deploy.py
+    checks they say: its Kubernetes mode over the jaxpaged pods' label and port."""
+    manifest = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes" / "router" / "router.yaml"
+    run = subprocess.run(
+        [os.path.join(TOOLS_BIN, "python"), "-c", _PARSE_ROUTER_MANIFEST, str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout) == {
+        "host": "0.0.0.0",
+        "port": 8000,
+        "policy": "cache_aware",
+        "service_discovery": True,
+        "selector": {"app.kubernetes.io/name": "jaxpaged"},
+        "service_discovery_port": 8000,
+        "service_discovery_namespace": "from-env",
+        "api_key": "from-env",
+    }
+
+
 @contextlib.contextmanager
 def _router(policy: str, worker_urls: list[str], extra: tuple[str, ...] = ()):
     """vllm-router with `policy` over `worker_urls` on a free loopback port, once it answers: a

@@ -176,9 +176,10 @@ def test_what_is_not_supported_is_a_400_naming_it(server, fields, param, says):
     assert error["param"] == param and says in error["message"], error
 
 
-def test_a_grammar_that_gives_up_mid_stream_is_an_error_event(server):
-    """llguidance gives up on 600 optional properties once the object opens: streamed, the
-    response ends with an `error` event (the Responses stream's), never a 500."""
+def test_a_grammar_that_gives_up_at_once_is_a_400_streamed_or_not(server):
+    """llguidance gives up on 600 optional properties once the object opens, before the first
+    output leaves the engine: streamed too, a 400 naming why (a streamed response starts with its
+    first output), never a 500 nor a stream that breaks."""
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}
     body = {
         "model": "demo",
@@ -187,8 +188,7 @@ def test_a_grammar_that_gives_up_mid_stream_is_an_error_event(server):
         "max_output_tokens": 16,
         "text": {"format": {"type": "json_schema", "name": "wide", "schema": wide}},
     }
-    with server.http.stream("POST", "/v1/responses", json=body) as response:
-        assert response.status_code == 200
-        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[0]["type"] == "response.created" and events[-1]["type"] == "error"
-    assert "could not continue" in events[-1]["message"]
+    for stream in (True, False):
+        refused = server.http.post("/v1/responses", json={**body, "stream": stream})
+        assert refused.status_code == 400, refused.text
+        assert "could not continue" in refused.json()["error"]["message"]

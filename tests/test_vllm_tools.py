@@ -429,3 +429,88 @@ def test_vllm_router_kv_aware_follows_the_replicas_of_a_data_parallel_server():
         if served is not None:
             served.close()
         replicas.shutdown()
+
+
+def test_a_replica_killed_under_load_loses_no_unstarted_request_and_rejoins(tmp_path):
+    """deploy/router_replicas.sh: two demo replicas behind the router (round robin: the restarted
+    replica gets every other request once the router takes it back). 24 streamed
+    requests, 6 at a time; after 4 have finished, replica 1's server is killed (SIGKILL). Every
+    request is answered whole except those that had already streamed tokens from it ("cut": nothing
+    can recover those); none fails before its first token (a streamed response starts with its
+    first output, so the router retries those elsewhere). The script starts the replica again and
+    the router sends it requests once it is healthy; SIGTERM stops everything."""
+    import concurrent.futures
+    import re
+    import signal
+    import sys
+    import threading
+    import time
+
+    import httpx
+
+    from benchmarks.router_failover import served_requests, stream_one
+
+    port, first_port, events_port = _free_port(), _free_port(), _free_port()
+    while abs(first_port - port) < 2 or abs(events_port - port) < 2 or abs(events_port - first_port) < 2:
+        first_port, events_port = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "PORT": str(port),
+        "FIRST_PORT": str(first_port),
+        "EVENTS_PORT": str(events_port),
+        "ROUTER": ROUTER,
+        "JAXPAGED": os.path.join(os.path.dirname(sys.executable), "jaxpaged"),
+        "SERVED_MODEL_NAME": "demo",
+        "POLICY": "round_robin",
+        "NO_PROXY": "127.0.0.1",
+    }
+    script = Path(__file__).resolve().parent.parent / "deploy" / "router_replicas.sh"
+    log = tmp_path / "replicas.log"
+    flags = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+    with open(log, "w") as out:
+        process = subprocess.Popen([str(script), "demo", "2", *flags], env=env, stdout=out, stderr=subprocess.STDOUT)
+    url, replica_1 = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{first_port + 1}"
+
+    def pids() -> list[int]:
+        return [int(p) for p in re.findall(r"^replica 1 pid (\d+)", log.read_text(), re.MULTILINE)]
+
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and process.poll() is None:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        assert process.poll() is None, log.read_text()[-3000:]
+        finished, killed = [], threading.Event()
+
+        def one(i: int) -> str:
+            outcome = stream_one(url, i, 40)
+            finished.append(outcome)
+            if len(finished) >= 4 and not killed.is_set():
+                killed.set()
+                os.kill(pids()[-1], signal.SIGKILL)
+            return outcome
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            outcomes = list(pool.map(one, range(24)))
+        assert killed.is_set() and outcomes.count("lost") == 0, outcomes
+        assert outcomes.count("ok") >= 24 - 6, outcomes  # at most what was running on it is cut
+        deadline = time.time() + 240
+        while time.time() < deadline and len(pids()) < 2:
+            time.sleep(0.5)
+        assert len(pids()) == 2, log.read_text()[-3000:]  # started again
+        rejoined = 0.0
+        while time.time() < deadline and not rejoined:
+            try:
+                rejoined = served_requests(replica_1)
+            except httpx.TransportError:
+                pass  # still starting
+            if not rejoined:
+                assert stream_one(url, 100, 2) == "ok"  # the router never sends it to a replica still down
+                time.sleep(0.5)
+        assert rejoined, log.read_text()[-3000:]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0, log.read_text()[-3000:]

@@ -143,6 +143,15 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind,
     if kind.echo is not None:
         kind.prompt_of = {rid: i for i, rid in enumerate(ids)}
     if body.stream:
+        # The response starts with the first output: a failure before it (the engine, or its
+        # replica, died; the request's grammar failed) is an HTTP error a router can retry
+        # elsewhere, not a 200 whose stream breaks with nothing in it.
+        started = await run_until_disconnect(raw, Started.first_of(stream))
+        if started is None:
+            stream.abort()
+            logger.info("%s: client disconnected before the first token; aborted", request_id)
+            return Response(status_code=499)
+        stream = started
         usage = Usage({rid: len(p["prompt_token_ids"]) for rid, p in zip(ids, prompts)})
         num_choices = params.n * len(prompts)
         events = sse_events(stream, kind, head, index_of, num_choices, usage, body.include_usage, body.continuous_usage)
@@ -156,6 +165,33 @@ async def _run(ctx, raw: Request, body, params, prompts: list[dict], kind: Kind,
     content = await asyncio.to_thread(render, kind, head, choices, usage)
     logger.info("%s: finished, %d completion tokens, %d response bytes", head["id"], usage.completion, len(content))
     return Response(content, media_type="application/json")
+
+
+class Started:
+    """A stream of outputs whose first output has come (it is iterated again from that one)."""
+
+    def __init__(self, stream, first: list):
+        self._stream, self._first = stream, first
+
+    @classmethod
+    async def first_of(cls, stream) -> "Started":
+        """Waits for `stream`'s first output (raises the stream's error if it fails first)."""
+        try:
+            return cls(stream, [await stream.__anext__()])
+        except StopAsyncIteration:  # nothing at all (e.g. aborted): iterating ends at once
+            return cls(stream, [])
+
+    def __aiter__(self) -> "Started":
+        return self
+
+    async def __anext__(self):
+        if self._first:
+            return self._first.pop()
+        return await self._stream.__anext__()
+
+    def abort(self) -> None:
+        """Aborts the underlying stream's unfinished requests."""
+        self._stream.abort()
 
 
 async def _collect(stream: RequestStream, kind: Kind, index_of: dict) -> tuple[dict[int, Choice], Usage]:

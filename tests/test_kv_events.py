@@ -9,7 +9,8 @@ import pytest
 from jaxpaged.config.kv_events import KVEventsConfig
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.host_tier import HostTier
-from jaxpaged.core.kv_events import CPU, GPU, AllBlocksCleared, BlockStored, KVEventLog, external_hash
+from jaxpaged.core.disk_tier import DiskTier
+from jaxpaged.core.kv_events import CPU, DISK, GPU, AllBlocksCleared, BlockStored, KVEventLog, external_hash
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.engine.kv_event_publisher import encode_event
 from jaxpaged.engine_args import EngineArgs, EngineArgsError
@@ -23,7 +24,7 @@ class Subscriber:
 
     def __init__(self, block_size: int = BS):
         self.block_size = block_size
-        self.held = {GPU: set(), CPU: set()}
+        self.held = {GPU: set(), CPU: set(), DISK: set()}
         self.blocks = {}  # hash -> (parent, tokens)
 
     def apply(self, events: list[dict]) -> None:
@@ -31,7 +32,7 @@ class Subscriber:
         for event in events:
             kind = event["type"]
             if kind == "AllBlocksCleared":
-                self.held = {GPU: set(), CPU: set()}
+                self.held = {GPU: set(), CPU: set(), DISK: set()}
             elif kind == "BlockRemoved":
                 assert set(event["block_hashes"]) <= self.held[event["medium"]], "removed a block never stored"
                 self.held[event["medium"]] -= set(event["block_hashes"])
@@ -54,6 +55,7 @@ def held_by(bm: BlockManager) -> dict[str, set[int]]:
     return {
         GPU: {external_hash(h) for h in bm.cached_block_hash_to_block},
         CPU: {external_hash(h) for h in bm.host_tier.cached},
+        DISK: set(),
     }
 
 
@@ -90,6 +92,40 @@ def test_the_events_replayed_are_what_each_tier_holds():
                         chain[:0] = tokens
                     assert chain == seq.token_ids_slice(0, (i + 1) * BS)
     assert sub.held[CPU], "the host tier never held a block: the test did not evict"
+
+
+def test_the_disk_tier_announces_the_files_it_writes_and_forgets(tmp_path):
+    """Blocks announced on the device and written to disk are stored there (`DISK`, from the
+    writer thread); the size cap's evictions and a rejected file remove them; a block the engine
+    never announced (an earlier run's) is written silently."""
+    import numpy as np
+
+    memory = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)
+    file_bytes = DiskTier(str(tmp_path / "probe"), bytes(range(32)), 1 << 30, memory).file_bytes
+    disk = DiskTier(str(tmp_path / "kv"), bytes(range(32)), 2 * file_bytes, memory)
+    log = KVEventLog(BS)
+    BlockManager(num_blocks=8, block_size=BS, host_tier=HostTier(4), disk_tier=disk, events=log)
+    assert disk.events is log  # the block manager hands its log to the disk tier
+    hashes = [bytes([i]) * 32 for i in range(1, 5)]
+    parent = None
+    for i, h in enumerate(hashes[:3]):  # three announced blocks; the fourth never was
+        log.stored(h, parent, list(range(i * BS, (i + 1) * BS)), None, GPU)
+        parent = h
+    sub = Subscriber()
+    sub.take(log)
+    for slot, h in enumerate(hashes):
+        disk.save(h, slot)
+        disk.flush()
+    sub.take(log)
+    # written in order, at most two files: the first two were evicted, the fourth is not announced
+    assert sub.held[DISK] == {external_hash(hashes[2])} and disk.num_files == 2
+    with open(disk._files.path(hashes[2]), "r+b") as f:  # corrupt it: the read rejects it
+        f.seek(-1, 2)
+        f.write(b"\xff")
+    assert not disk.read(hashes[2], 0)
+    sub.take(log)
+    assert sub.held[DISK] == set() and sub.held[GPU] == {external_hash(h) for h in hashes[:3]}
+    disk.close()
 
 
 def test_a_sequences_blocks_go_out_as_one_store_chained_to_its_cached_prefix():

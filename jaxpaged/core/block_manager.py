@@ -146,6 +146,8 @@ class BlockManager:
         self.events = events
         if host_tier is not None:
             host_tier.events = events
+        if disk_tier is not None:
+            disk_tier.events = events
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already registered
         # Sequences whose K/V predates the last `reset_prefix_cache` (held or swapped out then):
         # after new weights it mixes the old weights' with the new ones', so they register nothing.

@@ -30,6 +30,8 @@ import zlib
 
 import numpy as np
 
+from jaxpaged.core.kv_events import DISK, KVEventLog
+
 logger = logging.getLogger("jaxpaged")
 
 MAGIC = b"JXPGKV\x00\x01"
@@ -50,6 +52,7 @@ class _BlockFiles:
         self.directory, self.fingerprint = directory, fingerprint
         self.capacity_bytes, self.file_bytes = capacity_bytes, file_bytes
         self.write_bytes = self.dropped_writes = 0
+        self.events: KVEventLog | None = None  # the block manager's KV event log, if any
         self.lock = threading.Lock()
         self.index: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # LRU first
         self._pending: set[bytes] = set()
@@ -69,6 +72,8 @@ class _BlockFiles:
     def forget(self, block_hash: bytes, remove: bool) -> None:
         with self.lock:
             self.index.pop(block_hash, None)
+        if self.events is not None:
+            self.events.removed(block_hash, DISK)
         if remove:
             try:
                 os.remove(self.path(block_hash))
@@ -129,6 +134,8 @@ class _BlockFiles:
             while self.index and len(self.index) * self.file_bytes > self.capacity_bytes:
                 victims.append(self.index.popitem(last=False)[0])
         for block_hash in victims:
+            if self.events is not None:
+                self.events.removed(block_hash, DISK)
             try:
                 os.remove(self.path(block_hash))
             except OSError:
@@ -160,6 +167,8 @@ class _BlockFiles:
         with self.lock:
             self.index[block_hash] = None
             self.index.move_to_end(block_hash)
+        if self.events is not None:
+            self.events.moved(block_hash, DISK)
         self.write_bytes += len(payload)
         self.evict()
 
@@ -196,6 +205,16 @@ class DiskTier:
         self._finalizer = weakref.finalize(self, self._files.stop)
         if self._files.index:
             logger.info("KV cache directory %s: %d blocks from earlier runs", self.directory, len(self._files.index))
+
+    @property
+    def events(self) -> KVEventLog | None:
+        """The KV event log that hears of this tier's files (written: stored; evicted or rejected:
+        removed), or None."""
+        return self._files.events
+
+    @events.setter
+    def events(self, log: KVEventLog | None) -> None:
+        self._files.events = log
 
     @property
     def num_files(self) -> int:

@@ -1,10 +1,12 @@
 """The prefix cache's events, as vLLM's KV events name them (host only, no JAX here).
 
 A block is *stored* in a tier (medium) when its hash becomes findable there: registered on the
-device (`GPU`) or offloaded to host memory (`CPU`); it is *removed* from a tier when that tier
-forgets it (evicted, or the tier cleared). The disk tier's files are not announced (its writer
-thread evicts them, and processes share them). A reset of the
-prefix cache clears every tier at once (`AllBlocksCleared`). `jaxpaged.engine.kv_event_publisher`
+device (`GPU`), offloaded to host memory (`CPU`) or written to the disk tier (`DISK`, by its
+writer thread: the events go out with the next step's); it is *removed* from a tier when that
+tier forgets it (evicted, a file rejected, or the tier cleared). Only blocks this engine
+announced move between tiers: files found on disk from earlier runs (or written by other
+processes sharing the directory) are not announced. A reset of the prefix cache clears every
+tier at once (`AllBlocksCleared`). `jaxpaged.engine.kv_event_publisher`
 sends them; a subscriber such as vLLM's router rebuilds from them which prefixes an engine holds.
 
 Hashes go out as vLLM sends them by default: the last 8 bytes of the engine's sha256 block hash
@@ -13,8 +15,9 @@ token ids, so a subscriber can hash the tokens its own way and chain the blocks.
 """
 
 import dataclasses
+import threading
 
-GPU, CPU = "GPU", "CPU"
+GPU, CPU, DISK = "GPU", "CPU", "DISK"
 
 
 def external_hash(block_hash: bytes) -> int:
@@ -32,7 +35,7 @@ class BlockStored:
       token_ids: the blocks' tokens, `block_size` per block.
       block_size: tokens per block.
       lora_name: the LoRA adapter the blocks were computed with, or None.
-      medium: GPU or CPU.
+      medium: GPU, CPU or DISK.
     """
 
     block_hashes: list[int]
@@ -63,52 +66,59 @@ class KVEventLog:
     """Records the block manager's and tiers' events until the engine takes them (each step).
 
     It remembers each held block's parent and tokens (while some tier holds it), so a block
-    that moves to another tier is announced there with them.
+    that moves to another tier is announced there with them. Thread-safe (the disk tier's writer
+    records its stores and evictions from its own thread).
     """
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self._events: list[KVEvent] = []
         self._blocks: dict[bytes, tuple[bytes | None, tuple[int, ...], str | None, set[str]]] = {}
+        self._lock = threading.Lock()
 
     def stored(
         self, block_hash: bytes, parent: bytes | None, token_ids: list[int], lora_name: str | None, medium: str
     ) -> None:
         """A block newly findable in `medium` (its parent's hash, its tokens, its adapter)."""
-        entry = self._blocks.setdefault(block_hash, (parent, tuple(token_ids), lora_name, set()))
-        entry[3].add(medium)
-        self._store(block_hash, entry[0], entry[1], entry[2], medium)
+        with self._lock:
+            entry = self._blocks.setdefault(block_hash, (parent, tuple(token_ids), lora_name, set()))
+            entry[3].add(medium)
+            self._store(block_hash, entry[0], entry[1], entry[2], medium)
 
     def moved(self, block_hash: bytes, medium: str) -> None:
         """A block already announced elsewhere now held in `medium` too (e.g. offloaded to host
         memory as the device evicts it); nothing for a block never announced."""
-        entry = self._blocks.get(block_hash)
-        if entry is not None and medium not in entry[3]:
-            entry[3].add(medium)
-            self._store(block_hash, entry[0], entry[1], entry[2], medium)
+        with self._lock:
+            entry = self._blocks.get(block_hash)
+            if entry is not None and medium not in entry[3]:
+                entry[3].add(medium)
+                self._store(block_hash, entry[0], entry[1], entry[2], medium)
 
     def removed(self, block_hash: bytes, medium: str) -> None:
         """`medium` forgot a block it held."""
-        entry = self._blocks.get(block_hash)
-        if entry is None or medium not in entry[3]:
-            return
-        entry[3].discard(medium)
-        if not entry[3]:
-            del self._blocks[block_hash]
-        last = self._events[-1] if self._events else None
-        if isinstance(last, BlockRemoved) and last.medium == medium:
-            last.block_hashes.append(external_hash(block_hash))
-        else:
-            self._events.append(BlockRemoved([external_hash(block_hash)], medium))
+        with self._lock:
+            entry = self._blocks.get(block_hash)
+            if entry is None or medium not in entry[3]:
+                return
+            entry[3].discard(medium)
+            if not entry[3]:
+                del self._blocks[block_hash]
+            last = self._events[-1] if self._events else None
+            if isinstance(last, BlockRemoved) and last.medium == medium:
+                last.block_hashes.append(external_hash(block_hash))
+            else:
+                self._events.append(BlockRemoved([external_hash(block_hash)], medium))
 
     def cleared(self) -> None:
         """Every tier forgot everything."""
-        self._blocks.clear()
-        self._events.append(AllBlocksCleared())
+        with self._lock:
+            self._blocks.clear()
+            self._events.append(AllBlocksCleared())
 
     def take(self) -> list[KVEvent]:
         """The events since the last call, in order."""
-        events, self._events = self._events, []
+        with self._lock:
+            events, self._events = self._events, []
         return events
 
     def _store(

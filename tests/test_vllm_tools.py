@@ -438,7 +438,9 @@ def test_a_replica_killed_under_load_loses_no_unstarted_request_and_rejoins(tmp_
     request is answered whole except those that had already streamed tokens from it ("cut": nothing
     can recover those); none fails before its first token (a streamed response starts with its
     first output, so the router retries those elsewhere). The script starts the replica again and
-    the router sends it requests once it is healthy; SIGTERM stops everything."""
+    the router sends it requests once it is healthy. A replica then drained (SIGTERM) under load
+    finishes its requests, and those sent meanwhile are all answered. SIGTERM to the script stops
+    everything."""
     import concurrent.futures
     import re
     import signal
@@ -511,6 +513,15 @@ def test_a_replica_killed_under_load_loses_no_unstarted_request_and_rejoins(tmp_
                 assert stream_one(url, 100, 2) == "ok"  # the router never sends it to a replica still down
                 time.sleep(0.5)
         assert rejoined, log.read_text()[-3000:]
+        # a draining replica (SIGTERM) finishes what it runs and takes nothing new that fails
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            running = [pool.submit(stream_one, url, 200 + i, 120) for i in range(8)]
+            time.sleep(1.0)
+            os.kill(pids()[-1], signal.SIGTERM)
+            time.sleep(0.3)
+            sent_while_draining = [pool.submit(stream_one, url, 300 + i, 8) for i in range(12)]
+            outcomes = [f.result() for f in running + sent_while_draining]
+        assert outcomes == ["ok"] * 20, outcomes
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=90) == 0, log.read_text()[-3000:]

@@ -8,8 +8,8 @@ import pytest
 
 from jaxpaged.config.kv_events import KVEventsConfig
 from jaxpaged.core.block_manager import BlockManager
-from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.disk_tier import DiskTier
+from jaxpaged.core.host_tier import HostTier
 from jaxpaged.core.kv_events import CPU, DISK, GPU, AllBlocksCleared, BlockStored, KVEventLog, external_hash
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.engine.kv_event_publisher import encode_event

@@ -625,3 +625,76 @@ def test_messages_name_what_the_user_wrote(tmp_path, capsys):
     assert f"--hf-dir {tmp_path / 'nope'} is not a directory; give a downloaded" in capsys.readouterr().err
     plan = next(a for a in build_parser()._actions if a.dest == "command").choices["plan"]
     assert "(default: 80GiB)" in plan.format_help().replace("\n", " ").replace("  ", "")
+
+
+def test_serve_with_two_data_parallel_replicas_answers_from_both_and_drains():
+    """`jaxpaged serve --data-parallel-size 2` end to end: two engine processes start (the
+    shared engines' demo-server configuration: its compiled programs are in the cache), a request
+    pinned to each replica (`X-data-parallel-rank`) is answered, `/metrics` counts both, and
+    SIGTERM drains and exits 0 with both engine processes gone."""
+    import re
+
+    import httpx
+
+    flags = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxpaged.cli",
+            "serve",
+            "-dp",
+            "2",
+            "--port",
+            "0",
+            *flags,
+            "--num-scheduler-steps",
+            "1",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        found = []
+        while not found and server.poll() is None and time.monotonic() < deadline:
+            found = [m[1] for line in list(lines) if (m := re.search(r"listening at (http://\S+)/v1", line))]
+            time.sleep(0.1)
+        assert found, "".join(lines)[-3000:]
+        url = found[0]
+        engines = [pid for pid in _children(server.pid) if _alive(pid) and "spawn_main" in _cmdline(pid)]
+        assert len(engines) == 2, engines
+        while time.monotonic() < deadline and httpx.get(f"{url}/health").status_code != 200:
+            time.sleep(0.2)
+        body = {"model": "jaxpaged-demo", "prompt": "And God said", "max_tokens": 4, "temperature": 0}
+        texts = []
+        for rank in (0, 1):
+            reply = httpx.post(f"{url}/v1/completions", json=body, headers={"X-data-parallel-rank": str(rank)})
+            assert reply.status_code == 200, reply.text
+            texts.append(reply.json()["choices"][0]["text"])
+        assert texts[0] == texts[1]  # greedy: the same text from either replica
+        metrics = httpx.get(f"{url}/metrics").text
+        (prompt_tokens,) = re.findall(r"^vllm:prompt_tokens_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
+        tokens = httpx.post(f"{url}/tokenize", json={"model": body["model"], "prompt": body["prompt"]}).json()["tokens"]
+        assert float(prompt_tokens) == 2 * len(tokens)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0, "".join(lines)[-3000:]
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in engines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in engines)
+    finally:
+        server.kill()
+        reader.join(10)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""

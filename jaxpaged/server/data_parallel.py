@@ -11,8 +11,8 @@ The server talks to a `DataParallelEngine` as to one `AsyncEngine`:
   replica; a control's answer is the first replica's (every replica's error is raised if any
   fails). Loading or removing an adapter is remembered and replayed on a restarted replica.
 - **A replica's death** fails only the requests it had streamed tokens for (`EngineDeadError`);
-  those that had not streamed anything are added again on another replica and go on as if
-  nothing happened. The dead replica's process is started again and rejoins when it is ready.
+  those that had not streamed anything (running, waiting, or still being added there) are added
+  again on another replica and go on as if nothing happened. The dead replica's process is started again and rejoins when it is ready.
   A replica that cannot start with the others fails the server (`on_dead` runs: the server exits 1
   for its supervisor, as with one engine); one that cannot start again is left out, and when none
   is left `on_dead` runs.
@@ -171,7 +171,23 @@ class DataParallelEngine:
             replica = self.replicas[data_parallel_rank]
         else:
             raise EngineNotReadyError(f"engine replica {data_parallel_rank} is starting again; retry shortly")
-        return ReplicaStream(self, replica, await _add(replica, request), request)
+        replica, stream = await self.add_to_live(replica, request)
+        return ReplicaStream(self, replica, stream, request)
+
+    async def add_to_live(self, replica: AsyncEngine, request: tuple) -> tuple[AsyncEngine, Any]:
+        """`request` (ids, prompts, params, salt, adapter) added on `replica`, or on another live
+        replica if that one dies before answering; the replica that took it, and its stream.
+
+        Raises:
+          EngineDeadError: no replica is left to take it.
+        """
+        for _ in range(len(self.replicas)):
+            try:
+                return replica, await _add(replica, request)
+            except EngineDeadError:
+                logger.info("requests %s go to another replica (theirs died while adding them)", request[0])
+                replica = self.choose(exclude=replica)
+        raise EngineDeadError("every engine replica died while the requests were added")
 
     generate = AsyncEngine.generate  # one request through `add_requests` (it uses nothing else)
 
@@ -325,9 +341,9 @@ class ReplicaStream:
             except EngineDeadError:
                 if self._started or self._engine.draining:
                     raise
-                self._replica = self._engine.choose(exclude=self._replica)
-                logger.info("requests %s moved to another replica (theirs died)", self.request_ids)
-                self._stream = await _add(self._replica, self._request)
+                logger.info("requests %s move to another replica (theirs died)", self.request_ids)
+                replica = self._engine.choose(exclude=self._replica)
+                self._replica, self._stream = await self._engine.add_to_live(replica, self._request)
                 continue
             self._started = True
             return output

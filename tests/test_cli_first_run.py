@@ -666,7 +666,7 @@ def test_serve_with_two_data_parallel_replicas_answers_from_both_and_drains():
             time.sleep(0.1)
         assert found, "".join(lines)[-3000:]
         url = found[0]
-        engines = [pid for pid in _children(server.pid) if _alive(pid) and "spawn_main" in _cmdline(pid)]
+        engines = [pid for pid in _children(server.pid) if _alive(pid) and "spawn_main" in _proc_file(pid, "cmdline")]
         assert len(engines) == 2, engines
         while time.monotonic() < deadline and httpx.get(f"{url}/health").status_code != 200:
             time.sleep(0.2)
@@ -690,11 +690,3 @@ def test_serve_with_two_data_parallel_replicas_answers_from_both_and_drains():
     finally:
         server.kill()
         reader.join(10)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except FileNotFoundError:
-        return ""

@@ -214,18 +214,20 @@ class DataParallelEngine:
             raise EngineDeadError("no engine replica is running")
         futures = [replica.control(method, *args) for replica in live]
         done: concurrent.futures.Future = concurrent.futures.Future()
+        settling = threading.Lock()  # the replicas' threads answer at once: one of them settles
 
         def settle(_):
-            if not all(f.done() for f in futures) or done.done():
-                return
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:
-                done.set_exception(errors[0])
-                return
-            if method in REPLAYED_CONTROLS:
-                with self._lock:
-                    self._replayed.append((method, args))
-            done.set_result(futures[0].result())
+            with settling:
+                if done.done() or not all(f.done() for f in futures):
+                    return
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                if errors:
+                    done.set_exception(errors[0])
+                    return
+                if method in REPLAYED_CONTROLS:
+                    with self._lock:
+                        self._replayed.append((method, args))
+                done.set_result(futures[0].result())
 
         for future in futures:
             future.add_done_callback(settle)
